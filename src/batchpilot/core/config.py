@@ -1,0 +1,197 @@
+"""One config dataclass per component, validated at construction, loadable from the tuner's YAML.
+
+``SchedulerConfig.from_dict(yaml.safe_load(...))`` is what ``batchpilot serve --config`` and
+``batchpilot simulate --config`` both read, and what ``batchpilot tune`` writes (``to_dict``).
+Unknown keys are errors: a typo in a config must not silently fall back to a default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Literal, TypeVar, cast
+
+PolicyName = Literal["static", "window", "backlog", "hybrid", "adaptive", "sla", "aimd"]
+Grouping = Literal["fifo", "bucket", "sorted", "dp"]
+Padding = Literal["max", "dynamic", "bucket", "none"]
+QueueOrder = Literal["fcfs", "priority", "edf"]
+BucketMethod = Literal["fixed", "quantile", "kmeans", "dp"]
+
+POLICIES = ("static", "window", "backlog", "hybrid", "adaptive", "sla", "aimd")
+GROUPINGS = ("fifo", "bucket", "sorted", "dp")
+PADDINGS = ("max", "dynamic", "bucket", "none")
+QUEUE_ORDERS = ("fcfs", "priority", "edf")
+BUCKET_METHODS = ("fixed", "quantile", "kmeans", "dp")
+
+
+def _choice(component: str, name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{component}.{name} = {value!r}; choose one of {', '.join(allowed)}")
+
+
+def _positive(component: str, name: str, value: float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{component}.{name} must be {bound}, got {value}")
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """When to dispatch. ``max_wait_s`` is measured from the oldest waiting request (Triton)."""
+
+    name: PolicyName = "hybrid"
+    max_batch_size: int = 32
+    max_wait_s: float = 0.010
+    # backlog / hybrid: fire early once this much is waiting (0 = off for tokens)
+    backlog_requests: int = 16
+    backlog_tokens: int = 0
+    # hybrid patience: keep waiting past max_wait_s (up to patience_s more) when arrivals are imminent
+    patience_s: float = 0.0
+    # adaptive window from the EWMA of inter-arrival times
+    min_wait_s: float = 0.0
+    ewma_alpha: float = 0.2
+    # sla-aware
+    sla_s: float = 1.0
+    on_infeasible: Literal["dispatch", "drop"] = "dispatch"
+    # aimd (Clipper)
+    aimd_target_s: float = 0.25
+    aimd_add: int = 1
+    aimd_mult: float = 0.5
+    aimd_min_batch: int = 1
+
+    def __post_init__(self) -> None:
+        _choice("policy", "name", self.name, POLICIES)
+        if self.max_batch_size < 1:
+            raise ValueError(f"policy.max_batch_size must be >= 1, got {self.max_batch_size}")
+        _positive("policy", "max_wait_s", self.max_wait_s, allow_zero=True)
+        _positive("policy", "patience_s", self.patience_s, allow_zero=True)
+        _positive("policy", "min_wait_s", self.min_wait_s, allow_zero=True)
+        if self.min_wait_s > self.max_wait_s:
+            raise ValueError(
+                f"policy.min_wait_s ({self.min_wait_s}) must be <= policy.max_wait_s ({self.max_wait_s})"
+            )
+        if self.backlog_requests < 1:
+            raise ValueError(f"policy.backlog_requests must be >= 1, got {self.backlog_requests}")
+        _positive("policy", "backlog_tokens", self.backlog_tokens, allow_zero=True)
+        if not 0.0 < self.ewma_alpha <= 1.0:
+            raise ValueError(f"policy.ewma_alpha must be in (0, 1], got {self.ewma_alpha}")
+        _positive("policy", "sla_s", self.sla_s)
+        _choice("policy", "on_infeasible", self.on_infeasible, ("dispatch", "drop"))
+        _positive("policy", "aimd_target_s", self.aimd_target_s)
+        if self.aimd_add < 1 or not 0.0 < self.aimd_mult < 1.0 or self.aimd_min_batch < 1:
+            raise ValueError("policy: aimd_add must be >= 1, aimd_mult in (0, 1), aimd_min_batch >= 1")
+
+
+@dataclass(frozen=True)
+class BucketingConfig:
+    """Length buckets. Boundaries are upper edges (inclusive); the last is the model's max length."""
+
+    method: BucketMethod = "fixed"
+    boundaries: tuple[int, ...] = (64, 128, 256, 512)
+    num_buckets: int = 4
+    refit_every_requests: int = 1000
+    refit_every_s: float = 60.0
+    history: int = 4096
+
+    def __post_init__(self) -> None:
+        _choice("bucketing", "method", self.method, BUCKET_METHODS)
+        object.__setattr__(self, "boundaries", tuple(int(b) for b in self.boundaries))
+        if not self.boundaries or list(self.boundaries) != sorted(set(self.boundaries)):
+            raise ValueError(f"bucketing.boundaries must be strictly increasing, got {self.boundaries}")
+        if self.boundaries[0] < 1:
+            raise ValueError("bucketing.boundaries must be >= 1 token")
+        if self.num_buckets < 1:
+            raise ValueError(f"bucketing.num_buckets must be >= 1, got {self.num_buckets}")
+        if self.refit_every_requests < 1 or self.history < 1:
+            raise ValueError("bucketing.refit_every_requests and bucketing.history must be >= 1")
+        _positive("bucketing", "refit_every_s", self.refit_every_s)
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """Which waiting requests form a batch, and how they are padded."""
+
+    grouping: Grouping = "sorted"
+    padding: Padding = "dynamic"
+    max_len: int = 512
+    max_batch_tokens: int = 0  # 0 = no token budget
+    max_batch_memory_bytes: float = 0.0  # 0 = no memory budget
+    pad_to_multiple_of: int = 1
+    lookahead: int = 4  # sorted/dp: look at the oldest lookahead * max_batch_size requests
+
+    def __post_init__(self) -> None:
+        _choice("planner", "grouping", self.grouping, GROUPINGS)
+        _choice("planner", "padding", self.padding, PADDINGS)
+        if self.max_len < 1 or self.pad_to_multiple_of < 1 or self.lookahead < 1:
+            raise ValueError("planner.max_len, planner.pad_to_multiple_of and planner.lookahead must be >= 1")
+        _positive("planner", "max_batch_tokens", self.max_batch_tokens, allow_zero=True)
+        _positive("planner", "max_batch_memory_bytes", self.max_batch_memory_bytes, allow_zero=True)
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """What gets in. 0 means unlimited for every limit here."""
+
+    rate: float = 0.0  # token bucket refill, requests per second
+    burst: int = 0
+    max_queued_requests: int = 0
+    max_queued_tokens: int = 0
+    max_length: int = 512
+    reject_infeasible: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("admission", "rate", self.rate, allow_zero=True)
+        if self.burst < 0 or self.max_queued_requests < 0 or self.max_queued_tokens < 0:
+            raise ValueError("admission.burst, max_queued_requests and max_queued_tokens must be >= 0")
+        if self.rate > 0 and self.burst < 1:
+            raise ValueError("admission.burst must be >= 1 when admission.rate is set")
+        if self.max_length < 1:
+            raise ValueError(f"admission.max_length must be >= 1, got {self.max_length}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Everything the encoder scheduling core needs; the tuner's YAML is ``to_dict()`` of this."""
+
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+    bucketing: BucketingConfig = field(default_factory=BucketingConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    queue_order: QueueOrder = "fcfs"
+    num_slots: int = 1  # executor slots (model instances / worker threads)
+
+    def __post_init__(self) -> None:
+        _choice("scheduler", "queue_order", self.queue_order, QUEUE_ORDERS)
+        if self.num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {self.num_slots}")
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["bucketing"]["boundaries"] = list(self.bucketing.boundaries)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> SchedulerConfig:
+        data = dict(data or {})
+        sections = {"policy": PolicyConfig, "planner": PlannerConfig, "bucketing": BucketingConfig,
+                    "admission": AdmissionConfig}
+        kwargs: dict[str, Any] = {}
+        for key, value in data.items():
+            if key in sections:
+                kwargs[key] = _build(sections[key], key, value or {})
+            elif key in ("queue_order", "num_slots"):
+                kwargs[key] = value
+            else:
+                allowed = ", ".join([*sections, "queue_order", "num_slots"])
+                raise ValueError(f"config: unknown key {key!r}; allowed top-level keys: {allowed}")
+        return cls(**kwargs)
+
+
+T = TypeVar("T")
+
+
+def _build(kind: type[T], section: str, values: dict[str, Any]) -> T:
+    names = {f.name for f in fields(cast(Any, kind))}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ValueError(f"config: unknown key(s) {unknown} in {section!r}; allowed: {sorted(names)}")
+    return kind(**values)
