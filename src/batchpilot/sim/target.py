@@ -1,0 +1,165 @@
+"""The encoder target: the real ``BatchScheduler`` in the event loop, the model replaced by a cost model.
+
+It only moves data: a workload row becomes a ``Request`` and goes to ``submit``; ``schedule`` returns
+batches, each becomes a ``Job`` lasting ``CostModel.latency(batch.shape)`` (or ``sample_latency`` with
+a seeded residual when ``noise`` is on); when the job ends, ``on_batch_done`` gets the elapsed time.
+Every decision is the scheduler's. What it records (per request and per batch, as flat lists that
+``metrics.summarize`` turns into numpy arrays) is everything the report needs.
+
+``service_model`` is the *true* cost of a batch (what the simulated hardware does); the scheduler is
+built with its own ``cost_model`` (what it believes). They are the same object unless a study wants
+to see what a wrong belief costs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..core.config import SchedulerConfig
+from ..core.costmodel import CostModel
+from ..core.request import Request
+from ..core.scheduler import Batch, BatchScheduler, Rejection
+from .engine import Engine, EngineStats, Job
+from .traces import Workload
+
+DONE, PENDING, REJECTED, DROPPED = 1, 0, 2, 3
+
+
+@dataclass
+class EncoderRecord:
+    """Flat per-request and per-batch records of one run (lists while running, arrays after)."""
+
+    n: int
+    dispatch_s: list[float] = field(default_factory=list)
+    finish_s: list[float] = field(default_factory=list)
+    status: list[int] = field(default_factory=list)
+    reasons: dict[str, int] = field(default_factory=dict)
+    # per batch
+    b_start: list[float] = field(default_factory=list)
+    b_duration: list[float] = field(default_factory=list)
+    b_size: list[int] = field(default_factory=list)
+    b_padded_len: list[int] = field(default_factory=list)
+    b_tokens: list[int] = field(default_factory=list)
+    b_useful: list[int] = field(default_factory=list)
+    b_memory: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        nan = math.nan
+        self.dispatch_s = [nan] * self.n
+        self.finish_s = [nan] * self.n
+        self.status = [PENDING] * self.n
+
+
+class EncoderTarget:
+    """``SimTarget`` for the encoder ``BatchScheduler``. Request ``id`` = workload row index."""
+
+    def __init__(
+        self,
+        scheduler: BatchScheduler,
+        workload: Workload,
+        service_model: CostModel | None = None,
+        noise: bool = False,
+        seed: int = 0,
+        request_sla_s: float | None = None,
+    ) -> None:
+        self.scheduler = scheduler
+        self.workload = workload
+        self.service_model = service_model or scheduler.cost_model
+        self.noise = noise
+        self._rng = np.random.default_rng(seed)
+        self._u: list[float] = []
+        self.request_sla_s = request_sla_s
+        self.record = EncoderRecord(len(workload))
+        self._lengths = workload.input_tokens.tolist()
+        self._prio = workload.priority.tolist()
+
+    @property
+    def has_pending(self) -> bool:
+        return self.scheduler.num_waiting > 0
+
+    def on_arrival(self, index: int, now: float) -> None:
+        req = Request(index, now, self._lengths[index], self._prio[index], sla=self.request_sla_s)
+        rejection = self.scheduler.submit(req, now)
+        if rejection is not None:
+            self._fail(rejection, REJECTED, now)
+
+    def schedule(self, now: float, free_slots: int) -> tuple[list[Job], float | None]:
+        out = self.scheduler.schedule(now, free_slots)
+        for rej in out.dropped:
+            self._fail(rej, DROPPED, now)
+        if not out.batches:
+            return [], out.wake_at
+        jobs = []
+        rec = self.record
+        dispatch = rec.dispatch_s
+        for batch in out.batches:
+            for r in batch.requests:
+                dispatch[r.id] = now
+            jobs.append(Job(self._duration(batch), batch))
+        return jobs, out.wake_at
+
+    def on_job_done(self, job: Job, now: float) -> None:
+        batch: Batch = job.payload
+        rec = self.record
+        finish, status = rec.finish_s, rec.status
+        for r in batch.requests:
+            finish[r.id] = now
+            status[r.id] = DONE
+        shape = batch.shape
+        rec.b_start.append(job.start_s)
+        rec.b_duration.append(job.duration_s)
+        rec.b_size.append(shape.n)
+        rec.b_padded_len.append(batch.padded_len)
+        rec.b_tokens.append(shape.tokens)
+        rec.b_useful.append(shape.useful_tokens)
+        rec.b_memory.append(self.service_model.memory(shape))
+        self.scheduler.on_batch_done(batch, now, job.duration_s)
+
+    def _duration(self, batch: Batch) -> float:
+        if not self.noise:
+            return self.service_model.latency(batch.shape)
+        if not self._u:
+            self._u = self._rng.random(4096).tolist()
+        return self.service_model.sample_latency(batch.shape, self._u.pop())
+
+    def _fail(self, rej: Rejection, kind: int, now: float) -> None:
+        rec = self.record
+        rec.status[rej.request.id] = kind
+        rec.finish_s[rej.request.id] = now
+        key = rej.reason.value
+        rec.reasons[key] = rec.reasons.get(key, 0) + 1
+
+
+@dataclass
+class SimRun:
+    """Everything one run produced: the inputs, the engine's counters and the target's records."""
+
+    workload: Workload
+    config: SchedulerConfig
+    cost_model: CostModel
+    stats: EngineStats
+    record: EncoderRecord
+
+
+def simulate_encoder(
+    workload: Workload,
+    config: SchedulerConfig | None = None,
+    cost_model: CostModel | None = None,
+    *,
+    service_model: CostModel | None = None,
+    noise: bool = False,
+    seed: int = 0,
+    request_sla_s: float | None = None,
+    progress: object = None,
+) -> SimRun:
+    """Replay ``workload`` through a fresh ``BatchScheduler(config, cost_model)`` on ``config.num_slots``."""
+    config = config or SchedulerConfig()
+    cost_model = cost_model or CostModel.default_cpu_minilm()
+    target = EncoderTarget(BatchScheduler(config, cost_model), workload, service_model, noise, seed,
+                           request_sla_s)
+    engine = Engine(target, config.num_slots, progress=progress)  # type: ignore[arg-type]
+    stats = engine.run(workload.arrival_s)
+    return SimRun(workload, config, cost_model, stats, target.record)
