@@ -1,0 +1,313 @@
+"""Iteration-level (continuous) batching over a paged KV cache: ``schedule() -> StepPlan``, ``update``.
+
+Each step packs, under a token budget (``max_num_batched_tokens``) and a sequence cap
+(``max_num_seqs``), one token for every decoding sequence plus prefill chunks of waiting or
+partially prefilled ones (chunked prefill, as in vLLM v1: a sequence is simply "behind" by
+``num_pending_tokens`` and the step lets it catch up by as many as the budget allows).
+
+Order is a key: FCFS ``(arrival, seq_id)`` or priority ``(priority, arrival, seq_id)``. Running
+sequences are served in key order; when one needs a block and none is free, the *worst* running
+sequence not yet served this step (last in key order: lowest priority, then latest arrival — possibly
+the one asking) is preempted by recompute: its blocks are freed and it returns to the waiting queue
+with its original key, so it resumes ahead of everything that arrived after it. The best running
+sequence can always evict all others and alone it always fits (``add`` rejects any sequence whose
+worst case exceeds the pool), so every step makes progress and nothing deadlocks or starves behind
+later arrivals. Waiting sequences are admitted in key order with no overtaking (head-of-line), and
+none while this step had to preempt.
+
+Time never enters: the driver (engine thread, simulator, test) calls ``schedule``, runs the plan,
+and hands the sampled tokens to ``update``.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .block_manager import BlockManager, BlockStats
+from .costmodel import StepShape
+from .sequence import FinishReason, SeqStatus, Sequence
+
+LLMPolicy = Literal["fcfs", "priority"]
+
+
+@dataclass(frozen=True)
+class LLMSchedulerConfig:
+    """Limits of one engine. ``num_kv_blocks * block_size`` is the KV capacity in tokens."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    num_kv_blocks: int = 2048
+    block_size: int = 16
+    max_model_len: int = 2048
+    policy: LLMPolicy = "fcfs"
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        limits = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size", "max_model_len")
+        for name in limits:
+            if getattr(self, name) < 1:
+                raise ValueError(f"llm_scheduler.{name} must be >= 1, got {getattr(self, name)}")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"llm_scheduler.policy = {self.policy!r}; choose one of fcfs, priority")
+        object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    """Compute KV for ``token_ids`` at positions ``start .. start+len-1`` of one sequence."""
+
+    seq_id: int
+    start: int
+    token_ids: list[int]
+    block_table: list[int]
+    sample: bool  # this chunk reaches the sequence's last token: sample the next one
+    is_decode: bool  # a generated token (one per step), as opposed to prompt or recompute prefill
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+@dataclass(slots=True)
+class StepPlan:
+    step_id: int
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[int] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def shape(self) -> StepShape:
+        """What the cost model needs: prefill tokens, decoding sequences, KV read, prefill attention."""
+        prefill = [c for c in self.chunks if not c.is_decode]
+        return StepShape(
+            prefill_tokens=sum(c.num_tokens for c in prefill),
+            decode_seqs=sum(1 for c in self.chunks if c.is_decode),
+            kv_tokens=sum(c.context_len for c in self.chunks),
+            prefill_attn=sum(c.num_tokens * c.context_len for c in prefill),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SeqOutput:
+    """What one sequence produced in a step: a new token, and maybe its end."""
+
+    seq_id: int
+    token_id: int
+    finish_reason: FinishReason | None
+
+
+class LLMScheduler:
+    """Owns the sequences and the block manager; see the module docstring for the policy."""
+
+    def __init__(self, config: LLMSchedulerConfig | None = None) -> None:
+        self.config = config or LLMSchedulerConfig()
+        c = self.config
+        self.block_manager = BlockManager(c.num_kv_blocks, c.block_size, c.enable_prefix_caching)
+        self.waiting: list[Sequence] = []  # sorted by _key
+        self.running: list[Sequence] = []  # sorted by _key
+        self.seqs: dict[int, Sequence] = {}
+        self.num_preemptions = 0
+        self.num_rejected = 0
+        self._step_id = 0
+
+    # -- ordering ----------------------------------------------------------------------------
+    def _key(self, seq: Sequence) -> tuple[float, ...]:
+        if self.config.policy == "priority":
+            return (seq.priority, seq.arrival, seq.seq_id)
+        return (seq.arrival, seq.seq_id)
+
+    def _insert(self, queue: list[Sequence], seq: Sequence) -> None:
+        bisect.insort(queue, seq, key=self._key)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def block_stats(self) -> BlockStats:
+        return self.block_manager.stats()
+
+    # -- requests in and out -----------------------------------------------------------------
+    def check_fits(self, seq: Sequence) -> str | None:
+        """Why this sequence can never run to completion here (None if it can)."""
+        c = self.config
+        worst = seq.num_prompt_tokens + seq.params.max_tokens
+        if worst > c.max_model_len:
+            return (
+                f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.params.max_tokens}) = {worst} "
+                f"exceeds the model's context length of {c.max_model_len} tokens; shorten the prompt or "
+                f"lower max_tokens"
+            )
+        blocks = self.block_manager.blocks_for(seq.max_total_tokens)
+        if blocks > c.num_kv_blocks:
+            return (
+                f"prompt + max_tokens needs {blocks} KV blocks of {c.block_size} tokens but the pool has "
+                f"only {c.num_kv_blocks}; lower max_tokens or raise num_kv_blocks"
+            )
+        if not c.enable_chunked_prefill and seq.num_prompt_tokens > c.max_num_batched_tokens:
+            return (
+                f"prompt ({seq.num_prompt_tokens} tokens) exceeds max_num_batched_tokens "
+                f"({c.max_num_batched_tokens}) with chunked prefill off; enable it or raise the budget"
+            )
+        return None
+
+    def add(self, seq: Sequence) -> str | None:
+        """Queue a sequence; return a reason (and finish it as REJECTED) if it can never fit."""
+        if seq.seq_id in self.seqs:
+            raise ValueError(f"sequence id {seq.seq_id} is already in the scheduler")
+        reason = self.check_fits(seq)
+        if reason is not None:
+            seq.status = SeqStatus.FINISHED
+            seq.finish_reason = FinishReason.REJECTED
+            seq.reject_reason = reason
+            self.num_rejected += 1
+            return reason
+        seq.status = SeqStatus.WAITING
+        self.seqs[seq.seq_id] = seq
+        self._insert(self.waiting, seq)
+        return None
+
+    def abort(self, seq_id: int) -> bool:
+        """Cancel a sequence wherever it is and free its blocks. False if unknown or finished."""
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            return False
+        (self.running if seq.status is SeqStatus.RUNNING else self.waiting).remove(seq)
+        self._finish(seq, FinishReason.ABORT)
+        return True
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.block_manager.free(seq.seq_id)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        del self.seqs[seq.seq_id]
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SeqStatus.WAITING
+        self.num_preemptions += 1
+        self._insert(self.waiting, seq)
+
+    # -- the two calls -----------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        """Choose this step's work. Mutates block tables and queues; the plan is plain data."""
+        c = self.config
+        bm = self.block_manager
+        plan = StepPlan(step_id=self._step_id)
+        self._step_id += 1
+        budget = c.max_num_batched_tokens
+        served: list[tuple[Sequence, int]] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_pending_tokens, budget)
+            target = seq.num_computed_tokens + n
+            while not bm.can_allocate(seq.seq_id, target):
+                victim = self.running[-1]  # key order: everything after i is worse than seq
+                self._preempt(victim)
+                plan.preempted.append(victim.seq_id)
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                break  # seq preempted itself: it was the last running sequence not yet served
+            bm.allocate(seq.seq_id, target)
+            served.append((seq, n))
+            budget -= n
+            i += 1
+
+        if not plan.preempted:
+            while self.waiting and budget > 0 and len(self.running) < c.max_num_seqs:
+                seq = self.waiting[0]
+                tokens = seq.all_token_ids
+                cached = bm.num_cached_tokens(seq.seq_id, tokens)
+                n = min(seq.num_tokens - cached, budget)
+                if not c.enable_chunked_prefill and n < seq.num_tokens - cached:
+                    break
+                if not bm.can_allocate(seq.seq_id, cached + n, tokens):
+                    break
+                hit = bm.allocate(seq.seq_id, cached + n, tokens)
+                seq.num_computed_tokens = hit
+                if seq.num_preemptions == 0:
+                    seq.num_cached_tokens = hit
+                self.waiting.pop(0)
+                seq.status = SeqStatus.RUNNING
+                self._insert(self.running, seq)
+                served.append((seq, n))
+                budget -= n
+
+        for seq, n in served:
+            start = seq.num_computed_tokens
+            plan.chunks.append(
+                ScheduledChunk(
+                    seq_id=seq.seq_id,
+                    start=start,
+                    token_ids=seq.token_ids(start, start + n),
+                    block_table=bm.block_table(seq.seq_id),
+                    sample=start + n == seq.num_tokens,
+                    is_decode=start >= seq.num_prompt_tokens,
+                )
+            )
+        return plan
+
+    def update(
+        self, plan: StepPlan, sampled: Mapping[int, int], stopped: Collection[int] = ()
+    ) -> list[SeqOutput]:
+        """Apply a step's results: advance computed counts, append sampled tokens, finish sequences.
+
+        ``sampled`` maps seq_id -> the new token of every chunk with ``sample``; ``stopped`` names
+        sequences the driver ended on a stop string (matched on text, which core cannot see).
+        """
+        c = self.config
+        outputs: list[SeqOutput] = []
+        for chunk in plan.chunks:
+            seq = self.seqs.get(chunk.seq_id)
+            if seq is None or seq.status is not SeqStatus.RUNNING or seq.num_computed_tokens != chunk.start:
+                continue  # aborted or preempted since the plan was made
+            seq.num_computed_tokens += chunk.num_tokens
+            if self.block_manager.enable_prefix_caching:
+                self.block_manager.on_computed(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens)
+            if not chunk.sample:
+                continue
+            token = int(sampled[seq.seq_id])
+            seq.output_token_ids.append(token)
+            reason: FinishReason | None = None
+            p = seq.params
+            if (
+                seq.seq_id in stopped
+                or (not p.ignore_eos and token in c.eos_token_ids)
+                or token in p.stop_token_ids
+            ):
+                reason = FinishReason.STOP
+            elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= c.max_model_len:
+                reason = FinishReason.LENGTH
+            if reason is not None:
+                self.running.remove(seq)
+                self._finish(seq, reason)
+            outputs.append(SeqOutput(seq.seq_id, token, reason))
+        return outputs

@@ -1,0 +1,244 @@
+"""LLMScheduler: budgets, chunked prefill, preemption by recompute, policies, rejection.
+
+A fake driver stands in for the model: it "samples" a deterministic token for every chunk that asks
+for one. No clock anywhere: steps are the only time.
+"""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchpilot.core.llm_scheduler import LLMScheduler, LLMSchedulerConfig, StepPlan
+from batchpilot.core.sequence import FinishReason, SamplingParams, SeqStatus, Sequence
+
+EOS = 2
+
+
+def make_scheduler(**kw: object) -> LLMScheduler:
+    base: dict[str, object] = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "num_kv_blocks": 64,
+                               "block_size": 4, "max_model_len": 512, "eos_token_ids": (EOS,)}
+    base.update(kw)
+    return LLMScheduler(LLMSchedulerConfig(**base))  # type: ignore[arg-type]
+
+
+def make_seq(seq_id: int, prompt_len: int = 8, max_tokens: int = 4, arrival: float | None = None,
+             priority: int = 0, **params: object) -> Sequence:
+    return Sequence(seq_id=seq_id, prompt_token_ids=[100 + (seq_id + i) % 50 for i in range(prompt_len)],
+                    params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, **params),  # type: ignore[arg-type]
+                    arrival=float(seq_id if arrival is None else arrival), priority=priority)
+
+
+def fake_tokens(plan: StepPlan) -> dict[int, int]:
+    return {c.seq_id: 10 + (c.seq_id + c.context_len) % 7 for c in plan.chunks if c.sample}
+
+
+def check_step(s: LLMScheduler, plan: StepPlan) -> None:
+    c = s.config
+    assert plan.num_batched_tokens <= c.max_num_batched_tokens
+    assert len(s.running) <= c.max_num_seqs
+    assert len({ch.seq_id for ch in plan.chunks}) == len(plan.chunks)
+    for ch in plan.chunks:
+        assert len(ch.block_table) * c.block_size >= ch.context_len  # every KV slot has a block
+    # victims are worse (lowest priority, then latest arrival) than every sequence still running
+    for vid in plan.preempted:
+        victim = next(q for q in s.waiting if q.seq_id == vid)
+        assert all(s._key(victim) > s._key(r) for r in s.running)
+
+
+def run(s: LLMScheduler, max_steps: int = 10_000) -> list[StepPlan]:
+    plans = []
+    while s.has_unfinished():
+        plan = s.schedule()
+        check_step(s, plan)
+        assert not plan.is_empty, "no progress: the scheduler deadlocked"
+        s.update(plan, fake_tokens(plan))
+        plans.append(plan)
+        assert len(plans) < max_steps
+    return plans
+
+
+def test_chunked_prefill_splits_a_long_prompt_and_samples_only_at_its_end() -> None:
+    s = make_scheduler(max_num_batched_tokens=16)
+    seq = make_seq(0, prompt_len=40, max_tokens=3)
+    s.add(seq)
+    plans = run(s)
+    first = [p.chunks[0] for p in plans]
+    assert [c.num_tokens for c in first] == [16, 16, 8, 1, 1]
+    assert [c.sample for c in first] == [False, False, True, True, True]
+    assert [c.is_decode for c in first] == [False, False, False, True, True]
+    assert seq.finish_reason is FinishReason.LENGTH and seq.num_output_tokens == 3
+
+
+def test_decodes_and_prefill_chunks_share_a_step() -> None:
+    s = make_scheduler(max_num_batched_tokens=10)
+    s.add(make_seq(0, prompt_len=4, max_tokens=20))
+    s.update(plan := s.schedule(), fake_tokens(plan))
+    s.add(make_seq(1, prompt_len=30, max_tokens=2))
+    plan = s.schedule()
+    assert [(c.seq_id, c.num_tokens, c.is_decode) for c in plan.chunks] == [(0, 1, True), (1, 9, False)]
+    shape = plan.shape
+    assert (shape.prefill_tokens, shape.decode_seqs) == (9, 1)
+    assert shape.kv_tokens == 5 + 9 and shape.prefill_attn == 9 * 9
+
+
+def test_max_num_seqs_caps_running() -> None:
+    s = make_scheduler(max_num_seqs=2)
+    for i in range(5):
+        s.add(make_seq(i))
+    plan = s.schedule()
+    assert [c.seq_id for c in plan.chunks] == [0, 1] and s.num_waiting == 3
+
+
+def test_preemption_by_recompute_resumes_and_finishes_everything() -> None:
+    # 6 blocks of 4 = 24 slots; three sequences of 8 + 8 tokens each cannot all stay resident
+    s = make_scheduler(num_kv_blocks=6)
+    seqs = [make_seq(i, prompt_len=8, max_tokens=8) for i in range(3)]
+    for q in seqs:
+        s.add(q)
+    plans = run(s)
+    assert s.num_preemptions > 0
+    assert all(q.finish_reason is FinishReason.LENGTH and q.num_output_tokens == 8 for q in seqs)
+    # the earliest arrival is never a victim; the latest is the first one
+    victims = [v for p in plans for v in p.preempted]
+    assert 0 not in victims and victims[0] == 2
+    assert s.block_manager.num_free_blocks == 6
+
+
+def test_recomputed_chunk_replays_prompt_and_outputs() -> None:
+    s = make_scheduler(num_kv_blocks=4, max_num_batched_tokens=64)
+    a, b = make_seq(0, prompt_len=4, max_tokens=8), make_seq(1, prompt_len=4, max_tokens=8)
+    s.add(a)
+    s.add(b)
+    while not b.num_preemptions:
+        s.update(plan := s.schedule(), fake_tokens(plan))
+    generated = list(b.output_token_ids)
+    while b.status is not SeqStatus.RUNNING:
+        s.update(plan := s.schedule(), fake_tokens(plan))
+    resumed = next(c for c in plan.chunks if c.seq_id == 1)
+    assert resumed.start == 0 and resumed.token_ids == b.prompt_token_ids + generated[: len(resumed.token_ids) - 4]
+
+
+def test_priority_policy_admits_urgent_first_and_preempts_least_urgent() -> None:
+    s = make_scheduler(policy="priority", num_kv_blocks=6, max_num_seqs=8)
+    low = make_seq(0, prompt_len=8, max_tokens=8, priority=5)
+    mid = make_seq(1, prompt_len=8, max_tokens=8, priority=1)
+    s.add(low)
+    s.add(mid)
+    urgent = make_seq(2, prompt_len=8, max_tokens=8, priority=-1)
+    s.add(urgent)
+    plan = s.schedule()
+    assert [c.seq_id for c in plan.chunks] == [2, 1, 0]
+    plans = [plan, *run(s)]
+    victims = [v for p in plans for v in p.preempted]
+    assert victims and victims[0] == 0 and 2 not in victims
+
+
+def test_fcfs_ignores_priority() -> None:
+    s = make_scheduler(policy="fcfs", max_num_seqs=1)
+    s.add(make_seq(0, priority=9))
+    s.add(make_seq(1, priority=-9))
+    assert [c.seq_id for c in s.schedule().chunks] == [0]
+
+
+def test_never_fit_requests_are_rejected_with_a_reason() -> None:
+    s = make_scheduler(num_kv_blocks=4, max_model_len=64)
+    too_long = make_seq(0, prompt_len=60, max_tokens=10)
+    assert "context length" in (s.add(too_long) or "")
+    assert too_long.finish_reason is FinishReason.REJECTED
+    too_big = make_seq(1, prompt_len=20, max_tokens=10)
+    reason = s.add(too_big) or ""
+    assert "KV blocks" in reason and "num_kv_blocks" in reason
+    s2 = make_scheduler(enable_chunked_prefill=False, max_num_batched_tokens=16)
+    assert "chunked prefill" in (s2.add(make_seq(0, prompt_len=20)) or "")
+    assert not s.has_unfinished() and s.num_rejected == 2
+
+
+def test_stop_conditions() -> None:
+    s = make_scheduler()
+    eos = Sequence(0, [5, 6], SamplingParams(max_tokens=10))
+    stop_id = Sequence(1, [5, 6], SamplingParams(max_tokens=10, stop_token_ids=(11,)))
+    by_text = Sequence(2, [5, 6], SamplingParams(max_tokens=10))
+    for q in (eos, stop_id, by_text):
+        s.add(q)
+    plan = s.schedule()
+    out = s.update(plan, {0: EOS, 1: 11, 2: 12}, stopped={2})
+    assert [o.finish_reason for o in out] == [FinishReason.STOP] * 3
+    assert s.block_manager.num_free_blocks == s.config.num_kv_blocks
+
+
+def test_ignore_eos_keeps_generating() -> None:
+    s = make_scheduler()
+    q = make_seq(0, max_tokens=3)
+    s.add(q)
+    for _ in range(3):
+        plan = s.schedule()
+        s.update(plan, {0: EOS})
+    assert q.output_token_ids == [EOS] * 3 and q.finish_reason is FinishReason.LENGTH
+
+
+def test_abort_frees_blocks_wherever_the_sequence_is() -> None:
+    s = make_scheduler(max_num_seqs=1)
+    s.add(make_seq(0))
+    s.add(make_seq(1))
+    plan = s.schedule()
+    assert s.abort(0) and s.abort(1) and not s.abort(1)
+    assert s.update(plan, fake_tokens(plan)) == []
+    assert s.block_manager.num_free_blocks == s.config.num_kv_blocks and not s.has_unfinished()
+
+
+def test_prefix_caching_skips_shared_prompt_blocks() -> None:
+    s = make_scheduler(enable_prefix_caching=True)
+    first = make_seq(0, prompt_len=13, max_tokens=2)
+    s.add(first)
+    run(s)
+    second = Sequence(1, list(first.prompt_token_ids), SamplingParams(max_tokens=2), arrival=1.0)
+    s.add(second)
+    plan = s.schedule()
+    assert plan.chunks[0].start == 12 and second.num_cached_tokens == 12
+    run(s)
+    assert s.block_manager.num_free_blocks == s.config.num_kv_blocks
+
+
+workload = st.lists(
+    st.tuples(st.integers(1, 40), st.integers(1, 12), st.integers(0, 3), st.integers(0, 6),
+              st.booleans()),
+    min_size=1, max_size=14,
+)
+
+
+@settings(max_examples=120, deadline=None)
+@given(workload=workload, blocks=st.integers(12, 40), budget=st.integers(1, 48), seqs=st.integers(1, 6),
+       policy=st.sampled_from(["fcfs", "priority"]), chunked=st.booleans(), prefix=st.booleans())
+def test_random_workloads_finish_with_every_block_free(workload: list[tuple[int, int, int, int, bool]],
+                                                       blocks: int, budget: int, seqs: int, policy: str,
+                                                       chunked: bool, prefix: bool) -> None:
+    s = make_scheduler(num_kv_blocks=blocks, max_num_batched_tokens=budget, max_num_seqs=seqs,
+                       policy=policy, enable_chunked_prefill=chunked, enable_prefix_caching=prefix)
+    pending = sorted(enumerate(workload), key=lambda x: x[1][3])  # arrive by step number
+    admitted: list[Sequence] = []
+    step = 0
+    while pending or s.has_unfinished():
+        while pending and pending[0][1][3] <= step:
+            i, (plen, mtok, prio, at, abort) = pending.pop(0)
+            q = Sequence(i, [7 + (i % 2)] * plen, SamplingParams(max_tokens=mtok, ignore_eos=True),
+                         arrival=float(at), priority=prio)
+            if s.add(q) is None:
+                admitted.append(q)
+                if abort and i % 3 == 0:
+                    s.abort(i)
+        plan = s.schedule()
+        check_step(s, plan)
+        if s.has_unfinished():
+            assert not plan.is_empty, "no progress"
+        for out in s.update(plan, fake_tokens(plan)):
+            assert out.token_id >= 10
+        step += 1
+        assert step < 5000, "starvation: the workload did not finish"
+    for q in admitted:
+        assert q.is_finished
+        if q.finish_reason is not FinishReason.ABORT:
+            assert q.num_output_tokens == q.params.max_tokens
+    bm = s.block_manager
+    assert bm.num_free_blocks == blocks and all(bm.ref_count(b) == 0 for b in range(blocks))
+    assert not bm._tables
