@@ -107,6 +107,9 @@ class CostModel:
     quantile: float = 0.99
     meta: dict[str, Any] = field(default_factory=dict)
     _q_factor: float = field(default=1.0, init=False, repr=False)
+    # Coefficients of (const, n, tokens, attn) picked out once, for the scheduler's hot path.
+    _lat4: tuple[float, float, float, float] = field(default=(0.0, 0.0, 0.0, 0.0), init=False, repr=False)
+    _mem4: tuple[float, float, float, float] = field(default=(0.0, 0.0, 0.0, 0.0), init=False, repr=False)
 
     def __post_init__(self) -> None:
         k = len(self.feature_names)
@@ -119,6 +122,34 @@ class CostModel:
             raise ValueError(f"cost model: quantile must be in (0, 1), got {self.quantile}")
         q = float(np.quantile(self.rel_residuals, self.quantile)) if self.rel_residuals else 0.0
         self._q_factor = 1.0 + max(q, 0.0)
+        self._lat4 = self._pick(self.latency_coef)
+        self._mem4 = self._pick(self.memory_coef)
+
+    def _pick(self, coef: Sequence[float]) -> tuple[float, float, float, float]:
+        by_name = dict(zip(self.feature_names, coef, strict=True))
+        return (by_name.get("const", 0.0), by_name.get("n", 0.0), by_name.get("tokens", 0.0),
+                by_name.get("attn", 0.0))
+
+    @property
+    def q_factor(self) -> float:
+        """``latency_q / latency``: 1 + the configured quantile of the relative residuals."""
+        return self._q_factor
+
+    @property
+    def encoder_latency_coef(self) -> tuple[float, float, float, float]:
+        """Latency coefficients of (const, n, tokens, attn); 0 for features this model lacks."""
+        return self._lat4
+
+    # -- encoder fast path: no shape object, no dict (called per decision) --------------------
+    def batch_latency(self, n: float, tokens: float, attn: float) -> float:
+        """Mean seconds of an encoder batch given its ``n``, computed ``tokens`` and ``attn`` work."""
+        c0, c1, c2, c3 = self._lat4
+        return c0 + c1 * n + c2 * tokens + c3 * attn
+
+    def batch_memory(self, n: float, tokens: float, attn: float) -> float:
+        """Peak bytes of an encoder batch (same features as ``batch_latency``)."""
+        c0, c1, c2, c3 = self._mem4
+        return c0 + c1 * n + c2 * tokens + c3 * attn
 
     # -- prediction --------------------------------------------------------------------------
     def _dot(self, coef: Sequence[float], shape: BatchShape | StepShape | Mapping[str, float]) -> float:

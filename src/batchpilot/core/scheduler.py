@@ -8,37 +8,34 @@
 The live driver (runtime/), the simulator (sim/) and the tests call exactly these. Drivers call
 ``schedule`` whenever a request arrives, a batch finishes, or ``wake_at`` passes; they never decide
 anything themselves. Nothing here reads a clock, awaits, or imports torch.
+
+Inside, the pieces are composed in this order::
+
+    submit:   admission.check ─▶ queue.push ─▶ policy.on_arrival, bucketer.observe
+    schedule: queue.expire (+ infeasible sweep) ─▶ while a slot is free:
+                  policy.decide(now, QueueState) ─▶ Wait: stop  |  Dispatch:
+                  planner.plan(queue.peek(lookahead × cap)) ─▶ queue.take ─▶ Batch
 """
 
 from __future__ import annotations
 
-import enum
-from collections import deque
+import math
+from collections import Counter
 from dataclasses import dataclass, field
 
+from .admission import AdmissionController, Rejection, RejectReason, pad_length
+from .bucketing import Bucketer
 from .config import SchedulerConfig
 from .costmodel import BatchShape, CostModel
+from .planner import BatchPlanner
+from .policy import Policy, QueueState, Wait, make_policy
+from .queue import RequestQueue
 from .request import IdCounter, Request
 
+__all__ = ["Batch", "BatchScheduler", "RejectReason", "Rejection", "SchedulerOutput", "SchedulerStats",
+           "pad_length"]
 
-class RejectReason(enum.Enum):
-    """Why a request was not (or will not be) served. Servers map these to HTTP statuses."""
-
-    QUEUE_FULL = "queue_full"  # 503 + Retry-After
-    RATE_LIMITED = "rate_limited"  # 429 + Retry-After
-    INFEASIBLE_DEADLINE = "infeasible_deadline"  # 429: cannot finish in time even alone, now
-    TOO_LONG = "too_long"  # 400: longer than the model / budget allows
-    DEADLINE_EXPIRED = "deadline_expired"  # dropped from the queue: its deadline passed (504)
-    CANCELLED = "cancelled"
-    SHUTTING_DOWN = "shutting_down"  # 503
-
-
-@dataclass(frozen=True, slots=True)
-class Rejection:
-    request: Request
-    reason: RejectReason
-    message: str
-    retry_after_s: float | None = None
+_INF = math.inf
 
 
 @dataclass(slots=True)
@@ -57,6 +54,19 @@ class Batch:
     def size(self) -> int:
         return len(self.requests)
 
+    @property
+    def useful_tokens(self) -> int:
+        return self.shape.useful_tokens
+
+    @property
+    def computed_tokens(self) -> int:
+        return self.shape.tokens
+
+    @property
+    def wasted_tokens(self) -> int:
+        """Padding computed for nothing (0 for padding-free batches)."""
+        return self.shape.tokens - self.shape.useful_tokens
+
 
 @dataclass(slots=True)
 class SchedulerOutput:
@@ -65,75 +75,149 @@ class SchedulerOutput:
     wake_at: float | None = None  # call schedule() again at this time if nothing else happens first
 
 
-def pad_length(max_len_in_batch: int, multiple: int, cap: int) -> int:
-    """Round up to a multiple (tensor-core friendly shapes) without exceeding the model's limit."""
-    padded = -(-max_len_in_batch // multiple) * multiple
-    return min(max(padded, max_len_in_batch), max(cap, max_len_in_batch))
+@dataclass(slots=True)
+class SchedulerStats:
+    """Running counters for drivers' metrics (cheap: updated per request / per batch)."""
+
+    submitted: int = 0
+    admitted: int = 0
+    rejected: Counter[str] = field(default_factory=Counter)  # by RejectReason.value, incl. drops
+    cancelled: int = 0
+    batches: int = 0
+    dispatched: int = 0
+    useful_tokens: int = 0
+    computed_tokens: int = 0
+    completed_batches: int = 0
+
+    @property
+    def padding_efficiency(self) -> float:
+        """Useful / computed tokens over every dispatched batch (1.0 before any)."""
+        return self.useful_tokens / self.computed_tokens if self.computed_tokens else 1.0
 
 
 class BatchScheduler:
-    """Minimal reference implementation: FCFS queue, fixed window, FIFO batches, dynamic padding.
-
-    The full policy/planner/queue/admission set plugs in behind the same four calls.
-    """
+    """Admission, queue, dispatch policy, batch planner and bucketing behind four calls."""
 
     def __init__(self, config: SchedulerConfig | None = None, cost_model: CostModel | None = None) -> None:
-        self.config = config or SchedulerConfig()
-        self.cost_model = cost_model or CostModel.default_cpu_minilm()
-        self._queue: deque[Request] = deque()
+        self.config = config = config or SchedulerConfig()
+        self.cost_model = cost_model = cost_model or CostModel.default_cpu_minilm()
+        plan = config.planner
+        self.bucketer = (Bucketer(config.bucketing, cost_model, plan.max_len)
+                         if plan.grouping == "bucket" or plan.padding == "bucket" else None)
+        self.policy: Policy = make_policy(config.policy, cost_model, plan)
+        self.planner = BatchPlanner(plan, cost_model, self.bucketer)
+        self.admission = AdmissionController(config.admission, plan, cost_model, config.policy.max_batch_size)
+        self.stats = SchedulerStats()
+        self._queue = RequestQueue(config.queue_order, config.admission.max_queued_requests)
         self._batch_ids = IdCounter()
-        self._num_tokens = 0
+        self._drop_infeasible = config.policy.on_infeasible == "drop"
+        self._max_alone_q = self.admission.alone_latency_q(self.admission.max_length)
 
+    # -- what drivers read for metrics -------------------------------------------------------
     @property
     def num_waiting(self) -> int:
         return len(self._queue)
 
     @property
     def num_waiting_tokens(self) -> int:
-        return self._num_tokens
+        return self._queue.num_tokens
 
+    @property
+    def queue(self) -> RequestQueue:
+        return self._queue
+
+    def waiting_requests(self) -> list[Request]:
+        """Every waiting request in dispatch order (O(n log n): for shutdown and tests, not per call)."""
+        return list(self._queue)
+
+    # -- the four calls ----------------------------------------------------------------------
     def submit(self, request: Request, now: float) -> Rejection | None:
-        max_len = self.config.admission.max_length
-        if request.length > max_len:
-            return Rejection(request, RejectReason.TOO_LONG,
-                             f"input has {request.length} tokens; the limit is {max_len}")
-        self._queue.append(request)
-        self._num_tokens += request.length
+        self.stats.submitted += 1
+        q = self._queue
+        rejection = self.admission.check(request, now, len(q), q.num_tokens)
+        if rejection is None and not q.push(request):  # capacity is also enforced by the queue itself
+            rejection = Rejection(request, RejectReason.QUEUE_FULL, f"{len(q)} requests are waiting")
+        if rejection is not None:
+            self.stats.rejected[rejection.reason.value] += 1
+            return rejection
+        self.stats.admitted += 1
+        self.policy.on_arrival(now)
+        if self.bucketer is not None:
+            self.bucketer.observe(request.length, now)
         return None
 
     def cancel(self, request_id: int, now: float) -> bool:
-        for req in self._queue:
-            if req.id == request_id:
-                self._queue.remove(req)
-                self._num_tokens -= req.length
-                return True
-        return False
+        if self._queue.remove(request_id) is None:
+            return False
+        self.stats.cancelled += 1
+        return True
 
     def schedule(self, now: float, free_slots: int) -> SchedulerOutput:
         out = SchedulerOutput()
-        pol = self.config.policy
-        while free_slots > 0 and self._queue:
-            oldest = self._queue[0].arrival
-            if len(self._queue) < pol.max_batch_size and now < oldest + pol.max_wait_s:
-                out.wake_at = oldest + pol.max_wait_s
+        q = self._queue
+        if q:
+            self._drop_expired(now, out)
+        wake: float | None = None
+        policy, planner, stats = self.policy, self.planner, self.stats
+        while free_slots > 0 and q:
+            decision = policy.decide(now, self._state(free_slots))
+            if isinstance(decision, Wait):
+                wake = decision.until
                 break
-            reqs = [self._queue.popleft() for _ in range(min(pol.max_batch_size, len(self._queue)))]
-            self._num_tokens -= sum(r.length for r in reqs)
-            out.batches.append(self._make_batch(reqs, now))
+            cap = decision.max_size
+            plan = planner.plan(q.peek(planner.num_candidates(cap)), cap, decision.urgent)
+            q.take(plan.requests)
+            shape = plan.shape
+            out.batches.append(Batch(self._batch_ids(), plan.requests, plan.padded_len, shape,
+                                     planner.config.padding, now, plan.predicted_s))
+            stats.batches += 1
+            stats.dispatched += shape.n
+            stats.useful_tokens += shape.useful_tokens
+            stats.computed_tokens += shape.tokens
             free_slots -= 1
+        if q:
+            # Wake at the earliest deadline too, so an expired request is reported when it expires.
+            urgent = q.most_urgent()
+            if urgent is not None and urgent.deadline is not None:
+                wake = urgent.deadline if wake is None else min(wake, urgent.deadline)
+        out.wake_at = wake
         return out
 
     def on_batch_done(self, batch: Batch, now: float, latency_s: float) -> None:
-        return None
+        self.stats.completed_batches += 1
+        self.policy.on_batch_done(batch.size, now, latency_s)
 
-    def _make_batch(self, reqs: list[Request], now: float) -> Batch:
-        plan = self.config.planner
-        lengths = [r.length for r in reqs]
-        if plan.padding == "none":
-            shape = BatchShape.ragged(lengths)
-            padded = shape.padded_len
-        else:
-            longest = plan.max_len if plan.padding == "max" else max(lengths)
-            padded = pad_length(longest, plan.pad_to_multiple_of, plan.max_len)
-            shape = BatchShape.padded(lengths, padded)
-        return Batch(self._batch_ids(), reqs, padded, shape, plan.padding, now, self.cost_model.latency(shape))
+    # -- internals ---------------------------------------------------------------------------
+    def _state(self, free_slots: int) -> QueueState:
+        q = self._queue
+        oldest = q.oldest()
+        urgent = q.most_urgent()
+        return QueueState(
+            len(q), q.num_tokens,
+            oldest.arrival if oldest is not None else _INF,
+            urgent.deadline if urgent is not None and urgent.deadline is not None else _INF,
+            q.max_length(), free_slots,
+        )
+
+    def _drop_expired(self, now: float, out: SchedulerOutput) -> None:
+        q = self._queue
+        for r in q.expire(now):
+            late = now - (r.deadline if r.deadline is not None else now)
+            out.dropped.append(Rejection(r, RejectReason.DEADLINE_EXPIRED,
+                                         f"deadline passed {late * 1e3:.1f} ms ago while waiting"))
+            self.stats.rejected[RejectReason.DEADLINE_EXPIRED.value] += 1
+        if not self._drop_infeasible:
+            return
+        urgent = q.most_urgent()
+        if urgent is None or urgent.deadline is None or urgent.deadline >= now + self._max_alone_q:
+            return
+        alone = self.admission.alone_latency_q
+        for r in q.due_before(now + self._max_alone_q):
+            need = alone(r.length)
+            if r.deadline is not None and now + need > r.deadline:
+                q.remove(r.id)
+                out.dropped.append(Rejection(
+                    r, RejectReason.INFEASIBLE_DEADLINE,
+                    f"dropped: {(r.deadline - now) * 1e3:.1f} ms left but it alone is predicted to take "
+                    f"{need * 1e3:.1f} ms"))
+                self.stats.rejected[RejectReason.INFEASIBLE_DEADLINE.value] += 1

@@ -1,0 +1,261 @@
+"""When to dispatch: ``decide(now, state) -> Dispatch | Wait(until)``.
+
+A policy is asked whenever a request arrives, a batch finishes, or a wake-up time it returned passes,
+and only while an executor slot is free (work-conserving: while every slot is busy the queue simply
+grows and the next batch is formed from everything waiting). It sees queue aggregates, never the
+queue, so a decision is O(1). ``Dispatch.urgent`` tells the planner the head of the queue has waited
+its bound and must be in this batch. ``Wait(None)`` means "nothing to do until something happens".
+
+Each policy keeps its own EWMA of inter-arrival times (fed by ``on_arrival``) and may learn from
+``on_batch_done`` (AIMD). ``wait_bound_s`` is how long a request can wait with a slot free before the
+policy dispatches it: the starvation bound the tests check.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .admission import pad_length
+from .config import PlannerConfig, PolicyConfig
+from .costmodel import CostModel
+
+_INF = math.inf
+
+
+@dataclass(frozen=True, slots=True)
+class QueueState:
+    """What a policy sees: cached queue aggregates (the scheduler keeps them O(1))."""
+
+    num_waiting: int
+    num_tokens: int
+    oldest_arrival: float
+    earliest_deadline: float = _INF
+    max_length: int = 0
+    free_slots: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    max_size: int
+    urgent: bool = False  # the queue's head has waited its bound: it must be in this batch
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    until: float | None = None  # None: wait for an arrival or a batch end
+
+
+Decision = Dispatch | Wait
+
+
+class BatchEstimator:
+    """Predicted latency of a batch of the ``n`` first waiting requests, without looking at them.
+
+    Padded modes assume the longest waiting request sets the padded length (pessimistic, as an SLA
+    check should be); padding-free assumes the average waiting length.
+    """
+
+    def __init__(self, planner: PlannerConfig, cost_model: CostModel) -> None:
+        self.planner = planner
+        self.cost_model = cost_model
+
+    def latency(self, n: int, s: QueueState) -> float:
+        p = self.planner
+        if p.padding == "none":
+            avg = s.num_tokens / s.num_waiting if s.num_waiting else 1.0
+            return self.cost_model.batch_latency(n, n * avg, n * avg * avg)
+        longest = p.max_len if p.padding == "max" else max(s.max_length, 1)
+        padded = pad_length(longest, p.pad_to_multiple_of, p.max_len)
+        return self.cost_model.batch_latency(n, n * padded, n * padded * padded)
+
+    def latency_q(self, n: int, s: QueueState) -> float:
+        return self.latency(n, s) * self.cost_model.q_factor
+
+    def is_full(self, n: int, cap: int, tokens: int) -> bool:
+        budget = self.planner.max_batch_tokens
+        return n >= cap or (budget > 0 and tokens >= budget)
+
+
+class Policy:
+    """Base: Triton's fixed window (dispatch when full, or ``max_wait_s`` after the oldest arrival)."""
+
+    name = "window"
+
+    def __init__(self, config: PolicyConfig, estimator: BatchEstimator) -> None:
+        self.config = config
+        self.estimator = estimator
+        self.last_arrival = -_INF
+        self.mean_interarrival_s = _INF  # EWMA; inf until two arrivals were seen
+
+    @property
+    def batch_cap(self) -> int:
+        return self.config.max_batch_size
+
+    @property
+    def wait_bound_s(self) -> float:
+        return self.config.max_wait_s
+
+    def on_arrival(self, now: float) -> None:
+        if self.last_arrival > -_INF:
+            gap = max(now - self.last_arrival, 0.0)
+            if self.mean_interarrival_s == _INF:
+                self.mean_interarrival_s = gap
+            else:
+                a = self.config.ewma_alpha
+                self.mean_interarrival_s = a * gap + (1.0 - a) * self.mean_interarrival_s
+        self.last_arrival = max(now, self.last_arrival)
+
+    def expected_gap(self, now: float) -> float:
+        """Expected seconds to the next arrival: the EWMA, or longer if it has been quiet longer."""
+        return max(self.mean_interarrival_s, now - self.last_arrival)
+
+    def on_batch_done(self, size: int, now: float, latency_s: float) -> None:
+        return None
+
+    def decide(self, now: float, s: QueueState) -> Decision:
+        return self._window(now, s, self.batch_cap, self.config.max_wait_s)
+
+    def _window(self, now: float, s: QueueState, cap: int, wait_s: float) -> Decision:
+        due = s.oldest_arrival + wait_s
+        if self.estimator.is_full(s.num_waiting, cap, s.num_tokens):
+            return Dispatch(cap, now >= due, "full")
+        if now >= due:
+            return Dispatch(cap, True, "window")
+        return Wait(due)
+
+
+class WindowPolicy(Policy):
+    name = "window"
+
+
+class StaticPolicy(Policy):
+    """Static batching: fire only full batches; ``max_wait_s`` is just the safety net against starvation."""
+
+    name = "static"
+
+
+class BacklogPolicy(Policy):
+    """Fire as soon as ``backlog_requests`` requests (or ``backlog_tokens`` tokens) wait; window fallback."""
+
+    name = "backlog"
+
+    def _backlogged(self, s: QueueState) -> bool:
+        c = self.config
+        if s.num_waiting >= c.backlog_requests:
+            return True
+        return c.backlog_tokens > 0 and s.num_tokens >= c.backlog_tokens
+
+    def decide(self, now: float, s: QueueState) -> Decision:
+        if self._backlogged(s):
+            return Dispatch(self.batch_cap, now >= s.oldest_arrival + self.config.max_wait_s, "backlog")
+        return self._window(now, s, self.batch_cap, self.config.max_wait_s)
+
+
+class HybridPolicy(BacklogPolicy):
+    """Window + backlog, plus patience: at the window's end a batch smaller than the backlog threshold
+    waits up to ``patience_s`` longer when the arrival rate says another request is due before then
+    and the most urgent request's p99 completion still fits its deadline."""
+
+    name = "hybrid"
+
+    @property
+    def wait_bound_s(self) -> float:
+        return self.config.max_wait_s + self.config.patience_s
+
+    def decide(self, now: float, s: QueueState) -> Decision:
+        c = self.config
+        decision = super().decide(now, s)
+        if isinstance(decision, Wait) or decision.reason != "window" or c.patience_s <= 0:
+            return decision
+        extended = s.oldest_arrival + c.max_wait_s + c.patience_s
+        if now >= extended or self.expected_gap(now) > extended - now:
+            return decision
+        deadline = min(s.earliest_deadline, s.oldest_arrival + c.sla_s)
+        n = min(s.num_waiting + 1, self.batch_cap)
+        if extended + self.estimator.latency_q(n, s) > deadline:
+            return decision
+        return Wait(extended)
+
+
+class AdaptivePolicy(Policy):
+    """Window sized to the time a full batch takes to arrive (cap × EWMA inter-arrival), clamped to
+    [min_wait_s, max_wait_s]: faster arrivals, narrower window."""
+
+    name = "adaptive"
+
+    def window_s(self) -> float:
+        c = self.config
+        return min(max(self.batch_cap * self.mean_interarrival_s, c.min_wait_s), c.max_wait_s)
+
+    def decide(self, now: float, s: QueueState) -> Decision:
+        return self._window(now, s, self.batch_cap, self.window_s())
+
+
+class SlaPolicy(Policy):
+    """Wait only while it pays and is safe.
+
+    *Pays*: with ``n`` waiting, dispatching now serves n in L(n); waiting one expected gap g serves
+    n+1 in g + L(n+1). Waiting raises throughput while g < g* = (n+1)·L(n)/n − L(n+1).
+    *Safe*: the most urgent request (earliest deadline, or oldest arrival + ``sla_s``) still finishes by
+    its deadline at the cost model's high quantile: dispatch no later than deadline − Lq(n+1).
+    If the urgent request cannot make it even now, it is dispatched at once (``on_infeasible:
+    dispatch``) or the scheduler drops what cannot be saved (``drop``).
+    """
+
+    name = "sla"
+
+    @property
+    def wait_bound_s(self) -> float:
+        return self.config.sla_s
+
+    def decide(self, now: float, s: QueueState) -> Decision:
+        cap = self.batch_cap
+        if self.estimator.is_full(s.num_waiting, cap, s.num_tokens):
+            return Dispatch(cap, False, "full")
+        n = s.num_waiting
+        deadline = min(s.earliest_deadline, s.oldest_arrival + self.config.sla_s)
+        latest = deadline - self.estimator.latency_q(n + 1, s)
+        if now >= latest:
+            return Dispatch(cap, True, "deadline")
+        if self.mean_interarrival_s == _INF:
+            return Dispatch(cap, False, "no arrivals expected")
+        lat_n = self.estimator.latency(n, s)
+        gap_star = (n + 1) * lat_n / n - self.estimator.latency(n + 1, s)
+        if self.expected_gap(now) >= gap_star:
+            return Dispatch(cap, False, "throughput")
+        return Wait(min(latest, self.last_arrival + gap_star))
+
+
+class AimdPolicy(Policy):
+    """Clipper's AIMD on the batch cap: +``aimd_add`` after a full batch that met ``aimd_target_s``,
+    × ``aimd_mult`` after one that missed it. Dispatch itself is the fixed window with that cap."""
+
+    name = "aimd"
+
+    def __init__(self, config: PolicyConfig, estimator: BatchEstimator) -> None:
+        super().__init__(config, estimator)
+        self.cap = min(config.aimd_min_batch, config.max_batch_size)
+
+    @property
+    def batch_cap(self) -> int:
+        return self.cap
+
+    def on_batch_done(self, size: int, now: float, latency_s: float) -> None:
+        c = self.config
+        if latency_s > c.aimd_target_s:
+            self.cap = max(c.aimd_min_batch, int(self.cap * c.aimd_mult))
+        elif size >= self.cap:
+            self.cap = min(c.max_batch_size, self.cap + c.aimd_add)
+
+
+_POLICIES: dict[str, type[Policy]] = {
+    "static": StaticPolicy, "window": WindowPolicy, "backlog": BacklogPolicy, "hybrid": HybridPolicy,
+    "adaptive": AdaptivePolicy, "sla": SlaPolicy, "aimd": AimdPolicy,
+}
+
+
+def make_policy(config: PolicyConfig, cost_model: CostModel, planner: PlannerConfig | None = None) -> Policy:
+    """Build the configured policy; ``planner`` tells its latency estimates how batches are padded."""
+    return _POLICIES[config.name](config, BatchEstimator(planner or PlannerConfig(), cost_model))
