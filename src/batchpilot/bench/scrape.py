@@ -1,0 +1,120 @@
+"""Poll a server's Prometheus ``/metrics`` during a run: queue length over time, batch sizes.
+
+Only servers that expose ``/metrics`` in the Prometheus text format are scraped (a batchpilot server
+does; a plain OpenAI-compatible one usually does not, and then the report simply has no queue plot).
+Each scrape keeps every gauge sample and the ``_sum``/``_count`` of every histogram, keyed by the
+sample name plus its labels, so the report can plot any queue gauge and the fidelity check can take
+the mean batch size of a run as ``delta(sum) / delta(count)`` of the batch-size histogram.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass, field
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+QUEUE_HINTS = ("queue", "waiting", "pending")
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Flat ``{"name{label=v,..}": value}`` of the gauges, counters and histogram sums/counts."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if family.type == "histogram" and not s.name.endswith(("_sum", "_count")):
+                continue  # buckets: many series, not needed for means
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = float(s.value)
+    return out
+
+
+@dataclass
+class MetricsSeries:
+    """Scrapes in time order: ``times[i]`` (seconds from the run start) and ``values[i]``."""
+
+    times: list[float] = field(default_factory=list)
+    values: list[dict[str, float]] = field(default_factory=list)
+
+    def names(self) -> list[str]:
+        return sorted({k for v in self.values for k in v})
+
+    def series(self, name: str) -> tuple[list[float], list[float]]:
+        pts = [(t, v[name]) for t, v in zip(self.times, self.values, strict=True) if name in v]
+        return [p[0] for p in pts], [p[1] for p in pts]
+
+    def queue_names(self) -> list[str]:
+        """Gauges that look like a queue length (by name), for the queue-over-time plot."""
+        return [n for n in self.names() if any(h in n.lower() for h in QUEUE_HINTS)
+                and not n.endswith(("_sum", "_count", "_total", "_created"))]
+
+    def histogram_mean(self, name: str) -> float:
+        """Mean of histogram ``name`` over the run: delta(sum) / delta(count), first to last scrape."""
+        first = next((v for v in self.values if f"{name}_count" in v), None)
+        last = next((v for v in reversed(self.values) if f"{name}_count" in v), None)
+        if first is None or last is None:
+            return math.nan
+        dc = last[f"{name}_count"] - first[f"{name}_count"]
+        return (last[f"{name}_sum"] - first[f"{name}_sum"]) / dc if dc > 0 else math.nan
+
+    def find(self, *hints: str) -> str | None:
+        """The first histogram base name containing every hint (``find("batch", "size")``)."""
+        for n in self.names():
+            if n.endswith("_count") and all(h in n for h in hints):
+                return n[: -len("_count")]
+        return None
+
+
+class MetricsScraper:
+    """Background task scraping ``/metrics`` every ``interval_s`` on the load generator's own client."""
+
+    def __init__(self, client: httpx.AsyncClient, interval_s: float) -> None:
+        self.client = client
+        self.interval_s = interval_s
+        self.series = MetricsSeries()
+        self._origin = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def start(cls, client: httpx.AsyncClient, interval_s: float) -> MetricsScraper | None:
+        """A running scraper, or ``None`` when the server has no Prometheus ``/metrics``."""
+        self = cls(client, interval_s)
+        first = await self._scrape()
+        if first is None:
+            return None
+        self._origin = asyncio.get_running_loop().time()
+        self._task = asyncio.create_task(self._loop())
+        return self
+
+    def set_origin(self, t0: float) -> None:
+        self._origin = t0
+
+    async def _scrape(self) -> dict[str, float] | None:
+        try:
+            resp = await self.client.get("/metrics")
+            if resp.status_code != 200:
+                return None
+            return parse_metrics(resp.text)
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    async def _record(self) -> None:
+        loop = asyncio.get_running_loop()
+        values = await self._scrape()
+        if values is not None:
+            self.series.times.append(loop.time() - self._origin)
+            self.series.values.append(values)
+
+    async def _loop(self) -> None:
+        while True:
+            await self._record()
+            await asyncio.sleep(self.interval_s)
+
+    async def stop(self) -> MetricsSeries:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await self._record()  # a last scrape after the run, so histogram deltas cover all of it
+        return self.series
