@@ -1,0 +1,174 @@
+"""A lean forward over the weights of a HF BERT-family encoder (BERT, RoBERTa, XLM-R, MiniLM).
+
+Why it exists: a HF ``BertModel`` call pays a per-call cost that has nothing to do with the tokens:
+the 4-D mask construction, three separate Q/K/V projections, the unused pooler (dense + tanh), dropout
+modules, output dataclasses and ~100 ``nn.Module.__call__`` dispatches with their hooks. This module
+copies the weights once into plain tensors (Q/K/V fused into one ``[3H, H]`` matrix, the token-type-0
+row folded into the position table) and runs the same arithmetic as straight-line ``torch.nn.functional``
+calls under ``inference_mode``. ``docs/padding.md`` has the before/after numbers.
+
+Outputs equal the HF forward to float rounding (tests/test_ragged.py checks 1e-4); the padded path here
+is what the encoder executor calls for padding modes max/dynamic/bucket, and ``models/ragged.py`` reuses
+the layer weights for padding-free execution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+POOLINGS = ("mean", "cls")
+_ACTIVATIONS = {
+    "gelu": lambda x: F.gelu(x),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class LayerWeights:
+    """One transformer layer; ``qkv_w`` is ``[3H, H]`` = query, key, value stacked."""
+
+    qkv_w: torch.Tensor
+    qkv_b: torch.Tensor
+    out_w: torch.Tensor
+    out_b: torch.Tensor
+    ln1_w: torch.Tensor
+    ln1_b: torch.Tensor
+    ffn_in_w: torch.Tensor
+    ffn_in_b: torch.Tensor
+    ffn_out_w: torch.Tensor
+    ffn_out_b: torch.Tensor
+    ln2_w: torch.Tensor
+    ln2_b: torch.Tensor
+
+
+def _base_model(model: Any) -> Any:
+    """Accept a bare encoder or a task head wrapping one (``BertForSequenceClassification``...)."""
+    if hasattr(model, "embeddings") and hasattr(model, "encoder"):
+        return model
+    base = getattr(model, "base_model", None)
+    if base is not None and hasattr(base, "embeddings") and hasattr(base, "encoder"):
+        return base
+    raise ValueError(
+        f"lean encoder: {type(model).__name__} has no .embeddings/.encoder; pass a HF BertModel, "
+        "RobertaModel or XLMRobertaModel (or a task model whose base_model is one)"
+    )
+
+
+class LeanEncoder:
+    """Plain-tensor BERT-family encoder. Build with :meth:`from_hf`; call :meth:`forward_padded`."""
+
+    def __init__(self, model: Any, pooling: str = "mean", normalize: bool = False) -> None:
+        if pooling not in POOLINGS:
+            raise ValueError(f"lean encoder: pooling must be one of {POOLINGS}, got {pooling!r}")
+        base = _base_model(model)
+        cfg = base.config
+        pos_type = getattr(cfg, "position_embedding_type", "absolute") or "absolute"
+        if pos_type != "absolute":
+            raise ValueError(f"lean encoder: position_embedding_type {pos_type!r} is not supported, only absolute")
+        act = getattr(cfg, "hidden_act", "gelu")
+        if act not in _ACTIVATIONS:
+            raise ValueError(f"lean encoder: hidden_act {act!r} not supported; one of {sorted(_ACTIVATIONS)}")
+        self.pooling = pooling
+        self.normalize = normalize
+        self.act = _ACTIVATIONS[act]
+        self.hidden = int(cfg.hidden_size)
+        self.num_heads = int(cfg.num_attention_heads)
+        self.head_dim = self.hidden // self.num_heads
+        self.eps = float(cfg.layer_norm_eps)
+        # RoBERTa/XLM-R count positions from padding_idx + 1 (fairseq); BERT from 0.
+        self.padding_idx: int | None = getattr(base.embeddings, "padding_idx", None)
+        self.position_offset = 0 if self.padding_idx is None else self.padding_idx + 1
+        self.max_length = int(cfg.max_position_embeddings) - self.position_offset
+        emb = base.embeddings
+        with torch.no_grad():
+            self.word_emb = emb.word_embeddings.weight.detach().clone()
+            # Token type is always 0 for single-segment inputs: fold that row into the position table.
+            self.pos_emb = (emb.position_embeddings.weight + emb.token_type_embeddings.weight[0]).detach().clone()
+            self.emb_ln = (emb.LayerNorm.weight.detach().clone(), emb.LayerNorm.bias.detach().clone())
+            self.layers = [self._layer(layer) for layer in base.encoder.layer]
+        self.device = self.word_emb.device
+        self.dtype = self.word_emb.dtype
+
+    @classmethod
+    def from_hf(cls, model: Any, pooling: str = "mean", normalize: bool = False) -> LeanEncoder:
+        return cls(model, pooling=pooling, normalize=normalize)
+
+    @property
+    def dim(self) -> int:
+        return self.hidden
+
+    @staticmethod
+    def _layer(layer: Any) -> LayerWeights:
+        att = layer.attention
+        q, k, v = att.self.query, att.self.key, att.self.value
+
+        def c(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().clone().contiguous()
+
+        return LayerWeights(
+            qkv_w=torch.cat([q.weight, k.weight, v.weight]).detach().contiguous(),
+            qkv_b=torch.cat([q.bias, k.bias, v.bias]).detach().contiguous(),
+            out_w=c(att.output.dense.weight),
+            out_b=c(att.output.dense.bias),
+            ln1_w=c(att.output.LayerNorm.weight),
+            ln1_b=c(att.output.LayerNorm.bias),
+            ffn_in_w=c(layer.intermediate.dense.weight),
+            ffn_in_b=c(layer.intermediate.dense.bias),
+            ffn_out_w=c(layer.output.dense.weight),
+            ffn_out_b=c(layer.output.dense.bias),
+            ln2_w=c(layer.output.LayerNorm.weight),
+            ln2_b=c(layer.output.LayerNorm.bias),
+        )
+
+    # -- shared pieces (token-wise: they work on [..., H] whatever the leading shape) ------------
+    def embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.word_emb[ids] + self.pos_emb[positions]
+        return F.layer_norm(x, (self.hidden,), self.emb_ln[0], self.emb_ln[1], self.eps)
+
+    def post_attention(self, lw: LayerWeights, x: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
+        """Output projection + residual + LN, then the feed-forward block + residual + LN."""
+        h = (self.hidden,)
+        x = F.layer_norm(F.linear(ctx, lw.out_w, lw.out_b).add_(x), h, lw.ln1_w, lw.ln1_b, self.eps)
+        f = self.act(F.linear(x, lw.ffn_in_w, lw.ffn_in_b))
+        return F.layer_norm(F.linear(f, lw.ffn_out_w, lw.ffn_out_b).add_(x), h, lw.ln2_w, lw.ln2_b, self.eps)
+
+    def finish(self, pooled: torch.Tensor) -> torch.Tensor:
+        return F.normalize(pooled, p=2.0, dim=-1) if self.normalize else pooled
+
+    # -- padded forward -------------------------------------------------------------------------
+    def hidden_padded(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Last hidden states ``[B, L, H]`` of a right- or left-padded batch, as HF computes them."""
+        b, n = input_ids.shape
+        input_ids = input_ids.to(self.device)
+        all_real = attention_mask is None or bool(attention_mask.all())
+        if self.padding_idx is None:
+            positions = torch.arange(n, device=self.device).expand(b, n)
+        else:  # fairseq positions, exactly HF's create_position_ids_from_input_ids
+            m = input_ids.ne(self.padding_idx).long()
+            positions = torch.cumsum(m, dim=1) * m + self.padding_idx
+        x = self.embed(input_ids, positions)
+        # A key-padding mask only; with no padding, None lets SDPA take its unmasked fast path.
+        mask = None if all_real else attention_mask.to(self.device, torch.bool)[:, None, None, :]
+        nh, hd = self.num_heads, self.head_dim
+        for lw in self.layers:
+            qkv = F.linear(x, lw.qkv_w, lw.qkv_b).view(b, n, 3, nh, hd).permute(2, 0, 3, 1, 4)
+            ctx = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], attn_mask=mask)
+            x = self.post_attention(lw, x, ctx.transpose(1, 2).reshape(b, n, self.hidden))
+        return x
+
+    def forward_padded(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Pooled (and normalised when configured) embeddings ``[B, H]`` of a padded batch."""
+        with torch.inference_mode():
+            x = self.hidden_padded(input_ids, attention_mask)
+            if self.pooling == "cls":
+                return self.finish(x[:, 0])
+            if attention_mask is None:
+                return self.finish(x.mean(dim=1))
+            m = attention_mask.to(self.device, x.dtype).unsqueeze(-1)
+            return self.finish((x * m).sum(dim=1) / m.sum(dim=1).clamp_min(1e-9))
