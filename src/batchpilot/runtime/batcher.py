@@ -1,0 +1,353 @@
+"""The live driver: an asyncio Batcher that feeds the scheduling core with the real clock.
+
+    submit() ──▶ scheduler.submit(req, now) ──▶ future
+                       │ wake
+    driver task: schedule(now, free_slots) ─▶ batches ─▶ Slot: prepare (thread) ─▶ run (thread) ─▶ futures
+                 sleeps until wake_at, a submit, or a slot change — never polls
+
+One background task owns every scheduling decision; it calls ``schedule`` whenever a request arrives,
+a slot changes state, or the plan's ``wake_at`` passes (a ``call_later`` that sets the wake event).
+The core decides everything; this file only moves data between the core and the executor threads.
+
+Guarantees: every accepted request's future completes exactly once (result, ``RequestRejected`` or
+``ExecutionError``); a cancelled caller is removed from the queue before execution (or its result is
+discarded if its batch is already running); an exception in a batch reaches only the request(s) that
+cause it (bisection); ``shutdown`` stops admission, drains, then fails what is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..core.config import SchedulerConfig
+from ..core.costmodel import BatchShape, CostModel
+from ..core.request import IdCounter, Request
+from ..core.scheduler import Batch, BatchScheduler, RejectReason
+from .errors import ExecutionError, ExecutorCrashed, RequestRejected
+from .executor import Executor
+from .observer import BatcherObserver
+from .pipeline import Slot
+
+log = logging.getLogger("batchpilot.runtime")
+
+SHUTDOWN_RETRY_AFTER_S = 5.0
+
+
+class _Pending:
+    __slots__ = ("request", "future", "batch_id")
+
+    def __init__(self, request: Request, future: asyncio.Future[Any]) -> None:
+        self.request = request
+        self.future = future
+        self.batch_id: int | None = None  # None while queued
+
+
+class Batcher:
+    """``await batcher.submit(payload, length)`` returns the executor's result for that payload."""
+
+    def __init__(self, executor: Executor, config: SchedulerConfig | None = None,
+                 cost_model: CostModel | None = None, *, scheduler: Any = None,
+                 observer: BatcherObserver | None = None, pipeline: bool = True,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.executor = executor
+        self.config = config or SchedulerConfig()
+        self.cost_model = cost_model or CostModel.default_cpu_minilm()
+        self.scheduler = scheduler or BatchScheduler(self.config, self.cost_model)
+        self.observer = observer or BatcherObserver()
+        self.clock = clock
+        self.slots = [Slot(i, pipeline) for i in range(self.config.num_slots)]
+        self._run_is_async = inspect.iscoroutinefunction(executor.run)
+        self._pending: dict[int, _Pending] = {}
+        self._ids = IdCounter()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._work: set[asyncio.Task[None]] = set()
+        self._accepting = True
+        self._drained: asyncio.Event | None = None
+        self.health = "ok"
+
+    # -- public API --------------------------------------------------------------------------
+    async def submit(self, payload: Any, length: int, priority: int = 0, deadline: float | None = None,
+                     sla: float | None = None) -> Any:
+        """Queue one input and wait for its result. ``deadline`` is absolute on ``clock`` (time.monotonic by
+        default), ``sla`` relative seconds. Raises ``RequestRejected`` (with the core's reason and a
+        ``retry_after_s``), or ``ExecutionError`` if the model failed on this input."""
+        rid, future = self._enqueue(payload, length, priority, deadline, sla)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self._cancel(rid)
+            raise
+
+    def submit_nowait(self, payload: Any, length: int, priority: int = 0, deadline: float | None = None,
+                      sla: float | None = None) -> asyncio.Future[Any]:
+        """Like ``submit`` but returns the future at once (no task per request: for bulk producers).
+        Cancelling the future withdraws the request. Must be called on the event loop thread."""
+        rid, future = self._enqueue(payload, length, priority, deadline, sla)
+        future.add_done_callback(lambda f: self._cancel(rid) if f.cancelled() else None)
+        return future
+
+    @property
+    def num_pending(self) -> int:
+        """Accepted and not yet answered (queued or in a batch)."""
+        return len(self._pending)
+
+    @property
+    def num_running(self) -> int:
+        return sum(s.running is not None for s in self.slots)
+
+    async def shutdown(self, drain_timeout: float = 30.0) -> None:
+        """Stop admission, let queued and running work finish for up to ``drain_timeout`` s, fail the rest."""
+        if self.health == "stopped":
+            return
+        self._accepting = False
+        self._set_health("draining")
+        if self._pending and self._task is not None:
+            self._drained = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._drained.wait(), drain_timeout)
+            except TimeoutError:
+                log.warning("shutdown: %d requests still pending after %.1f s; failing them",
+                            len(self._pending), drain_timeout)
+        now = self.clock()
+        for rid, pending in list(self._pending.items()):
+            if pending.batch_id is None:
+                self.scheduler.cancel(rid, now)
+            self.observer.on_reject(RejectReason.SHUTTING_DOWN)
+            self._finish(rid, exc=RequestRejected(RejectReason.SHUTTING_DOWN, "the server is shutting down"))
+        for task in [self._task, *self._work]:
+            if task is not None:
+                task.cancel()
+        if self._task is not None:
+            await asyncio.gather(self._task, *self._work, return_exceptions=True)
+        for slot in self.slots:
+            slot.close()
+        self._set_health("stopped")
+
+    # -- admission ---------------------------------------------------------------------------
+    def _enqueue(self, payload: Any, length: int, priority: int, deadline: float | None,
+                 sla: float | None) -> tuple[int, asyncio.Future[Any]]:
+        if not self._accepting:
+            self.observer.on_reject(RejectReason.SHUTTING_DOWN)
+            raise RequestRejected(RejectReason.SHUTTING_DOWN, "the server is shutting down",
+                                  SHUTDOWN_RETRY_AFTER_S)
+        if self._task is None:
+            self._start()
+        now = self.clock()
+        req = Request(self._ids(), now, length, priority, deadline, sla, payload)
+        rejection = self.scheduler.submit(req, now)
+        if rejection is not None:
+            self.observer.on_reject(rejection.reason)
+            raise RequestRejected.from_rejection(rejection)
+        future: asyncio.Future[Any] = self._loop.create_future()  # type: ignore[union-attr]
+        self._pending[req.id] = _Pending(req, future)
+        self.observer.on_admit(req)
+        self._wake.set()
+        return req.id, future
+
+    def _start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._task = self._loop.create_task(self._drive(), name="batchpilot-driver")
+
+    def _cancel(self, rid: int) -> None:
+        pending = self._pending.pop(rid, None)
+        if pending is None:
+            return
+        queued = pending.batch_id is None
+        if queued:
+            self.scheduler.cancel(rid, self.clock())
+            self._wake.set()
+        self.observer.on_cancel(pending.request, queued)
+        self._check_drained()
+
+    # -- the driver --------------------------------------------------------------------------
+    async def _drive(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._wake.clear()
+            now = self.clock()
+            wake_at: float | None = None
+            try:
+                wake_at = self._schedule_once(now)
+            except Exception:  # a core bug must not hang every caller: fail the queue, keep driving
+                log.exception("scheduler error; failing the queued requests")
+                for rid, p in list(self._pending.items()):
+                    if p.batch_id is None:
+                        self.scheduler.cancel(rid, now)
+                        self._finish(rid, exc=ExecutionError("internal scheduling error"))
+            handle = None
+            if wake_at is not None:
+                handle = loop.call_later(max(wake_at - self.clock(), 0.0), self._wake.set)
+            await self._wake.wait()
+            if handle is not None:
+                handle.cancel()
+
+    def _schedule_once(self, now: float) -> float | None:
+        free = sorted((s for s in self.slots if s.accepts(now)), key=lambda s: not s.is_idle)
+        out = self.scheduler.schedule(now, len(free))
+        for rej in out.dropped:
+            self.observer.on_reject(rej.reason)
+            self._finish(rej.request.id, exc=RequestRejected.from_rejection(rej))
+        for slot, batch in zip(free, out.batches, strict=False):
+            self._dispatch(slot, batch, now)
+        wake_at = out.wake_at if len(free) > len(out.batches) else None
+        if self.scheduler.num_waiting:
+            for slot in self.slots:
+                t = slot.accept_time()
+                if t is not None and t > now:
+                    wake_at = t if wake_at is None else min(wake_at, t)
+        return wake_at
+
+    def _dispatch(self, slot: Slot, batch: Batch, now: float) -> None:
+        for r in batch.requests:
+            p = self._pending.get(r.id)
+            if p is not None:
+                p.batch_id = batch.id
+        self.observer.on_dispatch(batch, now)
+        slot.next = batch
+        task = asyncio.get_running_loop().create_task(self._execute(slot, batch))
+        self._work.add(task)
+        task.add_done_callback(self._work.discard)
+
+    # -- execution ---------------------------------------------------------------------------
+    async def _prepare(self, pool: Any, batch: Batch) -> tuple[Any, Exception | None]:
+        try:
+            return await asyncio.get_running_loop().run_in_executor(pool, self.executor.prepare, batch), None
+        except Exception as exc:
+            return None, exc
+
+    async def _execute(self, slot: Slot, batch: Batch) -> None:
+        try:
+            t0 = self.clock()
+            prepared, prep_exc = await self._prepare(slot.prepare_pool, batch)
+            slot.on_prepared(self.clock() - t0)
+            async with slot.run_lock:
+                if not any(r.id in self._pending for r in batch.requests):  # everyone left
+                    slot.next = None
+                    self._wake.set()
+                    return
+                slot.on_run_start(batch, self.clock())
+                self.observer.on_slot_busy(slot.index, True)
+                self._wake.set()
+                try:
+                    await self._run_isolating(slot, batch, prepared, prep_exc, may_recover=True)
+                finally:
+                    now = self.clock()
+                    took = slot.on_run_end(batch, now)
+                    self.observer.on_slot_busy(slot.index, False)
+                    self.scheduler.on_batch_done(batch, now, took)
+                    self._wake.set()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a runtime bug: answer the batch's callers, never leave them hanging
+            log.exception("batch %d failed outside the executor", batch.id)
+            for r in batch.requests:
+                self._finish(r.id, exc=ExecutionError(f"internal error: {exc}"))
+
+    async def _call_run(self, slot: Slot, prepared: Any) -> list[Any]:
+        if self._run_is_async:
+            return list(await self.executor.run(prepared))  # type: ignore[misc]
+        loop = asyncio.get_running_loop()
+        return list(await loop.run_in_executor(slot.run_pool, self.executor.run, prepared))
+
+    async def _run_isolating(self, slot: Slot, batch: Batch, prepared: Any, prep_exc: Exception | None,
+                             may_recover: bool) -> None:
+        """Run; on failure bisect until each failing request is alone, so only poison requests fail."""
+        t0 = self.clock()
+        try:
+            if prep_exc is not None:
+                raise prep_exc
+            results = await self._call_run(slot, prepared)
+            if len(results) != batch.size:
+                raise ValueError(f"executor returned {len(results)} results for a batch of {batch.size}")
+        except ExecutorCrashed as exc:
+            self.observer.on_batch_done(batch, self.clock() - t0, False)
+            if may_recover and await self._recover(slot, exc):
+                prepared, prep_exc = await self._prepare(slot.run_pool, batch)
+                await self._run_isolating(slot, batch, prepared, prep_exc, may_recover=False)
+                return
+            for r in batch.requests:
+                self._finish(r.id, exc=ExecutionError(f"the executor crashed: {exc}"))
+            return
+        except Exception as exc:
+            self.observer.on_batch_done(batch, self.clock() - t0, False)
+            if batch.size == 1:
+                log.warning("request %d failed in the executor: %r", batch.requests[0].id, exc)
+                err = ExecutionError(f"the model failed on this input: {type(exc).__name__}: {exc}")
+                err.__cause__ = exc
+                self._finish(batch.requests[0].id, exc=err)
+                return
+            live = [r for r in batch.requests if r.id in self._pending]  # cancelled ones need no answer
+            mid = len(live) // 2
+            for half in (live[:mid], live[mid:]) if mid else ([live] if live else []):
+                sub = self._sub_batch(batch, half)
+                sub_prepared, sub_exc = await self._prepare(slot.run_pool, sub)
+                await self._run_isolating(slot, sub, sub_prepared, sub_exc, may_recover)
+            return
+        self.observer.on_batch_done(batch, self.clock() - t0, True)
+        if self.health == "degraded":
+            self._set_health("ok")
+        self._deliver(batch, results)
+
+    def _sub_batch(self, batch: Batch, requests: list[Request]) -> Batch:
+        """A retry of part of ``batch``: same id and padded length (valid for every padding mode)."""
+        lengths = [r.length for r in requests]
+        if batch.padding == "none":
+            shape = BatchShape.ragged(lengths)
+        else:
+            shape = BatchShape.padded(lengths, batch.padded_len)
+        return Batch(batch.id, requests, shape.padded_len, shape, batch.padding, batch.formed_at,
+                     self.cost_model.latency(shape))
+
+    async def _recover(self, slot: Slot, exc: Exception) -> bool:
+        self._set_health("degraded")
+        recover = getattr(self.executor, "recover", None)
+        log.error("executor crashed (%r); %s", exc, "recovering" if recover else "it has no recover()")
+        if recover is None:
+            return False
+        try:
+            await asyncio.get_running_loop().run_in_executor(slot.run_pool, recover)
+        except Exception:
+            log.exception("executor recovery failed; health stays degraded")
+            return False
+        return True
+
+    # -- completion --------------------------------------------------------------------------
+    def _finish(self, rid: int, result: Any = None, exc: BaseException | None = None) -> None:
+        pending = self._pending.pop(rid, None)
+        if pending is None:  # cancelled meanwhile: the result is discarded
+            return
+        if not pending.future.done():
+            if exc is None:
+                pending.future.set_result(result)
+            else:
+                pending.future.set_exception(exc)
+            req = pending.request
+            self.observer.on_request_done(req, self.clock() - req.arrival, exc is None)
+        self._check_drained()
+
+    def _deliver(self, batch: Batch, results: list[Any]) -> None:
+        """``_finish`` for a whole successful batch (the hot path: one clock read, no per-item calls)."""
+        now = self.clock()
+        pending_map, done_hook = self._pending, self.observer.on_request_done
+        for r, res in zip(batch.requests, results, strict=True):
+            pending = pending_map.pop(r.id, None)
+            if pending is not None and not pending.future.done():
+                pending.future.set_result(res)
+                done_hook(r, now - r.arrival, True)
+        self._check_drained()
+
+    def _check_drained(self) -> None:
+        if self._drained is not None and not self._pending:
+            self._drained.set()
+
+    def _set_health(self, state: str) -> None:
+        if state != self.health:
+            self.health = state
+            self.observer.on_health(state)
