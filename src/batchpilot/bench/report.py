@@ -88,7 +88,8 @@ def _windows(run: RunData, window_s: float) -> tuple[list[float], list[float], l
 
 
 def plot_latency_vs_rate(runs: Sequence[RunData], path: Path, capacity: Sequence[CapacityResult] = (),
-                         labels: Sequence[str] = (), sla_s: float | None = None, window_s: float = 5.0) -> Path:
+                         labels: Sequence[str] = (), sla_s: float | None = None,
+                         window_s: float = 5.0) -> Path:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.2))
     if capacity:
@@ -96,7 +97,8 @@ def plot_latency_vs_rate(runs: Sequence[RunData], path: Path, capacity: Sequence
             pts = sorted((p.summary.offered_rps, p.summary.p50, p.summary.p99) for p in cap.probes)
             x = [p[0] for p in pts]
             line, = ax.plot(x, [p[2] * 1e3 for p in pts], "o-", label=f"{label} P99")
-            ax.plot(x, [p[1] * 1e3 for p in pts], "s--", color=line.get_color(), alpha=0.6, label=f"{label} P50")
+            ax.plot(x, [p[1] * 1e3 for p in pts], "s--", color=line.get_color(), alpha=0.6,
+                    label=f"{label} P50")
     else:
         for run in runs:
             rate, p50, p99 = _windows(run, window_s)
@@ -190,8 +192,8 @@ def write_report(out_dir: str | Path, runs: Sequence[RunData], *, title: str = "
     if runs:
         pngs.append(plot_latency_cdf(runs, out / "latency_cdf.png", sla_s))
     if runs or capacity:
-        pngs.append(plot_latency_vs_rate(runs, out / "latency_vs_rate.png", capacity,
-                                         [r.label for r in runs] if len(runs) == len(capacity) else (), sla_s))
+        labels = [r.label for r in runs] if len(runs) == len(capacity) else []
+        pngs.append(plot_latency_vs_rate(runs, out / "latency_vs_rate.png", capacity, labels, sla_s))
     if runs:
         pngs.append(plot_over_time(runs, out / "over_time.png"))
     parts = [f"<h1>{html.escape(title)}</h1>"]
@@ -206,7 +208,8 @@ def write_report(out_dir: str | Path, runs: Sequence[RunData], *, title: str = "
         parts += [f"<h2>{html.escape(heading)}</h2>", block]
     for png in pngs:
         data = base64.b64encode(png.read_bytes()).decode()
-        parts.append(f'<h2>{html.escape(png.stem.replace("_", " "))}</h2><img src="data:image/png;base64,{data}">')
+        heading = html.escape(png.stem.replace("_", " "))
+        parts.append(f'<h2>{heading}</h2><img src="data:image/png;base64,{data}">')
     style = ("body{font-family:sans-serif;margin:2em} table{border-collapse:collapse} "
              "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right} .warn{color:#b00}")
     page = f"<!doctype html><html><head><meta charset=utf-8><title>{html.escape(title)}</title>" \

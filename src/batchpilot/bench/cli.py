@@ -1,0 +1,189 @@
+"""``batchpilot bench``: replay a workload against a live server, compare servers, find capacity, check
+the simulator's fidelity, or run the padding benchmark.
+
+    batchpilot bench --url http://127.0.0.1:8000 --workload conv-embed --rate-scale 3 --requests 300
+    batchpilot bench --compare http://127.0.0.1:8000 http://127.0.0.1:8001 cfg.yaml --rate-scale 2 3
+    batchpilot bench capacity --url http://127.0.0.1:8000 --workload conv-embed --probe-s 30
+    batchpilot bench fidelity --workload conv-embed --config cfg.yaml [--profile profile.json]
+    batchpilot bench padding ...            (the ragged team's benchmark, batchpilot.bench.padding)
+
+``--compare`` takes server URLs and/or scheduler YAML files; a YAML starts ``batchpilot serve --config``
+on a free port for its run. Every run writes ``records-<label>.csv``, ``summary.json``, the PNGs and
+``report.html`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+SUBS = ("run", "capacity", "fidelity", "padding")
+
+
+def _workload_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--workload", default="conv-embed", help="conv-embed, conv-llm or a trace file")
+    g.add_argument("--trace", default=None, help="the Azure trace CSV for conv-* (default: shared/traces)")
+    g.add_argument("--start", type=int, default=0, help="first row of the contiguous slice")
+    g.add_argument("--requests", type=int, default=None, help="rows in the slice (default: all)")
+    g.add_argument("--warmup", type=int, default=0, help="first N requests are sent but not measured")
+    g.add_argument("--warmup-s", type=float, default=0.0,
+                   help="not measured: requests due in the first S s")
+    g.add_argument("--endpoint", choices=("embeddings", "completions"), default=None,
+                   help="default: completions for conv-llm, else embeddings")
+    g.add_argument("--model", default=None, help="model name sent in requests (default: GET /v1/models)")
+    g.add_argument("--tokenizer", default=None, help="HF tokenizer for exact-length texts (default: MiniLM)")
+    g.add_argument("--prompt", choices=("ids", "text"), default="ids",
+                   help="completions prompts as token ids (exact length) or real text")
+    g.add_argument("--sla", type=float, default=1.0, help="P99 latency SLA in seconds")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--timeout", type=float, default=60.0, help="per-request timeout (s)")
+    g.add_argument("--out", default="bench-out", help="directory for records, summary and report")
+    g.add_argument("--no-progress", action="store_true")
+    g.add_argument("--serve-args", default="", help="extra args for `batchpilot serve` when a YAML is given")
+
+
+def _run_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default=None, help="server root, e.g. http://127.0.0.1:8000")
+    p.add_argument("--compare", nargs="+", default=None, metavar="URL_OR_YAML",
+                   help="several servers (URLs) and/or scheduler configs (YAML, served one after the other)")
+    p.add_argument("--rate-scale", type=float, nargs="+", default=[1.0], help="one run per value")
+    _workload_args(p)
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("bench", help="load-test a server (open loop), capacity, fidelity",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _run_args(p)
+    p.set_defaults(func=main_run, bench_command="run")
+    sub = p.add_subparsers(dest="bench_command", metavar="{run,capacity,fidelity,padding}")
+    r = sub.add_parser("run", help="replay a workload (the default)")
+    _run_args(r)
+    r.set_defaults(func=main_run)
+    c = sub.add_parser("capacity", help="highest rate scale whose P99 meets the SLA (live)")
+    c.add_argument("--url", required=True)
+    _workload_args(c)
+    c.add_argument("--probe-s", type=float, default=30.0, help="seconds of arrivals per probe")
+    c.add_argument("--start-scale", type=float, default=1.0)
+    c.add_argument("--lo", type=float, default=0.05)
+    c.add_argument("--hi", type=float, default=64.0)
+    c.add_argument("--tol", type=float, default=0.1, help="relative width at which bisection stops")
+    c.add_argument("--max-probes", type=int, default=10)
+    c.set_defaults(func=main_capacity)
+    f = sub.add_parser("fidelity", help="simulated vs measured P50/P99/throughput/batch size")
+    from .fidelity import add_arguments
+
+    add_arguments(f)
+    _workload_args(f)
+    f.set_defaults(func=_fidelity)
+    pad = sub.add_parser("padding", help="padding modes benchmark (batchpilot.bench.padding)", add_help=False)
+    pad.add_argument("args", nargs=argparse.REMAINDER)
+    pad.set_defaults(func=_padding)
+
+
+def _padding(args: argparse.Namespace) -> int:
+    from . import padding  # the ragged team's module, imported only when asked for
+
+    return int(padding.main(list(args.args)) or 0)
+
+
+def _fidelity(args: argparse.Namespace) -> int:
+    from .fidelity import main
+
+    return main(args)
+
+
+def _endpoint(args: argparse.Namespace) -> str:
+    return args.endpoint or ("completions" if args.workload == "conv-llm" else "embeddings")
+
+
+def load_args_workload(args: argparse.Namespace, rate_scale: float = 1.0) -> Any:
+    from ..sim.workloads import load_workload
+
+    return load_workload(args.workload, rate_scale, args.start, args.requests, trace=args.trace)
+
+
+def _label(target: str) -> str:
+    if target.startswith("http"):
+        return re.sub(r"^https?://", "", target).rstrip("/")
+    return Path(target).stem
+
+
+def main_run(args: argparse.Namespace) -> int:
+    from .loadgen import LoadGenConfig, build_plan, load_tokenizer, replay
+    from .records import format_summary, summarize, write_csv
+    from .report import RunData, write_report
+    from .serverproc import serve
+
+    targets = args.compare or ([args.url] if args.url else [])
+    if not targets:
+        print("batchpilot bench: give --url URL or --compare URL_OR_YAML ...", file=sys.stderr)
+        return 2
+    endpoint = _endpoint(args)
+    base = load_args_workload(args)
+    tok = load_tokenizer(args.tokenizer) if endpoint == "embeddings" or args.prompt == "text" else None
+    base_plan = build_plan(base, endpoint, tokenizer=tok, prompt=args.prompt, seed=args.seed)  # type: ignore[arg-type]
+    texts = [p.body.get("input") or p.body.get("prompt") for p in base_plan] if tok is not None else None
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs: list[RunData] = []
+    summaries: dict[str, Any] = {}
+    for target in targets:
+        is_url = target.startswith(("http://", "https://"))
+        ctx = nullcontext(target) if is_url else serve(["--config", target, *shlex.split(args.serve_args)],
+                                                       log_path=out / f"serve-{_label(target)}.log")
+        with ctx as url:
+            for k in args.rate_scale:
+                wl = base.scale_rate(k) if k != 1.0 else base
+                plan = build_plan(wl, endpoint, texts=texts, prompt=args.prompt, seed=args.seed,  # type: ignore[arg-type]
+                                  warmup_requests=args.warmup, warmup_s=args.warmup_s / k)
+                label = _label(target) + (f" x{k:g}" if len(args.rate_scale) > 1 else "")
+                cfg = LoadGenConfig(url, endpoint, args.model, args.timeout, progress=not args.no_progress)  # type: ignore[arg-type]
+                res = replay(plan, cfg, description=label)
+                s = summarize(res.records, args.sla)
+                print(format_summary(s, label))
+                safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", label)
+                write_csv(res.records, out / f"records-{safe}.csv")
+                info = {"url": url, "workload": args.workload, "rate_scale": k, "start": args.start,
+                        "requests": len(plan), "model": res.model, "endpoint": endpoint}
+                runs.append(RunData(label, res.records, s, res.metrics, info))
+                summaries[label] = {**info, **s.to_dict()}
+    (out / "summary.json").write_text(json.dumps(summaries, indent=2, default=str))
+    report = write_report(out, runs, title=f"batchpilot bench: {args.workload}", sla_s=args.sla)
+    print(f"records, summary.json and {report} written to {out}/")
+    return 0
+
+
+def main_capacity(args: argparse.Namespace) -> int:
+    from .capacity import CapacityConfig, live_capacity
+    from .loadgen import LoadGenConfig
+    from .report import write_report
+
+    cfg = CapacityConfig(sla_s=args.sla, start=args.start_scale, lo=args.lo, hi=args.hi, rel_tol=args.tol,
+                         max_probes=args.max_probes, probe_s=args.probe_s, warmup_requests=args.warmup)
+    lg = LoadGenConfig(args.url, _endpoint(args), args.model, args.timeout, progress=not args.no_progress)  # type: ignore[arg-type]
+    wl = load_args_workload(args)
+
+    def show(p: Any) -> None:
+        s = p.summary
+        print(f"  probe x{p.rate_scale:.3f}: offered {s.offered_rps:.2f} req/s, P99 {s.p99 * 1e3:.0f} ms, "
+              f"{s.num_requests - s.num_ok} failed -> {'pass' if p.passed else 'FAIL'}", flush=True)
+
+    result = live_capacity(wl, lg, cfg, on_probe=show)
+    print(result.table())
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "capacity.json").write_text(json.dumps(
+        {"rate_scale": result.rate_scale, "rps": result.rps, "sla_s": result.sla_s,
+         "probes": [{"rate_scale": p.rate_scale, "passed": p.passed, **p.summary.to_dict()}
+                    for p in result.probes]},
+        indent=2, default=str))
+    report = write_report(out, [], title=f"capacity: {args.url}", capacity=[result], sla_s=args.sla)
+    print(f"capacity.json and {report} written to {out}/")
+    return 0

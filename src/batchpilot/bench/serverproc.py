@@ -1,0 +1,68 @@
+"""Start ``batchpilot serve`` as a subprocess on a free port, wait until it answers, stop it after.
+
+Used by ``bench --compare cfg1.yaml cfg2.yaml`` (one server per config, one after the other) and by the
+fidelity check (the live server runs the same config and cost-model profile as the simulation). The
+server is a separate process so the load generator and the server do not share an event loop or a GIL
+— the same as a user pointing the tool at a running server.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_ready(url: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None,
+               log: Path | None = None) -> None:
+    """Poll ``/v1/models`` (then ``/health``) until 200; raise with the server's log if it died."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text()[-3000:] if log and log.exists() else ""
+            raise RuntimeError(f"batchpilot serve exited with {proc.returncode} before it was ready:\n{tail}")
+        for path in ("/v1/models", "/health"):
+            try:
+                if httpx.get(url + path, timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+        time.sleep(0.3)
+    raise TimeoutError(f"{url} did not answer /v1/models or /health within {timeout_s:.0f} s")
+
+
+@contextmanager
+def serve(args: Sequence[str] = (), *, port: int | None = None, log_path: str | Path | None = None,
+          ready_timeout_s: float = 180.0, env: dict[str, str] | None = None) -> Iterator[str]:
+    """``with serve(["--config", "cfg.yaml"]) as url:`` — a live batchpilot server at ``url``."""
+    port = port or free_port()
+    tmp = Path(os.environ.get("TMPDIR", "/tmp"))
+    log = Path(log_path) if log_path else tmp / f"batchpilot-serve-{port}.log"
+    cmd = [sys.executable, "-m", "batchpilot.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, ready_timeout_s, proc, log)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
