@@ -108,6 +108,7 @@ class EncoderExecutor:
         self.pad_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0)
         self.dim = int(mcfg.hidden_size) * len(self.pooling.modes)
         self._has_token_types = "token_type_ids" in self.tokenizer.model_input_names
+        self._specials = self._special_tokens()
         self._h2d = HostToDevice(self.device)
         self._ragged: Any = None
         self.lean: Any = self._load_lean() if cfg.lean_forward else None
@@ -126,7 +127,7 @@ class EncoderExecutor:
     def tokenize_ids(self, inputs: list[list[int]], truncate: bool = False) -> list[list[int]]:
         """Client-supplied token ids (OpenAI ``input`` as integer lists): validated, wrapped in the
         special tokens unless they already are, truncated (keeping the closing token) if asked."""
-        cls_id, sep_id = self.tokenizer.cls_token_id, self.tokenizer.sep_token_id
+        head, tail = self._specials
         out: list[list[int]] = []
         for i, ids in enumerate(inputs):
             ids = [int(t) for t in ids]
@@ -134,12 +135,21 @@ class EncoderExecutor:
             if bad:
                 raise ValueError(
                     f"input {i}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-            wrapped = bool(ids) and cls_id is not None and ids[0] == cls_id and ids[-1] == sep_id
-            full = ids if wrapped else self.tokenizer.build_inputs_with_special_tokens(ids)
-            if truncate and len(full) > self.max_length:
-                full = full[: self.max_length - 1] + full[-1:]
-            out.append(full)
+            wrapped = len(ids) >= len(head) + len(tail) and ids[: len(head)] == head and (
+                not tail or ids[-len(tail):] == tail)
+            body = ids[len(head) : len(ids) - len(tail)] if wrapped else ids
+            if truncate:
+                body = body[: self.max_length - len(head) - len(tail)]
+            out.append(head + body + tail)
         return self._check_lengths(out)
+
+    def _special_tokens(self) -> tuple[list[int], list[int]]:
+        """The ids the tokenizer puts before and after a text ([CLS] / [SEP], <s> / </s>...), learned
+        from the tokenizer itself so any model's template works."""
+        body = self.tokenizer("a", add_special_tokens=False)["input_ids"]
+        full = self.tokenizer("a", add_special_tokens=True)["input_ids"]
+        start = next(i for i in range(len(full)) if full[i : i + len(body)] == body)
+        return list(full[:start]), list(full[start + len(body) :])
 
     def _check_lengths(self, ids: list[list[int]]) -> list[list[int]]:
         for i, row in enumerate(ids):
