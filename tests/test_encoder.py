@@ -10,11 +10,11 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
+from pydoc_data.topics import topics
 
 import numpy as np
 import pytest
 import torch
-from pydoc_data.topics import topics
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer.modules import Pooling as STPooling
 
@@ -106,7 +106,9 @@ def test_hf_forward_equals_lean_forward(ex: EncoderExecutor, reference: np.ndarr
     assert cosines(hf, reference).min() >= COS_MIN
 
 
-def test_padding_none_is_padding_free_or_says_what_is_missing(ex: EncoderExecutor, reference: np.ndarray) -> None:
+def test_padding_none_is_padding_free_or_says_what_is_missing(
+    ex: EncoderExecutor, reference: np.ndarray
+) -> None:
     ids = ex.tokenize(TEXTS)
     batch = make_batch(ids, "none", ex.max_length)
     if importlib.util.find_spec("batchpilot.models.ragged") is None:
