@@ -156,7 +156,7 @@ def summarize(records: Sequence[RequestRecord], sla_s: float = 1.0, max_error_fr
                      for r in measured if not r.ok)
     within = int((lat <= sla_s).sum())
     # P99 over *all* measured requests, failed ones counted as infinitely late
-    all_lat = np.array([r.latency_s if r.ok else math.inf for r in measured], dtype=float)
+    all_lat = np.array([r.latency_s if r.ok else 1e12 for r in measured], dtype=float)  # 1e12: "never"
     p99_all = float(np.percentile(all_lat, 99)) if n else math.nan
     err_frac = (n - len(ok)) / n if n else 0.0
     lags = np.array([r.send_lag_s for r in measured if math.isfinite(r.sent_s)], dtype=float)

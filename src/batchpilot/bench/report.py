@@ -76,7 +76,7 @@ def _windows(run: RunData, window_s: float) -> tuple[list[float], list[float], l
     if not recs:
         return [], [], []
     sched = np.array([r.scheduled_s for r in recs])
-    lat = np.array([r.latency_s if r.ok else math.inf for r in recs])
+    lat = np.array([r.latency_s if r.ok else 1e12 for r in recs])
     rate, p50, p99 = [], [], []
     for start in np.arange(sched.min(), sched.max() + 1e-9, window_s):
         sel = (sched >= start) & (sched < start + window_s)
