@@ -109,7 +109,8 @@ def fake() -> Iterator[tuple[str, FakeServer]]:
     thread.join(10)
 
 
-def _workload(times: list[float], lengths: list[int] | None = None, outputs: list[int] | None = None) -> Workload:
+def _workload(times: list[float], lengths: list[int] | None = None,
+              outputs: list[int] | None = None) -> Workload:
     return Workload.from_columns("t", times, lengths or [8] * len(times), outputs)
 
 
@@ -245,7 +246,8 @@ def test_parse_metrics_and_histogram_mean() -> None:
 def test_report_embeds_the_plots(tmp_path: Path) -> None:
     recs = [RequestRecord(i, 0.1 * i, 8, sent_s=0.1 * i, done_s=0.1 * i + 0.05 + 0.001 * i, status=200,
                           latency_s=0.05 + 0.001 * i) for i in range(60)]
-    run = RunData("a", recs, summarize(recs), MetricsSeries([0.0, 1.0], [{"q_waiting": 0.0}, {"q_waiting": 2.0}]))
+    queue = MetricsSeries([0.0, 1.0], [{"q_waiting": 0.0}, {"q_waiting": 2.0}])
+    run = RunData("a", recs, summarize(recs), queue)
     path = write_report(tmp_path, [run], sla_s=1.0)
     page = path.read_text()
     assert page.count("data:image/png;base64,") == 3
