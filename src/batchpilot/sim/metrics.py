@@ -86,6 +86,13 @@ def peak_concurrent(start: np.ndarray, end: np.ndarray, amount: np.ndarray) -> f
     return float(np.max(np.cumsum(deltas[order]), initial=0.0))
 
 
+def batch_memory(run: SimRun) -> np.ndarray:
+    """Predicted peak bytes of every batch (the service model's memory over the recorded shapes)."""
+    rec = run.record
+    n, tokens, attn = (np.asarray(x, dtype=float) for x in (rec.b_size, rec.b_tokens, rec.b_attn))
+    return np.asarray(run.service_model.batch_memory(n, tokens, attn), dtype=float) * np.ones_like(n)
+
+
 def summarize(run: SimRun, sla_s: float = 1.0, warmup_s: float = 0.0) -> SimReport:
     rec, wl = run.record, run.workload
     arrival = wl.arrival_s
@@ -139,7 +146,7 @@ def summarize(run: SimRun, sla_s: float = 1.0, warmup_s: float = 0.0) -> SimRepo
         batch_size_hist=_hist(size),
         padded_len_hist=_hist(padded),
         utilisation=float(sum(run.stats.busy_s)) / (run.config.num_slots * run_span),
-        peak_memory_bytes=peak_concurrent(b_start, b_start + b_dur, np.asarray(rec.b_memory, dtype=float)),
+        peak_memory_bytes=peak_concurrent(b_start, b_start + b_dur, batch_memory(run)),
         queue_share=wait_stats["mean"] / mean_lat if mean_lat and mean_lat > 0 else math.nan,
     )
 
