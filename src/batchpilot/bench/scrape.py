@@ -47,8 +47,8 @@ class MetricsSeries:
 
     def queue_names(self) -> list[str]:
         """Gauges that look like a queue length (by name), for the queue-over-time plot."""
-        return [n for n in self.names() if any(h in n.lower() for h in QUEUE_HINTS)
-                and not n.endswith(("_sum", "_count", "_total", "_created"))]
+        return [n for n in self.names() if any(h in n.lower() for h in QUEUE_HINTS) and "token" not in n
+                and not n.split("{")[0].endswith(("_sum", "_count", "_total", "_created", "_seconds"))]
 
     def histogram_mean(self, name: str) -> float:
         """Mean of histogram ``name`` over the run: delta(sum) / delta(count), first to last scrape."""
