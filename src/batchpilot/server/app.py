@@ -1,0 +1,319 @@
+"""The HTTP layer: OpenAI-compatible embeddings over a Batcher, plus /v1/models, /health and /metrics.
+
+    POST /v1/embeddings ─▶ validate ─▶ tokenize (one worker thread, off the event loop) ─▶ one
+    Batcher.submit per input ─▶ wait for all, the client's disconnect, or the request timeout ─▶ JSON
+
+Errors are OpenAI-shaped (``server/errors.py``): core rejections map by reason (too long 400,
+infeasible deadline and rate limit 429, queue full and shutting down 503 with Retry-After, expired
+deadline 504), an unknown model is 404, malformed bodies 422. A client that disconnects while its
+inputs wait has them withdrawn from the queue. ``create_app`` takes a ready executor, so tests and
+benchmarks can serve any executor (the no-op one included) without the CLI.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hmac
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
+
+from ..core.config import SchedulerConfig
+from ..core.costmodel import CostModel
+from ..core.scheduler import RejectReason
+from ..runtime.batcher import Batcher
+from ..runtime.errors import ExecutionError, RequestRejected
+from ..runtime.executor import Executor
+from .config import ServerConfig
+from .errors import APIError, error_body, install_error_handlers
+from .metrics import ServerMetrics
+from .schemas import EmbeddingRequest, EmbeddingResponse, Health, ModelCard, ModelList
+
+log = logging.getLogger("batchpilot.server")
+
+_REJECT_STATUS = {RejectReason.TOO_LONG: 400, RejectReason.INFEASIBLE_DEADLINE: 429,
+                  RejectReason.RATE_LIMITED: 429, RejectReason.QUEUE_FULL: 503,
+                  RejectReason.SHUTTING_DOWN: 503, RejectReason.DEADLINE_EXPIRED: 504,
+                  RejectReason.CANCELLED: 499}
+_OPEN_PATHS = frozenset({"/health"})
+ASGIApp = Callable[[MutableMapping[str, Any], Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]],
+                   Awaitable[None]]
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+def rejection_error(exc: RequestRejected) -> APIError:
+    status = _REJECT_STATUS.get(exc.reason, 503)
+    code = "context_length_exceeded" if exc.reason is RejectReason.TOO_LONG else exc.reason.value
+    retry = exc.retry_after_s if status in (429, 503) else None
+    if status in (429, 503) and retry is None and exc.reason is not RejectReason.INFEASIBLE_DEADLINE:
+        retry = 1.0  # overload: always tell the client when to come back
+    return APIError(status, exc.message, code=code, retry_after_s=retry)
+
+
+class EmbeddingService:
+    """Everything one request needs: the executor (tokenizer + model), its Batcher, metrics, settings."""
+
+    def __init__(self, settings: ServerConfig, executor: Executor, config: SchedulerConfig,
+                 cost_model: CostModel) -> None:
+        self.settings = settings
+        self.executor = executor
+        self.metrics = ServerMetrics(config.num_slots)
+        self.batcher = Batcher(executor, config, cost_model, observer=self.metrics)
+        self.metrics.bind(self.batcher.scheduler, lambda: self.batcher.num_pending)
+        self.model_name = settings.model_name or getattr(executor, "model_name", "model")
+        self.dim = int(getattr(executor, "dim", 0)) or None
+        self.max_length = getattr(executor, "max_length", config.admission.max_length)
+        # one thread: HF fast tokenizers are not safe to share across threads, and one keeps FIFO order
+        self.tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="batchpilot-tokenize")
+        self.created = int(time.time())
+
+    def tokenize(self, texts: list[str] | None, ids: list[list[int]] | None,
+                 truncate: bool) -> list[list[int]]:
+        ex: Any = self.executor
+        if texts is not None:
+            return [list(x) for x in ex.tokenize(texts, truncate=truncate)]
+        assert ids is not None
+        if hasattr(ex, "tokenize_ids"):
+            return [list(x) for x in ex.tokenize_ids(ids, truncate=truncate)]
+        return [x[: self.max_length] if truncate else x for x in ids]
+
+    async def embed(self, body: EmbeddingRequest, request: Request) -> JSONResponse:
+        received = self.batcher.clock()
+        if body.model is not None and body.model != self.model_name:
+            raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
+                                f"{self.model_name!r}", code="model_not_found", param="model")
+        if body.dimensions is not None and body.dimensions != self.dim:
+            raise APIError(400, f"{self.model_name} returns {self.dim} dimensions and cannot shorten them; "
+                                "omit dimensions", code="unsupported_dimensions", param="dimensions")
+        texts, ids = split_input(body.input, self.settings.max_inputs)
+        priority = body.priority if body.priority is not None else _header_num(request, "x-priority", int)
+        budget_ms = body.deadline_ms if body.deadline_ms is not None else _header_num(
+            request, "x-deadline-ms", float)
+        if budget_ms is not None and budget_ms <= 0:
+            raise APIError(400, "deadline_ms must be > 0", param="deadline_ms")
+        deadline = received + budget_ms / 1000.0 if budget_ms is not None else None
+        loop = asyncio.get_running_loop()
+        try:
+            tokens = await loop.run_in_executor(self.tokenizer_pool, self.tokenize, texts, ids, body.truncate)
+        except ValueError as exc:
+            raise APIError(400, str(exc), code="context_length_exceeded", param="input") from None
+        futures: list[asyncio.Future[Any]] = []
+        try:
+            for x in tokens:
+                futures.append(self.batcher.submit_nowait(x, len(x), priority or 0, deadline))
+            results = await self._wait(futures, request)
+        except RequestRejected as exc:
+            raise rejection_error(exc) from None
+        except ExecutionError as exc:
+            raise APIError(500, str(exc), code="model_error") from None
+        finally:
+            for f in futures:
+                f.cancel()  # no-op when done; withdraws the rest when one failed or the client left
+        return JSONResponse(self._body(results, tokens, body.encoding_format))
+
+    async def _wait(self, futures: list[asyncio.Future[Any]], request: Request) -> list[Any]:
+        work = asyncio.gather(*futures)
+        watch = asyncio.ensure_future(_disconnected(request))
+        try:
+            done, _ = await asyncio.wait({work, watch}, timeout=self.settings.request_timeout_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+        if work in done:
+            return list(work.result())
+        work.cancel()
+        if watch in done:
+            raise ClientGone
+        raise APIError(504, f"not answered within {self.settings.request_timeout_s:.0f} s", code="timeout")
+
+    def _body(self, results: Sequence[Any], tokens: list[list[int]], fmt: str) -> dict[str, Any]:
+        data = []
+        for i, vec in enumerate(results):
+            arr = np.asarray(vec, dtype=np.float32)
+            if fmt == "float":
+                emb: Any = arr.tolist()
+            else:  # OpenAI's base64: little-endian float32 bytes
+                emb = base64.b64encode(arr.astype("<f4").tobytes()).decode("ascii")
+            data.append({"object": "embedding", "embedding": emb, "index": i})
+        n = sum(len(t) for t in tokens)
+        return {"object": "list", "data": data, "model": self.model_name,
+                "usage": {"prompt_tokens": n, "total_tokens": n}}
+
+    async def close(self) -> None:
+        await self.batcher.shutdown(self.settings.drain_timeout_s)
+        self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def split_input(value: Any, max_inputs: int) -> tuple[list[str] | None, list[list[int]] | None]:
+    """Normalise the four OpenAI input shapes to texts or token-id lists; empty things are 400s."""
+    if isinstance(value, str):
+        value = [value]
+    if not value:
+        raise APIError(400, "input must not be empty", code="empty_input", param="input")
+    if len(value) > max_inputs:
+        raise APIError(400, f"input has {len(value)} items; at most {max_inputs} per request",
+                       code="too_many_inputs", param="input")
+    if isinstance(value[0], int):
+        value = [value]
+    if isinstance(value[0], str):
+        for i, t in enumerate(value):
+            if not t:
+                raise APIError(400, f"input[{i}] is an empty string", code="empty_input", param="input")
+        return list(value), None
+    for i, ids in enumerate(value):
+        if not ids:
+            raise APIError(400, f"input[{i}] is an empty token list", code="empty_input", param="input")
+    return None, [list(x) for x in value]
+
+
+def _header_num(request: Request, name: str, kind: type) -> Any:
+    raw = request.headers.get(name)
+    if raw is None:
+        return None
+    try:
+        return kind(raw)
+    except ValueError:
+        raise APIError(400, f"header {name} must be a number, got {raw!r}", param=name) from None
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client goes away (the body is already read, so the next message is a disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def create_app(settings: ServerConfig, executor: Executor, config: SchedulerConfig | None = None,
+               cost_model: CostModel | None = None,
+               routers: Sequence[Callable[[CollectorRegistry], APIRouter]] = ()) -> Guard:
+    """The ASGI app to hand to uvicorn (``.app`` is the FastAPI instance, ``.state.service`` the service).
+    ``routers`` are factories given the metrics registry (how the LLM routes are mounted with ``--llm``)."""
+    svc = EmbeddingService(settings, executor, config or SchedulerConfig(),
+                           cost_model or CostModel.default_cpu_minilm())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> Any:
+        yield
+        await svc.close()
+
+    app = FastAPI(title="batchpilot", version="0.1.0", lifespan=lifespan)
+    app.state.service = svc
+    install_error_handlers(app)
+    for make_router in routers:
+        app.include_router(make_router(svc.metrics.registry))
+
+    @app.post("/v1/embeddings", response_model=EmbeddingResponse)
+    async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        t0, status = time.perf_counter(), 200
+        try:
+            return await svc.embed(body, request)
+        except APIError as exc:
+            status = exc.status
+            raise
+        except ClientGone:
+            status = 499
+            return Response(status_code=499)
+        except Exception:
+            status = 500
+            raise
+        finally:
+            svc.metrics.http_requests.labels(route="/v1/embeddings", status=str(status)).inc()
+            svc.metrics.http_latency.labels(route="/v1/embeddings").observe(time.perf_counter() - t0)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def list_models() -> ModelList:
+        return ModelList(data=[ModelCard(id=svc.model_name, created=svc.created, max_model_len=svc.max_length,
+                                         dimensions=svc.dim)])
+
+    @app.get("/health", response_model=Health, responses={503: {"model": Health}})
+    async def health() -> JSONResponse:
+        b = svc.batcher
+        body = Health(status=b.health, model=svc.model_name, queued=b.scheduler.num_waiting,  # type: ignore[arg-type]
+                      running=b.num_running, pending=b.num_pending)
+        return JSONResponse(body.model_dump(), status_code=200 if b.health == "ok" else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(svc.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return Guard(app, settings.api_key, settings.max_body_bytes)
+
+
+class Guard:
+    """ASGI wrapper: Bearer API key on every route but /health; bodies over the size limit get 413.
+
+    It sits outside FastAPI so a refused request costs no parsing; ``.app`` is the FastAPI app."""
+
+    def __init__(self, app: FastAPI, api_key: str | None, max_body_bytes: int) -> None:
+        self.app = app
+        self.state = app.state
+        self._expected = f"Bearer {api_key}".encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Callable[[], Awaitable[Any]],
+                       send: Callable[[Any], Awaitable[None]]) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        if self._expected is not None and scope["path"] not in _OPEN_PATHS and not hmac.compare_digest(
+                headers.get(b"authorization", b""), self._expected):
+            await _send_error(send, 401, "missing or wrong API key: send Authorization: Bearer <key>",
+                              "invalid_api_key")
+            return
+        length = headers.get(b"content-length")
+        if length is not None:
+            if not length.isdigit():
+                await _send_error(send, 400, "invalid Content-Length", "invalid_request")
+                return
+            if int(length) > self.max_body_bytes:
+                await _send_error(send, 413, f"request body over {self.max_body_bytes} bytes",
+                                  "body_too_large")
+                return
+        elif scope["method"] in ("POST", "PUT", "PATCH"):  # chunked: read it here, bounded, then replay it
+            chunks, size, more = [], 0, True
+            while more:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return
+                chunks.append(message.get("body", b""))
+                size += len(chunks[-1])
+                more = message.get("more_body", False)
+                if size > self.max_body_bytes:
+                    await _send_error(send, 413, f"request body over {self.max_body_bytes} bytes",
+                                      "body_too_large")
+                    return
+            receive = _replay(b"".join(chunks), receive)
+        await self.app(scope, receive, send)
+
+
+def _replay(body: bytes, receive: Callable[[], Awaitable[Any]]) -> Callable[[], Awaitable[Any]]:
+    sent = False
+
+    async def replayed() -> Any:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
+
+
+async def _send_error(send: Callable[[Any], Awaitable[None]], status: int, message: str, code: str) -> None:
+    payload = json.dumps(error_body(status, message, code=code)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})

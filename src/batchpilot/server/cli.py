@@ -1,0 +1,150 @@
+"""``batchpilot serve``: load the model, pick the cost model, build the app, run uvicorn.
+
+    batchpilot serve                                   # embedded all-MiniLM-L6-v2 on 127.0.0.1:8000
+    batchpilot serve --model PATH --config tuned.yaml --profile profile.json --port 8080
+    batchpilot serve --noop                            # a model that costs nothing (serving-path benchmarks)
+
+Cost model, in order: ``--profile`` (``CostModel.load``); else a brief bounded start-up profile of the
+loaded model (``models.profiler.profile_encoder``) unless ``--no-startup-profile``; else the stated
+default ``CostModel.default_cpu_minilm()``. The log says which was used. The API key may also come
+from ``$BATCHPILOT_API_KEY`` (keeps it out of the process list).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from typing import Any
+
+from ..core.config import PADDINGS, POLICIES, SchedulerConfig
+from ..core.costmodel import CostModel
+from .config import ServerConfig, fit_to_model, load_scheduler_config
+
+log = logging.getLogger("batchpilot.server")
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("serve", help="serve a model behind the batching layer (OpenAI-compatible)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="local HF encoder folder (default: embedded MiniLM)")
+    p.add_argument("--model-name", default=None, help="name clients use (default: the folder's name)")
+    p.add_argument("--max-length", type=int, default=None, help="max tokens per input (default: model limit)")
+    p.add_argument("--config", default=None, help="scheduler YAML (what `batchpilot tune` writes)")
+    p.add_argument("--profile", default=None, help="cost-model profile JSON (`batchpilot profile -o`)")
+    p.add_argument("--no-startup-profile", action="store_true",
+                   help="without --profile, use the built-in default cost model instead of measuring")
+    p.add_argument("--policy", choices=POLICIES, default=None, help="override the config's dispatch policy")
+    p.add_argument("--max-batch-size", type=int, default=None)
+    p.add_argument("--max-wait-ms", type=float, default=None)
+    p.add_argument("--padding", choices=PADDINGS, default=None)
+    p.add_argument("--num-slots", type=int, default=None, help="executor slots (model instances)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("BATCHPILOT_API_KEY"),
+                   help="require Authorization: Bearer KEY on every route but /health")
+    p.add_argument("--request-timeout-s", type=float, default=60.0)
+    p.add_argument("--drain-timeout-s", type=float, default=30.0)
+    p.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes)
+    p.add_argument("--noop", action="store_true", help="serve a no-op model (benchmarks of the serving path)")
+    p.add_argument("--noop-delay-ms", type=float, default=0.0, help="--noop: fixed time per batch")
+    p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--llm", action="store_true", help="also mount the LLM completion routes")
+    p.add_argument("--llm-model", default=None, help="--llm: local HF causal-LM folder")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--access-log", action="store_true", help="log every request (off: it costs throughput)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = ServerConfig(
+        host=args.host, port=args.port, model_path=args.model, model_name=args.model_name,
+        max_length=args.max_length, noop=args.noop, noop_delay_s=args.noop_delay_ms / 1000.0,
+        profile_path=args.profile, startup_profile=not args.no_startup_profile, api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes, request_timeout_s=args.request_timeout_s,
+        drain_timeout_s=args.drain_timeout_s, warmup=not args.no_warmup, llm=args.llm,
+        llm_model=args.llm_model, log_level=args.log_level)
+    sched = load_scheduler_config(args.config, policy=args.policy, max_batch_size=args.max_batch_size,
+                                  max_wait_ms=args.max_wait_ms, padding=args.padding,
+                                  num_slots=args.num_slots)
+    app = build_app(settings, sched)
+    import uvicorn
+
+    if settings.host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
+        log.warning("binding %s without --api-key: anyone who can reach this port can use the model",
+                    settings.host)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                access_log=args.access_log, timeout_graceful_shutdown=int(settings.drain_timeout_s) + 1)
+    return 0
+
+
+def build_app(settings: ServerConfig, sched: SchedulerConfig) -> Any:
+    """Load the executor and cost model, clamp the config to the model, mount the optional LLM routes."""
+    from .app import create_app
+
+    executor = load_executor(settings)
+    sched = fit_to_model(sched, int(executor.max_length))
+    cost_model = choose_cost_model(settings, executor)
+    log.info("scheduler: policy=%s max_batch_size=%d max_wait=%.1f ms padding=%s grouping=%s slots=%d",
+             sched.policy.name, sched.policy.max_batch_size, sched.policy.max_wait_s * 1e3,
+             sched.planner.padding, sched.planner.grouping, sched.num_slots)
+    routers = [_llm_router(settings)] if settings.llm else []
+    return create_app(settings, executor, sched, cost_model, routers=routers)
+
+
+def load_executor(settings: ServerConfig) -> Any:
+    if settings.noop:
+        from ..runtime.executor import NoopExecutor
+
+        log.info("model: no-op (%.1f ms per batch)", settings.noop_delay_s * 1e3)
+        return NoopExecutor(dim=384, delay_s=settings.noop_delay_s, max_length=settings.max_length or 512)
+    from ..models.encoder import EncoderConfig, EncoderExecutor
+
+    executor = EncoderExecutor(EncoderConfig(model_path=settings.model_path, model_name=settings.model_name,
+                                             max_length=settings.max_length))
+    log.info("model: %s from %s (dim %d, max %d tokens, %s forward)", executor.model_name,
+             executor.model_path, executor.dim, executor.max_length, getattr(executor, "forward_impl", "hf"))
+    if settings.warmup:
+        executor.warmup()
+    return executor
+
+
+def choose_cost_model(settings: ServerConfig, executor: Any) -> CostModel:
+    if settings.profile_path:
+        log.info("cost model: loaded from %s", settings.profile_path)
+        return CostModel.load(settings.profile_path)
+    if settings.startup_profile and not settings.noop:
+        try:
+            from ..models.profiler import profile_encoder
+        except ImportError as exc:
+            log.warning("cost model: start-up profiling unavailable (%s)", exc)
+        else:
+            log.info("cost model: no --profile; measuring a brief start-up profile "
+                     "(--no-startup-profile skips it)")
+            return startup_profile(profile_encoder, executor)
+    log.info("cost model: the built-in default (CostModel.default_cpu_minilm: MiniLM on 2 CPU cores); "
+             "run `batchpilot profile` and pass --profile for this machine's numbers")
+    return CostModel.default_cpu_minilm()
+
+
+def startup_profile(profile_encoder: Any, executor: Any) -> CostModel:
+    """The models team's bounded profile; whatever it returns (a CostModel or a profile holding one)."""
+    result = profile_encoder(executor, quick=True)
+    model = getattr(result, "cost_model", result)
+    if not isinstance(model, CostModel):
+        raise TypeError(f"profile_encoder returned {type(result).__name__}, not a cost model")
+    return model
+
+
+def _llm_router(settings: ServerConfig) -> Any:
+    """A factory the app calls with its metrics registry: ``make_llm_router(engine, registry)``."""
+    from . import llm_routes  # lazy: the LLM stack loads only with --llm
+
+    build = getattr(llm_routes, "build_llm_engine", None)
+    if build is None:
+        from ..runtime.llm_engine import build_llm_engine as build
+    engine = build(settings.llm_model)
+    log.info("llm: mounted the LLM routes (%s)", getattr(engine, "model_name", settings.llm_model))
+    return lambda registry: llm_routes.make_llm_router(engine, registry)

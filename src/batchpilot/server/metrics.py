@@ -1,0 +1,141 @@
+"""Prometheus metrics on the server's own CollectorRegistry, fed by the Batcher's observer hooks.
+
+Names (all prefixed ``batchpilot_``):
+
+    queue_length / queue_tokens / pending_requests   gauges read at scrape time from the scheduler
+    queue_time_seconds                               histogram: arrival -> dispatched in a batch
+    request_latency_seconds                          histogram: arrival -> result, per input
+    http_request_duration_seconds{route}             histogram: HTTP handler time, per request
+    http_requests_total{route,status}                counter
+    batch_size                                       histogram: requests per dispatched batch
+    batch_run_seconds                                histogram: executor wall time per call
+    useful_tokens_total / computed_tokens_total      counters: real vs computed (padded) tokens
+    padding_efficiency                               gauge: useful / computed since start
+    executor_busy_seconds_total / executor_busy_slots / executor_utilization
+    rejections_total{reason}                         counter: core RejectReason values + http reasons
+    cancellations_total{stage}                       counter: queued | running
+    batch_failures_total                             counter: executor calls that raised
+    health                                           gauge: 1 ok, 0.5 degraded, 0 draining/stopped
+
+Utilisation is ``busy seconds / (uptime × slots)``; over a window use
+``rate(batchpilot_executor_busy_seconds_total[1m]) / slots``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ..core.request import Request
+from ..core.scheduler import Batch, RejectReason
+from ..runtime.observer import BatcherObserver
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.35, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0,
+                   10.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256)
+_HEALTH = {"ok": 1.0, "degraded": 0.5, "draining": 0.0, "stopped": 0.0}
+
+
+class ServerMetrics(BatcherObserver):
+    def __init__(self, num_slots: int = 1, registry: CollectorRegistry | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.registry = r = registry or CollectorRegistry()
+        self.clock = clock
+        self.num_slots = num_slots
+        self._started = clock()
+        self._busy_since: dict[int, float] = {}
+        self._busy_total = 0.0
+        self._useful = 0
+        self._computed = 0
+        self.queue_length = Gauge("batchpilot_queue_length", "Requests waiting in the scheduler", registry=r)
+        self.queue_tokens = Gauge("batchpilot_queue_tokens", "Tokens waiting in the scheduler", registry=r)
+        self.pending = Gauge("batchpilot_pending_requests", "Accepted, not yet answered", registry=r)
+        self.queue_time = Histogram("batchpilot_queue_time_seconds", "Arrival to dispatch",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.latency = Histogram("batchpilot_request_latency_seconds", "Arrival to result, per input",
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.http_latency = Histogram("batchpilot_http_request_duration_seconds", "HTTP handler time",
+                                      ["route"], buckets=LATENCY_BUCKETS, registry=r)
+        self.http_requests = Counter("batchpilot_http_requests", "HTTP requests by route and status",
+                                     ["route", "status"], registry=r)
+        self.batch_size = Histogram("batchpilot_batch_size", "Requests per dispatched batch",
+                                    buckets=BATCH_BUCKETS, registry=r)
+        self.batch_run = Histogram("batchpilot_batch_run_seconds", "Executor wall time per call",
+                                   buckets=LATENCY_BUCKETS, registry=r)
+        self.useful_tokens = Counter("batchpilot_useful_tokens", "Real input tokens dispatched", registry=r)
+        self.computed_tokens = Counter("batchpilot_computed_tokens", "Tokens computed including padding",
+                                       registry=r)
+        Gauge("batchpilot_padding_efficiency", "Useful / computed tokens since start", registry=r
+              ).set_function(lambda: self._useful / self._computed if self._computed else 1.0)
+        self.busy_seconds = Counter("batchpilot_executor_busy_seconds", "Seconds executor slots were busy",
+                                    registry=r)
+        self.busy_slots = Gauge("batchpilot_executor_busy_slots", "Slots executing now", registry=r)
+        Gauge("batchpilot_executor_utilization", "Busy fraction of all slots since start", registry=r
+              ).set_function(self._utilization)
+        self.rejections = Counter("batchpilot_rejections", "Requests refused or dropped, by reason",
+                                  ["reason"], registry=r)
+        self.cancellations = Counter("batchpilot_cancellations", "Callers that went away", ["stage"],
+                                     registry=r)
+        self.batch_failures = Counter("batchpilot_batch_failures", "Executor calls that raised", registry=r)
+        self.health = Gauge("batchpilot_health", "1 ok, 0.5 degraded, 0 draining or stopped", registry=r)
+        self.health.set(1.0)
+        for reason in RejectReason:  # export zeros so dashboards see every reason before it happens
+            self.rejections.labels(reason=reason.value)
+
+    def bind(self, scheduler: Any, num_pending: Callable[[], int]) -> None:
+        """Read queue gauges from the live scheduler at scrape time (no per-request updates)."""
+        self.queue_length.set_function(lambda: scheduler.num_waiting)
+        self.queue_tokens.set_function(lambda: scheduler.num_waiting_tokens)
+        self.pending.set_function(num_pending)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def _utilization(self) -> float:
+        now = self.clock()
+        busy = self._busy_total + sum(now - t for t in self._busy_since.values())
+        elapsed = (now - self._started) * self.num_slots
+        return busy / elapsed if elapsed > 0 else 0.0
+
+    # -- BatcherObserver ---------------------------------------------------------------------
+    def on_reject(self, reason: RejectReason) -> None:
+        self.rejections.labels(reason=reason.value).inc()
+
+    def on_dispatch(self, batch: Batch, now: float) -> None:
+        self.batch_size.observe(batch.size)
+        observe = self.queue_time.observe
+        for r in batch.requests:
+            observe(now - r.arrival)
+        useful, computed = batch.shape.useful_tokens, batch.shape.tokens
+        self._useful += useful
+        self._computed += computed
+        self.useful_tokens.inc(useful)
+        self.computed_tokens.inc(computed)
+
+    def on_batch_done(self, batch: Batch, run_s: float, ok: bool) -> None:
+        self.batch_run.observe(run_s)
+        if not ok:
+            self.batch_failures.inc()
+
+    def on_request_done(self, request: Request, latency_s: float, ok: bool) -> None:
+        self.latency.observe(latency_s)
+
+    def on_cancel(self, request: Request, queued: bool) -> None:
+        self.cancellations.labels(stage="queued" if queued else "running").inc()
+
+    def on_slot_busy(self, slot: int, busy: bool) -> None:
+        now = self.clock()
+        if busy:
+            self._busy_since[slot] = now
+        else:
+            since = self._busy_since.pop(slot, None)
+            if since is not None:
+                self._busy_total += now - since
+                self.busy_seconds.inc(now - since)
+        self.busy_slots.set(len(self._busy_since))
+
+    def on_health(self, state: str) -> None:
+        self.health.set(_HEALTH.get(state, 0.0))

@@ -1,0 +1,69 @@
+"""Request and response bodies of the OpenAI-compatible embeddings API (pydantic v2).
+
+``input`` is strict: a string, a list of strings, a list of token ids, or a list of token-id lists —
+``[1, "a"]``, ``true`` or ``[[1], "a"]`` are 422s, never coerced. ``priority``, ``deadline_ms`` and
+``truncate`` are batchpilot extensions (the OpenAI client passes them through ``extra_body``); the
+headers ``X-Priority`` / ``X-Deadline-Ms`` set the first two without touching the body.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+
+EmbeddingInput = StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+
+
+class EmbeddingRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    input: EmbeddingInput = Field(description="text, texts, token ids, or lists of token ids")
+    model: str | None = Field(default=None, description="the served model's name (GET /v1/models)")
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, description="only the model's own dimension is supported")
+    user: str | None = None
+    priority: int | None = Field(default=None, description="lower is served first; 0 is the default class")
+    deadline_ms: float | None = Field(default=None, gt=0,
+                                      description="latency budget from receipt; infeasible -> 429")
+    truncate: bool = Field(default=False, description="cut inputs longer than the model's limit")
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str  # base64 of little-endian float32 when encoding_format is base64
+    index: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "batchpilot"
+    max_model_len: int | None = None
+    dimensions: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: Literal["ok", "degraded", "draining", "stopped"]
+    model: str
+    queued: int
+    running: int
+    pending: int
