@@ -184,8 +184,10 @@ def test_pool_equals_sentence_transformers_pooling(mode: str, side: str) -> None
     torch.testing.assert_close(got, ref["sentence_embedding"], rtol=1e-5, atol=1e-5)
 
 
-def test_any_local_hf_encoder_with_its_own_pooling(tmp_path: Path, ex: EncoderExecutor) -> None:
-    """A tiny random BERT saved locally with CLS pooling and no Normalize: same vectors as ST."""
+@pytest.mark.parametrize("mode", ["cls", "max"])
+def test_any_local_hf_encoder_with_its_own_pooling(tmp_path: Path, ex: EncoderExecutor, mode: str) -> None:
+    """A tiny random BERT saved locally with CLS / max pooling and no Normalize: same vectors as ST,
+    padded and padding-free (max pooling takes the executor's re-pad path after the ragged forward)."""
     from transformers import BertConfig, BertModel
 
     torch.manual_seed(0)
@@ -195,21 +197,22 @@ def test_any_local_hf_encoder_with_its_own_pooling(tmp_path: Path, ex: EncoderEx
     ex.tokenizer.save_pretrained(tmp_path)
     (tmp_path / "1_Pooling").mkdir()
     (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"embedding_dimension": 32,
-                                                                    "pooling_mode": "cls"}))
+                                                                    "pooling_mode": mode}))
     (tmp_path / "modules.json").write_text(json.dumps([
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
     ]))
     tiny = EncoderExecutor(EncoderConfig(model_path=str(tmp_path), device="cpu"))
     assert (tiny.dim, tiny.max_length, tiny.model_name) == (32, 128, tmp_path.name)
-    assert tiny.pooling.modes == ("cls",) and not tiny.pooling.normalize
+    assert tiny.pooling.modes == (mode,) and not tiny.pooling.normalize
     texts = ["a b", "a longer sentence about queues and batches", "x"]
     st = SentenceTransformer(str(tmp_path), device="cpu")
     st.max_seq_length = 128
     ref = st.encode(texts)
-    got = tiny.encode(texts)
-    assert cosines(got, ref).min() >= COS_MIN
-    np.testing.assert_allclose(np.linalg.norm(got, axis=1), np.linalg.norm(ref, axis=1), rtol=1e-4)
+    for padding in ("dynamic", "none"):
+        got = tiny.encode(texts, padding=padding)
+        assert cosines(got, ref).min() >= COS_MIN, padding
+        np.testing.assert_allclose(np.linalg.norm(got, axis=1), np.linalg.norm(ref, axis=1), rtol=1e-4)
 
 
 @pytest.mark.cuda

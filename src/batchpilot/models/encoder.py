@@ -8,13 +8,15 @@
     run(prepared)   the forward under ``inference_mode``, pooling + normalisation as the model folder's
                     sentence-transformers config says; one float32 vector per request, in order.
 
-The padded forward is the lean one from models/lean.py (same weights, less per-call overhead) when it
-supports the model and matches the HF forward on a probe batch at load time; otherwise HF's own.
+The forward is the lean one (models/ragged.py's RaggedEncoder, else models/lean.py's LeanEncoder: same
+weights, less per-call overhead) when it supports the model and matches the HF forward on a probe batch at
+load time; otherwise HF's own. One lean object serves both the padded and the padding-free forward.
 ``Request.payload`` is the request's token-id list (with special tokens), made by ``tokenize``.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import warnings
 from dataclasses import dataclass
@@ -111,7 +113,9 @@ class EncoderExecutor:
         self._specials = self._special_tokens()
         self._h2d = HostToDevice(self.device)
         self._ragged: Any = None
-        self.lean: Any = self._load_lean() if cfg.lean_forward else None
+        self._lean_takes_positions = False
+        self.lean: Any = None
+        self.lean = self._load_lean() if cfg.lean_forward else None
         self.forward_impl = "lean" if self.lean is not None else "hf"
 
     # -- tokenisation (request handler side) ---------------------------------------------------
@@ -195,9 +199,7 @@ class EncoderExecutor:
     def run(self, prepared: PreparedBatch) -> list[np.ndarray]:
         with torch.inference_mode():
             if prepared.ragged_ids is not None:
-                vec = self._ragged_encoder().forward(prepared.ragged_ids)
-                if self.pooling.normalize:  # idempotent: harmless if the ragged encoder normalised already
-                    vec = torch.nn.functional.normalize(vec.float(), p=2.0, dim=-1)
+                vec = self._run_ragged(prepared.ragged_ids)
             else:
                 assert prepared.staged is not None
                 t = prepared.staged.wait()
@@ -208,8 +210,11 @@ class EncoderExecutor:
         return list(arr)
 
     def _hidden(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
-        if self.lean is not None and "position_ids" not in t:
-            return self.lean.hidden_padded(t["input_ids"], t["attention_mask"])
+        if self.lean is not None:
+            if self._lean_takes_positions:
+                return self.lean.hidden_padded(t["input_ids"], t["attention_mask"], t.get("position_ids"))
+            if "position_ids" not in t:
+                return self.lean.hidden_padded(t["input_ids"], t["attention_mask"])
         kwargs = dict(t)
         if self._has_token_types:
             kwargs["token_type_ids"] = torch.zeros_like(t["input_ids"])
@@ -230,29 +235,30 @@ class EncoderExecutor:
             self.run(self.prepare(make_batch([row] * n, "dynamic", self.max_length)))
 
     def _load_lean(self) -> Any:
-        """The lean padded forward, kept only if it matches HF on a mixed-length probe (max |diff| 1e-4)."""
+        """The lean forward (models/ragged.py's RaggedEncoder, which is also the padding-free one, else
+        models/lean.py's LeanEncoder), kept only if it matches HF on a mixed-length probe batch."""
+        kwargs = {"pooling": self._simple_pooling() or "mean", "normalize": self.pooling.normalize}
+        lean: Any = None
         try:
-            from .lean import LeanEncoder
+            from .ragged import RaggedEncoder
 
-            lean = LeanEncoder.from_hf(self.model)
-        except (ImportError, ValueError, AttributeError) as exc:
-            warnings.warn(f"lean forward unavailable for {self.model_name} ({exc}); using the HF forward",
-                          stacklevel=2)
+            lean = RaggedEncoder.from_hf(self.model, **kwargs)
+        except ImportError:
+            pass
+        except (ValueError, AttributeError) as exc:
+            warnings.warn(f"lean forward unavailable for {self.model_name} ({exc}); using HF", stacklevel=2)
             return None
-        gen = torch.Generator().manual_seed(0)
-        lengths = (5, 17, 3)
-        ids = torch.full((3, 17), self.pad_id, dtype=torch.int64)
-        mask = torch.zeros_like(ids)
-        for i, n in enumerate(lengths):
-            ids[i, :n] = torch.randint(1000, min(self.vocab_size, 2000), (n,), generator=gen)
-            mask[i, :n] = 1
-        t = HostToDevice(self.device).stage({"input_ids": ids, "attention_mask": mask}).wait()
-        with torch.inference_mode():
-            ref = self.model(**t).last_hidden_state if not self._has_token_types else self.model(
-                **t, token_type_ids=torch.zeros_like(t["input_ids"])).last_hidden_state
-            got = lean.hidden_padded(t["input_ids"], t["attention_mask"])
-        m = t["attention_mask"].bool()
-        diff = float((ref[m].float() - got[m].float()).abs().max())
+        if lean is None:
+            try:
+                from .lean import LeanEncoder
+
+                lean = LeanEncoder.from_hf(self.model, **kwargs)
+            except (ImportError, ValueError, AttributeError) as exc:
+                warnings.warn(f"lean forward unavailable for {self.model_name} ({exc}); using HF",
+                              stacklevel=2)
+                return None
+        self._lean_takes_positions = "position_ids" in inspect.signature(lean.hidden_padded).parameters
+        diff = self._probe(lean)
         tol = 1e-4 if self.config.dtype == "float32" else 5e-2
         if diff > tol:
             warnings.warn(f"lean forward differs from HF by {diff:.2e} on {self.model_name}; using HF",
@@ -260,18 +266,56 @@ class EncoderExecutor:
             return None
         return lean
 
+    def _probe(self, lean: Any) -> float:
+        """Max |difference| of the real tokens' last hidden states, lean vs HF, on a seeded mixed batch
+        collated exactly as ``prepare`` would (so left padding is probed with its position ids)."""
+        gen = torch.Generator().manual_seed(0)
+        high = min(self.vocab_size, 2000)
+        ids = [torch.randint(min(1000, high - 1), high, (n,), generator=gen).tolist() for n in (5, 17, 3)]
+        t = self._h2d.stage(self._collate(ids, 17)).wait()
+        try:
+            with torch.inference_mode():
+                ref = self._hidden(t)  # self.lean is None while probing: this is HF's forward
+                self.lean = lean
+                got = self._hidden(t)
+        finally:
+            self.lean = None
+        m = t["attention_mask"].bool()
+        return float((ref[m].float() - got[m].float()).abs().max())
+
+    def _simple_pooling(self) -> str | None:
+        """The pooling the lean/ragged encoders do themselves (one of mean/cls), else None."""
+        modes = self.pooling.modes
+        return modes[0] if len(modes) == 1 and modes[0] in ("mean", "cls") else None
+
     def _ragged_encoder(self) -> Any:
         if self._ragged is None:
-            try:
-                from .ragged import RaggedEncoder
-            except ImportError as exc:
-                raise RuntimeError(
-                    "padding 'none' needs the padding-free encoder (batchpilot.models.ragged), which is not "
-                    f"available ({exc}); use padding 'dynamic' or 'bucket'"
-                ) from exc
-            self._ragged = RaggedEncoder.from_hf(self.model, pooling=self.pooling.modes[0],
-                                                 normalize=self.pooling.normalize)
+            if self.lean is not None and hasattr(self.lean, "hidden_ragged"):
+                self._ragged = self.lean  # one weight copy serves the padded and the padding-free forward
+            else:
+                try:
+                    from .ragged import RaggedEncoder
+                except ImportError as exc:
+                    raise RuntimeError(
+                        "padding 'none' needs the padding-free encoder (batchpilot.models.ragged), which is "
+                        f"not available ({exc}); use padding 'dynamic' or 'bucket'"
+                    ) from exc
+                self._ragged = RaggedEncoder.from_hf(self.model, pooling=self._simple_pooling() or "mean",
+                                                     normalize=self.pooling.normalize)
         return self._ragged
+
+    def _run_ragged(self, ids: list[list[int]]) -> torch.Tensor:
+        ragged = self._ragged_encoder()
+        if self._simple_pooling() is not None:
+            return ragged.forward(ids)  # pools (and normalises) on the packed tensor itself
+        # other pooling modes: re-pad the packed states (cheap next to the forward) and pool as usual
+        x, lengths = ragged.hidden_ragged(ids)
+        parts = torch.split(x, lengths)
+        padded = torch.nn.utils.rnn.pad_sequence(list(parts), batch_first=True)
+        mask = torch.zeros(padded.shape[:2], dtype=torch.int64, device=padded.device)
+        for i, n in enumerate(lengths):
+            mask[i, :n] = 1
+        return pool(padded, mask, self.pooling)
 
 
 def make_batch(ids: list[list[int]], padding: str, max_length: int, batch_id: int = 0) -> Batch:
