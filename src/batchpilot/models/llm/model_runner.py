@@ -1,0 +1,176 @@
+"""Runs one scheduler step on a Llama-family decoder over a paged KV cache.
+
+Every token of the step (prefill chunks and decodes alike) goes through the dense layers as one
+packed ``[T, D]`` matrix: no padding, two fused matmuls per block (qkv, gate_up) plus o and down.
+Only attention differs by chunk kind, and it reads keys/values through block tables:
+
+* decodes (1-token chunks): one batched SDPA. Keys are gathered block-wise into
+  ``[B, KV, L_max, hd]`` with a length mask; the query heads of a GQA group are folded into the query
+  axis (``[B, KV, G, hd]``) so the KV heads are never repeated.
+* prefill chunks: one SDPA each. A chunk starting at position 0 attends over its own fresh keys with
+  ``is_causal``; a later chunk (chunked prefill, prefix-cache hit) gathers its context from the cache
+  and uses an offset causal mask.
+
+Each layer writes the step's K/V into the cache (``index_copy_`` on slot numbers
+``block_table[pos // bs] * bs + pos % bs``) before attention reads it. Logits are computed only for
+chunks that sample (the last token of a finished prefill, every decode).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ...core.llm_scheduler import ScheduledChunk
+from .weights import LlamaWeights
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # same op order as HF LlamaRMSNorm, for token-identical greedy output
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LLMModelRunner:
+    """Owns the weights and the KV cache (``[layers, slots, kv_heads, head_dim]`` for K and for V)."""
+
+    def __init__(self, weights: LlamaWeights, num_kv_blocks: int, block_size: int,
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.block_size = block_size
+        self.num_kv_blocks = num_kv_blocks
+        w = weights
+        self.w = w
+        for name in ("embed", "norm", "lm_head"):
+            setattr(w, name, getattr(w, name).to(self.device, dtype))
+        for layer in w.layers:
+            for name in ("input_norm", "qkv", "o", "post_norm", "gate_up", "down"):
+                setattr(layer, name, getattr(layer, name).to(self.device, dtype))
+        self.num_heads, self.num_kv_heads, self.head_dim = w.num_heads, w.num_kv_heads, w.head_dim
+        self.group = self.num_heads // self.num_kv_heads
+        shape = (len(w.layers), num_kv_blocks * block_size, self.num_kv_heads, self.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        pos = torch.arange(w.max_position_embeddings, dtype=torch.float32)
+        freqs = pos[:, None] * w.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = (emb.cos() * w.attention_scaling).to(self.device, dtype)
+        self.sin = (emb.sin() * w.attention_scaling).to(self.device, dtype)
+        self.scale = self.head_dim**-0.5
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return 2 * self.k_cache.numel() * self.k_cache.element_size()
+
+    def _slots(self, block_table: Sequence[int], start: int, stop: int) -> torch.Tensor:
+        bs = self.block_size
+        pos = torch.arange(start, stop)
+        table = torch.tensor(block_table, dtype=torch.long)
+        return table[pos // bs] * bs + pos % bs
+
+    @torch.inference_mode()
+    def forward(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
+        """Run one step; return float32 logits ``[num_sampling_chunks, vocab]`` in chunk order."""
+        if not chunks:
+            return torch.empty(0, self.w.vocab_size)
+        dev, bs = self.device, self.block_size
+        decodes = [c for c in chunks if c.num_tokens == 1]
+        prefills = [c for c in chunks if c.num_tokens > 1]
+        ordered = decodes + prefills  # rows: decodes first, then each prefill chunk contiguously
+        ids: list[int] = []
+        positions: list[int] = []
+        slot_parts: list[torch.Tensor] = []
+        for c in ordered:
+            ids.extend(c.token_ids)
+            positions.extend(range(c.start, c.context_len))
+            slot_parts.append(self._slots(c.block_table, c.start, c.context_len))
+        slots = torch.cat(slot_parts).to(dev)
+        pos_t = torch.tensor(positions, device=dev)
+        cos, sin = self.cos[pos_t][:, None, :], self.sin[pos_t][:, None, :]
+
+        nd = len(decodes)
+        if nd:
+            ctx = torch.tensor([c.context_len for c in decodes])
+            max_blocks = int((ctx.max() + bs - 1) // bs)
+            tables = torch.zeros(nd, max_blocks, dtype=torch.long)
+            for i, c in enumerate(decodes):
+                nb = -(-c.context_len // bs)
+                tables[i, :nb] = torch.tensor(c.block_table[:nb])
+            dec_blocks = tables.view(-1).to(dev)
+            dec_mask = (torch.arange(max_blocks * bs)[None, :] < ctx[:, None]).to(dev)[:, None, None, :]
+            dec_len = max_blocks * bs
+        prefill_meta = []
+        row = nd
+        for c in prefills:
+            nb = -(-c.context_len // bs)
+            ctx_blocks = torch.tensor(c.block_table[:nb], device=dev) if c.start else None
+            mask = None
+            if c.start:
+                q_pos = torch.arange(c.start, c.context_len)[:, None]
+                mask = (torch.arange(c.context_len)[None, :] <= q_pos).to(dev)
+            prefill_meta.append((row, row + c.num_tokens, ctx_blocks, mask))
+            row += c.num_tokens
+
+        w = self.w
+        H, KV, hd, G = self.num_heads, self.num_kv_heads, self.head_dim, self.group
+        x = w.embed[torch.tensor(ids, device=dev)]
+        T = x.shape[0]
+        for li, layer in enumerate(w.layers):
+            h = _rms_norm(x, layer.input_norm, w.rms_norm_eps)
+            qkv = h @ layer.qkv.T
+            q = qkv[:, : H * hd].view(T, H, hd)
+            k = qkv[:, H * hd : (H + KV) * hd].view(T, KV, hd)
+            v = qkv[:, (H + KV) * hd :].view(T, KV, hd)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            kc, vc = self.k_cache[li], self.v_cache[li]
+            kc.index_copy_(0, slots, k)
+            vc.index_copy_(0, slots, v)
+            # gather whole blocks (bs * KV * hd contiguous values each), not single slots
+            kb, vb = kc.view(-1, bs, KV, hd), vc.view(-1, bs, KV, hd)
+            out = torch.empty(T, H, hd, dtype=x.dtype, device=dev)
+            if nd:
+                kd = kb.index_select(0, dec_blocks).view(nd, dec_len, KV, hd).transpose(1, 2)
+                vd = vb.index_select(0, dec_blocks).view(nd, dec_len, KV, hd).transpose(1, 2)
+                qd = q[:nd].view(nd, KV, G, hd)  # fold the GQA group into the query axis
+                od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=dec_mask, scale=self.scale)
+                out[:nd] = od.reshape(nd, H, hd)
+            for r0, r1, ctx_blocks, mask in prefill_meta:
+                qc = q[r0:r1].transpose(0, 1)[None]
+                if ctx_blocks is None:
+                    kp, vp = k[r0:r1], v[r0:r1]
+                else:
+                    n_ctx = mask.shape[1]
+                    kp = kb.index_select(0, ctx_blocks).view(-1, KV, hd)[:n_ctx]
+                    vp = vb.index_select(0, ctx_blocks).view(-1, KV, hd)[:n_ctx]
+                kp = kp.repeat_interleave(G, dim=1).transpose(0, 1)[None]
+                vp = vp.repeat_interleave(G, dim=1).transpose(0, 1)[None]
+                if mask is None:
+                    oc = F.scaled_dot_product_attention(qc, kp, vp, is_causal=True, scale=self.scale)
+                else:
+                    oc = F.scaled_dot_product_attention(qc, kp, vp, attn_mask=mask, scale=self.scale)
+                out[r0:r1] = oc[0].transpose(0, 1)
+            x = x + out.view(T, H * hd) @ layer.o.T
+            h = _rms_norm(x, layer.post_norm, w.rms_norm_eps)
+            gate, up = (h @ layer.gate_up.T).chunk(2, dim=-1)
+            x = x + (F.silu(gate) * up) @ layer.down.T
+
+        last_row: dict[int, int] = {}
+        for i, c in enumerate(decodes):
+            last_row[c.seq_id] = i
+        for c, (_, r1, _, _) in zip(prefills, prefill_meta, strict=True):
+            last_row[c.seq_id] = r1 - 1
+        rows = [last_row[c.seq_id] for c in chunks if c.sample]
+        if not rows:
+            return torch.empty(0, w.vocab_size)
+        h = _rms_norm(x[torch.tensor(rows, device=dev)], w.norm, w.rms_norm_eps)
+        return (h @ w.lm_head.T).float()
