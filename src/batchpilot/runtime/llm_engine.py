@@ -1,0 +1,362 @@
+"""The live LLM driver: one engine thread loops ``schedule -> model step -> sample -> update``.
+
+asyncio callers use ``generate(prompt, params) -> AsyncIterator[GenerationOutput]``; requests and
+cancellations reach the thread through a queue, tokens come back with ``call_soon_threadsafe``.
+Leaving the iterator early (client disconnect, ``break``, task cancelled) aborts the sequence and
+frees its KV blocks. The thread owns the scheduler and the model: nothing else touches them, so the
+pure core needs no locks. An exception in a step fails exactly the sequences of that step.
+
+``build_llm_engine(model_path, **engine_config)`` assembles model, tokenizer, runner and scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..core.llm_scheduler import LLMScheduler, LLMSchedulerConfig, StepPlan
+from ..core.request import IdCounter
+from ..core.sequence import SamplingParams, Sequence
+
+log = logging.getLogger("batchpilot.llm")
+
+
+class RequestRejected(ValueError):
+    """The request can never fit this engine (context length, KV pool); the message says why."""
+
+
+class EngineStopped(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationOutput:
+    """One streamed increment. ``text`` is the new text only; the last one has ``finish_reason``."""
+
+    seq_id: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """For metrics observers: a token came out at ``t`` (engine clock, ``time.monotonic``)."""
+
+    seq_id: int
+    t: float
+    ttft_s: float | None  # set on the first token
+    itl_s: float | None  # set on later tokens
+    finished: bool
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_blocks: int
+    num_free_blocks: int
+    kv_usage: float
+    fragmentation: float
+    num_preemptions: int
+    num_rejected: int
+    num_steps: int
+    num_generated_tokens: int
+    tokens_per_s: float  # output tokens over the last ``window_s``
+    prefix_cache_hit_tokens: int
+
+
+class _Stream:
+    """Per-request state on the engine side: where to deliver, incremental detokenisation, stops."""
+
+    def __init__(self, seq: Sequence, loop: asyncio.AbstractEventLoop, q: asyncio.Queue[Any]) -> None:
+        self.seq = seq
+        self.loop = loop
+        self.q = q
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""
+        self.sent_tokens = 0
+        self.last_t: float | None = None
+
+    def put(self, item: GenerationOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.q.put_nowait, item)
+
+
+class LLMEngine:
+    def __init__(self, runner: Any, tokenizer: Any, config: LLMSchedulerConfig,
+                 model_name: str = "batchpilot-llm", sampler: Any | None = None,
+                 window_s: float = 5.0) -> None:
+        from ..models.llm.sampler import Sampler
+
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.config = config
+        self.scheduler = LLMScheduler(config)
+        self.sampler = sampler or Sampler()
+        self._ids = IdCounter()
+        self._id_lock = threading.Lock()
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[int, _Stream] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.observers: list[Callable[[TokenEvent], None]] = []
+        self.window_s = window_s
+        self._recent: collections.deque[tuple[float, int]] = collections.deque()
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        self._stats = self._snapshot()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> LLMEngine:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="llm-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the thread; pending requests fail with ``EngineStopped``."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    # -- public API --------------------------------------------------------------------------
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt)["input_ids"])
+        return [int(t) for t in prompt]
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                       priority: int = 0) -> AsyncIterator[GenerationOutput]:
+        """Stream a completion. Raises ``RequestRejected`` before the first item if it can never fit."""
+        if self._thread is None or self._stopping:
+            raise EngineStopped("the LLM engine is not running")
+        params = params or SamplingParams()
+        token_ids = self.encode_prompt(prompt)
+        with self._id_lock:
+            seq_id = self._ids()
+        seq = Sequence(seq_id, token_ids, params, arrival=time.monotonic(), priority=priority)
+        reason = self.scheduler.check_fits(seq)  # pure and config-only: safe from this thread
+        if reason is not None:
+            raise RequestRejected(reason)
+        q: asyncio.Queue[Any] = asyncio.Queue()
+        stream = _Stream(seq, asyncio.get_running_loop(), q)
+        self._inbox.put(("add", stream))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if item.finish_reason is not None:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(seq_id)
+
+    def abort(self, seq_id: int) -> None:
+        self._inbox.put(("abort", seq_id))
+        self._wake.set()
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    # -- engine thread -----------------------------------------------------------------------
+    def _snapshot(self) -> EngineStats:
+        s = self.scheduler
+        b = s.block_stats()
+        now = time.monotonic()
+        while self._recent and self._recent[0][0] < now - self.window_s:
+            self._recent.popleft()
+        recent = sum(n for _, n in self._recent)
+        return EngineStats(s.num_running, s.num_waiting, b.num_blocks, b.num_free, b.usage, b.fragmentation,
+                           s.num_preemptions, s.num_rejected, self.num_steps, self.num_generated_tokens,
+                           recent / self.window_s, b.num_cache_hit_tokens)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                reason = self.scheduler.add(arg.seq)
+                if reason is not None:
+                    arg.put(RequestRejected(reason))
+                else:
+                    self._streams[arg.seq.seq_id] = arg
+            elif kind == "abort" and arg in self._streams:
+                self.scheduler.abort(arg)
+                self.sampler.forget(arg)
+                del self._streams[arg]
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            self._drain_inbox()
+            if not self.scheduler.has_unfinished():
+                self._stats = self._snapshot()
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            plan = self.scheduler.schedule()
+            try:
+                self._step(plan)
+            except Exception as exc:  # fail only this step's sequences; keep serving the rest
+                log.exception("llm step %d failed", plan.step_id)
+                for chunk in plan.chunks:
+                    stream = self._streams.pop(chunk.seq_id, None)
+                    self.scheduler.abort(chunk.seq_id)
+                    self.sampler.forget(chunk.seq_id)
+                    if stream is not None:
+                        stream.put(RuntimeError(f"generation failed: {exc}"))
+            self.num_steps += 1
+            self._stats = self._snapshot()
+        for stream in self._streams.values():
+            stream.put(EngineStopped("the LLM engine shut down"))
+        self._streams.clear()
+
+    def _step(self, plan: StepPlan) -> None:
+        if plan.is_empty:
+            return
+        logits = self.runner.forward(plan.chunks)
+        sampling = [c.seq_id for c in plan.chunks if c.sample]
+        seqs = self.scheduler.seqs
+        tokens = self.sampler.sample(logits, sampling, [seqs[i].params for i in sampling])
+        sampled = dict(zip(sampling, tokens, strict=True))
+        stopped: set[int] = set()
+        deltas: dict[int, str] = {}
+        for sid, tok in sampled.items():
+            stream = self._streams.get(sid)
+            if stream is None:
+                continue
+            delta, hit = self._detokenize(stream, tok)
+            deltas[sid] = delta
+            if hit:
+                stopped.add(sid)
+        outputs = self.scheduler.update(plan, sampled, stopped)
+        now = time.monotonic()
+        self.num_generated_tokens += len(outputs)
+        self._recent.append((now, len(outputs)))
+        for out in outputs:
+            stream = self._streams.get(out.seq_id)
+            if stream is None:
+                continue
+            seq = stream.seq
+            reason = None if out.finish_reason is None else out.finish_reason.value
+            text = deltas.get(out.seq_id, "")
+            if reason is not None and out.seq_id not in stopped:
+                text += self._flush(stream)
+            stream.put(GenerationOutput(out.seq_id, text, [out.token_id], reason, seq.num_prompt_tokens,
+                                        seq.num_output_tokens, seq.num_cached_tokens))
+            first = stream.last_t is None
+            event = TokenEvent(out.seq_id, now, now - seq.arrival if first else None,
+                               None if first else now - (stream.last_t or now), reason is not None)
+            stream.last_t = now
+            for obs in self.observers:
+                obs(event)
+            if reason is not None:
+                del self._streams[out.seq_id]
+                self.sampler.forget(out.seq_id)
+
+    def _detokenize(self, stream: _Stream, token: int) -> tuple[str, bool]:
+        """Incremental detokenisation (TGI's two offsets) and stop-string matching on the new text."""
+        ids = stream.seq.output_token_ids + [token]
+        prefix = self._decode(ids[stream.prefix_offset : stream.read_offset])
+        full = self._decode(ids[stream.prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return "", False  # an incomplete UTF-8 sequence: wait for more bytes
+        delta = full[len(prefix) :]
+        stream.prefix_offset, stream.read_offset = stream.read_offset, len(ids)
+        stops = stream.seq.params.stop
+        if stops:
+            old = len(stream.text)
+            text = stream.text + delta
+            scan_from = max(0, old - max(len(s) for s in stops) + 1)
+            cut = min((i for i in (text.find(s, scan_from) for s in stops) if i >= 0), default=-1)
+            if cut >= 0:
+                delta = text[old:cut] if cut > old else ""
+                stream.text = text[:cut]
+                return delta, True
+            stream.text = text
+        return delta, False
+
+    def _decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True)) if ids else ""
+
+    def _flush(self, stream: _Stream) -> str:
+        ids = stream.seq.output_token_ids
+        prefix = self._decode(ids[stream.prefix_offset : stream.read_offset])
+        full = self._decode(ids[stream.prefix_offset :])
+        return full[len(prefix) :] if len(full) > len(prefix) else ""
+
+
+_SCHED_FIELDS = {f.name for f in dataclasses.fields(LLMSchedulerConfig)}
+
+
+def build_llm_engine(model_path: str | None = None, **engine_config: Any) -> LLMEngine:
+    """Model, tokenizer, paged KV runner and scheduler, started and ready for ``generate``.
+
+    ``engine_config`` keys: any ``LLMSchedulerConfig`` field (``max_num_seqs``,
+    ``max_num_batched_tokens``, ``num_kv_blocks``, ``block_size``, ``max_model_len``, ``policy``,
+    ``enable_chunked_prefill``, ``enable_prefix_caching``), any ``LLMModelConfig`` field for the
+    random default model (``num_hidden_layers``, ``hidden_size``, ``seed``, ``initializer_range``, ...),
+    and ``device`` ("cpu", "cuda"), ``dtype`` ("float32", "bfloat16", "float16"), ``model_name``,
+    ``sampler_seed``, ``start`` (default True). Unknown keys are errors.
+    """
+    import torch
+
+    from ..models.llm.config import LLMModelConfig
+    from ..models.llm.model_runner import LLMModelRunner
+    from ..models.llm.sampler import Sampler
+    from ..models.llm.tokenizer import load_tokenizer
+    from ..models.llm.weights import LlamaWeights, load_hf_llama
+
+    cfg = dict(engine_config)
+    device = str(cfg.pop("device", "cpu"))
+    dtype = getattr(torch, str(cfg.pop("dtype", "float32")))
+    start = bool(cfg.pop("start", True))
+    sampler_seed = int(cfg.pop("sampler_seed", 0))
+    model_fields = {f.name for f in dataclasses.fields(LLMModelConfig)}
+    model_kw = {k: cfg.pop(k) for k in list(cfg) if k in model_fields}
+    sched_kw = {k: cfg.pop(k) for k in list(cfg) if k in _SCHED_FIELDS}
+    name = str(cfg.pop("model_name", model_path or "batchpilot-tiny-llama"))
+    if cfg:
+        raise ValueError(f"build_llm_engine: unknown option(s) {sorted(cfg)}; see the docstring for the keys")
+    model_cfg = LLMModelConfig(**model_kw)
+    hf = load_hf_llama(model_path, model_cfg, dtype=dtype)
+    weights = LlamaWeights.from_hf(hf)
+    tokenizer = load_tokenizer(model_path, model_cfg.vocab_size)
+    del hf
+    eos = set(weights.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    sched_kw.setdefault("max_model_len", weights.max_position_embeddings)
+    sched_kw.setdefault("eos_token_ids", tuple(sorted(eos)))
+    config = LLMSchedulerConfig(**sched_kw)
+    runner = LLMModelRunner(weights, config.num_kv_blocks, config.block_size, device=device, dtype=dtype)
+    engine = LLMEngine(runner, tokenizer, config, model_name=name, sampler=Sampler(sampler_seed))
+    return engine.start() if start else engine
