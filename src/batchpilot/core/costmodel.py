@@ -140,6 +140,11 @@ class CostModel:
         """Latency coefficients of (const, n, tokens, attn); 0 for features this model lacks."""
         return self._lat4
 
+    @property
+    def encoder_memory_coef(self) -> tuple[float, float, float, float]:
+        """Memory coefficients of (const, n, tokens, attn); 0 for features this model lacks."""
+        return self._mem4
+
     # -- encoder fast path: no shape object, no dict (called per decision) --------------------
     def batch_latency(self, n: float, tokens: float, attn: float) -> float:
         """Mean seconds of an encoder batch given its ``n``, computed ``tokens`` and ``attn`` work."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 from .admission import pad_length
 from .bucketing import Bucketer
@@ -51,12 +52,42 @@ class BatchPlanner:
         self.cost_model = cost_model
         self.bucketer = bucketer
         self._ragged = config.padding == "none"
+        self._tables_for = -1
+        self._pad_tab: list[int] = []
+        self._slope_tab: list[float] = []
+        self._maxn_tab: list[int] = []
+        # dp: the unused groups of the last partition, with their cost per useful token
+        self._dp_cache: list[tuple[list[Request], float]] = []
+        self._dp_key: tuple[int, int] = (0, -1)
+
+    def _refits(self) -> int:
+        return self.bucketer.num_fits if self.bucketer is not None else 0
+
+    def _tables(self) -> tuple[list[int], list[float], list[int]]:
+        """Per length 0..max_len: padded length, per-request cost slope, budget-limited batch size.
+
+        Built once (and again after a bucket refit) so the planner's inner loops only index lists.
+        """
+        fits = self._refits()
+        if fits != self._tables_for:
+            c0, c1, c2, c3 = self.cost_model.encoder_latency_coef
+            n = self.config.max_len + 1
+            self._pad_tab = [self._padded_len(x) for x in range(n)]
+            self._slope_tab = [c1 + c2 * p + c3 * p * p for p in self._pad_tab]
+            self._maxn_tab = [self._max_n(p) for p in self._pad_tab]
+            self._tables_for = fits
+        return self._pad_tab, self._slope_tab, self._maxn_tab
 
     def num_candidates(self, cap: int) -> int:
         return cap if self.config.grouping == "fifo" else cap * self.config.lookahead
 
     def padded_len(self, longest: int) -> int:
         """The padded length of a batch whose longest request is ``longest`` (per padding mode)."""
+        if longest <= self.config.max_len:
+            return self._tables()[0][longest]
+        return self._padded_len(longest)
+
+    def _padded_len(self, longest: int) -> int:
         c = self.config
         if c.padding == "none":
             return longest
@@ -92,9 +123,40 @@ class BatchPlanner:
             chosen = self._greedy(candidates, cap)
         elif grouping == "bucket":
             chosen = self._bucket(candidates, cap, urgent)
+        elif grouping == "dp":
+            cached = self._from_cache(candidates, cap, urgent)
+            chosen = cached if cached is not None else self._sorted(candidates, cap, urgent, dp=True)
         else:
-            chosen = self._sorted(candidates, cap, urgent, dp=grouping == "dp")
+            chosen = self._sorted(candidates, cap, urgent, dp=False)
         return self._make(chosen)
+
+    def _from_cache(self, candidates: Sequence[Request], cap: int, urgent: bool) -> list[Request] | None:
+        """Next group of the last DP partition, if that partition still applies.
+
+        Removing one group from an optimal partition leaves an optimal partition of the rest, so
+        while every cached request is still among the candidates (none cancelled, expired or pushed
+        out of the look-ahead by higher-priority arrivals) the remaining groups are reused and one
+        DP serves a whole look-ahead window. New arrivals join the next DP.
+        """
+        cache = self._dp_cache
+        if not cache or self._dp_key != (cap, self._refits()):
+            return None
+        if 2 * sum(len(group) for group, _ in cache) < len(candidates):
+            # The tail of a partition is its leftovers: re-plan them together with new arrivals.
+            self._dp_cache = []
+            return None
+        ids = {r.id for r in candidates}
+        if any(r.id not in ids for group, _ in cache for r in group):
+            self._dp_cache = []
+            return None
+        if urgent:
+            head = candidates[0]
+            pick = next((i for i, (group, _) in enumerate(cache) if head in group), -1)
+            if pick < 0:
+                return None
+        else:
+            pick = min(range(len(cache)), key=lambda i: cache[i][1])
+        return cache.pop(pick)[0]
 
     def _make(self, reqs: list[Request]) -> Plan:
         lengths = [r.length for r in reqs]
@@ -136,34 +198,48 @@ class BatchPlanner:
         return self._greedy([r for r, b in zip(reqs, ids, strict=True) if b == pick], cap)
 
     def _sorted(self, reqs: Sequence[Request], cap: int, urgent: bool, dp: bool) -> list[Request]:
-        order = sorted(range(len(reqs)), key=lambda i: reqs[i].length)
-        lens = [reqs[i].length for i in order]
+        by_idx = [r.length for r in reqs]
+        order = sorted(range(len(reqs)), key=by_idx.__getitem__)
+        lens = [by_idx[i] for i in order]
         k = len(lens)
-        pre = [0] * (k + 1)
-        sq = [0] * (k + 1)
-        for i, x in enumerate(lens):
-            pre[i + 1] = pre[i] + x
-            sq[i + 1] = sq[i] + x * x
-        # start[e]: the smallest s such that lens[s:e] is a feasible batch (non-decreasing in e).
+        pre = list(accumulate(lens, initial=0))
+        c0, c1, c2, c3 = self.cost_model.encoder_latency_coef
+        # start[e]: the smallest s such that lens[s:e] is a feasible batch; non-decreasing in e.
         start = [0] * (k + 1)
-        s = 0
-        for e in range(1, k + 1):
-            s = max(s, e - cap)
-            while s < e - 1:
-                tokens, attn = self._work(e - s, pre[e] - pre[s], sq[e] - sq[s], lens[e - 1])
-                if self._fits(e - s, tokens, attn):
-                    break
-                s += 1
-            start[e] = s
-        lat = self.cost_model.batch_latency
+        if self._ragged:
+            sq = list(accumulate((x * x for x in lens), initial=0))
+            s = 0
+            for e in range(1, k + 1):
+                s = max(s, e - cap)
+                while s < e - 1 and not self._fits(e - s, pre[e] - pre[s], sq[e] - sq[s]):
+                    s += 1
+                start[e] = s
 
-        def cost(s: int, e: int) -> float:
-            tokens, attn = self._work(e - s, pre[e] - pre[s], sq[e] - sq[s], lens[e - 1])
-            return lat(e - s, tokens, attn)
+            def cost(s: int, e: int) -> float:
+                return c0 + c1 * (e - s) + c2 * (pre[e] - pre[s]) + c3 * (sq[e] - sq[s])
+        else:
+            # Padded, the group lens[s:e] costs c0 + (e - s) * slope[e]: every member is padded to
+            # the group's last (longest) length. slope is non-decreasing in e.
+            slope = [0.0] * (k + 1)
+            if lens[-1] <= self.config.max_len:
+                _, slope_tab, maxn_tab = self._tables()
+                for e in range(1, k + 1):
+                    x = lens[e - 1]
+                    slope[e] = slope_tab[x]
+                    s = e - min(maxn_tab[x], cap)
+                    start[e] = s if s > 0 else 0
+            else:
+                for e in range(1, k + 1):
+                    p = self._padded_len(lens[e - 1])
+                    slope[e] = c1 + c2 * p + c3 * p * p
+                    start[e] = max(0, e - min(self._max_n(p), cap))
+
+            def cost(s: int, e: int) -> float:
+                return c0 + (e - s) * slope[e]
 
         head = order.index(0)
         if dp:
-            groups = self._partition(k, start, cost)
+            groups = _partition(k, start, cost, None if self._ragged else (c0, slope))
         else:
             groups = [(start[e], e) for e in range(1, k + 1)]
         best, best_score = (head, head + 1), _INF
@@ -174,23 +250,61 @@ class BatchPlanner:
             if score < best_score:
                 best, best_score = (s, e), score
         s, e = best
+        if dp:
+            self._dp_cache = [([reqs[i] for i in sorted(order[gs:ge])], cost(gs, ge) / (pre[ge] - pre[gs]))
+                              for gs, ge in groups if (gs, ge) != best]
+            self._dp_key = (cap, self._refits())
         return [reqs[i] for i in sorted(order[s:e])]
 
-    @staticmethod
-    def _partition(k: int, start: list[int], cost: Callable[[int, int], float]) -> list[tuple[int, int]]:
-        """Min-total-cost split of the sorted candidates into contiguous feasible groups."""
-        best = [0.0] + [_INF] * k
-        back = [0] * (k + 1)
-        for e in range(1, k + 1):
-            b, arg = _INF, e - 1
-            for s in range(start[e], e):
+    def _max_n(self, padded: int) -> int:
+        """Most requests a padded batch of this length may hold under the token and memory budgets."""
+        c = self.config
+        n = 1 << 30
+        if padded <= 0:
+            return n
+        if c.max_batch_tokens:
+            n = min(n, c.max_batch_tokens // padded)
+        if c.max_batch_memory_bytes:
+            m0, m1, m2, m3 = self.cost_model.encoder_memory_coef
+            per = m1 + m2 * padded + m3 * padded * padded
+            if per > 0:
+                n = min(n, int((c.max_batch_memory_bytes - m0) // per))
+        return max(n, 1)
+
+
+def _partition(k: int, start: list[int], cost: Callable[[int, int], float],
+               padded: tuple[float, list[float]] | None) -> list[tuple[int, int]]:
+    """Min-total-cost split of the sorted candidates into contiguous feasible groups.
+
+    ``best[e] = min over s in [start[e], e) of best[s] + cost(s, e)``. Both cost shapes here are Monge
+    (padded: c0 + (e-s)·slope[e] with slope non-decreasing; padding-free: separable), and the
+    infeasible region s < start[e] is a staircase, so the leftmost optimal split is non-decreasing in
+    e: each scan starts at the previous optimum instead of at start[e]. ``padded`` = (c0, slope)
+    inlines the padded cost (this loop is the planner's hot spot).
+    """
+    best = [0.0] + [_INF] * k
+    back = [0] * (k + 1)
+    prev = 0
+    for e in range(1, k + 1):
+        b, arg = _INF, e - 1
+        lo = start[e] if start[e] > prev else prev
+        if padded is not None:
+            a = padded[1][e]
+            for s in range(lo, e):
+                v = best[s] + (e - s) * a
+                if v < b:
+                    b, arg = v, s
+            b += padded[0]
+        else:
+            for s in range(lo, e):
                 v = best[s] + cost(s, e)
                 if v < b:
                     b, arg = v, s
-            best[e], back[e] = b, arg
-        groups: list[tuple[int, int]] = []
-        e = k
-        while e > 0:
-            groups.append((back[e], e))
-            e = back[e]
-        return groups[::-1]
+        best[e], back[e] = b, arg
+        prev = arg
+    groups: list[tuple[int, int]] = []
+    e = k
+    while e > 0:
+        groups.append((back[e], e))
+        e = back[e]
+    return groups[::-1]

@@ -6,21 +6,25 @@ entries outnumber live ones (amortised O(1)). So push is O(log n), remove O(1) +
 and the policy's aggregates (count, tokens, oldest arrival, earliest deadline, longest length) are
 cached or read off a heap top — a decision never scans the queue.
 
-``peek(k)`` lists the first k live requests in order without mutating anything: a best-first walk
-of the heap array (the k smallest of a binary heap live in its top, so the walk costs O(k log k)).
+The planner looks at the first ``lookahead × cap`` requests and dispatches any of them, not only the
+head, so removals would leave holes near the top of a heap. Those candidates therefore live in a
+sorted *front* list in front of the heap::
 
-    heap array        walk frontier (smallest first)
-       0              [0] -> pop 0, push 1,2 -> pop min(1,2), push its children ...
-     1   2
-    3 4 5 6
+    front (sorted, all live)      heap (lazy deletion)
+    [e0 < e1 < ... < e_k]    <    every live entry in the heap
+
+``peek(k)`` tops the front up with heap pops (O(log n) each, once per request) and slices it; a
+dispatched or cancelled front entry is deleted from the list at once (bisect + O(k) memmove); a new
+request whose key sorts before the front's last entry (a higher priority, an earlier deadline) is
+inserted into the front, which keeps the invariant.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator
 
 from .config import QUEUE_ORDERS, QueueOrder
 from .request import Request
@@ -41,11 +45,12 @@ class RequestQueue:
             raise ValueError(f"queue capacity must be >= 0 (0 = unbounded), got {capacity}")
         self.order: QueueOrder = order
         self.capacity = capacity
+        self._front: list[_Entry] = []
         self._heap: list[_Entry] = []
-        # FCFS order *is* arrival order, so the main heap doubles as the arrival heap.
+        # FCFS order *is* arrival order, so the main order doubles as the arrival order.
         self._arrivals: list[_TimeEntry] = []
         self._deadlines: list[_TimeEntry] = []
-        self._live: dict[int, tuple[int, Request]] = {}  # id -> (seq, request)
+        self._live: dict[int, _Entry] = {}  # id -> its entry in the front or the heap
         self._seq = 0
         self._tokens = 0
         self._len_count: dict[int, int] = {}
@@ -71,8 +76,9 @@ class RequestQueue:
 
     def head(self) -> Request | None:
         """The first request in dispatch order."""
-        self._clean(self._heap)
-        return self._heap[0][3] if self._heap else None
+        if not self._front:
+            self._fill(1)
+        return self._front[0][3] if self._front else None
 
     def oldest(self) -> Request | None:
         """The earliest-arrived waiting request (the one a wait window is measured from)."""
@@ -96,22 +102,28 @@ class RequestQueue:
     # -- mutation ----------------------------------------------------------------------------
     def push(self, req: Request) -> bool:
         """Add a request; False (and nothing changes) when the queue is at capacity."""
-        if self.is_full():
+        if self.capacity and len(self._live) >= self.capacity:
             return False
         if req.id in self._live:
             raise ValueError(f"request id {req.id} is already waiting; ids must be unique")
         seq = self._seq
         self._seq = seq + 1
-        self._live[req.id] = (seq, req)
-        deadline = _INF if req.deadline is None else req.deadline
-        if self.order == "fcfs":
-            heapq.heappush(self._heap, (req.arrival, 0.0, seq, req))
+        order = self.order
+        if order == "fcfs":
+            entry: _Entry = (req.arrival, 0.0, seq, req)
         else:
-            key0 = float(req.priority) if self.order == "priority" else deadline
-            heapq.heappush(self._heap, (key0, req.arrival, seq, req))
+            key0 = float(req.priority) if order == "priority" else (
+                _INF if req.deadline is None else req.deadline)
+            entry = (key0, req.arrival, seq, req)
             heapq.heappush(self._arrivals, (req.arrival, seq, req))
+        self._live[req.id] = entry
+        front = self._front
+        if front and entry < front[-1]:
+            bisect.insort(front, entry)
+        else:
+            heapq.heappush(self._heap, entry)
         if req.deadline is not None:
-            heapq.heappush(self._deadlines, (deadline, seq, req))
+            heapq.heappush(self._deadlines, (req.deadline, seq, req))
         self._tokens += req.length
         length = req.length
         self._len_count[length] = self._len_count.get(length, 0) + 1
@@ -121,18 +133,18 @@ class RequestQueue:
 
     def remove(self, request_id: int) -> Request | None:
         """Take one request out (cancel); returns it, or None if it is not waiting."""
-        rec = self._live.get(request_id)
-        if rec is None:
+        entry = self._live.get(request_id)
+        if entry is None:
             return None
-        self._drop(rec[1])
+        self._drop(entry)
         self._maybe_compact()
-        return rec[1]
+        return entry[3]
 
     def take(self, reqs: Iterable[Request]) -> None:
         """Remove requests that were just dispatched (they must be waiting)."""
+        live = self._live
         for req in reqs:
-            self._drop(req)
-        self._clean(self._heap)
+            self._drop(live[req.id])
         self._maybe_compact()
 
     def expire(self, now: float) -> list[Request]:
@@ -143,66 +155,74 @@ class RequestQueue:
         """
         out: list[Request] = []
         heap = self._deadlines
+        live = self._live
         while heap:
             deadline, seq, req = heap[0]
-            rec = self._live.get(req.id)
-            if rec is None or rec[0] != seq:
+            entry = live.get(req.id)
+            if entry is None or entry[2] != seq:
                 heapq.heappop(heap)
                 continue
             if deadline > now:
                 break
             heapq.heappop(heap)
-            self._drop(req)
+            self._drop(entry)
             out.append(req)
         if out:
             self._maybe_compact()
         return out
 
     def due_before(self, t: float) -> list[Request]:
-        """Waiting requests with a deadline before ``t``, earliest first (read-only walk)."""
-        return [e[2] for e in self._walk(self._deadlines, _INF, t)]
+        """Waiting requests with a deadline before ``t``, earliest first (a read-only walk of the
+        deadline heap's top: the k smallest entries of a binary heap sit in its first k levels)."""
+        heap = self._deadlines
+        out: list[Request] = []
+        if not heap:
+            return out
+        frontier = [(heap[0], 0)]
+        n = len(heap)
+        while frontier:
+            entry, i = heapq.heappop(frontier)
+            if entry[0] >= t:
+                continue
+            if self._is_live(entry[1], entry[2]):
+                out.append(entry[2])
+            for c in (2 * i + 1, 2 * i + 2):
+                if c < n:
+                    heapq.heappush(frontier, (heap[c], c))
+        return out
 
     # -- ordered reads -----------------------------------------------------------------------
     def peek(self, k: int) -> list[Request]:
         """The first ``k`` waiting requests in dispatch order, without removing them."""
-        if k >= len(self._live) and self.order == "fcfs" and len(self._heap) == len(self._live):
-            return [e[3] for e in sorted(self._heap)]
-        return [e[3] for e in self._walk(self._heap, k)]
+        if len(self._front) < k:
+            self._fill(k)
+        return [e[3] for e in self._front[:k]]
 
     def __iter__(self) -> Iterator[Request]:
-        return iter([e[3] for e in sorted(self._heap) if self._is_live(e[2], e[3])])
+        live = self._live
+        rest = [e for e in self._heap if live.get(e[3].id) is e]
+        return iter([e[3] for e in self._front + sorted(rest)])
 
     # -- internals ---------------------------------------------------------------------------
     def _is_live(self, seq: int, req: Request) -> bool:
-        rec = self._live.get(req.id)
-        return rec is not None and rec[0] == seq
+        entry = self._live.get(req.id)
+        return entry is not None and entry[2] == seq
 
-    def _walk(self, heap: Sequence[tuple[Any, ...]], k: float, stop: float = _INF) -> list[tuple[Any, ...]]:
-        """Best-first walk of a heap array: up to k live entries in order, stopping at key >= stop."""
-        out: list[tuple[Any, ...]] = []
-        n = len(heap)
-        if not n or k <= 0:
-            return out
-        live = self._live
-        frontier: list[tuple[tuple[Any, ...], int]] = [(heap[0], 0)]
-        pop, push = heapq.heappop, heapq.heappush
-        while frontier and len(out) < k:
-            entry, i = pop(frontier)
-            if entry[0] >= stop:
-                break
-            req = entry[-1]
-            rec = live.get(req.id)
-            if rec is not None and rec[0] == entry[-2]:
-                out.append(entry)
-            c = 2 * i + 1
-            if c < n:
-                push(frontier, (heap[c], c))
-                if c + 1 < n:
-                    push(frontier, (heap[c + 1], c + 1))
-        return out
+    def _fill(self, k: int) -> None:
+        front, heap, live = self._front, self._heap, self._live
+        pop = heapq.heappop
+        while len(front) < k and heap:
+            entry = pop(heap)
+            if live.get(entry[3].id) is entry:
+                front.append(entry)  # the heap minimum is >= every front entry: stays sorted
 
-    def _drop(self, req: Request) -> None:
+    def _drop(self, entry: _Entry) -> None:
+        req = entry[3]
         del self._live[req.id]
+        front = self._front
+        if front and entry <= front[-1]:
+            i = bisect.bisect_left(front, entry)
+            del front[i]
         self._tokens -= req.length
         length = req.length
         count = self._len_count[length] - 1
@@ -213,31 +233,25 @@ class RequestQueue:
             if length == self._max_len:
                 self._max_len_dirty = True
 
-    def _clean(self, heap: list[_Entry]) -> None:
-        live = self._live
-        while heap:
-            _, _, seq, req = heap[0]
-            rec = live.get(req.id)
-            if rec is not None and rec[0] == seq:
-                return
-            heapq.heappop(heap)
-
     def _clean_times(self, heap: list[_TimeEntry]) -> None:
         live = self._live
         while heap:
             _, seq, req = heap[0]
-            rec = live.get(req.id)
-            if rec is not None and rec[0] == seq:
+            entry = live.get(req.id)
+            if entry is not None and entry[2] == seq:
                 return
             heapq.heappop(heap)
 
     def _maybe_compact(self) -> None:
-        # Rebuild once stale entries outnumber live ones: O(n) every Θ(n) removals.
-        if len(self._heap) > 2 * len(self._live) + 64:
-            self._heap = [e for e in self._heap if self._is_live(e[2], e[3])]
+        # Rebuild a heap once its stale entries outnumber live ones: O(n) every Θ(n) removals.
+        live = self._live
+        in_heap = len(live) - len(self._front)
+        if len(self._heap) > 2 * in_heap + 64:
+            self._heap = [e for e in self._heap if live.get(e[3].id) is e]
             heapq.heapify(self._heap)
+        if len(self._arrivals) > 2 * len(live) + 64:
             self._arrivals = [e for e in self._arrivals if self._is_live(e[1], e[2])]
             heapq.heapify(self._arrivals)
-        if len(self._deadlines) > 2 * len(self._live) + 64:
+        if len(self._deadlines) > 2 * len(live) + 64:
             self._deadlines = [e for e in self._deadlines if self._is_live(e[1], e[2])]
             heapq.heapify(self._deadlines)
