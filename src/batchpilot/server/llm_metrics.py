@@ -1,0 +1,67 @@
+"""Prometheus metrics of the LLM engine, on the server's ``CollectorRegistry``.
+
+Gauges and counters are read from ``engine.stats()`` at scrape time (a collector: no polling thread,
+never stale); latencies are histograms fed by the engine thread through ``engine.observers``
+(prometheus_client is thread-safe). Every name starts with ``batchpilot_llm_``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.engine.stats()
+        gauges = {
+            "running_seqs": ("Sequences in the running batch", s.num_running),
+            "waiting_seqs": ("Sequences waiting for admission (incl. preempted)", s.num_waiting),
+            "kv_blocks_used": ("KV cache blocks in use", s.num_blocks - s.num_free_blocks),
+            "kv_blocks_free": ("KV cache blocks free", s.num_free_blocks),
+            "kv_usage_ratio": ("Share of KV blocks in use", s.kv_usage),
+            "kv_fragmentation_ratio": ("Share of allocated KV slots holding no token", s.fragmentation),
+            "generation_tokens_per_second": ("Output tokens per second over the recent window",
+                                             s.tokens_per_s),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(f"batchpilot_llm_{name}", doc, value=float(value))
+        counters = {
+            "preemptions": ("Sequences preempted (recompute)", s.num_preemptions),
+            "steps": ("Engine steps run", s.num_steps),
+            "generation_tokens": ("Output tokens generated", s.num_generated_tokens),
+            "prefix_cache_hit_tokens": ("Prompt tokens served from the prefix cache",
+                                        s.prefix_cache_hit_tokens),
+            "rejected_requests": ("Requests that could never fit", s.num_rejected),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(f"batchpilot_llm_{name}", doc, value=float(value))
+
+
+class LLMMetrics:
+    def __init__(self, engine: Any, registry: CollectorRegistry) -> None:
+        registry.register(_EngineCollector(engine))
+        self.ttft = Histogram("batchpilot_llm_time_to_first_token_seconds", "Arrival to first token",
+                              buckets=LATENCY_BUCKETS, registry=registry)
+        self.itl = Histogram("batchpilot_llm_inter_token_latency_seconds", "Time between output tokens",
+                             buckets=LATENCY_BUCKETS, registry=registry)
+        self.requests = Counter("batchpilot_llm_requests", "Finished LLM requests",
+                                ["route", "finish_reason"], registry=registry)
+        self.prompt_tokens = Counter("batchpilot_llm_prompt_tokens", "Prompt tokens of finished requests",
+                                     registry=registry)
+        engine.observers.append(self.on_token)
+
+    def on_token(self, event: Any) -> None:
+        if event.ttft_s is not None:
+            self.ttft.observe(event.ttft_s)
+        if event.itl_s is not None:
+            self.itl.observe(event.itl_s)

@@ -1,0 +1,171 @@
+"""OpenAI-compatible ``POST /v1/completions`` and ``POST /v1/chat/completions`` over the LLM engine.
+
+``make_llm_router(engine, registry)`` returns a router the app includes (``batchpilot serve --llm``).
+Streaming is SSE (``data: {chunk}`` lines, then ``data: [DONE]``); the first engine item is awaited
+before the response starts, so a request that can never fit gets a normal 400 error body instead of
+a broken stream. A client that disconnects mid-stream cancels the generator, which aborts the
+sequence and frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client import CollectorRegistry
+
+from ..core.request import IdCounter
+from ..runtime.llm_engine import EngineStopped, GenerationOutput, LLMEngine, RequestRejected, build_llm_engine
+from .errors import APIError
+from .llm_metrics import LLMMetrics
+from .llm_schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
+
+__all__ = ["build_llm_engine", "make_llm_router"]
+
+DEFAULT_MAX_TOKENS = 16
+
+
+def _sse(obj: dict[str, Any] | str) -> bytes:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode()
+
+
+def _usage(last: GenerationOutput) -> dict[str, Any]:
+    usage: dict[str, Any] = {"prompt_tokens": last.num_prompt_tokens,
+                             "completion_tokens": last.num_output_tokens,
+                             "total_tokens": last.num_prompt_tokens + last.num_output_tokens}
+    if last.num_cached_tokens:
+        usage["prompt_tokens_details"] = {"cached_tokens": last.num_cached_tokens}
+    return usage
+
+
+def make_llm_router(engine: LLMEngine, registry: CollectorRegistry) -> APIRouter:
+    metrics = LLMMetrics(engine, registry)
+    router = APIRouter(tags=["llm"])
+    ids = IdCounter(1)
+
+    async def start(prompt: str | list[int], body: _SamplingFields, route: str,
+                    ) -> tuple[GenerationOutput, AsyncIterator[GenerationOutput]]:
+        params = body.sampling_params(DEFAULT_MAX_TOKENS)
+        gen = engine.generate(prompt, params, priority=body.priority)
+        try:
+            first = await gen.__anext__()
+        except RequestRejected as exc:
+            metrics.requests.labels(route=route, finish_reason="rejected").inc()
+            raise APIError(400, str(exc), code="context_length_exceeded", param="max_tokens") from None
+        except EngineStopped as exc:
+            raise APIError(503, str(exc), code="engine_stopped") from None
+        return first, gen
+
+    async def collect(started: tuple[GenerationOutput, AsyncIterator[GenerationOutput]],
+                      ) -> tuple[str, GenerationOutput]:
+        first, gen = started
+        parts, last = [], first
+        async for item in _chain(first, gen):
+            parts.append(item.text)
+            last = item
+        return "".join(parts), last
+
+    def finished(route: str, last: GenerationOutput) -> None:
+        metrics.requests.labels(route=route, finish_reason=last.finish_reason or "none").inc()
+        metrics.prompt_tokens.inc(last.num_prompt_tokens)
+
+    @router.post("/v1/completions")
+    async def completions(body: CompletionRequest) -> Any:
+        route, rid, created = "/v1/completions", f"cmpl-{ids()}", int(time.time())
+        prompts = body.prompts()
+        model = body.model or engine.model_name
+        if body.stream:
+            if len(prompts) != 1:
+                raise APIError(400, "streaming takes a single prompt", code="unsupported_value",
+                               param="prompt")
+            first, gen = await start(prompts[0], body, route)
+
+            async def events() -> AsyncIterator[bytes]:
+                last = first
+                async for item in _chain(first, gen):
+                    last = item
+                    yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                                "choices": [{"index": 0, "text": item.text, "logprobs": None,
+                                             "finish_reason": item.finish_reason}]})
+                finished(route, last)
+                if body.include_usage:
+                    yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                                "choices": [], "usage": _usage(last)})
+                yield _sse("[DONE]")
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+        # all prompts enter the engine before any is awaited, so they share batches
+        started = [await start(prompt, body, route) for prompt in prompts]
+        results = await asyncio.gather(*(collect(s) for s in started))
+        for i, (text, last) in enumerate(results):
+            finished(route, last)
+            choices.append({"index": i, "text": text, "logprobs": None, "finish_reason": last.finish_reason})
+            for k, v in _usage(last).items():
+                if k in usage:
+                    usage[k] += v
+        return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                             "choices": choices, "usage": usage})
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest) -> Any:
+        route, rid, created = "/v1/chat/completions", f"chatcmpl-{ids()}", int(time.time())
+        model = body.model or engine.model_name
+        try:
+            prompt = engine.encode_chat(body.chat())
+        except APIError:
+            raise
+        except Exception as exc:  # a template that rejects the conversation (e.g. role order)
+            raise APIError(400, f"chat template failed: {exc}", code="invalid_value",
+                           param="messages") from None
+        first, gen = await start(prompt, body, route)
+        if body.stream:
+
+            def chunk(delta: dict[str, Any], reason: str | None) -> dict[str, Any]:
+                return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
+
+            async def events() -> AsyncIterator[bytes]:
+                yield _sse(chunk({"role": "assistant", "content": ""}, None))
+                last = first
+                async for item in _chain(first, gen):
+                    last = item
+                    if item.text:
+                        yield _sse(chunk({"content": item.text}, None))
+                yield _sse(chunk({}, last.finish_reason))
+                finished(route, last)
+                if body.include_usage:
+                    yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                                "model": model, "choices": [], "usage": _usage(last)})
+                yield _sse("[DONE]")
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        text, last = await collect((first, gen))
+        finished(route, last)
+        return JSONResponse({
+            "id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                         "finish_reason": last.finish_reason}],
+            "usage": _usage(last),
+        })
+
+    return router
+
+
+async def _chain(first: GenerationOutput, gen: AsyncIterator[GenerationOutput],
+                 ) -> AsyncIterator[GenerationOutput]:
+    """The primed first item, then the rest; closing this closes ``gen`` (which aborts the sequence)."""
+    try:
+        yield first
+        if first.finish_reason is None:
+            async for item in gen:
+                yield item
+    finally:
+        await gen.aclose()  # type: ignore[attr-defined]

@@ -1,0 +1,126 @@
+"""Request bodies of the OpenAI-compatible completion routes (pydantic), and their sampling params.
+
+Unknown OpenAI fields (``user``, ``logit_bias`` ...) are accepted and ignored, as most OpenAI-compatible
+servers do; fields that would change the answer and are not supported (``n > 1``, ``logprobs``,
+``echo``, penalties) are rejected with a 400 that names the field. ``top_k``, ``ignore_eos``,
+``stop_token_ids`` and ``priority`` are extensions (the ``openai`` client sends them in ``extra_body``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..core.sequence import SamplingParams
+from .errors import APIError
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    n: int = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: Any = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # extensions
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    priority: int = 0
+
+    def check_supported(self) -> None:
+        if self.n != 1:
+            raise APIError(400, "only n = 1 is supported", code="unsupported_value", param="n")
+        if self.logprobs not in (None, False, 0):
+            raise APIError(400, "logprobs are not supported", code="unsupported_value", param="logprobs")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise APIError(400, f"{name} is not supported", code="unsupported_value", param=name)
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        self.check_supported()
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stop) > 4 or any(not s for s in stop):
+            raise APIError(400, "stop takes at most 4 non-empty strings", code="invalid_value", param="stop")
+        try:
+            return SamplingParams(
+                max_tokens=self.requested_max_tokens() or default_max_tokens,
+                temperature=self.temperature,
+                top_k=self.top_k,
+                top_p=self.top_p,
+                seed=self.seed,
+                stop=tuple(stop),
+                stop_token_ids=tuple(self.stop_token_ids or ()),
+                ignore_eos=self.ignore_eos,
+            )
+        except ValueError as exc:
+            raise APIError(400, str(exc), code="invalid_value") from None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+
+    def prompts(self) -> list[str | list[int]]:
+        if self.echo:
+            raise APIError(400, "echo is not supported", code="unsupported_value", param="echo")
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise APIError(400, "prompt must not be empty", code="invalid_value", param="prompt")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        if any(p.type != "text" for p in self.content):
+            raise APIError(400, "only text content parts are supported", code="unsupported_value",
+                           param="messages")
+        return "".join(p.text or "" for p in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def chat(self) -> list[dict[str, str]]:
+        role = {"developer": "system"}
+        return [{"role": role.get(m.role, m.role), "content": m.text()} for m in self.messages]

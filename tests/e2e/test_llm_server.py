@@ -1,0 +1,159 @@
+"""The LLM routes end to end: a real uvicorn server on a free 127.0.0.1 port, real openai/httpx clients.
+
+The app here is built by hand (FastAPI + error handlers + the LLM router) so this test depends only on
+the LLM team's code; ``batchpilot serve --llm`` mounts the same router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry, generate_latest
+
+from batchpilot.runtime.llm_engine import LLMEngine, build_llm_engine
+from batchpilot.server.errors import install_error_handlers
+from batchpilot.server.llm_routes import make_llm_router
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[str, LLMEngine, CollectorRegistry]]:
+    engine = build_llm_engine(None, num_hidden_layers=2, num_kv_blocks=128, block_size=16,
+                              max_num_batched_tokens=256, max_model_len=1024)
+    registry = CollectorRegistry()
+    app = FastAPI()
+    install_error_handlers(app)
+    app.include_router(make_llm_router(engine, registry))
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started:
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", engine, registry
+    srv.should_exit = True
+    thread.join(10)
+    engine.shutdown()
+
+
+@pytest.fixture
+def client(server: tuple[str, LLMEngine, CollectorRegistry]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0)
+
+
+def test_completion_greedy_is_deterministic_with_usage(client: openai.OpenAI) -> None:
+    a = client.completions.create(model="m", prompt="The library", max_tokens=8, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    b = client.completions.create(model="m", prompt="The library", max_tokens=8, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert a.choices[0].text == b.choices[0].text and a.choices[0].text
+    assert a.choices[0].finish_reason == "length"
+    assert a.usage is not None and a.usage.completion_tokens == 8 and a.usage.prompt_tokens >= 2
+
+
+def test_streaming_completion_matches_non_streaming(client: openai.OpenAI) -> None:
+    full = client.completions.create(model="m", prompt="import os", max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    stream = client.completions.create(model="m", prompt="import os", max_tokens=12, temperature=0,
+                                       stream=True, stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+
+
+def test_chat_completion_and_stream(client: openai.OpenAI) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a list?"}]
+    kw = {"model": "m", "max_tokens": 6, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    resp = client.chat.completions.create(messages=messages, **kw)  # type: ignore[call-overload]
+    assert resp.choices[0].message.role == "assistant" and resp.usage is not None
+    assert resp.usage.completion_tokens == 6
+    stream = client.chat.completions.create(messages=messages, stream=True, **kw)  # type: ignore[call-overload]
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == resp.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
+    kw = {"model": "m", "prompt": "Hello", "max_tokens": 10, "temperature": 0.9, "top_p": 0.95, "seed": 7,
+          "extra_body": {"ignore_eos": True, "top_k": 50}}
+    first = client.completions.create(**kw).choices[0].text  # type: ignore[call-overload]
+    assert first == client.completions.create(**kw).choices[0].text  # type: ignore[call-overload]
+
+
+def test_stop_string_truncates_output(client: openai.OpenAI) -> None:
+    base = client.completions.create(model="m", prompt="A", max_tokens=20, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = base[3:6]
+    assert stop, "the greedy output is too short to pick a stop string"
+    out = client.completions.create(model="m", prompt="A", max_tokens=20, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True}).choices[0]
+    assert out.finish_reason == "stop" and out.text == base[: base.find(stop)]
+
+
+Server = tuple[str, LLMEngine, CollectorRegistry]
+
+
+def test_errors_are_openai_shaped(client: openai.OpenAI, server: Server) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="m", prompt="x", max_tokens=5000)
+    assert "context length" in str(err.value)
+    r = httpx.post(server[0] + "/v1/chat/completions", json={"messages": [], "model": "m"})
+    assert r.status_code == 422 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    r = httpx.post(server[0] + "/v1/completions", json={"prompt": "x", "n": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+
+
+def test_concurrent_requests_batch_and_cancelled_stream_frees_blocks(
+        server: tuple[str, LLMEngine, CollectorRegistry]) -> None:
+    url, engine, registry = server
+
+    async def run() -> list[str]:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            # a stream the client abandons after two events
+            async with http.stream("POST", "/v1/completions", json={
+                    "prompt": "long", "max_tokens": 500, "stream": True, "ignore_eos": True}) as resp:
+                n = 0
+                async for line in resp.aiter_lines():
+                    n += line.startswith("data:")
+                    if n == 2:
+                        break
+            bodies = await asyncio.gather(*[http.post("/v1/completions", json={
+                "prompt": f"prompt {i}", "max_tokens": 5, "temperature": 0, "ignore_eos": True})
+                for i in range(6)])
+            return [b.json()["choices"][0]["text"] for b in bodies]
+
+    before = engine.stats().num_generated_tokens
+    texts = asyncio.run(run())
+    assert len(texts) == 6
+    deadline = time.monotonic() + 20
+    while engine.stats().num_free_blocks != engine.stats().num_blocks or engine.stats().num_running:
+        assert time.monotonic() < deadline, f"blocks leaked: {engine.stats()}"
+        time.sleep(0.05)
+    # the abandoned 500-token stream was aborted, not run to its end
+    assert engine.stats().num_generated_tokens - before < 500
+    metrics = generate_latest(registry).decode()
+    for name in ("running_seqs", "waiting_seqs", "kv_blocks_used", "kv_blocks_free", "preemptions_total",
+                 "time_to_first_token_seconds_count", "inter_token_latency_seconds_count",
+                 "kv_fragmentation_ratio", "generation_tokens_per_second"):
+        assert f"batchpilot_llm_{name}" in metrics
+    assert engine.stats().num_steps > 0
