@@ -206,7 +206,7 @@ def test_stop_when_stops_sending_and_records_the_rest(fake: tuple[str, FakeServe
     assert not summarize(res.records, 0.1).sla_met
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(threshold=st.floats(0.06, 60.0), start=st.floats(0.1, 8.0))
 def test_capacity_search_brackets_a_monotone_threshold(threshold: float, start: float) -> None:
     def probe(k: float) -> object:

@@ -90,7 +90,7 @@ def run_profile(out: Path, extra: str = "") -> Path:
     import shlex
 
     path = out / "profile.json"
-    cmd = [sys.executable, "-m", "batchpilot.cli", "profile", "--out", str(path), *shlex.split(extra)]
+    cmd = [sys.executable, "-m", "batchpilot.cli", "profile", "--output", str(path), *shlex.split(extra)]
     print("profiling:", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     return path
