@@ -63,9 +63,11 @@ class EngineStats:
     num_jobs: int = 0
     busy_s: list[float] = field(default_factory=list)  # per slot
     stalled: bool = False  # work left but nothing scheduled and no wake-up: a core bug or a full stop
+    aborted: bool = False  # the target raised StopSimulation
 
 
-_DONE, _ARRIVAL, _WAKE = 0, 1, 2
+class StopSimulation(Exception):
+    """A target raises this to end the run early (e.g. the tuner: the SLA is already lost for certain)."""
 
 
 class Engine:
@@ -93,60 +95,76 @@ class Engine:
         times = np.asarray(arrivals, dtype=float)
         if times.size and (np.diff(times) < 0).any():
             raise ValueError("engine: arrival times must be sorted ascending")
-        arr = times.tolist()  # python floats: faster to index than numpy scalars in the hot loop
+        stats = EngineStats(busy_s=[0.0] * self.num_slots)
+        try:
+            self._loop(times.tolist(), until_s, stats)
+        except StopSimulation:
+            stats.aborted = True
+        return stats
+
+    def _loop(self, arr: list[float], until_s: float, stats: EngineStats) -> None:
+        # arr holds python floats (faster to index than numpy scalars); counters are locals written
+        # back in ``finally`` so an aborted run still reports them.
         n = len(arr)
         target = self.target
-        stats = EngineStats(busy_s=[0.0] * self.num_slots)
+        on_done, on_arrival, schedule = target.on_job_done, target.on_arrival, target.schedule
+        busy = stats.busy_s
         free: list[int] = list(range(self.num_slots - 1, -1, -1))  # pop() gives the lowest slot first
         running: list[tuple[float, int, Job]] = []  # (end time, seq, job)
-        seq = 0
-        wake = math.inf
-        i = 0
+        push, pop = heapq.heappush, heapq.heappop
         inf = math.inf
-        now = last = 0.0
+        wake = inf
+        i = seq = events = calls = 0
+        last = 0.0
         progress, every = self.progress, self.progress_every
         next_report = every
-        while True:
-            t_done = running[0][0] if running else inf
-            t_arr = arr[i] if i < n else inf
-            now = min(t_done, t_arr, wake)
-            if now == inf or now > until_s:
-                break
-            last = now
-            # apply every event at this instant, completions first, then arrivals, then the wake-up
-            while running and running[0][0] == now:
-                _, _, job = heapq.heappop(running)
-                free.append(job.slot)
-                stats.busy_s[job.slot] += job.duration_s
-                target.on_job_done(job, now)
-                stats.num_events += 1
-            while i < n and arr[i] == now:
-                target.on_arrival(i, now)
-                i += 1
-                stats.num_events += 1
-            if wake <= now:
-                wake = inf
-                stats.num_events += 1
-            if progress is not None and i >= next_report:
+        try:
+            while True:
+                now = running[0][0] if running else inf
+                if i < n and arr[i] < now:
+                    now = arr[i]
+                if wake < now:
+                    now = wake
+                if now == inf or now > until_s:
+                    break
+                last = now
+                # every event at this instant: completions first, then arrivals (row order), then the wake-up
+                while running and running[0][0] == now:
+                    job = pop(running)[2]
+                    free.append(job.slot)
+                    busy[job.slot] += job.duration_s
+                    on_done(job, now)
+                    events += 1
+                while i < n and arr[i] == now:
+                    on_arrival(i, now)
+                    i += 1
+                    events += 1
+                if wake <= now:
+                    wake = inf
+                    events += 1
+                if progress is not None and i >= next_report:
+                    progress(i)
+                    next_report = i + every
+                jobs, wake_at = schedule(now, len(free))
+                calls += 1
+                if jobs:
+                    if len(jobs) > len(free):
+                        raise RuntimeError(f"target started {len(jobs)} jobs with {len(free)} free slots")
+                    for job in jobs:
+                        job.slot = free.pop()
+                        job.start_s = now
+                        seq += 1
+                        push(running, (now + job.duration_s, seq, job))
+                if wake_at is None:
+                    wake = inf
+                else:
+                    # A wake-up at or before now would spin forever; nudge it to the next float instead.
+                    wake = wake_at if wake_at > now else math.nextafter(now, inf)
+        finally:
+            stats.end_s = last
+            stats.num_events = events
+            stats.num_schedule_calls = calls
+            stats.num_jobs = seq
+            stats.stalled = not running and wake == inf and bool(getattr(target, "has_pending", False))
+            if progress is not None:
                 progress(i)
-                next_report = i + every
-            jobs, wake_at = target.schedule(now, len(free))
-            stats.num_schedule_calls += 1
-            if len(jobs) > len(free):
-                raise RuntimeError(f"target started {len(jobs)} jobs with {len(free)} free slots")
-            for job in jobs:
-                job.slot = free.pop()
-                job.start_s = now
-                seq += 1
-                heapq.heappush(running, (now + job.duration_s, seq, job))
-            stats.num_jobs += len(jobs)
-            if wake_at is not None:
-                # A wake-up at or before now would spin forever; nudge it to the next float instead.
-                wake = wake_at if wake_at > now else math.nextafter(now, inf)
-            else:
-                wake = inf
-        stats.end_s = last
-        stats.stalled = not running and wake == inf and bool(getattr(target, "has_pending", False))
-        if progress is not None:
-            progress(i)
-        return stats

@@ -22,7 +22,7 @@ from ..core.config import SchedulerConfig
 from ..core.costmodel import CostModel
 from ..core.request import Request
 from ..core.scheduler import Batch, BatchScheduler, Rejection
-from .engine import Engine, EngineStats, Job
+from .engine import Engine, EngineStats, Job, StopSimulation
 from .traces import Workload
 
 DONE, PENDING, REJECTED, DROPPED = 1, 0, 2, 3
@@ -64,7 +64,11 @@ class EncoderTarget:
         noise: bool = False,
         seed: int = 0,
         request_sla_s: float | None = None,
+        stop_after_misses: tuple[float, int, float] | None = None,
     ) -> None:
+        """``stop_after_misses = (sla_s, max_misses, warmup_s)``: stop the run (``StopSimulation``) once more
+        than ``max_misses`` measured requests finished later than ``sla_s`` or failed — the tuner's
+        early exit when a probe's P99 is already lost for certain."""
         self.scheduler = scheduler
         self.workload = workload
         self.service_model = service_model or scheduler.cost_model
@@ -76,6 +80,8 @@ class EncoderTarget:
         self._lengths = workload.input_tokens.tolist()
         self._prio = workload.priority.tolist()
         self._residuals = self.service_model.rel_residuals
+        self._stop = stop_after_misses
+        self.num_misses = 0
 
     @property
     def has_pending(self) -> bool:
@@ -114,6 +120,9 @@ class EncoderTarget:
         for r in batch.requests:
             finish[r.id] = now
             status[r.id] = DONE
+        if self._stop is not None:
+            sla, _, warmup = self._stop
+            self._miss(sum(1 for r in batch.requests if now - r.arrival > sla and r.arrival >= warmup))
         shape = batch.shape
         rec.b_start.append(job.start_s)
         rec.b_duration.append(job.duration_s)
@@ -141,6 +150,13 @@ class EncoderTarget:
         rec.finish_s[rej.request.id] = now
         key = rej.reason.value
         rec.reasons[key] = rec.reasons.get(key, 0) + 1
+        if self._stop is not None and rej.request.arrival >= self._stop[2]:
+            self._miss(1)
+
+    def _miss(self, k: int) -> None:
+        self.num_misses += k
+        if self._stop is not None and self.num_misses > self._stop[1]:
+            raise StopSimulation(f"{self.num_misses} requests missed the SLA")
 
 
 @dataclass
@@ -165,12 +181,13 @@ def simulate_encoder(
     seed: int = 0,
     request_sla_s: float | None = None,
     progress: object = None,
+    stop_after_misses: tuple[float, int, float] | None = None,
 ) -> SimRun:
     """Replay ``workload`` through a fresh ``BatchScheduler(config, cost_model)`` on ``config.num_slots``."""
     config = config or SchedulerConfig()
     cost_model = cost_model or CostModel.default_cpu_minilm()
     target = EncoderTarget(BatchScheduler(config, cost_model), workload, service_model, noise, seed,
-                           request_sla_s)
+                           request_sla_s, stop_after_misses)
     engine = Engine(target, config.num_slots, progress=progress)  # type: ignore[arg-type]
     stats = engine.run(workload.arrival_s)
     return SimRun(workload, config, cost_model, target.service_model, stats, target.record)

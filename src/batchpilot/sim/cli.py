@@ -1,0 +1,200 @@
+"""``batchpilot simulate`` and ``batchpilot tune``: the simulator and the tuner on the command line.
+
+    batchpilot simulate --workload conv-embed --rate-scale 4 --config cfg.yaml [--profile p.json]
+                        [--requests N] [--plot out/]
+    batchpilot tune --workload conv-embed --sla-p99 1.0 [--profile p.json] -o best.yaml
+
+``--workload`` is a standard workload (conv-embed, conv-llm), a trace file (Azure CSV, Mooncake JSONL,
+batchpilot CSV) or a synthetic spec (``poisson:rate=20``, ``renewal:rate=20,cv=3``,
+``mmpp:rate_on=40,rate_off=4,on_s=10,off_s=30``, ``diurnal:rate=20,amplitude=0.5,period_s=600``)
+with ``--lengths`` (``lognormal:median=128,sigma=0.8``, ``bimodal:...``, ``empirical`` = conv-embed's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..core.config import SchedulerConfig
+from ..core.costmodel import CostModel
+from .synthetic import ARRIVALS, parse_spec, synthetic_workload
+from .traces import Workload
+from .workloads import STANDARD_WORKLOADS, conv_embed, load_workload
+
+LONG_RUN = 50_000  # show a progress bar from this many requests
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("simulate", help="predict latency and throughput of a config on a workload",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_args(p)
+    p.add_argument("--config", help="SchedulerConfig YAML (what `batchpilot serve --config` reads)")
+    p.add_argument("--sla", type=float, default=1.0, help="latency SLA in seconds for attainment/goodput")
+    p.add_argument("--request-sla", type=float, default=None,
+                   help="give every request this deadline (s after arrival); SLA-aware policies and "
+                        "deadline drops use it")
+    p.add_argument("--noise", action="store_true", help="draw batch times from the profile's residuals")
+    p.add_argument("--plot", metavar="DIR", help="write latency CDF, queue length and batch size PNGs here")
+    p.add_argument("--target", choices=("encoder", "llm"), default=None,
+                   help="which scheduler to drive (default: llm for conv-llm, else encoder)")
+    p.set_defaults(func=run_simulate)
+    from .tune import register as register_tune
+
+    register_tune(subparsers)
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workload", default="conv-embed",
+                   help=f"{', '.join(STANDARD_WORKLOADS)}, a trace file, or a synthetic spec "
+                        f"({', '.join(ARRIVALS)}:key=value,...)")
+    p.add_argument("--trace", help="another trace file of the Azure schema for conv-embed / conv-llm")
+    p.add_argument("--rate-scale", type=float, default=1.0, help="speed up time k times (rate x k)")
+    p.add_argument("--start", type=int, default=0, help="first row of the contiguous slice")
+    p.add_argument("--requests", type=int, default=None,
+                   help="number of rows (default: all; synthetic 10000)")
+    p.add_argument("--lengths", default="lognormal:median=128,sigma=0.8",
+                   help="synthetic lengths: lognormal:..., bimodal:..., constant:value=N, empirical")
+    p.add_argument("--warmup-s", type=float, default=0.0, help="leave requests arriving before this out")
+    p.add_argument("--profile",
+                   help="profile JSON from `batchpilot profile` (default: a stated CPU MiniLM model)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def resolve_workload(args: argparse.Namespace) -> Workload:
+    name = str(args.workload)
+    kind = parse_spec(name)[0] if ":" in name or name in ARRIVALS else ""
+    if kind in ARRIVALS and not Path(name).is_file():
+        pool = conv_embed(args.trace).input_tokens if args.lengths.startswith("empirical") else None
+        wl = synthetic_workload(name, args.requests or 10_000, args.lengths, args.seed, empirical_pool=pool)
+        return wl.scale_rate(args.rate_scale) if args.rate_scale != 1.0 else wl
+    return load_workload(name, args.rate_scale, args.start, args.requests, args.trace)
+
+
+def make_console() -> Any:
+    """A rich console; wide when output is not a terminal (logs, CI) so tables do not wrap."""
+    from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(width=160)
+
+
+def load_cost_model(args: argparse.Namespace, console: Any) -> CostModel:
+    if args.profile:
+        return CostModel.load(args.profile)
+    console.print("[yellow]no --profile: using CostModel.default_cpu_minilm() (all-MiniLM-L6-v2 on 2 shared "
+                  "CPU cores, DESIGN.md figures); run `batchpilot profile` for this machine's numbers[/]")
+    return CostModel.default_cpu_minilm()
+
+
+def load_config(path: str | None) -> SchedulerConfig:
+    if not path:
+        return SchedulerConfig()
+    import yaml
+
+    return SchedulerConfig.from_dict(yaml.safe_load(Path(path).read_text()))
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    from .metrics import summarize
+    from .target import simulate_encoder
+
+    console = make_console()
+    try:
+        workload = resolve_workload(args)
+        config = load_config(args.config)
+    except (ValueError, FileNotFoundError) as exc:
+        console.print(f"[red]batchpilot simulate: {exc}[/]")
+        return 2
+    target = args.target or ("llm" if args.workload == "conv-llm" else "encoder")
+    if target == "llm":
+        try:
+            from . import llm
+        except ImportError as exc:
+            console.print(f"[red]the LLM simulator target is not available: {exc}[/]")
+            return 2
+        return int(llm.simulate_cli(args, workload, console))
+    cost_model = load_cost_model(args, console)
+    with _progress(console, len(workload)) as progress:
+        run = simulate_encoder(workload, config, cost_model, noise=args.noise, seed=args.seed,
+                               request_sla_s=args.request_sla, progress=progress)
+    report = summarize(run, sla_s=args.sla, warmup_s=args.warmup_s)
+    console.print(report_table(report, f"{workload.name}: {len(workload)} requests, "
+                                       f"{workload.mean_rate:.2f} req/s offered"))
+    if run.stats.stalled:
+        console.print("[red]the scheduler left requests waiting with nothing scheduled (stalled)[/]")
+    if args.plot:
+        from .plots import plot_run
+
+        for path in plot_run(run, args.plot, sla_s=args.sla, title=workload.name):
+            console.print(f"wrote {path}")
+    return 0
+
+
+class _progress:
+    """A rich progress bar over arrivals for long runs; a no-op callback for short ones."""
+
+    def __init__(self, console: Any, total: int) -> None:
+        self.console, self.total = console, total
+        self._bar: Any = None
+
+    def __enter__(self) -> Any:
+        if self.total < LONG_RUN:
+            return None
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+        self._bar = Progress("simulating", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                             console=self.console, transient=True)
+        self._bar.start()
+        task = self._bar.add_task("sim", total=self.total)
+        return lambda done: self._bar.update(task, completed=done)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+
+def _ms(x: float) -> str:
+    return "-" if math.isnan(x) else ("inf" if math.isinf(x) else f"{x * 1e3:,.1f} ms")
+
+
+def report_table(report: Any, title: str) -> Any:
+    from rich.table import Table
+
+    t = Table(title=title, show_header=True, header_style="bold")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    for key in ("p50", "p90", "p99", "p99.9", "mean"):
+        t.add_row(f"latency {key}", _ms(report.latency[key]))
+    for key in ("p50", "p99", "mean"):
+        t.add_row(f"queue wait {key}", _ms(report.queue[key]))
+    t.add_row("P99 incl. rejected/dropped", _ms(report.p99_all))
+    t.add_row(f"SLA attainment (<= {report.sla_s:g} s)", f"{report.sla_attainment:.2%}")
+    t.add_row("goodput", f"{report.goodput_rps:,.2f} req/s")
+    t.add_row("throughput", f"{report.throughput_rps:,.2f} req/s, {report.throughput_tokens_s:,.0f} tok/s")
+    t.add_row("offered", f"{report.offered_rps:,.2f} req/s")
+    t.add_row("padding efficiency", f"{report.padding_efficiency:.1%}")
+    t.add_row("batches / mean size", f"{report.num_batches:,} / {report.mean_batch_size:.2f}")
+    t.add_row("mean padded length", f"{report.mean_padded_len:.1f}")
+    t.add_row("queueing share of latency", f"{report.queue_share:.1%}")
+    t.add_row("executor utilisation", f"{report.utilisation:.1%}")
+    t.add_row("predicted peak memory", f"{report.peak_memory_bytes / 2**20:,.1f} MiB")
+    t.add_row("completed / measured", f"{report.num_completed:,} / {report.num_measured:,}")
+    failures = ", ".join(f"{k}: {v}" for k, v in report.failures_by_reason.items()) or "none"
+    t.add_row("rejected / dropped / unfinished",
+              f"{report.num_rejected} / {report.num_dropped} / {report.num_unfinished} ({failures})")
+    t.add_row("batch sizes (size:count)", _top_hist(report.batch_size_hist))
+    return t
+
+
+def _top_hist(hist: dict[int, int], k: int = 6) -> str:
+    top = sorted(hist.items(), key=lambda kv: -kv[1])[:k]
+    return " ".join(f"{size}:{count}" for size, count in sorted(top))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    from ..cli import main
+
+    sys.exit(main())
