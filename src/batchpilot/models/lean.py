@@ -70,7 +70,9 @@ class LeanEncoder:
         cfg = base.config
         pos_type = getattr(cfg, "position_embedding_type", "absolute") or "absolute"
         if pos_type != "absolute":
-            raise ValueError(f"lean encoder: position_embedding_type {pos_type!r} is not supported, only absolute")
+            raise ValueError(
+                f"lean encoder: position_embedding_type {pos_type!r} is not supported, only 'absolute'"
+            )
         act = getattr(cfg, "hidden_act", "gelu")
         if act not in _ACTIVATIONS:
             raise ValueError(f"lean encoder: hidden_act {act!r} not supported; one of {sorted(_ACTIVATIONS)}")
@@ -89,7 +91,8 @@ class LeanEncoder:
         with torch.no_grad():
             self.word_emb = emb.word_embeddings.weight.detach().clone()
             # Token type is always 0 for single-segment inputs: fold that row into the position table.
-            self.pos_emb = (emb.position_embeddings.weight + emb.token_type_embeddings.weight[0]).detach().clone()
+            type0 = emb.token_type_embeddings.weight[0]
+            self.pos_emb = (emb.position_embeddings.weight + type0).detach().clone()
             self.emb_ln = (emb.LayerNorm.weight.detach().clone(), emb.LayerNorm.bias.detach().clone())
             self.layers = [self._layer(layer) for layer in base.encoder.layer]
         self.device = self.word_emb.device
@@ -142,12 +145,22 @@ class LeanEncoder:
         return F.normalize(pooled, p=2.0, dim=-1) if self.normalize else pooled
 
     # -- padded forward -------------------------------------------------------------------------
-    def hidden_padded(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Last hidden states ``[B, L, H]`` of a right- or left-padded batch, as HF computes them."""
+    def hidden_padded(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Last hidden states ``[B, L, H]`` of a padded batch, as HF computes them.
+
+        ``position_ids`` as HF takes them (give them for left padding; default: HF's own rule).
+        """
         b, n = input_ids.shape
         input_ids = input_ids.to(self.device)
         all_real = attention_mask is None or bool(attention_mask.all())
-        if self.padding_idx is None:
+        if position_ids is not None:
+            positions = position_ids.to(self.device)
+        elif self.padding_idx is None:
             positions = torch.arange(n, device=self.device).expand(b, n)
         else:  # fairseq positions, exactly HF's create_position_ids_from_input_ids
             m = input_ids.ne(self.padding_idx).long()
@@ -162,7 +175,9 @@ class LeanEncoder:
             x = self.post_attention(lw, x, ctx.transpose(1, 2).reshape(b, n, self.hidden))
         return x
 
-    def forward_padded(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_padded(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Pooled (and normalised when configured) embeddings ``[B, H]`` of a padded batch."""
         with torch.inference_mode():
             x = self.hidden_padded(input_ids, attention_mask)

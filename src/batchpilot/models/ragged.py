@@ -42,7 +42,9 @@ def _flash_varlen() -> Any:
 class RaggedEncoder(LeanEncoder):
     """Padding-free encoder over HF weights; also offers the lean padded forward it inherits."""
 
-    def __init__(self, model: Any, pooling: str = "mean", normalize: bool = False, attention: str = "auto") -> None:
+    def __init__(
+        self, model: Any, pooling: str = "mean", normalize: bool = False, attention: str = "auto"
+    ) -> None:
         super().__init__(model, pooling=pooling, normalize=normalize)
         if attention not in ATTENTIONS:
             raise ValueError(f"ragged encoder: attention must be one of {ATTENTIONS}, got {attention!r}")
@@ -103,9 +105,8 @@ class RaggedEncoder(LeanEncoder):
             out = fn(qkv[:, 0], qkv[:, 1], qkv[:, 2], offsets.int(), offsets.int(), m, m)
             return out.reshape(t, self.hidden)
         # nested: [B, j, heads, hd] jagged -> [B, heads, j, hd] for SDPA, back to packed values
-        q, k, v = (
-            torch.nested.nested_tensor_from_jagged(qkv[:, i].contiguous(), offsets).transpose(1, 2) for i in range(3)
-        )
+        nt = torch.nested.nested_tensor_from_jagged
+        q, k, v = (nt(qkv[:, i].contiguous(), offsets).transpose(1, 2) for i in range(3))
         out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
         return out.values().reshape(t, self.hidden)
 
@@ -146,7 +147,7 @@ class RaggedEncoder(LeanEncoder):
                 starts = torch.tensor([0, *lengths[:-1]], device=x.device).cumsum(0)
                 return self.finish(x[starts])
             seg = torch.repeat_interleave(torch.arange(len(lengths), device=x.device), torch.tensor(lengths))
-            sums = torch.zeros(len(lengths), self.hidden, dtype=x.dtype, device=x.device).index_add_(0, seg, x)
+            sums = x.new_zeros(len(lengths), self.hidden).index_add_(0, seg, x)
             return self.finish(sums / torch.tensor(lengths, dtype=x.dtype, device=x.device)[:, None])
 
     __call__ = forward
