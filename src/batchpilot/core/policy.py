@@ -223,9 +223,10 @@ class SlaPolicy(Policy):
             return Dispatch(cap, False, "no arrivals expected")
         lat_n = self.estimator.latency(n, s)
         gap_star = (n + 1) * lat_n / n - self.estimator.latency(n + 1, s)
-        if self.expected_gap(now) >= gap_star:
+        until = min(latest, self.last_arrival + gap_star)
+        if self.expected_gap(now) >= gap_star or until <= now:
             return Dispatch(cap, False, "throughput")
-        return Wait(min(latest, self.last_arrival + gap_star))
+        return Wait(until)
 
 
 class AimdPolicy(Policy):

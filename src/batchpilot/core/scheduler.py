@@ -28,7 +28,7 @@ from .bucketing import Bucketer
 from .config import SchedulerConfig
 from .costmodel import BatchShape, CostModel
 from .planner import BatchPlanner
-from .policy import Policy, QueueState, Wait, make_policy
+from .policy import Dispatch, Policy, QueueState, Wait, make_policy
 from .queue import RequestQueue
 from .request import IdCounter, Request
 
@@ -162,8 +162,11 @@ class BatchScheduler:
         while free_slots > 0 and q:
             decision = policy.decide(now, self._state(free_slots))
             if isinstance(decision, Wait):
-                wake = decision.until
-                break
+                if decision.until is None or decision.until > now:
+                    wake = decision.until
+                    break
+                # A wake-up that is already due is due now; waiting on it would stall a virtual clock.
+                decision = Dispatch(policy.batch_cap, True, "due")
             cap = decision.max_size
             plan = planner.plan(q.peek(planner.num_candidates(cap)), cap, decision.urgent)
             q.take(plan.requests)
