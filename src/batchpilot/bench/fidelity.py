@@ -1,16 +1,19 @@
 """Does the simulator predict the live server? profile -> simulate -> serve -> replay -> compare.
 
 1. Cost model: ``--profile profile.json`` or a fresh ``batchpilot profile`` run.
-2. Capacity from the simulator: the highest rate scale of the slice whose simulated P99 meets the SLA
-   (the same ``search_capacity`` as the live search, with a simulated probe).
+2. Capacity from the simulator: the highest rate scale of the slice whose simulated P99 meets the SLA,
+   found with the tuner's own capacity search (``sim.tune.Tuner.capacity``).
 3. For each load (default 50% and 80% of that capacity): simulate the slice at that rate scale with
-   the config and cost model (prediction), then start ``batchpilot serve`` with the same config and
-   profile on a free port and replay the same rows at the same times (measurement).
-4. Table: predicted vs measured P50, P99, throughput and mean batch size (measured from the server's
-   batch-size histogram on ``/metrics``), error and whether it is inside the target (P50/P99 10%,
-   throughput 5%).
-5. Tuner check (``--tuned-config``): the tuner's config against the default, both measured live at
-   the same loads — goodput (requests within the SLA per second) ratio, plus the simulator's ratio.
+   the config and cost model (prediction); start ``batchpilot serve`` with the same config and profile
+   on a free port, warm it, and replay the same rows at the same times (measurement).
+4. Table: predicted vs measured P50, P99, throughput, mean batch size (the server's
+   ``batchpilot_batch_size`` histogram), with the targets (P50/P99 10%, throughput 5%).
+5. Diagnosis, from the server's own histograms over the same run: where the measured latency goes
+   (client HTTP + tokenisation outside the batcher, queueing, executor) against the simulator's split,
+   and the executor's mean time per batch against the cost model's prediction for the same mean shape.
+6. Tuner check (``--tuned-config`` or ``--tune``): the tuner's config against the default, both live:
+   capacity (highest rate with P99 <= SLA, the DESIGN's goodput) by a bounded live search, and the
+   goodput (requests within the SLA per second) at one shared rate — ratios beside the simulator's.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import subprocess
 import sys
 import time
@@ -28,14 +32,15 @@ from typing import Any
 from ..core.config import SchedulerConfig
 from ..core.costmodel import CostModel
 from ..sim.traces import Workload
-from .capacity import CapacityConfig, CapacityResult, search_capacity, wait_idle
+from .capacity import CapacityConfig, live_capacity, wait_idle
 from .loadgen import LoadGenConfig, build_plan, load_tokenizer, replay
-from .records import Summary, format_summary, summarize, write_csv
+from .records import RequestRecord, Summary, format_summary, summarize, write_csv
 from .report import RunData, html_table, write_report
 from .scrape import MetricsSeries
 from .serverproc import serve
 
 TARGETS = {"p50": 0.10, "p99": 0.10, "throughput": 0.05}
+DEFAULT_REQUESTS = 400
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,7 +51,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loads", type=float, nargs="+", default=[0.5, 0.8],
                    help="fractions of simulated capacity")
     p.add_argument("--noise", action="store_true", help="simulate with sampled residual noise")
-    p.add_argument("--tuned-config", default=None, help="tuner's YAML: measure its goodput vs the default")
+    p.add_argument("--tuned-config", default=None, help="tuner's YAML: measure it live against the default")
+    p.add_argument("--tune", action="store_true",
+                   help="run `batchpilot tune` on the slice for the tuner check")
+    p.add_argument("--tune-args", default="--candidates 32", help="extra args for `batchpilot tune`")
+    p.add_argument("--probe-s", type=float, default=20.0, help="tuner check: seconds of arrivals per probe")
     p.add_argument("--warmup-requests", type=int, default=30, help="unmeasured requests before each live run")
 
 
@@ -58,8 +67,16 @@ def load_config(path: str | None) -> SchedulerConfig:
     return SchedulerConfig.from_dict(yaml.safe_load(Path(path).read_text()))
 
 
-def sim_summary(workload: Workload, config: SchedulerConfig, cost_model: CostModel, sla_s: float,
-                noise: bool = False, seed: int = 0) -> tuple[Summary, Any]:
+@dataclass
+class Prediction:
+    summary: Summary
+    report: Any  # sim.metrics.SimReport
+    mean_batch_s: float  # mean simulated executor time per batch
+    mean_queue_s: float
+
+
+def simulate(workload: Workload, config: SchedulerConfig, cost_model: CostModel, sla_s: float,
+             noise: bool = False, seed: int = 0) -> Prediction:
     """Simulate ``workload`` and express the result as a ``Summary`` (plus the simulator's own report)."""
     from ..sim.metrics import summarize as sim_summarize
     from ..sim.target import simulate_encoder
@@ -72,85 +89,136 @@ def sim_summary(workload: Workload, config: SchedulerConfig, cost_model: CostMod
                 duration_s=rep.num_completed / rep.throughput_rps if rep.throughput_rps else 0.0,
                 offered_rps=rep.offered_rps, throughput_rps=rep.throughput_rps, goodput_rps=rep.goodput_rps,
                 sla_s=sla_s, sla_met=bool(rep.p99_all <= sla_s), latency=lat,
-                latency_mean_s=rep.latency["mean"],
-                latency_max_s=math.nan, send_lag={"p50": 0.0, "p99": 0.0}, send_lag_max_s=0.0,
+                latency_mean_s=rep.latency["mean"], latency_max_s=math.nan,
+                send_lag={"p50": 0.0, "p99": 0.0}, send_lag_max_s=0.0,
                 errors={"rejected/dropped/unfinished": failed} if failed else {})
-    return s, rep
+    dur = run.record.b_duration
+    return Prediction(s, rep, sum(dur) / len(dur) if dur else math.nan, rep.queue["mean"])
 
 
 def sim_capacity(workload: Workload, config: SchedulerConfig, cost_model: CostModel, sla_s: float,
-                 noise: bool = False) -> CapacityResult:
-    cfg = CapacityConfig(sla_s=sla_s, rel_tol=0.02, max_probes=30, hi=256.0)
-    return search_capacity(lambda k: sim_summary(workload.scale_rate(k), config, cost_model, sla_s, noise)[0],
-                           cfg)
+                 noise: bool = False) -> Any:
+    """The tuner's capacity search for one config: a ``sim.tune.Candidate`` with ``capacity`` (rate
+    scale), ``rps`` and the passing ``report`` at capacity."""
+    from ..sim.tune import Candidate, TuneConfig, Tuner
+
+    tuner = Tuner(workload, cost_model, TuneConfig(sla_p99_s=sla_s, noise=noise))
+    cand = Candidate("config", config)
+    tuner.capacity(cand, workload, rel_tol=0.02, start=1.0)
+    return cand
 
 
-def run_profile(out: Path, extra: str = "") -> Path:
-    """``batchpilot profile --out PATH`` (the models team's profiler) in a subprocess."""
-    import shlex
-
+def run_profile(out: Path, padding: str, extra: str = "") -> Path:
+    """``batchpilot profile -o PATH`` (the models team's profiler) in a subprocess."""
     path = out / "profile.json"
-    cmd = [sys.executable, "-m", "batchpilot.cli", "profile", "--output", str(path), *shlex.split(extra)]
+    cmd = [sys.executable, "-m", "batchpilot.cli", "profile", "--output", str(path),
+           "--padding", "none" if padding == "none" else "dynamic", *shlex.split(extra)]
     print("profiling:", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     return path
 
 
 @dataclass
-class LivePoint:
+class Measurement:
     summary: Summary
-    mean_batch_size: float
+    records: list[RequestRecord]
     metrics: MetricsSeries | None
-    records: list[Any] = field(default_factory=list)
+    server: dict[str, float] = field(default_factory=dict)  # means from the server's histograms
 
 
-def live_point(url: str, workload: Workload, texts: list[str], sla_s: float, warmup_requests: int,
-               progress: bool, label: str) -> LivePoint:
+# server histogram -> the name used in the diagnosis
+SERVER_HISTOGRAMS = {
+    "batch_size": "batchpilot_batch_size",
+    "batch_run_s": "batchpilot_batch_run_seconds",
+    "queue_s": "batchpilot_queue_time_seconds",
+    "batcher_latency_s": "batchpilot_request_latency_seconds",
+    "http_handler_s": "batchpilot_http_request_duration_seconds{route=/v1/embeddings}",
+}
+
+
+def _histogram_mean(series: MetricsSeries, name: str) -> float:
+    base, _, labels = name.partition("{")
+    if not labels:
+        return series.histogram_mean(base)
+    # a labelled histogram: its _sum/_count samples carry the labels
+    lab = "{" + labels
+    first = next((v for v in series.values if f"{base}_count{lab}" in v), None)
+    last = next((v for v in reversed(series.values) if f"{base}_count{lab}" in v), None)
+    if first is None or last is None:
+        return math.nan
+    dc = last[f"{base}_count{lab}"] - first[f"{base}_count{lab}"]
+    return (last[f"{base}_sum{lab}"] - first[f"{base}_sum{lab}"]) / dc if dc > 0 else math.nan
+
+
+def measure(url: str, workload: Workload, texts: list[str], sla_s: float, warmup_requests: int,
+            progress: bool, label: str) -> Measurement:
     """Warm the server with a few unmeasured requests, let it drain, then replay ``workload`` exactly."""
-    lg = LoadGenConfig(url, "embeddings", progress=progress)
     if warmup_requests:
-        warm = workload.slice(0, warmup_requests)
-        replay(build_plan(warm, texts=texts[:warmup_requests], warmup_requests=warmup_requests),
-               LoadGenConfig(url, "embeddings", progress=False, scrape_interval_s=0))
-        wait_idle(lg.base_url, 5.0)
-    res = replay(build_plan(workload, texts=texts), lg, description=label)
-    s = summarize(res.records, sla_s)
-    mean_bs = math.nan
+        warm = workload.slice(0, min(warmup_requests, len(workload)))
+        replay(build_plan(warm, texts=texts[: len(warm)], warmup_requests=len(warm)),
+               LoadGenConfig(url, progress=False, scrape_interval_s=0))
+        wait_idle(url, 10.0)
+    res = replay(build_plan(workload, texts=texts), LoadGenConfig(url, progress=progress), description=label)
+    m = Measurement(summarize(res.records, sla_s), res.records, res.metrics)
     if res.metrics is not None:
-        name = res.metrics.find("batch", "size")
-        if name:
-            mean_bs = res.metrics.histogram_mean(name)
-    return LivePoint(s, mean_bs, res.metrics, res.records)
+        m.server = {k: _histogram_mean(res.metrics, v) for k, v in SERVER_HISTOGRAMS.items()}
+    return m
 
 
 def _err(pred: float, meas: float) -> float:
     return (pred - meas) / meas if meas and math.isfinite(meas) and math.isfinite(pred) else math.nan
 
 
-def comparison_rows(load: float, scale: float, pred: Summary, pred_bs: float,
-                    live: LivePoint) -> list[list[Any]]:
+HEAD = ["load", "rate scale", "metric", "predicted", "measured", "error", "target", "within"]
+
+
+def comparison_rows(load: float, scale: float, pred: Prediction, live: Measurement) -> list[list[Any]]:
     m = live.summary
     rows = []
-    for key, p, v in (("p50", pred.p50, m.p50), ("p99", pred.p99, m.p99),
-                      ("throughput", pred.throughput_rps, m.throughput_rps),
-                      ("mean batch size", pred_bs, live.mean_batch_size)):
+    live_bs = live.server.get("batch_size", math.nan)
+    for key, p, v, unit in (("P50 ms", pred.summary.p50, m.p50, 1e3),
+                            ("P99 ms", pred.summary.p99, m.p99, 1e3),
+                            ("throughput req/s", pred.summary.throughput_rps, m.throughput_rps, 1.0),
+                            ("mean batch size", pred.report.mean_batch_size, live_bs, 1.0)):
         e = _err(p, v)
-        tgt = TARGETS.get(key)
+        tgt = TARGETS.get(key.split()[0].lower())
         ok = "" if tgt is None or not math.isfinite(e) else ("yes" if abs(e) <= tgt else "NO")
-        unit = 1e3 if key in ("p50", "p99") else 1.0
-        label = key + {"p50": " ms", "p99": " ms", "throughput": " req/s"}.get(key, "")
-        rows.append([f"{load:.0%}", f"{scale:.3f}", label, round(p * unit, 2), round(v * unit, 2),
+        rows.append([f"{load:.0%}", f"{scale:.3f}", key, round(p * unit, 2), round(v * unit, 2),
                      f"{e:+.1%}" if math.isfinite(e) else "-", f"±{tgt:.0%}" if tgt else "", ok])
     return rows
 
 
-HEAD = ["load", "rate scale", "metric", "predicted", "measured", "error", "target", "within"]
+DIAG_HEAD = ["load", "quantity (mean, ms)", "simulated", "live"]
+
+
+def diagnosis_rows(load: float, pred: Prediction, live: Measurement) -> list[list[Any]]:
+    """Where the time goes. Client latency = outside the batcher (HTTP, JSON, tokenisation, event loop)
+    + batcher latency (queue + executor); the simulator only has the second part."""
+    s = live.server
+    ms = lambda x: round(x * 1e3, 2) if math.isfinite(x) else "-"  # noqa: E731
+    client = live.summary.latency_mean_s
+    outside = client - s.get("batcher_latency_s", math.nan)
+    rows = [
+        [f"{load:.0%}", "end-to-end latency (client)", ms(pred.summary.latency_mean_s), ms(client)],
+        [f"{load:.0%}", "  outside the batcher: HTTP + tokenise + loop", 0.0, ms(outside)],
+        [f"{load:.0%}", "  batcher latency (arrival at batcher -> result)", ms(pred.summary.latency_mean_s),
+         ms(s.get("batcher_latency_s", math.nan))],
+        [f"{load:.0%}", "    queue time (arrival -> dispatch)", ms(pred.mean_queue_s),
+         ms(s.get("queue_s", math.nan))],
+        [f"{load:.0%}", "executor time per batch", ms(pred.mean_batch_s),
+         ms(s.get("batch_run_s", math.nan))],
+        [f"{load:.0%}", "HTTP handler time (server)", "-", ms(s.get("http_handler_s", math.nan))],
+        [f"{load:.0%}", "send lag P99 (load generator)", 0.0, ms(live.summary.send_lag["p99"])],
+    ]
+    return rows
 
 
 def text_table(head: list[str], rows: list[list[Any]]) -> str:
     cells = [head] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(head))]
-    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells)
+    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths,
+                                                                                              strict=True)))
+                     for r in cells)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -160,75 +228,110 @@ def main(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
     config = load_config(args.config)
-    profile = Path(args.profile) if args.profile else run_profile(out, args.profile_args)
+    profile = (Path(args.profile) if args.profile
+               else run_profile(out, config.planner.padding, args.profile_args))
     cost_model = CostModel.load(profile)
-    wl = load_workload(args.workload, 1.0, args.start, args.requests, trace=args.trace)
+    wl = load_workload(args.workload, 1.0, args.start, args.requests or DEFAULT_REQUESTS, trace=args.trace)
     print(f"workload {args.workload} rows [{args.start}, {args.start + len(wl)}) over {wl.duration_s:.1f} s "
           f"({wl.mean_rate:.2f} req/s); config {args.config or 'default'}; profile {profile}", flush=True)
     cap = sim_capacity(wl, config, cost_model, args.sla, args.noise)
-    print(f"simulated capacity: rate scale {cap.rate_scale:.3f} = {cap.rps:.2f} req/s "
-          f"(P99 <= {args.sla:g} s)")
+    print(f"simulated capacity: rate scale {cap.capacity:.3f} = {cap.rps:.2f} req/s (P99 <= {args.sla:g} s)",
+          flush=True)
     tok = load_tokenizer(args.tokenizer)
     texts = [p.body["input"] for p in build_plan(wl, tokenizer=tok, seed=args.seed)]
-    serve_args = ["--profile", str(profile), *(["--config", args.config] if args.config else [])]
-    serve_args += args.serve_args.split()
+    serve_args = ["--profile", str(profile), "--log-level", "warning",
+                  *(["--config", args.config] if args.config else []), *shlex.split(args.serve_args)]
     rows: list[list[Any]] = []
+    diag: list[list[Any]] = []
     runs: list[RunData] = []
-    result: dict[str, Any] = {"capacity_scale": cap.rate_scale, "capacity_rps": cap.rps, "points": []}
+    result: dict[str, Any] = {"workload": args.workload, "start": args.start, "requests": len(wl),
+                              "config": args.config, "profile": str(profile), "capacity_scale": cap.capacity,
+                              "capacity_rps": cap.rps, "points": []}
     with serve(serve_args, log_path=out / "serve.log") as url:
         for load in args.loads:
-            k = load * cap.rate_scale
+            k = load * cap.capacity
             scaled = wl.scale_rate(k)
-            pred, rep = sim_summary(scaled, config, cost_model, args.sla, args.noise, args.seed)
-            live = live_point(url, scaled, texts, args.sla, args.warmup_requests, not args.no_progress,
-                              f"{load:.0%} live")
+            pred = simulate(scaled, config, cost_model, args.sla, args.noise, args.seed)
+            live = measure(url, scaled, texts, args.sla, args.warmup_requests, not args.no_progress,
+                           f"{load:.0%} live")
+            print(format_summary(pred.summary, f"simulated at {load:.0%} of capacity (x{k:.3f})"))
             print(format_summary(live.summary, f"live at {load:.0%} of capacity (x{k:.3f})"), flush=True)
-            rows += comparison_rows(load, k, pred, rep.mean_batch_size, live)
+            rows += comparison_rows(load, k, pred, live)
+            diag += diagnosis_rows(load, pred, live)
             write_csv(live.records, out / f"records-{int(load * 100)}.csv")
             runs.append(RunData(f"live {load:.0%}", live.records, live.summary, live.metrics,
                                 {"rate_scale": k}))
-            result["points"].append({"load": load, "rate_scale": k, "predicted": pred.to_dict(),
-                                     "predicted_mean_batch_size": rep.mean_batch_size,
-                                     "measured": live.summary.to_dict(),
-                                     "measured_mean_batch_size": live.mean_batch_size})
+            result["points"].append({"load": load, "rate_scale": k, "predicted": pred.summary.to_dict(),
+                                     "predicted_mean_batch_size": pred.report.mean_batch_size,
+                                     "predicted_mean_batch_s": pred.mean_batch_s,
+                                     "predicted_mean_queue_s": pred.mean_queue_s,
+                                     "measured": live.summary.to_dict(), "server": live.server})
             wait_idle(url, 10.0)
     table = text_table(HEAD, rows)
+    diag_table = text_table(DIAG_HEAD, diag)
     print("\nFidelity: simulator prediction vs live measurement\n" + table)
-    sections = [("Fidelity: predicted vs measured", html_table(HEAD, rows))]
-    if args.tuned_config:
-        tuned = tuner_check(args, wl, texts, cap, cost_model, profile, config)
+    print("\nWhere the time goes (means; server histograms over the same runs)\n" + diag_table, flush=True)
+    sections = [("Fidelity: predicted vs measured", html_table(HEAD, rows)),
+                ("Where the time goes", html_table(DIAG_HEAD, diag))]
+    tuned_path = args.tuned_config or (run_tune(out, args, profile) if args.tune else None)
+    if tuned_path:
+        tuned = tuner_check(args, wl, texts, cost_model, profile, tuned_path)
         result["tuner"] = tuned
-        sections.append(("Tuner check", f"<pre>{json.dumps(tuned, indent=2)}</pre>"))
+        sections.append(("Tuner check", f"<pre>{json.dumps(tuned, indent=2, default=str)}</pre>"))
     (out / "fidelity.json").write_text(json.dumps(result, indent=2, default=str))
-    report = write_report(out, runs, title=f"fidelity: {args.workload}", capacity=[cap], sla_s=args.sla,
-                          sections=sections)
+    report = write_report(out, runs, title=f"fidelity: {args.workload}", sla_s=args.sla, sections=sections)
     print(f"fidelity.json and {report} written to {out}/ in {time.monotonic() - t_start:.0f} s")
     return 0
 
 
-def tuner_check(args: argparse.Namespace, wl: Workload, texts: list[str], cap: CapacityResult,
-                cost_model: CostModel, profile: Path, default: SchedulerConfig) -> dict[str, Any]:
-    """Goodput of the tuner's config vs the default, both live, at the highest requested load (of the
-    default's simulated capacity) where a better config should show; the simulator's ratio beside it."""
-    tuned = load_config(args.tuned_config)
-    load = max(args.loads)
-    out: dict[str, Any] = {"load": load, "rate_scale": load * cap.rate_scale}
-    scaled = wl.scale_rate(load * cap.rate_scale)
-    for name, cfg_path, cfg in (("default", None, SchedulerConfig()), ("tuned", args.tuned_config, tuned)):
-        pred, _ = sim_summary(scaled, cfg, cost_model, args.sla)
-        serve_args = ["--profile", str(profile), *(["--config", cfg_path] if cfg_path else [])]
-        log = Path(args.out) / f"serve-{name}.log"
-        with serve(serve_args + args.serve_args.split(), log_path=log) as url:
-            live = live_point(url, scaled, texts, args.sla, args.warmup_requests, not args.no_progress,
-                              f"{name} live")
-        print(format_summary(live.summary, f"{name} config live"), flush=True)
-        out[name] = {"live_goodput_rps": live.summary.goodput_rps, "live_p99_s": live.summary.p99,
-                     "sim_goodput_rps": pred.goodput_rps, "sim_p99_s": pred.p99}
+def run_tune(out: Path, args: argparse.Namespace, profile: Path) -> str:
+    path = out / "tuned.yaml"
+    cmd = [sys.executable, "-m", "batchpilot.cli", "tune", "--workload", args.workload, "--start",
+           str(args.start), "--requests", str(args.requests or DEFAULT_REQUESTS), "--profile", str(profile),
+           "--sla-p99", str(args.sla), "-o", str(path), *shlex.split(args.tune_args)]
+    print("tuning:", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+    return str(path)
+
+
+def tuner_check(args: argparse.Namespace, wl: Workload, texts: list[str], cost_model: CostModel,
+                profile: Path, tuned_path: str) -> dict[str, Any]:
+    """The tuner's config against the default, both live: bounded live capacity search starting from
+    each config's simulated capacity, and goodput at one shared rate (the tuned config's simulated
+    capacity, where the default should already be past its own)."""
+    configs = {"default": (None, SchedulerConfig()), "tuned": (tuned_path, load_config(tuned_path))}
+    sims = {name: sim_capacity(wl, cfg, cost_model, args.sla) for name, (_, cfg) in configs.items()}
+    shared = sims["tuned"].capacity
+    out: dict[str, Any] = {"tuned_config": tuned_path, "shared_rate_scale": shared}
+    for name, (path, cfg) in configs.items():
+        serve_args = ["--profile", str(profile), "--log-level", "warning",
+                      *(["--config", path] if path else []), *shlex.split(args.serve_args)]
+        with serve(serve_args, log_path=Path(args.out) / f"serve-{name}.log") as url:
+            start = max(sims[name].capacity * 0.8, 0.05)
+            ccfg = CapacityConfig(sla_s=args.sla, start=start, growth=1.25, lo=0.05, hi=256.0, rel_tol=0.1,
+                                  max_probes=6, probe_s=args.probe_s, cooldown_s=10.0)
+            lg = LoadGenConfig(url, progress=False)
+            cap = live_capacity(wl, lg, ccfg, texts=texts)
+            print(f"{name}: live capacity\n{cap.table()}", flush=True)
+            wait_idle(url, 10.0)
+            at = measure(url, wl.scale_rate(shared), texts, args.sla, args.warmup_requests, False, name)
+            pred = simulate(wl.scale_rate(shared), cfg, cost_model, args.sla)
+        print(format_summary(at.summary, f"{name} live at x{shared:.3f}"), flush=True)
+        out[name] = {"sim_capacity_scale": sims[name].capacity, "sim_capacity_rps": sims[name].rps,
+                     "live_capacity_scale": cap.rate_scale, "live_capacity_rps": cap.rps,
+                     "live_goodput_rps_at_shared": at.summary.goodput_rps,
+                     "live_p99_s_at_shared": at.summary.p99,
+                     "sim_goodput_rps_at_shared": pred.summary.goodput_rps,
+                     "sim_p99_s_at_shared": pred.summary.p99}
     d, t = out["default"], out["tuned"]
-    for kind in ("live", "sim"):
-        base = d[f"{kind}_goodput_rps"]
-        out[f"{kind}_goodput_ratio"] = t[f"{kind}_goodput_rps"] / base if base else math.nan
-    print(f"tuner check at x{out['rate_scale']:.3f}: goodput tuned/default live "
-          f"{out['live_goodput_ratio']:.3f}, "
-          f"simulated {out['sim_goodput_ratio']:.3f}")
+    ratio = lambda a, b: a / b if b else math.nan  # noqa: E731
+    out["ratios"] = {
+        "capacity tuned/default, live": ratio(t["live_capacity_scale"], d["live_capacity_scale"]),
+        "capacity tuned/default, simulated": ratio(t["sim_capacity_scale"], d["sim_capacity_scale"]),
+        "goodput at shared rate tuned/default, live": ratio(t["live_goodput_rps_at_shared"],
+                                                            d["live_goodput_rps_at_shared"]),
+        "goodput at shared rate tuned/default, simulated": ratio(t["sim_goodput_rps_at_shared"],
+                                                                 d["sim_goodput_rps_at_shared"]),
+    }
+    print("tuner check:\n" + "\n".join(f"  {k}: {v:.3f}" for k, v in out["ratios"].items()), flush=True)
     return out
