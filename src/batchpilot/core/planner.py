@@ -9,9 +9,11 @@ Grouping (``PlannerConfig.grouping``):
 * ``fifo``   — queue order, stopping at the first request that would break a budget;
 * ``bucket`` — the candidates' most populated length bucket (the head's bucket when urgent);
 * ``sorted`` — sort candidates by length and take the contiguous window with the lowest predicted
-  cost per useful token (a window containing the head when urgent);
-* ``dp``     — partition the sorted candidates into batches minimising total predicted cost (exact DP
-  over contiguous groups), then dispatch the cheapest group per useful token (the head's if urgent).
+  cost per useful token (a window containing the head when urgent); useful tokens are weighted by
+  what they cost unpadded, so short and long inputs compete fairly (see ``_sorted``);
+* ``dp``     — partition the sorted candidates into batches minimising total predicted cost, i.e.
+  cost per useful token over the window (exact DP over contiguous groups), then dispatch the
+  best-scoring group (the head's if urgent).
 
 Budgets, checked for every candidate batch: ``cap`` requests; ``max_batch_tokens`` over computed tokens
 (``n × padded_len`` padded, ``Σ len`` for padding ``none``); ``max_batch_memory_bytes`` against the cost
@@ -206,8 +208,8 @@ class BatchPlanner:
         c0, c1, c2, c3 = self.cost_model.encoder_latency_coef
         # start[e]: the smallest s such that lens[s:e] is a feasible batch; non-decreasing in e.
         start = [0] * (k + 1)
+        sq = list(accumulate((x * x for x in lens), initial=0))
         if self._ragged:
-            sq = list(accumulate((x * x for x in lens), initial=0))
             s = 0
             for e in range(1, k + 1):
                 s = max(s, e - cap)
@@ -242,16 +244,26 @@ class BatchPlanner:
             groups = _partition(k, start, cost, None if self._ragged else (c0, slope))
         else:
             groups = [(start[e], e) for e in range(1, k + 1)]
+        # Score = predicted cost / the cost its useful tokens would have in a full, unpadded batch
+        # (c0 shared by cap requests). Plain cost per useful token would favour long requests: their
+        # tokens dilute the fixed per-call cost, so a window padding two short inputs up to one long
+        # one would beat a window of short inputs. This score is 1.0 for a full, padding-free batch.
+        fixed = c0 / cap + c1
+
+        def score(s: int, e: int) -> float:
+            ideal = (e - s) * fixed + c2 * (pre[e] - pre[s]) + c3 * (sq[e] - sq[s])
+            return cost(s, e) / ideal if ideal > 0 else cost(s, e)
+
         best, best_score = (head, head + 1), _INF
         for s, e in groups:
             if urgent and not s <= head < e:
                 continue
-            score = cost(s, e) / (pre[e] - pre[s])
-            if score < best_score:
-                best, best_score = (s, e), score
+            sc = score(s, e)
+            if sc < best_score:
+                best, best_score = (s, e), sc
         s, e = best
         if dp:
-            self._dp_cache = [([reqs[i] for i in sorted(order[gs:ge])], cost(gs, ge) / (pre[ge] - pre[gs]))
+            self._dp_cache = [([reqs[i] for i in sorted(order[gs:ge])], score(gs, ge))
                               for gs, ge in groups if (gs, ge) != best]
             self._dp_key = (cap, self._refits())
         return [reqs[i] for i in sorted(order[s:e])]
