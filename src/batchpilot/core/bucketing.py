@@ -84,7 +84,8 @@ def _close(edges: tuple[int, ...] | list[int], max_len: int) -> tuple[int, ...]:
 
 
 def quantile_edges(lengths: np.ndarray, k: int) -> list[int]:
-    qs = np.quantile(lengths, np.arange(1, k + 1) / k, method="higher")
+    # edge i is the smallest length that covers i/k of the recent lengths
+    qs = np.quantile(lengths, np.arange(1, k + 1) / k, method="inverted_cdf")
     return [int(q) for q in qs]
 
 
