@@ -25,6 +25,7 @@ import numpy as np
 from .target import DONE, DROPPED, PENDING, REJECTED, SimRun
 
 QUANTILES = (50.0, 90.0, 99.0, 99.9)
+_FAILED = 1e300
 
 
 @dataclass
@@ -104,8 +105,10 @@ def summarize(run: SimRun, sla_s: float = 1.0, warmup_s: float = 0.0) -> SimRepo
     lat = finish[done] - arrival[done]
     wait = dispatch[done] - arrival[done]
     n_meas = int(measured.sum())
-    lat_all = np.where(done, finish - arrival, np.inf)[measured]
+    # failures as a huge finite latency (inf would make the interpolation inf - inf = nan)
+    lat_all = np.where(done, finish - arrival, _FAILED)[measured]
     p99_all = float(np.percentile(lat_all, 99.0)) if n_meas else math.nan
+    p99_all = math.inf if p99_all >= 1e200 else p99_all  # interpolated toward a failure
     within = int((lat <= sla_s).sum())
     t0 = float(arrival[measured][0]) if n_meas else 0.0
     t_end = float(np.nanmax(finish[measured])) if done.any() else t0

@@ -49,6 +49,7 @@ def plot_run(run: SimRun, out_dir: str | Path, sla_s: float | None = None, title
         ax.axvline(sla_s, color="grey", linestyle="--", label=f"SLA {sla_s:g} s")
     ax.axhline(0.99, color="lightgrey", linewidth=0.8)
     ax.set_xscale("symlog", linthresh=1e-3)
+    ax.set_xlim(left=0.0)
     ax.set(xlabel="seconds", ylabel="fraction of requests", title=f"Latency CDF - {title}")
     ax.legend()
     paths.append(_save(fig, out / "latency_cdf.png", plt))

@@ -1,0 +1,60 @@
+"""``batchpilot simulate`` and ``batchpilot tune`` end to end through the real CLI entry point."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from batchpilot.cli import main
+from batchpilot.core.config import PolicyConfig, SchedulerConfig
+from batchpilot.core.costmodel import CostModel
+
+
+def test_simulate_prints_the_table_and_writes_plots(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump(SchedulerConfig(policy=PolicyConfig(name="window")).to_dict()))
+    rc = main(["simulate", "--workload", "conv-embed", "--rate-scale", "4", "--requests", "400",
+               "--config", str(cfg), "--plot", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "default_cpu_minilm" in out  # says which cost model it used without --profile
+    assert "latency p99" in out and "padding efficiency" in out and "goodput" in out
+    for name in ("latency_cdf.png", "queue_length.png", "batch_size.png"):
+        assert (tmp_path / "out" / name).stat().st_size > 1000
+
+
+def test_simulate_uses_the_profile_and_synthetic_specs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    slow = CostModel(latency_coef=(0.5, 0.0, 0.0, 0.0), memory_coef=(0.0, 0.0, 0.0, 0.0))
+    prof = tmp_path / "profile.json"
+    prof.write_text(json.dumps({"cost_model": slow.to_dict(), "points": []}))
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({"policy": {"name": "window", "max_batch_size": 1, "max_wait_s": 0.0}}))
+    rc = main(["simulate", "--workload", "poisson:rate=0.01", "--requests", "50", "--lengths",
+               "constant:value=8", "--profile", str(prof), "--config", str(cfg)])
+    out = capsys.readouterr().out
+    assert rc == 0 and "default_cpu_minilm" not in out
+    assert re.search(r"latency p50\s*│\s*500\.0 ms", out)  # the profile's 0.5 s per call
+
+
+def test_simulate_reports_bad_input_as_an_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--workload", "no-such-thing"]) == 2
+    assert "unknown workload" in capsys.readouterr().out
+
+
+def test_tune_writes_a_config_serve_can_load(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "best.yaml"
+    rc = main(["tune", "--workload", "conv-embed", "--sla-p99", "1.0", "--requests", "500",
+               "--candidates", "3", "--paddings", "dynamic,bucket", "-o", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0
+    assert "static bs8, pad to max" in text and "winner" in text
+    cfg = SchedulerConfig.from_dict(yaml.safe_load(out.read_text()))
+    assert cfg.planner.padding in ("dynamic", "bucket", "max")
