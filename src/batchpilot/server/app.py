@@ -134,7 +134,8 @@ class EmbeddingService:
             watch.cancel()
         if work in done:
             return list(work.result())
-        work.cancel()
+        work.cancel()  # withdraws every input still queued
+        work.add_done_callback(lambda f: None if f.cancelled() else f.exception())  # mark it retrieved
         if watch in done:
             raise ClientGone
         raise APIError(504, f"not answered within {self.settings.request_timeout_s:.0f} s", code="timeout")

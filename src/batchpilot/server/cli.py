@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from typing import Any
 
 from ..core.config import PADDINGS, POLICIES, SchedulerConfig
@@ -148,3 +149,15 @@ def _llm_router(settings: ServerConfig) -> Any:
     engine = build(settings.llm_model)
     log.info("llm: mounted the LLM routes (%s)", getattr(engine, "model_name", settings.llm_model))
     return lambda registry: llm_routes.make_llm_router(engine, registry)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m batchpilot.server.cli [serve options]``: serve, without the other subcommands."""
+    parser = argparse.ArgumentParser(prog="batchpilot-serve")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,89 @@
+"""Start the real ``batchpilot serve`` in a subprocess on a free 127.0.0.1 port and wait for /health.
+
+Session-scoped: the MiniLM server loads once for every e2e test. A second, no-op-model server (starts in
+about a second) carries the guards that need their own settings: API key, body limit, a tiny queue.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+API_KEY = "e2e-secret"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def running_server(args: Sequence[str], log_dir: Path, ready_timeout_s: float = 180.0) -> Iterator[str]:
+    port = free_port()
+    log_path = log_dir / f"serve-{port}.log"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    # the serve command's own entry point: `batchpilot serve` minus the other teams' subcommands
+    cmd = [sys.executable, "-m", "batchpilot.server.cli", "--host", "127.0.0.1", "--port", str(port), *args]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + ready_timeout_s
+        while True:
+            if proc.poll() is not None:
+                tail = log_path.read_text()[-4000:]
+                raise RuntimeError(f"batchpilot serve exited {proc.returncode}:\n{tail}")
+            try:
+                if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                tail = log_path.read_text()[-4000:]
+                raise TimeoutError(f"server not ready in {ready_timeout_s} s:\n{tail}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="session")
+def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The default server: embedded MiniLM, default scheduler config, built-in cost model (fast start)."""
+    with running_server(["--no-startup-profile", "--request-timeout-s", "60"],
+                        tmp_path_factory.mktemp("serve")) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def auth() -> dict[str, str]:
+    """The header the guarded server wants."""
+    return {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture(scope="session")
+def guarded_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """No-op model, 400 ms per batch of one, at most 2 queued requests, an API key and a 64 KiB body limit."""
+    d = tmp_path_factory.mktemp("guarded")
+    cfg = d / "sched.yaml"
+    cfg.write_text("policy: {name: window, max_batch_size: 1, max_wait_s: 0.0}\n"
+                   "admission: {max_queued_requests: 2}\n")
+    args = ["--noop", "--noop-delay-ms", "400", "--config", str(cfg), "--api-key", API_KEY,
+            "--max-body-bytes", "65536", "--no-warmup"]
+    with running_server(args, d) as url:
+        yield url
