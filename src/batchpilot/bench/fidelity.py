@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shlex
 import subprocess
 import sys
@@ -73,6 +74,7 @@ class Prediction:
     report: Any  # sim.metrics.SimReport
     mean_batch_s: float  # mean simulated executor time per batch
     mean_queue_s: float
+    mean_tokens: float  # mean computed tokens per batch
 
 
 def simulate(workload: Workload, config: SchedulerConfig, cost_model: CostModel, sla_s: float,
@@ -92,8 +94,9 @@ def simulate(workload: Workload, config: SchedulerConfig, cost_model: CostModel,
                 latency_mean_s=rep.latency["mean"], latency_max_s=math.nan,
                 send_lag={"p50": 0.0, "p99": 0.0}, send_lag_max_s=0.0,
                 errors={"rejected/dropped/unfinished": failed} if failed else {})
-    dur = run.record.b_duration
-    return Prediction(s, rep, sum(dur) / len(dur) if dur else math.nan, rep.queue["mean"])
+    dur, tok = run.record.b_duration, run.record.b_tokens
+    return Prediction(s, rep, sum(dur) / len(dur) if dur else math.nan, rep.queue["mean"],
+                      sum(tok) / len(tok) if tok else math.nan)
 
 
 def sim_capacity(workload: Workload, config: SchedulerConfig, cost_model: CostModel, sla_s: float,
@@ -162,7 +165,26 @@ def measure(url: str, workload: Workload, texts: list[str], sla_s: float, warmup
     m = Measurement(summarize(res.records, sla_s), res.records, res.metrics)
     if res.metrics is not None:
         m.server = {k: _histogram_mean(res.metrics, v) for k, v in SERVER_HISTOGRAMS.items()}
+        batches = _delta(res.metrics, "batchpilot_batch_size_count")
+        for key, counter in (("computed_tokens_per_batch", "batchpilot_computed_tokens_total"),
+                             ("useful_tokens_per_batch", "batchpilot_useful_tokens_total")):
+            m.server[key] = _delta(res.metrics, counter) / batches if batches > 0 else math.nan
     return m
+
+
+def _delta(series: MetricsSeries, name: str) -> float:
+    t, v = series.series(name)
+    return v[-1] - v[0] if len(v) >= 2 else math.nan
+
+
+def model_time_of_live_batches(cost_model: CostModel, server: dict[str, float]) -> float:
+    """The cost model's latency for the live run's *mean* batch (n and computed tokens from the server's
+    counters). The attention term needs sum(n * padded_len^2), which the server does not export, so it
+    is left out: this isolates the const/n/tokens part of the model from batch-formation differences."""
+    n, tokens = server.get("batch_size", math.nan), server.get("computed_tokens_per_batch", math.nan)
+    if not (math.isfinite(n) and math.isfinite(tokens)):
+        return math.nan
+    return cost_model.latency({"const": 1.0, "n": n, "tokens": tokens, "attn": 0.0})
 
 
 def _err(pred: float, meas: float) -> float:
@@ -191,7 +213,8 @@ def comparison_rows(load: float, scale: float, pred: Prediction, live: Measureme
 DIAG_HEAD = ["load", "quantity (mean, ms)", "simulated", "live"]
 
 
-def diagnosis_rows(load: float, pred: Prediction, live: Measurement) -> list[list[Any]]:
+def diagnosis_rows(load: float, pred: Prediction, live: Measurement,
+                   cost_model: CostModel) -> list[list[Any]]:
     """Where the time goes. Client latency = outside the batcher (HTTP, JSON, tokenisation, event loop)
     + batcher latency (queue + executor); the simulator only has the second part."""
     s = live.server
@@ -207,6 +230,10 @@ def diagnosis_rows(load: float, pred: Prediction, live: Measurement) -> list[lis
          ms(s.get("queue_s", math.nan))],
         [f"{load:.0%}", "executor time per batch", ms(pred.mean_batch_s),
          ms(s.get("batch_run_s", math.nan))],
+        [f"{load:.0%}", "  cost model on the live mean batch (no attn term)",
+         ms(model_time_of_live_batches(cost_model, s)), "-"],
+        [f"{load:.0%}", "computed tokens per batch (not ms)", round(pred.mean_tokens, 1),
+         round(s.get("computed_tokens_per_batch", math.nan), 1)],
         [f"{load:.0%}", "HTTP handler time (server)", "-", ms(s.get("http_handler_s", math.nan))],
         [f"{load:.0%}", "send lag P99 (load generator)", 0.0, ms(live.summary.send_lag["p99"])],
     ]
@@ -257,15 +284,19 @@ def main(args: argparse.Namespace) -> int:
             print(format_summary(pred.summary, f"simulated at {load:.0%} of capacity (x{k:.3f})"))
             print(format_summary(live.summary, f"live at {load:.0%} of capacity (x{k:.3f})"), flush=True)
             rows += comparison_rows(load, k, pred, live)
-            diag += diagnosis_rows(load, pred, live)
+            diag += diagnosis_rows(load, pred, live, cost_model)
             write_csv(live.records, out / f"records-{int(load * 100)}.csv")
+            load_avg = os.getloadavg()[0]
+            print(f"machine load average (1 min) after the run: {load_avg:.1f} on {os.cpu_count()} cores",
+                  flush=True)
             runs.append(RunData(f"live {load:.0%}", live.records, live.summary, live.metrics,
                                 {"rate_scale": k}))
             result["points"].append({"load": load, "rate_scale": k, "predicted": pred.summary.to_dict(),
                                      "predicted_mean_batch_size": pred.report.mean_batch_size,
                                      "predicted_mean_batch_s": pred.mean_batch_s,
                                      "predicted_mean_queue_s": pred.mean_queue_s,
-                                     "measured": live.summary.to_dict(), "server": live.server})
+                                     "measured": live.summary.to_dict(), "server": live.server,
+                                     "load_average_1m": load_avg})
             wait_idle(url, 10.0)
     table = text_table(HEAD, rows)
     diag_table = text_table(DIAG_HEAD, diag)
