@@ -10,7 +10,9 @@ On CPU there is nothing to stage: tensors are used where they are built.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -91,3 +93,53 @@ class HostToDevice:
             event = torch.cuda.Event()
             event.record(self._stream)
         return Staged(moved, event)
+
+
+def peak_memory_bytes(fn: Callable[[], object], device: torch.device) -> float:
+    """Peak bytes allocated by torch *while* ``fn`` runs, above what was allocated when it started.
+
+    CUDA: ``torch.cuda.max_memory_allocated`` after resetting the peak (the caching allocator's own
+    high-water mark of live tensor bytes).
+    CPU: torch has no allocator statistics, so ``fn`` runs once under ``torch.profiler`` with
+    ``profile_memory=True``; every allocation and free of the CPU allocator is an event with a signed
+    byte count, and the running sum of those events, in time order, peaks at the answer. It counts
+    tensor memory only (activations, attention scores, outputs) — not weights loaded before, not
+    Python objects or the allocator's free-but-cached pages — which is what grows with the batch shape.
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return float(torch.cuda.max_memory_allocated(device) - base)
+    from torch.profiler import ProfilerActivity, profile
+
+    with _stderr_silenced(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    # the raw event list: profile.events() folds allocations inside an op into that op's totals
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]  # type: ignore[union-attr]
+    events.sort(key=lambda e: e.start_ns())
+    level = peak = 0
+    for e in events:
+        level += e.nbytes()
+        peak = max(peak, level)
+    return float(peak)
+
+
+@contextlib.contextmanager
+def _stderr_silenced() -> Iterator[None]:
+    """Kineto prints a 'profiler_start/stop' line to file descriptor 2 around every profile (C++, so
+    ``sys.stderr`` cannot catch it); it would tear through the progress bar. Mute the fd meanwhile."""
+    try:
+        saved = os.dup(2)
+    except OSError:  # no fd 2 (some embedded interpreters): nothing to silence
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)

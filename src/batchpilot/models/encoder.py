@@ -147,6 +147,11 @@ class EncoderExecutor:
             out.append(head + body + tail)
         return self._check_lengths(out)
 
+    @property
+    def num_special_tokens(self) -> int:
+        """Tokens ``tokenize`` adds around every text (2 for BERT: [CLS] ... [SEP])."""
+        return len(self._specials[0]) + len(self._specials[1])
+
     def _special_tokens(self) -> tuple[list[int], list[int]]:
         """The ids the tokenizer puts before and after a text ([CLS] / [SEP], <s> / </s>...), learned
         from the tokenizer itself so any model's template works."""

@@ -1,0 +1,102 @@
+"""The profiler against the real MiniLM on tiny grids, the CPU memory measurement, and the CLI.
+
+No wall-clock assertions (the machine is shared): only shapes, counts, signs and orderings that hold
+however slow the cores are.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from batchpilot import cli
+from batchpilot.core.costmodel import BatchShape, CostModel
+from batchpilot.models.device import peak_memory_bytes
+from batchpilot.models.encoder import EncoderConfig, EncoderExecutor
+from batchpilot.models.profiler import Measurement, leave_one_out, profile_encoder, profile_grid
+
+
+@pytest.fixture(scope="module")
+def ex() -> EncoderExecutor:
+    return EncoderExecutor(EncoderConfig(device="cpu"))
+
+
+def test_profile_encoder_fits_a_cost_model(ex: EncoderExecutor) -> None:
+    model, points = profile_encoder(ex, batch_sizes=(1, 2), lengths=(8, 32), repeats=1, progress=False)
+    assert len(points) == 4
+    assert {(p.features["n"], p.features["tokens"]) for p in points} == {(1, 8), (1, 32), (2, 16), (2, 64)}
+    assert all(p.latency_s > 0 for p in points)
+    assert all(c >= 0 and math.isfinite(c) for c in model.latency_coef)
+    assert model.latency(BatchShape.padded([20, 30], 30)) > 0
+    by_tokens = {p.features["tokens"]: p.memory_bytes for p in points}
+    assert 0 < by_tokens[8] < by_tokens[64]  # activations grow with the batch's tokens
+    assert model.meta["model"] == "all-MiniLM-L6-v2" and model.meta["padding"] == "dynamic"
+
+
+def test_padding_free_profile_uses_ragged_features(ex: EncoderExecutor) -> None:
+    _, points = profile_grid(ex, (1, 2), (8, 16), 1, None, "none", False, False, 0)
+    assert [m.padding for m in points] == ["none"] * 4
+    assert all(m.features == BatchShape.ragged(m.lengths).features() for m in points)
+    assert all(m.memory_bytes == 0 for m in points)  # memory=False skips the profiled run
+
+
+def test_budget_keeps_the_minimum_and_skips_the_rest(ex: EncoderExecutor) -> None:
+    _, points = profile_encoder(ex, batch_sizes=(1, 2, 3), lengths=(8, 16), repeats=1, budget_s=0.0,
+                                memory=False, progress=False)
+    # four points are the minimum to fit four coefficients; cheapest (fewest tokens) first
+    assert sorted(p.features["tokens"] for p in points) == [8, 16, 16, 24]
+
+
+def test_bad_arguments_say_what_to_change(ex: EncoderExecutor) -> None:
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
+        profile_encoder(ex, (1, 2), (8, 16), repeats=0)
+    with pytest.raises(ValueError, match="give at least 4"):
+        profile_encoder(ex, (1,), (8, 16), repeats=1)
+
+
+def test_cpu_peak_memory_counts_live_tensor_bytes() -> None:
+    def work() -> None:
+        a = torch.empty(1_000_000, dtype=torch.uint8)
+        b = torch.empty(2_000_000, dtype=torch.uint8)  # peak here: 3 MB live
+        del a, b
+        c = torch.empty(500_000, dtype=torch.uint8)
+        del c
+
+    peak = peak_memory_bytes(work, torch.device("cpu"))
+    assert 3_000_000 <= peak < 3_100_000
+
+
+def test_leave_one_out_is_exact_on_linear_data() -> None:
+    truth = CostModel(latency_coef=(0.02, 0.001, 2e-4, 1e-7))
+    pts = []
+    for n in (1, 4, 16):
+        for length in (16, 128, 512):
+            shape = BatchShape.padded([length] * n, length)
+            pts.append(Measurement(n, [length] * n, length, "dynamic", truth.latency(shape), 0.0, [], 0.0,
+                                   shape.features()))
+    assert max(abs(e) for e in leave_one_out(pts)) < 1e-6
+    pts[0].latency_s *= 2  # one bad point shows up in its own held-out error
+    assert abs(leave_one_out(pts)[0]) > 0.3
+
+
+def test_cli_writes_a_profile_the_server_can_load(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "profile.json"
+    rc = cli.main(["profile", "-o", str(out), "--device", "cpu", "--batch-sizes", "1", "2", "--lengths", "8",
+                   "16", "24", "--repeats", "1", "--holdout", "2"])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert set(doc) == {"cost_model", "points", "holdout", "meta"}
+    assert len(doc["points"]) == 6 and len(doc["holdout"]) == 2
+    assert all(p["memory_bytes"] > 0 for p in doc["points"])
+    meta = doc["meta"]
+    assert meta["model"] == "all-MiniLM-L6-v2" and meta["torch"] == torch.__version__
+    assert meta["threads"] >= 1 and meta["date"].startswith("20")
+    assert {"leave-one-out max |err|", "held-out max |err|"} <= set(meta["error"])
+    model = CostModel.load(out)
+    assert model.latency(BatchShape.padded([8], 8)) > 0
+    printed = capsys.readouterr().out
+    assert "prediction error" in printed and "held-out" in printed
