@@ -135,7 +135,7 @@ def build_plan(
             ids = rng.integers(*vocab_range, size=row.input_tokens).tolist()
             p: Any = texts[i] if prompt == "text" else ids  # type: ignore[index]
             body = {"prompt": p, "max_tokens": max(int(row.output_tokens), 1), "ignore_eos": True,
-                    "temperature": 0.0, "stream": True}
+                    "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
         plan.append(PlannedRequest(i, row.arrival_s, row.input_tokens, int(row.output_tokens), body,
                                    i < warmup_requests or row.arrival_s < warmup_s))
     return plan
