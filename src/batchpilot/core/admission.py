@@ -80,9 +80,20 @@ class AdmissionController:
         self.max_batch_size = max_batch_size
         self.max_length = min(config.max_length, planner.max_len)
         self.bucket = TokenBucket(config.rate, config.burst) if config.rate > 0 else None
+        # Per length, precomputed once: p99 alone, and whether it fits the batch budgets alone
+        # (monotone in length, so one limit). ``check`` is then a few comparisons.
+        self._alone_q = [self._alone_latency_q(x) for x in range(self.max_length + 1)]
+        self._limit = self.max_length
+        while self._limit > 0 and self._budget_problem(self._limit):
+            self._limit -= 1
 
     def alone_latency_q(self, length: int) -> float:
         """Predicted high-quantile seconds of this request dispatched alone (as the planner pads it)."""
+        if 0 <= length < len(self._alone_q):
+            return self._alone_q[length]
+        return self._alone_latency_q(length)
+
+    def _alone_latency_q(self, length: int) -> float:
         n, tokens, attn = self._alone(length)
         return self.cost_model.batch_latency(n, tokens, attn) * self.cost_model.q_factor
 
@@ -94,26 +105,30 @@ class AdmissionController:
         padded = pad_length(longest, p.pad_to_multiple_of, p.max_len)
         return 1, padded, padded * padded
 
-    def check(self, req: Request, now: float, num_waiting: int, num_waiting_tokens: int) -> Rejection | None:
-        cfg = self.config
-        if req.length > self.max_length:
-            return Rejection(req, RejectReason.TOO_LONG,
-                             f"input has {req.length} tokens; the limit is {self.max_length}: "
-                             "shorten or split the input")
-        n, tokens, attn = self._alone(req.length)
+    def _budget_problem(self, length: int) -> str | None:
+        """Why a request of this length cannot form a batch even alone (None if it can)."""
+        n, tokens, attn = self._alone(length)
         budget = self.planner.max_batch_tokens
-        cost_tokens = req.length if self.planner.padding == "none" else tokens
-        if budget and cost_tokens > budget:
-            return Rejection(req, RejectReason.TOO_LONG,
-                             f"input needs {cost_tokens} tokens of batch budget alone; "
-                             f"planner.max_batch_tokens is {budget}")
+        if budget and tokens > budget:
+            return f"input needs {tokens} tokens of batch budget alone; planner.max_batch_tokens is {budget}"
         mem_budget = self.planner.max_batch_memory_bytes
         if mem_budget and self.cost_model.batch_memory(n, tokens, attn) > mem_budget:
-            return Rejection(req, RejectReason.TOO_LONG,
-                             f"input of {req.length} tokens needs more than the batch memory budget "
-                             f"({mem_budget:.0f} bytes) alone")
-        if cfg.reject_infeasible and req.deadline is not None:
-            need = self.cost_model.batch_latency(n, tokens, attn) * self.cost_model.q_factor
+            return (f"input of {length} tokens needs more than the batch memory budget "
+                    f"({mem_budget:.0f} bytes) alone")
+        return None
+
+    def check(self, req: Request, now: float, num_waiting: int, num_waiting_tokens: int) -> Rejection | None:
+        cfg = self.config
+        length = req.length
+        if length > self._limit:
+            if length > self.max_length:
+                message = (f"input has {length} tokens; the limit is {self.max_length}: "
+                           "shorten or split the input")
+            else:
+                message = self._budget_problem(length) or f"input of {length} tokens does not fit a batch"
+            return Rejection(req, RejectReason.TOO_LONG, message)
+        if req.deadline is not None and cfg.reject_infeasible:
+            need = self._alone_q[length]
             slack = req.deadline - now
             if need > slack:
                 return Rejection(req, RejectReason.INFEASIBLE_DEADLINE,
