@@ -224,3 +224,19 @@ def test_cuda_pinned_side_stream_copy(reference: np.ndarray) -> None:
     assert staged is not None and staged.ready is not None  # copy issued on the side stream, event recorded
     assert all(t.is_cuda for t in staged.tensors.values())
     assert cosines(np.stack(gpu.run(prepared)), reference).min() >= COS_MIN
+
+
+def test_model_folder_config_is_read_or_refused(tmp_path: Path) -> None:
+    (tmp_path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"},
+    ]))
+    with pytest.raises(ValueError, match="Dense.* is not supported"):
+        PoolingConfig.from_model_dir(tmp_path)
+    (tmp_path / "modules.json").unlink()
+    assert PoolingConfig.from_model_dir(tmp_path) == PoolingConfig()  # plain HF folder: ST's default, mean
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"pooling_mode_cls_token": True, "pooling_mode_max_tokens": True, "pooling_mode_mean_tokens": False}))
+    assert PoolingConfig.from_model_dir(tmp_path).modes == ("cls", "max")  # legacy flags, ST's order

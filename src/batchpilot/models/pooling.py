@@ -69,6 +69,10 @@ class PoolingConfig:
                     pooling_dir = root / str(module.get("path", ""))
                 elif kind.endswith(".Normalize"):
                     normalize = True
+                elif not kind.endswith(".Transformer"):
+                    # a Dense or other head we do not run would silently change the vectors: refuse
+                    raise ValueError(f"{root}: sentence-transformers module {kind!r} is not supported "
+                                     "(only Transformer, Pooling, Normalize); serve a model without it")
         elif (root / "1_Pooling" / "config.json").exists():
             pooling_dir = root / "1_Pooling"
         modes: tuple[str, ...] = ("mean",)
