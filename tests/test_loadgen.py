@@ -282,3 +282,41 @@ def test_config_is_validated() -> None:
     with pytest.raises(ValueError, match="lo <= start <= hi"):
         CapacityConfig(start=100.0)
     assert PlannedRequest(0, 0.0, 1, 0, {}).warmup is False
+
+
+def test_fidelity_rows_compare_the_simulator_with_a_measurement() -> None:
+    from batchpilot.bench.fidelity import (
+        Measurement,
+        _histogram_mean,
+        comparison_rows,
+        diagnosis_rows,
+        model_time_of_live_batches,
+        simulate,
+    )
+    from batchpilot.core.config import SchedulerConfig
+    from batchpilot.core.costmodel import CostModel
+
+    cm = CostModel.default_cpu_minilm()
+    wl = _workload([0.1 * i for i in range(50)], [16 + 8 * (i % 5) for i in range(50)])
+    pred = simulate(wl, SchedulerConfig(), cm, sla_s=1.0)
+    assert pred.summary.num_ok == 50 and pred.summary.sla_met
+    assert pred.summary.p50 <= pred.summary.p99 and pred.mean_batch_s > 0.02  # >= the 20 ms fixed cost
+    # a measurement equal to the prediction is inside every target; one 20% slower is not
+    same = Measurement(pred.summary, [], None, {"batch_size": pred.report.mean_batch_size})
+    assert [r[-1] for r in comparison_rows(0.5, 1.0, pred, same)] == ["yes", "yes", "yes", ""]
+    slow = summarize([RequestRecord(i, 0.1 * i, 8, sent_s=0.1 * i, done_s=0.1 * i + pred.summary.p50 * 1.2,
+                                    status=200, latency_s=pred.summary.p50 * 1.2) for i in range(50)])
+    rows = comparison_rows(0.5, 1.0, pred, Measurement(slow, [], None, {}))
+    assert rows[0][2] == "P50 ms" and rows[0][-1] == "NO" and rows[0][5].startswith("-16")
+    assert len(diagnosis_rows(0.5, pred, same, cm)) >= 7
+    # labelled histogram means and the model's time for a live mean batch
+    reg = CollectorRegistry()
+    h = Histogram("batchpilot_http_request_duration_seconds", "h", ["route"], registry=reg)
+    first = parse_metrics(generate_latest(reg).decode())
+    h.labels("/v1/embeddings").observe(0.2)
+    h.labels("/v1/embeddings").observe(0.4)
+    series = MetricsSeries([0.0, 1.0], [first, parse_metrics(generate_latest(reg).decode())])
+    name = "batchpilot_http_request_duration_seconds{route=/v1/embeddings}"
+    assert _histogram_mean(series, name) == pytest.approx(0.3)
+    t = model_time_of_live_batches(cm, {"batch_size": 4.0, "computed_tokens_per_batch": 512.0})
+    assert t == pytest.approx(cm.latency({"const": 1, "n": 4, "tokens": 512, "attn": 0}))

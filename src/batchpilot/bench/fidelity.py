@@ -141,16 +141,7 @@ SERVER_HISTOGRAMS = {
 
 def _histogram_mean(series: MetricsSeries, name: str) -> float:
     base, _, labels = name.partition("{")
-    if not labels:
-        return series.histogram_mean(base)
-    # a labelled histogram: its _sum/_count samples carry the labels
-    lab = "{" + labels
-    first = next((v for v in series.values if f"{base}_count{lab}" in v), None)
-    last = next((v for v in reversed(series.values) if f"{base}_count{lab}" in v), None)
-    if first is None or last is None:
-        return math.nan
-    dc = last[f"{base}_count{lab}"] - first[f"{base}_count{lab}"]
-    return (last[f"{base}_sum{lab}"] - first[f"{base}_sum{lab}"]) / dc if dc > 0 else math.nan
+    return series.histogram_mean(base, labels.rstrip("}"))
 
 
 def measure(url: str, workload: Workload, texts: list[str], sla_s: float, warmup_requests: int,

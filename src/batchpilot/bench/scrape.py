@@ -50,14 +50,17 @@ class MetricsSeries:
         return [n for n in self.names() if any(h in n.lower() for h in QUEUE_HINTS) and "token" not in n
                 and not n.split("{")[0].endswith(("_sum", "_count", "_total", "_created", "_seconds"))]
 
-    def histogram_mean(self, name: str) -> float:
-        """Mean of histogram ``name`` over the run: delta(sum) / delta(count), first to last scrape."""
-        first = next((v for v in self.values if f"{name}_count" in v), None)
-        last = next((v for v in reversed(self.values) if f"{name}_count" in v), None)
-        if first is None or last is None:
+    def histogram_mean(self, name: str, labels: str = "") -> float:
+        """Mean of histogram ``name`` over the run: delta(sum) / delta(count), first to last scrape.
+        ``labels`` as ``parse_metrics`` writes them (``route=/v1/embeddings``). A series missing from the
+        first scrape did not exist yet (labelled series appear on first use): its baseline is 0."""
+        suffix = f"{{{labels}}}" if labels else ""
+        count, total = f"{name}_count{suffix}", f"{name}_sum{suffix}"
+        if not self.values or count not in self.values[-1]:
             return math.nan
-        dc = last[f"{name}_count"] - first[f"{name}_count"]
-        return (last[f"{name}_sum"] - first[f"{name}_sum"]) / dc if dc > 0 else math.nan
+        first, last = self.values[0], self.values[-1]
+        dc = last[count] - first.get(count, 0.0)
+        return (last[total] - first.get(total, 0.0)) / dc if dc > 0 else math.nan
 
     def find(self, *hints: str) -> str | None:
         """The first histogram base name containing every hint (``find("batch", "size")``)."""
