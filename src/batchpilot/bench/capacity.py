@@ -122,10 +122,13 @@ def search_capacity(probe: Callable[[float], Summary], config: CapacityConfig,
 def sla_lost(sla_s: float, total: int) -> Callable[[list[RequestRecord]], bool]:
     """``stop_when`` for a probe: true once more than 1% of ``total`` requests are late or failed."""
     budget = max(int(total * 0.01), 0)
+    seen = [0, 0]  # records looked at, late among them (``done`` only grows: count incrementally)
 
     def check(done: list[RequestRecord]) -> bool:
-        late = sum(1 for r in done if not r.warmup and (not r.ok or r.latency_s > sla_s))
-        return late > budget
+        for r in done[seen[0]:]:
+            seen[1] += not r.warmup and (not r.ok or r.latency_s > sla_s)
+        seen[0] = len(done)
+        return seen[1] > budget
 
     return check
 
