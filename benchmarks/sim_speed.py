@@ -29,6 +29,7 @@ from batchpilot.core.config import SchedulerConfig
 from batchpilot.core.costmodel import BatchShape, CostModel
 from batchpilot.core.scheduler import Batch, SchedulerOutput
 from batchpilot.sim.engine import Engine
+from batchpilot.sim.metrics import summarize
 from batchpilot.sim.target import EncoderTarget, simulate_encoder
 from batchpilot.sim.traces import Workload
 from batchpilot.sim.workloads import conv_embed
@@ -78,20 +79,30 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=1_000_000)
     ap.add_argument("--rate-scale", type=float, default=1.0)
     ap.add_argument("--profile-requests", type=int, default=100_000)
+    ap.add_argument("--config", help="SchedulerConfig YAML (default: the batchpilot default)")
     args = ap.parse_args()
     wl = tiled(args.requests, args.rate_scale)
     cfg = SchedulerConfig()
-    print(f"workload: {wl.name}, {len(wl):,} requests, {wl.mean_rate:.2f} req/s; config: batchpilot "
-          f"default ({cfg.policy.name}, {cfg.planner.grouping}/{cfg.planner.padding}, "
-          f"bs {cfg.policy.max_batch_size})")
+    if args.config:
+        from pathlib import Path
+
+        import yaml
+
+        cfg = SchedulerConfig.from_dict(yaml.safe_load(Path(args.config).read_text()))
+    print(f"workload: {wl.name}, {len(wl):,} requests, {wl.mean_rate:.2f} req/s; config: "
+          f"{args.config or 'batchpilot default'} ({cfg.policy.name}, {cfg.planner.grouping}/"
+          f"{cfg.planner.padding}, bs {cfg.policy.max_batch_size}, {cfg.policy.max_wait_s * 1e3:g} ms)")
 
     t0, c0 = time.perf_counter(), time.process_time()
     run = simulate_encoder(wl, cfg)
+    rep = summarize(run, sla_s=1.0)
     full, full_cpu = time.perf_counter() - t0, time.process_time() - c0
     s = run.stats
     print(f"full run:   {full:6.2f} s wall, {full_cpu:6.2f} s CPU = {len(wl) / full:,.0f} requests/s (wall); "
           f"{s.num_jobs:,} batches, {s.num_schedule_calls:,} schedule calls; per 1M requests: "
           f"{full * 1e6 / len(wl):.1f} s wall, {full_cpu * 1e6 / len(wl):.1f} s CPU (target <= 30 s)")
+    print(f"            simulated P99 {rep.latency['p99'] * 1e3:.0f} ms, "
+          f"mean batch {rep.mean_batch_size:.2f}")
 
     t0, c0 = time.perf_counter(), time.process_time()
     stub_target = EncoderTarget(StubScheduler(), wl)  # type: ignore[arg-type]
