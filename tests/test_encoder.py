@@ -153,6 +153,7 @@ def test_tokenize_rejects_or_truncates_long_input(ex: EncoderExecutor) -> None:
         ex.tokenize(["short", long_text])
     ids = ex.tokenize([long_text], truncate=True)[0]
     assert len(ids) == 512 and ids[0] == ex.tokenizer.cls_token_id and ids[-1] == ex.tokenizer.sep_token_id
+    assert ids == ex.tokenizer(long_text, truncation=True, max_length=512)["input_ids"]  # HF's own rule
 
 
 def test_token_id_inputs(ex: EncoderExecutor, reference: np.ndarray) -> None:

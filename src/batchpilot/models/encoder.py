@@ -121,10 +121,15 @@ class EncoderExecutor:
         """Token ids with special tokens. Too long and not ``truncate`` -> ValueError (HTTP 400)."""
         if self.pooling.do_lower_case:
             texts = [t.lower() for t in texts]
-        enc = self.tokenizer(list(texts), add_special_tokens=True, truncation=truncate,
-                             max_length=self.max_length if truncate else None, return_attention_mask=False,
-                             return_token_type_ids=False, verbose=False)
-        return self._check_lengths(enc["input_ids"])
+        # Always the same tokenizer settings, truncation done here: a fast tokenizer called from several
+        # threads with changing truncation settings mutates shared state ("Already borrowed").
+        enc = self.tokenizer(list(texts), add_special_tokens=True, truncation=False, verbose=False,
+                             return_attention_mask=False, return_token_type_ids=False)
+        ids = enc["input_ids"]
+        if truncate:
+            tail = self._specials[1]
+            ids = [r if len(r) <= self.max_length else r[: self.max_length - len(tail)] + tail for r in ids]
+        return self._check_lengths(ids)
 
     def tokenize_ids(self, inputs: list[list[int]], truncate: bool = False) -> list[list[int]]:
         """Client-supplied token ids (OpenAI ``input`` as integer lists): validated, wrapped in the
