@@ -320,3 +320,17 @@ def test_fidelity_rows_compare_the_simulator_with_a_measurement() -> None:
     assert _histogram_mean(series, name) == pytest.approx(0.3)
     t = model_time_of_live_batches(cm, {"batch_size": 4.0, "computed_tokens_per_batch": 512.0})
     assert t == pytest.approx(cm.latency({"const": 1, "n": 4, "tokens": 512, "attn": 0}))
+
+
+def test_bench_padding_forwards_every_argument(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+    import types
+
+    from batchpilot.cli import build_parser
+
+    seen: list[list[str]] = []
+    fake_mod = types.ModuleType("batchpilot.bench.padding")
+    fake_mod.main = lambda argv: seen.append(argv) or 0  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "batchpilot.bench.padding", fake_mod)
+    args = build_parser().parse_args(["bench", "padding", "--requests", "4", "--help"])
+    assert args.func(args) == 0 and seen == [["--requests", "4", "--help"]]

@@ -82,7 +82,9 @@ def register(subparsers: Any) -> None:
     add_arguments(f)
     _workload_args(f)
     f.set_defaults(func=_fidelity)
-    pad = sub.add_parser("padding", help="padding modes benchmark (batchpilot.bench.padding)", add_help=False)
+    # prefix_chars="+": every "-..." token after "padding" (--help included) is the padding benchmark's
+    pad = sub.add_parser("padding", help="padding modes benchmark (batchpilot.bench.padding)", add_help=False,
+                         prefix_chars="+")
     pad.add_argument("args", nargs=argparse.REMAINDER)
     pad.set_defaults(func=_padding)
 
