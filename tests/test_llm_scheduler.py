@@ -116,7 +116,8 @@ def test_recomputed_chunk_replays_prompt_and_outputs() -> None:
     while b.status is not SeqStatus.RUNNING:
         s.update(plan := s.schedule(), fake_tokens(plan))
     resumed = next(c for c in plan.chunks if c.seq_id == 1)
-    assert resumed.start == 0 and resumed.token_ids == b.prompt_token_ids + generated[: len(resumed.token_ids) - 4]
+    assert resumed.start == 0
+    assert resumed.token_ids == b.prompt_token_ids + generated[: len(resumed.token_ids) - 4]
 
 
 def test_priority_policy_admits_urgent_first_and_preempts_least_urgent() -> None:
@@ -242,3 +243,19 @@ def test_random_workloads_finish_with_every_block_free(workload: list[tuple[int,
     bm = s.block_manager
     assert bm.num_free_blocks == blocks and all(bm.ref_count(b) == 0 for b in range(blocks))
     assert not bm._tables
+
+
+def test_the_same_scheduler_runs_in_the_simulator() -> None:
+    from batchpilot.sim.llm import default_llm_cost_model, simulate_llm
+    from batchpilot.sim.traces import Workload
+
+    wl = Workload.from_columns("t", [0.0, 0.0, 0.01, 0.5], [40, 8, 300, 16], [5, 20, 3, 1])
+    cfg = LLMSchedulerConfig(num_kv_blocks=30, block_size=4, max_num_batched_tokens=32)
+    run = simulate_llm(wl, cfg, default_llm_cost_model())
+    rep = run.report()
+    assert rep.num_finished == 3 and rep.num_rejected == 1  # 300 + 3 tokens never fit 30 blocks of 4
+    assert run.record.num_output[:2] == [5, 20] and run.record.num_output[3] == 1
+    assert rep.ttft_p50 > 0 and rep.tpot_p50 > 0 and not run.stats.stalled
+    # steps never exceed the token budget and the first step is the cost model's price for its shape
+    assert max(run.record.step_tokens) <= 32
+    assert run.record.step_duration[0] > default_llm_cost_model().latency_coef[0]

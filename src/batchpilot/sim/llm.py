@@ -1,0 +1,244 @@
+"""The LLM target: the real ``LLMScheduler`` in the simulator's event loop, each step timed by a cost model.
+
+One slot (one engine), one job per iteration (docs/simulator.md): ``schedule`` asks the scheduler for a
+step and returns ``Job(cost_model.latency(plan.shape), plan)``; when the job ends, ``on_job_done``
+feeds ``update`` a dummy token for every sampling chunk (EOS is ignored, as in conv-llm, so only
+lengths matter), and records first-token and finish times. The scheduler, block manager, budgets and
+preemption are the ones the live engine runs, so TTFT and TPOT predicted here follow the same policy.
+
+Prompts are made of distinct token ids per request so the prefix cache (when enabled) never hits by
+accident.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..core.costmodel import LLM_FEATURES, CostModel
+from ..core.llm_scheduler import LLMScheduler, LLMSchedulerConfig, StepPlan
+from ..core.sequence import SamplingParams, Sequence
+from .engine import Engine, EngineStats, Job
+from .traces import Workload
+
+
+def default_llm_cost_model() -> CostModel:
+    """A stated default for the tiny Llama (6 x 512, GQA 8:4) on 2 shared CPU cores, fp32.
+
+    Per step: ~12 ms fixed (Python + 6 layers of small ops), 0.25 ms per prefill token, 0.6 ms per
+    decoding sequence, 0.2 us per KV token read, 2 ns per prefill attention unit. Replace it with
+    ``batchpilot.models.llm.profile.profile_llm_steps`` for this machine.
+    """
+    return CostModel(
+        feature_names=LLM_FEATURES,
+        latency_coef=(0.012, 2.5e-4, 6.0e-4, 2.0e-7, 2.0e-9),
+        memory_coef=(0.0, 0.0, 0.0, 0.0, 0.0),
+        rel_residuals=(-0.1, 0.0, 0.1, 0.3),
+        meta={"source": "default_llm_cost_model"},
+    )
+
+
+@dataclass
+class LLMRecord:
+    """Per request: arrival, first token, finish (NaN until then), tokens out; per step: shape and time."""
+
+    n: int
+    first_token_s: list[float] = field(default_factory=list)
+    finish_s: list[float] = field(default_factory=list)
+    num_output: list[int] = field(default_factory=list)
+    rejected: list[str | None] = field(default_factory=list)
+    step_start: list[float] = field(default_factory=list)
+    step_duration: list[float] = field(default_factory=list)
+    step_tokens: list[int] = field(default_factory=list)
+    step_seqs: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.first_token_s = [math.nan] * self.n
+        self.finish_s = [math.nan] * self.n
+        self.num_output = [0] * self.n
+        self.rejected = [None] * self.n
+
+
+class LLMTarget:
+    """``SimTarget`` driving an ``LLMScheduler``. Sequence id = workload row index."""
+
+    def __init__(self, scheduler: LLMScheduler, workload: Workload, cost_model: CostModel,
+                 noise: bool = False, seed: int = 0) -> None:
+        if tuple(cost_model.feature_names) != LLM_FEATURES:
+            raise ValueError(f"LLM target: the cost model has features {cost_model.feature_names}, an LLM "
+                             f"step model needs {LLM_FEATURES}; profile the LLM (not the encoder)")
+        self.scheduler = scheduler
+        self.workload = workload
+        self.cost_model = cost_model
+        self.noise = noise
+        self._rng = np.random.default_rng(seed)
+        self.record = LLMRecord(len(workload))
+        self._inputs = workload.input_tokens.tolist()
+        self._outputs = workload.output_tokens.tolist()
+        self._prio = workload.priority.tolist()
+        self._busy = False
+
+    @property
+    def has_pending(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def on_arrival(self, index: int, now: float) -> None:
+        n_in = max(1, int(self._inputs[index]))
+        n_out = max(1, int(self._outputs[index]))
+        base = 3 + (index * 7919) % 4000
+        params = SamplingParams(max_tokens=n_out, ignore_eos=True)
+        seq = Sequence(index, [base + i for i in range(n_in)], params, arrival=now,
+                       priority=int(self._prio[index]))
+        reason = self.scheduler.add(seq)
+        if reason is not None:
+            self.record.rejected[index] = reason
+            self.record.finish_s[index] = now
+
+    def schedule(self, now: float, free_slots: int) -> tuple[list[Job], float | None]:
+        if free_slots == 0 or not self.scheduler.has_unfinished():
+            return [], None
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return [], None
+        shape = plan.shape
+        duration = (self.cost_model.sample_latency(shape, float(self._rng.random())) if self.noise
+                    else self.cost_model.latency(shape))
+        rec = self.record
+        rec.step_start.append(now)
+        rec.step_duration.append(duration)
+        rec.step_tokens.append(plan.num_batched_tokens)
+        rec.step_seqs.append(len(plan.chunks))
+        return [Job(max(duration, 1e-9), plan)], None
+
+    def on_job_done(self, job: Job, now: float) -> None:
+        plan: StepPlan = job.payload
+        sampled = {c.seq_id: 10 for c in plan.chunks if c.sample}
+        rec = self.record
+        for out in self.scheduler.update(plan, sampled):
+            i = out.seq_id
+            if rec.num_output[i] == 0:
+                rec.first_token_s[i] = now
+            rec.num_output[i] += 1
+            if out.finish_reason is not None:
+                rec.finish_s[i] = now
+
+
+@dataclass
+class LLMSimReport:
+    num_requests: int
+    num_finished: int
+    num_rejected: int
+    duration_s: float
+    output_tokens_per_s: float
+    ttft_p50: float
+    ttft_p99: float
+    tpot_p50: float
+    tpot_p99: float
+    e2e_p50: float
+    e2e_p99: float
+    num_preemptions: int
+    num_steps: int
+    mean_step_tokens: float
+
+    def rows(self) -> list[tuple[str, str]]:
+        ms = lambda x: f"{x * 1e3:.1f} ms"  # noqa: E731
+        return [
+            ("requests (finished / rejected)",
+             f"{self.num_finished} / {self.num_rejected} of {self.num_requests}"),
+            ("output tokens/s", f"{self.output_tokens_per_s:.1f}"),
+            ("TTFT p50 / p99", f"{ms(self.ttft_p50)} / {ms(self.ttft_p99)}"),
+            ("TPOT p50 / p99", f"{ms(self.tpot_p50)} / {ms(self.tpot_p99)}"),
+            ("end-to-end p50 / p99", f"{self.e2e_p50:.2f} s / {self.e2e_p99:.2f} s"),
+            ("steps (mean tokens per step)", f"{self.num_steps} ({self.mean_step_tokens:.1f})"),
+            ("preemptions", str(self.num_preemptions)),
+        ]
+
+
+@dataclass
+class LLMSimRun:
+    workload: Workload
+    config: LLMSchedulerConfig
+    cost_model: CostModel
+    stats: EngineStats
+    record: LLMRecord
+    num_preemptions: int
+
+    def report(self, warmup_s: float = 0.0) -> LLMSimReport:
+        rec = self.record
+        arr = self.workload.arrival_s
+        first, fin = np.asarray(rec.first_token_s), np.asarray(rec.finish_s)
+        nout = np.asarray(rec.num_output)
+        done = ~np.isnan(fin) & (nout > 0) & (arr >= warmup_s)
+        ttft = (first - arr)[done]
+        multi = done & (nout > 1)
+        tpot = ((fin - first)[multi] / (nout[multi] - 1))
+        e2e = (fin - arr)[done]
+
+        def q(x: np.ndarray, p: float) -> float:
+            return float(np.percentile(x, p)) if x.size else math.nan
+
+        span = float(np.nanmax(fin) - arr[0]) if done.any() else 0.0
+        return LLMSimReport(
+            num_requests=len(arr), num_finished=int(done.sum()),
+            num_rejected=sum(r is not None for r in rec.rejected), duration_s=span,
+            output_tokens_per_s=float(nout[done].sum() / span) if span > 0 else 0.0,
+            ttft_p50=q(ttft, 50), ttft_p99=q(ttft, 99), tpot_p50=q(tpot, 50), tpot_p99=q(tpot, 99),
+            e2e_p50=q(e2e, 50), e2e_p99=q(e2e, 99), num_preemptions=self.num_preemptions,
+            num_steps=len(rec.step_start),
+            mean_step_tokens=float(np.mean(rec.step_tokens)) if rec.step_tokens else 0.0,
+        )
+
+
+def simulate_llm(workload: Workload, config: LLMSchedulerConfig | None = None,
+                 cost_model: CostModel | None = None, *, noise: bool = False, seed: int = 0) -> LLMSimRun:
+    """Replay ``workload`` (prompt = input_tokens, output = output_tokens) through a fresh LLMScheduler."""
+    config = config or LLMSchedulerConfig()
+    cost_model = cost_model or default_llm_cost_model()
+    scheduler = LLMScheduler(config)
+    target = LLMTarget(scheduler, workload, cost_model, noise, seed)
+    stats = Engine(target, num_slots=1).run(workload.arrival_s)  # type: ignore[arg-type]
+    return LLMSimRun(workload, config, cost_model, stats, target.record, scheduler.num_preemptions)
+
+
+def simulate_cli(args: Any, workload: Workload, console: Any) -> int:
+    """``batchpilot simulate --target llm``: ``--config`` is an LLMSchedulerConfig YAML (its fields)."""
+    from rich.table import Table
+
+    config = LLMSchedulerConfig()
+    if getattr(args, "config", None):
+        from pathlib import Path
+
+        import yaml
+
+        data = yaml.safe_load(Path(args.config).read_text()) or {}
+        try:
+            config = LLMSchedulerConfig(**data.get("llm_scheduler", data))
+        except TypeError as exc:
+            console.print(f"[red]--config for the LLM target takes LLMSchedulerConfig fields: {exc}[/]")
+            return 2
+    if getattr(args, "profile", None):
+        cost_model = CostModel.load(args.profile)
+    else:
+        console.print("[yellow]no --profile: using the stated default_llm_cost_model() (tiny Llama on 2 CPU "
+                      "cores)[/]")
+        cost_model = default_llm_cost_model()
+    try:
+        run = simulate_llm(workload, config, cost_model, noise=bool(getattr(args, "noise", False)),
+                           seed=int(getattr(args, "seed", 0)))
+    except ValueError as exc:
+        console.print(f"[red]batchpilot simulate: {exc}[/]")
+        return 2
+    report = run.report(warmup_s=float(getattr(args, "warmup_s", 0.0)))
+    table = Table(title=f"{workload.name}: {len(workload)} requests (LLM, iteration-level scheduling)")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for k, v in report.rows():
+        table.add_row(k, v)
+    console.print(table)
+    if run.stats.stalled:
+        console.print("[red]the scheduler left requests unfinished with nothing scheduled (stalled)[/]")
+        return 1
+    return 0
