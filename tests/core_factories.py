@@ -74,6 +74,8 @@ class RunLog:
     admitted: list[Request] = field(default_factory=list)
     free_slots_at_dispatch: list[int] = field(default_factory=list)
     leftover_checks: list[tuple[float, int, list[Request]]] = field(default_factory=list)
+    # per schedule() call that dispatched: (now, queue head before the call, oldest arrival, first batch)
+    head_checks: list[tuple[float, Request, float, Batch]] = field(default_factory=list)
 
 
 def drive(sched: BatchScheduler, arrivals: list[Request], slots: int = 1,
@@ -100,7 +102,11 @@ def drive(sched: BatchScheduler, arrivals: list[Request], slots: int = 1,
                 log.admitted.append(payload)
             else:
                 log.rejected.append(rej)
+        head, oldest = sched.queue.head(), sched.queue.oldest()
         out = sched.schedule(now, free)
+        if out.batches and head is not None and oldest is not None and head.id not in {
+                d.request.id for d in out.dropped}:
+            log.head_checks.append((now, head, oldest.arrival, out.batches[0]))
         log.dropped.extend(out.dropped)
         for b in out.batches:
             log.batches.append((now, b))

@@ -39,6 +39,7 @@ def test_unknown_keys_are_errors() -> None:
     (lambda: PolicyConfig(aimd_mult=1.5), "aimd_mult"),
     (lambda: PlannerConfig(grouping="random"), "choose one of"),  # type: ignore[arg-type]
     (lambda: PlannerConfig(pad_to_multiple_of=0), "pad_to_multiple_of"),
+    (lambda: PlannerConfig(padding="max", max_len=512, max_batch_tokens=256), "max_batch_tokens"),
     (lambda: BucketingConfig(boundaries=(64, 32)), "strictly increasing"),
     (lambda: AdmissionConfig(rate=5.0, burst=0), "burst must be >= 1"),
     (lambda: SchedulerConfig(num_slots=0), "num_slots"),

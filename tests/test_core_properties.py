@@ -7,7 +7,8 @@ executor in ``core_factories.drive``. Checked:
 * no request lost or duplicated: each admitted request is dispatched once or dropped once;
 * budgets never exceeded: batch size, token budget, memory budget, padded length >= every length;
 * FIFO within a priority level (fifo grouping, fcfs/priority queues);
-* no starvation: whenever a slot is left free, nothing waiting has waited past the policy's bound;
+* no starvation: whenever a slot is left free, nothing waiting has waited past the policy's bound,
+  and once the oldest has waited its bound the next batch contains the head of the queue;
 * rejections only with a valid reason and a message;
 * determinism: the same inputs give the same batches.
 """
@@ -45,7 +46,7 @@ def scenarios(draw: Any) -> dict[str, Any]:
         "planner": {
             "grouping": grouping, "padding": padding, "max_len": max_len,
             "max_batch_tokens": draw(st.sampled_from([0, 128, 300])),
-            "max_batch_memory_bytes": draw(st.sampled_from([0.0, 400_000.0])),
+            "max_batch_memory_bytes": draw(st.sampled_from([0.0, 100_000.0, 400_000.0])),
             "pad_to_multiple_of": draw(st.sampled_from([1, 8])), "lookahead": draw(st.integers(1, 3)),
         },
         "bucketing": {"method": draw(st.sampled_from(["fixed", "quantile", "kmeans", "dp"])),
@@ -125,6 +126,20 @@ def test_no_starvation_while_a_slot_is_free(sc: dict[str, Any]) -> None:
     for now, _, waiting in log.leftover_checks:
         for r in waiting:
             assert now - r.arrival < bound + EPS, (sched.config.policy.name, now, r)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sc=scenarios())
+def test_an_overdue_head_is_in_the_next_batch(sc: dict[str, Any]) -> None:
+    """Look-ahead never starves: once the oldest request has waited its bound, the next batch
+    formed (whenever a slot frees) contains the head of the queue."""
+    sc["cfg"]["admission"].update(rate=0.0, max_queued_requests=0)
+    sched = make_scheduler(simple_cost_model(const=0.002, per_token=1e-5), **sc["cfg"])
+    log = drive(sched, sc["arrivals"], slots=1)
+    bound = _bound(sched)
+    for now, head, oldest_arrival, batch in log.head_checks:
+        if now - oldest_arrival >= bound:
+            assert head in batch.requests, (sched.config.policy.name, sched.config.planner.grouping)
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])

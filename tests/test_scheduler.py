@@ -97,6 +97,17 @@ def test_infeasible_is_dispatched_by_default() -> None:
     assert out.dropped == [] and [b.size for b in out.batches] == [1]
 
 
+def test_sla_full_batches_do_not_skip_an_overdue_head() -> None:
+    s = make_scheduler(policy={"name": "sla", "sla_s": 0.5, "max_batch_size": 2},
+                       planner={"grouping": "sorted"})
+    head = make_request(400, 0.0)
+    s.submit(head, 0.0)
+    for _ in range(4):
+        s.submit(make_request(10, 0.0), 0.0)
+    assert s.schedule(0.001, 1).batches[0].requests.count(head) == 0  # early: short ones pack better
+    assert head in s.schedule(1.0, 1).batches[0].requests  # past its SLA: the head goes next
+
+
 def test_priority_queue_serves_the_urgent_class_first() -> None:
     s = make_scheduler(policy={"name": "window", "max_wait_s": 0.0, "max_batch_size": 2},
                        planner={"grouping": "fifo"}, queue_order="priority")

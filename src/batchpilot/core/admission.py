@@ -106,8 +106,12 @@ class AdmissionController:
         return 1, padded, padded * padded
 
     def _budget_problem(self, length: int) -> str | None:
-        """Why a request of this length cannot form a batch even alone (None if it can)."""
-        n, tokens, attn = self._alone(length)
+        """Why a request of this length cannot form a batch even alone (None if it can).
+
+        Bucket edges move with refits, so with bucket padding the check assumes the widest edge.
+        """
+        p = self.planner
+        n, tokens, attn = self._alone(p.max_len if p.padding == "bucket" else length)
         budget = self.planner.max_batch_tokens
         if budget and tokens > budget:
             return f"input needs {tokens} tokens of batch budget alone; planner.max_batch_tokens is {budget}"

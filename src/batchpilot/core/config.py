@@ -125,6 +125,11 @@ class PlannerConfig:
             raise ValueError("planner.max_len, planner.pad_to_multiple_of and planner.lookahead must be >= 1")
         _positive("planner", "max_batch_tokens", self.max_batch_tokens, allow_zero=True)
         _positive("planner", "max_batch_memory_bytes", self.max_batch_memory_bytes, allow_zero=True)
+        if self.padding in ("max", "bucket") and 0 < self.max_batch_tokens < self.max_len:
+            raise ValueError(
+                f"planner.max_batch_tokens ({self.max_batch_tokens}) must be >= planner.max_len "
+                f"({self.max_len}) with padding {self.padding!r}: one request padded to max_len would not fit"
+            )
 
 
 @dataclass(frozen=True)

@@ -212,11 +212,11 @@ class SlaPolicy(Policy):
 
     def decide(self, now: float, s: QueueState) -> Decision:
         cap = self.batch_cap
-        if self.estimator.is_full(s.num_waiting, cap, s.num_tokens):
-            return Dispatch(cap, False, "full")
-        n = s.num_waiting
+        n = min(s.num_waiting, cap)
         deadline = min(s.earliest_deadline, s.oldest_arrival + self.config.sla_s)
         latest = deadline - self.estimator.latency_q(n + 1, s)
+        if self.estimator.is_full(s.num_waiting, cap, s.num_tokens):
+            return Dispatch(cap, now >= latest, "full")  # urgent: a full batch must not skip the head
         if now >= latest:
             return Dispatch(cap, True, "deadline")
         if self.mean_interarrival_s == _INF:
