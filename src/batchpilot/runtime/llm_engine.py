@@ -118,6 +118,9 @@ class LLMEngine:
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
         self.num_steps = 0
         self.num_generated_tokens = 0
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        plain = not getattr(tokenizer, "clean_up_tokenization_spaces", False)
+        self._fast_decode = backend.decode if backend is not None and plain else None
         self._stats = self._snapshot()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -305,7 +308,11 @@ class LLMEngine:
         return delta, False
 
     def _decode(self, ids: list[int]) -> str:
-        return str(self.tokenizer.decode(ids, skip_special_tokens=True)) if ids else ""
+        if not ids:
+            return ""
+        if self._fast_decode is not None:  # the Rust tokenizer: ~10x less overhead per call than HF's wrapper
+            return str(self._fast_decode(ids, skip_special_tokens=True))
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
     def _flush(self, stream: _Stream) -> str:
         ids = stream.seq.output_token_ids

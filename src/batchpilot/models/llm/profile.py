@@ -1,0 +1,69 @@
+"""Measure real LLM steps and fit the step cost model the simulator and planner use.
+
+Synthetic steps over the runner's own KV cache: pure prefills of several lengths, pure decode batches
+at several context lengths, and mixes of both. Each point is timed (forward + greedy sampling, the
+engine's hot path) and ``CostModel.fit(points, LLM_FEATURES)`` turns them into
+``const + prefill_tokens + decode_seqs + kv_tokens + prefill_attn`` coefficients, JSON-serialisable,
+loadable by ``batchpilot simulate --workload conv-llm --profile``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from ...core.costmodel import LLM_FEATURES, CostModel, ProfilePoint
+from ...core.llm_scheduler import ScheduledChunk, StepPlan
+from .model_runner import LLMModelRunner
+
+
+def _plan(runner: LLMModelRunner, prefills: Sequence[int], decodes: int, decode_ctx: int) -> StepPlan:
+    bs = runner.block_size
+    next_block = 0
+    chunks = []
+
+    def table(n_tokens: int) -> list[int]:
+        nonlocal next_block
+        nb = -(-n_tokens // bs)
+        blocks = [(next_block + i) % runner.num_kv_blocks for i in range(nb)]
+        next_block += nb
+        return blocks
+
+    sid = 0
+    for _ in range(decodes):
+        chunks.append(ScheduledChunk(sid, decode_ctx - 1, [5], table(decode_ctx), True, True))
+        sid += 1
+    for n in prefills:
+        chunks.append(ScheduledChunk(sid, 0, [7] * n, table(n), True, False))
+        sid += 1
+    return StepPlan(step_id=0, chunks=chunks)
+
+
+def time_step(runner: LLMModelRunner, plan: StepPlan, repeats: int = 3) -> float:
+    """Median seconds of forward + argmax for one plan (after one warm-up call)."""
+    runner.forward(plan.chunks).argmax(-1).tolist()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        runner.forward(plan.chunks).argmax(-1).tolist()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def profile_llm_steps(runner: LLMModelRunner, *, prefill_lengths: Sequence[int] = (16, 128, 512),
+                      decode_batches: Sequence[int] = (1, 16, 64), decode_contexts: Sequence[int] = (64, 512),
+                      repeats: int = 3) -> CostModel:
+    points = []
+    shapes: list[tuple[list[int], int, int]] = []
+    shapes += [([n], 0, 1) for n in prefill_lengths]
+    shapes += [([], b, c) for b in decode_batches for c in decode_contexts]
+    shapes += [([prefill_lengths[-1] // 2], b, decode_contexts[0]) for b in decode_batches]
+    with torch.inference_mode():
+        for prefills, b, ctx in shapes:
+            plan = _plan(runner, prefills, b, ctx)
+            points.append(ProfilePoint(plan.shape.features(), time_step(runner, plan, repeats)))
+    return CostModel.fit(points, LLM_FEATURES, meta={"source": "profile_llm_steps",
+                                                     "block_size": runner.block_size,
+                                                     "threads": torch.get_num_threads()})
