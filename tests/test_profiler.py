@@ -49,6 +49,8 @@ def test_budget_keeps_the_minimum_and_skips_the_rest(ex: EncoderExecutor) -> Non
                                 memory=False, progress=False)
     # four points are the minimum to fit four coefficients; cheapest (fewest tokens) first
     assert sorted(p.features["tokens"] for p in points) == [8, 16, 16, 24]
+    _, capped = profile_grid(ex, (1, 2, 3), (8, 16), 1, None, "dynamic", False, False, 0, max_batch_tokens=24)
+    assert sorted(m.features["tokens"] for m in capped) == [8, 16, 16, 24]  # 2x16 and 3x16 left out
 
 
 def test_bad_arguments_say_what_to_change(ex: EncoderExecutor) -> None:

@@ -97,27 +97,31 @@ def profile_encoder(
     memory: bool = True,
     progress: bool = True,
     seed: int = 0,
+    max_batch_tokens: int | None = None,
 ) -> tuple[CostModel, list[ProfilePoint]]:
     """Profile ``executor`` over ``batch_sizes x lengths`` and fit a ``CostModel``.
 
     ``budget_s`` bounds the wall time (the server's start-up profile): points run cheapest first, and a
     point whose predicted time (warm-up + repeats + memory run, from the points measured so far) would
     overrun the budget is skipped — except that the first four points always run, the minimum to fit.
+    Shapes over ``max_batch_tokens`` (n x L) are left out of the grid.
     """
     model, measured = profile_grid(executor, batch_sizes, lengths, repeats, budget_s, padding, memory,
-                                   progress, seed)
+                                   progress, seed, max_batch_tokens)
     return model, [m.point() for m in measured]
 
 
-def profile_grid(executor: Any, batch_sizes: tuple[int, ...], lengths: tuple[int, ...], repeats: int,
-                 budget_s: float | None, padding: str, memory: bool, progress: bool,
-                 seed: int) -> tuple[CostModel, list[Measurement]]:
+def profile_grid(executor: Any, batch_sizes: tuple[int, ...], lengths: tuple[int, ...], repeats: int = 3,
+                 budget_s: float | None = None, padding: str = "dynamic", memory: bool = True,
+                 progress: bool = True, seed: int = 0,
+                 max_batch_tokens: int | None = None) -> tuple[CostModel, list[Measurement]]:
     if repeats < 1:
         raise ValueError(f"profile: repeats must be >= 1, got {repeats}")
     if padding not in ("dynamic", "none"):
         raise ValueError(f"profile: padding must be 'dynamic' or 'none', got {padding!r}")
     limit = executor.max_length
     shapes = {(b, min(max(L, 3), limit)) for b in batch_sizes for L in lengths}
+    shapes = {(b, L) for b, L in shapes if max_batch_tokens is None or b * L <= max_batch_tokens}
     grid = sorted(shapes, key=lambda p: (p[0] * p[1], p))
     k = len(CostModel().feature_names)
     if len(grid) < k:
@@ -191,6 +195,8 @@ def register(subparsers: Any) -> None:
                    help="extra seeded mixed-length batches, measured and predicted to report the error")
     p.add_argument("--budget-s", type=float, default=None, help="stop adding shapes past this many seconds")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory run of each shape")
+    p.add_argument("--max-batch-tokens", type=int, default=4096,
+                   help="leave out shapes with more than n x L tokens (0 = keep all)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:i]")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: every available core)")
     p.add_argument("--max-length", type=int, default=None, help="serve up to this many tokens (default: "
@@ -213,7 +219,8 @@ def run(args: argparse.Namespace) -> int:
                   f"padding {args.padding}, loaded in {time.perf_counter() - t0:.1f} s")
     t1 = time.perf_counter()
     model, points = profile_grid(ex, tuple(args.batch_sizes), tuple(args.lengths), args.repeats,
-                                 args.budget_s, args.padding, not args.no_memory, True, args.seed)
+                                 args.budget_s, args.padding, not args.no_memory, True, args.seed,
+                                 args.max_batch_tokens or None)
     loo = leave_one_out(points) if len(points) > len(model.feature_names) else []
     rng = random.Random(args.seed + 1)
     held: list[tuple[Measurement, float]] = []
