@@ -38,7 +38,7 @@ from .loadgen import LoadGenConfig, build_plan, load_tokenizer, replay
 from .records import RequestRecord, Summary, format_summary, summarize, write_csv
 from .report import RunData, html_table, write_report
 from .scrape import MetricsSeries
-from .serverproc import serve
+from .serverproc import pinned, serve
 
 TARGETS = {"p50": 0.10, "p99": 0.10, "throughput": 0.05}
 DEFAULT_REQUESTS = 400
@@ -58,6 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tune-args", default="--candidates 32", help="extra args for `batchpilot tune`")
     p.add_argument("--probe-s", type=float, default=20.0, help="tuner check: seconds of arrivals per probe")
     p.add_argument("--warmup-requests", type=int, default=30, help="unmeasured requests before each live run")
+    p.add_argument("--cpus", default=None,
+                   help="pin the profiler and the server to these cores (taskset -c syntax, e.g. 1); the "
+                        "load generator then runs on the others. On a shared machine one pinned core with "
+                        "one torch thread is far steadier than two threads competing with other processes")
 
 
 def load_config(path: str | None) -> SchedulerConfig:
@@ -111,10 +115,10 @@ def sim_capacity(workload: Workload, config: SchedulerConfig, cost_model: CostMo
     return cand
 
 
-def run_profile(out: Path, padding: str, extra: str = "") -> Path:
-    """``batchpilot profile -o PATH`` (the models team's profiler) in a subprocess."""
+def run_profile(out: Path, padding: str, extra: str = "", cpus: str | None = None) -> Path:
+    """``batchpilot profile -o PATH`` (the models team's profiler) in a subprocess, pinned like the server."""
     path = out / "profile.json"
-    cmd = [sys.executable, "-m", "batchpilot.cli", "profile", "--output", str(path),
+    cmd = [*pinned(cpus), sys.executable, "-m", "batchpilot.cli", "profile", "--output", str(path),
            "--padding", "none" if padding == "none" else "dynamic", *shlex.split(extra)]
     print("profiling:", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
@@ -247,7 +251,7 @@ def main(args: argparse.Namespace) -> int:
     t_start = time.monotonic()
     config = load_config(args.config)
     profile = (Path(args.profile) if args.profile
-               else run_profile(out, config.planner.padding, args.profile_args))
+               else run_profile(out, config.planner.padding, args.profile_args, args.cpus))
     cost_model = CostModel.load(profile)
     wl = load_workload(args.workload, 1.0, args.start, args.requests or DEFAULT_REQUESTS, trace=args.trace)
     print(f"workload {args.workload} rows [{args.start}, {args.start + len(wl)}) over {wl.duration_s:.1f} s "
@@ -255,6 +259,13 @@ def main(args: argparse.Namespace) -> int:
     cap = sim_capacity(wl, config, cost_model, args.sla, args.noise)
     print(f"simulated capacity: rate scale {cap.capacity:.3f} = {cap.rps:.2f} req/s (P99 <= {args.sla:g} s)",
           flush=True)
+    if cap.capacity <= 0:
+        one = cost_model.latency({"const": 1.0, "n": 1.0, "tokens": 128.0, "attn": 128.0**2})
+        print(f"no rate meets P99 <= {args.sla:g} s in simulation: the profile predicts {one * 1e3:.0f} ms "
+              "for one 128-token input. Was the machine busy while profiling? Re-profile (try --cpus 1).",
+              file=sys.stderr)
+        return 1
+    _pin_self(args.cpus)
     tok = load_tokenizer(args.tokenizer)
     texts = [p.body["input"] for p in build_plan(wl, tokenizer=tok, seed=args.seed)]
     serve_args = ["--profile", str(profile), "--log-level", "warning",
@@ -265,7 +276,7 @@ def main(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {"workload": args.workload, "start": args.start, "requests": len(wl),
                               "config": args.config, "profile": str(profile), "capacity_scale": cap.capacity,
                               "capacity_rps": cap.rps, "points": []}
-    with serve(serve_args, log_path=out / "serve.log") as url:
+    with serve(serve_args, log_path=out / "serve.log", cpus=args.cpus) as url:
         for load in args.loads:
             k = load * cap.capacity
             scaled = wl.scale_rate(k)
@@ -306,6 +317,20 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pin_self(cpus: str | None) -> None:
+    """Move the load generator off the server's cores (when the server is pinned and others remain)."""
+    if not cpus or not hasattr(os, "sched_setaffinity"):
+        return
+    server = set()
+    for part in cpus.split(","):
+        lo, _, hi = part.partition("-")
+        server.update(range(int(lo), int(hi or lo) + 1))
+    rest = set(os.sched_getaffinity(0)) - server
+    if rest:
+        os.sched_setaffinity(0, rest)
+        print(f"load generator pinned to cores {sorted(rest)}, server and profiler to {sorted(server)}")
+
+
 def run_tune(out: Path, args: argparse.Namespace, profile: Path) -> str:
     path = out / "tuned.yaml"
     cmd = [sys.executable, "-m", "batchpilot.cli", "tune", "--workload", args.workload, "--start",
@@ -328,7 +353,7 @@ def tuner_check(args: argparse.Namespace, wl: Workload, texts: list[str], cost_m
     for name, (path, cfg) in configs.items():
         serve_args = ["--profile", str(profile), "--log-level", "warning",
                       *(["--config", path] if path else []), *shlex.split(args.serve_args)]
-        with serve(serve_args, log_path=Path(args.out) / f"serve-{name}.log") as url:
+        with serve(serve_args, log_path=Path(args.out) / f"serve-{name}.log", cpus=args.cpus) as url:
             start = max(sims[name].capacity * 0.8, 0.05)
             ccfg = CapacityConfig(sla_s=args.sla, start=start, growth=1.25, lo=0.05, hi=256.0, rel_tol=0.1,
                                   max_probes=6, probe_s=args.probe_s, cooldown_s=10.0)

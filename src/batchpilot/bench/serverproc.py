@@ -9,6 +9,7 @@ server is a separate process so the load generator and the server do not share a
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -24,6 +25,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def pinned(cpus: str | None) -> list[str]:
+    """The ``taskset`` prefix that pins a subprocess to ``cpus`` (empty for None)."""
+    if not cpus:
+        return []
+    if shutil.which("taskset") is None:
+        raise RuntimeError("pinning to cpus needs taskset (util-linux); omit --cpus")
+    return ["taskset", "-c", cpus]
 
 
 def wait_ready(url: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None,
@@ -46,12 +56,17 @@ def wait_ready(url: str, timeout_s: float, proc: subprocess.Popen[bytes] | None 
 
 @contextmanager
 def serve(args: Sequence[str] = (), *, port: int | None = None, log_path: str | Path | None = None,
-          ready_timeout_s: float = 180.0, env: dict[str, str] | None = None) -> Iterator[str]:
-    """``with serve(["--config", "cfg.yaml"]) as url:`` — a live batchpilot server at ``url``."""
+          ready_timeout_s: float = 180.0, env: dict[str, str] | None = None,
+          cpus: str | None = None) -> Iterator[str]:
+    """``with serve(["--config", "cfg.yaml"]) as url:`` — a live batchpilot server at ``url``.
+
+    ``cpus`` (``taskset -c`` syntax, e.g. ``"1"``) pins the server to those cores; the encoder then sizes
+    its torch thread pool to them (``models.device.available_cores``)."""
     port = port or free_port()
     tmp = Path(os.environ.get("TMPDIR", "/tmp"))
     log = Path(log_path) if log_path else tmp / f"batchpilot-serve-{port}.log"
-    cmd = [sys.executable, "-m", "batchpilot.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
+    cmd = [*pinned(cpus), sys.executable, "-m", "batchpilot.cli", "serve", "--host", "127.0.0.1",
+           "--port", str(port), *args]
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env)
