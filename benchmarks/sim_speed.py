@@ -22,6 +22,7 @@ import argparse
 import cProfile
 import pstats
 import time
+from collections import deque
 
 import numpy as np
 
@@ -49,7 +50,7 @@ class StubScheduler:
     """FIFO, takes everything waiting (up to 32): the cheapest scheduler the target can drive."""
 
     def __init__(self) -> None:
-        self.queue: list = []
+        self.queue: deque = deque()
         self.cost_model = CostModel.default_cpu_minilm()
         self.ids = 0
 
@@ -63,7 +64,7 @@ class StubScheduler:
     def schedule(self, now: float, free_slots: int) -> SchedulerOutput:
         out = SchedulerOutput()
         if free_slots and self.queue:
-            reqs, self.queue = self.queue[:32], self.queue[32:]
+            reqs = [self.queue.popleft() for _ in range(min(32, len(self.queue)))]
             lens = [r.length for r in reqs]
             shape = BatchShape.padded(lens, max(lens))
             self.ids += 1
