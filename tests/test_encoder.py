@@ -125,6 +125,8 @@ def test_prepare_pads_to_the_planned_width(ex: EncoderExecutor) -> None:
         assert t["input_ids"].shape == (2, width) and t["input_ids"].dtype == torch.int64
         assert t["attention_mask"].sum(dim=1).tolist() == [3, 6]
         assert (t["input_ids"][0, 3:] == ex.pad_id).all()
+    t = ex.prepare(batch_of(ids, "max", 1024)).staged.tensors  # type: ignore[union-attr]
+    assert t["input_ids"].shape == (2, 512)  # a planner max_len past the model's limit is capped
     with pytest.raises(ValueError, match="padded_len 4 < longest input 6"):
         ex.prepare(batch_of(ids, "dynamic", 4))
 

@@ -183,7 +183,9 @@ class EncoderExecutor:
         if batch.padded_len < longest:
             raise ValueError(f"batch {batch.id}: padded_len {batch.padded_len} < longest input {longest}; "
                              "the planner must pad to at least the longest request")
-        width = _round_up(batch.padded_len, self.config.pad_to_multiple_of, self.max_length)
+        # a planner configured past this model's limit (max_len 512, a 128-position model) still fits
+        width = min(batch.padded_len, self.max_length)
+        width = _round_up(width, self.config.pad_to_multiple_of, self.max_length)
         return PreparedBatch(len(ids), staged=self._h2d.stage(self._collate(ids, width)))
 
     def _collate(self, ids: list[list[int]], width: int) -> dict[str, torch.Tensor]:
