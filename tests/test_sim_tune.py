@@ -58,6 +58,9 @@ def test_search_ranks_baselines_and_writes_a_loadable_yaml(tmp_path: Path) -> No
     path = write_yaml(result, tmp_path / "best.yaml")
     loaded = SchedulerConfig.from_dict(yaml.safe_load(path.read_text()))
     assert loaded == result.best.config
+    from batchpilot.server.config import load_scheduler_config  # what `batchpilot serve --config` reads
+
+    assert load_scheduler_config(path) == result.best.config
 
 
 def test_grid_respects_allowed_paddings_and_baseline_semantics() -> None:
