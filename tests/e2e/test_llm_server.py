@@ -32,7 +32,9 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[tuple[str, LLMEngine, CollectorRegistry]]:
-    engine = build_llm_engine(None, num_hidden_layers=2, num_kv_blocks=128, block_size=16,
+    # a 2-layer, 256-wide cut of the default tiny Llama keeps the test fast; same code paths
+    engine = build_llm_engine(None, num_hidden_layers=2, hidden_size=256, intermediate_size=688,
+                              num_attention_heads=4, num_key_value_heads=2, num_kv_blocks=128, block_size=16,
                               max_num_batched_tokens=256, max_model_len=1024)
     registry = CollectorRegistry()
     app = FastAPI()

@@ -86,7 +86,8 @@ class _Stream:
         self.q = q
         self.prefix_offset = 0
         self.read_offset = 0
-        self.text = ""
+        self.text = ""  # with stop strings: all text so far; ``emitted`` chars of it were sent
+        self.emitted = 0
         self.sent_tokens = 0
         self.last_t: float | None = None
 
@@ -286,26 +287,46 @@ class LLMEngine:
                 self.sampler.forget(out.seq_id)
 
     def _detokenize(self, stream: _Stream, token: int) -> tuple[str, bool]:
-        """Incremental detokenisation (TGI's two offsets) and stop-string matching on the new text."""
+        """Incremental detokenisation (TGI's two offsets) and stop-string matching; returns (text to emit,
+        stop string hit). With stop strings, the last ``max_len - 1`` characters are held back until
+        they can no longer begin a stop string, so no part of a stop string is ever emitted."""
         ids = stream.seq.output_token_ids + [token]
         prefix = self._decode(ids[stream.prefix_offset : stream.read_offset])
         full = self._decode(ids[stream.prefix_offset :])
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
-            return "", False  # an incomplete UTF-8 sequence: wait for more bytes
-        delta = full[len(prefix) :]
-        stream.prefix_offset, stream.read_offset = stream.read_offset, len(ids)
+        delta = ""
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):  # else: wait for the rest of a UTF-8 char
+            delta = full[len(prefix) :]
+            stream.prefix_offset, stream.read_offset = stream.read_offset, len(ids)
         stops = stream.seq.params.stop
-        if stops:
-            old = len(stream.text)
-            text = stream.text + delta
-            scan_from = max(0, old - max(len(s) for s in stops) + 1)
-            cut = min((i for i in (text.find(s, scan_from) for s in stops) if i >= 0), default=-1)
-            if cut >= 0:
-                delta = text[old:cut] if cut > old else ""
-                stream.text = text[:cut]
-                return delta, True
-            stream.text = text
-        return delta, False
+        if not stops:
+            return delta, False
+        longest = max(len(x) for x in stops)
+        old = len(stream.text)
+        stream.text += delta
+        text = stream.text
+        scan_from = max(0, old - longest + 1)
+        cut = min((i for i in (text.find(x, scan_from) for x in stops) if i >= 0), default=-1)
+        if cut >= 0:
+            out = text[stream.emitted : max(cut, stream.emitted)]
+            stream.emitted = max(cut, stream.emitted)
+            return out, True
+        safe = max(stream.emitted, len(text) - longest + 1)
+        out = text[stream.emitted : safe]
+        stream.emitted = safe
+        return out, False
+
+    def _flush(self, stream: _Stream) -> str:
+        """Everything not emitted yet, at the end of a sequence that did not stop on a stop string."""
+        ids = stream.seq.output_token_ids
+        prefix = self._decode(ids[stream.prefix_offset : stream.read_offset])
+        full = self._decode(ids[stream.prefix_offset :])
+        tail = full[len(prefix) :] if len(full) > len(prefix) else ""
+        if not stream.seq.params.stop:
+            return tail
+        stream.text += tail
+        out = stream.text[stream.emitted :]
+        stream.emitted = len(stream.text)
+        return out
 
     def _decode(self, ids: list[int]) -> str:
         if not ids:
@@ -313,12 +334,6 @@ class LLMEngine:
         if self._fast_decode is not None:  # the Rust tokenizer: ~10x less overhead per call than HF's wrapper
             return str(self._fast_decode(ids, skip_special_tokens=True))
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
-
-    def _flush(self, stream: _Stream) -> str:
-        ids = stream.seq.output_token_ids
-        prefix = self._decode(ids[stream.prefix_offset : stream.read_offset])
-        full = self._decode(ids[stream.prefix_offset :])
-        return full[len(prefix) :] if len(full) > len(prefix) else ""
 
 
 _SCHED_FIELDS = {f.name for f in dataclasses.fields(LLMSchedulerConfig)}
