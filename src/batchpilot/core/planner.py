@@ -120,8 +120,10 @@ class BatchPlanner:
         """Pick the batch from ``candidates`` (queue order; ``candidates[0]`` is the head)."""
         if not candidates:
             raise ValueError("planner: no candidates to plan a batch from")
+        if len(candidates) == 1:  # the common case at light load: nothing to choose
+            return self._make([candidates[0]])
         grouping = self.config.grouping
-        if grouping == "fifo" or len(candidates) == 1:
+        if grouping == "fifo":
             chosen = self._greedy(candidates, cap)
         elif grouping == "bucket":
             chosen = self._bucket(candidates, cap, urgent)
@@ -165,7 +167,9 @@ class BatchPlanner:
         if self._ragged:
             shape = BatchShape.ragged(lengths)
         else:
-            shape = BatchShape.padded(lengths, self.padded_len(max(lengths)))
+            n, longest = len(lengths), max(lengths)
+            p = self._tables()[0][longest] if longest <= self.config.max_len else self._padded_len(longest)
+            shape = BatchShape(n, p, n * p, n * p * p, sum(lengths))
         pred = self.cost_model.batch_latency(shape.n, shape.tokens, shape.attn)
         return Plan(reqs, shape.padded_len, shape, pred)
 

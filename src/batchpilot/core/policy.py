@@ -23,7 +23,8 @@ from .costmodel import CostModel
 _INF = math.inf
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: these are built on every decision and a frozen dataclass's __init__ is ~3x slower.
+@dataclass(slots=True)
 class QueueState:
     """What a policy sees: cached queue aggregates (the scheduler keeps them O(1))."""
 
@@ -35,14 +36,14 @@ class QueueState:
     free_slots: int = 1
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Dispatch:
     max_size: int
     urgent: bool = False  # the queue's head has waited its bound: it must be in this batch
     reason: str = ""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Wait:
     until: float | None = None  # None: wait for an arrival or a batch end
 
@@ -60,6 +61,7 @@ class BatchEstimator:
     def __init__(self, planner: PlannerConfig, cost_model: CostModel) -> None:
         self.planner = planner
         self.cost_model = cost_model
+        self.token_budget = planner.max_batch_tokens
 
     def latency(self, n: int, s: QueueState) -> float:
         p = self.planner
@@ -86,12 +88,13 @@ class Policy:
     def __init__(self, config: PolicyConfig, estimator: BatchEstimator) -> None:
         self.config = config
         self.estimator = estimator
+        self.cap = config.max_batch_size  # a plain attribute: read on every decision (AIMD moves it)
         self.last_arrival = -_INF
         self.mean_interarrival_s = _INF  # EWMA; inf until two arrivals were seen
 
     @property
     def batch_cap(self) -> int:
-        return self.config.max_batch_size
+        return self.cap
 
     @property
     def wait_bound_s(self) -> float:
@@ -115,11 +118,12 @@ class Policy:
         return None
 
     def decide(self, now: float, s: QueueState) -> Decision:
-        return self._window(now, s, self.batch_cap, self.config.max_wait_s)
+        return self._window(now, s, self.cap, self.config.max_wait_s)
 
     def _window(self, now: float, s: QueueState, cap: int, wait_s: float) -> Decision:
         due = s.oldest_arrival + wait_s
-        if self.estimator.is_full(s.num_waiting, cap, s.num_tokens):
+        budget = self.estimator.token_budget
+        if s.num_waiting >= cap or (budget and s.num_tokens >= budget):
             return Dispatch(cap, now >= due, "full")
         if now >= due:
             return Dispatch(cap, True, "window")
@@ -141,16 +145,11 @@ class BacklogPolicy(Policy):
 
     name = "backlog"
 
-    def _backlogged(self, s: QueueState) -> bool:
-        c = self.config
-        if s.num_waiting >= c.backlog_requests:
-            return True
-        return c.backlog_tokens > 0 and s.num_tokens >= c.backlog_tokens
-
     def decide(self, now: float, s: QueueState) -> Decision:
-        if self._backlogged(s):
-            return Dispatch(self.batch_cap, now >= s.oldest_arrival + self.config.max_wait_s, "backlog")
-        return self._window(now, s, self.batch_cap, self.config.max_wait_s)
+        c = self.config
+        if s.num_waiting >= c.backlog_requests or (c.backlog_tokens and s.num_tokens >= c.backlog_tokens):
+            return Dispatch(self.cap, now >= s.oldest_arrival + c.max_wait_s, "backlog")
+        return self._window(now, s, self.cap, c.max_wait_s)
 
 
 class HybridPolicy(BacklogPolicy):
@@ -173,7 +172,7 @@ class HybridPolicy(BacklogPolicy):
         if now >= extended or self.expected_gap(now) > extended - now:
             return decision
         deadline = min(s.earliest_deadline, s.oldest_arrival + c.sla_s)
-        n = min(s.num_waiting + 1, self.batch_cap)
+        n = min(s.num_waiting + 1, self.cap)
         if extended + self.estimator.latency_q(n, s) > deadline:
             return decision
         return Wait(extended)
@@ -187,10 +186,10 @@ class AdaptivePolicy(Policy):
 
     def window_s(self) -> float:
         c = self.config
-        return min(max(self.batch_cap * self.mean_interarrival_s, c.min_wait_s), c.max_wait_s)
+        return min(max(self.cap * self.mean_interarrival_s, c.min_wait_s), c.max_wait_s)
 
     def decide(self, now: float, s: QueueState) -> Decision:
-        return self._window(now, s, self.batch_cap, self.window_s())
+        return self._window(now, s, self.cap, self.window_s())
 
 
 class SlaPolicy(Policy):
@@ -211,7 +210,7 @@ class SlaPolicy(Policy):
         return self.config.sla_s
 
     def decide(self, now: float, s: QueueState) -> Decision:
-        cap = self.batch_cap
+        cap = self.cap
         n = min(s.num_waiting, cap)
         deadline = min(s.earliest_deadline, s.oldest_arrival + self.config.sla_s)
         latest = deadline - self.estimator.latency_q(n + 1, s)
@@ -238,10 +237,6 @@ class AimdPolicy(Policy):
     def __init__(self, config: PolicyConfig, estimator: BatchEstimator) -> None:
         super().__init__(config, estimator)
         self.cap = min(config.aimd_min_batch, config.max_batch_size)
-
-    @property
-    def batch_cap(self) -> int:
-        return self.cap
 
     def on_batch_done(self, size: int, now: float, latency_s: float) -> None:
         c = self.config

@@ -87,6 +87,31 @@ class RequestQueue:
         self._clean_times(self._arrivals)
         return self._arrivals[0][2] if self._arrivals else None
 
+    def aggregates(self) -> tuple[int, int, float, float, int]:
+        """(count, tokens, oldest arrival, earliest deadline, longest length) in one call: what a
+        dispatch policy sees. inf stands for "none"."""
+        if self.order == "fcfs":
+            front = self._front
+            if not front:
+                self._fill(1)
+            oldest = front[0][0] if front else _INF  # the FCFS key is the arrival
+        else:
+            self._clean_times(self._arrivals)
+            oldest = self._arrivals[0][0] if self._arrivals else _INF
+        deadline = _INF
+        if self._deadlines:
+            self._clean_times(self._deadlines)
+            if self._deadlines:
+                deadline = self._deadlines[0][0]
+        if self._max_len_dirty:
+            self._max_len = max(self._len_count, default=0)
+            self._max_len_dirty = False
+        return len(self._live), self._tokens, oldest, deadline, self._max_len
+
+    def has_deadlines(self) -> bool:
+        """Whether any waiting request may have a deadline (cheap; may be stale-true, never stale-false)."""
+        return bool(self._deadlines)
+
     def most_urgent(self) -> Request | None:
         """The waiting request with the earliest deadline (None if no request has one)."""
         self._clean_times(self._deadlines)

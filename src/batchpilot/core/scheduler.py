@@ -19,7 +19,6 @@ Inside, the pieces are composed in this order::
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -34,9 +33,6 @@ from .request import IdCounter, Request
 
 __all__ = ["Batch", "BatchScheduler", "RejectReason", "Rejection", "SchedulerOutput", "SchedulerStats",
            "pad_length"]
-
-_INF = math.inf
-
 
 @dataclass(slots=True)
 class Batch:
@@ -109,6 +105,7 @@ class BatchScheduler:
         self.admission = AdmissionController(config.admission, plan, cost_model, config.policy.max_batch_size)
         self.stats = SchedulerStats()
         self._queue = RequestQueue(config.queue_order, config.admission.max_queued_requests)
+        self._live = self._queue._live
         self._batch_ids = IdCounter()
         self._drop_infeasible = config.policy.on_infeasible == "drop"
         self._max_alone_q = self.admission.alone_latency_q(self.admission.max_length)
@@ -155,12 +152,15 @@ class BatchScheduler:
     def schedule(self, now: float, free_slots: int) -> SchedulerOutput:
         out = SchedulerOutput()
         q = self._queue
-        if q:
+        live = self._live  # the queue's id -> entry dict: len() of it skips two Python-level calls
+        if not live:
+            return out
+        if q.has_deadlines():
             self._drop_expired(now, out)
         wake: float | None = None
         policy, planner, stats = self.policy, self.planner, self.stats
-        while free_slots > 0 and q:
-            decision = policy.decide(now, self._state(free_slots))
+        while free_slots > 0 and live:
+            decision = policy.decide(now, QueueState(*q.aggregates(), free_slots))
             if isinstance(decision, Wait):
                 if decision.until is None or decision.until > now:
                     wake = decision.until
@@ -178,7 +178,7 @@ class BatchScheduler:
             stats.useful_tokens += shape.useful_tokens
             stats.computed_tokens += shape.tokens
             free_slots -= 1
-        if q:
+        if live and q.has_deadlines():
             # Wake at the earliest deadline too, so an expired request is reported when it expires.
             urgent = q.most_urgent()
             if urgent is not None and urgent.deadline is not None:
@@ -191,17 +191,6 @@ class BatchScheduler:
         self.policy.on_batch_done(batch.size, now, latency_s)
 
     # -- internals ---------------------------------------------------------------------------
-    def _state(self, free_slots: int) -> QueueState:
-        q = self._queue
-        oldest = q.oldest()
-        urgent = q.most_urgent()
-        return QueueState(
-            len(q), q.num_tokens,
-            oldest.arrival if oldest is not None else _INF,
-            urgent.deadline if urgent is not None and urgent.deadline is not None else _INF,
-            q.max_length(), free_slots,
-        )
-
     def _drop_expired(self, now: float, out: SchedulerOutput) -> None:
         q = self._queue
         for r in q.expire(now):
