@@ -33,7 +33,7 @@ from typing import Any
 from ..core.config import SchedulerConfig
 from ..core.costmodel import CostModel
 from ..sim.traces import Workload
-from .capacity import CapacityConfig, live_capacity, wait_idle
+from .capacity import CapacityConfig, live_capacity, probe_workload, wait_idle
 from .loadgen import LoadGenConfig, build_plan, load_tokenizer, replay
 from .records import RequestRecord, Summary, format_summary, summarize, write_csv
 from .report import RunData, html_table, write_report
@@ -58,6 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tune-args", default="--candidates 32", help="extra args for `batchpilot tune`")
     p.add_argument("--probe-s", type=float, default=20.0, help="tuner check: seconds of arrivals per probe")
     p.add_argument("--warmup-requests", type=int, default=30, help="unmeasured requests before each live run")
+    p.add_argument("--max-live-s", type=float, default=150.0,
+                   help="cut each live run to the rows arriving in its first S seconds (same rows simulated)")
     p.add_argument("--cpus", default=None,
                    help="pin the profiler and the server to these cores (taskset -c syntax, e.g. 1); the "
                         "load generator then runs on the others. On a shared machine one pinned core with "
@@ -279,7 +281,10 @@ def main(args: argparse.Namespace) -> int:
     with serve(serve_args, log_path=out / "serve.log", cpus=args.cpus) as url:
         for load in args.loads:
             k = load * cap.capacity
-            scaled = wl.scale_rate(k)
+            scaled = probe_workload(wl, k, args.max_live_s)  # the same rows for the simulator and live
+            if len(scaled) < len(wl):
+                print(f"{load:.0%}: replaying the first {len(scaled)} of {len(wl)} rows (--max-live-s "
+                      f"{args.max_live_s:g})", flush=True)
             pred = simulate(scaled, config, cost_model, args.sla, args.noise, args.seed)
             live = measure(url, scaled, texts, args.sla, args.warmup_requests, not args.no_progress,
                            f"{load:.0%} live")
@@ -293,7 +298,8 @@ def main(args: argparse.Namespace) -> int:
                   flush=True)
             runs.append(RunData(f"live {load:.0%}", live.records, live.summary, live.metrics,
                                 {"rate_scale": k}))
-            result["points"].append({"load": load, "rate_scale": k, "predicted": pred.summary.to_dict(),
+            result["points"].append({"load": load, "rate_scale": k, "rows": len(scaled),
+                                     "predicted": pred.summary.to_dict(),
                                      "predicted_mean_batch_size": pred.report.mean_batch_size,
                                      "predicted_mean_batch_s": pred.mean_batch_s,
                                      "predicted_mean_queue_s": pred.mean_queue_s,
@@ -361,8 +367,9 @@ def tuner_check(args: argparse.Namespace, wl: Workload, texts: list[str], cost_m
             cap = live_capacity(wl, lg, ccfg, texts=texts)
             print(f"{name}: live capacity\n{cap.table()}", flush=True)
             wait_idle(url, 10.0)
-            at = measure(url, wl.scale_rate(shared), texts, args.sla, args.warmup_requests, False, name)
-            pred = simulate(wl.scale_rate(shared), cfg, cost_model, args.sla)
+            rows = probe_workload(wl, shared, args.max_live_s)
+            at = measure(url, rows, texts, args.sla, args.warmup_requests, False, name)
+            pred = simulate(rows, cfg, cost_model, args.sla)
         print(format_summary(at.summary, f"{name} live at x{shared:.3f}"), flush=True)
         out[name] = {"sim_capacity_scale": sims[name].capacity, "sim_capacity_rps": sims[name].rps,
                      "live_capacity_scale": cap.rate_scale, "live_capacity_rps": cap.rps,
