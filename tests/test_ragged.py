@@ -71,13 +71,19 @@ def mixed(minilm: BertModel) -> tuple[list[list[int]], torch.Tensor, torch.Tenso
 
 
 # nested tensors are slow on CPU (docs/padding.md): a shorter batch keeps the test fast
-@pytest.mark.parametrize(("attention", "count"), [("loop", 9), ("group", 9), ("nested", 5)])
+# group slack 0: equal lengths only (unmasked groups); 100: every sequence in one masked group
+@pytest.mark.parametrize(("attention", "slack", "count"),
+                         [("loop", 0.0, 9), ("group", 0.0, 9), ("group", 100.0, 9), ("nested", 0.0, 5)])
 def test_ragged_hidden_and_pooled_match_padded_hf(
-    minilm: BertModel, mixed: tuple[list[list[int]], torch.Tensor, torch.Tensor], attention: str, count: int
+    minilm: BertModel, mixed: tuple[list[list[int]], torch.Tensor, torch.Tensor], attention: str,
+    slack: float, count: int
 ) -> None:
     batch, mask, ref = mixed[0][:count], mixed[1][:count], mixed[2][:count]
     lengths = LENGTHS[:count]
-    enc = RaggedEncoder.from_hf(minilm, pooling="mean", attention=attention)
+    enc = RaggedEncoder.from_hf(minilm, pooling="mean", attention=attention, group_slack=slack)
+    if attention == "group":
+        groups = enc._group_plan(lengths)
+        assert len(groups) == (1 if slack > 50 else len(set(lengths)))
     with torch.inference_mode():
         hidden, got_lengths = enc.hidden_ragged(batch)
     assert got_lengths == lengths

@@ -10,7 +10,10 @@ whatever the length mix. Only attention needs sequence boundaries::
 Attention strategies (``attention=``):
 
 * ``loop``      one SDPA call per sequence on strided views of the packed QKV (no copies, no padding).
-* ``group``     sequences of equal length gathered into one dense SDPA call each.
+* ``group``     sequences sorted by length and cut into groups whose padded attention work stays
+                within ``1 + group_slack`` of the exact work; one dense masked SDPA call per group
+                (``group_slack=0``: equal lengths only). Only attention sees padding; the token-wise
+                work stays packed.
 * ``nested``    jagged nested tensors (``torch.nested``, layout=jagged) through SDPA; on CUDA this
                 dispatches to the flash / memory-efficient varlen kernels.
 * ``flash``     ``flash_attn.flash_attn_varlen_func`` (CUDA, fp16/bf16, only if flash-attn is installed).
@@ -43,18 +46,33 @@ class RaggedEncoder(LeanEncoder):
     """Padding-free encoder over HF weights; also offers the lean padded forward it inherits."""
 
     def __init__(
-        self, model: Any, pooling: str = "mean", normalize: bool = False, attention: str = "auto"
+        self,
+        model: Any,
+        pooling: str = "mean",
+        normalize: bool = False,
+        attention: str = "auto",
+        group_slack: float = 0.25,
     ) -> None:
         super().__init__(model, pooling=pooling, normalize=normalize)
         if attention not in ATTENTIONS:
             raise ValueError(f"ragged encoder: attention must be one of {ATTENTIONS}, got {attention!r}")
+        if group_slack < 0:
+            raise ValueError(
+                f"ragged encoder: group_slack must be >= 0 (0 = equal lengths only), got {group_slack}"
+            )
         self.attention = self._resolve(attention)
+        self.group_slack = float(group_slack)
 
     @classmethod
     def from_hf(
-        cls, model: Any, pooling: str = "mean", normalize: bool = False, attention: str = "auto"
+        cls,
+        model: Any,
+        pooling: str = "mean",
+        normalize: bool = False,
+        attention: str = "auto",
+        group_slack: float = 0.25,
     ) -> RaggedEncoder:
-        return cls(model, pooling=pooling, normalize=normalize, attention=attention)
+        return cls(model, pooling=pooling, normalize=normalize, attention=attention, group_slack=group_slack)
 
     def _resolve(self, attention: str) -> str:
         if attention == "flash" and (self.device.type != "cuda" or _flash_varlen() is None):
@@ -85,24 +103,29 @@ class RaggedEncoder(LeanEncoder):
         return ids.to(self.device), positions.to(self.device), lengths
 
     # -- attention over packed QKV ----------------------------------------------------------------
-    def _attend(self, qkv: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    # SDPA takes its fused CPU kernel (flash_attention_for_cpu) only for 4-D inputs; a 3-D
+    # [heads, n, hd] call silently falls back to the unfused math path (bmm + softmax), ~3x slower.
+    def _sdpa(self, qkv: torch.Tensor) -> torch.Tensor:
+        """``qkv`` ``[n, 3, heads, hd]`` of one sequence -> context ``[n, heads, hd]``."""
+        q, k, v = qkv.permute(1, 2, 0, 3).unsqueeze(1)  # each [1, heads, n, hd], strided views
+        return F.scaled_dot_product_attention(q, k, v)[0].transpose(0, 1)
+
+    def _attend(self, qkv: torch.Tensor, lengths: list[int], plan: Any) -> torch.Tensor:
         """``qkv`` is ``[T, 3, heads, head_dim]``; returns the attention context ``[T, H]``."""
         t = qkv.shape[0]
         if self.attention == "loop":
             ctx = torch.empty(t, self.num_heads, self.head_dim, dtype=qkv.dtype, device=qkv.device)
             s = 0
             for n in lengths:
-                q, k, v = qkv[s : s + n].permute(1, 2, 0, 3)  # each [heads, n, head_dim], views
-                ctx[s : s + n] = F.scaled_dot_product_attention(q, k, v).transpose(0, 1)
+                ctx[s : s + n] = self._sdpa(qkv[s : s + n])
                 s += n
             return ctx.view(t, self.hidden)
         if self.attention == "group":
-            return self._attend_grouped(qkv, lengths)
-        offsets = torch.tensor([0, *lengths], device=qkv.device).cumsum(0)
+            return self._attend_grouped(qkv, plan)
+        offsets = plan
         if self.attention == "flash":
-            fn = _flash_varlen()
             m = max(lengths)
-            out = fn(qkv[:, 0], qkv[:, 1], qkv[:, 2], offsets.int(), offsets.int(), m, m)
+            out = _flash_varlen()(qkv[:, 0], qkv[:, 1], qkv[:, 2], offsets, offsets, m, m)
             return out.reshape(t, self.hidden)
         # nested: [B, j, heads, hd] jagged -> [B, heads, j, hd] for SDPA, back to packed values
         nt = torch.nested.nested_tensor_from_jagged
@@ -110,33 +133,73 @@ class RaggedEncoder(LeanEncoder):
         out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
         return out.values().reshape(t, self.hidden)
 
-    def _attend_grouped(self, qkv: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        ctx = torch.empty(qkv.shape[0], self.num_heads, self.head_dim, dtype=qkv.dtype, device=qkv.device)
+    def _plan(self, lengths: list[int]) -> Any:
+        """What every layer's attention needs, computed once per forward."""
+        if self.attention == "group":
+            return self._group_plan(lengths)
+        if self.attention in ("nested", "flash"):
+            offsets = torch.tensor([0, *lengths], device=self.device).cumsum(0)
+            return offsets.int() if self.attention == "flash" else offsets
+        return None
+
+    def _group_plan(self, lengths: list[int]) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]:
+        """Sequences sorted by length, cut into groups whose padded attention work ``g * max(L)^2``
+        stays within ``1 + group_slack`` of their ``sum(L^2)``; each group is one dense SDPA call.
+        Per group: gather index ``[g, Lmax]``, key mask ``[g, 1, 1, Lmax]`` (None when all lengths are
+        equal) and the flat positions of the real tokens (to scatter the context back)."""
         starts = [0]
         for n in lengths[:-1]:
             starts.append(starts[-1] + n)
-        by_len: dict[int, list[int]] = {}
-        for start, n in zip(starts, lengths, strict=True):
-            by_len.setdefault(n, []).append(start)
-        for n, group in by_len.items():
-            if len(group) == 1:
-                q, k, v = qkv[group[0] : group[0] + n].permute(1, 2, 0, 3)
-                ctx[group[0] : group[0] + n] = F.scaled_dot_product_attention(q, k, v).transpose(0, 1)
+        order = sorted(range(len(lengths)), key=lengths.__getitem__)
+        groups: list[list[int]] = []
+        sq = 0
+        for i in order:
+            n = lengths[i]
+            if groups and (len(groups[-1]) + 1) * n * n > (1.0 + self.group_slack) * (sq + n * n):
+                groups.append([])
+                sq = 0
+            if not groups:
+                groups.append([])
+            groups[-1].append(i)
+            sq += n * n
+        plan = []
+        for grp in groups:
+            lens = torch.tensor([lengths[i] for i in grp])
+            width = int(lens.max())
+            pos = torch.arange(width)
+            real = pos[None, :] < lens[:, None]  # [g, width]
+            # padded slots read the sequence's last token: harmless, masked as keys, dropped as queries
+            first = torch.tensor([starts[i] for i in grp])[:, None]
+            idx = first + torch.minimum(pos[None, :], lens[:, None] - 1)
+            mask = None if bool(real.all()) else real[:, None, None, :].to(self.device)
+            plan.append((idx.to(self.device), mask, real.to(self.device)))
+        return plan
+
+    def _attend_grouped(self, qkv: torch.Tensor, plan: Any) -> torch.Tensor:
+        t = qkv.shape[0]
+        ctx = torch.empty(t, self.num_heads, self.head_dim, dtype=qkv.dtype, device=qkv.device)
+        for idx, mask, real in plan:
+            if idx.shape[0] == 1:  # a lone sequence: strided views, no gather
+                s, n = int(idx[0, 0]), idx.shape[1]
+                ctx[s : s + n] = self._sdpa(qkv[s : s + n])
                 continue
-            idx = (torch.tensor(group)[:, None] + torch.arange(n)).reshape(-1).to(qkv.device)
-            g = qkv[idx].view(len(group), n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-            out = F.scaled_dot_product_attention(g[0], g[1], g[2])  # [G, heads, n, hd]
-            ctx[idx] = out.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)
-        return ctx.view(qkv.shape[0], self.hidden)
+            g = qkv[idx].permute(2, 0, 3, 1, 4)  # [3, g, heads, width, hd]
+            out = F.scaled_dot_product_attention(g[0], g[1], g[2], attn_mask=mask).transpose(1, 2)
+            if mask is None:
+                ctx[idx.reshape(-1)] = out.reshape(-1, self.num_heads, self.head_dim)
+            else:
+                ctx[idx[real]] = out[real]
+        return ctx.view(t, self.hidden)
 
     # -- forward --------------------------------------------------------------------------------
     def hidden_ragged(self, batch: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[int]]:
         """Packed last hidden states ``[T, H]`` (sequence after sequence) and the lengths."""
         ids, positions, lengths = self.pack(batch)
         x = self.embed(ids, positions)
+        plan = self._plan(lengths)
         for lw in self.layers:
             qkv = F.linear(x, lw.qkv_w, lw.qkv_b).view(-1, 3, self.num_heads, self.head_dim)
-            x = self.post_attention(lw, x, self._attend(qkv, lengths))
+            x = self.post_attention(lw, x, self._attend(qkv, lengths, plan))
         return x, lengths
 
     def forward(self, batch: Sequence[Sequence[int]]) -> torch.Tensor:
