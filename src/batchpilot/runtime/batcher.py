@@ -59,6 +59,7 @@ class Batcher:
         self.cost_model = cost_model or CostModel.default_cpu_minilm()
         self.scheduler = scheduler or BatchScheduler(self.config, self.cost_model)
         self.observer = observer or BatcherObserver()
+        self._observe_admit = type(self.observer).on_admit is not BatcherObserver.on_admit  # hot path
         self.clock = clock
         self.slots = [Slot(i, pipeline) for i in range(self.config.num_slots)]
         self._run_is_async = inspect.iscoroutinefunction(executor.run)
@@ -147,7 +148,8 @@ class Batcher:
             raise RequestRejected.from_rejection(rejection)
         future: asyncio.Future[Any] = self._loop.create_future()  # type: ignore[union-attr]
         self._pending[req.id] = _Pending(req, future)
-        self.observer.on_admit(req)
+        if self._observe_admit:
+            self.observer.on_admit(req)
         self._wake.set()
         return req.id, future
 

@@ -19,7 +19,7 @@ import sys
 from typing import Any
 
 from ..core.config import PADDINGS, POLICIES, SchedulerConfig
-from ..core.costmodel import CostModel
+from ..core.costmodel import BatchShape, CostModel
 from .config import ServerConfig, fit_to_model, load_scheduler_config
 
 log = logging.getLogger("batchpilot.server")
@@ -31,6 +31,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--model", default=None, help="local HF encoder folder (default: embedded MiniLM)")
     p.add_argument("--model-name", default=None, help="name clients use (default: the folder's name)")
     p.add_argument("--max-length", type=int, default=None, help="max tokens per input (default: model limit)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: all cores; 1 is faster when oversubscribed)")
     p.add_argument("--config", default=None, help="scheduler YAML (what `batchpilot tune` writes)")
     p.add_argument("--profile", default=None, help="cost-model profile JSON (`batchpilot profile -o`)")
     p.add_argument("--no-startup-profile", action="store_true",
@@ -62,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = ServerConfig(
         host=args.host, port=args.port, model_path=args.model, model_name=args.model_name,
-        max_length=args.max_length, noop=args.noop, noop_delay_s=args.noop_delay_ms / 1000.0,
+        max_length=args.max_length, num_threads=args.threads, noop=args.noop,
+        noop_delay_s=args.noop_delay_ms / 1000.0,
         profile_path=args.profile, startup_profile=not args.no_startup_profile, api_key=args.api_key,
         max_body_bytes=args.max_body_bytes, request_timeout_s=args.request_timeout_s,
         drain_timeout_s=args.drain_timeout_s, warmup=not args.no_warmup, llm=args.llm,
@@ -87,7 +90,7 @@ def build_app(settings: ServerConfig, sched: SchedulerConfig) -> Any:
 
     executor = load_executor(settings)
     sched = fit_to_model(sched, int(executor.max_length))
-    cost_model = choose_cost_model(settings, executor)
+    cost_model = choose_cost_model(settings, executor, sched.planner.padding)
     log.info("scheduler: policy=%s max_batch_size=%d max_wait=%.1f ms padding=%s grouping=%s slots=%d",
              sched.policy.name, sched.policy.max_batch_size, sched.policy.max_wait_s * 1e3,
              sched.planner.padding, sched.planner.grouping, sched.num_slots)
@@ -104,15 +107,17 @@ def load_executor(settings: ServerConfig) -> Any:
     from ..models.encoder import EncoderConfig, EncoderExecutor
 
     executor = EncoderExecutor(EncoderConfig(model_path=settings.model_path, model_name=settings.model_name,
-                                             max_length=settings.max_length))
-    log.info("model: %s from %s (dim %d, max %d tokens, %s forward)", executor.model_name,
-             executor.model_path, executor.dim, executor.max_length, getattr(executor, "forward_impl", "hf"))
+                                             max_length=settings.max_length,
+                                             num_threads=settings.num_threads))
+    log.info("model: %s from %s (dim %d, max %d tokens, %s forward, %d threads)", executor.model_name,
+             executor.model_path, executor.dim, executor.max_length, getattr(executor, "forward_impl", "hf"),
+             executor.num_threads)
     if settings.warmup:
         executor.warmup()
     return executor
 
 
-def choose_cost_model(settings: ServerConfig, executor: Any) -> CostModel:
+def choose_cost_model(settings: ServerConfig, executor: Any, padding: str = "dynamic") -> CostModel:
     if settings.profile_path:
         log.info("cost model: loaded from %s", settings.profile_path)
         return CostModel.load(settings.profile_path)
@@ -124,18 +129,21 @@ def choose_cost_model(settings: ServerConfig, executor: Any) -> CostModel:
         else:
             log.info("cost model: no --profile; measuring a brief start-up profile "
                      "(--no-startup-profile skips it)")
-            return startup_profile(profile_encoder, executor)
+            return startup_profile(profile_encoder, executor, padding)
     log.info("cost model: the built-in default (CostModel.default_cpu_minilm: MiniLM on 2 CPU cores); "
              "run `batchpilot profile` and pass --profile for this machine's numbers")
     return CostModel.default_cpu_minilm()
 
 
-def startup_profile(profile_encoder: Any, executor: Any) -> CostModel:
-    """The models team's bounded profile; whatever it returns (a CostModel or a profile holding one)."""
-    result = profile_encoder(executor, quick=True)
-    model = getattr(result, "cost_model", result)
-    if not isinstance(model, CostModel):
-        raise TypeError(f"profile_encoder returned {type(result).__name__}, not a cost model")
+STARTUP_PROFILE = {"batch_sizes": (1, 8), "lengths": (16, 128, 512), "repeats": 2, "budget_s": 15.0}
+
+
+def startup_profile(profile_encoder: Any, executor: Any, padding: str) -> CostModel:
+    """The models team's profile bounded to ~15 s (rich progress bar), in the padding mode served."""
+    model, points = profile_encoder(executor, padding="none" if padding == "none" else "dynamic",
+                                    **STARTUP_PROFILE)
+    log.info("cost model: start-up profile of %d shapes; batch 1 x 128 tokens predicted %.1f ms", len(points),
+             1e3 * model.latency(BatchShape.padded([128], 128)))
     return model
 
 
