@@ -17,7 +17,9 @@ import numpy as np
 import pytest
 
 from batchpilot.core.config import PlannerConfig, PolicyConfig, SchedulerConfig
-from batchpilot.core.costmodel import CostModel
+from batchpilot.core.costmodel import LLM_FEATURES, CostModel
+from batchpilot.core.llm_scheduler import LLMScheduler, LLMSchedulerConfig
+from batchpilot.core.sequence import SamplingParams, Sequence
 from batchpilot.sim.engine import Engine, Job
 from batchpilot.sim.synthetic import synthetic_workload
 from batchpilot.sim.target import DONE, simulate_encoder
@@ -156,3 +158,54 @@ def test_runs_replay_exactly_with_noise_and_seed() -> None:
                             np.asarray(a.record.b_attn))
     ratios = np.round(lat / mean - 1.0, 9)
     assert set(ratios.tolist()) <= set(cm.rel_residuals)
+
+
+class MiniLLMTarget:
+    """The shape of sim/llm.py's target (LLM team): one job per iteration of the real LLMScheduler,
+    timed by a cost model over StepShape. Here only to prove the loop needs nothing more."""
+
+    def __init__(self, prompts: list[int], outputs: list[int], cost: CostModel) -> None:
+        self.core = LLMScheduler(LLMSchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
+                                                    num_kv_blocks=256, block_size=16))
+        self.prompts, self.outputs, self.cost = prompts, outputs, cost
+        self.first_token: dict[int, float] = {}
+        self.finished: dict[int, float] = {}
+        self.tokens: dict[int, int] = {}
+
+    def on_arrival(self, index: int, now: float) -> None:
+        params = SamplingParams(max_tokens=self.outputs[index], ignore_eos=True)
+        assert self.core.add(Sequence(index, [1] * self.prompts[index], params, arrival=now)) is None
+
+    def schedule(self, now: float, free_slots: int) -> tuple[list[Job], float | None]:
+        if not free_slots or not self.core.has_unfinished:
+            return [], None
+        plan = self.core.schedule()
+        return ([Job(self.cost.latency(plan.shape), plan)] if not plan.is_empty else []), None
+
+    def on_job_done(self, job: Job, now: float) -> None:
+        plan = job.payload
+        sampled = {c.seq_id: 7 for c in plan.chunks if c.sample}
+        for out in self.core.update(plan, sampled):
+            self.first_token.setdefault(out.seq_id, now)
+            self.tokens[out.seq_id] = self.tokens.get(out.seq_id, 0) + 1
+            if out.finish_reason is not None:
+                self.finished[out.seq_id] = now
+
+
+def test_an_iteration_level_llm_scheduler_runs_in_the_same_loop() -> None:
+    step = CostModel(feature_names=LLM_FEATURES, latency_coef=(0.01, 0.001, 0.002, 0.0, 0.0),
+                     memory_coef=(0.0,) * 5)
+    prompts, outputs = [40, 100, 8, 30], [5, 3, 12, 1]
+    alone = MiniLLMTarget(prompts[:1], outputs[:1], step)
+    stats = Engine(alone).run([0.0])
+    # one sequence alone: a 40-token prompt in one step (budget 64), then one decode step per token
+    assert stats.num_jobs == outputs[0]
+    assert alone.first_token[0] == pytest.approx(0.01 + 0.001 * 40)
+    assert alone.finished[0] == pytest.approx(0.05 + (outputs[0] - 1) * (0.01 + 0.002))
+    many = MiniLLMTarget(prompts, outputs, step)
+    stats = Engine(many).run([0.0, 0.005, 0.01, 0.5])
+    assert many.tokens == dict(enumerate(outputs))  # every sequence got exactly its output tokens
+    assert all(many.first_token[i] <= many.finished[i] for i in range(4))
+    assert max(many.finished[i] for i in range(3)) < 0.5
+    # the late arrival finds the engine idle: one step (prefill 30 tokens, its only token sampled)
+    assert many.finished[3] == pytest.approx(0.5 + 0.01 + 0.001 * 30) == stats.end_s
