@@ -4,8 +4,9 @@ Every token of the step (prefill chunks and decodes alike) goes through the dens
 packed ``[T, D]`` matrix: no padding, two fused matmuls per block (qkv, gate_up) plus o and down.
 Only attention differs by chunk kind, and it reads keys/values through block tables:
 
-* decodes (1-token chunks): one batched SDPA. Keys are gathered block-wise into
-  ``[B, KV, L_max, hd]`` with a length mask; the query heads of a GQA group are folded into the query
+* decodes (1-token chunks): sorted by context length and split into up to 4 equal-count groups, one
+  batched SDPA each (so short contexts are not padded to the longest). Keys are gathered block-wise
+  into ``[B, KV, L_max, hd]`` with a length mask; the query heads of a GQA group are folded into the query
   axis (``[B, KV, G, hd]``) so the KV heads are never repeated.
 * prefill chunks: one SDPA each. A chunk starting at position 0 attends over its own fresh keys with
   ``is_causal``; a later chunk (chunked prefill, prefix-cache hit) gathers its context from the cache
@@ -43,7 +44,10 @@ class LLMModelRunner:
     """Owns the weights and the KV cache (``[layers, slots, kv_heads, head_dim]`` for K and for V)."""
 
     def __init__(self, weights: LlamaWeights, num_kv_blocks: int, block_size: int,
-                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> None:
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 max_decode_groups: int = 4, min_decode_group: int = 8) -> None:
+        self.max_decode_groups = max_decode_groups
+        self.min_decode_group = min_decode_group
         self.device = torch.device(device)
         self.dtype = dtype
         self.block_size = block_size
@@ -77,13 +81,24 @@ class LLMModelRunner:
         table = torch.tensor(block_table, dtype=torch.long)
         return table[pos // bs] * bs + pos % bs
 
+    def _decode_groups(self, ctx_sorted: list[int]) -> list[tuple[int, int]]:
+        """Split decodes (sorted by context) into <= ``max_groups`` runs of equal count: padding each run
+        to its own longest context gathers far fewer keys than padding all to the batch's longest."""
+        n = len(ctx_sorted)
+        if n == 0:
+            return []
+        k = max(1, min(self.max_decode_groups, n // self.min_decode_group))
+        bounds = [round(i * n / k) for i in range(k + 1)]
+        return [(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+
     @torch.inference_mode()
     def forward(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
         """Run one step; return float32 logits ``[num_sampling_chunks, vocab]`` in chunk order."""
         if not chunks:
             return torch.empty(0, self.w.vocab_size)
         dev, bs = self.device, self.block_size
-        decodes = [c for c in chunks if c.num_tokens == 1]
+        # decodes sorted by context length, so each group pads its gathered keys to a similar length
+        decodes = sorted((c for c in chunks if c.num_tokens == 1), key=lambda c: c.context_len)
         prefills = [c for c in chunks if c.num_tokens > 1]
         ordered = decodes + prefills  # rows: decodes first, then each prefill chunk contiguously
         ids: list[int] = []
@@ -98,16 +113,17 @@ class LLMModelRunner:
         cos, sin = self.cos[pos_t][:, None, :], self.sin[pos_t][:, None, :]
 
         nd = len(decodes)
-        if nd:
-            ctx = torch.tensor([c.context_len for c in decodes])
-            max_blocks = int((ctx.max() + bs - 1) // bs)
-            tables = torch.zeros(nd, max_blocks, dtype=torch.long)
-            for i, c in enumerate(decodes):
+        decode_groups = []
+        for g0, g1 in self._decode_groups([c.context_len for c in decodes]):
+            group = decodes[g0:g1]
+            ctx = torch.tensor([c.context_len for c in group])
+            max_blocks = -(-int(ctx.max()) // bs)
+            tables = torch.zeros(len(group), max_blocks, dtype=torch.long)
+            for i, c in enumerate(group):
                 nb = -(-c.context_len // bs)
                 tables[i, :nb] = torch.tensor(c.block_table[:nb])
-            dec_blocks = tables.view(-1).to(dev)
-            dec_mask = (torch.arange(max_blocks * bs)[None, :] < ctx[:, None]).to(dev)[:, None, None, :]
-            dec_len = max_blocks * bs
+            mask = (torch.arange(max_blocks * bs)[None, :] < ctx[:, None]).to(dev)[:, None, None, :]
+            decode_groups.append((g0, g1, tables.view(-1).to(dev), mask, max_blocks * bs))
         prefill_meta = []
         row = nd
         for c in prefills:
@@ -138,12 +154,13 @@ class LLMModelRunner:
             # gather whole blocks (bs * KV * hd contiguous values each), not single slots
             kb, vb = kc.view(-1, bs, KV, hd), vc.view(-1, bs, KV, hd)
             out = torch.empty(T, H, hd, dtype=x.dtype, device=dev)
-            if nd:
-                kd = kb.index_select(0, dec_blocks).view(nd, dec_len, KV, hd).transpose(1, 2)
-                vd = vb.index_select(0, dec_blocks).view(nd, dec_len, KV, hd).transpose(1, 2)
-                qd = q[:nd].view(nd, KV, G, hd)  # fold the GQA group into the query axis
-                od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=dec_mask, scale=self.scale)
-                out[:nd] = od.reshape(nd, H, hd)
+            for g0, g1, blocks, dmask, length in decode_groups:
+                n = g1 - g0
+                kd = kb.index_select(0, blocks).view(n, length, KV, hd).transpose(1, 2)
+                vd = vb.index_select(0, blocks).view(n, length, KV, hd).transpose(1, 2)
+                qd = q[g0:g1].view(n, KV, G, hd)  # fold the GQA group into the query axis
+                od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=dmask, scale=self.scale)
+                out[g0:g1] = od.reshape(n, H, hd)
             for r0, r1, ctx_blocks, mask in prefill_meta:
                 qc = q[r0:r1].transpose(0, 1)[None]
                 if ctx_blocks is None:
