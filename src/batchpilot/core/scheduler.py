@@ -29,7 +29,7 @@ from .costmodel import BatchShape, CostModel
 from .planner import BatchPlanner
 from .policy import Dispatch, Policy, QueueState, Wait, make_policy
 from .queue import RequestQueue
-from .request import IdCounter, Request
+from .request import Request
 
 __all__ = ["Batch", "BatchScheduler", "RejectReason", "Rejection", "SchedulerOutput", "SchedulerStats",
            "pad_length"]
@@ -106,7 +106,9 @@ class BatchScheduler:
         self.stats = SchedulerStats()
         self._queue = RequestQueue(config.queue_order, config.admission.max_queued_requests)
         self._live = self._queue._live
-        self._batch_ids = IdCounter()
+        self._next_batch_id = 0  # deterministic batch ids (a counter, as IdCounter, without the call)
+        self._lookahead = 1 if plan.grouping == "fifo" else plan.lookahead
+        self._padding = plan.padding
         self._drop_infeasible = config.policy.on_infeasible == "drop"
         self._max_alone_q = self.admission.alone_latency_q(self.admission.max_length)
 
@@ -168,11 +170,13 @@ class BatchScheduler:
                 # A wake-up that is already due is due now; waiting on it would stall a virtual clock.
                 decision = Dispatch(policy.batch_cap, True, "due")
             cap = decision.max_size
-            plan = planner.plan(q.peek(planner.num_candidates(cap)), cap, decision.urgent)
+            plan = planner.plan(q.peek(cap * self._lookahead), cap, decision.urgent)
             q.take(plan.requests)
             shape = plan.shape
-            out.batches.append(Batch(self._batch_ids(), plan.requests, plan.padded_len, shape,
-                                     planner.config.padding, now, plan.predicted_s))
+            batch_id = self._next_batch_id
+            self._next_batch_id = batch_id + 1
+            out.batches.append(Batch(batch_id, plan.requests, plan.padded_len, shape, self._padding, now,
+                                     plan.predicted_s))
             stats.batches += 1
             stats.dispatched += shape.n
             stats.useful_tokens += shape.useful_tokens
