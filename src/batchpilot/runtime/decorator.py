@@ -28,14 +28,17 @@ from ..core.costmodel import CostModel
 from .batcher import Batcher
 from .executor import AsyncCallableExecutor, CallableExecutor
 
-_UNBOUNDED = 1 << 30  # a generic callable has no position limit: length is only a cost unit
+# A generic callable has no position limit (length is only a cost unit), but the core's admission
+# precomputes a table per length up to the limit, so the default bound stays moderate.
+DEFAULT_MAX_LENGTH = 65_536
 
 
 def make_config(policy: str = "hybrid", max_batch_size: int = 32, max_wait_s: float = 0.01,
                 grouping: str = "fifo", max_length: int | None = None, num_slots: int = 1,
                 **policy_options: Any) -> SchedulerConfig:
-    """A SchedulerConfig for a generic callable: no padding, no length limit unless given."""
-    limit = max_length or _UNBOUNDED
+    """A SchedulerConfig for a generic callable: ``length(item)`` above ``max_length`` (default 65536) is
+    rejected with ``TOO_LONG``."""
+    limit = max_length or DEFAULT_MAX_LENGTH
     return SchedulerConfig(
         policy=PolicyConfig(name=policy, max_batch_size=max_batch_size,  # type: ignore[arg-type]
                             max_wait_s=max_wait_s, **policy_options),
