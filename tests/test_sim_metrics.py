@@ -34,7 +34,8 @@ def test_hand_checked_run() -> None:
     assert rep.sla_attainment == pytest.approx(2 / 3)
     assert rep.throughput_rps == pytest.approx(3 / 0.4)
     assert rep.throughput_tokens_s == pytest.approx(60 / 0.4)
-    assert rep.padding_efficiency == 1.0 and rep.mean_batch_size == 1.0
+    assert rep.padding_efficiency == 1.0 and rep.mean_batch_size == 1.0 == rep.request_batch_size
+    assert rep.tail_queue_share == pytest.approx(0.05 / 0.15)  # the slowest request waited 50 of 150 ms
     assert rep.utilisation == pytest.approx(0.3 / 0.4)
     assert rep.peak_memory_bytes == 30_000.0
     assert rep.batch_size_hist == {1: 3}
@@ -105,3 +106,6 @@ def test_no_request_is_lost_or_duplicated_and_budgets_hold(
     # never more batches running than slots
     starts, ends = np.asarray(rec.b_start), np.asarray(rec.b_start) + np.asarray(rec.b_duration)
     assert peak_concurrent(starts, ends, np.ones_like(starts)) <= slots
+    rep = summarize(run)
+    assert rep.mean_batch_size <= rep.request_batch_size + 1e-9 <= cap + 1e-9
+    assert 0.0 < rep.padding_efficiency <= 1.0

@@ -177,8 +177,10 @@ def report_table(report: Any, title: str) -> Any:
     t.add_row("offered", f"{report.offered_rps:,.2f} req/s")
     t.add_row("padding efficiency", f"{report.padding_efficiency:.1%}")
     t.add_row("batches / mean size", f"{report.num_batches:,} / {report.mean_batch_size:.2f}")
+    t.add_row("batch size per request (sum n^2 / sum n)", f"{report.request_batch_size:.2f}")
     t.add_row("mean padded length", f"{report.mean_padded_len:.1f}")
-    t.add_row("queueing share of latency", f"{report.queue_share:.1%}")
+    t.add_row("queueing share of latency (slowest 1%)",
+              f"{report.queue_share:.1%} ({report.tail_queue_share:.1%})")
     t.add_row("executor utilisation", f"{report.utilisation:.1%}")
     t.add_row("predicted peak memory", f"{report.peak_memory_bytes / 2**20:,.1f} MiB")
     t.add_row("completed / measured", f"{report.num_completed:,} / {report.num_measured:,}")

@@ -11,6 +11,9 @@ started before it are left out of the batch metrics):
   (first measured arrival to last finish).
 * padding efficiency = useful tokens / computed tokens over the measured batches.
 * utilisation = busy slot-seconds / (slots x span of the whole run).
+* request batch size = sum(n^2) / sum(n): the batch size the average *request* rode in (bursts, where
+  batching matters, weigh in proportion to the requests they hold); tail queue share = queue wait /
+  latency over the slowest 1% (what sets P99).
 * peak memory = the largest sum of predicted memory over batches running at the same time.
 """
 
@@ -55,6 +58,8 @@ class SimReport:
     utilisation: float
     peak_memory_bytes: float
     queue_share: float  # mean queue wait / mean latency
+    tail_queue_share: float  # the same over the slowest 1% of completed requests (what sets P99)
+    request_batch_size: float  # batch size as requests see it: sum(n^2) / sum(n) (bursts weigh more)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def meets(self, sla_p99_s: float) -> bool:
@@ -151,7 +156,17 @@ def summarize(run: SimRun, sla_s: float = 1.0, warmup_s: float = 0.0) -> SimRepo
         utilisation=float(sum(run.stats.busy_s)) / (run.config.num_slots * run_span),
         peak_memory_bytes=peak_concurrent(b_start, b_start + b_dur, batch_memory(run)),
         queue_share=wait_stats["mean"] / mean_lat if mean_lat and mean_lat > 0 else math.nan,
+        tail_queue_share=_tail_share(lat, wait),
+        request_batch_size=float((size * size).sum() / size.sum()) if size.size else math.nan,
     )
+
+
+def _tail_share(lat: np.ndarray, wait: np.ndarray) -> float:
+    if lat.size == 0:
+        return math.nan
+    tail = lat >= np.percentile(lat, 99.0)
+    total = float(lat[tail].sum())
+    return float(wait[tail].sum()) / total if total > 0 else math.nan
 
 
 def queue_length_series(run: SimRun) -> tuple[np.ndarray, np.ndarray]:

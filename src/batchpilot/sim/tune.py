@@ -251,16 +251,16 @@ def explain(result: TuneResult) -> str:
     lines = [f"winner: {b.label}: {b.rps:.2f} req/s with P99 <= {result.sla_p99_s:g} s"]
     for base in result.baselines:
         lines.append(f"  vs {base.label}: {base.rps:.2f} req/s -> x{result.gain_over(base):.2f}")
-    if b.report is not None:
-        r = b.report
-        lines.append(f"  at its capacity the winner averages {r.mean_batch_size:.1f} requests per batch at "
-                     f"{r.padding_efficiency:.0%} padding efficiency; queueing is {r.queue_share:.0%} of its "
-                     f"mean latency; executor {r.utilisation:.0%} busy")
-        for base in result.baselines:
-            if base.report is not None:
-                s = base.report
-                lines.append(f"  {base.label} at its capacity: {s.mean_batch_size:.1f} per batch, "
-                             f"{s.padding_efficiency:.0%} padding efficiency, queueing {s.queue_share:.0%}")
+    rows = [("winner", b)] + [(c.label, c) for c in result.baselines]
+    lines.append("  at capacity (batch per request = sum(n^2)/sum(n); tail = slowest 1%):")
+    for name, c in rows:
+        r = c.report
+        if r is None:
+            continue
+        lines.append(
+            f"    {name:<34} batch {r.mean_batch_size:4.1f} (per request {r.request_batch_size:4.1f}), "
+            f"padding efficiency {r.padding_efficiency:4.0%}, queueing {r.queue_share:4.0%} of latency "
+            f"({r.tail_queue_share:4.0%} in the tail), executor {r.utilisation:4.0%} busy")
     return "\n".join(lines)
 
 
@@ -331,7 +331,7 @@ def result_table(result: TuneResult, limit: int = 12) -> Any:
 
     t = Table(title=f"capacity at P99 <= {result.sla_p99_s:g} s ({result.workload.name}, "
                     f"{len(result.workload)} rows)")
-    for col in ("rank", "config", "kind", "req/s", "scale", "vs best", "batch", "pad eff", "queue %",
+    for col in ("rank", "config", "kind", "req/s", "scale", "vs best", "batch/req", "pad eff", "queue %",
                 "P99 ms"):
         t.add_column(col, justify="left" if col in ("config", "kind") else "right")
     shown = [c for c in result.candidates if c.kind == "search"][:limit]
@@ -341,6 +341,6 @@ def result_table(result: TuneResult, limit: int = 12) -> Any:
         r = c.report
         t.add_row(str(order[id(c)]), c.label, c.kind, f"{c.rps:.2f}", f"{c.capacity:.3f}",
                   f"{c.rps / result.best.rps:.2f}" if result.best.rps else "-",
-                  f"{r.mean_batch_size:.1f}" if r else "-", f"{r.padding_efficiency:.0%}" if r else "-",
+                  f"{r.request_batch_size:.1f}" if r else "-", f"{r.padding_efficiency:.0%}" if r else "-",
                   f"{r.queue_share:.0%}" if r else "-", f"{r.p99_all * 1e3:.0f}" if r else "-")
     return t
