@@ -38,9 +38,11 @@ def test_simulate_uses_the_profile_and_synthetic_specs(
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(yaml.safe_dump({"policy": {"name": "window", "max_batch_size": 1, "max_wait_s": 0.0}}))
     rc = main(["simulate", "--workload", "poisson:rate=0.01", "--requests", "50", "--lengths",
-               "constant:value=8", "--profile", str(prof), "--config", str(cfg)])
+               "constant:value=8", "--profile", str(prof), "--config", str(cfg),
+               "--priorities", "0:0.5,-1:0.5", "--json", str(tmp_path / "r.json")])
     out = capsys.readouterr().out
     assert rc == 0 and "default_cpu_minilm" not in out
+    assert json.loads((tmp_path / "r.json").read_text())["num_completed"] == 50
     assert re.search(r"latency p50\s*│\s*500\.0 ms", out)  # the profile's 0.5 s per call
 
 

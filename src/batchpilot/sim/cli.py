@@ -38,6 +38,7 @@ def register(subparsers: Any) -> None:
                         "deadline drops use it")
     p.add_argument("--noise", action="store_true", help="draw batch times from the profile's residuals")
     p.add_argument("--plot", metavar="DIR", help="write latency CDF, queue length and batch size PNGs here")
+    p.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     p.add_argument("--target", choices=("encoder", "llm"), default=None,
                    help="which scheduler to drive (default: llm for conv-llm, else encoder)")
     p.set_defaults(func=run_simulate)
@@ -57,6 +58,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="number of rows (default: all; synthetic 10000)")
     p.add_argument("--lengths", default="lognormal:median=128,sigma=0.8",
                    help="synthetic lengths: lognormal:..., bimodal:..., constant:value=N, empirical")
+    p.add_argument("--priorities", default="",
+                   help="synthetic priority mix, e.g. '0:0.9,-1:0.1' (lower value is served first)")
     p.add_argument("--warmup-s", type=float, default=0.0, help="leave requests arriving before this out")
     p.add_argument("--profile",
                    help="profile JSON from `batchpilot profile` (default: a stated CPU MiniLM model)")
@@ -68,7 +71,9 @@ def resolve_workload(args: argparse.Namespace) -> Workload:
     kind = parse_spec(name)[0] if ":" in name or name in ARRIVALS else ""
     if kind in ARRIVALS and not Path(name).is_file():
         pool = conv_embed(args.trace).input_tokens if args.lengths.startswith("empirical") else None
-        wl = synthetic_workload(name, args.requests or 10_000, args.lengths, args.seed, empirical_pool=pool)
+        prio = {int(k): float(v) for k, v in (x.split(":") for x in args.priorities.split(",") if x)}
+        wl = synthetic_workload(name, args.requests or 10_000, args.lengths, args.seed,
+                                priorities=prio or None, empirical_pool=pool)
         return wl.scale_rate(args.rate_scale) if args.rate_scale != 1.0 else wl
     return load_workload(name, args.rate_scale, args.start, args.requests, args.trace)
 
@@ -105,7 +110,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     try:
         workload = resolve_workload(args)
         config = load_config(args.config)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, KeyError) as exc:
         console.print(f"[red]batchpilot simulate: {exc}[/]")
         return 2
     target = args.target or ("llm" if args.workload == "conv-llm" else "encoder")
@@ -123,6 +128,12 @@ def run_simulate(args: argparse.Namespace) -> int:
     report = summarize(run, sla_s=args.sla, warmup_s=args.warmup_s)
     console.print(report_table(report, f"{workload.name}: {len(workload)} requests, "
                                        f"{workload.mean_rate:.2f} req/s offered"))
+    if args.json:
+        import dataclasses
+        import json
+
+        Path(args.json).write_text(json.dumps(dataclasses.asdict(report), indent=2, default=str))
+        console.print(f"wrote {args.json}")
     if run.stats.stalled:
         console.print("[red]the scheduler left requests waiting with nothing scheduled (stalled)[/]")
     if args.plot:
