@@ -198,9 +198,11 @@ async def _disconnected(request: Request) -> None:
 
 def create_app(settings: ServerConfig, executor: Executor, config: SchedulerConfig | None = None,
                cost_model: CostModel | None = None,
-               routers: Sequence[Callable[[CollectorRegistry], APIRouter]] = ()) -> Guard:
+               routers: Sequence[Callable[[CollectorRegistry], APIRouter]] = (),
+               extra_models: Sequence[str] = (), on_shutdown: Sequence[Callable[[], Any]] = ()) -> Guard:
     """The ASGI app to hand to uvicorn (``.app`` is the FastAPI instance, ``.state.service`` the service).
-    ``routers`` are factories given the metrics registry (how the LLM routes are mounted with ``--llm``)."""
+    ``routers`` are factories given the metrics registry (how the LLM routes are mounted with ``--llm``);
+    ``extra_models`` are listed by /v1/models too; ``on_shutdown`` run (in a thread) after the drain."""
     svc = EmbeddingService(settings, executor, config or SchedulerConfig(),
                            cost_model or CostModel.default_cpu_minilm())
 
@@ -208,6 +210,8 @@ def create_app(settings: ServerConfig, executor: Executor, config: SchedulerConf
     async def lifespan(_: FastAPI) -> Any:
         yield
         await svc.close()
+        for hook in on_shutdown:
+            await asyncio.get_running_loop().run_in_executor(None, hook)
 
     app = FastAPI(title="batchpilot", version="0.1.0", lifespan=lifespan)
     app.state.service = svc
@@ -235,8 +239,9 @@ def create_app(settings: ServerConfig, executor: Executor, config: SchedulerConf
 
     @app.get("/v1/models", response_model=ModelList)
     async def list_models() -> ModelList:
-        return ModelList(data=[ModelCard(id=svc.model_name, created=svc.created, max_model_len=svc.max_length,
-                                         dimensions=svc.dim)])
+        cards = [ModelCard(id=svc.model_name, created=svc.created, max_model_len=svc.max_length,
+                           dimensions=svc.dim)]
+        return ModelList(data=cards + [ModelCard(id=m, created=svc.created) for m in extra_models])
 
     @app.get("/health", response_model=Health, responses={503: {"model": Health}})
     async def health() -> JSONResponse:

@@ -94,8 +94,11 @@ def build_app(settings: ServerConfig, sched: SchedulerConfig) -> Any:
     log.info("scheduler: policy=%s max_batch_size=%d max_wait=%.1f ms padding=%s grouping=%s slots=%d",
              sched.policy.name, sched.policy.max_batch_size, sched.policy.max_wait_s * 1e3,
              sched.planner.padding, sched.planner.grouping, sched.num_slots)
-    routers = [_llm_router(settings)] if settings.llm else []
-    return create_app(settings, executor, sched, cost_model, routers=routers)
+    if not settings.llm:
+        return create_app(settings, executor, sched, cost_model)
+    engine, router = _llm_router(settings)
+    return create_app(settings, executor, sched, cost_model, routers=[router],
+                      extra_models=[engine.model_name], on_shutdown=[engine.shutdown])
 
 
 def load_executor(settings: ServerConfig) -> Any:
@@ -147,8 +150,8 @@ def startup_profile(profile_encoder: Any, executor: Any, padding: str) -> CostMo
     return model
 
 
-def _llm_router(settings: ServerConfig) -> Any:
-    """A factory the app calls with its metrics registry: ``make_llm_router(engine, registry)``."""
+def _llm_router(settings: ServerConfig) -> tuple[Any, Any]:
+    """The started engine, and a factory the app calls with its registry: ``make_llm_router``."""
     from . import llm_routes  # lazy: the LLM stack loads only with --llm
 
     build = getattr(llm_routes, "build_llm_engine", None)
@@ -156,7 +159,7 @@ def _llm_router(settings: ServerConfig) -> Any:
         from ..runtime.llm_engine import build_llm_engine as build
     engine = build(settings.llm_model)
     log.info("llm: mounted the LLM routes (%s)", getattr(engine, "model_name", settings.llm_model))
-    return lambda registry: llm_routes.make_llm_router(engine, registry)
+    return engine, lambda registry: llm_routes.make_llm_router(engine, registry)
 
 
 def main(argv: list[str] | None = None) -> int:
