@@ -24,6 +24,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # weights come from a local folder; never reach for a hub
+# OpenMP pool threads that spin at barriers collapse when a core is shared (the event loop, tokenizer
+# threads, other processes): a descheduled spinner stalls every op. Measured here under load, 2 threads:
+# ~1.2 s per 16-token call spinning vs ~58 ms passive (docs/profiler.md). Read once, when torch loads
+# libgomp, so it only takes effect if nothing imported torch before this module; a user's value wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np
 import torch

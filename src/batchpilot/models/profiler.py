@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import random
 import statistics
 import time
@@ -281,6 +282,7 @@ def _meta(ex: Any, args: argparse.Namespace, wall: float, summary: dict[str, flo
         "device_name": torch.cuda.get_device_name(ex.device) if cuda else platform.machine(),
         "torch": torch.__version__,
         "threads": ex.num_threads,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
         "forward": ex.forward_impl,
         "padding": args.padding,
         "repeats": args.repeats,
