@@ -121,7 +121,13 @@ class BatchPlanner:
         if not candidates:
             raise ValueError("planner: no candidates to plan a batch from")
         if len(candidates) == 1:  # the common case at light load: nothing to choose
-            return self._make([candidates[0]])
+            r = candidates[0]
+            x = r.length
+            if self._ragged or x > self.config.max_len:
+                return self._make([r])
+            p = self._tables()[0][x]
+            shape = BatchShape(1, p, p, p * p, x)
+            return Plan([r], p, shape, self.cost_model.batch_latency(1, p, p * p))
         grouping = self.config.grouping
         if grouping == "fifo":
             chosen = self._greedy(candidates, cap)

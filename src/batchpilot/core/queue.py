@@ -269,14 +269,15 @@ class RequestQueue:
 
     def _maybe_compact(self) -> None:
         # Rebuild a heap once its stale entries outnumber live ones: O(n) every Θ(n) removals.
+        # In place: the scheduler holds references to these lists.
         live = self._live
         in_heap = len(live) - len(self._front)
         if len(self._heap) > 2 * in_heap + 64:
-            self._heap = [e for e in self._heap if live.get(e[3].id) is e]
+            self._heap[:] = [e for e in self._heap if live.get(e[3].id) is e]
             heapq.heapify(self._heap)
         if len(self._arrivals) > 2 * len(live) + 64:
-            self._arrivals = [e for e in self._arrivals if self._is_live(e[1], e[2])]
+            self._arrivals[:] = [e for e in self._arrivals if self._is_live(e[1], e[2])]
             heapq.heapify(self._arrivals)
         if len(self._deadlines) > 2 * len(live) + 64:
-            self._deadlines = [e for e in self._deadlines if self._is_live(e[1], e[2])]
+            self._deadlines[:] = [e for e in self._deadlines if self._is_live(e[1], e[2])]
             heapq.heapify(self._deadlines)
