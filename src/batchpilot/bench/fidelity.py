@@ -158,7 +158,8 @@ def measure(url: str, workload: Workload, texts: list[str], sla_s: float, warmup
         replay(build_plan(warm, texts=texts[: len(warm)], warmup_requests=len(warm)),
                LoadGenConfig(url, progress=False, scrape_interval_s=0))
         wait_idle(url, 10.0)
-    res = replay(build_plan(workload, texts=texts), LoadGenConfig(url, progress=progress), description=label)
+    plan = build_plan(workload, texts=texts[: len(workload)])  # a cut slice is a prefix of the texts' rows
+    res = replay(plan, LoadGenConfig(url, progress=progress), description=label)
     m = Measurement(summarize(res.records, sla_s), res.records, res.metrics)
     if res.metrics is not None:
         m.server = {k: _histogram_mean(res.metrics, v) for k, v in SERVER_HISTOGRAMS.items()}
