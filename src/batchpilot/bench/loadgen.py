@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import json
 import math
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from .records import RequestRecord
 from .scrape import MetricsScraper, MetricsSeries
 
 Endpoint = Literal["embeddings", "completions"]
+LIVE_LAG_WARN_S = 0.05
 PATHS = {"embeddings": "/v1/embeddings", "completions": "/v1/completions"}
 
 
@@ -224,9 +226,17 @@ async def replay_async(
         if scraper is not None:
             scraper.set_origin(t0)
 
+        warned = False
+
         async def one(p: PlannedRequest, rec: RequestRecord) -> None:
+            nonlocal warned
             body = {"model": model, **p.body}
             rec.sent_s = clock()
+            if not warned and rec.sent_s - rec.scheduled_s > LIVE_LAG_WARN_S:
+                warned = True  # say it while it happens; the summary reports the lag distribution
+                late_ms = (rec.sent_s - rec.scheduled_s) * 1e3
+                print(f"loadgen: request {p.index} sent {late_ms:.0f} ms late: the load generator is falling "
+                      "behind its schedule (CPU-bound?)", file=sys.stderr)
             try:
                 await send(client, path, body, rec, clock)
             except asyncio.CancelledError:
