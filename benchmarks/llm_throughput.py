@@ -33,7 +33,7 @@ import torch
 from batchpilot.core.llm_scheduler import LLMSchedulerConfig
 from batchpilot.core.sequence import SamplingParams
 from batchpilot.models.llm.config import LLMModelConfig
-from batchpilot.models.llm.model_runner import LLMModelRunner
+from batchpilot.models.llm.model_runner import LLMModelRunner, keep_freed_memory
 from batchpilot.models.llm.sampler import Sampler
 from batchpilot.models.llm.tokenizer import build_tokenizer
 from batchpilot.models.llm.weights import LlamaWeights, load_hf_llama
@@ -226,6 +226,9 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    # process-wide (all three systems below run with it): glibc keeps freed memory instead of
+    # unmapping it, as build_llm_engine does for a CPU engine
+    keep_freed_memory()
     cfg = LLMModelConfig(seed=args.seed)
     hf = load_hf_llama(None, cfg)
     prompts, outs = make_requests(args.num_requests, args.start, args.seed, cfg.vocab_size)

@@ -369,6 +369,10 @@ def build_llm_engine(model_path: str | None = None, **engine_config: Any) -> LLM
     if cfg:
         raise ValueError(f"build_llm_engine: unknown option(s) {sorted(cfg)}; see the docstring for the keys")
     model_cfg = LLMModelConfig(**model_kw)
+    if device == "cpu":
+        from ..models.llm.model_runner import keep_freed_memory
+
+        keep_freed_memory()
     hf = load_hf_llama(model_path, model_cfg, dtype=dtype)
     weights = LlamaWeights.from_hf(hf)
     tokenizer = load_tokenizer(model_path, model_cfg.vocab_size)
