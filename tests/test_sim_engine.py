@@ -21,7 +21,7 @@ from batchpilot.core.config import PlannerConfig, PolicyConfig, SchedulerConfig
 from batchpilot.core.costmodel import LLM_FEATURES, CostModel
 from batchpilot.core.llm_scheduler import LLMScheduler, LLMSchedulerConfig
 from batchpilot.core.sequence import SamplingParams, Sequence
-from batchpilot.sim.engine import Engine, Job
+from batchpilot.sim.engine import Engine, Job, StopSimulation
 from batchpilot.sim.synthetic import synthetic_workload
 from batchpilot.sim.target import DONE, simulate_encoder
 
@@ -138,6 +138,19 @@ def test_stall_is_reported_when_work_is_left_and_nothing_will_happen() -> None:
 
     stats = Engine(Stubborn(1.0)).run([0.0, 1.0])
     assert stats.stalled
+
+
+def test_until_stops_the_clock_and_a_target_can_abort() -> None:
+    target = ToyTarget(1.0)
+    stats = Engine(target).run([0.0, 0.5, 5.0], until_s=2.5)
+    assert stats.end_s == 2.0 and [e for e in target.log if e[0] == "arrive"][-1] == ("arrive", 0.5, 1)
+
+    class Quitter(ToyTarget):
+        def on_job_done(self, job: Job, now: float) -> None:
+            raise StopSimulation("enough")
+
+    stats = Engine(Quitter(1.0)).run([0.0, 0.1, 0.2])
+    assert stats.aborted and stats.end_s == 1.0 and stats.num_jobs == 1
 
 
 def test_unsorted_arrivals_are_refused() -> None:

@@ -14,6 +14,7 @@ to see what a wrong belief costs.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -180,7 +181,7 @@ def simulate_encoder(
     noise: bool = False,
     seed: int = 0,
     request_sla_s: float | None = None,
-    progress: object = None,
+    progress: Callable[[int], None] | None = None,
     stop_after_misses: tuple[float, int, float] | None = None,
 ) -> SimRun:
     """Replay ``workload`` through a fresh ``BatchScheduler(config, cost_model)`` on ``config.num_slots``."""
@@ -188,6 +189,6 @@ def simulate_encoder(
     cost_model = cost_model or CostModel.default_cpu_minilm()
     target = EncoderTarget(BatchScheduler(config, cost_model), workload, service_model, noise, seed,
                            request_sla_s, stop_after_misses)
-    engine = Engine(target, config.num_slots, progress=progress)  # type: ignore[arg-type]
+    engine = Engine(target, config.num_slots, progress=progress)
     stats = engine.run(workload.arrival_s)
     return SimRun(workload, config, cost_model, target.service_model, stats, target.record)
