@@ -27,7 +27,9 @@ from .llm_schemas import ChatCompletionRequest, CompletionRequest, _SamplingFiel
 
 __all__ = ["build_llm_engine", "make_llm_router"]
 
-DEFAULT_MAX_TOKENS = 16
+# when the client gives no max_tokens: OpenAI's legacy completions default, and a bounded chat answer
+# (OpenAI lets chat run to the context limit; a bound keeps one request from holding the engine)
+DEFAULT_MAX_TOKENS = {"/v1/completions": 16, "/v1/chat/completions": 256}
 
 
 def _sse(obj: dict[str, Any] | str) -> bytes:
@@ -50,7 +52,7 @@ def make_llm_router(engine: LLMEngine, registry: CollectorRegistry) -> APIRouter
 
     async def start(prompt: str | list[int], body: _SamplingFields, route: str,
                     ) -> tuple[GenerationOutput, AsyncIterator[GenerationOutput]]:
-        params = body.sampling_params(DEFAULT_MAX_TOKENS)
+        params = body.sampling_params(DEFAULT_MAX_TOKENS[route])
         gen = engine.generate(prompt, params, priority=body.priority)
         try:
             first = await gen.__anext__()
