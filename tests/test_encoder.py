@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from dataclasses import replace
 from pathlib import Path
 from pydoc_data.topics import topics
 
@@ -131,12 +132,16 @@ def test_prepare_pads_to_the_planned_width(ex: EncoderExecutor) -> None:
         ex.prepare(batch_of(ids, "dynamic", 4))
 
 
-def test_pad_to_multiple_of_in_the_executor() -> None:
-    ex8 = EncoderExecutor(EncoderConfig(device="cpu", pad_to_multiple_of=8, lean_forward=False))
-    t = ex8.prepare(batch_of([[101, 5, 102]], "dynamic", 3)).staged.tensors  # type: ignore[union-attr]
-    assert t["input_ids"].shape == (1, 8)
-    t = ex8.prepare(batch_of([[101] + [5] * 509 + [102]], "dynamic", 511)).staged.tensors  # type: ignore[union-attr]
-    assert t["input_ids"].shape == (1, 512)  # rounded up, but never past the position limit
+def test_pad_to_multiple_of_in_the_executor(ex: EncoderExecutor) -> None:
+    saved = ex.config
+    ex.config = replace(saved, pad_to_multiple_of=8)  # prepare reads it per batch; no second model load
+    try:
+        t = ex.prepare(batch_of([[101, 5, 102]], "dynamic", 3)).staged.tensors  # type: ignore[union-attr]
+        assert t["input_ids"].shape == (1, 8)
+        long = batch_of([[101] + [5] * 509 + [102]], "dynamic", 511)
+        assert ex.prepare(long).staged.tensors["input_ids"].shape == (1, 512)  # type: ignore[union-attr]
+    finally:
+        ex.config = saved
 
 
 def test_model_facts_and_limits(ex: EncoderExecutor) -> None:
