@@ -58,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tune-args", default="--candidates 32", help="extra args for `batchpilot tune`")
     p.add_argument("--probe-s", type=float, default=20.0, help="tuner check: seconds of arrivals per probe")
     p.add_argument("--warmup-requests", type=int, default=30, help="unmeasured requests before each live run")
+    p.add_argument("--noop-delay-ms", type=float, default=None,
+                   help="serve the no-op model with this fixed time per batch and simulate exactly that "
+                        "cost: checks the serving path (HTTP, tokenise, batcher, loop) without model noise")
     p.add_argument("--max-live-s", type=float, default=150.0,
                    help="cut each live run to the rows arriving in its first S seconds (same rows simulated)")
     p.add_argument("--cpus", default=None,
@@ -253,8 +256,16 @@ def main(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
     config = load_config(args.config)
-    profile = (Path(args.profile) if args.profile
-               else run_profile(out, config.planner.padding, args.profile_args, args.cpus))
+    noop: list[str] = []
+    if args.noop_delay_ms is not None:  # the cost model is exact by construction: a fixed time per batch
+        profile = out / "noop_profile.json"
+        CostModel(latency_coef=(args.noop_delay_ms / 1e3, 0.0, 0.0, 0.0),
+                  meta={"source": f"noop {args.noop_delay_ms:g} ms per batch"}).save(profile)
+        noop = ["--noop", "--noop-delay-ms", str(args.noop_delay_ms)]
+    elif args.profile:
+        profile = Path(args.profile)
+    else:
+        profile = run_profile(out, config.planner.padding, args.profile_args, args.cpus)
     cost_model = CostModel.load(profile)
     wl = load_workload(args.workload, 1.0, args.start, args.requests or DEFAULT_REQUESTS, trace=args.trace)
     print(f"workload {args.workload} rows [{args.start}, {args.start + len(wl)}) over {wl.duration_s:.1f} s "
@@ -271,7 +282,7 @@ def main(args: argparse.Namespace) -> int:
     _pin_self(args.cpus)
     tok = load_tokenizer(args.tokenizer)
     texts = [p.body["input"] for p in build_plan(wl, tokenizer=tok, seed=args.seed)]
-    serve_args = ["--profile", str(profile), "--log-level", "warning",
+    serve_args = ["--profile", str(profile), "--log-level", "warning", *noop,
                   *(["--config", args.config] if args.config else []), *shlex.split(args.serve_args)]
     rows: list[list[Any]] = []
     diag: list[list[Any]] = []
