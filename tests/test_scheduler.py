@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from batchpilot.core.policy import Wait
 from batchpilot.core.scheduler import BatchScheduler, RejectReason
 from core_factories import FakeClock, drive, make_request, make_scheduler, simple_cost_model
 
@@ -168,3 +169,11 @@ def test_a_simulated_run_serves_everyone() -> None:
     log = drive(s, arrivals, slots=1)
     assert sorted(r.id for _, b in log.batches for r in b.requests) == list(range(300))
     assert s.stats.padding_efficiency > 0.7  # sorted look-ahead keeps padding low on mixed lengths
+
+
+def test_a_wait_that_is_already_due_dispatches_instead_of_stalling() -> None:
+    s = make_scheduler(policy={"name": "window", "max_wait_s": 1.0})
+    s.submit(make_request(10, 0.0), 0.0)
+    s.policy.decide = lambda now, state: Wait(now)  # type: ignore[method-assign]  # a policy bug
+    out = s.schedule(0.5, 1)
+    assert [b.size for b in out.batches] == [1] and out.wake_at is None
