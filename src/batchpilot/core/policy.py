@@ -147,9 +147,15 @@ class BacklogPolicy(Policy):
 
     def decide(self, now: float, s: QueueState) -> Decision:
         c = self.config
+        due = s.oldest_arrival + c.max_wait_s
         if s.num_waiting >= c.backlog_requests or (c.backlog_tokens and s.num_tokens >= c.backlog_tokens):
-            return Dispatch(self.cap, now >= s.oldest_arrival + c.max_wait_s, "backlog")
-        return self._window(now, s, self.cap, c.max_wait_s)
+            return Dispatch(self.cap, now >= due, "backlog")
+        budget = self.estimator.token_budget
+        if s.num_waiting >= self.cap or (budget and s.num_tokens >= budget):
+            return Dispatch(self.cap, now >= due, "full")
+        if now >= due:
+            return Dispatch(self.cap, True, "window")
+        return Wait(due)  # the window, inlined: this runs on every arrival and wake-up
 
 
 class HybridPolicy(BacklogPolicy):
@@ -165,8 +171,8 @@ class HybridPolicy(BacklogPolicy):
 
     def decide(self, now: float, s: QueueState) -> Decision:
         c = self.config
-        decision = super().decide(now, s)
-        if isinstance(decision, Wait) or decision.reason != "window" or c.patience_s <= 0:
+        decision = BacklogPolicy.decide(self, now, s)
+        if c.patience_s <= 0 or isinstance(decision, Wait) or decision.reason != "window":
             return decision
         extended = s.oldest_arrival + c.max_wait_s + c.patience_s
         if now >= extended or self.expected_gap(now) > extended - now:

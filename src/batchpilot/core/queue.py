@@ -30,6 +30,9 @@ from .config import QUEUE_ORDERS, QueueOrder
 from .request import Request
 
 _INF = math.inf
+# New requests go straight to the front list while the heap is empty and the front is short; past
+# that, deleting from the front (a memmove) would cost more than the heap round trip it saves.
+_FRONT_APPEND_MAX = 256
 # An entry: (key0, key1, seq, request); seq is unique so requests are never compared.
 _Entry = tuple[float, float, int, Request]
 _TimeEntry = tuple[float, int, Request]
@@ -145,6 +148,8 @@ class RequestQueue:
         front = self._front
         if front and entry < front[-1]:
             bisect.insort(front, entry)
+        elif not self._heap and len(front) < _FRONT_APPEND_MAX:
+            front.append(entry)  # sorts last (in-order arrivals): skip the heap round trip
         else:
             heapq.heappush(self._heap, entry)
         if req.deadline is not None:
