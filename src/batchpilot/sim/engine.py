@@ -114,7 +114,7 @@ class Engine:
         push, pop = heapq.heappush, heapq.heappop
         inf = math.inf
         wake = inf
-        i = seq = events = calls = 0
+        i = seq = wakes = calls = 0
         last = 0.0
         progress, every = self.progress, self.progress_every
         next_report = every
@@ -134,14 +134,12 @@ class Engine:
                     free.append(job.slot)
                     busy[job.slot] += job.duration_s
                     on_done(job, now)
-                    events += 1
                 while i < n and arr[i] == now:
                     on_arrival(i, now)
                     i += 1
-                    events += 1
                 if wake <= now:
                     wake = inf
-                    events += 1
+                    wakes += 1
                 if progress is not None and i >= next_report:
                     progress(i)
                     next_report = i + every
@@ -162,7 +160,7 @@ class Engine:
                     wake = wake_at if wake_at > now else math.nextafter(now, inf)
         finally:
             stats.end_s = last
-            stats.num_events = events
+            stats.num_events = i + (seq - len(running)) + wakes  # arrivals + completions + wake-ups
             stats.num_schedule_calls = calls
             stats.num_jobs = seq
             stats.stalled = not running and wake == inf and bool(getattr(target, "has_pending", False))

@@ -89,7 +89,7 @@ class EncoderTarget:
         return self.scheduler.num_waiting > 0
 
     def on_arrival(self, index: int, now: float) -> None:
-        req = Request(index, now, self._lengths[index], self._prio[index], sla=self.request_sla_s)
+        req = Request(index, now, self._lengths[index], self._prio[index], None, self.request_sla_s)
         rejection = self.scheduler.submit(req, now)
         if rejection is not None:
             self._fail(rejection, REJECTED, now)
