@@ -66,6 +66,8 @@ def test_search_ranks_baselines_and_writes_a_loadable_yaml(tmp_path: Path) -> No
 def test_grid_respects_allowed_paddings_and_baseline_semantics() -> None:
     tc = TuneConfig(paddings=("dynamic",))
     assert {c.config.planner.padding for c in grid(SchedulerConfig(), tc)} == {"dynamic"}
+    bucketed = [c for c in grid(SchedulerConfig(), TuneConfig()) if c.config.planner.grouping == "bucket"]
+    assert {c.config.bucketing.method for c in bucketed} == {"fixed", "quantile", "dp"}
     static, ray, wide = baselines(SchedulerConfig())
     assert static.config.planner.padding == "max" and static.config.policy.name == "static"
     assert (ray.config.policy.name, ray.config.policy.max_batch_size, ray.config.policy.max_wait_s) == \

@@ -7,8 +7,8 @@ SLA than a passing P99 allows. Latency is not perfectly monotone in rate on a re
 differently), so capacity is "the highest passing probe below the first failure".
 
 Search: successive halving over a seeded sample of a grid (policy x window x max batch x token budget x
-grouping/padding). Rung r simulates a prefix of the slice 4^(R-r) times shorter with a coarser
-tolerance; the best quarter goes on. A prefix keeps the trace's early burst (trace seconds 40-50,
+grouping/padding/bucketing method). Rung r simulates a prefix of the slice 4^(R-r) times shorter with
+a coarser tolerance; the best quarter goes on. A prefix keeps the trace's early burst (trace seconds 40-50,
 the one that decides goodput), so cheap rungs rank configs much like the full slice. Baselines and
 the batchpilot default are always measured at the last rung:
 
@@ -36,9 +36,13 @@ from .metrics import SimReport, summarize
 from .target import simulate_encoder
 from .traces import Workload
 
-# grouping/padding pairs worth trying (bucket padding needs bucket grouping to pay off)
-LAYOUTS: tuple[tuple[str, str], ...] = (("fifo", "dynamic"), ("sorted", "dynamic"), ("bucket", "bucket"),
-                                        ("dp", "dynamic"), ("sorted", "none"))
+# (grouping, padding, bucketing method) worth trying: bucket padding needs bucket grouping to pay off,
+# and only bucket layouts read the bucketing method
+LAYOUTS: tuple[tuple[str, str, str], ...] = (
+    ("fifo", "dynamic", "fixed"), ("sorted", "dynamic", "fixed"), ("dp", "dynamic", "fixed"),
+    ("bucket", "bucket", "fixed"), ("bucket", "bucket", "quantile"), ("bucket", "bucket", "dp"),
+    ("sorted", "none", "fixed"),
+)
 POLICIES: tuple[str, ...] = ("window", "hybrid", "adaptive", "sla")
 MAX_BATCH: tuple[int, ...] = (8, 16, 32, 64)
 MAX_WAIT_S: tuple[float, ...] = (0.005, 0.02, 0.05, 0.1)
@@ -110,16 +114,18 @@ def baselines(base: SchedulerConfig) -> list[Candidate]:
 def grid(base: SchedulerConfig, tc: TuneConfig) -> list[Candidate]:
     """Every grid point whose padding mode is allowed, as a labelled config over ``base``."""
     out = []
-    for policy, (grouping, padding), bs, wait, budget in itertools.product(
+    for policy, (grouping, padding, method), bs, wait, budget in itertools.product(
             POLICIES, LAYOUTS, MAX_BATCH, MAX_WAIT_S, TOKEN_BUDGET):
         if padding not in tc.paddings:
             continue
+        buckets = replace(base.bucketing, method=method)
         pol = replace(base.policy, name=policy, max_batch_size=bs, max_wait_s=wait,
                       min_wait_s=min(base.policy.min_wait_s, wait), sla_s=tc.sla_p99_s,
                       backlog_requests=min(base.policy.backlog_requests, bs))
         plan = replace(base.planner, grouping=grouping, padding=padding, max_batch_tokens=budget)
-        label = f"{policy} bs{bs} {wait * 1e3:g}ms {grouping}/{padding}" + (f" tok{budget}" if budget else "")
-        out.append(Candidate(label, replace(base, policy=pol, planner=plan)))
+        label = (f"{policy} bs{bs} {wait * 1e3:g}ms {grouping}/{padding}"
+                 + (f"/{method}" if grouping == "bucket" else "") + (f" tok{budget}" if budget else ""))
+        out.append(Candidate(label, replace(base, policy=pol, planner=plan, bucketing=buckets)))
     return out
 
 
