@@ -1,6 +1,7 @@
 """Scheduling-core overhead: decide + plan cost per request with 10k requests waiting.
 
-    .venv/bin/python benchmarks/core_overhead.py [--waiting 10000] [--batches 2000]
+    .venv/bin/python benchmarks/core_overhead.py [--waiting 10000] [--batches 500] [--stream 20000]
+                                                 [--repeat 3] [--wall]
 
 For each planner grouping (and each policy with the default grouping) the queue is filled with
 ``--waiting`` requests (conv-embed-like lengths 4..512, seeded), then ``schedule(now, 1)`` is called
@@ -13,7 +14,7 @@ request pays a dispatch, like the conv-embed trace) — the per-request budget o
 1M-requests-in-30-s goal is 30 µs including its own loop.
 Target: decide + plan <= 20 µs per request. Times are this process's CPU time (``time.process_time``:
 other jobs on shared cores inflate wall time, not this); ``--wall`` uses ``perf_counter`` instead.
-Still noisy (caches, frequency): compare rows of one run.
+Each figure is the best of ``--repeat`` runs. Still noisy (caches, frequency): compare rows of one run.
 """
 
 from __future__ import annotations
@@ -115,8 +116,9 @@ def stream_case(config: SchedulerConfig, n: int, seed: int = 0, load: float = 1.
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--waiting", type=int, default=10_000)
-    ap.add_argument("--batches", type=int, default=1_000)
-    ap.add_argument("--stream", type=int, default=50_000)
+    ap.add_argument("--batches", type=int, default=500)
+    ap.add_argument("--stream", type=int, default=20_000)
+    ap.add_argument("--repeat", type=int, default=3, help="report the best of this many runs per figure")
     ap.add_argument("--wall", action="store_true", help="time with perf_counter (wall) instead of CPU time")
     args = ap.parse_args()
     global CLOCK
@@ -137,9 +139,12 @@ def main() -> None:
     cases.append(("window / sorted / edf", SchedulerConfig(queue_order="edf")))
     worst, worst_stream = 0.0, 0.0
     for name, cfg in cases:
-        per_req, per_submit = backlog_case(cfg, args.waiting, args.batches)
-        stream = stream_case(cfg, args.stream)
-        light = stream_case(cfg, args.stream, load=0.1)
+        # Best of --repeat: other jobs on shared cores only ever add time, so the minimum is the
+        # closest to what the code itself costs.
+        backlog = [backlog_case(cfg, args.waiting, args.batches) for _ in range(args.repeat)]
+        per_req, per_submit = min(b[0] for b in backlog), min(b[1] for b in backlog)
+        stream = min(stream_case(cfg, args.stream) for _ in range(args.repeat))
+        light = min(stream_case(cfg, args.stream, load=0.1) for _ in range(args.repeat))
         worst, worst_stream = max(worst, per_req), max(worst_stream, stream, light)
         print(f"{name:<30} {per_req:>16.2f} {per_submit:>14.2f} {stream:>14.2f} {light:>13.2f}")
     verdict = "meets" if worst <= 20.0 else "MISSES"

@@ -107,8 +107,7 @@ class RequestQueue:
             if self._deadlines:
                 deadline = self._deadlines[0][0]
         if self._max_len_dirty:
-            self._max_len = max(self._len_count, default=0)
-            self._max_len_dirty = False
+            self._refresh_max_len()
         return len(self._live), self._tokens, oldest, deadline, self._max_len
 
     def has_deadlines(self) -> bool:
@@ -123,8 +122,7 @@ class RequestQueue:
     def max_length(self) -> int:
         """Longest waiting request in tokens (0 when empty)."""
         if self._max_len_dirty:
-            self._max_len = max(self._len_count, default=0)
-            self._max_len_dirty = False
+            self._refresh_max_len()
         return self._max_len
 
     # -- mutation ----------------------------------------------------------------------------
@@ -262,6 +260,18 @@ class RequestQueue:
             del self._len_count[length]
             if length == self._max_len:
                 self._max_len_dirty = True
+
+    def _refresh_max_len(self) -> None:
+        # Walk down from the old maximum: lengths are small ints, and the new maximum is usually a
+        # few tokens below the old one, so this beats max() over every distinct length.
+        counts, m = self._len_count, self._max_len
+        if not counts:
+            m = 0
+        else:
+            while m not in counts:
+                m -= 1
+        self._max_len = m
+        self._max_len_dirty = False
 
     def _clean_times(self, heap: list[_TimeEntry]) -> None:
         live = self._live
