@@ -8,7 +8,6 @@ on schedule rather than after earlier replies (open loop).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -24,12 +23,20 @@ from batchpilot.sim.workloads import load_workload
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    tmp = tmp_path_factory.mktemp("bench_live")
-    profile = tmp / "profile.json"
-    CostModel.default_cpu_minilm().save(profile)  # a stated profile: no start-up profiling
-    with serve(["--profile", str(profile), "--log-level", "warning"], log_path=tmp / "serve.log") as url:
-        yield url
+def server(server_url: str) -> str:
+    """The e2e suite's session server (conftest.py): MiniLM, default config, built-in cost model."""
+    return server_url
+
+
+def test_serverproc_starts_batchpilot_serve(tmp_path: Path) -> None:
+    # what `bench --compare cfg.yaml` and the fidelity check use: a no-op model starts in about a second
+    profile = tmp_path / "profile.json"
+    CostModel.default_cpu_minilm().save(profile)
+    with serve(["--noop", "--profile", str(profile), "--log-level", "warning"],
+               log_path=tmp_path / "serve.log") as url:
+        assert httpx.get(url + "/v1/models", timeout=5).status_code == 200
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(url + "/v1/models", timeout=2)
 
 
 def _counters(url: str) -> dict[str, float]:
