@@ -66,17 +66,19 @@ async def core_alone(n: int, batch: int) -> None:
             sched.on_batch_done(b, now, 0.0)
 
 
-async def nowait(n: int, batch: int, cfg: Callable[[int], SchedulerConfig]) -> None:
+async def nowait(n: int, batch: int, cfg: Callable[[int], SchedulerConfig], window: int) -> None:
     b = Batcher(CallableExecutor(echo), cfg(batch))
-    out = await asyncio.gather(*[b.submit_nowait(i, 1 + i % 100) for i in range(n)])
-    assert out[-1] == n - 1
+    for lo in range(0, n, window):  # waves of `window` requests in flight, as a busy server holds
+        out = await asyncio.gather(*[b.submit_nowait(i, 1 + i % 100) for i in range(lo, min(lo + window, n))])
+        assert out[-1] == min(lo + window, n) - 1
     await b.shutdown()
 
 
-async def tasks(n: int, batch: int) -> None:
+async def tasks(n: int, batch: int, window: int) -> None:
     b = Batcher(CallableExecutor(echo), fifo_config(batch))
-    out = await asyncio.gather(*(b.submit(i, 1 + i % 100) for i in range(n)))
-    assert out[-1] == n - 1
+    for lo in range(0, n, window):
+        out = await asyncio.gather(*(b.submit(i, 1 + i % 100) for i in range(lo, min(lo + window, n))))
+        assert out[-1] == min(lo + window, n) - 1
     await b.shutdown()
 
 
@@ -98,18 +100,19 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=200_000)
     ap.add_argument("--batch", type=int, default=256, help="max batch size")
     ap.add_argument("--repeats", type=int, default=3, help="best of N per variant")
+    ap.add_argument("--window", type=int, default=4096, help="requests in flight at once (waves)")
     ap.add_argument("--uvloop", action="store_true", help="run on uvloop (what uvicorn uses when installed)")
     args = ap.parse_args()
-    n, bs = args.requests, args.batch
+    n, bs, w = args.requests, args.batch, args.window
     loop_name = "uvloop" if args.uvloop else "asyncio"
-    print(f"Batcher overhead: {n:,} requests, max batch {bs}, no-op model, {loop_name}, "
+    print(f"Batcher overhead: {n:,} requests in waves of {w}, max batch {bs}, no-op model, {loop_name}, "
           f"best of {args.repeats}")
     variants: list[tuple[str, Callable[[], Coroutine[Any, Any, None]]]] = [
         ("bare futures (asyncio floor)", lambda: bare(n, bs)),
         ("core alone (no asyncio), fifo", lambda: core_alone(n, bs)),
-        ("Batcher submit_nowait, fifo", lambda: nowait(n, bs, fifo_config)),
-        ("Batcher submit (task per request)", lambda: tasks(n, bs)),
-        ("Batcher submit_nowait, default cfg", lambda: nowait(n, bs, default_config)),
+        ("Batcher submit_nowait, fifo", lambda: nowait(n, bs, fifo_config, w)),
+        ("Batcher submit (task per request)", lambda: tasks(n, bs, w)),
+        ("Batcher submit_nowait, default cfg", lambda: nowait(n, bs, default_config, w)),
     ]
     best: dict[str, float] = {}
     for _ in range(args.repeats):  # interleaved, so drift in machine load hits every variant alike
