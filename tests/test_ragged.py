@@ -179,4 +179,4 @@ def test_rejects_bad_inputs_and_config(minilm: BertModel) -> None:
         RaggedEncoder.from_hf(minilm, attention="flash")
     with pytest.raises(ValueError, match="embeddings"):
         RaggedEncoder.from_hf(torch.nn.Linear(2, 2))
-    assert enc.attention == "loop" and enc.dim == 384
+    assert enc.attention == "group" and enc.group_slack == 0.0 and enc.dim == 384

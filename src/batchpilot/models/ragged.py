@@ -17,8 +17,10 @@ Attention strategies (``attention=``):
 * ``nested``    jagged nested tensors (``torch.nested``, layout=jagged) through SDPA; on CUDA this
                 dispatches to the flash / memory-efficient varlen kernels.
 * ``flash``     ``flash_attn.flash_attn_varlen_func`` (CUDA, fp16/bf16, only if flash-attn is installed).
-* ``auto``      CUDA: ``flash`` for half precision when available, else ``nested``; CPU: ``loop``,
-                the fastest we measured here (``batchpilot bench padding --attention-only``, docs/padding.md).
+* ``auto``      CUDA: ``flash`` for half precision when available, else ``nested``; CPU: ``group``
+                with ``group_slack=0``, the fastest we measured here (benchmarks/fixed_cost.py, section
+                attention; docs/padding.md): ~0.9x of ``loop``, ~0.1x of ``nested`` (which has no fused
+                CPU kernel and falls back to per-sequence math attention), ~0.15x of padding the batch.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ class RaggedEncoder(LeanEncoder):
         pooling: str = "mean",
         normalize: bool = False,
         attention: str = "auto",
-        group_slack: float = 0.25,
+        group_slack: float = 0.0,
     ) -> None:
         super().__init__(model, pooling=pooling, normalize=normalize)
         if attention not in ATTENTIONS:
@@ -70,7 +72,7 @@ class RaggedEncoder(LeanEncoder):
         pooling: str = "mean",
         normalize: bool = False,
         attention: str = "auto",
-        group_slack: float = 0.25,
+        group_slack: float = 0.0,
     ) -> RaggedEncoder:
         return cls(model, pooling=pooling, normalize=normalize, attention=attention, group_slack=group_slack)
 
@@ -82,7 +84,7 @@ class RaggedEncoder(LeanEncoder):
         if self.device.type == "cuda":
             half = self.dtype in (torch.float16, torch.bfloat16)
             return "flash" if half and _flash_varlen() is not None else "nested"
-        return "loop"
+        return "group"
 
     # -- packing --------------------------------------------------------------------------------
     def pack(self, batch: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
