@@ -347,7 +347,8 @@ def build_llm_engine(model_path: str | None = None, **engine_config: Any) -> LLM
     ``enable_chunked_prefill``, ``enable_prefix_caching``), any ``LLMModelConfig`` field for the
     random default model (``num_hidden_layers``, ``hidden_size``, ``seed``, ``initializer_range``, ...),
     and ``device`` ("cpu", "cuda"), ``dtype`` ("float32", "bfloat16", "float16"), ``model_name``,
-    ``sampler_seed``, ``start`` (default True). Unknown keys are errors.
+    ``sampler_seed``, ``threads`` (torch intra-op threads, 0 = leave as is), ``start`` (default True).
+    Unknown keys are errors.
     """
     import torch
 
@@ -362,6 +363,9 @@ def build_llm_engine(model_path: str | None = None, **engine_config: Any) -> LLM
     dtype = getattr(torch, str(cfg.pop("dtype", "float32")))
     start = bool(cfg.pop("start", True))
     sampler_seed = int(cfg.pop("sampler_seed", 0))
+    threads = int(cfg.pop("threads", 0))
+    if threads:  # process-wide; 1 is steadier than torch's default when other jobs share the cores
+        torch.set_num_threads(threads)
     model_fields = {f.name for f in dataclasses.fields(LLMModelConfig)}
     model_kw = {k: cfg.pop(k) for k in list(cfg) if k in model_fields}
     sched_kw = {k: cfg.pop(k) for k in list(cfg) if k in _SCHED_FIELDS}
