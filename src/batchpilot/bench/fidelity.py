@@ -26,6 +26,7 @@ import shlex
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,8 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=None,
                    help="cost-model profile JSON (default: run batchpilot profile)")
     p.add_argument("--profile-args", default="", help="extra args for `batchpilot profile`")
-    p.add_argument("--loads", type=float, nargs="+", default=[0.5, 0.8],
-                   help="fractions of simulated capacity")
+    p.add_argument("--loads", type=float, nargs="*", default=[0.5, 0.8],
+                   help="fractions of simulated capacity (none: only the tuner check)")
     p.add_argument("--noise", action="store_true", help="simulate with sampled residual noise")
     p.add_argument("--tuned-config", default=None, help="tuner's YAML: measure it live against the default")
     p.add_argument("--tune", action="store_true",
@@ -290,7 +291,8 @@ def main(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {"workload": args.workload, "start": args.start, "requests": len(wl),
                               "config": args.config, "profile": str(profile), "capacity_scale": cap.capacity,
                               "capacity_rps": cap.rps, "points": []}
-    with serve(serve_args, log_path=out / "serve.log", cpus=args.cpus) as url:
+    server = serve(serve_args, log_path=out / "serve.log", cpus=args.cpus) if args.loads else nullcontext("")
+    with server as url:
         for load in args.loads:
             k = load * cap.capacity
             scaled = probe_workload(wl, k, args.max_live_s)  # the same rows for the simulator and live
@@ -318,7 +320,7 @@ def main(args: argparse.Namespace) -> int:
                                      "measured": live.summary.to_dict(), "server": live.server,
                                      "load_average_1m": load_avg})
             wait_idle(url, 10.0)
-    table = text_table(HEAD, rows)
+    table = text_table(HEAD, rows) if rows else ""
     diag_table = text_table(DIAG_HEAD, diag)
     print("\nFidelity: simulator prediction vs live measurement\n" + table)
     print("\nWhere the time goes (means; server histograms over the same runs)\n" + diag_table, flush=True)
