@@ -334,3 +334,17 @@ def test_bench_padding_forwards_every_argument(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setitem(sys.modules, "batchpilot.bench.padding", fake_mod)
     args = build_parser().parse_args(["bench", "padding", "--requests", "4", "--help"])
     assert args.func(args) == 0 and seen == [["--requests", "4", "--help"]]
+
+
+def test_llm_fidelity_simulation_reports_ttft_as_the_latency() -> None:
+    from batchpilot.bench.llm_fidelity import _row, simulate
+    from batchpilot.core.llm_scheduler import LLMSchedulerConfig
+    from batchpilot.sim.llm import default_llm_cost_model
+
+    wl = _workload([0.5 * i for i in range(12)], [16 + 4 * i for i in range(12)], [4 + i for i in range(12)])
+    s, rep = simulate(wl, LLMSchedulerConfig(), default_llm_cost_model(), sla_s=1.0)
+    assert s.num_ok == rep.num_finished == 12
+    assert s.latency["p50"] == s.ttft["p50"] == rep.ttft_p50 and s.ttft["p99"] == rep.ttft_p99
+    assert s.sla_met == (rep.ttft_p99 <= 1.0) and s.output_tokens_per_s == rep.output_tokens_per_s
+    assert _row(0.5, 1.0, "TTFT P50 ms", 0.11, 0.10, 1e3)[-3:] == ["+10.0%", "±10%", "yes"]
+    assert _row(0.5, 1.0, "output tok/s", 90.0, 100.0, 1.0)[-1] == "NO"

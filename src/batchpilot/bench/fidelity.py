@@ -253,6 +253,10 @@ def text_table(head: list[str], rows: list[list[Any]]) -> str:
 def main(args: argparse.Namespace) -> int:
     from ..sim.workloads import load_workload
 
+    if args.workload == "conv-llm":
+        from .llm_fidelity import main as llm_main
+
+        return llm_main(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
@@ -337,14 +341,20 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cores(cpus: str) -> set[int]:
+    """``taskset -c`` syntax (``1``, ``0,2``, ``1-3``) as a set of core numbers."""
+    out: set[int] = set()
+    for part in cpus.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
 def _pin_self(cpus: str | None) -> None:
     """Move the load generator off the server's cores (when the server is pinned and others remain)."""
     if not cpus or not hasattr(os, "sched_setaffinity"):
         return
-    server = set()
-    for part in cpus.split(","):
-        lo, _, hi = part.partition("-")
-        server.update(range(int(lo), int(hi or lo) + 1))
+    server = _cores(cpus)
     rest = set(os.sched_getaffinity(0)) - server
     if rest:
         os.sched_setaffinity(0, rest)
