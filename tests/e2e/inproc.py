@@ -1,0 +1,195 @@
+"""A real uvicorn server in a thread of the test process, serving ``create_app`` with any executor.
+
+The reliability tests need executors the CLI cannot load (one that raises on a poison input, one that
+crashes and recovers, one held on a gate so a batch stays "running" as long as the test wants); this
+starts the same app ``batchpilot serve`` builds, on a free 127.0.0.1 port, spoken to over real HTTP.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from batchpilot.core.config import SchedulerConfig
+from batchpilot.core.costmodel import CostModel
+from batchpilot.core.scheduler import Batch
+from batchpilot.runtime.errors import ExecutorCrashed
+from batchpilot.runtime.executor import NoopExecutor
+from batchpilot.server.app import create_app
+from batchpilot.server.config import ServerConfig
+
+POISON = 4242  # a token id that makes FaultyExecutor.run raise (a "model bug" on one input)
+CRASH = 4343  # a token id that makes it raise ExecutorCrashed while crashes_left > 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class FaultyExecutor(NoopExecutor):
+    """The no-op encoder with faults on demand, a gate that holds runs, and a record of every batch."""
+
+    dim: int = 8
+    delay_s: float = 0.0
+    max_length: int = 512
+    vocab_size: int = 30522
+    crashes_left: int = 0
+    recoveries: int = 0
+    gate: threading.Event = field(default_factory=threading.Event)
+    batches: list[Batch] = field(default_factory=list)  # every batch prepared
+    runs: list[list[Any]] = field(default_factory=list)  # the payloads of every run() call
+    running: threading.Event = field(default_factory=threading.Event)
+    recover_gate: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        super().__init__(self.dim, self.delay_s, self.max_length, self.vocab_size)
+        self.gate.set()  # open: runs do not wait
+        self.recover_gate.set()
+
+    def prepare(self, batch: Batch) -> list[Any]:
+        self.batches.append(batch)
+        return [r.payload for r in batch.requests]
+
+    def run(self, prepared: list[Any]) -> list[Any]:
+        self.runs.append(list(prepared))
+        self.running.set()
+        try:
+            if not self.gate.wait(30):
+                raise TimeoutError("test gate never opened")
+        finally:
+            self.running.clear()
+        flat = [t for p in prepared for t in p]
+        if CRASH in flat and self.crashes_left > 0:
+            self.crashes_left -= 1
+            raise ExecutorCrashed("simulated device failure")
+        if POISON in flat:
+            raise ValueError("simulated model bug on a poison input")
+        return super().run(prepared)
+
+    def recover(self) -> None:
+        if not self.recover_gate.wait(30):
+            raise TimeoutError("test recover gate never opened")
+        self.recoveries += 1
+
+
+class StepGate:
+    """Wraps an LLM runner's ``forward`` so each engine step takes a permit: a test decides how many
+    steps run (``allow``) instead of racing the engine's speed. ``open()`` lets everything through."""
+
+    def __init__(self, runner: Any, permits: int = 0) -> None:
+        self.runner = runner
+        self.original = runner.forward
+        self.sem = threading.Semaphore(permits)
+        self.is_open = False
+        runner.forward = self.forward
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.is_open and not self.sem.acquire(timeout=30):
+            raise TimeoutError("test step gate never opened")
+        return self.original(*args, **kwargs)
+
+    def allow(self, n: int) -> None:
+        self.sem.release(n)
+
+    def open(self) -> None:
+        self.is_open = True
+        self.sem.release(1000)
+
+    def remove(self) -> None:
+        self.open()
+        self.runner.forward = self.original
+
+
+@dataclass
+class LiveServer:
+    url: str
+    app: Any
+    server: uvicorn.Server
+
+    @property
+    def service(self) -> Any:
+        return self.app.state.service
+
+    def metrics(self, headers: dict[str, str] | None = None) -> dict[str, float]:
+        return scrape(self.url, headers)
+
+
+def scrape(url: str, headers: dict[str, str] | None = None) -> dict[str, float]:
+    """``/metrics`` as ``{"name{label=value,...}": value}``, parsed with prometheus_client's parser."""
+    text = httpx.get(url + "/metrics", headers=headers, timeout=10).text
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[s.name + ("{" + labels + "}" if labels else "")] = s.value
+    return out
+
+
+@contextmanager
+def live_server(executor: Any, config: SchedulerConfig | None = None, *,
+                cost_model: CostModel | None = None,
+                routers: Sequence[Callable[[Any], Any]] = (), extra_models: Sequence[str] = (),
+                **settings: Any) -> Iterator[LiveServer]:
+    settings.setdefault("request_timeout_s", 30.0)
+    settings.setdefault("drain_timeout_s", 5.0)
+    cfg = ServerConfig(port=free_port(), **settings)
+    app = create_app(cfg, executor, config or SchedulerConfig(), cost_model, routers=routers,
+                     extra_models=extra_models)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=cfg.port, log_level="warning",
+                                           lifespan="on"))
+    thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the in-process server did not start")
+        time.sleep(0.02)
+    try:
+        yield LiveServer(f"http://127.0.0.1:{cfg.port}", app, server)
+    finally:
+        server.should_exit = True
+        thread.join(15)
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition") -> None:
+    """Poll a condition that the server reaches asynchronously (a bounded wait, not a timing assertion)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+_ENGINE: Any = None
+
+
+def small_llm_engine() -> Any:
+    """One process-wide small LLM engine (2 layers x 256, 64 KV blocks of 16, context 256), started once:
+    building it costs seconds, and the LLM routes' behaviour does not depend on the model's size."""
+    global _ENGINE
+    if _ENGINE is None:
+        from batchpilot.runtime.llm_engine import build_llm_engine
+
+        _ENGINE = build_llm_engine(None, num_hidden_layers=2, hidden_size=256, intermediate_size=688,
+                                   num_attention_heads=4, num_key_value_heads=2, num_kv_blocks=64,
+                                   block_size=16, max_num_batched_tokens=256, max_model_len=256,
+                                   max_num_seqs=4, model_name="tiny-llm")
+    return _ENGINE
+
+
+def llm_router(engine: Any) -> Callable[[Any], Any]:
+    from batchpilot.server.llm_routes import make_llm_router
+
+    return lambda registry: make_llm_router(engine, registry)
