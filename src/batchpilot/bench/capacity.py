@@ -75,9 +75,15 @@ class CapacityResult:
             err = s.num_requests - s.num_ok
             lines.append(f"{p.rate_scale:7.3f} {s.offered_rps:9.2f} {s.throughput_rps:7.2f} "
                          f"{s.p50 * 1e3:8.1f} {s.p99 * 1e3:8.1f} {err:6d}  {'pass' if p.passed else 'FAIL'}")
+        bound = "" if self.bracketed else " (a lower bound: no probe failed)"
         lines.append(f"capacity: rate scale {self.rate_scale:.3f} = {self.rps:.2f} req/s "
-                     f"with P99 <= {self.sla_s:g} s")
+                     f"with P99 <= {self.sla_s:g} s{bound}")
         return "\n".join(lines)
+
+    @property
+    def bracketed(self) -> bool:
+        """A probe above the answer failed: the capacity is found, not just bounded from below."""
+        return any(not p.passed and p.rate_scale > self.rate_scale for p in self.probes)
 
 
 def search_capacity(probe: Callable[[float], Summary], config: CapacityConfig,
