@@ -15,6 +15,7 @@ import torch
 from batchpilot.core.llm_scheduler import LLMScheduler, LLMSchedulerConfig
 from batchpilot.core.sequence import SamplingParams, Sequence
 from batchpilot.models.llm.config import LLMModelConfig
+from batchpilot.models.llm.detokenizer import IncrementalDetokenizer, make_decode
 from batchpilot.models.llm.model_runner import LLMModelRunner
 from batchpilot.models.llm.sampler import Sampler, filter_logits
 from batchpilot.models.llm.tokenizer import CHAT_TEMPLATE, EOS_ID, build_tokenizer
@@ -133,3 +134,21 @@ def test_tokenizer_is_offline_deterministic_and_round_trips() -> None:
     chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
                                    tokenize=False)
     assert chat == "<|user|>\nhi\n<|assistant|>\n" and tok.chat_template == CHAT_TEMPLATE
+
+
+@pytest.mark.parametrize("stop", [(), ("end",), ("wörld, t", "zzz"), ("e",)])
+def test_detokenizer_streams_exactly_the_text_before_the_first_stop(stop: tuple[str, ...]) -> None:
+    tok = build_tokenizer(4096)
+    text = "Hello wörld, the end is near ✓ done"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    detok = IncrementalDetokenizer(make_decode(tok), stop)
+    parts, hit = [], False
+    for i in range(len(ids)):
+        part, hit = detok.step(ids[: i + 1])
+        parts.append(part)
+        if hit:
+            break
+    if not hit:
+        parts.append(detok.flush(ids))
+    cut = min((text.find(s) for s in stop if s in text), default=len(text))
+    assert "".join(parts) == text[:cut] and hit == (cut < len(text))

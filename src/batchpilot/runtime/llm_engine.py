@@ -25,6 +25,7 @@ from typing import Any
 from ..core.llm_scheduler import LLMScheduler, LLMSchedulerConfig, StepPlan
 from ..core.request import IdCounter
 from ..core.sequence import SamplingParams, Sequence
+from ..models.llm.detokenizer import IncrementalDetokenizer, make_decode
 
 log = logging.getLogger("batchpilot.llm")
 
@@ -78,17 +79,14 @@ class EngineStats:
 
 
 class _Stream:
-    """Per-request state on the engine side: where to deliver, incremental detokenisation, stops."""
+    """Per-request state on the engine side: where to deliver, and its detokenizer (text, stops)."""
 
-    def __init__(self, seq: Sequence, loop: asyncio.AbstractEventLoop, q: asyncio.Queue[Any]) -> None:
+    def __init__(self, seq: Sequence, loop: asyncio.AbstractEventLoop, q: asyncio.Queue[Any],
+                 detok: IncrementalDetokenizer) -> None:
         self.seq = seq
         self.loop = loop
         self.q = q
-        self.prefix_offset = 0
-        self.read_offset = 0
-        self.text = ""  # with stop strings: all text so far; ``emitted`` chars of it were sent
-        self.emitted = 0
-        self.sent_tokens = 0
+        self.detok = detok
         self.last_t: float | None = None
 
     def put(self, item: GenerationOutput | BaseException) -> None:
@@ -119,9 +117,7 @@ class LLMEngine:
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
         self.num_steps = 0
         self.num_generated_tokens = 0
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        plain = not getattr(tokenizer, "clean_up_tokenization_spaces", False)
-        self._fast_decode = backend.decode if backend is not None and plain else None
+        self._decode = make_decode(tokenizer)
         self._stats = self._snapshot()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -163,7 +159,8 @@ class LLMEngine:
         if reason is not None:
             raise RequestRejected(reason)
         q: asyncio.Queue[Any] = asyncio.Queue()
-        stream = _Stream(seq, asyncio.get_running_loop(), q)
+        detok = IncrementalDetokenizer(self._decode, params.stop)
+        stream = _Stream(seq, asyncio.get_running_loop(), q, detok)
         self._inbox.put(("add", stream))
         self._wake.set()
         finished = False
@@ -257,7 +254,7 @@ class LLMEngine:
             stream = self._streams.get(sid)
             if stream is None:
                 continue
-            delta, hit = self._detokenize(stream, tok)
+            delta, hit = stream.detok.step(stream.seq.output_token_ids + [tok])
             deltas[sid] = delta
             if hit:
                 stopped.add(sid)
@@ -273,7 +270,7 @@ class LLMEngine:
             reason = None if out.finish_reason is None else out.finish_reason.value
             text = deltas.get(out.seq_id, "")
             if reason is not None and out.seq_id not in stopped:
-                text += self._flush(stream)
+                text += stream.detok.flush(seq.output_token_ids)
             stream.put(GenerationOutput(out.seq_id, text, [out.token_id], reason, seq.num_prompt_tokens,
                                         seq.num_output_tokens, seq.num_cached_tokens))
             first = stream.last_t is None
@@ -285,55 +282,6 @@ class LLMEngine:
             if reason is not None:
                 del self._streams[out.seq_id]
                 self.sampler.forget(out.seq_id)
-
-    def _detokenize(self, stream: _Stream, token: int) -> tuple[str, bool]:
-        """Incremental detokenisation (TGI's two offsets) and stop-string matching; returns (text to emit,
-        stop string hit). With stop strings, the last ``max_len - 1`` characters are held back until
-        they can no longer begin a stop string, so no part of a stop string is ever emitted."""
-        ids = stream.seq.output_token_ids + [token]
-        prefix = self._decode(ids[stream.prefix_offset : stream.read_offset])
-        full = self._decode(ids[stream.prefix_offset :])
-        delta = ""
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):  # else: wait for the rest of a UTF-8 char
-            delta = full[len(prefix) :]
-            stream.prefix_offset, stream.read_offset = stream.read_offset, len(ids)
-        stops = stream.seq.params.stop
-        if not stops:
-            return delta, False
-        longest = max(len(x) for x in stops)
-        old = len(stream.text)
-        stream.text += delta
-        text = stream.text
-        scan_from = max(0, old - longest + 1)
-        cut = min((i for i in (text.find(x, scan_from) for x in stops) if i >= 0), default=-1)
-        if cut >= 0:
-            out = text[stream.emitted : max(cut, stream.emitted)]
-            stream.emitted = max(cut, stream.emitted)
-            return out, True
-        safe = max(stream.emitted, len(text) - longest + 1)
-        out = text[stream.emitted : safe]
-        stream.emitted = safe
-        return out, False
-
-    def _flush(self, stream: _Stream) -> str:
-        """Everything not emitted yet, at the end of a sequence that did not stop on a stop string."""
-        ids = stream.seq.output_token_ids
-        prefix = self._decode(ids[stream.prefix_offset : stream.read_offset])
-        full = self._decode(ids[stream.prefix_offset :])
-        tail = full[len(prefix) :] if len(full) > len(prefix) else ""
-        if not stream.seq.params.stop:
-            return tail
-        stream.text += tail
-        out = stream.text[stream.emitted :]
-        stream.emitted = len(stream.text)
-        return out
-
-    def _decode(self, ids: list[int]) -> str:
-        if not ids:
-            return ""
-        if self._fast_decode is not None:  # the Rust tokenizer: ~10x less overhead per call than HF's wrapper
-            return str(self._fast_decode(ids, skip_special_tokens=True))
-        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
 
 _SCHED_FIELDS = {f.name for f in dataclasses.fields(LLMSchedulerConfig)}
