@@ -26,7 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 
-from batchpilot.bench.capacity import CapacityConfig, probe_workload, search_capacity, sla_lost
+from batchpilot.bench.capacity import CapacityConfig, probe_rows, probe_workload, search_capacity, sla_lost
 from batchpilot.bench.loadgen import LoadGenConfig, PlannedRequest, build_plan, replay
 from batchpilot.bench.records import RequestRecord, read_csv, summarize, write_csv
 from batchpilot.bench.report import RunData, write_report
@@ -227,6 +227,12 @@ def test_probe_workload_is_bounded_in_time() -> None:
     wl = _workload([float(i) for i in range(100)])
     assert len(probe_workload(wl, 2.0, 10.0)) == 21  # arrivals at 0, 0.5, .., 10.0
     assert probe_workload(wl, 2.0, 10.0).arrival_s[-1] <= 10.0
+    # the busiest window: a burst of 30 rows in one second at t=50 is what a short probe must contain
+    times = sorted([float(i) for i in range(100)] + [50.0 + i / 30 for i in range(30)])
+    start, count = probe_rows(_workload(times), 1.0, 2.0, busiest=True)
+    assert times[start] >= 49.0 and count >= 30
+    burst = probe_workload(_workload(times), 1.0, 2.0, busiest=True)
+    assert burst.arrival_s[0] == 0.0 and burst.arrival_s[-1] <= 2.0 and len(burst) == count
 
 
 def test_parse_metrics_and_histogram_mean() -> None:

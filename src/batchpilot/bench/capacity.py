@@ -6,6 +6,9 @@ seconds of sending (each probe is bounded in time), and stops early as soon as t
 certain (more than 1% of the probe's requests already late or failed: no later reply can bring P99
 back under the SLA). The fidelity check runs the same search with a simulated probe.
 
+Each live probe replays the busiest ``probe_s`` seconds of the sped-up slice (``probe_rows``), so a
+short probe at a low rate still contains the burst that decides P99.
+
 Search: grow the rate geometrically from ``start`` until a probe fails (or ``hi`` passes), then
 bisect between the last pass and the first fail until they are within ``rel_tol`` of each other or
 ``max_probes`` is spent. Latency is not perfectly monotone in rate on a real trace (a burst can land
@@ -21,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import numpy as np
 
 from ..sim.traces import Workload
 from .loadgen import LoadGenConfig, build_plan, replay
@@ -161,11 +165,23 @@ def wait_idle(base_url: str, max_s: float, poll_s: float = 0.2) -> float:
     return time.monotonic() - t0
 
 
-def probe_workload(workload: Workload, rate_scale: float, probe_s: float) -> Workload:
-    """The slice sped up ``rate_scale`` times, keeping only arrivals in the first ``probe_s`` seconds."""
-    scaled = workload.scale_rate(rate_scale)
-    count = int((scaled.arrival_s <= probe_s).sum())
-    return scaled.slice(0, max(count, 1))
+def probe_rows(workload: Workload, rate_scale: float, probe_s: float,
+               busiest: bool = False) -> tuple[int, int]:
+    """``(start, count)``: the rows of one ``probe_s``-second window of the slice sped up ``rate_scale``
+    times — the first window, or with ``busiest`` the one holding the most requests (where P99 is
+    decided: on conv-embed the burst at trace seconds 40-50). Contiguous rows either way."""
+    t = workload.arrival_s / rate_scale
+    if not busiest:
+        return 0, max(int((t <= probe_s).sum()), 1)
+    ends = np.searchsorted(t, t + probe_s, side="right")  # window [t_i, t_i + probe_s] holds rows i..end-1
+    start = int(np.argmax(ends - np.arange(len(t))))
+    return start, max(int(ends[start]) - start, 1)
+
+
+def probe_workload(workload: Workload, rate_scale: float, probe_s: float, busiest: bool = False) -> Workload:
+    """The rows of ``probe_rows`` sped up ``rate_scale`` times (re-offset to start at 0)."""
+    start, count = probe_rows(workload, rate_scale, probe_s, busiest)
+    return workload.slice(start, count).scale_rate(rate_scale)
 
 
 def live_capacity(workload: Workload, loadgen: LoadGenConfig, config: CapacityConfig,
@@ -176,8 +192,9 @@ def live_capacity(workload: Workload, loadgen: LoadGenConfig, config: CapacityCo
         texts = [p.body["input"] for p in build_plan(workload, "embeddings", tokenizer=tokenizer)]
 
     def probe(k: float) -> Summary:
-        wl = probe_workload(workload, k, config.probe_s)
-        plan = build_plan(wl, loadgen.endpoint, texts=texts[: len(wl)] if texts else None,
+        start, count = probe_rows(workload, k, config.probe_s, busiest=True)
+        wl = workload.slice(start, count).scale_rate(k)
+        plan = build_plan(wl, loadgen.endpoint, texts=texts[start: start + count] if texts else None,
                           warmup_requests=config.warmup_requests)
         measured = len(plan) - config.warmup_requests
         res = replay(plan, loadgen, stop_when=sla_lost(config.sla_s, measured), description=f"x{k:.3g}")
