@@ -58,6 +58,7 @@ class BatchPlanner:
         self._pad_tab: list[int] = []
         self._slope_tab: list[float] = []
         self._maxn_tab: list[int] = []
+        self._single_tab: list[tuple[BatchShape, float]] = []
         # dp: the unused groups of the last partition, with their cost per useful token
         self._dp_cache: list[tuple[list[Request], float]] = []
         self._dp_key: tuple[int, int] = (0, -1)
@@ -77,6 +78,11 @@ class BatchPlanner:
             self._pad_tab = [self._padded_len(x) for x in range(n)]
             self._slope_tab = [c1 + c2 * p + c3 * p * p for p in self._pad_tab]
             self._maxn_tab = [self._max_n(p) for p in self._pad_tab]
+            # A batch of one is the common case at light load: its shape (frozen, so shareable) and
+            # predicted latency depend only on the length, so build them once rather than per plan.
+            lat = self.cost_model.batch_latency
+            self._single_tab = [(BatchShape(1, p, p, p * p, x), lat(1, p, p * p))
+                                for x, p in enumerate(self._pad_tab)]
             self._tables_for = fits
         return self._pad_tab, self._slope_tab, self._maxn_tab
 
@@ -125,9 +131,10 @@ class BatchPlanner:
             x = r.length
             if self._ragged or x > self.config.max_len:
                 return self._make([r])
-            p = self._tables()[0][x]
-            shape = BatchShape(1, p, p, p * p, x)
-            return Plan([r], p, shape, self.cost_model.batch_latency(1, p, p * p))
+            if self._tables_for != self._refits():
+                self._tables()
+            shape, predicted_s = self._single_tab[x]
+            return Plan([r], shape.padded_len, shape, predicted_s)
         grouping = self.config.grouping
         if grouping == "fifo":
             chosen = self._greedy(candidates, cap)
