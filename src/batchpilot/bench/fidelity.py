@@ -85,6 +85,7 @@ class Prediction:
     mean_batch_s: float  # mean simulated executor time per batch
     mean_queue_s: float
     mean_tokens: float  # mean computed tokens per batch
+    records: list[RequestRecord] = field(default_factory=list)  # the simulated requests, for the plots
 
 
 def simulate(workload: Workload, config: SchedulerConfig, cost_model: CostModel, sla_s: float,
@@ -105,8 +106,13 @@ def simulate(workload: Workload, config: SchedulerConfig, cost_model: CostModel,
                 send_lag={"p50": 0.0, "p99": 0.0}, send_lag_max_s=0.0,
                 errors={"rejected/dropped/unfinished": failed} if failed else {})
     dur, tok = run.record.b_duration, run.record.b_tokens
+    from ..sim.target import DONE
+
+    recs = [RequestRecord(i, t, int(n), sent_s=t, done_s=f, status=200 if st == DONE else 0, latency_s=f - t)
+            for i, (t, n, f, st) in enumerate(zip(workload.arrival_s.tolist(), workload.input_tokens.tolist(),
+                                                  run.record.finish_s, run.record.status, strict=True))]
     return Prediction(s, rep, sum(dur) / len(dur) if dur else math.nan, rep.queue["mean"],
-                      sum(tok) / len(tok) if tok else math.nan)
+                      sum(tok) / len(tok) if tok else math.nan, recs)
 
 
 def sim_capacity(workload: Workload, config: SchedulerConfig, cost_model: CostModel, sla_s: float,
@@ -316,6 +322,7 @@ def main(args: argparse.Namespace) -> int:
                   flush=True)
             runs.append(RunData(f"live {load:.0%}", live.records, live.summary, live.metrics,
                                 {"rate_scale": k}))
+            runs.append(RunData(f"simulated {load:.0%}", pred.records, pred.summary, None, {"rate_scale": k}))
             result["points"].append({"load": load, "rate_scale": k, "rows": len(scaled),
                                      "predicted": pred.summary.to_dict(),
                                      "predicted_mean_batch_size": pred.report.mean_batch_size,
