@@ -1,0 +1,89 @@
+"""SIGTERM on a real ``batchpilot serve`` subprocess: admission stops (503 + Retry-After, /health 503
+"draining"), everything accepted before the signal is answered, the process exits 0.
+
+The no-op model takes 300 ms per batch of one, so four accepted requests keep the server busy for
+about 1.2 s after the signal; the test waits on the server's own metrics, never on sleeps.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+from inproc import free_port, scrape, wait_for
+
+ACCEPTED = 4
+
+
+def start(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[bytes], str, Path]:
+    port = free_port()
+    log_path = tmp_path / "serve.log"
+    cmd = [sys.executable, "-m", "batchpilot.cli", "serve", "--port", str(port), "--noop", "--no-warmup",
+           "--policy", "window", "--max-batch-size", "1", "--max-wait-ms", "0", *args]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        assert proc.poll() is None, log_path.read_text()[-3000:]
+        try:
+            return httpx.get(url + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(ready, timeout_s=120, what="server ready")
+    return proc, url, log_path
+
+
+def test_sigterm_stops_admission_drains_in_flight_work_and_exits_0(tmp_path: Path) -> None:
+    proc, url, log_path = start(tmp_path, "--noop-delay-ms", "300", "--drain-timeout-s", "30")
+    try:
+        with concurrent.futures.ThreadPoolExecutor(ACCEPTED) as pool:
+            accepted = [pool.submit(httpx.post, url + "/v1/embeddings", json={"input": f"accepted {i}"},
+                                    timeout=60) for i in range(ACCEPTED)]
+            wait_for(lambda: scrape(url)["batchpilot_pending_requests"] == ACCEPTED, what="all accepted")
+            proc.send_signal(signal.SIGTERM)
+            wait_for(lambda: httpx.get(url + "/health", timeout=5).status_code == 503, what="draining")
+            health = httpx.get(url + "/health", timeout=5)
+            assert health.json()["status"] == "draining" and int(health.headers["Retry-After"]) >= 1
+            late = httpx.post(url + "/v1/embeddings", json={"input": "too late"}, timeout=10)
+            assert late.status_code == 503, late.text
+            err = late.json()["error"]
+            assert err["code"] == "shutting_down" and int(late.headers["Retry-After"]) >= 1
+            assert proc.poll() is None  # still draining: the accepted ones are not done yet
+            results = [f.result() for f in accepted]
+        assert [r.status_code for r in results] == [200] * ACCEPTED  # nothing accepted is lost
+        assert proc.wait(timeout=60) == 0, log_path.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_drain_timeout_bounds_the_shutdown_and_answers_the_rest(tmp_path: Path) -> None:
+    """A drain that cannot finish in time still ends: what is left gets a 503 (not a hang), exit 1."""
+    proc, url, log_path = start(tmp_path, "--noop-delay-ms", "2000", "--drain-timeout-s", "1")
+    try:
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            accepted = [pool.submit(httpx.post, url + "/v1/embeddings", json={"input": f"slow {i}"},
+                                    timeout=60) for i in range(3)]
+            wait_for(lambda: scrape(url)["batchpilot_pending_requests"] == 3, what="all accepted")
+            proc.send_signal(signal.SIGTERM)
+            codes = []
+            for f in accepted:
+                try:
+                    codes.append(f.result().status_code)
+                except httpx.HTTPError as exc:  # the connection closed by the forced shutdown
+                    codes.append(type(exc).__name__)
+        assert proc.wait(timeout=60) == 1, log_path.read_text()[-3000:]
+        assert codes.count(200) < 3 and set(codes) <= {200, 503}, codes  # the rest answered, not dropped
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
