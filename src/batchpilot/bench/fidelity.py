@@ -34,7 +34,7 @@ from typing import Any
 from ..core.config import SchedulerConfig
 from ..core.costmodel import CostModel
 from ..sim.traces import Workload
-from .capacity import CapacityConfig, live_capacity, probe_workload, wait_idle
+from .capacity import CapacityConfig, live_capacity, probe_rows, probe_workload, wait_idle
 from .loadgen import LoadGenConfig, build_plan, load_tokenizer, replay
 from .records import RequestRecord, Summary, format_summary, summarize, write_csv
 from .report import RunData, html_table, write_report
@@ -398,8 +398,10 @@ def tuner_check(args: argparse.Namespace, wl: Workload, texts: list[str], cost_m
             cap = live_capacity(wl, lg, ccfg, texts=texts)
             print(f"{name}: live capacity\n{cap.table()}", flush=True)
             wait_idle(url, 10.0)
-            rows = probe_workload(wl, shared, args.max_live_s)
-            at = measure(url, rows, texts, args.sla, args.warmup_requests, False, name)
+            # the busiest window: where a better config shows (the burst), the same rows for both configs
+            first, count = probe_rows(wl, shared, args.max_live_s, busiest=True)
+            rows = wl.slice(first, count).scale_rate(shared)
+            at = measure(url, rows, texts[first: first + count], args.sla, args.warmup_requests, False, name)
             pred = simulate(rows, cfg, cost_model, args.sla)
         print(format_summary(at.summary, f"{name} live at x{shared:.3f}"), flush=True)
         out[name] = {"sim_capacity_scale": sims[name].capacity, "sim_capacity_rps": sims[name].rps,
