@@ -123,6 +123,10 @@ def test_errors_are_openai_shaped(client: openai.OpenAI, server: Server) -> None
     assert r.status_code == 422 and set(r.json()["error"]) == {"message", "type", "param", "code"}
     r = httpx.post(server[0] + "/v1/completions", json={"prompt": "x", "n": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    r = httpx.post(server[0] + "/v1/completions", json={"prompt": [5, 99999]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = httpx.post(server[0] + "/v1/completions", json={"prompt": "x", "seed": 2**70})
+    assert r.status_code == 422
 
 
 def test_concurrent_requests_batch_and_cancelled_stream_frees_blocks(

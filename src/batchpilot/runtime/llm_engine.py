@@ -31,7 +31,14 @@ log = logging.getLogger("batchpilot.llm")
 
 
 class RequestRejected(ValueError):
-    """The request can never fit this engine (context length, KV pool); the message says why."""
+    """The request can never run here (context length, KV pool, bad token ids); the message says why.
+    ``code`` and ``param`` are for the OpenAI error body."""
+
+    def __init__(self, message: str, code: str = "context_length_exceeded",
+                 param: str = "max_tokens") -> None:
+        super().__init__(message)
+        self.code = code
+        self.param = param
 
 
 class EngineStopped(RuntimeError):
@@ -137,9 +144,20 @@ class LLMEngine:
 
     # -- public API --------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a text prompt, or the given ids checked against the vocabulary."""
         if isinstance(prompt, str):
-            return list(self.tokenizer(prompt)["input_ids"])
-        return [int(t) for t in prompt]
+            ids = list(self.tokenizer(prompt)["input_ids"])
+            if not ids:
+                raise RequestRejected("the prompt encodes to no tokens; give a non-empty prompt",
+                                      "invalid_value", "prompt")
+            return ids
+        ids = [int(t) for t in prompt]
+        vocab = getattr(getattr(self.runner, "w", None), "vocab_size", None)
+        bad = [t for t in ids if t < 0 or (vocab is not None and t >= vocab)]
+        if bad or not ids:
+            raise RequestRejected(f"prompt token ids must be in [0, {vocab}); got {bad[:3] or 'no tokens'}",
+                                  "invalid_value", "prompt")
+        return ids
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

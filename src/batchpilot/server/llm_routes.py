@@ -58,7 +58,7 @@ def make_llm_router(engine: LLMEngine, registry: CollectorRegistry) -> APIRouter
             first = await gen.__anext__()
         except RequestRejected as exc:
             metrics.requests.labels(route=route, finish_reason="rejected").inc()
-            raise APIError(400, str(exc), code="context_length_exceeded", param="max_tokens") from None
+            raise APIError(400, str(exc), code=exc.code, param=exc.param) from None
         except EngineStopped as exc:
             raise APIError(503, str(exc), code="engine_stopped") from None
         return first, gen

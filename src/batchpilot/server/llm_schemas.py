@@ -29,7 +29,7 @@ class _SamplingFields(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)
     n: int = 1
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -39,7 +39,7 @@ class _SamplingFields(BaseModel):
     # extensions
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
-    priority: int = 0
+    priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
 
     def check_supported(self) -> None:
         if self.n != 1:
