@@ -101,14 +101,21 @@ class Policy:
         return self.config.max_wait_s
 
     def on_arrival(self, now: float) -> None:
-        if self.last_arrival > -_INF:
-            gap = max(now - self.last_arrival, 0.0)
-            if self.mean_interarrival_s == _INF:
+        # Runs once per request: plain comparisons instead of max() calls, each exactly as max() picks
+        # (the first argument unless the second is larger), so the EWMA is bit-for-bit the same.
+        last = self.last_arrival
+        if last != -_INF:
+            gap = now - last
+            if gap < 0.0:
+                gap = 0.0
+            mean = self.mean_interarrival_s
+            if mean == _INF:
                 self.mean_interarrival_s = gap
             else:
                 a = self.config.ewma_alpha
-                self.mean_interarrival_s = a * gap + (1.0 - a) * self.mean_interarrival_s
-        self.last_arrival = max(now, self.last_arrival)
+                self.mean_interarrival_s = a * gap + (1.0 - a) * mean
+        if not last > now:
+            self.last_arrival = now
 
     def expected_gap(self, now: float) -> float:
         """Expected seconds to the next arrival: the EWMA, or longer if it has been quiet longer."""
