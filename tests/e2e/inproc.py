@@ -26,6 +26,7 @@ from batchpilot.runtime.errors import ExecutorCrashed
 from batchpilot.runtime.executor import NoopExecutor
 from batchpilot.server.app import create_app
 from batchpilot.server.config import ServerConfig
+from batchpilot.server.lifecycle import Drainer
 
 POISON = 4242  # a token id that makes FaultyExecutor.run raise (a "model bug" on one input)
 CRASH = 4343  # a token id that makes it raise ExecutorCrashed while crashes_left > 0
@@ -141,12 +142,14 @@ def scrape(url: str, headers: dict[str, str] | None = None) -> dict[str, float]:
 def live_server(executor: Any, config: SchedulerConfig | None = None, *,
                 cost_model: CostModel | None = None,
                 routers: Sequence[Callable[[Any], Any]] = (), extra_models: Sequence[str] = (),
-                **settings: Any) -> Iterator[LiveServer]:
+                max_in_flight: int = 0, **settings: Any) -> Iterator[LiveServer]:
     settings.setdefault("request_timeout_s", 30.0)
     settings.setdefault("drain_timeout_s", 5.0)
     cfg = ServerConfig(port=free_port(), **settings)
-    app = create_app(cfg, executor, config or SchedulerConfig(), cost_model, routers=routers,
-                     extra_models=extra_models)
+    app: Any = create_app(cfg, executor, config or SchedulerConfig(), cost_model, routers=routers,
+                          extra_models=extra_models)
+    if max_in_flight:
+        app = Drainer(app, max_in_flight)  # what `batchpilot serve` puts in front (--max-concurrency)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=cfg.port, log_level="warning",
                                            lifespan="on"))
     thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)

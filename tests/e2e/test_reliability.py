@@ -362,6 +362,23 @@ def test_overload_every_request_is_answered_once_with_success_or_retry_after() -
         assert post(srv.url, {"input": "after the storm"}).status_code == 200
 
 
+def test_concurrency_limit_refuses_at_the_http_layer_with_retry_after() -> None:
+    ex = FaultyExecutor()
+    ex.gate.clear()
+    with live_server(ex, window(1), max_in_flight=2) as srv, concurrent.futures.ThreadPoolExecutor(2) as pool:
+        held = [pool.submit(post, srv.url, {"input": f"held {i}"}) for i in range(2)]
+        wait_for(lambda: srv.app.in_flight == 2, what="two requests in flight")
+        r = post(srv.url, {"input": "third"})
+        err = assert_openai_error(r, 503)
+        assert err["code"] == "overloaded" and int(r.headers["Retry-After"]) >= 1
+        assert httpx.get(srv.url + "/health").status_code == 200  # probes always get through
+        assert "batchpilot_pending_requests" in srv.metrics()
+        ex.gate.set()
+        assert [f.result().status_code for f in held] == [200, 200]
+        assert post(srv.url, {"input": "fourth"}).status_code == 200
+        assert srv.app.overloaded == 1 and srv.app.in_flight == 0
+
+
 def test_sla_queue_bounds_follow_the_cost_model() -> None:
     slow = CostModel(latency_coef=(0.2, 0.0, 0.0, 0.0))
     fast = CostModel(latency_coef=(0.02, 0.0, 0.0, 0.0))

@@ -1,0 +1,220 @@
+"""Overload soak: a live ``batchpilot serve`` held at 3x its measured capacity for minutes.
+
+    .venv/bin/python benchmarks/overload_soak.py                          # real MiniLM, 3x, 5 minutes
+    .venv/bin/python benchmarks/overload_soak.py --noop-delay-ms 50 --duration-s 120   # serving path only
+
+1. Capacity: closed loop (``--clients`` concurrent requests, conv-embed texts) for ``--capacity-s``:
+   successful requests per second.
+2. Soak: open-loop Poisson arrivals (seeded) at ``--overload`` x capacity for ``--duration-s``.
+   Every request must get exactly one answer: 200, or 429/503 *with* Retry-After. A client timeout,
+   a reset connection or any other status is a failure.
+3. Admitted requests: P50/P99 latency (client side, send to answer) against ``--sla-s``.
+4. Memory: the server's RSS (``/proc/PID/status`` VmRSS) sampled every second; growth = the last
+   fifth's maximum over the RSS at the end of the warm-up (the first fifth). Target < 5 %.
+
+Prints the figures and PASS/FAIL per criterion; ``--json PATH`` writes them too. The server is a
+separate process (the load generator does not share its GIL), started exactly as a user would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from batchpilot.bench.serverproc import free_port, wait_ready
+
+
+@dataclass
+class Outcome:
+    sent_at: float
+    latency_s: float
+    status: int | str  # an HTTP status, or the exception's name
+    retry_after: str | None
+
+
+@dataclass
+class Report:
+    capacity_rps: float
+    offered_rps: float
+    duration_s: float
+    sent: int
+    answered: int
+    by_status: dict[str, int]
+    missing_retry_after: int
+    failures: int
+    admitted_p50_s: float
+    admitted_p99_s: float
+    sla_s: float
+    rss_start_mib: float
+    rss_end_max_mib: float
+    rss_growth: float
+    criteria: dict[str, bool] = field(default_factory=dict)
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def conv_embed_texts(n: int, seed: int) -> list[str]:
+    """Real English texts with conv-embed's token lengths (the trace's first ``n`` rows)."""
+    from batchpilot.bench.loadgen import load_tokenizer
+    from batchpilot.sim.texts import texts_for_lengths
+    from batchpilot.sim.workloads import conv_embed
+
+    lengths = [int(x) for x in conv_embed().input_tokens[:n]]
+    return texts_for_lengths(load_tokenizer(None), lengths, seed=seed)
+
+
+async def one(client: httpx.AsyncClient, text: str, t0: float, out: list[Outcome]) -> None:
+    sent = time.monotonic()
+    try:
+        r = await client.post("/v1/embeddings", json={"input": text})
+        status: int | str = r.status_code
+        retry = r.headers.get("retry-after")
+    except httpx.HTTPError as exc:
+        status, retry = type(exc).__name__, None
+    out.append(Outcome(sent - t0, time.monotonic() - sent, status, retry))
+
+
+async def capacity(url: str, texts: list[str], clients: int, seconds: float) -> float:
+    done = 0
+    stop = time.monotonic() + seconds
+    async with httpx.AsyncClient(base_url=url, timeout=60, limits=httpx.Limits(max_connections=clients)) as c:
+        async def worker(k: int) -> None:
+            nonlocal done
+            i = k
+            while time.monotonic() < stop:
+                r = await c.post("/v1/embeddings", json={"input": texts[i % len(texts)]})
+                done += r.status_code == 200
+                i += clients
+        t0 = time.monotonic()
+        await asyncio.gather(*(worker(k) for k in range(clients)))
+        return done / (time.monotonic() - t0)
+
+
+async def soak(url: str, texts: list[str], rate: float, seconds: float, pid: int, seed: int,
+               timeout_s: float) -> tuple[list[Outcome], list[tuple[float, float]]]:
+    rng = random.Random(seed)
+    outcomes: list[Outcome] = []
+    rss: list[tuple[float, float]] = []
+    tasks: set[asyncio.Task[None]] = set()
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
+        t0 = time.monotonic()
+        next_sample, next_send, i = t0, t0, 0
+        while (now := time.monotonic()) < t0 + seconds:
+            if now >= next_sample:
+                rss.append((now - t0, rss_mib(pid)))
+                next_sample += 1.0
+            if now >= next_send:
+                task = asyncio.create_task(one(client, texts[i % len(texts)], t0, outcomes))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                i += 1
+                next_send += rng.expovariate(rate)
+                continue
+            await asyncio.sleep(min(next_send, next_sample) - now)
+        sent = i
+        await asyncio.gather(*tasks)
+        rss.append((time.monotonic() - t0, rss_mib(pid)))
+    assert len(outcomes) == sent
+    return outcomes, rss
+
+
+def summarize(outcomes: list[Outcome], rss: list[tuple[float, float]], cap: float, rate: float,
+              seconds: float, sla_s: float) -> Report:
+    by_status: dict[str, int] = {}
+    for o in outcomes:
+        by_status[str(o.status)] = by_status.get(str(o.status), 0) + 1
+    ok = [o.latency_s for o in outcomes if o.status == 200]
+    refused = [o for o in outcomes if o.status in (429, 503)]
+    failures = sum(1 for o in outcomes if o.status not in (200, 429, 503))
+    fifth = seconds / 5
+    start = [m for t, m in rss if t <= fifth]
+    end = [m for t, m in rss if t >= seconds - fifth]
+    rss_start = start[-1] if start else rss[0][1]
+    rss_end = max(end) if end else rss[-1][1]
+    p = np.percentile(ok, [50, 99]) if ok else [float("nan")] * 2
+    report = Report(cap, rate, seconds, len(outcomes), len(outcomes) - failures, by_status,
+                    sum(1 for o in refused if not o.retry_after), failures, float(p[0]), float(p[1]),
+                    sla_s, rss_start, rss_end, rss_end / rss_start - 1.0)
+    report.criteria = {
+        "every request answered once (200 or 429/503)": failures == 0,
+        "every 429/503 has Retry-After": report.missing_retry_after == 0,
+        "some requests refused (the load was over capacity)": len(refused) > 0,
+        f"admitted P99 <= SLA ({sla_s:g} s)": bool(ok) and report.admitted_p99_s <= sla_s,
+        "RSS growth < 5 %": report.rss_growth < 0.05,
+    }
+    return report
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--duration-s", type=float, default=300.0)
+    ap.add_argument("--capacity-s", type=float, default=20.0)
+    ap.add_argument("--overload", type=float, default=3.0, help="offered load as a multiple of capacity")
+    ap.add_argument("--clients", type=int, default=32, help="closed-loop clients for the capacity phase")
+    ap.add_argument("--sla-s", type=float, default=1.0)
+    ap.add_argument("--noop-delay-ms", type=float, default=None, help="serve the no-op model instead")
+    ap.add_argument("--threads", type=int, default=1, help="server torch threads (real model)")
+    ap.add_argument("--texts", type=int, default=400)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("serve_args", nargs="*", help="extra `batchpilot serve` arguments (after --)")
+    args = ap.parse_args()
+
+    texts = conv_embed_texts(args.texts, args.seed)
+    port = free_port()
+    serve = [sys.executable, "-m", "batchpilot.cli", "serve", "--port", str(port), "--no-warmup"]
+    if args.noop_delay_ms is not None:
+        serve += ["--noop", "--noop-delay-ms", str(args.noop_delay_ms)]
+    else:
+        serve += ["--threads", str(args.threads)]
+    serve += args.serve_args
+    log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"overload-soak-{port}.log"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    url = f"http://127.0.0.1:{port}"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(serve, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        wait_ready(url, 300, proc, log_path)
+        print(f"server: {' '.join(serve[2:])}  (log {log_path})")
+        cap = asyncio.run(capacity(url, texts, args.clients, args.capacity_s))
+        rate = cap * args.overload
+        print(f"capacity {cap:.1f} req/s (closed loop, {args.clients} clients); "
+              f"soak at {args.overload:g}x = {rate:.1f} req/s for {args.duration_s:.0f} s")
+        outcomes, rss = asyncio.run(soak(url, texts, rate, args.duration_s, proc.pid, args.seed,
+                                         timeout_s=max(60.0, 10 * args.sla_s)))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    report = summarize(outcomes, rss, cap, rate, args.duration_s, args.sla_s)
+    print(f"sent {report.sent}, answered {report.answered}, by status {report.by_status}, "
+          f"429/503 without Retry-After {report.missing_retry_after}")
+    print(f"admitted latency P50 {report.admitted_p50_s * 1e3:.0f} ms, "
+          f"P99 {report.admitted_p99_s * 1e3:.0f} ms (SLA {args.sla_s:g} s)")
+    print(f"server RSS {report.rss_start_mib:.0f} MiB after warm-up -> max {report.rss_end_max_mib:.0f} MiB "
+          f"in the last fifth ({report.rss_growth:+.1%})")
+    for name, passed in report.criteria.items():
+        print(f"  {'PASS' if passed else 'FAIL'}  {name}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(asdict(report), indent=2))
+    return 0 if all(report.criteria.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
