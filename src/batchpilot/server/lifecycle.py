@@ -171,11 +171,13 @@ class GracefulServer(uvicorn.Server):
 
 
 def serve(app: Any, *, host: str, port: int, drain_timeout_s: float, log_level: str = "info",
-          access_log: bool = False, log_config: Any = uvicorn.config.LOGGING_CONFIG,
+          access_log: bool = False, log_format: str = "text",
           max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> int:
     """Run until SIGTERM/SIGINT, drain, shut down. Returns the exit status: 0, or 1 if the drain timed out
     and in-flight requests had to be failed."""
     drainer = Drainer(app, max_in_flight)
+    # json: keep the handlers logs.configure installed (uvicorn's own config would print plain text)
+    log_config = None if log_format == "json" else uvicorn.config.LOGGING_CONFIG
     config = uvicorn.Config(drainer, host=host, port=port, log_level=log_level, access_log=access_log,
                             timeout_graceful_shutdown=1, log_config=log_config)
     service = getattr(getattr(app, "state", None), "service", None)
