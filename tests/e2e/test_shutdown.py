@@ -23,8 +23,11 @@ ACCEPTED = 4
 def start(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[bytes], str, Path]:
     port = free_port()
     log_path = tmp_path / "serve.log"
+    cfg = tmp_path / "sched.yaml"  # one input per batch; an explicit queue bound with room for the test
+    cfg.write_text("policy: {name: window, max_batch_size: 1, max_wait_s: 0.0}\n"
+                   "admission: {max_queued_requests: 16}\n")
     cmd = [sys.executable, "-m", "batchpilot.cli", "serve", "--port", str(port), "--noop", "--no-warmup",
-           "--policy", "window", "--max-batch-size", "1", "--max-wait-ms", "0", *args]
+           "--config", str(cfg), *args]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, "HF_HUB_OFFLINE": "1"})
