@@ -97,11 +97,9 @@ def diagnosis_rows(load: float, rep: Any, res: Any, m: Summary) -> list[list[Any
     c_ttft = sum(r.ttft_s for r in ok) / len(ok) if ok else math.nan
     gaps = [g for r in ok for g in r.itl_s]
     c_itl = sum(gaps) / len(gaps) if gaps else math.nan
-    steps = rep.num_steps
     return [[f"{load:.0%}", "TTFT", "-", ms(s_ttft), ms(c_ttft)],
             [f"{load:.0%}", "inter-token gap (client: per SSE chunk)", "-", ms(s_itl), ms(c_itl)],
-            [f"{load:.0%}", "simulated steps / mean tokens per step", steps, round(rep.mean_step_tokens, 1),
-             ""]]
+            [f"{load:.0%}", "tokens per engine step (not ms)", round(rep.mean_step_tokens, 1), "-", "-"]]
 
 
 def _row(load: float, k: float, name: str, p: float, m: float, unit: float) -> list[Any]:
