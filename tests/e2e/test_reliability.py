@@ -138,7 +138,7 @@ LLM_CASES: list[tuple[str, str, dict[str, Any], int]] = [
     ("empty token prompt", "/v1/completions", {"prompt": [[]], "max_tokens": 2}, 400),
     ("token id outside the vocabulary", "/v1/completions", {"prompt": [99_999_999], "max_tokens": 2}, 400),
     ("negative token id", "/v1/completions", {"prompt": [-1], "max_tokens": 2}, 400),
-    ("seed beyond 64 bits", "/v1/completions", {"prompt": "hi", "max_tokens": 2, "seed": 2**80}, 400),
+    ("seed beyond 64 bits", "/v1/completions", {"prompt": "hi", "max_tokens": 2, "seed": 2**80}, 422),
     ("over-long prompt", "/v1/completions", {"prompt": "word " * 400, "max_tokens": 2}, 400),
     ("null prompt", "/v1/completions", {"prompt": None}, 422),
     ("unknown model", "/v1/completions", {"prompt": "hi", "model": "no-such-model", "max_tokens": 2}, 404),
