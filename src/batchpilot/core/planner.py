@@ -225,7 +225,7 @@ class BatchPlanner:
         c0, c1, c2, c3 = self.cost_model.encoder_latency_coef
         # start[e]: the smallest s such that lens[s:e] is a feasible batch; non-decreasing in e.
         start = [0] * (k + 1)
-        sq = list(accumulate((x * x for x in lens), initial=0))
+        sq = list(accumulate([x * x for x in lens], initial=0))
         if self._ragged:
             s = 0
             for e in range(1, k + 1):
@@ -241,12 +241,11 @@ class BatchPlanner:
             # the group's last (longest) length. slope is non-decreasing in e.
             slope = [0.0] * (k + 1)
             if lens[-1] <= self.config.max_len:
+                # Table lookups as comprehensions (per dispatch under load, k = lookahead × cap).
                 _, slope_tab, maxn_tab = self._tables()
-                for e in range(1, k + 1):
-                    x = lens[e - 1]
-                    slope[e] = slope_tab[x]
-                    s = e - min(maxn_tab[x], cap)
-                    start[e] = s if s > 0 else 0
+                slope[1:] = [slope_tab[x] for x in lens]
+                room = [m if m < cap else cap for m in map(maxn_tab.__getitem__, lens)]
+                start[1:] = [e - m if e > m else 0 for e, m in enumerate(room, 1)]
             else:
                 for e in range(1, k + 1):
                     p = self._padded_len(lens[e - 1])
@@ -272,12 +271,25 @@ class BatchPlanner:
             return cost(s, e) / ideal if ideal > 0 else cost(s, e)
 
         best, best_score = (head, head + 1), _INF
-        for s, e in groups:
-            if urgent and not s <= head < e:
-                continue
-            sc = score(s, e)
-            if sc < best_score:
-                best, best_score = (s, e), sc
+        if dp or self._ragged:
+            for s, e in groups:
+                if urgent and not s <= head < e:
+                    continue
+                sc = score(s, e)
+                if sc < best_score:
+                    best, best_score = (s, e), sc
+        else:
+            # The default (sorted, padded) runs this once per window for every dispatch under load:
+            # score() and cost() inlined, the same arithmetic in the same order, without two calls.
+            for s, e in groups:
+                if urgent and not s <= head < e:
+                    continue
+                n = e - s
+                cst = c0 + n * slope[e]
+                ideal = n * fixed + c2 * (pre[e] - pre[s]) + c3 * (sq[e] - sq[s])
+                sc = cst / ideal if ideal > 0 else cst
+                if sc < best_score:
+                    best, best_score = (s, e), sc
         s, e = best
         if dp:
             self._dp_cache = [([reqs[i] for i in sorted(order[gs:ge])], score(gs, ge))
