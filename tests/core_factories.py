@@ -41,7 +41,7 @@ def make_config(policy: dict[str, Any] | None = None, planner: dict[str, Any] | 
                 **top: Any) -> SchedulerConfig:
     return SchedulerConfig(
         policy=PolicyConfig(**(policy or {})),
-        planner=PlannerConfig(**(planner or {})),
+        planner=PlannerConfig(**{"padding": "dynamic", **(planner or {})}),
         admission=AdmissionConfig(**(admission or {})),
         bucketing=BucketingConfig(**(bucketing or {})),
         **top,

@@ -12,7 +12,7 @@ COST = simple_cost_model(const=0.010, per_token=1e-4, residuals=(0.0, 0.5))  # p
 
 
 def controller(planner: PlannerConfig | None = None, **kw: object) -> AdmissionController:
-    return AdmissionController(AdmissionConfig(**kw), planner or PlannerConfig(), COST,  # type: ignore[arg-type]
+    return AdmissionController(AdmissionConfig(**kw), planner or PlannerConfig(padding="dynamic"), COST,  # type: ignore[arg-type]
                                max_batch_size=8)
 
 

@@ -18,7 +18,7 @@ COST = simple_cost_model(const=0.010, per_token=1e-4)
 
 
 def planner(cost: CostModel = COST, **kw: object) -> BatchPlanner:
-    cfg = PlannerConfig(**kw)  # type: ignore[arg-type]
+    cfg = PlannerConfig(**{"padding": "dynamic", **kw})  # type: ignore[arg-type]
     bucketer = Bucketer(BucketingConfig(boundaries=(32, 64, 128)), cost, cfg.max_len)
     return BatchPlanner(cfg, cost, bucketer)
 

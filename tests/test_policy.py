@@ -27,7 +27,7 @@ COST = simple_cost_model(const=0.010, per_token=1e-5)  # batch of n x 100 tokens
 
 
 def policy(name: str, **kw: object) -> Policy:
-    return make_policy(PolicyConfig(name=name, **kw), COST, PlannerConfig())  # type: ignore[arg-type]
+    return make_policy(PolicyConfig(name=name, **kw), COST, PlannerConfig(padding="dynamic"))  # type: ignore[arg-type]
 
 
 def state(n: int, oldest: float = 0.0, length: int = 100, deadline: float = math.inf) -> QueueState:
@@ -131,8 +131,8 @@ def test_sla_dispatches_early_when_the_urgent_request_would_miss() -> None:
 def test_sla_uses_the_high_quantile_not_the_mean() -> None:
     noisy = simple_cost_model(const=0.010, per_token=1e-5, residuals=(0.0, 0.5))  # p99 ~ 1.5 x mean
     cfg = PolicyConfig(name="sla", sla_s=1.0)
-    mean_only = make_policy(cfg, simple_cost_model(const=0.010, per_token=1e-5), PlannerConfig())
-    pessimist = make_policy(cfg, noisy, PlannerConfig())
+    mean_only = make_policy(cfg, simple_cost_model(const=0.010, per_token=1e-5), PlannerConfig(padding="dynamic"))
+    pessimist = make_policy(cfg, noisy, PlannerConfig(padding="dynamic"))
     for p in (mean_only, pessimist):
         feed(p, [0.0, 0.001, 0.002, 0.003])
     s = state(4, oldest=0.0, deadline=0.0035 + 0.020)  # mean batch ~15 ms fits, its p99 ~22 ms does not

@@ -38,9 +38,10 @@ def _positive(component: str, name: str, value: float, allow_zero: bool = False)
 class PolicyConfig:
     """When to dispatch. ``max_wait_s`` is measured from the oldest waiting request (Triton)."""
 
+    # Defaults = the tuner's winner on conv-embed (docs/benchmarks.md): short window, modest batches.
     name: PolicyName = "hybrid"
-    max_batch_size: int = 32
-    max_wait_s: float = 0.010
+    max_batch_size: int = 16
+    max_wait_s: float = 0.005
     # backlog / hybrid: fire early once this much is waiting (0 = off for tokens)
     backlog_requests: int = 16
     backlog_tokens: int = 0
@@ -111,7 +112,9 @@ class PlannerConfig:
     """Which waiting requests form a batch, and how they are padded."""
 
     grouping: Grouping = "sorted"
-    padding: Padding = "dynamic"
+    # Padding-free by default: padding mixed lengths to the longest costs more than batching saves
+    # (simulated and measured in docs/benchmarks.md); executors without a ragged path fall back.
+    padding: Padding = "none"
     max_len: int = 512
     max_batch_tokens: int = 0  # 0 = no token budget
     max_batch_memory_bytes: float = 0.0  # 0 = no memory budget

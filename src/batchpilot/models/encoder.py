@@ -303,6 +303,14 @@ class EncoderExecutor:
         modes = self.pooling.modes
         return modes[0] if len(modes) == 1 and modes[0] in ("mean", "cls") else None
 
+    def supports_padding_free(self) -> bool:
+        """Whether padding 'none' can run on this model (BERT-family layouts and mean/CLS pooling do)."""
+        try:
+            self._ragged_encoder()
+        except (RuntimeError, ValueError, NotImplementedError, AttributeError, KeyError):
+            return False
+        return True
+
     def _ragged_encoder(self) -> Any:
         if self._ragged is None:
             if self.lean is not None and hasattr(self.lean, "hidden_ragged"):

@@ -13,6 +13,7 @@ from ``$BATCHPILOT_API_KEY`` (keeps it out of the process list).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -20,6 +21,7 @@ from typing import Any
 
 from ..core.config import PADDINGS, POLICIES, SchedulerConfig
 from ..core.costmodel import BatchShape, CostModel
+from . import limits
 from .config import ServerConfig, fit_to_model, load_scheduler_config
 
 log = logging.getLogger("batchpilot.server")
@@ -55,13 +57,20 @@ def register(subparsers: Any) -> None:
     p.add_argument("--llm", action="store_true", help="also mount the LLM completion routes")
     p.add_argument("--llm-model", default=None, help="--llm: local HF causal-LM folder")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--log-format", default="text", choices=("text", "json"),
+                   help="json: one JSON object per line (time, level, logger, message, exc_info)")
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="HTTP requests in flight at once before 503 overloaded (default 256; 0 = no limit)")
+    p.add_argument("--no-overload-limits", action="store_true",
+                   help="keep the config's unlimited queue (default: bound it from the SLA and cost model)")
     p.add_argument("--access-log", action="store_true", help="log every request (off: it costs throughput)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from . import lifecycle, logs
+
+    logs.configure(args.log_level, args.log_format)
     settings = ServerConfig(
         host=args.host, port=args.port, model_path=args.model, model_name=args.model_name,
         max_length=args.max_length, num_threads=args.threads, noop=args.noop,
@@ -69,19 +78,20 @@ def run(args: argparse.Namespace) -> int:
         profile_path=args.profile, startup_profile=not args.no_startup_profile, api_key=args.api_key,
         max_body_bytes=args.max_body_bytes, request_timeout_s=args.request_timeout_s,
         drain_timeout_s=args.drain_timeout_s, warmup=not args.no_warmup, llm=args.llm,
-        llm_model=args.llm_model, log_level=args.log_level)
+        llm_model=args.llm_model, log_level=args.log_level, overload_limits=not args.no_overload_limits)
     sched = load_scheduler_config(args.config, policy=args.policy, max_batch_size=args.max_batch_size,
                                   max_wait_ms=args.max_wait_ms, padding=args.padding,
                                   num_slots=args.num_slots)
     app = build_app(settings, sched)
-    import uvicorn
-
     if settings.host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
         log.warning("binding %s without --api-key: anyone who can reach this port can use the model",
                     settings.host)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                access_log=args.access_log, timeout_graceful_shutdown=int(settings.drain_timeout_s) + 1)
-    return 0
+    max_in_flight = lifecycle.DEFAULT_MAX_IN_FLIGHT if args.max_concurrency is None else args.max_concurrency
+    # SIGTERM: 503 to new requests while in-flight work drains, then exit 0 (lifecycle.py)
+    return lifecycle.serve(app, host=settings.host, port=settings.port,
+                           drain_timeout_s=settings.drain_timeout_s, log_level=settings.log_level,
+                           access_log=args.access_log, max_in_flight=max_in_flight,
+                           log_format=args.log_format)
 
 
 def build_app(settings: ServerConfig, sched: SchedulerConfig) -> Any:
@@ -90,7 +100,13 @@ def build_app(settings: ServerConfig, sched: SchedulerConfig) -> Any:
 
     executor = load_executor(settings)
     sched = fit_to_model(sched, int(executor.max_length))
+    if sched.planner.padding == "none" and not getattr(executor, "supports_padding_free", lambda: True)():
+        # the default is padding-free; a model without a ragged path still serves, padded per batch
+        log.warning("padding 'none' is not supported for this model; serving with padding 'dynamic'")
+        sched = dataclasses.replace(sched, planner=dataclasses.replace(sched.planner, padding="dynamic"))
     cost_model = choose_cost_model(settings, executor, sched.planner.padding)
+    sched = limits.apply(sched, cost_model, enabled=settings.overload_limits)
+    log.info(limits.describe(sched))
     log.info("scheduler: policy=%s max_batch_size=%d max_wait=%.1f ms padding=%s grouping=%s slots=%d",
              sched.policy.name, sched.policy.max_batch_size, sched.policy.max_wait_s * 1e3,
              sched.planner.padding, sched.planner.grouping, sched.num_slots)
@@ -124,6 +140,9 @@ def choose_cost_model(settings: ServerConfig, executor: Any, padding: str = "dyn
     if settings.profile_path:
         log.info("cost model: loaded from %s", settings.profile_path)
         return CostModel.load(settings.profile_path)
+    if settings.noop and settings.noop_delay_s > 0:  # its cost is exactly its delay: the limits follow it
+        log.info("cost model: the no-op model's fixed %.1f ms per batch", settings.noop_delay_s * 1e3)
+        return CostModel(latency_coef=(settings.noop_delay_s, 0.0, 0.0, 0.0), meta={"source": "noop"})
     if settings.startup_profile and not settings.noop:
         try:
             from ..models.profiler import profile_encoder

@@ -225,8 +225,10 @@ class Tuner:
         # ties (a coarse bisection lands many configs on one probe) go to the lower P99 at capacity
         ranked = sorted(alive + fixed, key=lambda c: (-c.rps, c.report.p99_all if c.report else math.inf))
         best = next(c for c in ranked if c.kind == "search")
-        if fixed[-1].rps > best.rps:  # the default can win; then it is the answer
-            best = fixed[-1]
+        default = fixed[-1]
+        # the default can win, unless its padding mode is one the serving executor lacks (--paddings)
+        if default.rps > best.rps and default.config.planner.padding in tc.paddings:
+            best = default
         return TuneResult(ranked, best, fixed[:-1], self.workload, tc.sla_p99_s, time.perf_counter() - t0,
                           self.num_simulations)
 
