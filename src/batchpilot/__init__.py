@@ -9,3 +9,14 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.1.0"
+
+__all__ = ["Batcher", "batch", "__version__"]
+
+
+def __getattr__(name: str) -> object:
+    # Lazy, so `import batchpilot` (and the CLI's --help) stays free of asyncio-side imports.
+    if name in ("batch", "Batcher"):
+        from . import runtime
+
+        return getattr(runtime, name)
+    raise AttributeError(f"module 'batchpilot' has no attribute {name!r}")
