@@ -164,10 +164,7 @@ def measure(url: str, workload: Workload, texts: list[str], sla_s: float, warmup
             progress: bool, label: str) -> Measurement:
     """Warm the server with a few unmeasured requests, let it drain, then replay ``workload`` exactly."""
     if warmup_requests:
-        warm = workload.slice(0, min(warmup_requests, len(workload)))
-        replay(build_plan(warm, texts=texts[: len(warm)], warmup_requests=len(warm)),
-               LoadGenConfig(url, progress=False, scrape_interval_s=0))
-        wait_idle(url, 10.0)
+        warm_up(url, workload, texts, warmup_requests)
     plan = build_plan(workload, texts=texts[: len(workload)])  # a cut slice is a prefix of the texts' rows
     res = replay(plan, LoadGenConfig(url, progress=progress), description=label)
     m = Measurement(summarize(res.records, sla_s), res.records, res.metrics)
@@ -178,6 +175,15 @@ def measure(url: str, workload: Workload, texts: list[str], sla_s: float, warmup
                              ("useful_tokens_per_batch", "batchpilot_useful_tokens_total")):
             m.server[key] = _delta(res.metrics, counter) / batches if batches > 0 else math.nan
     return m
+
+
+def warm_up(url: str, workload: Workload, texts: list[str], n: int) -> None:
+    """Send the first ``n`` rows (unmeasured) and wait for the queue to drain: the first calls of a fresh
+    server are slow (allocator, kernels for new shapes), which is not what a fidelity check measures."""
+    warm = workload.slice(0, min(n, len(workload)))
+    replay(build_plan(warm, texts=texts[: len(warm)], warmup_requests=len(warm)),
+           LoadGenConfig(url, progress=False, scrape_interval_s=0))
+    wait_idle(url, 10.0)
 
 
 def _delta(series: MetricsSeries, name: str) -> float:
@@ -395,6 +401,7 @@ def tuner_check(args: argparse.Namespace, wl: Workload, texts: list[str], cost_m
             ccfg = CapacityConfig(sla_s=args.sla, start=start, growth=1.25, lo=0.05, hi=256.0, rel_tol=0.1,
                                   max_probes=6, probe_s=args.probe_s, cooldown_s=10.0)
             lg = LoadGenConfig(url, progress=False)
+            warm_up(url, wl, texts, max(args.warmup_requests, 20))  # a cold server fails its first probes
             cap = live_capacity(wl, lg, ccfg, texts=texts)
             print(f"{name}: live capacity\n{cap.table()}", flush=True)
             wait_idle(url, 10.0)
