@@ -17,6 +17,7 @@ import base64
 import hmac
 import json
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -185,9 +186,13 @@ def _header_num(request: Request, name: str, kind: type) -> Any:
     if raw is None:
         return None
     try:
-        return kind(raw)
+        value = kind(raw)
     except ValueError:
-        raise APIError(400, f"header {name} must be a number, got {raw!r}", param=name) from None
+        value = None
+    if value is None or not math.isfinite(value):
+        raise APIError(400, f"header {name} must be a finite number, got {raw!r}", code="invalid_value",
+                       param=name)
+    return value
 
 
 async def _disconnected(request: Request) -> None:

@@ -39,6 +39,7 @@ class ServerConfig:
     llm: bool = False
     llm_model: str | None = None
     log_level: str = "info"
+    overload_limits: bool = True  # bound the queue from the SLA when the config leaves it unlimited
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

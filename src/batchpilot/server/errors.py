@@ -35,7 +35,8 @@ class APIError(Exception):
 
 def error_body(status: int, message: str, code: str | None = None, param: str | None = None,
                err_type: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": err_type or _TYPES.get(status, "server_error"),
+    default = "server_error" if status >= 500 else "invalid_request_error"
+    return {"error": {"message": message, "type": err_type or _TYPES.get(status, default),
                       "param": param, "code": code}}
 
 
