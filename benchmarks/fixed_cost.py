@@ -14,6 +14,10 @@ Section 2 (attention): padding-free forwards of conv-embed batches (first rows o
   batch) with each CPU attention strategy of models/ragged.py, against the lean forward padded to the
   batch's longest input. Median over rounds, interleaved the same way.
 
+Section 3 (weights): one token through a 384x1536 linear with its weights hot in cache vs cycling
+  through 40 weight matrices (94 MB), and the lean 32x128 forward with the token-wise blocks chunked
+  by 512 / 1024 rows or not at all.
+
 Both clocks are recorded for every call: process CPU time (robust when other jobs share the cores)
 and wall time. Compare only inside one run.
 """
@@ -148,12 +152,34 @@ def attention(model: torch.nn.Module, rounds: int, seed: int, batches: int) -> N
         print(f"  [{clock}] " + "  ".join(f"{k}: {v:.0f} ({v / tot['loop']:.2f})" for k, v in tot.items()))
 
 
+def weights_and_chunks(enc: RaggedEncoder, rounds: int, seed: int) -> None:
+    """Why the batch-1 floor is weight traffic, and what chunking the token-wise blocks buys."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, 384, generator=g)
+    ws = [torch.randn(1536, 384, generator=g) for _ in range(40)]  # 94 MB: more than the cache
+    b = torch.zeros(1536)
+    f = torch.nn.functional.linear
+    jobs: Jobs = {"hot": lambda: [f(x, ws[0], b) for _ in range(40)],
+                  "cold": lambda: [f(x, w, b) for w in ws]}
+    ids = torch.randint(1000, 20000, (32, 128), generator=g)
+    for c in (512, 1024, 1 << 20):
+        jobs[f"chunk {c}"] = lambda c=c: (setattr(enc, "chunk_tokens", c), enc.forward_padded(ids, None))
+    res = timed_rounds(jobs, rounds, seed)
+    enc.chunk_tokens = 1024
+    print("== weights: one token through a 384x1536 linear, ms per call (CPU | wall): "
+          + "  ".join(f"{k} {res[k]['cpu'] * 1e3 / 40:.3f} | {res[k]['wall'] * 1e3 / 40:.3f}"
+                      for k in ("hot", "cold")))
+    print("== chunking: lean forward 32x128, ms (CPU | wall): " + "  ".join(
+        f"{k.replace(str(1 << 20), 'off')} {res[k]['cpu'] * 1e3:.0f} | {res[k]['wall'] * 1e3:.0f}"
+        for k in jobs if k.startswith("chunk")))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--attention-batches", type=int, default=2)
-    p.add_argument("--sections", default="fixed,attention")
+    p.add_argument("--sections", default="fixed,attention,weights")
     p.add_argument("--torch-profile", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -162,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     enc = RaggedEncoder.from_hf(model, pooling="mean", normalize=True)
     if "fixed" in args.sections:
         fixed_cost(model, enc, args.rounds, args.seed, args.torch_profile)
+    if "weights" in args.sections:
+        weights_and_chunks(enc, args.rounds, args.seed)
     if "attention" in args.sections:
         attention(model, max(3, args.rounds // 3), args.seed, args.attention_batches)
     return 0
