@@ -4,7 +4,8 @@
 Streaming is SSE (``data: {chunk}`` lines, then ``data: [DONE]``); the first engine item is awaited
 before the response starts, so a request that can never fit gets a normal 400 error body instead of
 a broken stream. A client that disconnects mid-stream cancels the generator, which aborts the
-sequence and frees its KV blocks.
+sequence and frees its KV blocks; one that disconnects before its answer starts (non-streaming, or
+waiting for the first token) is caught by ``_unless_client_leaves``, with the same effect.
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from fastapi import APIRouter
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry
 
 from ..core.request import IdCounter
@@ -50,10 +51,11 @@ def make_llm_router(engine: LLMEngine, registry: CollectorRegistry) -> APIRouter
     router = APIRouter(tags=["llm"])
     ids = IdCounter(1)
 
-    async def start(prompt: str | list[int], body: _SamplingFields, route: str,
+    async def start(prompt: str | list[int], body: _SamplingFields, route: str, gens: list[Any],
                     ) -> tuple[GenerationOutput, AsyncIterator[GenerationOutput]]:
         params = body.sampling_params(DEFAULT_MAX_TOKENS[route])
         gen = engine.generate(prompt, params, priority=body.priority)
+        gens.append(gen)  # closed (aborting the sequence) if the client leaves before the answer
         try:
             first = await gen.__anext__()
         except RequestRejected as exc:
@@ -77,7 +79,10 @@ def make_llm_router(engine: LLMEngine, registry: CollectorRegistry) -> APIRouter
         metrics.prompt_tokens.inc(last.num_prompt_tokens)
 
     @router.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Any:
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        return await _unless_client_leaves(request, lambda gens: _completions(body, gens))
+
+    async def _completions(body: CompletionRequest, gens: list[Any]) -> Any:
         route, rid, created = "/v1/completions", f"cmpl-{ids()}", int(time.time())
         prompts = body.prompts()
         model = body.model or engine.model_name
@@ -85,7 +90,7 @@ def make_llm_router(engine: LLMEngine, registry: CollectorRegistry) -> APIRouter
             if len(prompts) != 1:
                 raise APIError(400, "streaming takes a single prompt", code="unsupported_value",
                                param="prompt")
-            first, gen = await start(prompts[0], body, route)
+            first, gen = await start(prompts[0], body, route, gens)
 
             async def events() -> AsyncIterator[bytes]:
                 last = first
@@ -104,7 +109,7 @@ def make_llm_router(engine: LLMEngine, registry: CollectorRegistry) -> APIRouter
 
         choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
         # all prompts enter the engine before any is awaited, so they share batches
-        started = [await start(prompt, body, route) for prompt in prompts]
+        started = [await start(prompt, body, route, gens) for prompt in prompts]
         results = await asyncio.gather(*(collect(s) for s in started))
         for i, (text, last) in enumerate(results):
             finished(route, last)
@@ -116,7 +121,10 @@ def make_llm_router(engine: LLMEngine, registry: CollectorRegistry) -> APIRouter
                              "choices": choices, "usage": usage})
 
     @router.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest) -> Any:
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        return await _unless_client_leaves(request, lambda gens: _chat_completions(body, gens))
+
+    async def _chat_completions(body: ChatCompletionRequest, gens: list[Any]) -> Any:
         route, rid, created = "/v1/chat/completions", f"chatcmpl-{ids()}", int(time.time())
         model = body.model or engine.model_name
         try:
@@ -126,7 +134,7 @@ def make_llm_router(engine: LLMEngine, registry: CollectorRegistry) -> APIRouter
         except Exception as exc:  # a template that rejects the conversation (e.g. role order)
             raise APIError(400, f"chat template failed: {exc}", code="invalid_value",
                            param="messages") from None
-        first, gen = await start(prompt, body, route)
+        first, gen = await start(prompt, body, route, gens)
         if body.stream:
 
             def chunk(delta: dict[str, Any], reason: str | None) -> dict[str, Any]:
@@ -159,6 +167,34 @@ def make_llm_router(engine: LLMEngine, registry: CollectorRegistry) -> APIRouter
         })
 
     return router
+
+
+async def _unless_client_leaves(request: Request, work: Callable[[list[Any]], Awaitable[Any]]) -> Any:
+    """Run a route's work while watching the connection. Until the response starts (the whole
+    generation when not streaming; the first token when streaming) a client that disconnects is not
+    noticed by Starlette, so its sequences would run to ``max_tokens`` for nobody: here the work is
+    cancelled and every generator it started is closed, which aborts the sequences and frees their KV
+    blocks. Once a StreamingResponse is returned, Starlette's own disconnect handling takes over."""
+    gens: list[Any] = []
+    task = asyncio.ensure_future(work(gens))
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    for gen in gens:
+        await gen.aclose()
+    return Response(status_code=499)  # nobody reads it; logged as "client closed request"
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client goes away (the body is already read: the next message is a disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _chain(first: GenerationOutput, gen: AsyncIterator[GenerationOutput],
