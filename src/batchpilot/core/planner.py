@@ -129,9 +129,13 @@ class BatchPlanner:
         if len(candidates) == 1:  # the common case at light load: nothing to choose
             r = candidates[0]
             x = r.length
-            if self._ragged or x > self.config.max_len:
+            if x > self.config.max_len:
                 return self._make([r])
-            if self._tables_for != self._refits():
+            # (padding-free too: its padded length is the length itself, so the table's shape is
+            # exactly BatchShape.ragged([r.length]))
+            # _tables() is rebuilt after a bucket refit; its check, inlined here (this runs per batch)
+            b = self.bucketer
+            if not self._single_tab or (b is not None and self._tables_for != b.num_fits):
                 self._tables()
             shape, predicted_s = self._single_tab[x]
             return Plan([r], shape.padded_len, shape, predicted_s)
