@@ -224,7 +224,7 @@ class RequestQueue:
     # -- ordered reads -----------------------------------------------------------------------
     def peek(self, k: int) -> list[Request]:
         """The first ``k`` waiting requests in dispatch order, without removing them."""
-        if len(self._front) < k:
+        if len(self._front) < k and self._heap:  # short queues live in the front alone: no call
             self._fill(k)
         return [e[3] for e in self._front[:k]]
 
@@ -260,7 +260,9 @@ class RequestQueue:
             self._len_count[length] = count
         else:
             del self._len_count[length]
-            if length == self._max_len:
+            if not self._len_count:
+                self._max_len = 0  # the queue emptied (the common case at light load): nothing to find
+            elif length == self._max_len:
                 self._max_len_dirty = True
 
     def _refresh_max_len(self) -> None:
