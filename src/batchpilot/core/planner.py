@@ -231,12 +231,16 @@ class BatchPlanner:
         start = [0] * (k + 1)
         sq = list(accumulate([x * x for x in lens], initial=0))
         if self._ragged:
-            s = 0
-            for e in range(1, k + 1):
-                s = max(s, e - cap)
-                while s < e - 1 and not self._fits(e - s, pre[e] - pre[s], sq[e] - sq[s]):
-                    s += 1
-                start[e] = s
+            if not (self.config.max_batch_tokens or self.config.max_batch_memory_bytes):
+                # No budgets (the default): any cap consecutive requests fit, as the loop below finds.
+                start[1:] = [e - cap if e > cap else 0 for e in range(1, k + 1)]
+            else:
+                s = 0
+                for e in range(1, k + 1):
+                    s = max(s, e - cap)
+                    while s < e - 1 and not self._fits(e - s, pre[e] - pre[s], sq[e] - sq[s]):
+                        s += 1
+                    start[e] = s
 
             def cost(s: int, e: int) -> float:
                 return c0 + c1 * (e - s) + c2 * (pre[e] - pre[s]) + c3 * (sq[e] - sq[s])
@@ -275,16 +279,27 @@ class BatchPlanner:
             return cost(s, e) / ideal if ideal > 0 else cost(s, e)
 
         best, best_score = (head, head + 1), _INF
-        if dp or self._ragged:
+        if dp:
             for s, e in groups:
                 if urgent and not s <= head < e:
                     continue
                 sc = score(s, e)
                 if sc < best_score:
                     best, best_score = (s, e), sc
-        else:
-            # The default (sorted, padded) runs this once per window for every dispatch under load:
-            # score() and cost() inlined, the same arithmetic in the same order, without two calls.
+        elif self._ragged:
+            # sorted grouping runs this once per window for every dispatch under load: score() and
+            # cost() inlined, the same arithmetic in the same order, without two calls per window.
+            for s, e in groups:
+                if urgent and not s <= head < e:
+                    continue
+                n = e - s
+                dt, dq = pre[e] - pre[s], sq[e] - sq[s]
+                cst = c0 + c1 * n + c2 * dt + c3 * dq
+                ideal = n * fixed + c2 * dt + c3 * dq
+                sc = cst / ideal if ideal > 0 else cst
+                if sc < best_score:
+                    best, best_score = (s, e), sc
+        else:  # the same, padded
             for s, e in groups:
                 if urgent and not s <= head < e:
                     continue
