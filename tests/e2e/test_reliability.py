@@ -159,10 +159,10 @@ LLM_CASES: list[Any] = [
 
 
 def _llm_param(case: Any) -> Any:
-    if isinstance(case, tuple):
-        return pytest.param(*case[1:], id=case[0])
-    name, *values = case.values
-    return pytest.param(*values, id=name, marks=case.marks)
+    if hasattr(case, "marks"):  # a pytest.param (itself a tuple): the name is its first value
+        name, *values = case.values
+        return pytest.param(*values, id=name, marks=case.marks)
+    return pytest.param(*case[1:], id=case[0])
 
 
 @pytest.mark.parametrize(("path", "body", "status"), [_llm_param(c) for c in LLM_CASES])

@@ -21,7 +21,7 @@ from schemathesis import GenerationMode
 
 from batchpilot.core.config import PolicyConfig, SchedulerConfig
 
-EXAMPLES = {GenerationMode.POSITIVE: 25, GenerationMode.NEGATIVE: 25}
+EXAMPLES = {GenerationMode.POSITIVE: 60, GenerationMode.NEGATIVE: 60}
 
 
 @pytest.fixture(scope="module")
