@@ -142,12 +142,12 @@ def scrape(url: str, headers: dict[str, str] | None = None) -> dict[str, float]:
 def live_server(executor: Any, config: SchedulerConfig | None = None, *,
                 cost_model: CostModel | None = None,
                 routers: Sequence[Callable[[Any], Any]] = (), extra_models: Sequence[str] = (),
-                max_in_flight: int = 0, **settings: Any) -> Iterator[LiveServer]:
+                max_in_flight: int = 0, queue_bounds: Any = None, **settings: Any) -> Iterator[LiveServer]:
     settings.setdefault("request_timeout_s", 30.0)
     settings.setdefault("drain_timeout_s", 5.0)
     cfg = ServerConfig(port=free_port(), **settings)
     app: Any = create_app(cfg, executor, config or SchedulerConfig(), cost_model, routers=routers,
-                          extra_models=extra_models)
+                          extra_models=extra_models, queue_bounds=queue_bounds)
     if max_in_flight:
         app = Drainer(app, max_in_flight)  # what `batchpilot serve` puts in front (--max-concurrency)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=cfg.port, log_level="warning",

@@ -335,10 +335,13 @@ def test_llm_client_leaving_before_its_first_token_is_aborted(full: LiveServer) 
 
 
 # -- overload ------------------------------------------------------------------------------------
-def overload_config() -> tuple[SchedulerConfig, CostModel]:
+def overload_config() -> tuple[SchedulerConfig, CostModel, limits.QueueBounds]:
     """A model of exactly 50 ms per batch of <= 2: capacity 40 requests/s; the server's SLA limits."""
     cm = CostModel(latency_coef=(0.05, 0.0, 0.0, 0.0), memory_coef=(0.0, 0.0, 1.0, 0.0))
-    return limits.apply(window(2), cm), cm
+    cfg = limits.apply(window(2), cm)
+    bounds = limits.queue_bounds(cfg, cm)
+    assert bounds is not None
+    return cfg, cm, bounds
 
 
 async def _burst(url: str, n: int) -> list[httpx.Response | BaseException]:
@@ -348,12 +351,12 @@ async def _burst(url: str, n: int) -> list[httpx.Response | BaseException]:
 
 
 def test_overload_every_request_is_answered_once_with_success_or_retry_after() -> None:
-    cfg, cm = overload_config()
-    bound = cfg.admission.max_queued_requests
-    assert 10 <= bound <= 40  # half the 1 s SLA at 40 requests/s
+    cfg, cm, bounds = overload_config()
+    bound = bounds.max_requests
+    assert 10 <= bound <= 40  # (0.8 s - 3 batches) at 40 requests/s
     n = 3 * 40 * 2  # 3x capacity for two seconds' worth of requests, all at once
     ex = FaultyExecutor(delay_s=0.05)
-    with live_server(ex, cfg, cost_model=cm) as srv:
+    with live_server(ex, cfg, cost_model=cm, queue_bounds=bounds) as srv:
         rs = asyncio.run(_burst(srv.url, n))
         errors = [r for r in rs if isinstance(r, BaseException)]
         assert not errors, errors[:3]  # no timeout, no reset: every request got an answer
@@ -390,13 +393,22 @@ def test_concurrency_limit_refuses_at_the_http_layer_with_retry_after() -> None:
         assert srv.app.overloaded == 1 and srv.app.in_flight == 0
 
 
+def test_one_request_larger_than_the_queue_bound_is_served_on_an_empty_queue() -> None:
+    cfg, cm, bounds = overload_config()
+    big = [[1] * 512] * (bounds.max_tokens // 512 + 2)  # more tokens than the bound, in one request
+    with live_server(FaultyExecutor(), cfg, cost_model=cm, queue_bounds=bounds) as srv:
+        r = post(srv.url, {"input": big})
+        assert r.status_code == 200 and len(r.json()["data"]) == len(big)
+
+
 def test_sla_queue_bounds_follow_the_cost_model() -> None:
     slow = CostModel(latency_coef=(0.2, 0.0, 0.0, 0.0))
     fast = CostModel(latency_coef=(0.02, 0.0, 0.0, 0.0))
     cfg = window(4)
     assert limits.sla_queue_bounds(cfg, fast)[0] > limits.sla_queue_bounds(cfg, slow)[0]
     explicit = window(4, admission=AdmissionConfig(max_queued_requests=7))
-    assert limits.apply(explicit, slow).admission.max_queued_requests == 7  # a config's value wins
+    assert limits.queue_bounds(explicit, slow) is None  # a config's own admission limits win
+    assert limits.queue_bounds(cfg, slow, enabled=False) is None
     assert limits.apply(cfg, slow, enabled=False) == cfg
     assert limits.apply(cfg, slow).planner.max_batch_memory_bytes > 0
 

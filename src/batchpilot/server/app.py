@@ -37,6 +37,7 @@ from ..runtime.errors import ExecutionError, RequestRejected
 from ..runtime.executor import Executor
 from .config import ServerConfig
 from .errors import APIError, error_body, install_error_handlers
+from .limits import QueueBounds
 from .metrics import ServerMetrics
 from .schemas import EmbeddingRequest, EmbeddingResponse, Health, ModelCard, ModelList
 
@@ -68,8 +69,9 @@ class EmbeddingService:
     """Everything one request needs: the executor (tokenizer + model), its Batcher, metrics, settings."""
 
     def __init__(self, settings: ServerConfig, executor: Executor, config: SchedulerConfig,
-                 cost_model: CostModel) -> None:
+                 cost_model: CostModel, queue_bounds: QueueBounds | None = None) -> None:
         self.settings = settings
+        self.queue_bounds = queue_bounds
         self.executor = executor
         self.metrics = ServerMetrics(config.num_slots)
         self.batcher = Batcher(executor, config, cost_model, observer=self.metrics)
@@ -111,6 +113,14 @@ class EmbeddingService:
             tokens = await loop.run_in_executor(self.tokenizer_pool, self.tokenize, texts, ids, body.truncate)
         except ValueError as exc:
             raise APIError(400, str(exc), code="context_length_exceeded", param="input") from None
+        if self.queue_bounds is not None:
+            sched = self.batcher.scheduler
+            lengths = [len(x) for x in tokens]
+            why = self.queue_bounds.refusal(sched.num_waiting, sched.num_waiting_tokens, lengths)
+            if why is not None:
+                self.metrics.on_reject(RejectReason.QUEUE_FULL)
+                raise APIError(503, why, code="queue_full",
+                               retry_after_s=self.queue_bounds.retry_after_s(sched.num_waiting_tokens))
         futures: list[asyncio.Future[Any]] = []
         try:
             for x in tokens:
@@ -204,12 +214,14 @@ async def _disconnected(request: Request) -> None:
 def create_app(settings: ServerConfig, executor: Executor, config: SchedulerConfig | None = None,
                cost_model: CostModel | None = None,
                routers: Sequence[Callable[[CollectorRegistry], APIRouter]] = (),
-               extra_models: Sequence[str] = (), on_shutdown: Sequence[Callable[[], Any]] = ()) -> Guard:
+               extra_models: Sequence[str] = (), on_shutdown: Sequence[Callable[[], Any]] = (),
+               queue_bounds: QueueBounds | None = None) -> Guard:
     """The ASGI app to hand to uvicorn (``.app`` is the FastAPI instance, ``.state.service`` the service).
     ``routers`` are factories given the metrics registry (how the LLM routes are mounted with ``--llm``);
-    ``extra_models`` are listed by /v1/models too; ``on_shutdown`` run (in a thread) after the drain."""
+    ``extra_models`` are listed by /v1/models too; ``on_shutdown`` run (in a thread) after the drain;
+    ``queue_bounds`` (``limits.queue_bounds``) refuse a request with 503 when the queue is too long."""
     svc = EmbeddingService(settings, executor, config or SchedulerConfig(),
-                           cost_model or CostModel.default_cpu_minilm())
+                           cost_model or CostModel.default_cpu_minilm(), queue_bounds)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> Any:

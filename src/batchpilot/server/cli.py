@@ -106,15 +106,16 @@ def build_app(settings: ServerConfig, sched: SchedulerConfig) -> Any:
         sched = dataclasses.replace(sched, planner=dataclasses.replace(sched.planner, padding="dynamic"))
     cost_model = choose_cost_model(settings, executor, sched.planner.padding)
     sched = limits.apply(sched, cost_model, enabled=settings.overload_limits)
-    log.info(limits.describe(sched))
+    bounds = limits.queue_bounds(sched, cost_model, enabled=settings.overload_limits)
+    log.info(limits.describe(sched, bounds))
     log.info("scheduler: policy=%s max_batch_size=%d max_wait=%.1f ms padding=%s grouping=%s slots=%d",
              sched.policy.name, sched.policy.max_batch_size, sched.policy.max_wait_s * 1e3,
              sched.planner.padding, sched.planner.grouping, sched.num_slots)
     if not settings.llm:
-        return create_app(settings, executor, sched, cost_model)
+        return create_app(settings, executor, sched, cost_model, queue_bounds=bounds)
     engine, router = _llm_router(settings)
     return create_app(settings, executor, sched, cost_model, routers=[router],
-                      extra_models=[engine.model_name], on_shutdown=[engine.shutdown])
+                      extra_models=[engine.model_name], on_shutdown=[engine.shutdown], queue_bounds=bounds)
 
 
 def load_executor(settings: ServerConfig) -> Any:

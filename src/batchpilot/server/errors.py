@@ -30,7 +30,8 @@ class APIError(Exception):
         self.code = code
         self.param = param
         self.retry_after_s = retry_after_s
-        self.err_type = err_type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        default = "server_error" if status >= 500 else "invalid_request_error"
+        self.err_type = err_type or _TYPES.get(status, default)
 
 
 def error_body(status: int, message: str, code: str | None = None, param: str | None = None,
@@ -58,7 +59,8 @@ def install_error_handlers(app: FastAPI) -> None:
         errs = exc.errors()
         first = errs[0] if errs else {}
         loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        msg = f"{loc}: {first.get('msg', 'invalid request')}" if loc else str(first.get("msg", "invalid request"))
+        text = str(first.get("msg", "invalid request"))
+        msg = f"{loc}: {text}" if loc else text
         return JSONResponse(error_body(422, msg, code="invalid_value", param=loc or None), status_code=422)
 
     @app.exception_handler(StarletteHTTPException)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from dataclasses import dataclass
 
 from ..core.config import SchedulerConfig
 from ..core.costmodel import BatchShape, CostModel
@@ -72,22 +73,60 @@ def default_memory_budget_bytes() -> float:
         return 0.0
 
 
+@dataclass(frozen=True)
+class QueueBounds:
+    """Checked per HTTP request, all inputs together, by the server (``EmbeddingService``): a request is
+    refused when the queue is not empty and its inputs would take it over a bound. Per request, not per
+    input (the core's ``admission.max_queued_*``), so one large request (2048 inputs are allowed) is
+    served when the queue is empty instead of being refused forever, and never half-admitted."""
+
+    max_requests: int
+    max_tokens: int
+    tokens_per_s: float  # drain rate at the longest inputs, for Retry-After
+
+    def refusal(self, num_waiting: int, waiting_tokens: int, lengths: list[int]) -> str | None:
+        if num_waiting == 0:
+            return None
+        if num_waiting + len(lengths) > self.max_requests:
+            return (f"{num_waiting} inputs are waiting and this request adds {len(lengths)} "
+                    f"(queue bound {self.max_requests}, from the {SLA_WORD} SLA)")
+        if waiting_tokens + sum(lengths) > self.max_tokens:
+            return (f"{waiting_tokens} tokens are waiting and this request adds {sum(lengths)} "
+                    f"(queue bound {self.max_tokens} tokens, from the {SLA_WORD} SLA)")
+        return None
+
+    def retry_after_s(self, waiting_tokens: int) -> float:
+        return max(1.0, waiting_tokens / max(self.tokens_per_s, 1e-6))
+
+
+SLA_WORD = "latency"
+
+
+def queue_bounds(cfg: SchedulerConfig, cost_model: CostModel, enabled: bool = True) -> QueueBounds | None:
+    """The server's SLA queue bounds, unless disabled or the config sets its own admission limits."""
+    adm = cfg.admission
+    if not enabled or adm.max_queued_requests or adm.max_queued_tokens or adm.rate:
+        return None
+    max_requests, max_tokens = sla_queue_bounds(cfg, cost_model)
+    max_len = min(cfg.planner.max_len, cfg.admission.max_length)
+    n, s = _best_batch(cfg, cost_model, max_len, cfg.policy.sla_s * BATCH_SHARE)
+    return QueueBounds(max_requests, max_tokens, n * max_len / max(s, 1e-6) * cfg.num_slots)
+
+
 def apply(cfg: SchedulerConfig, cost_model: CostModel, enabled: bool = True) -> SchedulerConfig:
-    """Fill the limits the config leaves unlimited (0): queue bounds from the SLA, a memory budget."""
-    if not enabled:
+    """Fill the batch memory budget when the config leaves it unlimited (0)."""
+    if not enabled or cfg.planner.max_batch_memory_bytes:
         return cfg
-    adm, planner = cfg.admission, cfg.planner
-    if not adm.max_queued_requests and not adm.max_queued_tokens and not adm.rate:
-        max_requests, max_tokens = sla_queue_bounds(cfg, cost_model)
-        adm = dataclasses.replace(adm, max_queued_requests=max_requests, max_queued_tokens=max_tokens)
-    if not planner.max_batch_memory_bytes:
-        planner = dataclasses.replace(planner, max_batch_memory_bytes=default_memory_budget_bytes())
-    return dataclasses.replace(cfg, admission=adm, planner=planner)
+    planner = dataclasses.replace(cfg.planner, max_batch_memory_bytes=default_memory_budget_bytes())
+    return dataclasses.replace(cfg, planner=planner)
 
 
-def describe(cfg: SchedulerConfig) -> str:
+def describe(cfg: SchedulerConfig, bounds: QueueBounds | None) -> str:
     a, p = cfg.admission, cfg.planner
     mem = f"{p.max_batch_memory_bytes / 2**20:.0f} MiB" if p.max_batch_memory_bytes else "none"
-    return (f"limits: queue <= {a.max_queued_requests or 'inf'} requests / "
-            f"{a.max_queued_tokens or 'inf'} tokens "
-            f"(SLA {cfg.policy.sla_s:g} s), rate {a.rate or 'inf'}/s, batch memory budget {mem}")
+    if bounds is not None:
+        queue = (f"queue <= {bounds.max_requests} inputs / {bounds.max_tokens} tokens per request "
+                 f"(SLA {cfg.policy.sla_s:g} s)")
+    else:
+        queue = f"queue <= {a.max_queued_requests or 'inf'} inputs / {a.max_queued_tokens or 'inf'} tokens"
+    return f"limits: {queue}, rate {a.rate or 'inf'}/s, batch memory budget {mem}"
