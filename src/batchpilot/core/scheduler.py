@@ -118,7 +118,9 @@ class BatchScheduler:
     # -- what drivers read for metrics -------------------------------------------------------
     @property
     def num_waiting(self) -> int:
-        return len(self._queue)
+        # len(self._queue) without RequestQueue.__len__'s frame: the simulator reads this on every
+        # event (2.5M times per 1M requests)
+        return len(self._live)
 
     @property
     def num_waiting_tokens(self) -> int:
