@@ -54,6 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fractions of simulated capacity (none: only the tuner check)")
     p.add_argument("--noise", action="store_true", help="simulate with sampled residual noise")
     p.add_argument("--tuned-config", default=None, help="tuner's YAML: measure it live against the default")
+    p.add_argument("--baseline-config", default=None,
+                   help="tuner check: compare against this YAML instead of SchedulerConfig() (the default)")
     p.add_argument("--tune", action="store_true",
                    help="run `batchpilot tune` on the slice for the tuner check")
     p.add_argument("--tune-args", default="--candidates 32", help="extra args for `batchpilot tune`")
@@ -389,10 +391,12 @@ def tuner_check(args: argparse.Namespace, wl: Workload, texts: list[str], cost_m
     """The tuner's config against the default, both live: bounded live capacity search starting from
     each config's simulated capacity, and goodput at one shared rate (the tuned config's simulated
     capacity, where the default should already be past its own)."""
-    configs = {"default": (None, SchedulerConfig()), "tuned": (tuned_path, load_config(tuned_path))}
+    base = args.baseline_config
+    configs = {"default": (base, load_config(base)), "tuned": (tuned_path, load_config(tuned_path))}
     sims = {name: sim_capacity(wl, cfg, cost_model, args.sla) for name, (_, cfg) in configs.items()}
     shared = sims["tuned"].capacity
-    out: dict[str, Any] = {"tuned_config": tuned_path, "shared_rate_scale": shared}
+    out: dict[str, Any] = {"tuned_config": tuned_path, "baseline_config": base or "SchedulerConfig()",
+                           "shared_rate_scale": shared}
     for name, (path, cfg) in configs.items():
         serve_args = ["--profile", str(profile), "--log-level", "warning",
                       *(["--config", path] if path else []), *shlex.split(args.serve_args)]
