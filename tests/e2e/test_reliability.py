@@ -137,6 +137,8 @@ LLM_CASES: list[Any] = [
     ("top_p zero", "/v1/completions", {"prompt": "hi", "top_p": 0}, 422),
     ("negative top_k", "/v1/completions", {"prompt": "hi", "top_k": -3}, 422),
     ("n = 3", "/v1/completions", {"prompt": "hi", "n": 3}, 400),
+    ("denormal temperature", "/v1/completions",  # found by schemathesis: logits / 1e-300 = inf -> 500
+     {"prompt": "hi", "max_tokens": 2, "temperature": 1e-300}, 200),
     ("empty prompt list", "/v1/completions", {"prompt": []}, 400),
     ("empty token prompt", "/v1/completions", {"prompt": [[]], "max_tokens": 2}, 400),
     ("token id outside the vocabulary", "/v1/completions", {"prompt": [99_999_999], "max_tokens": 2}, 400),
@@ -167,7 +169,11 @@ def _llm_param(case: Any) -> Any:
 
 @pytest.mark.parametrize(("path", "body", "status"), [_llm_param(c) for c in LLM_CASES])
 def test_bad_llm_input_is_a_clear_4xx(full: LiveServer, path: str, body: dict[str, Any], status: int) -> None:
-    assert_openai_error(httpx.post(full.url + path, json=body, timeout=30), status)
+    r = httpx.post(full.url + path, json=body, timeout=30)
+    if status == 200:  # odd but valid: served
+        assert r.status_code == 200, r.text
+        return
+    assert_openai_error(r, status)
 
 
 def test_after_all_bad_input_the_server_still_serves_and_never_answered_5xx(full: LiveServer) -> None:
@@ -298,13 +304,15 @@ def test_llm_client_leaving_mid_stream_frees_its_kv_blocks(full: LiveServer) -> 
         body = {"prompt": "a stream that is cut", "max_tokens": 200, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", full.url + "/v1/completions", json=body, timeout=30) as r:
             assert r.status_code == 200
-            got = []
+            got, held = [], 0.0
             for ln in r.iter_lines():
                 if ln.startswith("data:"):
                     got.append(ln)
+                if len(got) == 1:
+                    held = _llm_state(full)["kv_blocks_used"]  # the client is still there: blocks in use
                 if len(got) == 2:
                     break  # leaving the block closes the connection mid-stream
-        assert _llm_state(full)["kv_blocks_used"] > 0  # still held while the engine is gated
+        assert held > 0
         gate.open()
         wait_for(lambda: _llm_state(full)["kv_blocks_used"] == 0 and _llm_state(full)["running_seqs"] == 0,
                  what="KV blocks freed")

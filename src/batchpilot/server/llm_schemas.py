@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..core.sequence import SamplingParams
 from .errors import APIError
 
+GREEDY_BELOW = 1e-5
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
@@ -58,7 +60,9 @@ class _SamplingFields(BaseModel):
         try:
             return SamplingParams(
                 max_tokens=self.requested_max_tokens() or default_max_tokens,
-                temperature=self.temperature,
+                # a tiny positive temperature overflows logits / T to inf (NaN probabilities, a failed
+                # engine step for every sequence in it): below 1e-5 it is greedy anyway (vLLM does the same)
+                temperature=self.temperature if self.temperature >= GREEDY_BELOW else 0.0,
                 top_k=self.top_k,
                 top_p=self.top_p,
                 seed=self.seed,
