@@ -48,7 +48,7 @@ class BatchShape:
     @classmethod
     def ragged(cls, lengths: Sequence[int]) -> BatchShape:
         total = int(sum(lengths))
-        return cls(len(lengths), max(lengths, default=0), total, int(sum(x * x for x in lengths)), total)
+        return cls(len(lengths), max(lengths, default=0), total, int(sum([x * x for x in lengths])), total)
 
     def features(self) -> dict[str, float]:
         return {"const": 1.0, "n": float(self.n), "tokens": float(self.tokens), "attn": float(self.attn)}
