@@ -60,9 +60,10 @@ class _SamplingFields(BaseModel):
         try:
             return SamplingParams(
                 max_tokens=self.requested_max_tokens() or default_max_tokens,
-                # a tiny positive temperature overflows logits / T to inf (NaN probabilities, a failed
-                # engine step for every sequence in it): below 1e-5 it is greedy anyway (vLLM does the same)
-                temperature=self.temperature if self.temperature >= GREEDY_BELOW else 0.0,
+                # a tiny positive temperature overflows logits / T to inf, a denormal top_p leaves no mass
+                # (NaN probabilities: a failed engine step for every sequence in it); both below 1e-5 mean
+                # "the most likely token", i.e. greedy (vLLM does the same for temperature)
+                temperature=0.0 if min(self.temperature, self.top_p) < GREEDY_BELOW else self.temperature,
                 top_k=self.top_k,
                 top_p=self.top_p,
                 seed=self.seed,
