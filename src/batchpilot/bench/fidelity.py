@@ -402,8 +402,9 @@ def tuner_check(args: argparse.Namespace, wl: Workload, texts: list[str], cost_m
                       *(["--config", path] if path else []), *shlex.split(args.serve_args)]
         with serve(serve_args, log_path=Path(args.out) / f"serve-{name}.log", cpus=args.cpus) as url:
             start = max(sims[name].capacity * 0.8, 0.05)
-            ccfg = CapacityConfig(sla_s=args.sla, start=start, growth=1.25, lo=0.05, hi=256.0, rel_tol=0.1,
-                                  max_probes=6, probe_s=args.probe_s, cooldown_s=10.0)
+            # growth 1.5 and 9 probes: a stale profile can be off by 2-3x on a shared machine
+            ccfg = CapacityConfig(sla_s=args.sla, start=start, growth=1.5, lo=0.05, hi=256.0, rel_tol=0.1,
+                                  max_probes=9, probe_s=args.probe_s, cooldown_s=10.0)
             lg = LoadGenConfig(url, progress=False)
             warm_up(url, wl, texts, max(args.warmup_requests, 20))  # a cold server fails its first probes
             cap = live_capacity(wl, lg, ccfg, texts=texts)
