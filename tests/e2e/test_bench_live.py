@@ -44,7 +44,7 @@ def _counters(url: str) -> dict[str, float]:
 
 
 def test_replay_of_a_conv_embed_slice_matches_the_server_counters(server: str) -> None:
-    wl = load_workload("conv-embed", rate_scale=4.0, start=200, count=30)
+    wl = load_workload("conv-embed", rate_scale=2.0, start=200, count=30)
     plan = build_plan(wl, warmup_requests=3)
     before = _counters(server)
     res = replay(plan, LoadGenConfig(server, progress=False, scrape_interval_s=0.2))
@@ -75,18 +75,19 @@ def test_replay_of_a_conv_embed_slice_matches_the_server_counters(server: str) -
 
 
 def test_a_burst_is_sent_on_schedule_not_after_replies(server: str) -> None:
-    # 10 requests of 512 tokens due within 18 ms: ~2 s of model work on 2 CPU cores. An open-loop
-    # client has sent all of them before the first reply (one 512-token forward alone takes ~170 ms);
-    # a closed-loop one would send the second only after the first reply.
+    # 10 requests of 512 tokens due within 18 ms: more than the server's SLA-derived queue bound takes,
+    # so admission sheds some with 503 queue_full (fast replies). An open-loop client has sent all ten
+    # before the first *served* reply (one 512-token forward alone takes ~170 ms); a closed-loop one would
+    # send the second only after the first reply, which is served (the queue is empty then).
     n = 10
     wl = Workload.from_columns("burst", [0.002 * i for i in range(n)], [512] * n)
     res = replay(build_plan(wl, seed=1), LoadGenConfig(server, progress=False, scrape_interval_s=0))
     recs = res.records
-    assert all(r.ok for r in recs), {r.status: r.error for r in recs if not r.ok}
-    assert max(r.sent_s for r in recs) < min(r.done_s for r in recs)
-    # and the server really queued them: later requests waited for earlier batches
-    lat = sorted(r.latency_s for r in recs)
-    assert lat[-1] > 2 * lat[0]
+    served = [r for r in recs if r.ok]
+    assert served and recs[0].ok  # the first request meets an empty queue
+    assert all(r.status == 503 and "queue_full" in r.error for r in recs if not r.ok)
+    assert max(r.sent_s for r in recs) < min(r.done_s for r in served)
+    assert summarize(recs).errors == ({"503": n - len(served)} if len(served) < n else {})
 
 
 def test_capacity_probe_fails_on_an_overload(server: str, tmp_path: Path) -> None:
