@@ -8,14 +8,15 @@ import sys
 import pytest
 
 from batchpilot import __version__
-from batchpilot.cli import SUBCOMMANDS, build_parser
+from batchpilot.cli import SUBCOMMANDS
 
 
 def test_version_and_help_from_the_installed_script() -> None:
-    out = subprocess.run([sys.executable, "-m", "batchpilot.cli", "--version"], capture_output=True, text=True)
+    cmd = [sys.executable, "-m", "batchpilot.cli"]
+    out = subprocess.run([*cmd, "--version"], capture_output=True, text=True)
     assert out.returncode == 0
     assert out.stdout.strip() == f"batchpilot {__version__}"
-    helped = subprocess.run([sys.executable, "-m", "batchpilot.cli", "--help"], capture_output=True, text=True)
+    helped = subprocess.run([*cmd, "--help"], capture_output=True, text=True)
     assert helped.returncode == 0
     for name in ("serve", "profile", "simulate", "tune", "bench"):
         assert name in helped.stdout

@@ -131,7 +131,8 @@ def test_sla_dispatches_early_when_the_urgent_request_would_miss() -> None:
 def test_sla_uses_the_high_quantile_not_the_mean() -> None:
     noisy = simple_cost_model(const=0.010, per_token=1e-5, residuals=(0.0, 0.5))  # p99 ~ 1.5 x mean
     cfg = PolicyConfig(name="sla", sla_s=1.0)
-    mean_only = make_policy(cfg, simple_cost_model(const=0.010, per_token=1e-5), PlannerConfig(padding="dynamic"))
+    dyn = PlannerConfig(padding="dynamic")
+    mean_only = make_policy(cfg, simple_cost_model(const=0.010, per_token=1e-5), dyn)
     pessimist = make_policy(cfg, noisy, PlannerConfig(padding="dynamic"))
     for p in (mean_only, pessimist):
         feed(p, [0.0, 0.001, 0.002, 0.003])
