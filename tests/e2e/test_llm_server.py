@@ -35,7 +35,7 @@ def server() -> Iterator[tuple[str, LLMEngine, CollectorRegistry]]:
     # a 2-layer, 256-wide cut of the default tiny Llama keeps the test fast; same code paths
     engine = build_llm_engine(None, num_hidden_layers=2, hidden_size=256, intermediate_size=688,
                               num_attention_heads=4, num_key_value_heads=2, num_kv_blocks=128, block_size=16,
-                              max_num_batched_tokens=256, max_model_len=1024)
+                              max_num_batched_tokens=256, max_model_len=1024, model_name="m")
     registry = CollectorRegistry()
     app = FastAPI()
     install_error_handlers(app)

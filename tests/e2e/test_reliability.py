@@ -126,7 +126,6 @@ def test_body_over_the_size_limit_is_413_before_parsing(full: LiveServer) -> Non
 
 # Known defect, left to the LLM routes' owners: they answer any ``model`` name (tests/e2e/test_llm_server.py
 # sends model="m"); OpenAI and the embeddings route answer 404. strict: this fails once it is fixed.
-UNKNOWN_LLM_MODEL = pytest.mark.xfail(strict=True, reason="LLM routes ignore the model name (not 404)")
 LLM_CASES: list[Any] = [
     ("negative max_tokens", "/v1/completions", {"prompt": "hi", "max_tokens": -1}, 422),
     ("zero max_tokens", "/v1/completions", {"prompt": "hi", "max_tokens": 0}, 422),
@@ -148,14 +147,14 @@ LLM_CASES: list[Any] = [
     ("over-long prompt", "/v1/completions", {"prompt": "word " * 400, "max_tokens": 2}, 400),
     ("null prompt", "/v1/completions", {"prompt": None}, 422),
     pytest.param("unknown model", "/v1/completions",
-                 {"prompt": "hi", "model": "no-such-model", "max_tokens": 2}, 404, marks=UNKNOWN_LLM_MODEL),
+                 {"prompt": "hi", "model": "no-such-model", "max_tokens": 2}, 404),
     ("no messages", "/v1/chat/completions", {"messages": []}, 422),
     ("bad role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 422),
     ("image part", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": [{"type": "image_url"}]}], "max_tokens": 2}, 400),
     pytest.param("chat unknown model", "/v1/chat/completions",
                  {"messages": [{"role": "user", "content": "hi"}], "model": "no-such-model", "max_tokens": 2},
-                 404, marks=UNKNOWN_LLM_MODEL),
+                 404),
     ("chat absurd max_tokens", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**9}, 400),
 ]

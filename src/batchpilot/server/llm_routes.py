@@ -78,6 +78,13 @@ def make_llm_router(engine: LLMEngine, registry: CollectorRegistry) -> APIRouter
         metrics.requests.labels(route=route, finish_reason=last.finish_reason or "none").inc()
         metrics.prompt_tokens.inc(last.num_prompt_tokens)
 
+    def _served_model(name: str | None) -> str:
+        # OpenAI clients must name a model; a name this server does not serve is a 404, not silently ours
+        if name and name != engine.model_name:
+            raise APIError(404, f"model {name!r} does not exist; this server serves {engine.model_name!r}",
+                           code="model_not_found", param="model")
+        return engine.model_name
+
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         return await _unless_client_leaves(request, lambda gens: _completions(body, gens))
@@ -85,7 +92,7 @@ def make_llm_router(engine: LLMEngine, registry: CollectorRegistry) -> APIRouter
     async def _completions(body: CompletionRequest, gens: list[Any]) -> Any:
         route, rid, created = "/v1/completions", f"cmpl-{ids()}", int(time.time())
         prompts = body.prompts()
-        model = body.model or engine.model_name
+        model = _served_model(body.model)
         if body.stream:
             if len(prompts) != 1:
                 raise APIError(400, "streaming takes a single prompt", code="unsupported_value",
@@ -126,7 +133,7 @@ def make_llm_router(engine: LLMEngine, registry: CollectorRegistry) -> APIRouter
 
     async def _chat_completions(body: ChatCompletionRequest, gens: list[Any]) -> Any:
         route, rid, created = "/v1/chat/completions", f"chatcmpl-{ids()}", int(time.time())
-        model = body.model or engine.model_name
+        model = _served_model(body.model)
         try:
             prompt = engine.encode_chat(body.chat())
         except APIError:
