@@ -29,7 +29,7 @@ SUBS = ("run", "capacity", "fidelity", "padding")
 def _workload_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--workload", default="conv-embed", help="conv-embed, conv-llm or a trace file")
-    g.add_argument("--trace", default=None, help="the Azure trace CSV for conv-* (default: shared/traces)")
+    g.add_argument("--trace", default=None, help="the Azure trace CSV for conv-* (default: bundled copy)")
     g.add_argument("--start", type=int, default=0, help="first row of the contiguous slice")
     g.add_argument("--requests", type=int, default=None, help="rows in the slice (default: all)")
     g.add_argument("--warmup", type=int, default=0, help="first N requests are sent but not measured")

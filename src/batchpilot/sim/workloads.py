@@ -28,9 +28,11 @@ STANDARD_WORKLOADS = ("conv-embed", "conv-llm")
 
 
 def default_trace_path() -> Path:
-    """``$BATCHPILOT_TRACE``, else ``../shared/traces/`` next to the checkout or the working directory."""
+    """``$BATCHPILOT_TRACE``, else the copy bundled with the package (``batchpilot/data``), else
+    ``../shared/traces/`` next to the checkout or the working directory."""
     env = os.environ.get("BATCHPILOT_TRACE")
     candidates = [Path(env)] if env else []
+    candidates.append(Path(__file__).resolve().parents[1] / "data" / TRACE_FILE)
     repo = Path(__file__).resolve().parents[3]
     candidates += [repo.parent / "shared" / "traces" / TRACE_FILE, Path.cwd().parent / "shared" / "traces" /
                    TRACE_FILE, Path.cwd() / "traces" / TRACE_FILE]
