@@ -6,60 +6,24 @@ about a second) carries the guards that need their own settings: API key, body l
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
 import pytest
+
+from batchpilot.bench.serverproc import free_port, serve
 
 API_KEY = "e2e-secret"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def running_server(args: Sequence[str], log_dir: Path, ready_timeout_s: float = 180.0) -> Iterator[str]:
+    """The same subprocess launcher the load generator uses (``bench.serverproc.serve``)."""
     port = free_port()
     log_path = log_dir / f"serve-{port}.log"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    # the serve command's own entry point: `batchpilot serve` minus the other teams' subcommands
-    cmd = [sys.executable, "-m", "batchpilot.server.cli", "--host", "127.0.0.1", "--port", str(port), *args]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + ready_timeout_s
-        while True:
-            if proc.poll() is not None:
-                tail = log_path.read_text()[-4000:]
-                raise RuntimeError(f"batchpilot serve exited {proc.returncode}:\n{tail}")
-            try:
-                if httpx.get(url + "/health", timeout=2.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                tail = log_path.read_text()[-4000:]
-                raise TimeoutError(f"server not ready in {ready_timeout_s} s:\n{tail}")
-            time.sleep(0.2)
+    with serve(args, port=port, log_path=log_path, ready_timeout_s=ready_timeout_s) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture(scope="session")
