@@ -47,6 +47,20 @@ def _measured(run: RunData) -> list[RequestRecord]:
     return [r for r in run.records if not r.warmup]
 
 
+def _finish(plt: Any, fig: Any, ax: Any, path: Path, title: str, xlabel: str, ylabel: str,
+            legend_size: int) -> Path:
+    """Labels, grid, legend, save, close: the common tail of every single-axis plot here."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=legend_size)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_latency_cdf(runs: Sequence[RunData], path: Path, sla_s: float | None = None) -> Path:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.2))
@@ -58,15 +72,7 @@ def plot_latency_cdf(runs: Sequence[RunData], path: Path, sla_s: float | None = 
     if sla_s:
         ax.axvline(sla_s * 1e3, color="red", ls="--", lw=1, label=f"SLA {sla_s:g} s")
     ax.set_xscale("log")
-    ax.set_xlabel("latency (ms, log)")
-    ax.set_ylabel("fraction of requests")
-    ax.set_title("Latency CDF")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _finish(plt, fig, ax, path, "Latency CDF", "latency (ms, log)", "fraction of requests", 8)
 
 
 def _windows(run: RunData, window_s: float) -> tuple[list[float], list[float], list[float]]:
@@ -107,15 +113,7 @@ def plot_latency_vs_rate(runs: Sequence[RunData], path: Path, capacity: Sequence
     if sla_s:
         ax.axhline(sla_s * 1e3, color="red", ls="--", lw=1, label=f"SLA {sla_s:g} s")
     ax.set_yscale("log")
-    ax.set_xlabel("offered rate (req/s)")
-    ax.set_ylabel("latency (ms, log)")
-    ax.set_title("Latency vs rate")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _finish(plt, fig, ax, path, "Latency vs rate", "offered rate (req/s)", "latency (ms, log)", 7)
 
 
 def plot_over_time(runs: Sequence[RunData], path: Path, bin_s: float = 1.0) -> Path:
