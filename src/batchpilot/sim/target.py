@@ -24,6 +24,7 @@ from ..core.costmodel import CostModel
 from ..core.request import Request
 from ..core.scheduler import Batch, BatchScheduler, Rejection
 from .engine import Engine, EngineStats, Job, StopSimulation
+from .frontend import FrontEnd
 from .traces import Workload
 
 DONE, PENDING, REJECTED, DROPPED = 1, 0, 2, 3
@@ -170,6 +171,7 @@ class SimRun:
     service_model: CostModel  # what batches really cost (the same object unless a study says otherwise)
     stats: EngineStats
     record: EncoderRecord
+    batcher_arrival_s: np.ndarray | None = None  # after the front end's serial stage (None: = arrival)
 
 
 def simulate_encoder(
@@ -183,12 +185,22 @@ def simulate_encoder(
     request_sla_s: float | None = None,
     progress: Callable[[int], None] | None = None,
     stop_after_misses: tuple[float, int, float] | None = None,
+    frontend: FrontEnd | None = None,
 ) -> SimRun:
-    """Replay ``workload`` through a fresh ``BatchScheduler(config, cost_model)`` on ``config.num_slots``."""
+    """Replay ``workload`` through a fresh ``BatchScheduler(config, cost_model)`` on ``config.num_slots``.
+
+    With ``frontend`` (``sim.frontend``), requests reach the scheduler after its serial stage and
+    finish after its delay; latencies stay measured from the workload's own arrival times."""
     config = config or SchedulerConfig()
     cost_model = cost_model or CostModel.default_cpu_minilm()
     target = EncoderTarget(BatchScheduler(config, cost_model), workload, service_model, noise, seed,
                            request_sla_s, stop_after_misses)
     engine = Engine(target, config.num_slots, progress=progress)
-    stats = engine.run(workload.arrival_s)
-    return SimRun(workload, config, cost_model, target.service_model, stats, target.record)
+    at_batcher = None
+    if frontend is not None:
+        at_batcher = frontend.batcher_arrivals(workload.arrival_s, workload.input_tokens)
+    stats = engine.run(workload.arrival_s if at_batcher is None else at_batcher)
+    if frontend is not None:
+        rec = target.record
+        rec.finish_s = (np.asarray(rec.finish_s) + frontend.delay(workload.input_tokens)).tolist()
+    return SimRun(workload, config, cost_model, target.service_model, stats, target.record, at_batcher)

@@ -1,0 +1,102 @@
+"""The serving path around the batcher: what a request spends outside it, as a two-part model.
+
+A live request does more than wait in the Batcher: the HTTP server parses it, the one tokenizer
+thread tokenises it, and the response is JSON-encoded and read back by the client. The core never
+sees that time, so a simulator of the core alone predicts the *batcher's* latency, not the client's.
+``FrontEnd`` adds it back with two stages, each ``const + per_token * L``:
+
+* ``serial``: one server in FIFO order before the batcher — the tokenizer thread. Request ``i``
+  reaches the batcher at ``d_i = max(a_i, d_{i-1}) + serial(L_i)`` (Lindley's recursion), so a burst
+  queues here exactly as it does live, and the batcher sees the burst spread out.
+* ``delay``: time that overlaps across requests (HTTP parsing, response encoding, the client) added
+  to every request's finish time.
+
+``FrontEnd.fit`` calibrates both from requests sent one at a time to an idle server with the
+server's ``Server-Timing`` split (``bench/fidelity.py`` does it): serial = the ``tokenize`` part,
+delay = client latency minus ``tokenize`` and ``batcher``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class FrontEnd:
+    serial_const_s: float = 0.0
+    serial_per_token_s: float = 0.0
+    delay_const_s: float = 0.0
+    delay_per_token_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if not (math.isfinite(value) and value >= 0.0):
+                raise ValueError(f"frontend.{name} = {value!r}; must be a finite number >= 0")
+
+    def batcher_arrivals(self, arrival_s: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """When each request reaches the batcher, after the serial stage (non-decreasing when the
+        arrivals are)."""
+        service = (self.serial_const_s + self.serial_per_token_s * np.asarray(tokens, dtype=float)).tolist()
+        out = np.empty(len(service))
+        free = -math.inf
+        for i, (a, c) in enumerate(zip(np.asarray(arrival_s, dtype=float).tolist(), service, strict=True)):
+            free = (a if a > free else free) + c
+            out[i] = free
+        return out
+
+    def delay(self, tokens: np.ndarray) -> np.ndarray:
+        return self.delay_const_s + self.delay_per_token_s * np.asarray(tokens, dtype=float)
+
+    @classmethod
+    def fit(cls, tokens: np.ndarray, client_s: np.ndarray, tokenize_s: np.ndarray,
+            batcher_s: np.ndarray) -> FrontEnd:
+        """Fit both stages on requests measured one at a time (no queueing anywhere): per request the
+        client's latency and the server's ``tokenize`` and ``batcher`` parts. Rows with a NaN are
+        skipped; fewer than 3 usable rows is an error (no Server-Timing header: not a batchpilot server)."""
+        tokens, client_s, tokenize_s, batcher_s = (np.asarray(x, dtype=float)
+                                                   for x in (tokens, client_s, tokenize_s, batcher_s))
+        ok = np.isfinite(tokens) & np.isfinite(client_s) & np.isfinite(tokenize_s) & np.isfinite(batcher_s)
+        if ok.sum() < 3:
+            raise ValueError(f"front-end fit needs >= 3 requests with Server-Timing, got {int(ok.sum())}")
+        length = tokens[ok]
+        sc, sp = _line(length, tokenize_s[ok])
+        dc, dp = _line(length, client_s[ok] - tokenize_s[ok] - batcher_s[ok])
+        return cls(sc, sp, dc, dp)
+
+    def mean_s(self, tokens: np.ndarray) -> float:
+        """Mean time outside the batcher with no queueing (serial + delay), for reports."""
+        t = np.asarray(tokens, dtype=float)
+        return float(np.mean(self.serial_const_s + self.delay_const_s
+                             + (self.serial_per_token_s + self.delay_per_token_s) * t)) if t.size else 0.0
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> FrontEnd:
+        return cls(**{k: float(v) for k, v in d.items()})
+
+
+def _line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """``y ~ a + b x`` by least squares on the middle 90% of residuals, with a, b >= 0 (a negative slope
+    or intercept is noise: fall back to the one-parameter fit)."""
+    a, b = _lstsq(x, y)
+    keep = np.abs(y - a - b * x) <= np.percentile(np.abs(y - a - b * x), 90)  # drop the scheduler hiccups
+    if keep.sum() >= 3:
+        a, b = _lstsq(x[keep], y[keep])
+    if b < 0 or np.ptp(x) == 0:
+        return max(float(np.median(y)), 0.0), 0.0
+    if a < 0:
+        return 0.0, max(float(np.dot(x, y) / np.dot(x, x)), 0.0)
+    return a, b
+
+
+def _lstsq(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    if np.ptp(x) == 0:
+        return float(np.mean(y)), 0.0
+    coef = np.linalg.lstsq(np.column_stack([np.ones_like(x), x]), y, rcond=None)[0]
+    return float(coef[0]), float(coef[1])

@@ -1,0 +1,103 @@
+"""The simulator's front-end stage (``sim.frontend``): Lindley's recursion for the serial stage, the
+fit from one-at-a-time measurements, and what it does to a simulated run."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchpilot.core.config import PolicyConfig, SchedulerConfig
+from batchpilot.core.costmodel import CostModel
+from batchpilot.sim.frontend import FrontEnd
+from batchpilot.sim.metrics import summarize
+from batchpilot.sim.target import DONE, simulate_encoder
+from batchpilot.sim.traces import Workload
+
+
+def _brute_force(arrivals: list[float], service: list[float]) -> list[float]:
+    """A single FIFO server, one event at a time: start when both the server and the request are there."""
+    out, free = [], 0.0
+    for i, (a, c) in enumerate(zip(arrivals, service, strict=True)):
+        start = a if i == 0 else max(a, free)
+        free = start + c
+        out.append(free)
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 5), st.integers(1, 512)), min_size=1, max_size=60),
+       st.floats(0, 0.05), st.floats(0, 1e-4))
+def test_serial_stage_is_a_fifo_single_server(rows: list[tuple[float, int]], const: float,
+                                              per_tok: float) -> None:
+    rows.sort()
+    arr = np.array([a for a, _ in rows])
+    tok = np.array([n for _, n in rows])
+    fe = FrontEnd(serial_const_s=const, serial_per_token_s=per_tok)
+    got = fe.batcher_arrivals(arr, tok)
+    want = _brute_force(arr.tolist(), (const + per_tok * tok).tolist())
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-9)
+    assert (np.diff(got) >= -1e-12).all()  # the engine needs sorted arrivals
+    assert (got >= arr + const + per_tok * tok - 1e-12).all()
+
+
+def test_fit_recovers_both_stages_from_noisy_sequential_requests() -> None:
+    rng = np.random.default_rng(0)
+    tok = rng.integers(4, 400, size=200).astype(float)
+    tokenize = 0.4e-3 + 2e-6 * tok + rng.normal(0, 2e-5, tok.size)
+    batcher = 0.01 + 1e-4 * tok
+    rest = 3e-3 + 5e-6 * tok + rng.normal(0, 5e-5, tok.size)
+    rest[::40] += 0.05  # scheduler hiccups: the trimmed fit must ignore them
+    fe = FrontEnd.fit(tok, tokenize + batcher + rest, tokenize, batcher)
+    assert fe.serial_const_s == pytest.approx(0.4e-3, rel=0.1)
+    assert fe.serial_per_token_s == pytest.approx(2e-6, rel=0.1)
+    assert fe.delay_const_s == pytest.approx(3e-3, rel=0.1)
+    assert fe.delay_per_token_s == pytest.approx(5e-6, rel=0.1)
+
+
+def test_fit_clamps_noise_to_non_negative_and_refuses_missing_timing() -> None:
+    tok = np.array([10.0, 100.0, 200.0, 300.0])
+    falling = np.array([4e-3, 3e-3, 2e-3, 1e-3])  # a negative slope is noise: median, flat
+    fe = FrontEnd.fit(tok, falling + 0.01, np.zeros(4), np.full(4, 0.01))
+    assert fe.delay_per_token_s == 0.0 and fe.delay_const_s == pytest.approx(2.5e-3)
+    with pytest.raises(ValueError, match="Server-Timing"):
+        FrontEnd.fit(tok, tok, np.full(4, math.nan), tok)
+    with pytest.raises(ValueError, match="serial_const_s"):
+        FrontEnd(serial_const_s=-1.0)
+    assert FrontEnd.from_dict(fe.to_dict()) == fe
+
+
+def _workload(arrivals: list[float], tokens: list[int]) -> Workload:
+    return Workload.from_columns("t", arrivals, tokens)
+
+
+def test_delay_adds_to_latency_and_leaves_the_batcher_alone() -> None:
+    wl = _workload([0.0, 0.5, 1.0, 1.5], [32, 64, 128, 256])
+    cfg = SchedulerConfig(policy=PolicyConfig(name="static", max_batch_size=1))
+    cm = CostModel(latency_coef=(0.1, 0.0, 0.0, 0.0))
+    base = simulate_encoder(wl, cfg, cm)
+    fe = FrontEnd(delay_const_s=0.002, delay_per_token_s=1e-5)
+    run = simulate_encoder(wl, cfg, cm, frontend=fe)
+    np.testing.assert_allclose(np.array(run.record.finish_s) - np.array(base.record.finish_s),
+                               fe.delay(wl.input_tokens))
+    assert run.record.dispatch_s == base.record.dispatch_s
+    assert summarize(run).queue["mean"] == pytest.approx(summarize(base).queue["mean"])
+
+
+def test_serial_stage_spreads_a_burst_before_the_batcher() -> None:
+    # 4 requests at once, 10 ms each in the tokenizer thread: they reach the batcher 10 ms apart, so a
+    # batch-of-4 window policy that would have taken them together now waits for the last one
+    wl = _workload([0.0] * 4, [16] * 4)
+    cfg = SchedulerConfig(policy=PolicyConfig(name="window", max_batch_size=4, max_wait_s=0.1))
+    cm = CostModel(latency_coef=(0.05, 0.0, 0.0, 0.0))
+    run = simulate_encoder(wl, cfg, cm, frontend=FrontEnd(serial_const_s=0.01))
+    assert run.batcher_arrival_s is not None
+    np.testing.assert_allclose(run.batcher_arrival_s, [0.01, 0.02, 0.03, 0.04])
+    assert all(s == DONE for s in run.record.status)
+    assert run.record.dispatch_s == pytest.approx([0.04] * 4)  # full batch once the fourth is through
+    rep = summarize(run)
+    assert rep.latency["mean"] == pytest.approx(0.04 + 0.05)  # from the client's arrival
+    assert rep.queue["mean"] == pytest.approx(np.mean([0.03, 0.02, 0.01, 0.0]))  # from the batcher's
