@@ -311,11 +311,12 @@ def test_fidelity_rows_compare_the_simulator_with_a_measurement() -> None:
     assert pred.summary.p50 <= pred.summary.p99 and pred.mean_batch_s > 0.02  # >= the 20 ms fixed cost
     # a measurement equal to the prediction is inside every target; one 20% slower is not
     same = Measurement(pred.summary, [], None, {"batch_size": pred.report.mean_batch_size})
-    assert [r[-1] for r in comparison_rows(0.5, 1.0, pred, same)] == ["yes", "yes", "yes", ""]
+    assert [r[7] for r in comparison_rows(0.5, 1.0, pred, same)] == ["yes", "yes", "yes", ""]
     slow = summarize([RequestRecord(i, 0.1 * i, 8, sent_s=0.1 * i, done_s=0.1 * i + pred.summary.p50 * 1.2,
                                     status=200, latency_s=pred.summary.p50 * 1.2) for i in range(50)])
     rows = comparison_rows(0.5, 1.0, pred, Measurement(slow, [], None, {}))
-    assert rows[0][2] == "P50 ms" and rows[0][-1] == "NO" and rows[0][5].startswith("-16")
+    assert rows[0][2] == "P50 ms" and rows[0][7] == "NO" and rows[0][5].startswith("-16")
+    assert rows[0][9] == rows[0][5]  # no separate core-only prediction: the same error
     assert len(diagnosis_rows(0.5, pred, same, cm)) >= 7
     # labelled histogram means and the model's time for a live mean batch
     reg = CollectorRegistry()
@@ -356,3 +357,23 @@ def test_llm_fidelity_simulation_reports_ttft_as_the_latency() -> None:
     assert s.sla_met == (rep.ttft_p99 <= 1.0) and s.output_tokens_per_s == rep.output_tokens_per_s
     assert _row(0.5, 1.0, "TTFT P50 ms", 0.11, 0.10, 1e3)[-3:] == ["+10.0%", "±10%", "yes"]
     assert _row(0.5, 1.0, "output tok/s", 90.0, 100.0, 1.0)[-1] == "NO"
+
+
+def test_server_timing_header_is_parsed_leniently(tmp_path: Path) -> None:
+    from batchpilot.bench.loadgen import parse_server_timing
+
+    header = 'tokenize;dur=0.5, batcher;desc="queue+model";dur=12, cache;desc=hit, x;dur=oops'
+    got = parse_server_timing(header)
+    assert got == pytest.approx({"tokenize": 0.0005, "batcher": 0.012})
+    assert parse_server_timing("") == {}
+    # the split travels through the CSV; CSVs written before it existed still read
+    rec = RequestRecord(0, 0.0, 8, sent_s=0.0, done_s=0.02, status=200, latency_s=0.02,
+                        server_tokenize_s=0.001, server_batcher_s=0.015, server_app_s=0.017)
+    write_csv([rec], tmp_path / "r.csv")
+    assert read_csv(tmp_path / "r.csv")[0].server_batcher_s == pytest.approx(0.015)
+    old = tmp_path / "old.csv"
+    lines = (tmp_path / "r.csv").read_text().splitlines()
+    header = lines[0].split(",")
+    keep = [i for i, h in enumerate(header) if not h.startswith("server_")]
+    old.write_text("\n".join(",".join(line.split(",")[i] for i in keep) for line in lines) + "\n")
+    assert math.isnan(read_csv(old)[0].server_batcher_s)

@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
 from batchpilot.bench.loadgen import LoadGenConfig, build_plan, replay
@@ -98,3 +99,21 @@ def test_capacity_probe_fails_on_an_overload(server: str, tmp_path: Path) -> Non
     res = live_capacity(wl, LoadGenConfig(server, progress=False, scrape_interval_s=0), cfg)
     (probe,) = res.probes
     assert not probe.passed and res.rate_scale == 0.0  # ~90 req/s of conv-embed cannot hold 0.5 s here
+
+
+def test_server_timing_splits_each_request_and_calibrates_the_front_end(server: str) -> None:
+    from batchpilot.bench.fidelity import calibrate_frontend
+    from batchpilot.bench.loadgen import load_tokenizer
+    from batchpilot.sim.texts import texts_for_lengths
+
+    wl = load_workload("conv-embed", rate_scale=1.0, start=0, count=40)
+    texts = texts_for_lengths(load_tokenizer(), wl.input_tokens.tolist())
+    fe, recs = calibrate_frontend(server, wl, texts, n=8, rounds=2)
+    assert len(recs) == 16 and all(r.ok for r in recs)
+    for r in recs:  # the server's parts nest inside the client's latency
+        assert r.server_tokenize_s > 0 and r.server_batcher_s > 0
+        assert r.server_tokenize_s + r.server_batcher_s <= r.server_app_s + 1e-6
+        assert r.server_app_s <= r.latency_s
+    # the calibrated stages are what is left outside the batcher: positive and below the whole latency
+    mean_outside = float(np.mean([r.latency_s - r.server_batcher_s for r in recs]))
+    assert 0 < fe.mean_s(np.array([r.input_tokens for r in recs])) <= 2 * mean_outside

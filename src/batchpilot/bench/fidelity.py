@@ -33,9 +33,10 @@ from typing import Any
 
 from ..core.config import SchedulerConfig
 from ..core.costmodel import CostModel
+from ..sim.frontend import FrontEnd
 from ..sim.traces import Workload
 from .capacity import CapacityConfig, live_capacity, probe_rows, probe_workload, wait_idle
-from .loadgen import LoadGenConfig, build_plan, load_tokenizer, replay
+from .loadgen import LoadGenConfig, build_plan, load_tokenizer, one_by_one_async, replay
 from .records import RequestRecord, Summary, format_summary, summarize, write_csv
 from .report import RunData, html_table, write_report
 from .scrape import MetricsSeries
@@ -66,6 +67,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "cost: checks the serving path (HTTP, tokenise, batcher, loop) without model noise")
     p.add_argument("--max-live-s", type=float, default=150.0,
                    help="cut each live run to the rows arriving in its first S seconds (same rows simulated)")
+    p.add_argument("--no-frontend", action="store_true",
+                   help="do not calibrate the serving path outside the batcher (sim.frontend); predict the "
+                        "batcher alone")
+    p.add_argument("--frontend-requests", type=int, default=60,
+                   help="rows sent one at a time (twice each) to calibrate the front end")
     p.add_argument("--cpus", default=None,
                    help="pin the profiler and the server to these cores (taskset -c syntax, e.g. 1); the "
                         "load generator then runs on the others. On a shared machine one pinned core with "
@@ -91,13 +97,23 @@ class Prediction:
 
 
 def simulate(workload: Workload, config: SchedulerConfig, cost_model: CostModel, sla_s: float,
-             noise: bool = False, seed: int = 0) -> Prediction:
+             noise: bool = False, seed: int = 0, frontend: FrontEnd | None = None) -> Prediction:
     """Simulate ``workload`` and express the result as a ``Summary`` (plus the simulator's own report)."""
     from ..sim.metrics import summarize as sim_summarize
     from ..sim.target import simulate_encoder
 
-    run = simulate_encoder(workload, config, cost_model, noise=noise, seed=seed)
+    run = simulate_encoder(workload, config, cost_model, noise=noise, seed=seed, frontend=frontend)
     rep = sim_summarize(run, sla_s)
+    import numpy as np
+
+    from ..sim.target import DONE
+
+    done = np.asarray(run.record.status) == DONE
+    finish = np.asarray(run.record.finish_s, dtype=float)
+    if frontend is not None:
+        finish = finish - frontend.delay(workload.input_tokens)
+    at = workload.arrival_s if run.batcher_arrival_s is None else run.batcher_arrival_s
+    rep.extra["batcher_latency_mean_s"] = float(np.mean((finish - at)[done])) if done.any() else math.nan
     lat = {k: rep.latency[k] for k in ("p50", "p90", "p99", "p99.9")}
     failed = rep.num_measured - rep.num_completed
     s = Summary(num_requests=rep.num_measured, num_ok=rep.num_completed, num_warmup=0,
@@ -108,8 +124,6 @@ def simulate(workload: Workload, config: SchedulerConfig, cost_model: CostModel,
                 send_lag={"p50": 0.0, "p99": 0.0}, send_lag_max_s=0.0,
                 errors={"rejected/dropped/unfinished": failed} if failed else {})
     dur, tok = run.record.b_duration, run.record.b_tokens
-    from ..sim.target import DONE
-
     recs = [RequestRecord(i, t, int(n), sent_s=t, done_s=f, status=200 if st == DONE else 0, latency_s=f - t)
             for i, (t, n, f, st) in enumerate(zip(workload.arrival_s.tolist(), workload.input_tokens.tolist(),
                                                   run.record.finish_s, run.record.status, strict=True))]
@@ -188,6 +202,26 @@ def warm_up(url: str, workload: Workload, texts: list[str], n: int) -> None:
     wait_idle(url, 10.0)
 
 
+def calibrate_frontend(url: str, workload: Workload, texts: list[str], n: int = 60,
+                       rounds: int = 2) -> tuple[FrontEnd, list[RequestRecord]]:
+    """Fit the simulator's front end (``sim.frontend.FrontEnd``) on this server: ``n`` rows spread over
+    the slice's lengths, sent one at a time (``rounds`` times each, no queueing anywhere), with the
+    server's ``Server-Timing`` split of each request."""
+    import asyncio
+
+    import numpy as np
+
+    order = np.argsort(workload.input_tokens, kind="stable")
+    pick = sorted({int(order[int(q)]) for q in np.linspace(0, len(order) - 1, min(n, len(order)))})
+    plan_all = build_plan(workload, texts=texts[: len(workload)])
+    plan = [plan_all[i] for i in pick] * rounds
+    recs = asyncio.run(one_by_one_async(plan, LoadGenConfig(url, progress=False, scrape_interval_s=0)))
+    ok = [r for r in recs if r.ok]
+    fe = FrontEnd.fit(np.array([r.input_tokens for r in ok]), np.array([r.latency_s for r in ok]),
+                      np.array([r.server_tokenize_s for r in ok]), np.array([r.server_batcher_s for r in ok]))
+    return fe, recs
+
+
 def _delta(series: MetricsSeries, name: str) -> float:
     t, v = series.series(name)
     return v[-1] - v[0] if len(v) >= 2 else math.nan
@@ -207,22 +241,30 @@ def _err(pred: float, meas: float) -> float:
     return (pred - meas) / meas if meas and math.isfinite(meas) and math.isfinite(pred) else math.nan
 
 
-HEAD = ["load", "rate scale", "metric", "predicted", "measured", "error", "target", "within"]
+HEAD = ["load", "rate scale", "metric", "predicted", "measured", "error", "target", "within",
+        "core only", "core-only error"]
 
 
-def comparison_rows(load: float, scale: float, pred: Prediction, live: Measurement) -> list[list[Any]]:
+def comparison_rows(load: float, scale: float, pred: Prediction, live: Measurement,
+                    core: Prediction | None = None) -> list[list[Any]]:
+    """Predicted (with the calibrated front end) vs measured; ``core`` is the simulator of the batcher
+    alone (no front end), kept beside it so every run shows what the front-end stage changes."""
     m = live.summary
     rows = []
     live_bs = live.server.get("batch_size", math.nan)
-    for key, p, v, unit in (("P50 ms", pred.summary.p50, m.p50, 1e3),
-                            ("P99 ms", pred.summary.p99, m.p99, 1e3),
-                            ("throughput req/s", pred.summary.throughput_rps, m.throughput_rps, 1.0),
-                            ("mean batch size", pred.report.mean_batch_size, live_bs, 1.0)):
-        e = _err(p, v)
+    core = core or pred
+    for key, p, c, v, unit in (
+            ("P50 ms", pred.summary.p50, core.summary.p50, m.p50, 1e3),
+            ("P99 ms", pred.summary.p99, core.summary.p99, m.p99, 1e3),
+            ("throughput req/s", pred.summary.throughput_rps, core.summary.throughput_rps,
+             m.throughput_rps, 1.0),
+            ("mean batch size", pred.report.mean_batch_size, core.report.mean_batch_size, live_bs, 1.0)):
+        e, ec = _err(p, v), _err(c, v)
         tgt = TARGETS.get(key.split()[0].lower())
         ok = "" if tgt is None or not math.isfinite(e) else ("yes" if abs(e) <= tgt else "NO")
         rows.append([f"{load:.0%}", f"{scale:.3f}", key, round(p * unit, 2), round(v * unit, 2),
-                     f"{e:+.1%}" if math.isfinite(e) else "-", f"±{tgt:.0%}" if tgt else "", ok])
+                     f"{e:+.1%}" if math.isfinite(e) else "-", f"±{tgt:.0%}" if tgt else "", ok,
+                     round(c * unit, 2), f"{ec:+.1%}" if math.isfinite(ec) else "-"])
     return rows
 
 
@@ -239,8 +281,11 @@ def diagnosis_rows(load: float, pred: Prediction, live: Measurement,
     outside = client - s.get("batcher_latency_s", math.nan)
     rows = [
         [f"{load:.0%}", "end-to-end latency (client)", ms(pred.summary.latency_mean_s), ms(client)],
-        [f"{load:.0%}", "  outside the batcher: HTTP + tokenise + loop", 0.0, ms(outside)],
-        [f"{load:.0%}", "  batcher latency (arrival at batcher -> result)", ms(pred.summary.latency_mean_s),
+        [f"{load:.0%}", "  outside the batcher: HTTP + tokenise + loop",
+         ms(pred.summary.latency_mean_s - pred.report.extra.get("batcher_latency_mean_s", math.nan)),
+         ms(outside)],
+        [f"{load:.0%}", "  batcher latency (arrival at batcher -> result)",
+         ms(pred.report.extra.get("batcher_latency_mean_s", math.nan)),
          ms(s.get("batcher_latency_s", math.nan))],
         [f"{load:.0%}", "    queue time (arrival -> dispatch)", ms(pred.mean_queue_s),
          ms(s.get("queue_s", math.nan))],
@@ -310,19 +355,33 @@ def main(args: argparse.Namespace) -> int:
                               "config": args.config, "profile": str(profile), "capacity_scale": cap.capacity,
                               "capacity_rps": cap.rps, "points": []}
     server = serve(serve_args, log_path=out / "serve.log", cpus=args.cpus) if args.loads else nullcontext("")
+    frontend: FrontEnd | None = None
     with server as url:
+        if args.loads and not args.no_frontend:
+            warm_up(url, wl, texts, args.warmup_requests)
+            frontend, cal = calibrate_frontend(url, wl, texts, args.frontend_requests)
+            write_csv(cal, out / "records-frontend.csv")
+            result["frontend"] = frontend.to_dict()
+            print(f"front end (one request at a time, {len(cal)} requests): serial (tokenizer thread) "
+                  f"{frontend.serial_const_s * 1e3:.2f} ms + "
+                  f"{frontend.serial_per_token_s * 1e6:.2f} us/token, "
+                  f"delay (HTTP, JSON, client) {frontend.delay_const_s * 1e3:.2f} ms + "
+                  f"{frontend.delay_per_token_s * 1e6:.2f} us/token; mean outside the batcher "
+                  f"{frontend.mean_s(wl.input_tokens) * 1e3:.2f} ms", flush=True)
         for load in args.loads:
             k = load * cap.capacity
             scaled = probe_workload(wl, k, args.max_live_s)  # the same rows for the simulator and live
             if len(scaled) < len(wl):
                 print(f"{load:.0%}: replaying the first {len(scaled)} of {len(wl)} rows (--max-live-s "
                       f"{args.max_live_s:g})", flush=True)
-            pred = simulate(scaled, config, cost_model, args.sla, args.noise, args.seed)
+            core = simulate(scaled, config, cost_model, args.sla, args.noise, args.seed)
+            pred = simulate(scaled, config, cost_model, args.sla, args.noise, args.seed, frontend) \
+                if frontend is not None else core
             live = measure(url, scaled, texts, args.sla, args.warmup_requests, not args.no_progress,
                            f"{load:.0%} live")
             print(format_summary(pred.summary, f"simulated at {load:.0%} of capacity (x{k:.3f})"))
             print(format_summary(live.summary, f"live at {load:.0%} of capacity (x{k:.3f})"), flush=True)
-            rows += comparison_rows(load, k, pred, live)
+            rows += comparison_rows(load, k, pred, live, core)
             diag += diagnosis_rows(load, pred, live, cost_model)
             write_csv(live.records, out / f"records-{int(load * 100)}.csv")
             load_avg = os.getloadavg()[0]
@@ -333,6 +392,7 @@ def main(args: argparse.Namespace) -> int:
             runs.append(RunData(f"simulated {load:.0%}", pred.records, pred.summary, None, {"rate_scale": k}))
             result["points"].append({"load": load, "rate_scale": k, "rows": len(scaled),
                                      "predicted": pred.summary.to_dict(),
+                                     "predicted_core_only": core.summary.to_dict(),
                                      "predicted_mean_batch_size": pred.report.mean_batch_size,
                                      "predicted_mean_batch_s": pred.mean_batch_s,
                                      "predicted_mean_queue_s": pred.mean_queue_s,

@@ -163,6 +163,24 @@ async def _send_embedding(client: httpx.AsyncClient, path: str, body: dict[str, 
     data = resp.json().get("data") or []
     if len(data) != 1 or not data[0].get("embedding"):
         rec.error = f"bad response: {len(data)} embeddings"
+    timing = parse_server_timing(resp.headers.get("server-timing", ""))
+    rec.server_tokenize_s = timing.get("tokenize", math.nan)
+    rec.server_batcher_s = timing.get("batcher", math.nan)
+    rec.server_app_s = timing.get("app", math.nan)
+
+
+def parse_server_timing(header: str) -> dict[str, float]:
+    """``Server-Timing: a;dur=1.5, b;desc="x";dur=2`` -> ``{"a": 0.0015, "b": 0.002}`` (seconds); metrics
+    without a duration, or malformed ones, are skipped: any server may send anything here."""
+    out: dict[str, float] = {}
+    for metric in header.split(","):
+        name, *params = (p.strip() for p in metric.split(";"))
+        for param in params:
+            key, _, value = param.partition("=")
+            if key.strip().lower() == "dur" and name:
+                with contextlib.suppress(ValueError):
+                    out[name] = float(value.strip().strip('"')) / 1e3
+    return out
 
 
 async def _send_stream(client: httpx.AsyncClient, path: str, body: dict[str, Any], rec: RequestRecord,
@@ -288,6 +306,29 @@ async def replay_async(
         if not math.isfinite(rec.sent_s):
             rec.error = rec.error or "not sent: stopped early"
     return ReplayResult(records, series, wall, stopped, model)
+
+
+async def one_by_one_async(plan: Sequence[PlannedRequest], config: LoadGenConfig) -> list[RequestRecord]:
+    """Send the plan's requests strictly one after another, ignoring their schedule: a *calibration*
+    client (no queueing anywhere, so each latency is the bare serving path), never a load test."""
+    timeout = httpx.Timeout(config.timeout_s, connect=min(config.timeout_s, 10.0))
+    path = PATHS[config.endpoint]
+    send = _send_embedding if config.endpoint == "embeddings" else _send_stream
+    records = []
+    async with httpx.AsyncClient(base_url=config.base_url, timeout=timeout) as client:
+        model = config.model or await _discover_model(client)
+        clock = time.perf_counter
+        for p in plan:
+            rec = RequestRecord(p.index, p.scheduled_s, p.input_tokens, p.output_tokens, warmup=p.warmup)
+            rec.sent_s = clock()
+            try:
+                await send(client, path, {"model": model, **p.body}, rec, clock)
+            except (httpx.HTTPError, ValueError) as exc:
+                rec.done_s, rec.error = clock(), f"{type(exc).__name__}: {exc}"[:200]
+            else:
+                rec.latency_s = rec.done_s - rec.sent_s
+            records.append(rec)
+    return records
 
 
 def replay(plan: Sequence[PlannedRequest], config: LoadGenConfig,

@@ -42,6 +42,10 @@ class RequestRecord:
     warmup: bool = False
     error: str = ""
     itl_s: list[float] = field(default_factory=list)  # streams: gaps between consecutive tokens
+    # the server's own split of the request (its Server-Timing header; NaN when it sends none):
+    server_tokenize_s: float = math.nan  # handler start -> tokens ready (incl. the tokenizer thread's queue)
+    server_batcher_s: float = math.nan  # submitted to the Batcher -> every input's result back
+    server_app_s: float = math.nan  # handler start -> response body ready
 
     @property
     def ok(self) -> bool:
@@ -53,6 +57,7 @@ class RequestRecord:
 
 
 _CSV_FIELDS = [f.name for f in fields(RequestRecord)]
+_SERVER_TIMING = ("server_tokenize_s", "server_batcher_s", "server_app_s")  # absent from older CSVs
 
 
 def write_csv(records: Iterable[RequestRecord], path: str | Path) -> None:
@@ -87,6 +92,7 @@ def read_csv(path: str | Path) -> list[RequestRecord]:
                 status=int(row["status"]), latency_s=num("latency_s"), ttft_s=num("ttft_s"),
                 tokens_received=int(row["tokens_received"]), warmup=bool(int(row["warmup"])),
                 error=row["error"], itl_s=[float(x) for x in row["itl_s"].split(";") if x],
+                **{k: num(k) for k in _SERVER_TIMING if row.get(k)},
             ))
     return out
 

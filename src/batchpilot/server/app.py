@@ -111,6 +111,7 @@ class EmbeddingService:
         loop = asyncio.get_running_loop()
         try:
             tokens = await loop.run_in_executor(self.tokenizer_pool, self.tokenize, texts, ids, body.truncate)
+            tokenized = self.batcher.clock()
         except ValueError as exc:
             raise APIError(400, str(exc), code="context_length_exceeded", param="input") from None
         if self.queue_bounds is not None:
@@ -126,6 +127,7 @@ class EmbeddingService:
             for x in tokens:
                 futures.append(self.batcher.submit_nowait(x, len(x), priority or 0, deadline))
             results = await self._wait(futures, request)
+            answered = self.batcher.clock()
         except RequestRejected as exc:
             raise rejection_error(exc) from None
         except ExecutionError as exc:
@@ -133,7 +135,14 @@ class EmbeddingService:
         finally:
             for f in futures:
                 f.cancel()  # no-op when done; withdraws the rest when one failed or the client left
-        return JSONResponse(self._body(results, tokens, body.encoding_format))
+        response = JSONResponse(self._body(results, tokens, body.encoding_format))
+        # W3C Server-Timing: where this request's time went inside the server (the load generator's
+        # fidelity check fits the simulator's front-end stage from it; browsers' dev tools show it too)
+        response.headers["server-timing"] = (
+            f"tokenize;dur={(tokenized - received) * 1e3:.3f}, "
+            f"batcher;dur={(answered - tokenized) * 1e3:.3f}, "
+            f"app;dur={(self.batcher.clock() - received) * 1e3:.3f}")
+        return response
 
     async def _wait(self, futures: list[asyncio.Future[Any]], request: Request) -> list[Any]:
         work = asyncio.gather(*futures)
