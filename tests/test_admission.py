@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from batchpilot.core.admission import AdmissionController, RejectReason, TokenBucket
 from batchpilot.core.config import AdmissionConfig, PlannerConfig
+from batchpilot.core.costmodel import CostModel
+from batchpilot.core.request import Request
 from core_factories import make_request, simple_cost_model
 
 COST = simple_cost_model(const=0.010, per_token=1e-4, residuals=(0.0, 0.5))  # p99 ~ 1.5 x mean
@@ -79,3 +83,31 @@ def test_token_bucket_refills_to_burst_only() -> None:
 def test_every_reason_has_a_stable_value() -> None:
     expected = {"queue_full", "rate_limited", "infeasible_deadline", "too_long", "deadline_expired"}
     assert {r.value for r in RejectReason} >= expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data(), st.integers(1, 512), st.sampled_from([0.25, 1.0, 4.0]), st.sampled_from([0.005, 0.02, 0.2]),
+       st.sampled_from([1, 4, 16, 64]))
+def test_core_sla_bounds_refuse_exactly_what_the_server_refuses(data: st.DataObject, length: int,
+                                                                 sla_s: float, const_s: float,
+                                                                 max_batch: int) -> None:
+    """The server checks the SLA queue bound per HTTP request (server/limits.py); the simulator gets it
+    as admission limits (core/overload.py). For a one-input request both must give the same answer,
+    in particular right at the bounds."""
+    from batchpilot.core.config import PolicyConfig, SchedulerConfig
+    from batchpilot.core.overload import with_sla_queue_bounds
+    from batchpilot.server.limits import queue_bounds
+
+    cm = CostModel(latency_coef=(const_s, 0.0, 4e-4, 0.0))
+    cfg = SchedulerConfig(policy=PolicyConfig(max_batch_size=max_batch, sla_s=sla_s))
+    server = queue_bounds(cfg, cm)
+    assert server is not None
+    near = lambda bound: st.one_of(st.integers(0, 2 * bound), st.integers(max(bound - 2, 0), bound + 2))  # noqa: E731
+    num_waiting = data.draw(near(server.max_requests), "num_waiting")
+    waiting_tokens = data.draw(near(server.max_tokens - length), "waiting_tokens") if num_waiting else 0
+    bounded = with_sla_queue_bounds(cfg, cm)
+    core = AdmissionController(bounded.admission, bounded.planner, cm, max_batch)
+    rej = core.check(Request(0, 0.0, length), 0.0, num_waiting, waiting_tokens)
+    refused_by_server = server.refusal(num_waiting, waiting_tokens, [length]) is not None
+    assert (rej is not None and rej.reason is RejectReason.QUEUE_FULL) == refused_by_server
+    assert with_sla_queue_bounds(bounded, cm) == bounded  # explicit limits win: applying twice is a no-op

@@ -60,3 +60,24 @@ def test_tune_writes_a_config_serve_can_load(tmp_path: Path, capsys: pytest.Capt
     assert "static bs8, pad to max" in text and "winner" in text
     cfg = SchedulerConfig.from_dict(yaml.safe_load(out.read_text()))
     assert cfg.planner.padding in ("dynamic", "bucket", "max")
+
+
+def test_simulate_with_the_servers_limits_and_a_front_end(tmp_path: Path) -> None:
+    """--server-limits refuses what `serve` would under overload; --frontend adds the serving path."""
+    base = ["simulate", "--workload", "conv-embed", "--rate-scale", "8", "--requests", "600"]
+
+    def run(*extra: str) -> dict[str, object]:
+        out = tmp_path / f"r{len(list(tmp_path.iterdir()))}.json"
+        assert main([*base, *extra, "--json", str(out)]) == 0
+        return dict(json.loads(out.read_text()))
+
+    plain = run()
+    limited = run("--server-limits")
+    assert plain["num_rejected"] == 0 and int(limited["num_rejected"]) > 0  # type: ignore[call-overload]
+    fe = tmp_path / "fidelity.json"
+    fe.write_text(json.dumps({"frontend": {"serial_const_s": 0.0, "serial_per_token_s": 0.0,
+                                           "delay_const_s": 0.25, "delay_per_token_s": 0.0}}))
+    slow = run("--frontend", str(fe))
+    lat, lat_fe = plain["latency"], slow["latency"]
+    assert lat_fe["p50"] == pytest.approx(lat["p50"] + 0.25)  # type: ignore[index]
+    assert slow["queue"] == plain["queue"]  # a pure delay leaves the batcher's queue alone

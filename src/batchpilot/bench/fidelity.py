@@ -143,6 +143,17 @@ def sim_capacity(workload: Workload, config: SchedulerConfig, cost_model: CostMo
     return cand
 
 
+def served_config(config: SchedulerConfig, cost_model: CostModel, serve_args: str) -> SchedulerConfig:
+    """The config as ``batchpilot serve`` runs it: with the SLA queue bounds (``core.overload``) unless
+    the server is told ``--no-overload-limits`` or the config has limits of its own, so the simulator
+    refuses what the server refuses."""
+    if "--no-overload-limits" in shlex.split(serve_args):
+        return config
+    from ..core.overload import with_sla_queue_bounds
+
+    return with_sla_queue_bounds(config, cost_model)
+
+
 def run_profile(out: Path, padding: str, extra: str = "", cpus: str | None = None) -> Path:
     """``batchpilot profile -o PATH`` (the models team's profiler) in a subprocess, pinned like the server."""
     path = out / "profile.json"
@@ -343,6 +354,10 @@ def main(args: argparse.Namespace) -> int:
               "for one 128-token input. Was the machine busy while profiling? Re-profile (try --cpus 1).",
               file=sys.stderr)
         return 1
+    as_served = served_config(config, cost_model, args.serve_args)
+    adm = as_served.admission
+    print(f"simulating the server's admission: queue <= {adm.max_queued_requests or 'inf'} inputs / "
+          f"{adm.max_queued_tokens or 'inf'} tokens", flush=True)
     _pin_self(args.cpus)
     tok = load_tokenizer(args.tokenizer)
     texts = [p.body["input"] for p in build_plan(wl, tokenizer=tok, seed=args.seed)]
@@ -374,8 +389,8 @@ def main(args: argparse.Namespace) -> int:
             if len(scaled) < len(wl):
                 print(f"{load:.0%}: replaying the first {len(scaled)} of {len(wl)} rows (--max-live-s "
                       f"{args.max_live_s:g})", flush=True)
-            core = simulate(scaled, config, cost_model, args.sla, args.noise, args.seed)
-            pred = simulate(scaled, config, cost_model, args.sla, args.noise, args.seed, frontend) \
+            core = simulate(scaled, as_served, cost_model, args.sla, args.noise, args.seed)
+            pred = simulate(scaled, as_served, cost_model, args.sla, args.noise, args.seed, frontend) \
                 if frontend is not None else core
             live = measure(url, scaled, texts, args.sla, args.warmup_requests, not args.no_progress,
                            f"{load:.0%} live")
@@ -474,7 +489,7 @@ def tuner_check(args: argparse.Namespace, wl: Workload, texts: list[str], cost_m
             first, count = probe_rows(wl, shared, args.max_live_s, busiest=True)
             rows = wl.slice(first, count).scale_rate(shared)
             at = measure(url, rows, texts[first: first + count], args.sla, args.warmup_requests, False, name)
-            pred = simulate(rows, cfg, cost_model, args.sla)
+            pred = simulate(rows, served_config(cfg, cost_model, args.serve_args), cost_model, args.sla)
         print(format_summary(at.summary, f"{name} live at x{shared:.3f}"), flush=True)
         out[name] = {"sim_capacity_scale": sims[name].capacity, "sim_capacity_rps": sims[name].rps,
                      "live_capacity_scale": cap.rate_scale, "live_capacity_rps": cap.rps,

@@ -37,6 +37,12 @@ def register(subparsers: Any) -> None:
                    help="give every request this deadline (s after arrival); SLA-aware policies and "
                         "deadline drops use it")
     p.add_argument("--noise", action="store_true", help="draw batch times from the profile's residuals")
+    p.add_argument("--server-limits", action="store_true",
+                   help="refuse what `batchpilot serve` refuses by default: the SLA queue bounds "
+                        "(core/overload.py) when the config sets no admission limits of its own")
+    p.add_argument("--frontend", metavar="JSON",
+                   help="the serving path outside the batcher (sim/frontend.py: the 'frontend' object "
+                        "of a `bench fidelity` fidelity.json, or a file with just its four fields)")
     p.add_argument("--plot", metavar="DIR", help="write latency CDF, queue length and batch size PNGs here")
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     p.add_argument("--target", choices=("encoder", "llm"), default=None,
@@ -122,9 +128,21 @@ def run_simulate(args: argparse.Namespace) -> int:
             return 2
         return int(llm.simulate_cli(args, workload, console))
     cost_model = load_cost_model(args, console)
+    if args.server_limits:
+        from ..core.overload import with_sla_queue_bounds
+
+        config = with_sla_queue_bounds(config, cost_model)
+    frontend = None
+    if args.frontend:
+        import json
+
+        from .frontend import FrontEnd
+
+        doc = json.loads(Path(args.frontend).read_text())
+        frontend = FrontEnd.from_dict(doc.get("frontend", doc))
     with _progress(console, len(workload)) as progress:
         run = simulate_encoder(workload, config, cost_model, noise=args.noise, seed=args.seed,
-                               request_sla_s=args.request_sla, progress=progress)
+                               request_sla_s=args.request_sla, progress=progress, frontend=frontend)
     report = summarize(run, sla_s=args.sla, warmup_s=args.warmup_s)
     console.print(report_table(report, f"{workload.name}: {len(workload)} requests, "
                                        f"{workload.mean_rate:.2f} req/s offered"))
