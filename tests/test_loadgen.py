@@ -377,3 +377,26 @@ def test_server_timing_header_is_parsed_leniently(tmp_path: Path) -> None:
     keep = [i for i, h in enumerate(header) if not h.startswith("server_")]
     old.write_text("\n".join(",".join(line.split(",")[i] for i in keep) for line in lines) + "\n")
     assert math.isnan(read_csv(old)[0].server_batcher_s)
+
+
+def test_model_discovery_picks_the_card_that_fits_the_endpoint() -> None:
+    """`serve --llm` lists the embedding model (with dimensions) first and the LLM after it."""
+    import asyncio
+
+    import httpx
+
+    from batchpilot.bench.loadgen import _discover_model
+
+    def app(cards: list[dict[str, object]]) -> httpx.MockTransport:
+        return httpx.MockTransport(lambda req: httpx.Response(200, json={"object": "list", "data": cards}))
+
+    both = [{"id": "emb", "dimensions": 384}, {"id": "llm"}]
+
+    async def pick(cards: list[dict[str, object]], endpoint: str) -> str:
+        async with httpx.AsyncClient(transport=app(cards), base_url="http://x") as c:
+            return await _discover_model(c, endpoint)  # type: ignore[arg-type]
+
+    assert asyncio.run(pick(both, "completions")) == "llm"
+    assert asyncio.run(pick(both, "embeddings")) == "emb"
+    assert asyncio.run(pick([{"id": "other"}], "embeddings")) == "other"  # no dimensions field anywhere
+    assert asyncio.run(pick([], "completions")) == "default"

@@ -163,3 +163,30 @@ def test_concurrent_requests_batch_and_cancelled_stream_frees_blocks(
                  "kv_fragmentation_ratio", "generation_tokens_per_second"):
         assert f"batchpilot_llm_{name}" in metrics
     assert engine.stats().num_steps > 0
+
+
+def test_step_counters_and_serving_calibration(server: tuple[str, LLMEngine, CollectorRegistry]) -> None:
+    """The engine times its steps (wall, and the forward + sampling part), and bench fidelity's
+    calibration turns lockstep streams into a serving overhead on top of the step profile."""
+    from batchpilot.bench.llm_fidelity import calibrate_serving
+    from batchpilot.core.costmodel import LLM_FEATURES, CostModel
+
+    url, engine, _ = server
+    before = engine.stats()
+    profiled = CostModel(LLM_FEATURES, (0.001, 1e-5, 1e-5, 0.0, 0.0, 0.002), (0.0,) * 6)
+    served, cal = calibrate_serving(url, profiled, levels=(1, 2, 4), max_tokens=12, max_streams=2, model="m")
+    after = engine.stats()
+    assert cal.streams == [1, 2]  # levels above max_streams (the engine's max_num_seqs) are skipped
+    steps = after.num_steps - before.num_steps
+    assert steps >= 12 and after.step_seqs - before.step_seqs >= steps  # >= 1 sequence per step
+    assert 0 < after.forward_seconds - before.forward_seconds < after.step_seconds - before.step_seconds
+    # every lockstep gap is a live step: at least the forward it contains, so the overhead is >= 0 and
+    # the served model adds exactly the fitted terms to const and decode_seqs
+    assert all(c > 0 for c in cal.client_itl_s)
+    names = served.feature_names
+    diff = dict(zip(names, (s - p for s, p in zip(served.latency_coef, profiled.latency_coef, strict=True)),
+                    strict=True))
+    assert diff["const"] == pytest.approx(cal.extra_const_s) and diff["decode_seqs"] == pytest.approx(
+        cal.extra_per_seq_s)
+    assert diff["prefill_tokens"] == diff["kv_tokens"] == diff["multi_row"] == 0.0
+    assert served.meta["serving_overhead"]["const_s"] == cal.extra_const_s

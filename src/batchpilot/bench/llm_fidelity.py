@@ -15,15 +15,19 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
 import shlex
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..core.costmodel import CostModel
+import numpy as np
+
+from ..core.costmodel import CostModel, StepShape
 from ..sim.traces import Workload
 from .capacity import CapacityConfig, probe_workload, search_capacity, wait_idle
 from .loadgen import LoadGenConfig, build_plan, replay
@@ -32,7 +36,8 @@ from .report import RunData, html_table, write_report
 from .serverproc import serve
 
 TARGETS = {"TTFT": 0.10, "TPOT": 0.10, "output": 0.05}
-HEAD = ["load", "rate scale", "metric", "predicted", "measured", "error", "target", "within"]
+HEAD = ["load", "rate scale", "metric", "predicted", "measured", "error", "target", "within",
+        "step profile only", "profile-only error"]
 
 
 def engine_config_and_profile(out: Path, profile: str | None, cpus: str | None) -> tuple[Any, CostModel]:
@@ -86,9 +91,64 @@ def simulate(workload: Workload, config: Any, cost_model: CostModel, sla_s: floa
 DIAG_HEAD = ["load", "quantity (mean, ms)", "simulated", "server", "client"]
 
 
+@dataclass
+class ServingCalibration:
+    """What a decode step costs live beyond the profiled forward + sampling, per concurrency level."""
+
+    streams: list[int]
+    client_itl_s: list[float]  # median inter-token gap at the client, per level
+    model_step_s: list[float]  # the step profile's prediction for the same decode step
+    extra_const_s: float
+    extra_per_seq_s: float
+
+    def rows(self) -> list[list[Any]]:
+        return [[k, round(c * 1e3, 2), round(m * 1e3, 2), round((c - m) * 1e3, 2)]
+                for k, c, m in zip(self.streams, self.client_itl_s, self.model_step_s, strict=True)]
+
+
+CAL_HEAD = ["concurrent streams", "client inter-token ms (median)", "step profile ms", "serving overhead ms"]
+
+
+def calibrate_serving(url: str, cost_model: CostModel, levels: tuple[int, ...] = (1, 4, 8, 16, 32),
+                      prompt_tokens: int = 16, max_tokens: int = 48,
+                      max_streams: int | None = None,
+                      model: str | None = None) -> tuple[CostModel, ServingCalibration]:
+    """Add what streaming costs per step to the step model, measured on this server with no queueing:
+    ``k`` streams started together decode in lockstep, so each one's inter-token gap is one live step of
+    ``k`` decodes — forward and sampling, plus scheduling, detokenising, handing every token to the
+    event loop and writing one SSE event per stream, all on the server's cores. The gap minus the
+    profile's prediction for that step, fitted as ``a + b k``, is added to the ``const`` and
+    ``decode_seqs`` coefficients (the same per-sequence work follows every sampled token)."""
+    from ..sim.frontend import fit_line
+    from ..sim.traces import Workload
+
+    itl, predicted = [], []
+    levels = tuple(k for k in levels if max_streams is None or k <= max_streams)
+    for k in levels:
+        wl = Workload.from_columns("calibration", [0.0] * k, [prompt_tokens] * k, [max_tokens] * k)
+        res = replay(build_plan(wl, "completions"), LoadGenConfig(url, "completions", model=model,
+                                                                  progress=False, scrape_interval_s=0))
+        bad = [r for r in res.records if not r.ok]
+        if bad:
+            raise RuntimeError(f"calibration stream failed: {bad[0].status} {bad[0].error}")
+        # the first gaps overlap the other streams' prefills: keep the lockstep decode part
+        gaps = [g for r in res.records for g in r.itl_s[4:]]
+        itl.append(float(np.median(gaps)))
+        ctx = prompt_tokens + max_tokens // 2
+        predicted.append(cost_model.latency(StepShape(0, k, k * ctx).features()))
+    a, b = fit_line(np.array(levels, dtype=float), np.array(itl) - np.array(predicted))
+    names = cost_model.feature_names
+    coef = [c + (a if n == "const" else b if n == "decode_seqs" else 0.0)
+            for n, c in zip(names, cost_model.latency_coef, strict=True)]
+    served = dataclasses.replace(cost_model, latency_coef=tuple(coef),
+                                 meta={**cost_model.meta, "serving_overhead": {"const_s": a, "per_seq_s": b}})
+    return served, ServingCalibration(list(levels), itl, predicted, a, b)
+
+
 def diagnosis_rows(load: float, rep: Any, res: Any, m: Summary) -> list[list[Any]]:
-    """Server-side TTFT and inter-token means (the engine's own histograms) against the client's: what
-    streaming (SSE, JSON per token, the event loop) adds, apart from what the engine's steps cost."""
+    """Server-side TTFT and inter-token means (the engine's own histograms) against the client's, and
+    the engine's mean step (wall, and its forward + sampling part) against the simulated step: what the
+    step profile leaves out (scheduling, detokenising, delivering, the event loop sharing the core)."""
     ms = lambda x: round(x * 1e3, 2) if math.isfinite(x) else "-"  # noqa: E731
     ser = res.metrics
     s_ttft = ser.histogram_mean("batchpilot_llm_time_to_first_token_seconds") if ser else math.nan
@@ -97,17 +157,35 @@ def diagnosis_rows(load: float, rep: Any, res: Any, m: Summary) -> list[list[Any
     c_ttft = sum(r.ttft_s for r in ok) / len(ok) if ok else math.nan
     gaps = [g for r in ok for g in r.itl_s]
     c_itl = sum(gaps) / len(gaps) if gaps else math.nan
+    steps = _delta(ser, "batchpilot_llm_steps_total")
+    per_step = lambda name: _delta(ser, name) / steps if steps and steps > 0 else math.nan  # noqa: E731
     return [[f"{load:.0%}", "TTFT", "-", ms(s_ttft), ms(c_ttft)],
             [f"{load:.0%}", "inter-token gap (client: per SSE chunk)", "-", ms(s_itl), ms(c_itl)],
+            [f"{load:.0%}", "engine step (wall)", ms(rep.mean_step_s),
+             ms(per_step("batchpilot_llm_step_seconds_total")), "-"],
+            [f"{load:.0%}", "  of which forward + sampling", "-",
+             ms(per_step("batchpilot_llm_step_forward_seconds_total")), "-"],
+            [f"{load:.0%}", "sequences per step (not ms)", round(rep.mean_step_seqs, 2),
+             round(per_step("batchpilot_llm_step_seqs_total"), 2), "-"],
             [f"{load:.0%}", "tokens per engine step (not ms)", round(rep.mean_step_tokens, 1), "-", "-"]]
 
 
-def _row(load: float, k: float, name: str, p: float, m: float, unit: float) -> list[Any]:
-    e = (p - m) / m if m and math.isfinite(m) and math.isfinite(p) else math.nan
+def _delta(series: Any, name: str) -> float:
+    if series is None:
+        return math.nan
+    _, v = series.series(name)
+    return v[-1] - v[0] if len(v) >= 2 else math.nan
+
+
+def _row(load: float, k: float, name: str, p: float, m: float, unit: float, core: float) -> list[Any]:
+    """Predicted (step profile + serving overhead) vs measured, and the step profile alone beside it."""
+    err = lambda x: (x - m) / m if m and math.isfinite(m) and math.isfinite(x) else math.nan  # noqa: E731
+    e, ec = err(p), err(core)
     tgt = TARGETS.get(name.split()[0])
     ok = "" if tgt is None or not math.isfinite(e) else ("yes" if abs(e) <= tgt else "NO")
     return [f"{load:.0%}", f"{k:.3f}", name, round(p * unit, 2), round(m * unit, 2),
-            f"{e:+.1%}" if math.isfinite(e) else "-", f"±{tgt:.0%}" if tgt else "", ok]
+            f"{e:+.1%}" if math.isfinite(e) else "-", f"±{tgt:.0%}" if tgt else "", ok,
+            round(core * unit, 2), f"{ec:+.1%}" if math.isfinite(ec) else "-"]
 
 
 def main(args: argparse.Namespace) -> int:
@@ -121,26 +199,40 @@ def main(args: argparse.Namespace) -> int:
     wl = load_workload("conv-llm", 1.0, args.start, args.requests or 200, trace=args.trace)
     print(f"workload conv-llm rows [{args.start}, {args.start + len(wl)}) over {wl.duration_s:.1f} s "
           f"({wl.mean_rate:.2f} req/s); TTFT P99 SLA {args.sla:g} s", flush=True)
-    cap = search_capacity(lambda k: simulate(wl.scale_rate(k), config, cost_model, args.sla)[0],
-                          CapacityConfig(sla_s=args.sla, rel_tol=0.03, max_probes=30, lo=1e-3, hi=256.0))
-    print(f"simulated capacity: rate scale {cap.rate_scale:.3f} = {cap.rps:.2f} req/s", flush=True)
-    if cap.rate_scale <= 0:
-        print("no rate meets the TTFT SLA in simulation; raise --sla or re-profile", flush=True)
-        return 1
     _pin_self(args.cpus)
     rows: list[list[Any]] = []
     diag: list[list[Any]] = []
     runs: list[RunData] = []
-    result: dict[str, Any] = {"capacity_scale": cap.rate_scale, "capacity_rps": cap.rps, "points": [],
-                              "config": str(config), "cost_model": cost_model.to_dict()}
+    result: dict[str, Any] = {"points": [], "config": str(config), "cost_model": cost_model.to_dict()}
     serve_args = ["--llm", "--log-level", "warning", "--no-warmup", *shlex.split(args.serve_args)]
     if args.cpus:
         serve_args += ["--threads", str(len(_cores(args.cpus)))]
     with serve(serve_args, log_path=out / "serve-llm.log", cpus=args.cpus) as url:
+        profiled, cal = cost_model, None
+        if not args.no_frontend:
+            warm = wl.slice(0, 2)
+            replay(build_plan(warm, "completions", warmup_requests=len(warm)),
+                   LoadGenConfig(url, "completions", progress=False, scrape_interval_s=0))
+            wait_idle(url, 30.0)
+            cost_model, cal = calibrate_serving(url, profiled, max_streams=config.max_num_seqs)
+            print(f"serving overhead per step (concurrent streams, no queueing): "
+                  f"{cal.extra_const_s * 1e3:.2f} ms + {cal.extra_per_seq_s * 1e3:.3f} ms per stream\n"
+                  + text_table(CAL_HEAD, cal.rows()), flush=True)
+            result["serving_calibration"] = dataclasses.asdict(cal)
+            result["served_cost_model"] = cost_model.to_dict()
+            wait_idle(url, 30.0)
+        cap = search_capacity(lambda k: simulate(wl.scale_rate(k), config, cost_model, args.sla)[0],
+                              CapacityConfig(sla_s=args.sla, rel_tol=0.03, max_probes=30, lo=1e-3, hi=256.0))
+        print(f"simulated capacity: rate scale {cap.rate_scale:.3f} = {cap.rps:.2f} req/s", flush=True)
+        result.update(capacity_scale=cap.rate_scale, capacity_rps=cap.rps)
+        if cap.rate_scale <= 0:
+            print("no rate meets the TTFT SLA in simulation; raise --sla or re-profile", flush=True)
+            return 1
         for load in args.loads:
             k = load * cap.rate_scale
             rows_wl = probe_workload(wl, k, args.max_live_s)
             pred, rep = simulate(rows_wl, config, cost_model, args.sla)
+            core = simulate(rows_wl, config, profiled, args.sla)[0] if cal is not None else pred
             if args.warmup_requests:
                 warm = rows_wl.slice(0, min(args.warmup_requests, len(rows_wl)))
                 replay(build_plan(warm, "completions", warmup_requests=len(warm)),
@@ -154,16 +246,20 @@ def main(args: argparse.Namespace) -> int:
             print(format_summary(m, label))
             tp = percentiles([(r.latency_s - r.ttft_s) / (r.tokens_received - 1) for r in res.records
                               if r.ok and r.tokens_received > 1], (50.0, 99.0))
-            rows += [_row(load, k, "TTFT P50 ms", pred.ttft["p50"], m.ttft.get("p50", math.nan), 1e3),
-                     _row(load, k, "TTFT P99 ms", pred.ttft["p99"], m.ttft.get("p99", math.nan), 1e3),
-                     _row(load, k, "TPOT P50 ms", pred.tpot["p50"], tp["p50"], 1e3),
-                     _row(load, k, "TPOT P99 ms", pred.tpot["p99"], tp["p99"], 1e3),
-                     _row(load, k, "output tok/s", pred.output_tokens_per_s, m.output_tokens_per_s, 1.0)]
+            rows += [_row(load, k, "TTFT P50 ms", pred.ttft["p50"], m.ttft.get("p50", math.nan), 1e3,
+                          core.ttft["p50"]),
+                     _row(load, k, "TTFT P99 ms", pred.ttft["p99"], m.ttft.get("p99", math.nan), 1e3,
+                          core.ttft["p99"]),
+                     _row(load, k, "TPOT P50 ms", pred.tpot["p50"], tp["p50"], 1e3, core.tpot["p50"]),
+                     _row(load, k, "TPOT P99 ms", pred.tpot["p99"], tp["p99"], 1e3, core.tpot["p99"]),
+                     _row(load, k, "output tok/s", pred.output_tokens_per_s, m.output_tokens_per_s, 1.0,
+                          core.output_tokens_per_s)]
             diag += diagnosis_rows(load, rep, res, m)
             write_csv(res.records, out / f"records-llm-{int(load * 100)}.csv")
             runs.append(RunData(f"llm live {load:.0%}", res.records, m, res.metrics, {"rate_scale": k}))
             result["points"].append({"load": load, "rate_scale": k, "rows": len(rows_wl),
                                      "predicted": pred.to_dict(), "measured": m.to_dict(),
+                                     "predicted_profile_only": core.to_dict(),
                                      "load_average_1m": os.getloadavg()[0]})
             wait_idle(url, 30.0)
     table = text_table(HEAD, rows)
@@ -173,6 +269,8 @@ def main(args: argparse.Namespace) -> int:
     (out / "llm_fidelity.json").write_text(json.dumps(result, indent=2, default=str))
     report = write_report(out, runs, title="fidelity: conv-llm", sla_s=None,
                           sections=[("LLM fidelity: predicted vs measured", html_table(HEAD, rows)),
-                                    ("Where the time goes", html_table(DIAG_HEAD, diag))])
+                                    ("Where the time goes", html_table(DIAG_HEAD, diag)),
+                                    *([("Serving overhead calibration", html_table(CAL_HEAD, cal.rows()))]
+                                      if cal is not None else [])])
     print(f"llm_fidelity.json and {report} written to {out}/ in {time.monotonic() - t0:.0f} s")
     return 0

@@ -143,12 +143,16 @@ def build_plan(
     return plan
 
 
-async def _discover_model(client: httpx.AsyncClient) -> str:
+async def _discover_model(client: httpx.AsyncClient, endpoint: Endpoint = "embeddings") -> str:
+    """The first model of ``GET /v1/models`` that fits ``endpoint``: a server that serves an embedding
+    model and an LLM side by side (``batchpilot serve --llm``) lists both, and only the embedding card
+    carries ``dimensions``. Other servers list no such field: their first model is taken."""
     try:
         resp = await client.get("/v1/models")
         data = resp.json().get("data") or []
-        return str(data[0]["id"]) if data else "default"
-    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        fits = [m for m in data if (m.get("dimensions") is not None) == (endpoint == "embeddings")]
+        return str((fits or data)[0]["id"]) if data else "default"
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
         return "default"
 
 
@@ -229,7 +233,7 @@ async def replay_async(
     path = PATHS[config.endpoint]
     send = _send_embedding if config.endpoint == "embeddings" else _send_stream
     async with httpx.AsyncClient(base_url=config.base_url, timeout=timeout, limits=limits) as client:
-        model = config.model or await _discover_model(client)
+        model = config.model or await _discover_model(client, config.endpoint)
         loop = asyncio.get_running_loop()
         scraper = None
         if config.scrape_interval_s > 0:
@@ -316,7 +320,7 @@ async def one_by_one_async(plan: Sequence[PlannedRequest], config: LoadGenConfig
     send = _send_embedding if config.endpoint == "embeddings" else _send_stream
     records = []
     async with httpx.AsyncClient(base_url=config.base_url, timeout=timeout) as client:
-        model = config.model or await _discover_model(client)
+        model = config.model or await _discover_model(client, config.endpoint)
         clock = time.perf_counter
         for p in plan:
             rec = RequestRecord(p.index, p.scheduled_s, p.input_tokens, p.output_tokens, warmup=p.warmup)

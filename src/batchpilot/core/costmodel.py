@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 
 ENCODER_FEATURES: tuple[str, ...] = ("const", "n", "tokens", "attn")
-LLM_FEATURES: tuple[str, ...] = ("const", "prefill_tokens", "decode_seqs", "kv_tokens", "prefill_attn")
+LLM_FEATURES: tuple[str, ...] = ("const", "prefill_tokens", "decode_seqs", "kv_tokens", "prefill_attn",
+                                 "multi_row")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +71,10 @@ class StepShape:
             "decode_seqs": float(self.decode_seqs),
             "kv_tokens": float(self.kv_tokens),
             "prefill_attn": float(self.prefill_attn),
+            # A step of one token row (one decode, nothing else) runs every matmul as matrix x vector;
+            # two rows or more take the matrix x matrix path, a fixed step up on CPU (the tiny Llama:
+            # one decode 11-12 ms, two 16-22 ms, four 17-32 ms; docs/loadgen.md, LLM fidelity).
+            "multi_row": float(self.prefill_tokens + self.decode_seqs >= 2),
         }
 
 

@@ -83,6 +83,9 @@ class EngineStats:
     num_generated_tokens: int
     tokens_per_s: float  # output tokens over the last ``window_s``
     prefix_cache_hit_tokens: int
+    step_seconds: float = 0.0  # wall time of every step: schedule, forward, sample, detokenise, deliver
+    forward_seconds: float = 0.0  # of which forward + sampling (what the step profile times)
+    step_seqs: int = 0  # sequences summed over steps (step_seqs / num_steps = mean batch)
 
 
 class _Stream:
@@ -124,6 +127,9 @@ class LLMEngine:
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
         self.num_steps = 0
         self.num_generated_tokens = 0
+        self.step_seconds = 0.0
+        self.forward_seconds = 0.0
+        self.step_seqs = 0
         self._decode = make_decode(tokenizer)
         self._stats = self._snapshot()
 
@@ -214,7 +220,8 @@ class LLMEngine:
         recent = sum(n for _, n in self._recent)
         return EngineStats(s.num_running, s.num_waiting, b.num_blocks, b.num_free, b.usage, b.fragmentation,
                            s.num_preemptions, s.num_rejected, self.num_steps, self.num_generated_tokens,
-                           recent / self.window_s, b.num_cache_hit_tokens)
+                           recent / self.window_s, b.num_cache_hit_tokens, self.step_seconds,
+                           self.forward_seconds, self.step_seqs)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -241,6 +248,7 @@ class LLMEngine:
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue
+            t0 = time.perf_counter()
             plan = self.scheduler.schedule()
             try:
                 self._step(plan)
@@ -253,6 +261,8 @@ class LLMEngine:
                     if stream is not None:
                         stream.put(RuntimeError(f"generation failed: {exc}"))
             self.num_steps += 1
+            self.step_seqs += len(plan.chunks)
+            self.step_seconds += time.perf_counter() - t0
             self._stats = self._snapshot()
         for stream in self._streams.values():
             stream.put(EngineStopped("the LLM engine shut down"))
@@ -261,10 +271,12 @@ class LLMEngine:
     def _step(self, plan: StepPlan) -> None:
         if plan.is_empty:
             return
+        t0 = time.perf_counter()
         logits = self.runner.forward(plan.chunks)
         sampling = [c.seq_id for c in plan.chunks if c.sample]
         seqs = self.scheduler.seqs
         tokens = self.sampler.sample(logits, sampling, [seqs[i].params for i in sampling])
+        self.forward_seconds += time.perf_counter() - t0
         sampled = dict(zip(sampling, tokens, strict=True))
         stopped: set[int] = set()
         deltas: dict[int, str] = {}

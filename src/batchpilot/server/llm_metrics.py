@@ -42,6 +42,10 @@ class _EngineCollector(Collector):
             "prefix_cache_hit_tokens": ("Prompt tokens served from the prefix cache",
                                         s.prefix_cache_hit_tokens),
             "rejected_requests": ("Requests that could never fit", s.num_rejected),
+            "step_seconds": ("Wall time of engine steps (schedule, forward, sample, detokenise, deliver)",
+                             s.step_seconds),
+            "step_forward_seconds": ("Part of the step time in forward + sampling", s.forward_seconds),
+            "step_seqs": ("Sequences summed over engine steps (/ steps = mean batch)", s.step_seqs),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"batchpilot_llm_{name}", doc, value=float(value))

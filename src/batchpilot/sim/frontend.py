@@ -63,8 +63,8 @@ class FrontEnd:
         if ok.sum() < 3:
             raise ValueError(f"front-end fit needs >= 3 requests with Server-Timing, got {int(ok.sum())}")
         length = tokens[ok]
-        sc, sp = _line(length, tokenize_s[ok])
-        dc, dp = _line(length, client_s[ok] - tokenize_s[ok] - batcher_s[ok])
+        sc, sp = fit_line(length, tokenize_s[ok])
+        dc, dp = fit_line(length, client_s[ok] - tokenize_s[ok] - batcher_s[ok])
         return cls(sc, sp, dc, dp)
 
     def mean_s(self, tokens: np.ndarray) -> float:
@@ -81,8 +81,8 @@ class FrontEnd:
         return cls(**{k: float(v) for k, v in d.items()})
 
 
-def _line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-    """``y ~ a + b x`` by least squares on the middle 90% of residuals, with a, b >= 0 (a negative slope
+def fit_line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """``y ~ a + b x`` by least squares without the worst 10% of residuals, with a, b >= 0 (a negative slope
     or intercept is noise: fall back to the one-parameter fit)."""
     a, b = _lstsq(x, y)
     keep = np.abs(y - a - b * x) <= np.percentile(np.abs(y - a - b * x), 90)  # drop the scheduler hiccups

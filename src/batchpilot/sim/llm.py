@@ -34,8 +34,8 @@ def default_llm_cost_model() -> CostModel:
     """
     return CostModel(
         feature_names=LLM_FEATURES,
-        latency_coef=(0.012, 2.5e-4, 6.0e-4, 2.0e-7, 2.0e-9),
-        memory_coef=(0.0, 0.0, 0.0, 0.0, 0.0),
+        latency_coef=(0.012, 2.5e-4, 6.0e-4, 2.0e-7, 2.0e-9, 0.0),
+        memory_coef=(0.0,) * 6,
         rel_residuals=(-0.1, 0.0, 0.1, 0.3),
         meta={"source": "default_llm_cost_model"},
     )
@@ -67,7 +67,7 @@ class LLMTarget:
 
     def __init__(self, scheduler: LLMScheduler, workload: Workload, cost_model: CostModel,
                  noise: bool = False, seed: int = 0) -> None:
-        if tuple(cost_model.feature_names) != LLM_FEATURES:
+        if not {"const", "decode_seqs"} <= set(cost_model.feature_names) <= set(LLM_FEATURES):
             raise ValueError(f"LLM target: the cost model has features {cost_model.feature_names}, an LLM "
                              f"step model needs {LLM_FEATURES}; profile the LLM (not the encoder)")
         self.scheduler = scheduler
@@ -142,6 +142,8 @@ class LLMSimReport:
     num_preemptions: int
     num_steps: int
     mean_step_tokens: float
+    mean_step_s: float = math.nan
+    mean_step_seqs: float = math.nan
 
     def rows(self) -> list[tuple[str, str]]:
         ms = lambda x: f"{x * 1e3:.1f} ms"  # noqa: E731
@@ -189,6 +191,8 @@ class LLMSimRun:
             e2e_p50=q(e2e, 50), e2e_p99=q(e2e, 99), num_preemptions=self.num_preemptions,
             num_steps=len(rec.step_start),
             mean_step_tokens=float(np.mean(rec.step_tokens)) if rec.step_tokens else 0.0,
+            mean_step_s=float(np.mean(rec.step_duration)) if rec.step_duration else math.nan,
+            mean_step_seqs=float(np.mean(rec.step_seqs)) if rec.step_seqs else math.nan,
         )
 
 
