@@ -259,3 +259,31 @@ def test_the_same_scheduler_runs_in_the_simulator() -> None:
     # steps never exceed the token budget and the first step is the cost model's price for its shape
     assert max(run.record.step_tokens) <= 32
     assert run.record.step_duration[0] > default_llm_cost_model().latency_coef[0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 200), st.integers(1, 6), st.integers(1, 12))
+def test_decode_groups_partition_the_decodes(n: int, max_groups: int, min_group: int) -> None:
+    from batchpilot.core.llm_scheduler import decode_groups
+
+    groups = decode_groups(n, max_groups, min_group)
+    assert [i for a, b in groups for i in range(a, b)] == list(range(n))  # a partition, in order
+    assert len(groups) <= max(max_groups, 1)
+    if len(groups) > 1:
+        assert min(b - a for a, b in groups) >= min_group - 1  # equal counts, rounding aside
+
+
+def test_step_shape_counts_the_kv_the_runner_gathers() -> None:
+    """Decodes are padded to the longest context of their group: 120/250/380 read 3 x 380."""
+    from batchpilot.core.llm_scheduler import ScheduledChunk
+
+    def dec(i: int, ctx: int) -> ScheduledChunk:
+        return ScheduledChunk(i, ctx - 1, [5], [0], True, True)
+
+    prefill = ScheduledChunk(9, 0, [7] * 10, [1], True, False)
+    plan = StepPlan(0, [dec(0, 250), dec(1, 120), dec(2, 380), prefill])
+    shape = plan.shape
+    assert (shape.decode_seqs, shape.prefill_tokens) == (3, 10)
+    assert shape.kv_tokens == 3 * 380 + 10
+    many = StepPlan(0, [dec(i, 100 + i) for i in range(16)])  # two groups of 8, each padded to its own max
+    assert many.shape.kv_tokens == 8 * 107 + 8 * 115

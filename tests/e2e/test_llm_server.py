@@ -180,6 +180,9 @@ def test_step_counters_and_serving_calibration(server: tuple[str, LLMEngine, Col
     steps = after.num_steps - before.num_steps
     assert steps >= 12 and after.step_seqs - before.step_seqs >= steps  # >= 1 sequence per step
     assert 0 < after.forward_seconds - before.forward_seconds < after.step_seconds - before.step_seconds
+    feats = {k: after.step_features[k] - before.step_features.get(k, 0.0) for k in after.step_features}
+    assert feats["const"] == steps and feats["decode_seqs"] + feats["prefill_tokens"] >= steps
+    assert feats["multi_row"] <= steps and cal.first_token_delay_s >= 0.0
     # every lockstep gap is a live step: at least the forward it contains, so the overhead is >= 0 and
     # the served model adds exactly the fitted terms to const and decode_seqs
     assert all(c > 0 for c in cal.client_itl_s)

@@ -70,13 +70,18 @@ def engine_config_and_profile(out: Path, profile: str | None, cpus: str | None) 
     return config, cost_model
 
 
-def simulate(workload: Workload, config: Any, cost_model: CostModel, sla_s: float) -> tuple[Summary, Any]:
-    """The simulated run as a ``Summary`` whose latency percentiles are TTFT (what the SLA is on)."""
+def simulate(workload: Workload, config: Any, cost_model: CostModel, sla_s: float,
+             ttft_delay_s: float = 0.0) -> tuple[Summary, Any]:
+    """The simulated run as a ``Summary`` whose latency percentiles are TTFT (what the SLA is on).
+    ``ttft_delay_s``: a constant time before a request reaches the engine and its first token the
+    client (HTTP, the first SSE event); the same shift for every request leaves the engine's schedule
+    unchanged, so it adds exactly to TTFT and nothing to TPOT."""
     from ..sim.llm import simulate_llm
 
     run = simulate_llm(workload, config, cost_model)
     rep = run.report()
-    ttft = {"p50": rep.ttft_p50, "p90": math.nan, "p99": rep.ttft_p99, "p99.9": math.nan}
+    ttft = {"p50": rep.ttft_p50 + ttft_delay_s, "p90": math.nan, "p99": rep.ttft_p99 + ttft_delay_s,
+            "p99.9": math.nan}
     n = rep.num_requests
     s = Summary(num_requests=n, num_ok=rep.num_finished, num_warmup=0, duration_s=rep.duration_s,
                 offered_rps=workload.mean_rate, throughput_rps=rep.num_finished / rep.duration_s
@@ -100,6 +105,7 @@ class ServingCalibration:
     model_step_s: list[float]  # the step profile's prediction for the same decode step
     extra_const_s: float
     extra_per_seq_s: float
+    first_token_delay_s: float = 0.0  # one stream's TTFT at the client minus its predicted prefill step
 
     def rows(self) -> list[list[Any]]:
         return [[k, round(c * 1e3, 2), round(m * 1e3, 2), round((c - m) * 1e3, 2)]
@@ -122,7 +128,7 @@ def calibrate_serving(url: str, cost_model: CostModel, levels: tuple[int, ...] =
     from ..sim.frontend import fit_line
     from ..sim.traces import Workload
 
-    itl, predicted = [], []
+    itl, predicted, first = [], [], math.nan
     levels = tuple(k for k in levels if max_streams is None or k <= max_streams)
     for k in levels:
         wl = Workload.from_columns("calibration", [0.0] * k, [prompt_tokens] * k, [max_tokens] * k)
@@ -133,6 +139,9 @@ def calibrate_serving(url: str, cost_model: CostModel, levels: tuple[int, ...] =
             raise RuntimeError(f"calibration stream failed: {bad[0].status} {bad[0].error}")
         # the first gaps overlap the other streams' prefills: keep the lockstep decode part
         gaps = [g for r in res.records for g in r.itl_s[4:]]
+        if k == levels[0] == 1:  # alone: TTFT = HTTP in + one prefill step + the first SSE event out
+            prefill = StepShape(prompt_tokens, 0, prompt_tokens, prompt_tokens * prompt_tokens)
+            first = max(res.records[0].ttft_s - cost_model.latency(prefill.features()), 0.0)
         itl.append(float(np.median(gaps)))
         ctx = prompt_tokens + max_tokens // 2
         predicted.append(cost_model.latency(StepShape(0, k, k * ctx).features()))
@@ -142,10 +151,12 @@ def calibrate_serving(url: str, cost_model: CostModel, levels: tuple[int, ...] =
             for n, c in zip(names, cost_model.latency_coef, strict=True)]
     served = dataclasses.replace(cost_model, latency_coef=tuple(coef),
                                  meta={**cost_model.meta, "serving_overhead": {"const_s": a, "per_seq_s": b}})
-    return served, ServingCalibration(list(levels), itl, predicted, a, b)
+    return served, ServingCalibration(list(levels), itl, predicted, a, b,
+                                      first if math.isfinite(first) else 0.0)
 
 
-def diagnosis_rows(load: float, rep: Any, res: Any, m: Summary) -> list[list[Any]]:
+def diagnosis_rows(load: float, rep: Any, res: Any, m: Summary, cost_model: CostModel,
+                   profiled: CostModel) -> list[list[Any]]:
     """Server-side TTFT and inter-token means (the engine's own histograms) against the client's, and
     the engine's mean step (wall, and its forward + sampling part) against the simulated step: what the
     step profile leaves out (scheduling, detokenising, delivering, the event loop sharing the core)."""
@@ -159,12 +170,19 @@ def diagnosis_rows(load: float, rep: Any, res: Any, m: Summary) -> list[list[Any
     c_itl = sum(gaps) / len(gaps) if gaps else math.nan
     steps = _delta(ser, "batchpilot_llm_steps_total")
     per_step = lambda name: _delta(ser, name) / steps if steps and steps > 0 else math.nan  # noqa: E731
+    # the step model is linear: its mean over the live steps is its value on their mean features
+    live_feats = {f: per_step(f"batchpilot_llm_step_feature_total{{feature={f}}}")
+                  for f in cost_model.feature_names}
     return [[f"{load:.0%}", "TTFT", "-", ms(s_ttft), ms(c_ttft)],
             [f"{load:.0%}", "inter-token gap (client: per SSE chunk)", "-", ms(s_itl), ms(c_itl)],
             [f"{load:.0%}", "engine step (wall)", ms(rep.mean_step_s),
              ms(per_step("batchpilot_llm_step_seconds_total")), "-"],
             [f"{load:.0%}", "  of which forward + sampling", "-",
              ms(per_step("batchpilot_llm_step_forward_seconds_total")), "-"],
+            [f"{load:.0%}", "  step model + serving overhead on the live steps (their exact mean shape)",
+             ms(cost_model.latency(live_feats)), "-", "-"],
+            [f"{load:.0%}", "  step profile alone on the live steps (vs forward + sampling)",
+             ms(profiled.latency(live_feats)), "-", "-"],
             [f"{load:.0%}", "sequences per step (not ms)", round(rep.mean_step_seqs, 2),
              round(per_step("batchpilot_llm_step_seqs_total"), 2), "-"],
             [f"{load:.0%}", "tokens per engine step (not ms)", round(rep.mean_step_tokens, 1), "-", "-"]]
@@ -216,12 +234,14 @@ def main(args: argparse.Namespace) -> int:
             wait_idle(url, 30.0)
             cost_model, cal = calibrate_serving(url, profiled, max_streams=config.max_num_seqs)
             print(f"serving overhead per step (concurrent streams, no queueing): "
-                  f"{cal.extra_const_s * 1e3:.2f} ms + {cal.extra_per_seq_s * 1e3:.3f} ms per stream\n"
+                  f"{cal.extra_const_s * 1e3:.2f} ms + {cal.extra_per_seq_s * 1e3:.3f} ms per stream; "
+                  f"first token {cal.first_token_delay_s * 1e3:.2f} ms beyond its prefill step\n"
                   + text_table(CAL_HEAD, cal.rows()), flush=True)
             result["serving_calibration"] = dataclasses.asdict(cal)
             result["served_cost_model"] = cost_model.to_dict()
             wait_idle(url, 30.0)
-        cap = search_capacity(lambda k: simulate(wl.scale_rate(k), config, cost_model, args.sla)[0],
+        delay = cal.first_token_delay_s if cal is not None else 0.0
+        cap = search_capacity(lambda k: simulate(wl.scale_rate(k), config, cost_model, args.sla, delay)[0],
                               CapacityConfig(sla_s=args.sla, rel_tol=0.03, max_probes=30, lo=1e-3, hi=256.0))
         print(f"simulated capacity: rate scale {cap.rate_scale:.3f} = {cap.rps:.2f} req/s", flush=True)
         result.update(capacity_scale=cap.rate_scale, capacity_rps=cap.rps)
@@ -231,7 +251,7 @@ def main(args: argparse.Namespace) -> int:
         for load in args.loads:
             k = load * cap.rate_scale
             rows_wl = probe_workload(wl, k, args.max_live_s)
-            pred, rep = simulate(rows_wl, config, cost_model, args.sla)
+            pred, rep = simulate(rows_wl, config, cost_model, args.sla, delay)
             core = simulate(rows_wl, config, profiled, args.sla)[0] if cal is not None else pred
             if args.warmup_requests:
                 warm = rows_wl.slice(0, min(args.warmup_requests, len(rows_wl)))
@@ -254,7 +274,7 @@ def main(args: argparse.Namespace) -> int:
                      _row(load, k, "TPOT P99 ms", pred.tpot["p99"], tp["p99"], 1e3, core.tpot["p99"]),
                      _row(load, k, "output tok/s", pred.output_tokens_per_s, m.output_tokens_per_s, 1.0,
                           core.output_tokens_per_s)]
-            diag += diagnosis_rows(load, rep, res, m)
+            diag += diagnosis_rows(load, rep, res, m, cost_model, profiled)
             write_csv(res.records, out / f"records-llm-{int(load * 100)}.csv")
             runs.append(RunData(f"llm live {load:.0%}", res.records, m, res.metrics, {"rate_scale": k}))
             result["points"].append({"load": load, "rate_scale": k, "rows": len(rows_wl),

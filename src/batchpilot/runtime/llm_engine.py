@@ -86,6 +86,9 @@ class EngineStats:
     step_seconds: float = 0.0  # wall time of every step: schedule, forward, sample, detokenise, deliver
     forward_seconds: float = 0.0  # of which forward + sampling (what the step profile times)
     step_seqs: int = 0  # sequences summed over steps (step_seqs / num_steps = mean batch)
+    # every step's cost-model features (StepShape.features), summed: the step model is linear, so its
+    # prediction for all the steps run is its prediction on these sums, comparable with step_seconds
+    step_features: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 class _Stream:
@@ -130,6 +133,7 @@ class LLMEngine:
         self.step_seconds = 0.0
         self.forward_seconds = 0.0
         self.step_seqs = 0
+        self.step_features: dict[str, float] = {}
         self._decode = make_decode(tokenizer)
         self._stats = self._snapshot()
 
@@ -221,7 +225,7 @@ class LLMEngine:
         return EngineStats(s.num_running, s.num_waiting, b.num_blocks, b.num_free, b.usage, b.fragmentation,
                            s.num_preemptions, s.num_rejected, self.num_steps, self.num_generated_tokens,
                            recent / self.window_s, b.num_cache_hit_tokens, self.step_seconds,
-                           self.forward_seconds, self.step_seqs)
+                           self.forward_seconds, self.step_seqs, dict(self.step_features))
 
     def _drain_inbox(self) -> None:
         while True:
@@ -262,6 +266,9 @@ class LLMEngine:
                         stream.put(RuntimeError(f"generation failed: {exc}"))
             self.num_steps += 1
             self.step_seqs += len(plan.chunks)
+            feats = self.step_features
+            for name, value in plan.shape.features().items():
+                feats[name] = feats.get(name, 0.0) + value
             self.step_seconds += time.perf_counter() - t0
             self._stats = self._snapshot()
         for stream in self._streams.values():

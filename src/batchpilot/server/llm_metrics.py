@@ -49,6 +49,12 @@ class _EngineCollector(Collector):
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"batchpilot_llm_{name}", doc, value=float(value))
+        feats = CounterMetricFamily("batchpilot_llm_step_feature",
+                                    "Step cost-model features (StepShape) summed over engine steps",
+                                    labels=["feature"])
+        for name, value in sorted(s.step_features.items()):
+            feats.add_metric([name], float(value))
+        yield feats
 
 
 class LLMMetrics:

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from ...core.llm_scheduler import ScheduledChunk
+from ...core.llm_scheduler import DECODE_MAX_GROUPS, DECODE_MIN_GROUP, ScheduledChunk, decode_groups
 from .weights import LlamaWeights
 
 
@@ -66,7 +66,8 @@ class LLMModelRunner:
 
     def __init__(self, weights: LlamaWeights, num_kv_blocks: int, block_size: int,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 max_decode_groups: int = 4, min_decode_group: int = 8) -> None:
+                 max_decode_groups: int = DECODE_MAX_GROUPS,
+                 min_decode_group: int = DECODE_MIN_GROUP) -> None:
         self.max_decode_groups = max_decode_groups
         self._buffers = [torch.empty(0, dtype=dtype, device=device) for _ in range(2)]
         self.min_decode_group = min_decode_group
@@ -118,14 +119,9 @@ class LLMModelRunner:
         return out
 
     def _decode_groups(self, ctx_sorted: list[int]) -> list[tuple[int, int]]:
-        """Split decodes (sorted by context) into <= ``max_groups`` runs of equal count: padding each run
-        to its own longest context gathers far fewer keys than padding all to the batch's longest."""
-        n = len(ctx_sorted)
-        if n == 0:
-            return []
-        k = max(1, min(self.max_decode_groups, n // self.min_decode_group))
-        bounds = [round(i * n / k) for i in range(k + 1)]
-        return [(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+        """Split decodes (sorted by context) into runs padded to their own longest context: the core's
+        rule (``core.llm_scheduler.decode_groups``), which the cost model's KV feature counts too."""
+        return decode_groups(len(ctx_sorted), self.max_decode_groups, self.min_decode_group)
 
     @torch.inference_mode()
     def forward(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
