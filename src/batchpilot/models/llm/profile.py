@@ -53,19 +53,20 @@ def time_step(runner: LLMModelRunner, plan: StepPlan, repeats: int = 3) -> float
 
 
 def profile_llm_steps(runner: LLMModelRunner, *,
-                      prefill_lengths: Sequence[int] = (16, 32, 64, 128, 256, 512),
+                      prefill_lengths: Sequence[int] = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512),
                       decode_batches: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
                       decode_contexts: Sequence[int] = (64, 256, 1024),
-                      mixed_prefills: Sequence[int] = (32, 128),
+                      mixed_prefills: Sequence[int] = (32, 128, 256),
                       mixed_decodes: Sequence[int] = (1, 4, 16),
-                      repeats: int = 5) -> CostModel:
+                      repeats: int = 7) -> CostModel:
     """Time pure prefills, pure decode batches at several contexts, and mixed steps (a prefill chunk
     beside decodes, what a continuous batch mostly runs), then fit the step model.
 
     The grid covers the region a small continuous batch lives in (1-16 decodes, prompts of tens to
     hundreds of tokens) densely: a grid of 12 points (prefills 16/128/512, decodes 1/16/64) left the
     fixed cost undetermined, 8 ms in one profile and 13 ms in the next on the same machine, while the
-    live engine's one-sequence step took 9.7 ms (docs/loadgen.md, LLM fidelity)."""
+    live engine's one-sequence step took 9.7 ms (docs/loadgen.md, LLM fidelity). Ten prompt lengths:
+    with six, the split between ``prefill_tokens`` and ``prefill_attn`` moved 17x between two profiles."""
     points = []
     shapes: list[tuple[list[int], int, int]] = []
     shapes += [([n], 0, 1) for n in prefill_lengths]
