@@ -105,7 +105,8 @@ class ServingCalibration:
     model_step_s: list[float]  # the step profile's prediction for the same decode step
     extra_const_s: float
     extra_per_seq_s: float
-    first_token_delay_s: float = 0.0  # one stream's TTFT at the client minus its predicted prefill step
+    first_token_delay_s: float = 0.0
+    extra_multi_row_s: float = 0.0  # one stream's TTFT at the client minus its predicted prefill step
 
     def rows(self) -> list[list[Any]]:
         return [[k, round(c * 1e3, 2), round(m * 1e3, 2), round((c - m) * 1e3, 2)]
@@ -123,8 +124,10 @@ def calibrate_serving(url: str, cost_model: CostModel, levels: tuple[int, ...] =
     ``k`` streams started together decode in lockstep, so each one's inter-token gap is one live step of
     ``k`` decodes — forward and sampling, plus scheduling, detokenising, handing every token to the
     event loop and writing one SSE event per stream, all on the server's cores. The gap minus the
-    profile's prediction for that step, fitted as ``a + b k``, is added to the ``const`` and
-    ``decode_seqs`` coefficients (the same per-sequence work follows every sampled token)."""
+    profile's prediction for that step is fitted on the step model's own terms — ``const`` (every
+    step), ``multi_row`` (k >= 2) and ``decode_seqs`` (per stream) — and added to them: a profile taken
+    minutes earlier in another process can be off by 30-50% (CPU clocks, cache state), and a one-line
+    ``a + b k`` fit charged a single decode the multi-row jump it never takes."""
     from ..sim.frontend import fit_line
     from ..sim.traces import Workload
 
@@ -145,14 +148,23 @@ def calibrate_serving(url: str, cost_model: CostModel, levels: tuple[int, ...] =
         itl.append(float(np.median(gaps)))
         ctx = prompt_tokens + max_tokens // 2
         predicted.append(cost_model.latency(StepShape(0, k, k * ctx).features()))
-    a, b = fit_line(np.array(levels, dtype=float), np.array(itl) - np.array(predicted))
+    ks = np.array(levels, dtype=float)
+    gap = np.array(itl) - np.array(predicted)
     names = cost_model.feature_names
-    coef = [c + (a if n == "const" else b if n == "decode_seqs" else 0.0)
-            for n, c in zip(names, cost_model.latency_coef, strict=True)]
+    if 1 in levels and len(levels) >= 3 and "multi_row" in names:
+        # the same three step features the gap can depend on: every step, two rows or more, per stream
+        delta = np.linalg.lstsq(np.column_stack([np.ones_like(ks), (ks >= 2).astype(float), ks]), gap,
+                                rcond=None)[0]
+        a, m, b = (float(x) for x in delta)
+    else:
+        (a, b), m = fit_line(ks, gap), 0.0
+    extra = {"const": a, "multi_row": m, "decode_seqs": b}
+    coef = [max(c + extra.get(n, 0.0), 0.0) for n, c in zip(names, cost_model.latency_coef, strict=True)]
     served = dataclasses.replace(cost_model, latency_coef=tuple(coef),
-                                 meta={**cost_model.meta, "serving_overhead": {"const_s": a, "per_seq_s": b}})
+                                 meta={**cost_model.meta, "serving_overhead": {
+                                     "const_s": a, "multi_row_s": m, "per_seq_s": b}})
     return served, ServingCalibration(list(levels), itl, predicted, a, b,
-                                      first if math.isfinite(first) else 0.0)
+                                      first if math.isfinite(first) else 0.0, m)
 
 
 def diagnosis_rows(load: float, rep: Any, res: Any, m: Summary, cost_model: CostModel,
@@ -234,7 +246,8 @@ def main(args: argparse.Namespace) -> int:
             wait_idle(url, 30.0)
             cost_model, cal = calibrate_serving(url, profiled, max_streams=config.max_num_seqs)
             print(f"serving overhead per step (concurrent streams, no queueing): "
-                  f"{cal.extra_const_s * 1e3:.2f} ms + {cal.extra_per_seq_s * 1e3:.3f} ms per stream; "
+                  f"{cal.extra_const_s * 1e3:.2f} ms + {cal.extra_multi_row_s * 1e3:.2f} ms from 2 streams + "
+                  f"{cal.extra_per_seq_s * 1e3:.3f} ms per stream; "
                   f"first token {cal.first_token_delay_s * 1e3:.2f} ms beyond its prefill step\n"
                   + text_table(CAL_HEAD, cal.rows()), flush=True)
             result["serving_calibration"] = dataclasses.asdict(cal)
