@@ -293,14 +293,8 @@ def test_config_is_validated() -> None:
 
 
 def test_fidelity_rows_compare_the_simulator_with_a_measurement() -> None:
-    from batchpilot.bench.fidelity import (
-        Measurement,
-        _histogram_mean,
-        comparison_rows,
-        diagnosis_rows,
-        model_time_of_live_batches,
-        simulate,
-    )
+    from batchpilot.bench.fidelity import Measurement, _histogram_mean, simulate
+    from batchpilot.bench.fidelity_tables import comparison_rows, diagnosis_rows, model_time_of_live_batches
     from batchpilot.core.config import SchedulerConfig
     from batchpilot.core.costmodel import CostModel
 

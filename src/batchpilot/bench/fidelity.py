@@ -35,14 +35,14 @@ from ..core.config import SchedulerConfig
 from ..core.costmodel import CostModel
 from ..sim.frontend import FrontEnd
 from ..sim.traces import Workload
-from .capacity import CapacityConfig, live_capacity, probe_rows, probe_workload, wait_idle
+from .capacity import probe_workload, wait_idle
+from .fidelity_tables import DIAG_HEAD, HEAD, comparison_rows, diagnosis_rows, text_table
 from .loadgen import LoadGenConfig, build_plan, load_tokenizer, one_by_one_async, replay
 from .records import RequestRecord, Summary, format_summary, summarize, write_csv
 from .report import RunData, html_table, write_report
 from .scrape import MetricsSeries
 from .serverproc import pinned, serve
 
-TARGETS = {"p50": 0.10, "p99": 0.10, "throughput": 0.05}
 DEFAULT_REQUESTS = 400
 
 
@@ -238,88 +238,6 @@ def _delta(series: MetricsSeries, name: str) -> float:
     return v[-1] - v[0] if len(v) >= 2 else math.nan
 
 
-def model_time_of_live_batches(cost_model: CostModel, server: dict[str, float]) -> float:
-    """The cost model's latency for the live run's *mean* batch (n and computed tokens from the server's
-    counters). The attention term needs sum(n * padded_len^2), which the server does not export, so it
-    is left out: this isolates the const/n/tokens part of the model from batch-formation differences."""
-    n, tokens = server.get("batch_size", math.nan), server.get("computed_tokens_per_batch", math.nan)
-    if not (math.isfinite(n) and math.isfinite(tokens)):
-        return math.nan
-    return cost_model.latency({"const": 1.0, "n": n, "tokens": tokens, "attn": 0.0})
-
-
-def _err(pred: float, meas: float) -> float:
-    return (pred - meas) / meas if meas and math.isfinite(meas) and math.isfinite(pred) else math.nan
-
-
-HEAD = ["load", "rate scale", "metric", "predicted", "measured", "error", "target", "within",
-        "core only", "core-only error"]
-
-
-def comparison_rows(load: float, scale: float, pred: Prediction, live: Measurement,
-                    core: Prediction | None = None) -> list[list[Any]]:
-    """Predicted (with the calibrated front end) vs measured; ``core`` is the simulator of the batcher
-    alone (no front end), kept beside it so every run shows what the front-end stage changes."""
-    m = live.summary
-    rows = []
-    live_bs = live.server.get("batch_size", math.nan)
-    core = core or pred
-    for key, p, c, v, unit in (
-            ("P50 ms", pred.summary.p50, core.summary.p50, m.p50, 1e3),
-            ("P99 ms", pred.summary.p99, core.summary.p99, m.p99, 1e3),
-            ("throughput req/s", pred.summary.throughput_rps, core.summary.throughput_rps,
-             m.throughput_rps, 1.0),
-            ("mean batch size", pred.report.mean_batch_size, core.report.mean_batch_size, live_bs, 1.0)):
-        e, ec = _err(p, v), _err(c, v)
-        tgt = TARGETS.get(key.split()[0].lower())
-        ok = "" if tgt is None or not math.isfinite(e) else ("yes" if abs(e) <= tgt else "NO")
-        rows.append([f"{load:.0%}", f"{scale:.3f}", key, round(p * unit, 2), round(v * unit, 2),
-                     f"{e:+.1%}" if math.isfinite(e) else "-", f"±{tgt:.0%}" if tgt else "", ok,
-                     round(c * unit, 2), f"{ec:+.1%}" if math.isfinite(ec) else "-"])
-    return rows
-
-
-DIAG_HEAD = ["load", "quantity (mean, ms)", "simulated", "live"]
-
-
-def diagnosis_rows(load: float, pred: Prediction, live: Measurement,
-                   cost_model: CostModel) -> list[list[Any]]:
-    """Where the time goes. Client latency = outside the batcher (HTTP, JSON, tokenisation, event loop)
-    + batcher latency (queue + executor); the simulator only has the second part."""
-    s = live.server
-    ms = lambda x: round(x * 1e3, 2) if math.isfinite(x) else "-"  # noqa: E731
-    client = live.summary.latency_mean_s
-    outside = client - s.get("batcher_latency_s", math.nan)
-    rows = [
-        [f"{load:.0%}", "end-to-end latency (client)", ms(pred.summary.latency_mean_s), ms(client)],
-        [f"{load:.0%}", "  outside the batcher: HTTP + tokenise + loop",
-         ms(pred.summary.latency_mean_s - pred.report.extra.get("batcher_latency_mean_s", math.nan)),
-         ms(outside)],
-        [f"{load:.0%}", "  batcher latency (arrival at batcher -> result)",
-         ms(pred.report.extra.get("batcher_latency_mean_s", math.nan)),
-         ms(s.get("batcher_latency_s", math.nan))],
-        [f"{load:.0%}", "    queue time (arrival -> dispatch)", ms(pred.mean_queue_s),
-         ms(s.get("queue_s", math.nan))],
-        [f"{load:.0%}", "executor time per batch", ms(pred.mean_batch_s),
-         ms(s.get("batch_run_s", math.nan))],
-        [f"{load:.0%}", "  cost model on the live mean batch (no attn term)",
-         ms(model_time_of_live_batches(cost_model, s)), "-"],
-        [f"{load:.0%}", "computed tokens per batch (not ms)", round(pred.mean_tokens, 1),
-         round(s.get("computed_tokens_per_batch", math.nan), 1)],
-        [f"{load:.0%}", "HTTP handler time (server)", "-", ms(s.get("http_handler_s", math.nan))],
-        [f"{load:.0%}", "send lag P99 (load generator)", 0.0, ms(live.summary.send_lag["p99"])],
-    ]
-    return rows
-
-
-def text_table(head: list[str], rows: list[list[Any]]) -> str:
-    cells = [head] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(head))]
-    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths,
-                                                                                              strict=True)))
-                     for r in cells)
-
-
 def main(args: argparse.Namespace) -> int:
     from ..sim.workloads import load_workload
 
@@ -420,7 +338,11 @@ def main(args: argparse.Namespace) -> int:
     print("\nWhere the time goes (means; server histograms over the same runs)\n" + diag_table, flush=True)
     sections = [("Fidelity: predicted vs measured", html_table(HEAD, rows)),
                 ("Where the time goes", html_table(DIAG_HEAD, diag))]
-    tuned_path = args.tuned_config or (run_tune(out, args, profile) if args.tune else None)
+    tuned_path = None
+    if args.tuned_config or args.tune:
+        from .tuner_check import run_tune, tuner_check
+
+        tuned_path = args.tuned_config or run_tune(out, args, profile)
     if tuned_path:
         tuned = tuner_check(args, wl, texts, cost_model, profile, tuned_path)
         result["tuner"] = tuned
@@ -449,63 +371,3 @@ def _pin_self(cpus: str | None) -> None:
     if rest:
         os.sched_setaffinity(0, rest)
         print(f"load generator pinned to cores {sorted(rest)}, server and profiler to {sorted(server)}")
-
-
-def run_tune(out: Path, args: argparse.Namespace, profile: Path) -> str:
-    path = out / "tuned.yaml"
-    cmd = [sys.executable, "-m", "batchpilot.cli", "tune", "--workload", args.workload, "--start",
-           str(args.start), "--requests", str(args.requests or DEFAULT_REQUESTS), "--profile", str(profile),
-           "--sla-p99", str(args.sla), "-o", str(path), *shlex.split(args.tune_args)]
-    print("tuning:", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True)
-    return str(path)
-
-
-def tuner_check(args: argparse.Namespace, wl: Workload, texts: list[str], cost_model: CostModel,
-                profile: Path, tuned_path: str) -> dict[str, Any]:
-    """The tuner's config against the default, both live: bounded live capacity search starting from
-    each config's simulated capacity, and goodput at one shared rate (the tuned config's simulated
-    capacity, where the default should already be past its own)."""
-    base = args.baseline_config
-    configs = {"default": (base, load_config(base)), "tuned": (tuned_path, load_config(tuned_path))}
-    sims = {name: sim_capacity(wl, cfg, cost_model, args.sla) for name, (_, cfg) in configs.items()}
-    shared = sims["tuned"].capacity
-    out: dict[str, Any] = {"tuned_config": tuned_path, "baseline_config": base or "SchedulerConfig()",
-                           "shared_rate_scale": shared}
-    for name, (path, cfg) in configs.items():
-        serve_args = ["--profile", str(profile), "--log-level", "warning",
-                      *(["--config", path] if path else []), *shlex.split(args.serve_args)]
-        with serve(serve_args, log_path=Path(args.out) / f"serve-{name}.log", cpus=args.cpus) as url:
-            start = max(sims[name].capacity * 0.8, 0.05)
-            # growth 1.5 and 9 probes: a stale profile can be off by 2-3x on a shared machine
-            ccfg = CapacityConfig(sla_s=args.sla, start=start, growth=1.5, lo=0.05, hi=256.0, rel_tol=0.1,
-                                  max_probes=9, probe_s=args.probe_s, cooldown_s=10.0)
-            lg = LoadGenConfig(url, progress=False)
-            warm_up(url, wl, texts, max(args.warmup_requests, 20))  # a cold server fails its first probes
-            cap = live_capacity(wl, lg, ccfg, texts=texts)
-            print(f"{name}: live capacity\n{cap.table()}", flush=True)
-            wait_idle(url, 10.0)
-            # the busiest window: where a better config shows (the burst), the same rows for both configs
-            first, count = probe_rows(wl, shared, args.max_live_s, busiest=True)
-            rows = wl.slice(first, count).scale_rate(shared)
-            at = measure(url, rows, texts[first: first + count], args.sla, args.warmup_requests, False, name)
-            pred = simulate(rows, served_config(cfg, cost_model, args.serve_args), cost_model, args.sla)
-        print(format_summary(at.summary, f"{name} live at x{shared:.3f}"), flush=True)
-        out[name] = {"sim_capacity_scale": sims[name].capacity, "sim_capacity_rps": sims[name].rps,
-                     "live_capacity_scale": cap.rate_scale, "live_capacity_rps": cap.rps,
-                     "live_goodput_rps_at_shared": at.summary.goodput_rps,
-                     "live_p99_s_at_shared": at.summary.p99,
-                     "sim_goodput_rps_at_shared": pred.summary.goodput_rps,
-                     "sim_p99_s_at_shared": pred.summary.p99}
-    d, t = out["default"], out["tuned"]
-    ratio = lambda a, b: a / b if b else math.nan  # noqa: E731
-    out["ratios"] = {
-        "capacity tuned/default, live": ratio(t["live_capacity_scale"], d["live_capacity_scale"]),
-        "capacity tuned/default, simulated": ratio(t["sim_capacity_scale"], d["sim_capacity_scale"]),
-        "goodput at shared rate tuned/default, live": ratio(t["live_goodput_rps_at_shared"],
-                                                            d["live_goodput_rps_at_shared"]),
-        "goodput at shared rate tuned/default, simulated": ratio(t["sim_goodput_rps_at_shared"],
-                                                                 d["sim_goodput_rps_at_shared"]),
-    }
-    print("tuner check:\n" + "\n".join(f"  {k}: {v:.3f}" for k, v in out["ratios"].items()), flush=True)
-    return out

@@ -220,7 +220,8 @@ def _row(load: float, k: float, name: str, p: float, m: float, unit: float, core
 
 def main(args: argparse.Namespace) -> int:
     from ..sim.workloads import load_workload
-    from .fidelity import _cores, _pin_self, text_table
+    from .fidelity import _cores, _pin_self
+    from .fidelity_tables import text_table
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
