@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import json
 import math
@@ -30,7 +31,7 @@ import numpy as np
 from ..core.costmodel import CostModel, StepShape
 from ..sim.traces import Workload
 from .capacity import CapacityConfig, probe_workload, search_capacity, wait_idle
-from .loadgen import LoadGenConfig, build_plan, replay
+from .loadgen import LoadGenConfig, build_plan, one_by_one_async, replay
 from .records import Summary, format_summary, percentiles, summarize, write_csv
 from .report import RunData, html_table, write_report
 from .serverproc import serve
@@ -144,7 +145,11 @@ def calibrate_serving(url: str, cost_model: CostModel, levels: tuple[int, ...] =
         gaps = [g for r in res.records for g in r.itl_s[4:]]
         if k == levels[0] == 1:  # alone: TTFT = HTTP in + one prefill step + the first SSE event out
             prefill = StepShape(prompt_tokens, 0, prompt_tokens, prompt_tokens * prompt_tokens)
-            first = max(res.records[0].ttft_s - cost_model.latency(prefill.features()), 0.0)
+            alone = Workload.from_columns("first-token", [0.0] * 7, [prompt_tokens] * 7, [2] * 7)
+            singles = asyncio.run(one_by_one_async(build_plan(alone, "completions"), LoadGenConfig(
+                url, "completions", model=model, progress=False, scrape_interval_s=0)))
+            ttfts = [r.ttft_s for r in singles + res.records if r.ok]
+            first = max(float(np.median(ttfts)) - cost_model.latency(prefill.features()), 0.0)
         itl.append(float(np.median(gaps)))
         ctx = prompt_tokens + max_tokens // 2
         predicted.append(cost_model.latency(StepShape(0, k, k * ctx).features()))
