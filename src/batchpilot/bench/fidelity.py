@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import math
 import os
@@ -31,9 +32,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..core.config import SchedulerConfig
 from ..core.costmodel import CostModel
 from ..sim.frontend import FrontEnd
+from ..sim.target import DONE
 from ..sim.traces import Workload
 from .capacity import probe_workload, wait_idle
 from .fidelity_tables import DIAG_HEAD, HEAD, comparison_rows, diagnosis_rows, text_table
@@ -104,9 +108,6 @@ def simulate(workload: Workload, config: SchedulerConfig, cost_model: CostModel,
 
     run = simulate_encoder(workload, config, cost_model, noise=noise, seed=seed, frontend=frontend)
     rep = sim_summarize(run, sla_s)
-    import numpy as np
-
-    from ..sim.target import DONE
 
     done = np.asarray(run.record.status) == DONE
     finish = np.asarray(run.record.finish_s, dtype=float)
@@ -218,10 +219,6 @@ def calibrate_frontend(url: str, workload: Workload, texts: list[str], n: int = 
     """Fit the simulator's front end (``sim.frontend.FrontEnd``) on this server: ``n`` rows spread over
     the slice's lengths, sent one at a time (``rounds`` times each, no queueing anywhere), with the
     server's ``Server-Timing`` split of each request."""
-    import asyncio
-
-    import numpy as np
-
     order = np.argsort(workload.input_tokens, kind="stable")
     pick = sorted({int(order[int(q)]) for q in np.linspace(0, len(order) - 1, min(n, len(order)))})
     plan_all = build_plan(workload, texts=texts[: len(workload)])
