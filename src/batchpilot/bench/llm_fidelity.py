@@ -134,10 +134,13 @@ def calibrate_serving(url: str, cost_model: CostModel, levels: tuple[int, ...] =
 
     itl, predicted, first = [], [], math.nan
     levels = tuple(k for k in levels if max_streams is None or k <= max_streams)
+    lg = LoadGenConfig(url, "completions", model=model, progress=False, scrape_interval_s=0)
+    for k in levels:  # an unmeasured pass first: a fresh server's first steps of each shape run slow
+        replay(build_plan(Workload.from_columns("warm-up", [0.0] * k, [prompt_tokens] * k, [8] * k),
+                          "completions"), lg)
     for k in levels:
         wl = Workload.from_columns("calibration", [0.0] * k, [prompt_tokens] * k, [max_tokens] * k)
-        res = replay(build_plan(wl, "completions"), LoadGenConfig(url, "completions", model=model,
-                                                                  progress=False, scrape_interval_s=0))
+        res = replay(build_plan(wl, "completions"), lg)
         bad = [r for r in res.records if not r.ok]
         if bad:
             raise RuntimeError(f"calibration stream failed: {bad[0].status} {bad[0].error}")
