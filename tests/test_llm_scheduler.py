@@ -287,3 +287,25 @@ def test_step_shape_counts_the_kv_the_runner_gathers() -> None:
     assert shape.kv_tokens == 3 * 380 + 10
     many = StepPlan(0, [dec(i, 100 + i) for i in range(16)])  # two groups of 8, each padded to its own max
     assert many.shape.kv_tokens == 8 * 107 + 8 * 115
+
+
+def test_a_preempted_recompute_longer_than_the_budget_is_chunked_even_with_chunking_off() -> None:
+    """Found by the property test above in a fresh CI run: a 27-token prompt fits the 28-token budget,
+    but after preemption its recompute is 32 tokens; with chunked prefill off it could never run."""
+    s = make_scheduler(num_kv_blocks=12, max_num_batched_tokens=28, max_num_seqs=2,
+                       enable_chunked_prefill=False)
+    work = [(1, 1), (1, 1), (1, 1), (6, 8), (27, 7)]
+    for i, (plen, mtok) in enumerate(work):
+        assert s.add(Sequence(i, [7 + (i % 2)] * plen, SamplingParams(max_tokens=mtok, ignore_eos=True),
+                              arrival=0.0)) is None
+    preempted = False
+    for _ in range(100):
+        plan = s.schedule()
+        preempted |= bool(plan.preempted)
+        assert not plan.is_empty or not s.has_unfinished(), "stalled"
+        assert plan.num_batched_tokens <= 28
+        s.update(plan, fake_tokens(plan))
+        if not s.has_unfinished():
+            break
+    assert preempted and not s.has_unfinished()
+    assert s.block_manager.num_free_blocks == 12

@@ -271,7 +271,10 @@ class LLMScheduler:
                 tokens = seq.all_token_ids
                 cached = bm.num_cached_tokens(seq.seq_id, tokens)
                 n = min(seq.num_tokens - cached, budget)
-                if not c.enable_chunked_prefill and n < seq.num_tokens - cached:
+                if not c.enable_chunked_prefill and n < seq.num_tokens - cached and not seq.num_preemptions:
+                    # a prompt waits for a step with room for all of it; a preempted sequence's
+                    # recompute (prompt + tokens generated so far) may exceed the budget, which only
+                    # chunks can serve: without them it would wait forever
                     break
                 if not bm.can_allocate(seq.seq_id, cached + n, tokens):
                     break
