@@ -321,6 +321,9 @@ def test_fidelity_rows_compare_the_simulator_with_a_measurement() -> None:
     series = MetricsSeries([0.0, 1.0], [first, parse_metrics(generate_latest(reg).decode())])
     name = "batchpilot_http_request_duration_seconds{route=/v1/embeddings}"
     assert _histogram_mean(series, name) == pytest.approx(0.3)
+    assert math.isnan(series.delta("batchpilot_http_request_duration_seconds_count{route=/v1/embeddings}"))
+    counter = MetricsSeries([0.0, 1.0, 2.0], [{"c_total": 5.0}, {"c_total": 7.0}, {"c_total": 12.0}])
+    assert counter.delta("c_total") == 7.0 and math.isnan(counter.delta("missing"))
     t = model_time_of_live_batches(cm, {"batch_size": 4.0, "computed_tokens_per_batch": 512.0})
     assert t == pytest.approx(cm.latency({"const": 1, "n": 4, "tokens": 512, "attn": 0}))
 

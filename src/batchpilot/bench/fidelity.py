@@ -198,10 +198,10 @@ def measure(url: str, workload: Workload, texts: list[str], sla_s: float, warmup
     m = Measurement(summarize(res.records, sla_s), res.records, res.metrics)
     if res.metrics is not None:
         m.server = {k: _histogram_mean(res.metrics, v) for k, v in SERVER_HISTOGRAMS.items()}
-        batches = _delta(res.metrics, "batchpilot_batch_size_count")
+        batches = res.metrics.delta("batchpilot_batch_size_count")
         for key, counter in (("computed_tokens_per_batch", "batchpilot_computed_tokens_total"),
                              ("useful_tokens_per_batch", "batchpilot_useful_tokens_total")):
-            m.server[key] = _delta(res.metrics, counter) / batches if batches > 0 else math.nan
+            m.server[key] = res.metrics.delta(counter) / batches if batches > 0 else math.nan
     return m
 
 
@@ -228,11 +228,6 @@ def calibrate_frontend(url: str, workload: Workload, texts: list[str], n: int = 
     fe = FrontEnd.fit(np.array([r.input_tokens for r in ok]), np.array([r.latency_s for r in ok]),
                       np.array([r.server_tokenize_s for r in ok]), np.array([r.server_batcher_s for r in ok]))
     return fe, recs
-
-
-def _delta(series: MetricsSeries, name: str) -> float:
-    t, v = series.series(name)
-    return v[-1] - v[0] if len(v) >= 2 else math.nan
 
 
 def main(args: argparse.Namespace) -> int:

@@ -188,8 +188,9 @@ def diagnosis_rows(load: float, rep: Any, res: Any, m: Summary, cost_model: Cost
     c_ttft = sum(r.ttft_s for r in ok) / len(ok) if ok else math.nan
     gaps = [g for r in ok for g in r.itl_s]
     c_itl = sum(gaps) / len(gaps) if gaps else math.nan
-    steps = _delta(ser, "batchpilot_llm_steps_total")
-    per_step = lambda name: _delta(ser, name) / steps if steps and steps > 0 else math.nan  # noqa: E731
+    delta = ser.delta if ser is not None else (lambda name: math.nan)
+    steps = delta("batchpilot_llm_steps_total")
+    per_step = lambda name: delta(name) / steps if steps and steps > 0 else math.nan  # noqa: E731
     # the step model is linear: its mean over the live steps is its value on their mean features
     live_feats = {f: per_step(f"batchpilot_llm_step_feature_total{{feature={f}}}")
                   for f in cost_model.feature_names}
@@ -206,13 +207,6 @@ def diagnosis_rows(load: float, rep: Any, res: Any, m: Summary, cost_model: Cost
             [f"{load:.0%}", "sequences per step (not ms)", round(rep.mean_step_seqs, 2),
              round(per_step("batchpilot_llm_step_seqs_total"), 2), "-"],
             [f"{load:.0%}", "tokens per engine step (not ms)", round(rep.mean_step_tokens, 1), "-", "-"]]
-
-
-def _delta(series: Any, name: str) -> float:
-    if series is None:
-        return math.nan
-    _, v = series.series(name)
-    return v[-1] - v[0] if len(v) >= 2 else math.nan
 
 
 def _row(load: float, k: float, name: str, p: float, m: float, unit: float, core: float) -> list[Any]:

@@ -45,6 +45,12 @@ class MetricsSeries:
         pts = [(t, v[name]) for t, v in zip(self.times, self.values, strict=True) if name in v]
         return [p[0] for p in pts], [p[1] for p in pts]
 
+    def delta(self, name: str) -> float:
+        """Last minus first scraped value of ``name`` (a counter's growth over the run); NaN with fewer
+        than two scrapes holding it."""
+        _, v = self.series(name)
+        return v[-1] - v[0] if len(v) >= 2 else math.nan
+
     def queue_names(self) -> list[str]:
         """Gauges that look like a queue length (by name), for the queue-over-time plot."""
         return [n for n in self.names() if any(h in n.lower() for h in QUEUE_HINTS) and "token" not in n
