@@ -73,7 +73,7 @@ class StepShape:
             "prefill_attn": float(self.prefill_attn),
             # A step of one token row (one decode, nothing else) runs every matmul as matrix x vector;
             # two rows or more take the matrix x matrix path, a fixed step up on CPU (the tiny Llama:
-            # one decode 11-12 ms, two 16-22 ms, four 17-32 ms; docs/loadgen.md, LLM fidelity).
+            # one decode 9.8 ms, two 18.6 ms, four 21.7 ms at 256 tokens: benchmarks/llm_step_shapes.py).
             "multi_row": float(self.prefill_tokens + self.decode_seqs >= 2),
         }
 
