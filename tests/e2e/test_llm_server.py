@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -196,3 +197,38 @@ def test_step_counters_and_serving_calibration(server: tuple[str, LLMEngine, Col
         assert diff[name] == pytest.approx(max(extra, -base[name]))
     assert diff["prefill_tokens"] == diff["kv_tokens"] == 0.0
     assert served.meta["serving_overhead"]["const_s"] == cal.extra_const_s
+
+
+def test_step_log_records_every_step_with_its_shape(server: tuple[str, LLMEngine, CollectorRegistry],
+                                                    tmp_path: Path) -> None:
+    """``serve --llm-step-log``: one line per engine step, its features summing to the engine's own
+    counters, and each busy interval at least the step's wall time (what the live fit is made of)."""
+    from batchpilot.bench.llm_steps import busy_intervals, read_steps
+    from batchpilot.runtime.llm_engine import StepLog
+
+    url, engine, _ = server
+    time.sleep(0.6)  # let the engine go idle: the first logged step then follows an idle wait
+    log = StepLog(str(tmp_path / "steps.jsonl"))
+    before = engine.stats()
+    engine.step_observers.append(log)
+    try:
+        async def streams() -> None:
+            async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+                await asyncio.gather(*(http.post("/v1/completions", json={
+                    "model": "m", "prompt": [5 + i] * (8 + 8 * i), "max_tokens": 10, "ignore_eos": True})
+                    for i in range(3)))
+        asyncio.run(streams())
+    finally:
+        engine.step_observers.remove(log)
+        log.close()
+    after = engine.stats()
+    steps, _ = read_steps(tmp_path / "steps.jsonl")
+    assert len(steps) == after.num_steps - before.num_steps >= 10
+    assert steps[0].after_idle
+    for name in ("const", "prefill_tokens", "decode_seqs", "multi_row"):
+        logged = sum(s.features.get(name, 0.0) for s in steps)
+        assert logged == pytest.approx(after.step_features[name] - before.step_features.get(name, 0.0))
+    assert all(0 < s.forward_s <= s.wall_s for s in steps if s.seqs)
+    for a, b in zip(steps, steps[1:], strict=False):
+        assert b.start >= a.start + a.wall_s  # steps never overlap: one engine thread
+    assert 0 < len(busy_intervals(steps)) < len(steps)

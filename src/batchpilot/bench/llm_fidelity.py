@@ -31,6 +31,7 @@ import numpy as np
 from ..core.costmodel import CostModel, StepShape
 from ..sim.traces import Workload
 from .capacity import CapacityConfig, probe_workload, search_capacity, wait_idle
+from .llm_steps import busy_intervals, fit_live_steps, read_steps
 from .loadgen import LoadGenConfig, build_plan, one_by_one_async, replay
 from .records import Summary, format_summary, percentiles, summarize, write_csv
 from .report import RunData, html_table, write_report
@@ -114,6 +115,35 @@ class ServingCalibration:
                 for k, c, m in zip(self.streams, self.client_itl_s, self.model_step_s, strict=True)]
 
 
+def lone_ttfts(url: str, prompt_tokens: int = 16, n: int = 7, model: str | None = None) -> list[float]:
+    """TTFTs of ``n`` short streams sent one at a time (nothing else running)."""
+    alone = Workload.from_columns("first-token", [0.0] * n, [prompt_tokens] * n, [2] * n)
+    singles = asyncio.run(one_by_one_async(build_plan(alone, "completions"), LoadGenConfig(
+        url, "completions", model=model, progress=False, scrape_interval_s=0)))
+    return [r.ttft_s for r in singles if r.ok]
+
+
+def first_token_delay(ttfts: list[float], cost_model: CostModel, prompt_tokens: int = 16) -> float:
+    """What a lone request's TTFT holds beyond its prefill step (HTTP in, waking the engine, the first
+    SSE event out): the median lone TTFT minus the step model's prefill."""
+    prefill = StepShape(prompt_tokens, 0, prompt_tokens, prompt_tokens * prompt_tokens)
+    return max(float(np.median(ttfts)) - cost_model.latency(prefill.features()), 0.0) if ttfts else 0.0
+
+
+def serving_ttft_delay(res: Any) -> float:
+    """What the client's TTFT holds beyond the engine's (HTTP in, handing the request to the engine
+    thread, the first SSE event out, the client), under load: the mean client TTFT over a run minus the
+    mean of the engine's own TTFT histogram over the same run (arrival at the engine to the token
+    leaving its step, what the simulator's TTFT is). Measured on the calibration run, not the one
+    predicted; a lone stream's was 3-4 ms against 8-9 ms under load."""
+    ok = [r.ttft_s for r in res.records if r.ok]
+    name = "batchpilot_llm_time_to_first_token_seconds"
+    server = res.metrics.histogram_mean(name) if res.metrics else math.nan
+    if not ok or not math.isfinite(server):
+        return 0.0
+    return max(float(np.mean(ok)) - server, 0.0)
+
+
 CAL_HEAD = ["concurrent streams", "client inter-token ms (median)", "step profile ms", "serving overhead ms"]
 
 
@@ -130,7 +160,6 @@ def calibrate_serving(url: str, cost_model: CostModel, levels: tuple[int, ...] =
     minutes earlier in another process can be off by 30-50% (CPU clocks, cache state), and a one-line
     ``a + b k`` fit charged a single decode the multi-row jump it never takes."""
     from ..sim.frontend import fit_line
-    from ..sim.traces import Workload
 
     itl, predicted, first = [], [], math.nan
     levels = tuple(k for k in levels if max_streams is None or k <= max_streams)
@@ -147,12 +176,8 @@ def calibrate_serving(url: str, cost_model: CostModel, levels: tuple[int, ...] =
         # the first gaps overlap the other streams' prefills: keep the lockstep decode part
         gaps = [g for r in res.records for g in r.itl_s[4:]]
         if k == levels[0] == 1:  # alone: TTFT = HTTP in + one prefill step + the first SSE event out
-            prefill = StepShape(prompt_tokens, 0, prompt_tokens, prompt_tokens * prompt_tokens)
-            alone = Workload.from_columns("first-token", [0.0] * 7, [prompt_tokens] * 7, [2] * 7)
-            singles = asyncio.run(one_by_one_async(build_plan(alone, "completions"), LoadGenConfig(
-                url, "completions", model=model, progress=False, scrape_interval_s=0)))
-            ttfts = [r.ttft_s for r in singles + res.records if r.ok]
-            first = max(float(np.median(ttfts)) - cost_model.latency(prefill.features()), 0.0)
+            ttfts = lone_ttfts(url, prompt_tokens, model=model) + [r.ttft_s for r in res.records if r.ok]
+            first = first_token_delay(ttfts, cost_model, prompt_tokens)
         itl.append(float(np.median(gaps)))
         ctx = prompt_tokens + max_tokens // 2
         predicted.append(cost_model.latency(StepShape(0, k, k * ctx).features()))
@@ -209,6 +234,20 @@ def diagnosis_rows(load: float, rep: Any, res: Any, m: Summary, cost_model: Cost
             [f"{load:.0%}", "tokens per engine step (not ms)", round(rep.mean_step_tokens, 1), "-", "-"]]
 
 
+def interval_rows(load: float, step_log: Path, offset: int, cost_model: CostModel) -> list[list[Any]]:
+    """The measured run's own busy step intervals (its step log) against the step model on exactly those
+    steps: whether a miss is the step cost or the schedule."""
+    if not step_log.exists():
+        return []
+    points = busy_intervals(read_steps(step_log, offset)[0])
+    if not points:
+        return []
+    live = float(np.mean([p.latency_s for p in points]))
+    model = float(np.mean([cost_model.latency(p.features) for p in points]))
+    return [[f"{load:.0%}", f"busy step interval, step log ({len(points)} steps): model vs live",
+             round(model * 1e3, 2), round(live * 1e3, 2), f"{model / live - 1:+.1%}"]]
+
+
 def _row(load: float, k: float, name: str, p: float, m: float, unit: float, core: float) -> list[Any]:
     """Predicted (step profile + serving overhead) vs measured, and the step profile alone beside it."""
     err = lambda x: (x - m) / m if m and math.isfinite(m) and math.isfinite(x) else math.nan  # noqa: E731
@@ -237,17 +276,33 @@ def main(args: argparse.Namespace) -> int:
     diag: list[list[Any]] = []
     runs: list[RunData] = []
     result: dict[str, Any] = {"points": [], "config": str(config), "cost_model": cost_model.to_dict()}
-    serve_args = ["--llm", "--log-level", "warning", "--no-warmup", *shlex.split(args.serve_args)]
+    step_log = (out / "steps.jsonl").resolve()
+    step_log.unlink(missing_ok=True)
+    serve_args = ["--llm", "--log-level", "warning", "--no-warmup", "--llm-step-log", str(step_log),
+                  *shlex.split(args.serve_args)]
     if args.cpus:
         serve_args += ["--threads", str(len(_cores(args.cpus)))]
+    live_cal = args.llm_calibration == "live" and not args.no_frontend
+    after = load_workload("conv-llm", 1.0, args.start + len(wl), len(wl), trace=args.trace)
+
+    def calibration_rows(measured: int) -> Workload:
+        """Rows the measured run does not use, from the same part of the trace (its mix of prompt and
+        output lengths, so of step shapes): the slice's rows after the measured ones, or the trace's rows
+        after the slice when too few are left (a calibration on the heavier rows 200-400 fitted the
+        light steps of rows 0-50 9 % high)."""
+        rest = len(wl) - measured
+        return wl.slice(measured, rest) if rest >= 30 else after
+    result["live_step_models"] = []
     with serve(serve_args, log_path=out / "serve-llm.log", cpus=args.cpus) as url:
-        profiled, cal = cost_model, None
+        profiled, cal, delay = cost_model, None, 0.0
         if not args.no_frontend:
             warm = wl.slice(0, 2)
             replay(build_plan(warm, "completions", warmup_requests=len(warm)),
                    LoadGenConfig(url, "completions", progress=False, scrape_interval_s=0))
             wait_idle(url, 30.0)
+        if not live_cal and not args.no_frontend:
             cost_model, cal = calibrate_serving(url, profiled, max_streams=config.max_num_seqs)
+            delay = cal.first_token_delay_s
             print(f"serving overhead per step (concurrent streams, no queueing): "
                   f"{cal.extra_const_s * 1e3:.2f} ms + {cal.extra_multi_row_s * 1e3:.2f} ms from 2 streams + "
                   f"{cal.extra_per_seq_s * 1e3:.3f} ms per stream; "
@@ -256,9 +311,32 @@ def main(args: argparse.Namespace) -> int:
             result["serving_calibration"] = dataclasses.asdict(cal)
             result["served_cost_model"] = cost_model.to_dict()
             wait_idle(url, 30.0)
-        delay = cal.first_token_delay_s if cal is not None else 0.0
-        cap = search_capacity(lambda k: simulate(wl.scale_rate(k), config, cost_model, args.sla, delay)[0],
-                              CapacityConfig(sla_s=args.sla, rel_tol=0.03, max_probes=30, lo=1e-3, hi=256.0))
+
+        def capacity(model: CostModel, d: float) -> Any:
+            search = CapacityConfig(sla_s=args.sla, rel_tol=0.03, max_probes=30, lo=1e-3, hi=256.0)
+            return search_capacity(
+                lambda k: simulate(wl.scale_rate(k), config, model, args.sla, d)[0], search)
+
+        def live_fit(k: float, label: str, measured: int) -> tuple[CostModel, float]:
+            """Replay calibration rows at rate scale ``k``, fit the step model on the steps they made."""
+            offset = step_log.stat().st_size
+            rows = probe_workload(calibration_rows(measured), k, args.calibration_s)
+            res = replay(build_plan(rows, "completions"), LoadGenConfig(url, "completions", progress=False))
+            wait_idle(url, 30.0)
+            model = fit_live_steps(profiled, read_steps(step_log, offset)[0])
+            d = serving_ttft_delay(res)
+            fit = model.meta["live_fit"]
+            print(f"{label}: live steps = {fit['alpha']:.3f} x step profile + {fit['const_s'] * 1e3:.2f} ms "
+                  f"+ {fit['per_decode_s'] * 1e3:.3f} ms per decode ({fit['points']} busy steps); "
+                  f"client TTFT {d * 1e3:.2f} ms beyond the engine's", flush=True)
+            result["live_step_models"].append({"label": label, "rate_scale": k, "first_token_delay_s": d,
+                                               "cost_model": model.to_dict()})
+            return model, d
+
+        if live_cal:  # calibrate at a rate the profile says is busy but not saturated, then search
+            cost_model, delay = live_fit(0.65 * capacity(profiled, delay).rate_scale, "capacity search",
+                                         len(wl) // 2)
+        cap = capacity(cost_model, delay)
         print(f"simulated capacity: rate scale {cap.rate_scale:.3f} = {cap.rps:.2f} req/s", flush=True)
         result.update(capacity_scale=cap.rate_scale, capacity_rps=cap.rps)
         if cap.rate_scale <= 0:
@@ -267,13 +345,16 @@ def main(args: argparse.Namespace) -> int:
         for load in args.loads:
             k = load * cap.rate_scale
             rows_wl = probe_workload(wl, k, args.max_live_s)
+            if live_cal:  # right before the measured run: this CPU's step time drifts over minutes
+                cost_model, delay = live_fit(k, f"{load:.0%}", len(rows_wl))
             pred, rep = simulate(rows_wl, config, cost_model, args.sla, delay)
-            core = simulate(rows_wl, config, profiled, args.sla)[0] if cal is not None else pred
+            core = simulate(rows_wl, config, profiled, args.sla)[0] if cost_model is not profiled else pred
             if args.warmup_requests:
                 warm = rows_wl.slice(0, min(args.warmup_requests, len(rows_wl)))
                 replay(build_plan(warm, "completions", warmup_requests=len(warm)),
                        LoadGenConfig(url, "completions", progress=False, scrape_interval_s=0))
                 wait_idle(url, 30.0)
+            measured_from = step_log.stat().st_size if step_log.exists() else 0
             res = replay(build_plan(rows_wl, "completions", seed=args.seed),
                          LoadGenConfig(url, "completions", progress=not args.no_progress),
                          description=f"{load:.0%} live")
@@ -291,6 +372,7 @@ def main(args: argparse.Namespace) -> int:
                      _row(load, k, "output tok/s", pred.output_tokens_per_s, m.output_tokens_per_s, 1.0,
                           core.output_tokens_per_s)]
             diag += diagnosis_rows(load, rep, res, m, cost_model, profiled)
+            diag += interval_rows(load, step_log, measured_from, cost_model)
             write_csv(res.records, out / f"records-llm-{int(load * 100)}.csv")
             runs.append(RunData(f"llm live {load:.0%}", res.records, m, res.metrics, {"rate_scale": k}))
             result["points"].append({"load": load, "rate_scale": k, "rows": len(rows_wl),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import json
 import logging
 import queue
 import threading
@@ -70,6 +71,24 @@ class TokenEvent:
 
 
 @dataclass(frozen=True, slots=True)
+class StepRecord:
+    """For step observers (``serve --llm-step-log``): one engine step, as the step cost model sees it.
+
+    ``start`` is ``time.perf_counter()`` when the step was scheduled; while the engine stays busy the
+    next step's ``start`` minus this one's is what the step really cost the streams, including the
+    time between steps (draining the inbox, the event loop sharing the cores) that ``wall_s`` leaves out.
+    """
+
+    step_id: int
+    start: float
+    wall_s: float  # schedule, forward, sample, detokenise, deliver
+    forward_s: float  # of which forward + sampling
+    num_seqs: int
+    features: dict[str, float]  # StepShape.features() of the plan
+    after_idle: bool  # the engine had nothing to do just before: the gap before this step is idle time
+
+
+@dataclass(frozen=True, slots=True)
 class EngineStats:
     num_running: int
     num_waiting: int
@@ -89,6 +108,27 @@ class EngineStats:
     # every step's cost-model features (StepShape.features), summed: the step model is linear, so its
     # prediction for all the steps run is its prediction on these sums, comparable with step_seconds
     step_features: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+class StepLog:
+    """A step observer that appends one JSON line per step to ``path`` (``serve --llm-step-log``): what
+    fitting the step model on the live server's own steps reads (``bench.llm_steps``)."""
+
+    def __init__(self, path: str) -> None:
+        self._f = open(path, "a", buffering=1)  # noqa: SIM115 - line-buffered (read while serving); close()
+        self._lock = threading.Lock()
+
+    def __call__(self, rec: StepRecord) -> None:
+        line = json.dumps({"step": rec.step_id, "start": rec.start, "wall_s": rec.wall_s,
+                           "forward_s": rec.forward_s, "seqs": rec.num_seqs, "after_idle": rec.after_idle,
+                           "features": rec.features})
+        with self._lock:
+            if not self._f.closed:
+                self._f.write(line + "\n")
+
+    def close(self) -> None:
+        with self._lock:
+            self._f.close()
 
 
 class _Stream:
@@ -126,12 +166,15 @@ class LLMEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.observers: list[Callable[[TokenEvent], None]] = []
+        self.step_observers: list[Callable[[StepRecord], None]] = []  # called on the engine thread
         self.window_s = window_s
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.step_seconds = 0.0
         self.forward_seconds = 0.0
+        self._last_forward_s = 0.0
+        self._idled = True
         self.step_seqs = 0
         self.step_features: dict[str, float] = {}
         self._decode = make_decode(tokenizer)
@@ -249,6 +292,7 @@ class LLMEngine:
             self._drain_inbox()
             if not self.scheduler.has_unfinished():
                 self._stats = self._snapshot()
+                self._idled = True
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue
@@ -267,15 +311,24 @@ class LLMEngine:
             self.num_steps += 1
             self.step_seqs += len(plan.chunks)
             feats = self.step_features
-            for name, value in plan.shape.features().items():
+            shape = plan.shape.features()
+            for name, value in shape.items():
                 feats[name] = feats.get(name, 0.0) + value
-            self.step_seconds += time.perf_counter() - t0
+            wall = time.perf_counter() - t0
+            self.step_seconds += wall
+            if self.step_observers:
+                rec = StepRecord(plan.step_id, t0, wall, self._last_forward_s, len(plan.chunks), shape,
+                                 self._idled)
+                for step_obs in self.step_observers:
+                    step_obs(rec)
+            self._idled = False
             self._stats = self._snapshot()
         for stream in self._streams.values():
             stream.put(EngineStopped("the LLM engine shut down"))
         self._streams.clear()
 
     def _step(self, plan: StepPlan) -> None:
+        self._last_forward_s = 0.0
         if plan.is_empty:
             return
         t0 = time.perf_counter()
@@ -283,7 +336,8 @@ class LLMEngine:
         sampling = [c.seq_id for c in plan.chunks if c.sample]
         seqs = self.scheduler.seqs
         tokens = self.sampler.sample(logits, sampling, [seqs[i].params for i in sampling])
-        self.forward_seconds += time.perf_counter() - t0
+        self._last_forward_s = time.perf_counter() - t0
+        self.forward_seconds += self._last_forward_s
         sampled = dict(zip(sampling, tokens, strict=True))
         stopped: set[int] = set()
         deltas: dict[int, str] = {}

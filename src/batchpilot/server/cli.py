@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from ..core.config import PADDINGS, POLICIES, SchedulerConfig
@@ -56,6 +57,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--llm", action="store_true", help="also mount the LLM completion routes")
     p.add_argument("--llm-model", default=None, help="--llm: local HF causal-LM folder")
+    p.add_argument("--llm-step-log", default=None, metavar="PATH",
+                   help="--llm: append one JSON line per engine step (shape features, wall and forward "
+                        "seconds) to PATH: what `bench fidelity --workload conv-llm` fits the live step "
+                        "model on")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.add_argument("--log-format", default="text", choices=("text", "json"),
                    help="json: one JSON object per line (time, level, logger, message, exc_info)")
@@ -78,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
         profile_path=args.profile, startup_profile=not args.no_startup_profile, api_key=args.api_key,
         max_body_bytes=args.max_body_bytes, request_timeout_s=args.request_timeout_s,
         drain_timeout_s=args.drain_timeout_s, warmup=not args.no_warmup, llm=args.llm,
-        llm_model=args.llm_model, log_level=args.log_level, overload_limits=not args.no_overload_limits)
+        llm_model=args.llm_model, llm_step_log=args.llm_step_log, log_level=args.log_level,
+        overload_limits=not args.no_overload_limits)
     sched = load_scheduler_config(args.config, policy=args.policy, max_batch_size=args.max_batch_size,
                                   max_wait_ms=args.max_wait_ms, padding=args.padding,
                                   num_slots=args.num_slots)
@@ -113,9 +119,9 @@ def build_app(settings: ServerConfig, sched: SchedulerConfig) -> Any:
              sched.planner.padding, sched.planner.grouping, sched.num_slots)
     if not settings.llm:
         return create_app(settings, executor, sched, cost_model, queue_bounds=bounds)
-    engine, router = _llm_router(settings)
+    engine, router, hooks = _llm_router(settings)
     return create_app(settings, executor, sched, cost_model, routers=[router],
-                      extra_models=[engine.model_name], on_shutdown=[engine.shutdown], queue_bounds=bounds)
+                      extra_models=[engine.model_name], on_shutdown=hooks, queue_bounds=bounds)
 
 
 def load_executor(settings: ServerConfig) -> Any:
@@ -170,16 +176,25 @@ def startup_profile(profile_encoder: Any, executor: Any, padding: str) -> CostMo
     return model
 
 
-def _llm_router(settings: ServerConfig) -> tuple[Any, Any]:
-    """The started engine, and a factory the app calls with its registry: ``make_llm_router``."""
+def _llm_router(settings: ServerConfig) -> tuple[Any, Any, list[Callable[[], Any]]]:
+    """The started engine, a factory the app calls with its registry (``make_llm_router``), and what to
+    run at shutdown, in order."""
     from . import llm_routes  # lazy: the LLM stack loads only with --llm
 
     build = getattr(llm_routes, "build_llm_engine", None)
     if build is None:
         from ..runtime.llm_engine import build_llm_engine as build
     engine = build(settings.llm_model)
+    hooks: list[Callable[[], Any]] = [engine.shutdown]
+    if settings.llm_step_log:
+        from ..runtime.llm_engine import StepLog
+
+        step_log = StepLog(settings.llm_step_log)
+        engine.step_observers.append(step_log)
+        hooks.append(step_log.close)  # after the engine has stopped: no step writes after it
+        log.info("llm: logging every engine step to %s", settings.llm_step_log)
     log.info("llm: mounted the LLM routes (%s)", getattr(engine, "model_name", settings.llm_model))
-    return engine, lambda registry: llm_routes.make_llm_router(engine, registry)
+    return engine, lambda registry: llm_routes.make_llm_router(engine, registry), hooks
 
 
 def main(argv: list[str] | None = None) -> int:
