@@ -80,6 +80,58 @@ def test_token_bucket_refills_to_burst_only() -> None:
     assert b.try_take(100.0) == pytest.approx(0.01)
 
 
+def test_work_bound_counts_each_input_at_its_share_of_a_full_batch() -> None:
+    c = controller(max_backlog_s=0.1)  # dynamic padding, batches of <= 8
+    assert c.work_s[100] == pytest.approx(COST.batch_latency(8, 800, 8 * 100 * 100) / 8)
+    assert c.work_s[64] < c.work_s[100] < c.work_s[512]
+    full = 0.1 - c.work_s[100]
+    assert c.check(make_request(100), 0.0, 5, 500, full) is None  # exactly at the bound: admitted
+    rej = c.check(make_request(100), 0.0, 5, 500, full + 0.004)
+    assert rej is not None and rej.reason is RejectReason.QUEUE_FULL and "max_backlog_s" in rej.message
+    assert rej.retry_after_s == pytest.approx(0.004)
+    assert c.check(make_request(512), 0.0, 0, 0, 0.0) is None  # an empty queue always admits
+    budget = controller(PlannerConfig(padding="dynamic", max_batch_tokens=256), max_backlog_s=0.1)
+    assert budget.work_s[128] == pytest.approx(COST.batch_latency(2, 256, 2 * 128 * 128) / 2)  # 2 fit
+    two_slots = AdmissionController(AdmissionConfig(), PlannerConfig(padding="dynamic"), COST, 8, num_slots=2)
+    assert two_slots.work_s[100] == pytest.approx(c.work_s[100] / 2)
+
+
+def test_backlog_bound_counts_batches_in_flight_and_queued_work() -> None:
+    """MiniLM on one CPU core (the built-in cost model), 1 s SLA: the bound admits inputs while the
+    predicted backlog (in flight + queued) stays within 0.8 s, whatever their lengths; a dispatched
+    batch counts until it is reported done, also when it never ran."""
+    from batchpilot.core.config import SchedulerConfig
+    from batchpilot.core.overload import with_sla_queue_bounds
+    from batchpilot.core.scheduler import BatchScheduler
+
+    cm = CostModel.default_cpu_minilm()
+    cfg = with_sla_queue_bounds(SchedulerConfig())
+    assert cfg.admission.max_backlog_s == pytest.approx(0.8)
+    sched = BatchScheduler(cfg, cm)
+    work = sched.admission.work_s
+
+    def fill(length: int, first_id: int) -> int:
+        n = 0
+        while sched.submit(Request(first_id + n, 0.0, length), 0.0) is None and n < 10_000:
+            n += 1
+        return n
+
+    n64 = fill(64, 0)
+    assert n64 == int(0.8 / work[64]) or n64 == int(0.8 / work[64]) + 1  # +1: the first, on an empty queue
+    assert sched.predicted_backlog_s <= 0.8 + work[64]
+    out = sched.schedule(0.0, 1)
+    assert len(out.batches) == 1 and sched.num_in_flight == 1
+    moved = out.batches[0]
+    # the dispatched batch is backlog now: it left the queue but not the work ahead of new inputs
+    assert sched.predicted_backlog_s == pytest.approx(sched.queue.num_work_s + moved.predicted_s)
+    assert fill(64, 100_000) <= 1
+    sched.on_batch_done(moved, 0.2, 0.0, ran=False)  # everyone in it left: not a completed batch
+    assert sched.num_in_flight == 0 and sched.stats.completed_batches == 0
+    assert sched.predicted_backlog_s == pytest.approx(sched.queue.num_work_s)
+    room = 0.8 - sched.predicted_backlog_s
+    assert fill(512, 200_000) == int(room / work[512] + 1e-9)  # long inputs: fewer fit the same seconds
+
+
 def test_every_reason_has_a_stable_value() -> None:
     expected = {"queue_full", "rate_limited", "infeasible_deadline", "too_long", "deadline_expired"}
     assert {r.value for r in RejectReason} >= expected
@@ -92,8 +144,8 @@ def test_core_sla_bounds_refuse_exactly_what_the_server_refuses(data: st.DataObj
                                                                  sla_s: float, const_s: float,
                                                                  max_batch: int) -> None:
     """The server checks the SLA queue bound per HTTP request (server/limits.py); the simulator gets it
-    as admission limits (core/overload.py). For a one-input request both must give the same answer,
-    in particular right at the bounds."""
+    as ``admission.max_backlog_s`` (core/overload.py). For a one-input request both must give the
+    same answer, in particular right at the bound."""
     from batchpilot.core.config import PolicyConfig, SchedulerConfig
     from batchpilot.core.overload import with_sla_queue_bounds
     from batchpilot.server.limits import queue_bounds
@@ -102,12 +154,17 @@ def test_core_sla_bounds_refuse_exactly_what_the_server_refuses(data: st.DataObj
     cfg = SchedulerConfig(policy=PolicyConfig(max_batch_size=max_batch, sla_s=sla_s))
     server = queue_bounds(cfg, cm)
     assert server is not None
-    near = lambda bound: st.one_of(st.integers(0, 2 * bound), st.integers(max(bound - 2, 0), bound + 2))  # noqa: E731
-    num_waiting = data.draw(near(server.max_requests), "num_waiting")
-    waiting_tokens = data.draw(near(server.max_tokens - length), "waiting_tokens") if num_waiting else 0
-    bounded = with_sla_queue_bounds(cfg, cm)
+    bounded = with_sla_queue_bounds(cfg)
     core = AdmissionController(bounded.admission, bounded.planner, cm, max_batch)
-    rej = core.check(Request(0, 0.0, length), 0.0, num_waiting, waiting_tokens)
-    refused_by_server = server.refusal(num_waiting, waiting_tokens, [length]) is not None
-    assert (rej is not None and rej.reason is RejectReason.QUEUE_FULL) == refused_by_server
-    assert with_sla_queue_bounds(bounded, cm) == bounded  # explicit limits win: applying twice is a no-op
+    assert list(server.work_s) == core.work_s and bounded.admission.max_backlog_s == server.max_backlog_s
+    edge = server.max_backlog_s - core.work_s[length]
+    num_waiting = data.draw(st.integers(0, 40), "num_waiting")
+    waiting = data.draw(st.one_of(st.floats(0, 2 * server.max_backlog_s),
+                                  st.sampled_from([edge - 1e-9, edge, edge + 1e-9])), "waiting_work_s")
+    rej = core.check(Request(0, 0.0, length), 0.0, num_waiting, 0, waiting)
+    refused = server.refusal(num_waiting, waiting, [length])
+    assert (rej is not None and rej.reason is RejectReason.QUEUE_FULL) == (refused is not None)
+    if refused is not None and rej is not None:
+        assert refused[1] >= 1.0 and rej.retry_after_s == pytest.approx(waiting + core.work_s[length]
+                                                                        - server.max_backlog_s)
+    assert with_sla_queue_bounds(bounded) == bounded  # explicit limits win: applying twice is a no-op

@@ -130,7 +130,8 @@ ops = st.lists(st.tuples(st.sampled_from(["push", "push", "push", "cancel", "tak
 @given(order=st.sampled_from(["fcfs", "priority", "edf"]), script=ops)
 def test_queue_matches_a_sorted_list_model(order: str, script: list[tuple[str, int, int, float]]) -> None:
     """Every operation against a naive model: a list kept in the order's key."""
-    q = RequestQueue(order)  # type: ignore[arg-type]
+    work = [0.001 * (1 + x % 7) for x in range(51)]  # per length: any table
+    q = RequestQueue(order, work_s=work)  # type: ignore[arg-type]
     model: list = []  # type: ignore[type-arg]
     seq_of: dict[int, int] = {}
     now = 0.0
@@ -165,6 +166,8 @@ def test_queue_matches_a_sorted_list_model(order: str, script: list[tuple[str, i
         assert ids(q.peek(b)) == ids(model[:b])
         assert len(q) == len(model)
         assert q.num_tokens == sum(r.length for r in model)
+        assert q.num_work_s == pytest.approx(sum(work[r.length] for r in model), abs=1e-12)
+        assert q.num_work_s == 0.0 or model  # exactly 0 once empty
         assert q.max_length() == max((r.length for r in model), default=0)
         if model:
             assert q.oldest().arrival == min(r.arrival for r in model)  # type: ignore[union-attr]

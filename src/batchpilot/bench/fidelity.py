@@ -74,6 +74,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-frontend", action="store_true",
                    help="do not calibrate the serving path outside the batcher (sim.frontend); predict the "
                         "batcher alone")
+    p.add_argument("--llm-calibration", choices=("live", "lockstep"), default="live",
+                   help="conv-llm: fit the step model on the live server's own steps while it replays a "
+                        "calibration slice of the trace (rows the measured run does not use) before each "
+                        "load point (live), or add a serving overhead measured with lockstep streams to "
+                        "the step profile (lockstep)")
+    p.add_argument("--calibration-s", type=float, default=45.0,
+                   help="conv-llm, --llm-calibration live: seconds of calibration traffic per load point")
     p.add_argument("--frontend-requests", type=int, default=60,
                    help="rows sent one at a time (twice each) to calibrate the front end")
     p.add_argument("--cpus", default=None,
@@ -144,7 +151,7 @@ def sim_capacity(workload: Workload, config: SchedulerConfig, cost_model: CostMo
     return cand
 
 
-def served_config(config: SchedulerConfig, cost_model: CostModel, serve_args: str) -> SchedulerConfig:
+def served_config(config: SchedulerConfig, serve_args: str) -> SchedulerConfig:
     """The config as ``batchpilot serve`` runs it: with the SLA queue bounds (``core.overload``) unless
     the server is told ``--no-overload-limits`` or the config has limits of its own, so the simulator
     refuses what the server refuses."""
@@ -152,7 +159,7 @@ def served_config(config: SchedulerConfig, cost_model: CostModel, serve_args: st
         return config
     from ..core.overload import with_sla_queue_bounds
 
-    return with_sla_queue_bounds(config, cost_model)
+    return with_sla_queue_bounds(config)
 
 
 def run_profile(out: Path, padding: str, extra: str = "", cpus: str | None = None) -> Path:
@@ -264,10 +271,11 @@ def main(args: argparse.Namespace) -> int:
               "for one 128-token input. Was the machine busy while profiling? Re-profile (try --cpus 1).",
               file=sys.stderr)
         return 1
-    as_served = served_config(config, cost_model, args.serve_args)
+    as_served = served_config(config, args.serve_args)
     adm = as_served.admission
+    work = f"{adm.max_backlog_s * 1e3:.0f} ms" if adm.max_backlog_s else "inf"
     print(f"simulating the server's admission: queue <= {adm.max_queued_requests or 'inf'} inputs / "
-          f"{adm.max_queued_tokens or 'inf'} tokens", flush=True)
+          f"{adm.max_queued_tokens or 'inf'} tokens / {work} of predicted work", flush=True)
     _pin_self(args.cpus)
     tok = load_tokenizer(args.tokenizer)
     texts = [p.body["input"] for p in build_plan(wl, tokenizer=tok, seed=args.seed)]

@@ -62,7 +62,7 @@ def tuner_check(args: argparse.Namespace, wl: Workload, texts: list[str], cost_m
             first, count = probe_rows(wl, shared, args.max_live_s, busiest=True)
             rows = wl.slice(first, count).scale_rate(shared)
             at = measure(url, rows, texts[first: first + count], args.sla, args.warmup_requests, False, name)
-            pred = simulate(rows, served_config(cfg, cost_model, args.serve_args), cost_model, args.sla)
+            pred = simulate(rows, served_config(cfg, args.serve_args), cost_model, args.sla)
         print(format_summary(at.summary, f"{name} live at x{shared:.3f}"), flush=True)
         out[name] = {"sim_capacity_scale": sims[name].capacity, "sim_capacity_rps": sims[name].rps,
                      "live_capacity_scale": cap.rate_scale, "live_capacity_rps": cap.rps,

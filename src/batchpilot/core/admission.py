@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from .config import AdmissionConfig, PlannerConfig
 from .costmodel import CostModel
+from .overload import work_refusal
 from .request import Request
 
 
@@ -73,11 +74,12 @@ class AdmissionController:
     """Decides ``submit``: ``check`` returns None (admit; the bucket is charged) or a ``Rejection``."""
 
     def __init__(self, config: AdmissionConfig, planner: PlannerConfig, cost_model: CostModel,
-                 max_batch_size: int) -> None:
+                 max_batch_size: int, num_slots: int = 1) -> None:
         self.config = config
         self.planner = planner
         self.cost_model = cost_model
         self.max_batch_size = max_batch_size
+        self.num_slots = max(num_slots, 1)
         self.max_length = min(config.max_length, planner.max_len)
         self.bucket = TokenBucket(config.rate, config.burst) if config.rate > 0 else None
         # Per length, precomputed once: p99 alone, and whether it fits the batch budgets alone
@@ -86,6 +88,21 @@ class AdmissionController:
         self._limit = self.max_length
         while self._limit > 0 and self._budget_problem(self._limit):
             self._limit -= 1
+        self.work_s = [self._work_s(x) for x in range(self.max_length + 1)]
+
+    def _work_s(self, length: int) -> float:
+        """Seconds one input of ``length`` adds to draining a backlog: its share of the largest batch of
+        such inputs the planner's budgets allow (under load the queue drains in full batches), spread
+        over the slots. What ``max_backlog_s`` bounds: a length-mix-aware queue bound, where a token
+        bound sized for the longest inputs refuses short ones long before they would miss the SLA."""
+        _, tokens, attn = self._alone(max(length, 1))
+        n = self.max_batch_size
+        if self.planner.max_batch_tokens:
+            n = max(1, min(n, self.planner.max_batch_tokens // max(tokens, 1)))
+        mem_budget = self.planner.max_batch_memory_bytes
+        while n > 1 and mem_budget and self.cost_model.batch_memory(n, n * tokens, n * attn) > mem_budget:
+            n = max(1, n // 2)
+        return self.cost_model.batch_latency(n, n * tokens, n * attn) / (n * self.num_slots)
 
     def alone_latency_q(self, length: int) -> float:
         """Predicted high-quantile seconds of this request dispatched alone (as the planner pads it)."""
@@ -121,7 +138,8 @@ class AdmissionController:
                     f"({mem_budget:.0f} bytes) alone")
         return None
 
-    def check(self, req: Request, now: float, num_waiting: int, num_waiting_tokens: int) -> Rejection | None:
+    def check(self, req: Request, now: float, num_waiting: int, num_waiting_tokens: int,
+              predicted_backlog_s: float = 0.0) -> Rejection | None:
         cfg = self.config
         length = req.length
         if length > self._limit:
@@ -147,6 +165,15 @@ class AdmissionController:
                              f"{num_waiting_tokens} tokens are waiting and this input adds {req.length} "
                              f"(admission.max_queued_tokens = {cfg.max_queued_tokens})",
                              self._drain_s(num_waiting, num_waiting_tokens))
+        if cfg.max_backlog_s:
+            own = self.work_s[length]
+            over = work_refusal(cfg.max_backlog_s, num_waiting, predicted_backlog_s, own)
+            if over > 0.0:
+                return Rejection(req, RejectReason.QUEUE_FULL,
+                                 f"{predicted_backlog_s * 1e3:.0f} ms of predicted work is waiting and this "
+                                 f"input adds {own * 1e3:.1f} ms "
+                                 f"(admission.max_backlog_s = {cfg.max_backlog_s * 1e3:.0f} ms)",
+                                 over)
         if self.bucket is not None:
             wait = self.bucket.try_take(now)
             if wait > 0.0:

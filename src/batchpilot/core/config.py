@@ -143,11 +143,15 @@ class AdmissionConfig:
     burst: int = 0
     max_queued_requests: int = 0
     max_queued_tokens: int = 0
+    # predicted seconds of model work waiting (each input: its share of a full batch of its length,
+    # ``AdmissionController.work_s``); an input is always admitted into an empty queue
+    max_backlog_s: float = 0.0
     max_length: int = 512
     reject_infeasible: bool = True
 
     def __post_init__(self) -> None:
         _positive("admission", "rate", self.rate, allow_zero=True)
+        _positive("admission", "max_backlog_s", self.max_backlog_s, allow_zero=True)
         if self.burst < 0 or self.max_queued_requests < 0 or self.max_queued_tokens < 0:
             raise ValueError("admission.burst, max_queued_requests and max_queued_tokens must be >= 0")
         if self.rate > 0 and self.burst < 1:

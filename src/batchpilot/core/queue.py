@@ -24,7 +24,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 from .config import QUEUE_ORDERS, QueueOrder
 from .request import Request
@@ -43,7 +43,10 @@ _TimeEntry = tuple[float, int, Request]
 class RequestQueue:
     """Bounded queue of waiting requests. ``capacity`` 0 means unbounded."""
 
-    def __init__(self, order: QueueOrder = "fcfs", capacity: int = 0) -> None:
+    def __init__(self, order: QueueOrder = "fcfs", capacity: int = 0,
+                 work_s: Sequence[float] | None = None) -> None:
+        """``work_s[length]``: predicted seconds an input of that length adds to draining the queue
+        (``AdmissionController.work_s``); without it ``num_work_s`` stays 0."""
         if order not in QUEUE_ORDERS:
             raise ValueError(f"queue order {order!r}; choose one of {', '.join(QUEUE_ORDERS)}")
         if capacity < 0:
@@ -58,6 +61,8 @@ class RequestQueue:
         self._live: dict[int, _Entry] = {}  # id -> its entry in the front or the heap
         self._seq = 0
         self._tokens = 0
+        self._work_table = work_s
+        self._work = 0.0
         self._len_count: dict[int, int] = {}
         self._max_len = 0
         self._max_len_dirty = False
@@ -75,6 +80,11 @@ class RequestQueue:
     @property
     def num_tokens(self) -> int:
         return self._tokens
+
+    @property
+    def num_work_s(self) -> float:
+        """Predicted seconds of work waiting (the sum of ``work_s`` over the waiting inputs)."""
+        return self._work
 
     def is_full(self) -> bool:
         return self.capacity > 0 and len(self._live) >= self.capacity
@@ -156,6 +166,8 @@ class RequestQueue:
             heapq.heappush(self._deadlines, (req.deadline, seq, req))
         self._tokens += req.length
         length = req.length
+        if self._work_table is not None:
+            self._work += self._work_table[min(length, len(self._work_table) - 1)]
         self._len_count[length] = self._len_count.get(length, 0) + 1
         if length > self._max_len:
             self._max_len = length
@@ -255,6 +267,9 @@ class RequestQueue:
             del front[i]
         self._tokens -= req.length
         length = req.length
+        if self._work_table is not None:  # back to exactly 0 when empty: no float drift over millions
+            self._work = self._work - self._work_table[min(length, len(self._work_table) - 1)] \
+                if self._live else 0.0
         count = self._len_count[length] - 1
         if count:
             self._len_count[length] = count

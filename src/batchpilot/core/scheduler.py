@@ -2,7 +2,7 @@
 
     submit(request, now)          -> None (admitted) | Rejection
     schedule(now, free_slots)     -> SchedulerOutput(batches, dropped, wake_at)
-    on_batch_done(batch, now, s)  -> None  (feeds adaptive policies)
+    on_batch_done(batch, now, s)  -> None  (feeds adaptive policies; every dispatched batch, once)
     cancel(request_id, now)       -> bool
 
 The live driver (runtime/), the simulator (sim/) and the tests call exactly these. Drivers call
@@ -102,13 +102,18 @@ class BatchScheduler:
                          if plan.grouping == "bucket" or plan.padding == "bucket" else None)
         self.policy: Policy = make_policy(config.policy, cost_model, plan)
         self.planner = BatchPlanner(plan, cost_model, self.bucketer)
-        self.admission = AdmissionController(config.admission, plan, cost_model, config.policy.max_batch_size)
+        self.admission = AdmissionController(config.admission, plan, cost_model, config.policy.max_batch_size,
+                                             config.num_slots)
         self.stats = SchedulerStats()
-        self._queue = RequestQueue(config.queue_order, config.admission.max_queued_requests)
+        self._queue = RequestQueue(config.queue_order, config.admission.max_queued_requests,
+                                   self.admission.work_s)
         # The queue's id -> entry dict and deadline heap (never rebound): truth-testing them directly
         # saves Python-level calls on the hot path, which runs ~3 times per request in the simulator.
         self._live = self._queue._live
         self._deadlines = self._queue._deadlines
+        self._in_flight: dict[int, float] = {}  # dispatched, not yet done: batch id -> predicted seconds
+        self._in_flight_s = 0.0
+        self._num_slots = max(config.num_slots, 1)
         self._next_batch_id = 0  # deterministic batch ids (a counter, as IdCounter, without the call)
         self._lookahead = 1 if plan.grouping == "fifo" else plan.lookahead
         self._padding = plan.padding
@@ -127,6 +132,18 @@ class BatchScheduler:
         return self._queue.num_tokens
 
     @property
+    def predicted_backlog_s(self) -> float:
+        """Predicted seconds until everything dispatched and waiting has run, per slot: the batches in
+        flight (their whole predicted time: how far a running one has got is not known here) plus the
+        queue's work (``AdmissionController.work_s`` summed). What ``admission.max_backlog_s`` bounds."""
+        return self._queue.num_work_s + self._in_flight_s / self._num_slots
+
+    @property
+    def num_in_flight(self) -> int:
+        """Batches dispatched and not yet reported done (``on_batch_done``)."""
+        return len(self._in_flight)
+
+    @property
     def queue(self) -> RequestQueue:
         return self._queue
 
@@ -138,7 +155,8 @@ class BatchScheduler:
     def submit(self, request: Request, now: float) -> Rejection | None:
         self.stats.submitted += 1
         q = self._queue
-        rejection = self.admission.check(request, now, len(q), q.num_tokens)
+        rejection = self.admission.check(request, now, len(q), q.num_tokens,
+                                         q.num_work_s + self._in_flight_s / self._num_slots)
         if rejection is None and not q.push(request):  # capacity is also enforced by the queue itself
             rejection = Rejection(request, RejectReason.QUEUE_FULL, f"{len(q)} requests are waiting")
         if rejection is not None:
@@ -182,6 +200,8 @@ class BatchScheduler:
             self._next_batch_id = batch_id + 1
             out.batches.append(Batch(batch_id, plan.requests, plan.padded_len, shape, self._padding, now,
                                      plan.predicted_s))
+            self._in_flight[batch_id] = plan.predicted_s
+            self._in_flight_s += plan.predicted_s
             stats.batches += 1
             stats.dispatched += shape.n
             stats.useful_tokens += shape.useful_tokens
@@ -195,7 +215,14 @@ class BatchScheduler:
         out.wake_at = wake
         return out
 
-    def on_batch_done(self, batch: Batch, now: float, latency_s: float) -> None:
+    def on_batch_done(self, batch: Batch, now: float, latency_s: float, ran: bool = True) -> None:
+        """Every dispatched batch must be reported exactly once, also one that never ran (``ran=False``:
+        everyone in it left first), or the backlog keeps counting it."""
+        predicted = self._in_flight.pop(batch.id, None)
+        if predicted is not None:
+            self._in_flight_s = self._in_flight_s - predicted if self._in_flight else 0.0
+        if not ran:
+            return
         self.stats.completed_batches += 1
         self.policy.on_batch_done(batch.size, now, latency_s)
 

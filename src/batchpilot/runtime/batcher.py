@@ -225,6 +225,7 @@ class Batcher:
             return None, exc
 
     async def _execute(self, slot: Slot, batch: Batch) -> None:
+        reported = False  # the scheduler counts a dispatched batch as backlog until it hears of it once
         try:
             t0 = self.clock()
             prepared, prep_exc = await self._prepare(slot.prepare_pool, batch)
@@ -243,6 +244,7 @@ class Batcher:
                     now = self.clock()
                     took = slot.on_run_end(batch, now)
                     self.observer.on_slot_busy(slot.index, False)
+                    reported = True
                     self.scheduler.on_batch_done(batch, now, took)
                     self._wake.set()
         except asyncio.CancelledError:
@@ -251,6 +253,9 @@ class Batcher:
             log.exception("batch %d failed outside the executor", batch.id)
             for r in batch.requests:
                 self._finish(r.id, exc=ExecutionError(f"internal error: {exc}"))
+        finally:
+            if not reported:
+                self.scheduler.on_batch_done(batch, self.clock(), 0.0, ran=False)
 
     async def _call_run(self, slot: Slot, prepared: Any) -> list[Any]:
         if self._run_is_async:

@@ -117,11 +117,10 @@ class EmbeddingService:
         if self.queue_bounds is not None:
             sched = self.batcher.scheduler
             lengths = [len(x) for x in tokens]
-            why = self.queue_bounds.refusal(sched.num_waiting, sched.num_waiting_tokens, lengths)
-            if why is not None:
+            refused = self.queue_bounds.refusal(sched.num_waiting, sched.predicted_backlog_s, lengths)
+            if refused is not None:
                 self.metrics.on_reject(RejectReason.QUEUE_FULL)
-                raise APIError(503, why, code="queue_full",
-                               retry_after_s=self.queue_bounds.retry_after_s(sched.num_waiting_tokens))
+                raise APIError(503, refused[0], code="queue_full", retry_after_s=refused[1])
         futures: list[asyncio.Future[Any]] = []
         try:
             for x in tokens:

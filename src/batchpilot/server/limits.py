@@ -1,8 +1,8 @@
-"""Overload protection the server applies when a config leaves it open: SLA-derived queue bounds and a
+"""Overload protection the server applies when a config leaves it open: the SLA backlog bound and a
 batch memory budget.
 
-The bound itself is the core's (``core/overload.py``: how many queued inputs and tokens keep an
-admitted request within the SLA, from the cost model), so the simulator can apply the same rule
+The bound itself is the core's (``core/overload.py``: how much predicted work may be ahead of an
+admitted input, batches in flight included, within the SLA), so the simulator applies the same rule
 (``with_sla_queue_bounds``). Here it is checked per HTTP request, all inputs together, with 503 +
 Retry-After. An explicit value in the config (or ``--config``) always wins;
 ``limits.apply(..., enabled=False)`` leaves the config as is.
@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..core.config import SchedulerConfig
 from ..core.costmodel import CostModel
-from ..core.overload import BATCH_SHARE, best_batch, leaves_queue_open, sla_queue_bounds
+from ..core.overload import leaves_queue_open, sla_backlog_s, work_refusal
 
 __all__ = ["QueueBounds", "apply", "default_memory_budget_bytes", "describe", "queue_bounds",
-           "sla_queue_bounds"]
+           "sla_backlog_s"]
 
 MEMORY_SHARE = 0.25  # default batch memory budget: this share of physical memory
 
@@ -35,40 +36,37 @@ def default_memory_budget_bytes() -> float:
 @dataclass(frozen=True)
 class QueueBounds:
     """Checked per HTTP request, all inputs together, by the server (``EmbeddingService``): a request is
-    refused when the queue is not empty and its inputs would take it over a bound. Per request, not per
-    input (the core's ``admission.max_queued_*``), so one large request (2048 inputs are allowed) is
-    served when the queue is empty instead of being refused forever, and never half-admitted."""
+    refused when the queue is not empty and its inputs' predicted work would take the backlog (batches
+    in flight + queued work, ``BatchScheduler.predicted_backlog_s``) over the bound. Per request, not
+    per input (the core's ``admission.max_backlog_s``, the same rule ``work_refusal``), so one large
+    request (2048 inputs are allowed) is served when the queue is empty instead of being refused
+    forever, and never half-admitted."""
 
-    max_requests: int
-    max_tokens: int
-    tokens_per_s: float  # drain rate at the longest inputs, for Retry-After
+    max_backlog_s: float
+    work_s: Sequence[float]  # per input length: the core's AdmissionController.work_s
 
-    def refusal(self, num_waiting: int, waiting_tokens: int, lengths: list[int]) -> str | None:
-        if num_waiting == 0:
+    def refusal(self, num_waiting: int, backlog_s: float,
+                lengths: list[int]) -> tuple[str, float] | None:
+        """None to admit, else why and the Retry-After seconds."""
+        last = len(self.work_s) - 1
+        added = sum(self.work_s[min(x, last)] for x in lengths)
+        over = work_refusal(self.max_backlog_s, num_waiting, backlog_s, added)
+        if not over:
             return None
-        if num_waiting + len(lengths) > self.max_requests:
-            return (f"{num_waiting} inputs are waiting and this request adds {len(lengths)} "
-                    f"(queue bound {self.max_requests}, from the {SLA_WORD} SLA)")
-        if waiting_tokens + sum(lengths) > self.max_tokens:
-            return (f"{waiting_tokens} tokens are waiting and this request adds {sum(lengths)} "
-                    f"(queue bound {self.max_tokens} tokens, from the {SLA_WORD} SLA)")
-        return None
-
-    def retry_after_s(self, waiting_tokens: int) -> float:
-        return max(1.0, waiting_tokens / max(self.tokens_per_s, 1e-6))
-
-
-SLA_WORD = "latency"
+        return (f"{backlog_s * 1e3:.0f} ms of predicted work is ahead ({num_waiting} inputs waiting) and "
+                f"this request adds {added * 1e3:.0f} ms (bound {self.max_backlog_s * 1e3:.0f} ms, from the "
+                "latency SLA)", max(1.0, over))
 
 
 def queue_bounds(cfg: SchedulerConfig, cost_model: CostModel, enabled: bool = True) -> QueueBounds | None:
-    """The server's SLA queue bounds, unless disabled or the config sets its own admission limits."""
+    """The server's SLA queue bound, unless disabled or the config sets its own admission limits."""
     if not enabled or not leaves_queue_open(cfg):
         return None
-    max_requests, max_tokens = sla_queue_bounds(cfg, cost_model)
-    max_len = min(cfg.planner.max_len, cfg.admission.max_length)
-    n, s = best_batch(cfg, cost_model, max_len, cfg.policy.sla_s * BATCH_SHARE)
-    return QueueBounds(max_requests, max_tokens, n * max_len / max(s, 1e-6) * cfg.num_slots)
+    from ..core.admission import AdmissionController
+
+    adm = AdmissionController(cfg.admission, cfg.planner, cost_model, cfg.policy.max_batch_size,
+                              cfg.num_slots)
+    return QueueBounds(sla_backlog_s(cfg), adm.work_s)
 
 
 def apply(cfg: SchedulerConfig, cost_model: CostModel, enabled: bool = True) -> SchedulerConfig:
@@ -83,8 +81,11 @@ def describe(cfg: SchedulerConfig, bounds: QueueBounds | None) -> str:
     a, p = cfg.admission, cfg.planner
     mem = f"{p.max_batch_memory_bytes / 2**20:.0f} MiB" if p.max_batch_memory_bytes else "none"
     if bounds is not None:
-        queue = (f"queue <= {bounds.max_requests} inputs / {bounds.max_tokens} tokens per request "
-                 f"(SLA {cfg.policy.sla_s:g} s)")
+        example = bounds.work_s[min(128, len(bounds.work_s) - 1)]
+        queue = (f"backlog <= {bounds.max_backlog_s * 1e3:.0f} ms of predicted work per request "
+                 f"(SLA {cfg.policy.sla_s:g} s; a 128-token input is {example * 1e3:.1f} ms of it)")
     else:
-        queue = f"queue <= {a.max_queued_requests or 'inf'} inputs / {a.max_queued_tokens or 'inf'} tokens"
+        work = f"{a.max_backlog_s * 1e3:.0f} ms" if a.max_backlog_s else "inf"
+        queue = (f"queue <= {a.max_queued_requests or 'inf'} inputs / {a.max_queued_tokens or 'inf'} "
+                 f"tokens, backlog <= {work}")
     return f"limits: {queue}, rate {a.rate or 'inf'}/s, batch memory budget {mem}"

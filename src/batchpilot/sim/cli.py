@@ -131,7 +131,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     if args.server_limits:
         from ..core.overload import with_sla_queue_bounds
 
-        config = with_sla_queue_bounds(config, cost_model)
+        config = with_sla_queue_bounds(config)
     frontend = None
     if args.frontend:
         import json
