@@ -353,7 +353,9 @@ def test_llm_fidelity_simulation_reports_ttft_as_the_latency() -> None:
     assert s.latency["p50"] == s.ttft["p50"] == rep.ttft_p50 and s.ttft["p99"] == rep.ttft_p99
     assert s.sla_met == (rep.ttft_p99 <= 1.0) and s.output_tokens_per_s == rep.output_tokens_per_s
     row = _row(0.5, 1.0, "TTFT P50 ms", 0.11, 0.10, 1e3, 0.08)
-    assert row[5:] == ["+10.0%", "±10%", "yes", 80.0, "-20.0%"]  # and the step profile alone beside it
+    assert row[5:] == ["+10.0%", "±10%", "yes", 80.0, "-20.0%", "-", "-"]  # and the step profile alone
+    own = _row(0.5, 1.0, "TTFT P50 ms", 0.11, 0.10, 1e3, 0.08, 0.095)
+    assert own[10:] == [95.0, "-5.0%"]  # and the simulator on the run's own step costs
     assert _row(0.5, 1.0, "output tok/s", 90.0, 100.0, 1.0, 90.0)[7] == "NO"
 
 

@@ -76,7 +76,7 @@ def test_replay_of_a_conv_embed_slice_matches_the_server_counters(server: str) -
 
 
 def test_a_burst_is_sent_on_schedule_not_after_replies(server: str) -> None:
-    # 10 requests of 512 tokens due within 18 ms: more than the server's SLA-derived queue bound takes,
+    # 10 requests of 512 tokens due within 18 ms: more than the server's SLA backlog bound takes,
     # so admission sheds some with 503 queue_full (fast replies). An open-loop client has sent all ten
     # before the first *served* reply (one 512-token forward alone takes ~170 ms); a closed-loop one would
     # send the second only after the first reply, which is served (the queue is empty then).

@@ -162,7 +162,7 @@ async def _send_embedding(client: httpx.AsyncClient, path: str, body: dict[str, 
     rec.done_s = clock()
     rec.status = resp.status_code
     if resp.status_code != 200:
-        rec.error = resp.text[:200].replace("\n", " ")
+        rec.error = error_text(resp.text)
         return
     data = resp.json().get("data") or []
     if len(data) != 1 or not data[0].get("embedding"):
@@ -171,6 +171,15 @@ async def _send_embedding(client: httpx.AsyncClient, path: str, body: dict[str, 
     rec.server_tokenize_s = timing.get("tokenize", math.nan)
     rec.server_batcher_s = timing.get("batcher", math.nan)
     rec.server_app_s = timing.get("app", math.nan)
+
+
+def error_text(body: str, limit: int = 200) -> str:
+    """An error response as ``code: message`` (the OpenAI error body's code first, so a long message
+    cannot cut it off), or the body's start when it is not one."""
+    with contextlib.suppress(ValueError, TypeError, AttributeError, KeyError):
+        err = json.loads(body)["error"]
+        return f"{err.get('code') or err.get('type')}: {err.get('message', '')}"[:limit].replace("\n", " ")
+    return body[:limit].replace("\n", " ")
 
 
 def parse_server_timing(header: str) -> dict[str, float]:
@@ -195,7 +204,7 @@ async def _send_stream(client: httpx.AsyncClient, path: str, body: dict[str, Any
     async with client.stream("POST", path, json=body) as resp:
         rec.status = resp.status_code
         if resp.status_code != 200:
-            rec.error = (await resp.aread()).decode(errors="replace")[:200].replace("\n", " ")
+            rec.error = error_text((await resp.aread()).decode(errors="replace"))
             rec.done_s = clock()
             return
         async for line in resp.aiter_lines():

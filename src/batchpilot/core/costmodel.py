@@ -87,7 +87,7 @@ class ProfilePoint:
     memory_bytes: float = 0.0
 
 
-def _nn_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+def nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Least squares with coefficients >= 0 (a tiny active-set loop; a handful of features)."""
     active = list(range(x.shape[1]))
     coef = np.zeros(x.shape[1])
@@ -205,11 +205,11 @@ class CostModel:
         if (y <= 0).any():
             raise ValueError("cost model fit: every latency must be > 0 seconds")
         w = 1.0 / y  # relative error: a 10 ms miss matters at 20 ms, not at 2 s
-        lat = _nn_lstsq(x * w[:, None], np.ones_like(y))
+        lat = nonneg_lstsq(x * w[:, None], np.ones_like(y))
         pred = x @ lat
         rel = (y / np.maximum(pred, 1e-12)) - 1.0
         mem_y = np.array([p.memory_bytes for p in pts], dtype=float)
-        mem = _nn_lstsq(x, mem_y) if mem_y.any() else np.zeros(len(feature_names))
+        mem = nonneg_lstsq(x, mem_y) if mem_y.any() else np.zeros(len(feature_names))
         return cls(
             feature_names=tuple(feature_names),
             latency_coef=tuple(float(c) for c in lat),
