@@ -132,6 +132,32 @@ def test_backlog_bound_counts_batches_in_flight_and_queued_work() -> None:
     assert fill(512, 200_000) == int(room / work[512] + 1e-9)  # long inputs: fewer fit the same seconds
 
 
+def test_backlog_follows_how_long_batches_really_take() -> None:
+    """Batches reported at twice their predicted time make the backlog count double (a moving average,
+    clamped), so an overloaded CPU sharing its cores with the HTTP layer does not over-admit."""
+    from batchpilot.core.config import SchedulerConfig
+    from batchpilot.core.overload import with_sla_queue_bounds
+    from batchpilot.core.scheduler import WORK_SCALE_MAX, BatchScheduler
+
+    cm = CostModel.default_cpu_minilm()
+    sched = BatchScheduler(with_sla_queue_bounds(SchedulerConfig()), cm)
+    rid = 0
+    for _ in range(60):
+        for _ in range(16):
+            assert sched.submit(Request(rid, 0.0, 64), 0.0) is None
+            rid += 1
+        (batch,) = sched.schedule(1.0, 1).batches
+        sched.on_batch_done(batch, 1.0, 2.0 * batch.predicted_s)
+    assert sched.work_scale == pytest.approx(2.0, rel=0.01) and sched.num_waiting == 0
+    for _ in range(4):
+        assert sched.submit(Request(rid, 0.0, 64), 0.0) is None
+        rid += 1
+    assert sched.predicted_backlog_s == pytest.approx(2.0 * 4 * sched.admission.work_s[64], rel=0.01)
+    (batch,) = sched.schedule(1.0, 1).batches
+    sched.on_batch_done(batch, 1.0, 100.0 * batch.predicted_s)  # one pathological batch: clamped
+    assert sched.work_scale <= 2.0 + 0.1 * (WORK_SCALE_MAX - 2.0) + 1e-9
+
+
 def test_every_reason_has_a_stable_value() -> None:
     expected = {"queue_full", "rate_limited", "infeasible_deadline", "too_long", "deadline_expired"}
     assert {r.value for r in RejectReason} >= expected
@@ -161,10 +187,14 @@ def test_core_sla_bounds_refuse_exactly_what_the_server_refuses(data: st.DataObj
     num_waiting = data.draw(st.integers(0, 40), "num_waiting")
     waiting = data.draw(st.one_of(st.floats(0, 2 * server.max_backlog_s),
                                   st.sampled_from([edge - 1e-9, edge, edge + 1e-9])), "waiting_work_s")
-    rej = core.check(Request(0, 0.0, length), 0.0, num_waiting, 0, waiting)
-    refused = server.refusal(num_waiting, waiting, [length])
+    scale = data.draw(st.sampled_from([1.0, 0.5, 1.7]), "work_scale")
+    if scale != 1.0:
+        edge = server.max_backlog_s - core.work_s[length] * scale
+        waiting = data.draw(st.sampled_from([edge - 1e-9, edge + 1e-9, waiting]), "waiting_scaled")
+    rej = core.check(Request(0, 0.0, length), 0.0, num_waiting, 0, waiting, scale)
+    refused = server.refusal(num_waiting, waiting, [length], scale)
     assert (rej is not None and rej.reason is RejectReason.QUEUE_FULL) == (refused is not None)
     if refused is not None and rej is not None:
-        assert refused[1] >= 1.0 and rej.retry_after_s == pytest.approx(waiting + core.work_s[length]
-                                                                        - server.max_backlog_s)
+        assert refused[1] >= 1.0 and rej.retry_after_s == pytest.approx(
+            waiting + core.work_s[length] * scale - server.max_backlog_s)
     assert with_sla_queue_bounds(bounded) == bounded  # explicit limits win: applying twice is a no-op

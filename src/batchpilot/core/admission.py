@@ -139,7 +139,7 @@ class AdmissionController:
         return None
 
     def check(self, req: Request, now: float, num_waiting: int, num_waiting_tokens: int,
-              predicted_backlog_s: float = 0.0) -> Rejection | None:
+              predicted_backlog_s: float = 0.0, work_scale: float = 1.0) -> Rejection | None:
         cfg = self.config
         length = req.length
         if length > self._limit:
@@ -166,7 +166,7 @@ class AdmissionController:
                              f"(admission.max_queued_tokens = {cfg.max_queued_tokens})",
                              self._drain_s(num_waiting, num_waiting_tokens))
         if cfg.max_backlog_s:
-            own = self.work_s[length]
+            own = self.work_s[length] * work_scale
             over = work_refusal(cfg.max_backlog_s, num_waiting, predicted_backlog_s, own)
             if over > 0.0:
                 return Rejection(req, RejectReason.QUEUE_FULL,

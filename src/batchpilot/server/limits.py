@@ -45,11 +45,12 @@ class QueueBounds:
     max_backlog_s: float
     work_s: Sequence[float]  # per input length: the core's AdmissionController.work_s
 
-    def refusal(self, num_waiting: int, backlog_s: float,
-                lengths: list[int]) -> tuple[str, float] | None:
-        """None to admit, else why and the Retry-After seconds."""
+    def refusal(self, num_waiting: int, backlog_s: float, lengths: list[int],
+                work_scale: float = 1.0) -> tuple[str, float] | None:
+        """None to admit, else why and the Retry-After seconds (``backlog_s`` and ``work_scale`` as the
+        scheduler has them: ``predicted_backlog_s``, ``work_scale``)."""
         last = len(self.work_s) - 1
-        added = sum(self.work_s[min(x, last)] for x in lengths)
+        added = sum(self.work_s[min(x, last)] for x in lengths) * work_scale
         over = work_refusal(self.max_backlog_s, num_waiting, backlog_s, added)
         if not over:
             return None
