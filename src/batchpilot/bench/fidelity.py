@@ -275,7 +275,7 @@ def main(args: argparse.Namespace) -> int:
     adm = as_served.admission
     work = f"{adm.max_backlog_s * 1e3:.0f} ms" if adm.max_backlog_s else "inf"
     print(f"simulating the server's admission: queue <= {adm.max_queued_requests or 'inf'} inputs / "
-          f"{adm.max_queued_tokens or 'inf'} tokens / {work} of predicted work", flush=True)
+          f"{adm.max_queued_tokens or 'inf'} tokens, predicted backlog <= {work}", flush=True)
     _pin_self(args.cpus)
     tok = load_tokenizer(args.tokenizer)
     texts = [p.body["input"] for p in build_plan(wl, tokenizer=tok, seed=args.seed)]
