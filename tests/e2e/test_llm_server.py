@@ -169,7 +169,7 @@ def test_concurrent_requests_batch_and_cancelled_stream_frees_blocks(
 def test_step_counters_and_serving_calibration(server: tuple[str, LLMEngine, CollectorRegistry]) -> None:
     """The engine times its steps (wall, and the forward + sampling part), and bench fidelity's
     calibration turns lockstep streams into a serving overhead on top of the step profile."""
-    from batchpilot.bench.llm_fidelity import calibrate_serving
+    from batchpilot.bench.llm_lockstep import calibrate_serving
     from batchpilot.core.costmodel import LLM_FEATURES, CostModel
 
     url, engine, _ = server
