@@ -118,20 +118,17 @@ def test_backlog_bound_counts_batches_in_flight_and_queued_work() -> None:
 
     n64 = fill(64, 0)
     assert n64 == int(0.6 / work[64]) or n64 == int(0.6 / work[64]) + 1  # +1: the first, on an empty queue
-    assert sched.predicted_backlog_s(0.0) <= 0.6 + work[64]
+    assert sched.predicted_backlog_s <= 0.6 + work[64]
     out = sched.schedule(0.0, 1)
     assert len(out.batches) == 1 and sched.num_in_flight == 1
     moved = out.batches[0]
     # the dispatched batch is backlog now: it left the queue but not the work ahead of new inputs
-    assert sched.predicted_backlog_s(0.0) == pytest.approx(sched.queue.num_work_s + moved.predicted_s)
-    half = sched.predicted_backlog_s(moved.predicted_s / 2)  # the slot has worked on it since 0.0
-    assert half == pytest.approx(sched.queue.num_work_s + moved.predicted_s / 2)
-    assert sched.predicted_backlog_s(99.0) == pytest.approx(sched.queue.num_work_s)  # overdue: 0 left
+    assert sched.predicted_backlog_s == pytest.approx(sched.queue.num_work_s + moved.predicted_s)
     assert fill(64, 100_000) <= 1
     sched.on_batch_done(moved, 0.2, 0.0, ran=False)  # everyone in it left: not a completed batch
     assert sched.num_in_flight == 0 and sched.stats.completed_batches == 0
-    assert sched.predicted_backlog_s(0.2) == pytest.approx(sched.queue.num_work_s)
-    room = 0.6 - sched.predicted_backlog_s(0.2)
+    assert sched.predicted_backlog_s == pytest.approx(sched.queue.num_work_s)
+    room = 0.6 - sched.predicted_backlog_s
     assert fill(512, 200_000) == int(room / work[512] + 1e-9)  # long inputs: fewer fit the same seconds
 
 
@@ -155,7 +152,7 @@ def test_backlog_follows_how_long_batches_really_take() -> None:
     for _ in range(4):
         assert sched.submit(Request(rid, 0.0, 64), 0.0) is None
         rid += 1
-    assert sched.predicted_backlog_s(1.0) == pytest.approx(2.0 * 4 * sched.admission.work_s[64], rel=0.01)
+    assert sched.predicted_backlog_s == pytest.approx(2.0 * 4 * sched.admission.work_s[64], rel=0.01)
     (batch,) = sched.schedule(1.0, 1).batches
     sched.on_batch_done(batch, 1.0, 100.0 * batch.predicted_s)  # one pathological batch: clamped
     assert sched.work_scale <= 2.0 + 0.1 * (WORK_SCALE_MAX - 2.0) + 1e-9

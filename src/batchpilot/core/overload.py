@@ -7,8 +7,7 @@ the queue grows for as long as the burst lasts and every request ends up waiting
 server must instead refuse early (503 + Retry-After) so the requests it does admit still finish
 within the SLA. The bound is in *predicted seconds*, from the cost model:
 
-    backlog = what is left of the batches in flight (dispatched, not done: their predicted time less
-              the time the slots have worked on them)
+    backlog = the batches in flight (dispatched, not done: their predicted time)
             + the queue's work (each waiting input: its share of a full batch of its length,
               ``AdmissionController.work_s``), per executor slot
     admit while  backlog + this input's work <= TARGET_SHARE * sla_s  (0.6)

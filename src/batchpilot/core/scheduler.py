@@ -119,7 +119,6 @@ class BatchScheduler:
         self._in_flight_s = 0.0
         self._num_slots = max(config.num_slots, 1)
         self._work_scale = 1.0
-        self._busy_since = 0.0  # when the slots last started on the work in flight
         self._next_batch_id = 0  # deterministic batch ids (a counter, as IdCounter, without the call)
         self._lookahead = 1 if plan.grouping == "fifo" else plan.lookahead
         self._padding = plan.padding
@@ -137,17 +136,13 @@ class BatchScheduler:
     def num_waiting_tokens(self) -> int:
         return self._queue.num_tokens
 
-    def predicted_backlog_s(self, now: float) -> float:
-        """Predicted seconds until everything dispatched and waiting has run, per slot: what is left of
-        the batches in flight (their predicted seconds less the time the slots have worked on them since
-        they last went busy) plus the queue's work (``AdmissionController.work_s`` summed), times
-        ``work_scale``. What ``admission.max_backlog_s`` bounds. Counting a running batch whole cost
-        the default config a quarter of its burst capacity on MiniLM/CPU (batches of 100-400 ms)."""
-        in_flight = self._in_flight_s
-        if in_flight:
-            busy = min(len(self._in_flight), self._num_slots)
-            in_flight = max(in_flight - (now - self._busy_since) * busy, 0.0)
-        return (self._queue.num_work_s + in_flight / self._num_slots) * self._work_scale
+    @property
+    def predicted_backlog_s(self) -> float:
+        """Predicted seconds until everything dispatched and waiting has run, per slot: the batches in
+        flight (their whole predicted time: how far a running one has got is not known here) plus the
+        queue's work (``AdmissionController.work_s`` summed), times ``work_scale``. What
+        ``admission.max_backlog_s`` bounds."""
+        return (self._queue.num_work_s + self._in_flight_s / self._num_slots) * self._work_scale
 
     @property
     def work_scale(self) -> float:
@@ -174,7 +169,7 @@ class BatchScheduler:
     def submit(self, request: Request, now: float) -> Rejection | None:
         self.stats.submitted += 1
         q = self._queue
-        rejection = self.admission.check(request, now, len(q), q.num_tokens, self.predicted_backlog_s(now),
+        rejection = self.admission.check(request, now, len(q), q.num_tokens, self.predicted_backlog_s,
                                          self._work_scale)
         if rejection is None and not q.push(request):  # capacity is also enforced by the queue itself
             rejection = Rejection(request, RejectReason.QUEUE_FULL, f"{len(q)} requests are waiting")
@@ -219,8 +214,6 @@ class BatchScheduler:
             self._next_batch_id = batch_id + 1
             out.batches.append(Batch(batch_id, plan.requests, plan.padded_len, shape, self._padding, now,
                                      plan.predicted_s))
-            if not self._in_flight:
-                self._busy_since = now
             self._in_flight[batch_id] = plan.predicted_s
             self._in_flight_s += plan.predicted_s
             stats.batches += 1
@@ -242,7 +235,6 @@ class BatchScheduler:
         predicted = self._in_flight.pop(batch.id, None)
         if predicted is not None:
             self._in_flight_s = self._in_flight_s - predicted if self._in_flight else 0.0
-            self._busy_since = now  # the next batch in flight (if any) starts now
         if not ran:
             return
         if predicted and latency_s > 0.0:

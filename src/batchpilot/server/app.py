@@ -117,8 +117,8 @@ class EmbeddingService:
         if self.queue_bounds is not None:
             sched = self.batcher.scheduler
             lengths = [len(x) for x in tokens]
-            backlog = sched.predicted_backlog_s(self.batcher.clock())
-            refused = self.queue_bounds.refusal(sched.num_waiting, backlog, lengths, sched.work_scale)
+            refused = self.queue_bounds.refusal(sched.num_waiting, sched.predicted_backlog_s, lengths,
+                                                sched.work_scale)
             if refused is not None:
                 self.metrics.on_reject(RejectReason.QUEUE_FULL)
                 raise APIError(503, refused[0], code="queue_full", retry_after_s=refused[1])

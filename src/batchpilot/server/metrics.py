@@ -93,7 +93,7 @@ class ServerMetrics(BatcherObserver):
         """Read queue gauges from the live scheduler at scrape time (no per-request updates)."""
         self.queue_length.set_function(lambda: scheduler.num_waiting)
         self.queue_tokens.set_function(lambda: scheduler.num_waiting_tokens)
-        self.backlog.set_function(lambda: scheduler.predicted_backlog_s(self.clock()))
+        self.backlog.set_function(lambda: scheduler.predicted_backlog_s)
         self.pending.set_function(num_pending)
 
     def render(self) -> bytes:
