@@ -34,10 +34,11 @@ from ..core.costmodel import CostModel
 from ..sim.traces import Workload
 from .capacity import CapacityConfig, probe_rows, probe_workload, search_capacity, wait_idle
 from .llm_lockstep import CAL_HEAD, calibrate_serving
-from .llm_steps import busy_intervals, fit_live_steps, read_steps
+from .llm_steps import LoggedStep, busy_intervals, fit_live_steps, read_steps
 from .loadgen import LoadGenConfig, build_plan, replay
 from .records import Summary, format_summary, percentiles, summarize, write_csv
 from .report import RunData, html_table, write_report
+from .scrape import scrape_once
 from .serverproc import serve
 
 TARGETS = {"TTFT": 0.10, "TPOT": 0.10, "output": 0.05}
@@ -101,14 +102,6 @@ def simulate(workload: Workload, config: Any, cost_model: CostModel, sla_s: floa
 DIAG_HEAD = ["load", "quantity (mean, ms)", "simulated", "server", "client"]
 
 
-def scrape(url: str) -> dict[str, float]:
-    import httpx
-
-    from .scrape import parse_metrics
-
-    return parse_metrics(httpx.get(url.rstrip("/") + "/metrics", timeout=10).text)
-
-
 def serving_ttft_delay(res: Any, before: dict[str, float], after: dict[str, float]) -> float:
     """What the client's TTFT holds beyond the engine's (HTTP in, handing the request to the engine
     thread, the first SSE event out, the client), under load: the mean client TTFT of a run minus the
@@ -159,27 +152,23 @@ def diagnosis_rows(load: float, rep: Any, res: Any, m: Summary, cost_model: Cost
             [f"{load:.0%}", "tokens per engine step (not ms)", round(rep.mean_step_tokens, 1), "-", "-"]]
 
 
-def hindsight(rows: Workload, config: Any, profiled: CostModel, step_log: Path, offset: int, sla_s: float,
+def hindsight(rows: Workload, config: Any, profiled: CostModel, steps: list[LoggedStep], sla_s: float,
               delay_s: float) -> Summary | None:
     """The simulated run with the step model corrected on the measured run's own steps instead of the
     calibration's: not a prediction (those step costs exist only after the run), but it splits the
     error into the step cost (the CPU's speed drifts 10-15 % between calibration and run on this
     machine, ``benchmarks/llm_step_drift.py``) and the rest (the schedule, the serving path)."""
-    if not step_log.exists():
-        return None
     try:
-        model = fit_live_steps(profiled, read_steps(step_log, offset)[0])
+        model = fit_live_steps(profiled, steps)
     except ValueError:
         return None
     return simulate(rows, config, model, sla_s, delay_s)[0]
 
 
-def interval_rows(load: float, step_log: Path, offset: int, cost_model: CostModel) -> list[list[Any]]:
+def interval_rows(load: float, steps: list[LoggedStep], cost_model: CostModel) -> list[list[Any]]:
     """The measured run's own busy step intervals (its step log) against the step model on exactly those
     steps: whether a miss is the step cost or the schedule."""
-    if not step_log.exists():
-        return []
-    points = busy_intervals(read_steps(step_log, offset)[0])
+    points = busy_intervals(steps)
     if not points:
         return []
     live = float(np.mean([p.latency_s for p in points]))
@@ -269,12 +258,12 @@ def main(args: argparse.Namespace) -> int:
             """Replay calibration rows at rate scale ``k``, fit the step model on the steps they made."""
             offset = step_log.stat().st_size
             rows = calibration_rows(measured, k)
-            before = scrape(url)
+            before = scrape_once(url)
             res = replay(build_plan(rows, "completions"),
                          LoadGenConfig(url, "completions", progress=False, scrape_interval_s=0))
             wait_idle(url, 30.0)
             model = fit_live_steps(profiled, read_steps(step_log, offset)[0])
-            d = serving_ttft_delay(res, before, scrape(url))
+            d = serving_ttft_delay(res, before, scrape_once(url))
             fit = model.meta["live_fit"]
             print(f"{label}: live steps = {fit['alpha']:.3f} x step profile + {fit['const_s'] * 1e3:.2f} ms "
                   f"+ {fit['per_decode_s'] * 1e3:.3f} ms per decode ({fit['points']} busy steps); "
@@ -313,7 +302,8 @@ def main(args: argparse.Namespace) -> int:
             print(format_summary(m, label))
             tp = percentiles([(r.latency_s - r.ttft_s) / (r.tokens_received - 1) for r in res.records
                               if r.ok and r.tokens_received > 1], (50.0, 99.0))
-            own = hindsight(rows_wl, config, profiled, step_log, measured_from, args.sla, delay)
+            run_steps = read_steps(step_log, measured_from)[0] if step_log.exists() else []
+            own = hindsight(rows_wl, config, profiled, run_steps, args.sla, delay)
             o = own.ttft if own is not None else {}
             rows += [_row(load, k, "TTFT P50 ms", pred.ttft["p50"], m.ttft.get("p50", math.nan), 1e3,
                           core.ttft["p50"], o.get("p50", math.nan)),
@@ -326,7 +316,7 @@ def main(args: argparse.Namespace) -> int:
                      _row(load, k, "output tok/s", pred.output_tokens_per_s, m.output_tokens_per_s, 1.0,
                           core.output_tokens_per_s, own.output_tokens_per_s if own is not None else math.nan)]
             diag += diagnosis_rows(load, rep, res, m, cost_model, profiled)
-            diag += interval_rows(load, step_log, measured_from, cost_model)
+            diag += interval_rows(load, run_steps, cost_model)
             write_csv(res.records, out / f"records-llm-{int(load * 100)}.csv")
             runs.append(RunData(f"llm live {load:.0%}", res.records, m, res.metrics, {"rate_scale": k}))
             result["points"].append({"load": load, "rate_scale": k, "rows": len(rows_wl),

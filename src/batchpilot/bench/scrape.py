@@ -127,3 +127,8 @@ class MetricsScraper:
             await asyncio.gather(self._task, return_exceptions=True)
         await self._record()  # a last scrape after the run, so histogram deltas cover all of it
         return self.series
+
+
+def scrape_once(base_url: str, timeout_s: float = 10.0) -> dict[str, float]:
+    """One synchronous read of ``/metrics`` (between runs: counters before and after one)."""
+    return parse_metrics(httpx.get(base_url.rstrip("/") + "/metrics", timeout=timeout_s).text)

@@ -119,6 +119,7 @@ class BatchScheduler:
         self._in_flight_s = 0.0
         self._num_slots = max(config.num_slots, 1)
         self._work_scale = 1.0
+        self._bounds_backlog = config.admission.max_backlog_s > 0
         self._next_batch_id = 0  # deterministic batch ids (a counter, as IdCounter, without the call)
         self._lookahead = 1 if plan.grouping == "fifo" else plan.lookahead
         self._padding = plan.padding
@@ -169,8 +170,8 @@ class BatchScheduler:
     def submit(self, request: Request, now: float) -> Rejection | None:
         self.stats.submitted += 1
         q = self._queue
-        rejection = self.admission.check(request, now, len(q), q.num_tokens, self.predicted_backlog_s,
-                                         self._work_scale)
+        backlog = self.predicted_backlog_s if self._bounds_backlog else 0.0  # hot path in the simulator
+        rejection = self.admission.check(request, now, len(q), q.num_tokens, backlog, self._work_scale)
         if rejection is None and not q.push(request):  # capacity is also enforced by the queue itself
             rejection = Rejection(request, RejectReason.QUEUE_FULL, f"{len(q)} requests are waiting")
         if rejection is not None:
