@@ -102,3 +102,37 @@ def test_cli_writes_a_profile_the_server_can_load(tmp_path: Path, capsys: pytest
     assert model.latency(BatchShape.padded([8], 8)) > 0
     printed = capsys.readouterr().out
     assert "prediction error" in printed and "held-out" in printed
+
+
+class _DriftingExecutor:
+    """Batches cost exactly ``3 ms + 0.1 ms per token`` on a fake clock, and the CPU turns 1.5x slower
+    after ``step_after`` calls: a speed step in the middle of a profile, as this machine shows."""
+
+    model_name, device, max_length, vocab_size, num_special_tokens = "fake", "cpu", 512, 30522, 0
+
+    def __init__(self, step_after: int) -> None:
+        self.now, self.calls, self.step_after = 0.0, 0, step_after
+
+    def tokenize_ids(self, ids: list[list[int]], truncate: bool = False) -> list[list[int]]:
+        return ids
+
+    def prepare(self, batch: object) -> object:
+        return batch
+
+    def run(self, batch: object) -> list[None]:
+        self.calls += 1
+        speed = 1.0 if self.calls <= self.step_after else 1.5
+        self.now += speed * (0.003 + 1e-4 * batch.shape.tokens)  # type: ignore[attr-defined]
+        return []
+
+
+def test_a_speed_step_during_the_profile_scales_every_shape_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Timed round-robin, a step in the CPU's speed moves every shape's median alike (a speed, which the
+    live fit corrects); timed shape after shape it would bend the model's shape."""
+    from batchpilot.models import profiler
+
+    fake = _DriftingExecutor(step_after=10 + 6)  # 6 shapes: 6 warm-ups, then 5 rounds; step in round 2
+    monkeypatch.setattr(profiler.time, "perf_counter", lambda: fake.now)
+    _, points = profile_grid(fake, (1, 2), (16, 64, 128), 5, None, "none", False, False, 0)
+    ratios = [m.latency_s / (0.003 + 1e-4 * m.features["tokens"]) for m in points]
+    assert ratios == pytest.approx([1.5] * 6)

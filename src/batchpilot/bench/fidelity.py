@@ -39,6 +39,7 @@ from ..core.costmodel import CostModel
 from ..sim.frontend import FrontEnd
 from ..sim.target import DONE
 from ..sim.traces import Workload
+from .batch_fit import calibrate_speed, calibration_rows, fit_live_batches, read_batches
 from .capacity import probe_workload, wait_idle
 from .fidelity_tables import DIAG_HEAD, HEAD, comparison_rows, diagnosis_rows, text_table
 from .loadgen import LoadGenConfig, build_plan, load_tokenizer, one_by_one_async, replay
@@ -80,7 +81,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "load point (live), or add a serving overhead measured with lockstep streams to "
                         "the step profile (lockstep)")
     p.add_argument("--calibration-s", type=float, default=45.0,
-                   help="conv-llm, --llm-calibration live: seconds of calibration traffic per load point")
+                   help="seconds of calibration traffic per load point (conv-llm with --llm-calibration "
+                        "live; embeddings unless --no-speed-calibration)")
+    p.add_argument("--no-speed-calibration", action="store_true",
+                   help="embeddings: simulate with the profile as it is, instead of fitting its speed on "
+                        "the live server's own batches (serve --batch-log) right before each load point")
     p.add_argument("--frontend-requests", type=int, default=60,
                    help="rows sent one at a time (twice each) to calibrate the front end")
     p.add_argument("--cpus", default=None,
@@ -108,12 +113,16 @@ class Prediction:
 
 
 def simulate(workload: Workload, config: SchedulerConfig, cost_model: CostModel, sla_s: float,
-             noise: bool = False, seed: int = 0, frontend: FrontEnd | None = None) -> Prediction:
-    """Simulate ``workload`` and express the result as a ``Summary`` (plus the simulator's own report)."""
+             noise: bool = False, seed: int = 0, frontend: FrontEnd | None = None,
+             service_model: CostModel | None = None) -> Prediction:
+    """Simulate ``workload`` and express the result as a ``Summary`` (plus the simulator's own report).
+    The scheduler decides with ``cost_model`` (the profile the server was given); batches take
+    ``service_model``'s time (default the same: the live-calibrated one when there is one)."""
     from ..sim.metrics import summarize as sim_summarize
     from ..sim.target import simulate_encoder
 
-    run = simulate_encoder(workload, config, cost_model, noise=noise, seed=seed, frontend=frontend)
+    run = simulate_encoder(workload, config, cost_model, service_model=service_model, noise=noise, seed=seed,
+                           frontend=frontend)
     rep = sim_summarize(run, sla_s)
 
     done = np.asarray(run.record.status) == DONE
@@ -281,6 +290,11 @@ def main(args: argparse.Namespace) -> int:
     texts = [p.body["input"] for p in build_plan(wl, tokenizer=tok, seed=args.seed)]
     serve_args = ["--profile", str(profile), "--log-level", "warning", *noop,
                   *(["--config", args.config] if args.config else []), *shlex.split(args.serve_args)]
+    speed_cal = not args.no_speed_calibration and args.noop_delay_ms is None and bool(args.loads)
+    batch_log = (out / "batches.jsonl").resolve()
+    batch_log.unlink(missing_ok=True)
+    if speed_cal:
+        serve_args += ["--batch-log", str(batch_log)]
     rows: list[list[Any]] = []
     diag: list[list[Any]] = []
     runs: list[RunData] = []
@@ -301,21 +315,45 @@ def main(args: argparse.Namespace) -> int:
                   f"delay (HTTP, JSON, client) {frontend.delay_const_s * 1e3:.2f} ms + "
                   f"{frontend.delay_per_token_s * 1e6:.2f} us/token; mean outside the batcher "
                   f"{frontend.mean_s(wl.input_tokens) * 1e3:.2f} ms", flush=True)
+        service = cost_model  # what batches cost now: the profile, or its speed fitted on live batches
+
+        def speed_fit(k: float, measured: int, label: str) -> CostModel:
+            rows, cal_texts = calibration_rows(wl, texts, measured, k, args.calibration_s, args.seed)
+            model, batches = calibrate_speed(url, cost_model, batch_log, rows, cal_texts)
+            fit = model.meta["live_fit"]
+            print(f"{label}: live batches = {fit['alpha']:.3f} x profile + {fit['const_s'] * 1e3:.2f} ms "
+                  f"({len(batches)} batches of {len(rows)} calibration requests, median error "
+                  f"{fit['median_rel_error']:.1%})", flush=True)
+            result.setdefault("speed_fits", []).append({"label": label, "rate_scale": k, **fit})
+            return model
+
+        if speed_cal:  # at a rate the profile calls busy but not saturated; then the capacity again
+            k0 = 0.65 * cap.capacity
+            service = speed_fit(k0, len(probe_workload(wl, k0, args.max_live_s)), "capacity")
+            cap = sim_capacity(wl, config, service, args.sla, args.noise)
+            print(f"simulated capacity at the live speed: rate scale {cap.capacity:.3f} = "
+                  f"{cap.rps:.2f} req/s", flush=True)
+            result.update(capacity_scale=cap.capacity, capacity_rps=cap.rps)
         for load in args.loads:
             k = load * cap.capacity
             scaled = probe_workload(wl, k, args.max_live_s)  # the same rows for the simulator and live
             if len(scaled) < len(wl):
                 print(f"{load:.0%}: replaying the first {len(scaled)} of {len(wl)} rows (--max-live-s "
                       f"{args.max_live_s:g})", flush=True)
-            core = simulate(scaled, as_served, cost_model, args.sla, args.noise, args.seed)
-            pred = simulate(scaled, as_served, cost_model, args.sla, args.noise, args.seed, frontend) \
-                if frontend is not None else core
+            if speed_cal:  # right before the measured run: this CPU's speed moves within minutes
+                service = speed_fit(k, len(scaled), f"{load:.0%}")
+            core = simulate(scaled, as_served, cost_model, args.sla, args.noise, args.seed, None, service)
+            pred = core if frontend is None else simulate(scaled, as_served, cost_model, args.sla, args.noise,
+                                                          args.seed, frontend, service)
+            log_from = batch_log.stat().st_size if batch_log.exists() else 0
             live = measure(url, scaled, texts, args.sla, args.warmup_requests, not args.no_progress,
                            f"{load:.0%} live")
             print(format_summary(pred.summary, f"simulated at {load:.0%} of capacity (x{k:.3f})"))
             print(format_summary(live.summary, f"live at {load:.0%} of capacity (x{k:.3f})"), flush=True)
             rows += comparison_rows(load, k, pred, live, core)
-            diag += diagnosis_rows(load, pred, live, cost_model)
+            diag += diagnosis_rows(load, pred, live, service)
+            if speed_cal:
+                diag += speed_rows(load, service, cost_model, read_batches(batch_log, log_from)[0])
             write_csv(live.records, out / f"records-{int(load * 100)}.csv")
             load_avg = os.getloadavg()[0]
             print(f"machine load average (1 min) after the run: {load_avg:.1f} on {os.cpu_count()} cores",
@@ -351,6 +389,20 @@ def main(args: argparse.Namespace) -> int:
     report = write_report(out, runs, title=f"fidelity: {args.workload}", sla_s=args.sla, sections=sections)
     print(f"fidelity.json and {report} written to {out}/ in {time.monotonic() - t_start:.0f} s")
     return 0
+
+
+def speed_rows(load: float, service: CostModel, profile: CostModel, run: list[Any]) -> list[list[Any]]:
+    """The speed fitted before the run against the same fit on the measured run's own batches (hindsight,
+    not a prediction: how far the CPU moved between calibration and run)."""
+    fit = service.meta["live_fit"]
+    try:
+        own = fit_live_batches(profile, run).meta["live_fit"]
+    except ValueError:
+        own = {"alpha": math.nan, "const_s": math.nan}
+    return [[f"{load:.0%}", "live speed: alpha x profile (calibration | the run's own batches)",
+             round(fit["alpha"], 3), round(own["alpha"], 3)],
+            [f"{load:.0%}", "  + per-batch serving cost", round(fit["const_s"] * 1e3, 2),
+             round(own["const_s"] * 1e3, 2)]]
 
 
 def _cores(cpus: str) -> set[int]:

@@ -1,11 +1,12 @@
 """Measure an encoder over a grid of batch shapes and fit the core cost model: ``batchpilot profile``.
 
-For each (batch size n, length L) of the grid, cheapest first: one untimed warm-up call, then
-``repeats`` timed ``prepare + run`` calls through the executor itself (the same path the server takes,
-same padding mode); the point's latency is their median. Peak memory comes from one more call under
-``models.device.peak_memory_bytes`` (docs/profiler.md says what it counts). Features come from
-``BatchShape.padded`` (or ``.ragged`` for padding "none"), and ``CostModel.fit`` turns the points into
-the model that policies, admission and the simulator share.
+For each (batch size n, length L) of the grid, cheapest first: one untimed warm-up call; then
+``repeats`` rounds, each timing one ``prepare + run`` call of every shape through the executor itself
+(the same path the server takes, same padding mode); a point's latency is the median of its calls.
+Round-robin, so that the CPU's speed drifting during the profile scales every shape alike. Peak
+memory comes from one more call under ``models.device.peak_memory_bytes`` (docs/profiler.md says what
+it counts). Features come from ``BatchShape.padded`` (or ``.ragged`` for padding "none"), and
+``CostModel.fit`` turns the points into the model that policies, admission and the simulator share.
 
 Accuracy is reported two ways: leave-one-out over the grid (each point predicted by a model fitted
 without it) and, with ``holdout``, seeded mixed-length batches the grid never saw, predicted by the
@@ -73,24 +74,44 @@ def measure(executor: Any, lengths: list[int], padding: str, repeats: int, rng: 
             memory: bool = True) -> Measurement:
     """Time ``prepare + run`` of one batch with these input lengths (median of ``repeats`` after one
     warm-up call) and measure its peak memory."""
-    from .device import peak_memory_bytes
-    from .encoder import make_batch
-
-    batch = make_batch([_ids(executor, n, rng) for n in lengths], padding, executor.max_length)
-    executor.run(executor.prepare(batch))  # warm-up: first call of a new shape allocates
-    total, prep = [], []
+    shape = _Shape(executor, lengths, padding, rng, memory)
     for _ in range(repeats):
+        shape.time_once()
+    return shape.measurement()
+
+
+class _Shape:
+    """One batch of the grid: built, warmed up (its first call allocates) and its memory measured on
+    creation; ``time_once`` adds one timed ``prepare + run`` sample."""
+
+    def __init__(self, executor: Any, lengths: list[int], padding: str, rng: random.Random,
+                 memory: bool) -> None:
+        from .device import peak_memory_bytes
+        from .encoder import make_batch
+
+        self.executor, self.lengths, self.padding = executor, list(lengths), padding
+        self.batch = make_batch([_ids(executor, n, rng) for n in lengths], padding, executor.max_length)
         t0 = time.perf_counter()
-        prepared = executor.prepare(batch)
+        executor.run(executor.prepare(self.batch))  # warm-up: first call of a new shape allocates
+        self.warmup_s = time.perf_counter() - t0
+        self.memory = peak_memory_bytes(lambda: executor.run(executor.prepare(self.batch)),
+                                        executor.device) if memory else 0.0
+        self.total: list[float] = []
+        self.prep: list[float] = []
+
+    def time_once(self) -> None:
+        t0 = time.perf_counter()
+        prepared = self.executor.prepare(self.batch)
         t1 = time.perf_counter()
-        executor.run(prepared)
-        t2 = time.perf_counter()
-        total.append(t2 - t0)
-        prep.append(t1 - t0)
-    mem = peak_memory_bytes(lambda: executor.run(executor.prepare(batch)), executor.device) if memory else 0.0
-    shape = batch.shape
-    return Measurement(len(lengths), list(lengths), shape.padded_len, padding, statistics.median(total),
-                       statistics.median(prep), total, mem, shape.features())
+        self.executor.run(prepared)
+        self.total.append(time.perf_counter() - t0)
+        self.prep.append(t1 - t0)
+
+    def measurement(self) -> Measurement:
+        shape = self.batch.shape
+        return Measurement(len(self.lengths), self.lengths, shape.padded_len, self.padding,
+                           statistics.median(self.total), statistics.median(self.prep), self.total,
+                           self.memory, shape.features())
 
 
 def profile_encoder(
@@ -137,18 +158,27 @@ def profile_grid(executor: Any, batch_sizes: tuple[int, ...], lengths: tuple[int
     guess = CostModel.default_cpu_minilm()
     calls = repeats + 1 + (2 if memory else 0)  # warm-up, repeats, memory run (profiled: ~2x)
     start = time.perf_counter()
-    out: list[Measurement] = []
-    with _progress(progress, len(grid)) as advance:
-        for b, L in grid:
-            if budget_s is not None and len(out) >= k:
+    kept: list[_Shape] = []
+    with _progress(progress, len(grid) + repeats) as advance:
+        for b, L in grid:  # build, warm up and measure memory, cheapest first, within the budget
+            if budget_s is not None and len(kept) >= k:
                 shape = BatchShape.padded([L] * b, L)
-                scale = statistics.median(m.latency_s / guess.latency(m.features) for m in out)
+                scale = statistics.median(s.warmup_s / guess.latency(s.batch.shape) for s in kept)
                 left = budget_s - (time.perf_counter() - start)
                 if calls * guess.latency(shape) * scale > left:
                     advance(f"skip {b}x{L}")
                     continue
-            out.append(measure(executor, [L] * b, padding, repeats, rng, memory))
-            advance(f"{b}x{L}: {out[-1].latency_s * 1e3:.1f} ms")
+            kept.append(_Shape(executor, [L] * b, padding, rng, memory))
+            advance(f"{b}x{L}: warm-up {kept[-1].warmup_s * 1e3:.1f} ms")
+        # then the timed calls round-robin: every shape once per round. This CPU's speed moves by a
+        # quarter within minutes; timing shape after shape put a step of it between the small shapes
+        # and the large ones and bent the fit (one profile's large batches came out 15 % off their
+        # neighbours). Round-robin, a drift moves every shape alike: a speed the live fit corrects.
+        for r in range(repeats):
+            for s in kept:
+                s.time_once()
+            advance(f"round {r + 1}/{repeats}")
+    out = [s.measurement() for s in kept]
     meta = {"source": "batchpilot profile", "model": executor.model_name, "padding": padding,
             "device": str(executor.device), "points": len(out)}
     return CostModel.fit([m.point() for m in out], meta=meta), out

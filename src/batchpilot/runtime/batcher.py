@@ -60,6 +60,9 @@ class Batcher:
         self.scheduler = scheduler or BatchScheduler(self.config, self.cost_model)
         self.observer = observer or BatcherObserver()
         self._observe_admit = type(self.observer).on_admit is not BatcherObserver.on_admit  # hot path
+        # called (batch, start, slot seconds) after each batch that ran, on the event loop: the slot's
+        # busy time per batch, what the simulator's cost model stands for (``BatchLog`` writes it out)
+        self.batch_observers: list[Callable[[Batch, float, float], None]] = []
         self.clock = clock
         self.slots = [Slot(i, pipeline) for i in range(self.config.num_slots)]
         self._run_is_async = inspect.iscoroutinefunction(executor.run)
@@ -247,6 +250,8 @@ class Batcher:
                     reported = True
                     self.scheduler.on_batch_done(batch, now, took)
                     self._wake.set()
+                    for observe in self.batch_observers:
+                        observe(batch, now - took, took)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a runtime bug: answer the batch's callers, never leave them hanging

@@ -32,6 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from ..core.config import SchedulerConfig
 from ..core.costmodel import CostModel
 from ..core.scheduler import RejectReason
+from ..runtime.batch_log import BatchLog
 from ..runtime.batcher import Batcher
 from ..runtime.errors import ExecutionError, RequestRejected
 from ..runtime.executor import Executor
@@ -231,12 +232,17 @@ def create_app(settings: ServerConfig, executor: Executor, config: SchedulerConf
     ``queue_bounds`` (``limits.queue_bounds``) refuse a request with 503 when the queue is too long."""
     svc = EmbeddingService(settings, executor, config or SchedulerConfig(),
                            cost_model or CostModel.default_cpu_minilm(), queue_bounds)
+    hooks = list(on_shutdown)
+    if settings.batch_log:
+        batch_log = BatchLog(settings.batch_log)
+        svc.batcher.batch_observers.append(batch_log)
+        hooks.append(batch_log.close)  # after the drain: no batch writes after it
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> Any:
         yield
         await svc.close()
-        for hook in on_shutdown:
+        for hook in hooks:
             await asyncio.get_running_loop().run_in_executor(None, hook)
 
     app = FastAPI(title="batchpilot", version="0.1.0", lifespan=lifespan)

@@ -57,6 +57,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--llm", action="store_true", help="also mount the LLM completion routes")
     p.add_argument("--llm-model", default=None, help="--llm: local HF causal-LM folder")
+    p.add_argument("--batch-log", default=None, metavar="PATH",
+                   help="append one JSON line per executed encoder batch (start, slot seconds, size, "
+                        "cost-model features) to PATH: what `bench fidelity` fits the profile's speed on")
     p.add_argument("--llm-step-log", default=None, metavar="PATH",
                    help="--llm: append one JSON line per engine step (shape features, wall and forward "
                         "seconds) to PATH: what `bench fidelity --workload conv-llm` fits the live step "
@@ -83,8 +86,8 @@ def run(args: argparse.Namespace) -> int:
         profile_path=args.profile, startup_profile=not args.no_startup_profile, api_key=args.api_key,
         max_body_bytes=args.max_body_bytes, request_timeout_s=args.request_timeout_s,
         drain_timeout_s=args.drain_timeout_s, warmup=not args.no_warmup, llm=args.llm,
-        llm_model=args.llm_model, llm_step_log=args.llm_step_log, log_level=args.log_level,
-        overload_limits=not args.no_overload_limits)
+        llm_model=args.llm_model, llm_step_log=args.llm_step_log, batch_log=args.batch_log,
+        log_level=args.log_level, overload_limits=not args.no_overload_limits)
     sched = load_scheduler_config(args.config, policy=args.policy, max_batch_size=args.max_batch_size,
                                   max_wait_ms=args.max_wait_ms, padding=args.padding,
                                   num_slots=args.num_slots)

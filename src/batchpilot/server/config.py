@@ -38,6 +38,7 @@ class ServerConfig:
     warmup: bool = True
     llm: bool = False
     llm_model: str | None = None
+    batch_log: str | None = None  # append one JSON line per executed encoder batch here (fidelity checks)
     llm_step_log: str | None = None  # append one JSON line per LLM engine step here (fidelity checks)
     log_level: str = "info"
     overload_limits: bool = True  # bound the queue from the SLA when the config leaves it unlimited

@@ -1,0 +1,96 @@
+"""The encoder cost model corrected on the live server's own batches (``serve --batch-log PATH``).
+
+A profile times the model in a quiet process at one moment; the server runs the same batches from an
+executor thread (a hand-off per batch) on a CPU whose speed on this machine moves by a quarter within
+minutes with nothing else changing (``benchmarks/encoder_drift.py``). The profile keeps the shape
+(what a batch of n inputs of these lengths costs relative to another); the live batches fit two
+numbers on top of it:
+
+    slot_s = alpha * profile(batch) + a
+
+``alpha`` the CPU's speed now against the profile's, ``a`` the per-batch serving cost (the hand-off to
+the executor thread and back). Non-negative least squares: the mean is what throughput and the queue
+are made of. ``bench fidelity`` replays calibration traffic right before each load point and fits on
+the batches it made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..core.costmodel import CostModel, nonneg_lstsq
+from ..sim.traces import Workload
+from .capacity import probe_workload, wait_idle
+from .loadgen import LoadGenConfig, build_plan, replay
+
+
+@dataclass(frozen=True)
+class LoggedBatch:
+    start: float
+    slot_s: float
+    n: int
+    features: dict[str, float]
+
+
+def read_batches(path: str | Path, offset: int = 0) -> tuple[list[LoggedBatch], int]:
+    """Batches logged from byte ``offset`` on (whole lines only), and the offset to read from next."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        data = f.read()
+    end = data.rfind(b"\n") + 1
+    out = []
+    for line in data[:end].splitlines():
+        if line.strip():
+            d = json.loads(line)
+            out.append(LoggedBatch(float(d["start"]), float(d["slot_s"]), int(d["n"]),
+                                   {k: float(v) for k, v in d["features"].items()}))
+    return out, offset + end
+
+
+def fit_live_batches(profile: CostModel, batches: Sequence[LoggedBatch], min_batches: int = 30) -> CostModel:
+    """``profile`` scaled by ``alpha`` with ``a`` added to ``const``, fitted on the live batches' slot
+    times. The profile's residual spread is kept (relative noise: it scales with the speed)."""
+    if len(batches) < min_batches:
+        raise ValueError(f"only {len(batches)} batches logged (need {min_batches}): replay more "
+                         "calibration traffic")
+    x = np.array([[profile.latency(b.features), 1.0] for b in batches])
+    y = np.array([b.slot_s for b in batches])
+    alpha, a = (float(c) for c in nonneg_lstsq(x, y))
+    if alpha <= 0:
+        raise ValueError(f"live batches do not follow the profile (alpha = {alpha:.3g}): re-profile")
+    coef = tuple(alpha * c + (a if name == "const" else 0.0)
+                 for name, c in zip(profile.feature_names, profile.latency_coef, strict=True))
+    pred = x @ np.array([alpha, a])
+    return dataclasses.replace(profile, latency_coef=coef, meta={
+        **profile.meta, "live_fit": {"alpha": alpha, "const_s": a, "batches": len(batches),
+                                     "median_rel_error": float(np.median(np.abs(y / pred - 1.0)))}})
+
+
+def calibration_rows(workload: Workload, texts: Sequence[str], measured: int, rate_scale: float,
+                     seconds: float, seed: int = 0) -> tuple[Workload, list[str]]:
+    """Calibration traffic for a measured run of the slice's first ``measured`` rows at ``rate_scale``:
+    the arrival times of the rows after them (``seconds`` of them, sped up the same), each with the
+    length and text of a measured row drawn at random (seeded). Other times, the measured run's mix of
+    lengths: the batch shapes depend on it."""
+    rest = workload.slice(measured, len(workload) - measured) if len(workload) - measured >= 30 else workload
+    times = probe_workload(rest, rate_scale, seconds)
+    pick = np.random.default_rng(seed + measured).integers(0, measured, len(times))
+    rows = Workload.from_columns("calibration", times.arrival_s, workload.input_tokens[pick])
+    return rows, [texts[int(i)] for i in pick]
+
+
+def calibrate_speed(url: str, profile: CostModel, batch_log: Path, rows: Workload,
+                    texts: Sequence[str]) -> tuple[CostModel, list[LoggedBatch]]:
+    """Replay ``rows`` (open loop) against the server writing ``batch_log`` and fit the profile's speed
+    on the batches they made (``fit_live_batches``)."""
+    offset = batch_log.stat().st_size if batch_log.exists() else 0
+    replay(build_plan(rows, texts=list(texts)), LoadGenConfig(url, progress=False, scrape_interval_s=0))
+    wait_idle(url, 10.0)
+    batches = read_batches(batch_log, offset)[0]
+    return fit_live_batches(profile, batches), batches

@@ -1,0 +1,72 @@
+"""The live batch log's reader and the speed fit on it (``bench.batch_fit``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from batchpilot.bench.batch_fit import LoggedBatch, calibration_rows, fit_live_batches, read_batches
+from batchpilot.core.costmodel import BatchShape, CostModel
+from batchpilot.sim.traces import Workload
+
+PROFILE = CostModel(latency_coef=(0.008, 0.0005, 0.0003, 2.5e-7), meta={"source": "test"})
+
+
+def _batch(lengths: list[int], slot_s: float, start: float = 0.0) -> LoggedBatch:
+    return LoggedBatch(start, slot_s, len(lengths), BatchShape.ragged(lengths).features())
+
+
+def test_read_batches_takes_whole_lines_and_resumes(tmp_path: Path) -> None:
+    path = tmp_path / "b.jsonl"
+    rows = [{"batch": i, "start": float(i), "slot_s": 0.01 * (i + 1), "n": 1, "predicted_s": 0.01,
+             "features": BatchShape.ragged([8 * (i + 1)]).features()} for i in range(2)]
+    half = json.dumps(rows[0])[:12]  # a line the server is still writing
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + half)
+    got, off = read_batches(path)
+    assert [b.slot_s for b in got] == [0.01, 0.02] and got[1].features["tokens"] == 16.0
+    assert off == path.read_bytes().rfind(b"\n") + 1
+    with open(path, "a") as f:
+        f.write(json.dumps(rows[0])[12:] + "\n")  # the server finishes the line
+    more, off2 = read_batches(path, off)
+    assert len(more) == 1 and more[0].start == 0.0 and off2 == path.stat().st_size
+
+
+def test_fit_recovers_speed_and_per_batch_cost_on_the_profile_shape() -> None:
+    """Live batches = 1.3 x the profile + 2 ms (with 3% noise): the fit finds both numbers, and the
+    fitted model predicts a shape the calibration never ran (a batch of 16 long inputs)."""
+    rng = np.random.default_rng(1)
+    batches = []
+    for _ in range(200):
+        lengths = rng.integers(8, 200, int(rng.integers(1, 5))).tolist()
+        slot = (1.3 * PROFILE.latency(BatchShape.ragged(lengths)) + 0.002) * (1 + rng.normal(0, 0.03))
+        batches.append(_batch(lengths, slot))
+    fit = fit_live_batches(PROFILE, batches)
+    meta = fit.meta["live_fit"]
+    assert meta["alpha"] == pytest.approx(1.3, rel=0.05)
+    assert meta["const_s"] == pytest.approx(0.002, abs=0.001)
+    assert meta["batches"] == 200 and meta["median_rel_error"] < 0.05
+    big = BatchShape.ragged([400] * 16)
+    assert fit.latency(big) == pytest.approx(1.3 * PROFILE.latency(big) + 0.002, rel=0.05)
+    assert fit.rel_residuals == PROFILE.rel_residuals and fit.meta["source"] == "test"
+
+
+def test_fit_never_makes_a_negative_serving_cost_and_refuses_too_few_batches() -> None:
+    batches = [_batch([n], 0.9 * PROFILE.latency(BatchShape.ragged([n])) - 0.004) for n in range(10, 110, 2)]
+    meta = fit_live_batches(PROFILE, batches).meta["live_fit"]
+    assert meta["const_s"] >= 0.0 and meta["alpha"] > 0
+    with pytest.raises(ValueError, match="only 3 batches"):
+        fit_live_batches(PROFILE, batches[:3])
+
+
+def test_calibration_rows_use_other_times_and_the_measured_lengths() -> None:
+    wl = Workload.from_columns("w", np.arange(400) * 0.5, np.arange(400) % 97 + 3)
+    texts = [f"text {i}" for i in range(400)]
+    rows, cal_texts = calibration_rows(wl, texts, measured=100, rate_scale=2.0, seconds=20.0, seed=3)
+    assert len(rows) == len(cal_texts) == 81  # rows 100.. at 0.25 s apart: t <= 20 s
+    assert set(rows.input_tokens.tolist()) <= set(wl.input_tokens[:100].tolist())
+    for n, text in zip(rows.input_tokens.tolist(), cal_texts, strict=True):
+        assert wl.input_tokens[int(text.split()[1])] == n  # each text goes with its row's length
+    assert rows.arrival_s[1] == pytest.approx(0.25)
