@@ -70,3 +70,27 @@ def test_calibration_rows_use_other_times_and_the_measured_lengths() -> None:
     for n, text in zip(rows.input_tokens.tolist(), cal_texts, strict=True):
         assert wl.input_tokens[int(text.split()[1])] == n  # each text goes with its row's length
     assert rows.arrival_s[1] == pytest.approx(0.25)
+
+
+def test_delay_under_load_refits_only_the_part_outside_tokenizer_and_batcher() -> None:
+    from batchpilot.bench.batch_fit import delay_under_load
+    from batchpilot.bench.records import RequestRecord
+    from batchpilot.sim.frontend import FrontEnd
+
+    idle = FrontEnd(0.0004, 2e-6, 0.003, 1e-7)
+    recs, delays = [], []
+    for i in range(40):
+        n = 10 + 12 * i
+        tok, bat = 0.0004 + 2e-6 * n + 0.002 * (i % 3), 0.05 + 1e-4 * n  # a queue at the tokenizer: not delay
+        d = 0.006 + 3e-7 * n + (0.02 if i % 10 == 0 else 0.0)  # a tail: 4 requests wait 20 ms more
+        delays.append(d)
+        recs.append(RequestRecord(i, 0.0, n, status=200, latency_s=tok + bat + d, server_tokenize_s=tok,
+                                  server_batcher_s=bat))
+    recs.append(RequestRecord(99, 0.0, 30, status=503, latency_s=0.001))  # refused: not a served request
+    fe = delay_under_load(idle, recs)
+    tokens = np.array([r.input_tokens for r in recs[:40]], dtype=float)
+    # the tail stays in: the simulator adds the mean delay to every request
+    assert float(np.mean(fe.delay(tokens))) == pytest.approx(float(np.mean(delays)), rel=1e-6)
+    assert fe.delay_const_s > 0.006
+    assert (fe.serial_const_s, fe.serial_per_token_s) == (idle.serial_const_s, idle.serial_per_token_s)
+    assert delay_under_load(idle, recs[:5]) == idle  # too few served requests: keep the idle fit

@@ -235,7 +235,7 @@ def test_probe_workload_is_bounded_in_time() -> None:
     assert burst.arrival_s[0] == 0.0 and burst.arrival_s[-1] <= 2.0 and len(burst) == count
 
 
-def test_parse_metrics_and_histogram_mean() -> None:
+def test_parse_metrics_andhistogram_mean() -> None:
     reg = CollectorRegistry()
     g = Gauge("bp_queue_waiting_requests", "q", ["model"], registry=reg)
     h = Histogram("bp_batch_size", "b", registry=reg, buckets=(1, 8, 32))
@@ -293,8 +293,9 @@ def test_config_is_validated() -> None:
 
 
 def test_fidelity_rows_compare_the_simulator_with_a_measurement() -> None:
-    from batchpilot.bench.fidelity import Measurement, _histogram_mean, simulate
+    from batchpilot.bench.fidelity import simulate
     from batchpilot.bench.fidelity_tables import comparison_rows, diagnosis_rows, model_time_of_live_batches
+    from batchpilot.bench.live_run import Measurement, histogram_mean
     from batchpilot.core.config import SchedulerConfig
     from batchpilot.core.costmodel import CostModel
 
@@ -320,7 +321,7 @@ def test_fidelity_rows_compare_the_simulator_with_a_measurement() -> None:
     h.labels("/v1/embeddings").observe(0.4)
     series = MetricsSeries([0.0, 1.0], [first, parse_metrics(generate_latest(reg).decode())])
     name = "batchpilot_http_request_duration_seconds{route=/v1/embeddings}"
-    assert _histogram_mean(series, name) == pytest.approx(0.3)
+    assert histogram_mean(series, name) == pytest.approx(0.3)
     assert math.isnan(series.delta("batchpilot_http_request_duration_seconds_count{route=/v1/embeddings}"))
     counter = MetricsSeries([0.0, 1.0, 2.0], [{"c_total": 5.0}, {"c_total": 7.0}, {"c_total": 12.0}])
     assert counter.delta("c_total") == 7.0 and math.isnan(counter.delta("missing"))

@@ -7,6 +7,7 @@ on schedule rather than after earlier replies (open loop).
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -102,7 +103,7 @@ def test_capacity_probe_fails_on_an_overload(server: str, tmp_path: Path) -> Non
 
 
 def test_server_timing_splits_each_request_and_calibrates_the_front_end(server: str) -> None:
-    from batchpilot.bench.fidelity import calibrate_frontend
+    from batchpilot.bench.live_run import calibrate_frontend
     from batchpilot.bench.loadgen import load_tokenizer
     from batchpilot.sim.texts import texts_for_lengths
 
@@ -117,3 +118,32 @@ def test_server_timing_splits_each_request_and_calibrates_the_front_end(server: 
     # the calibrated stages are what is left outside the batcher: positive and below the whole latency
     mean_outside = float(np.mean([r.latency_s - r.server_batcher_s for r in recs]))
     assert 0 < fe.mean_s(np.array([r.input_tokens for r in recs])) <= 2 * mean_outside
+
+
+def test_fidelity_fits_the_speed_on_live_batches_and_keeps_every_attempt(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench fidelity`` end to end on the no-op model (a fixed 20 ms per batch, the cost model exactly
+    that): the batch time fitted on the server's own batches comes out near the profile's, each load point
+    is measured at most ``--attempts`` times, and every attempt lands in fidelity.json and the table."""
+    from batchpilot import cli
+
+    out = tmp_path / "fid"
+    config = tmp_path / "bs1.yaml"
+    config.write_text("policy: {max_batch_size: 1}\n")  # capacity 50 req/s: one 20 ms batch at a time
+    rc = cli.main(["bench", "fidelity", "--noop-delay-ms", "20", "--config", str(config),
+                   "--requests", "300", "--loads", "0.5",
+                   "--max-live-s", "6", "--calibration-s", "6", "--warmup-requests", "2",
+                   "--frontend-requests", "6", "--attempts", "2", "--no-progress", "--out", str(out)])
+    assert rc == 0
+    res = json.loads((out / "fidelity.json").read_text())
+    fits = res["speed_fits"]
+    assert [f["label"] for f in fits][:2] == ["capacity", "50%"] and len(fits) <= 3
+    for f in fits:  # the no-op model sleeps 20 ms: the live batches take that plus the thread hand-off
+        assert 0.8 < f["alpha"] + f["const_s"] / 0.02 < 2.0 and f["batches"] >= 30
+    points = res["points"]
+    assert 1 <= len(points) <= 2 and [p["attempt"] for p in points] == list(range(1, len(points) + 1))
+    assert all(math.isfinite(p["speed_moved"]) for p in points)
+    assert points[-1]["speed_held"] or len(points) == 2  # a second attempt only after a moved speed
+    text = capsys.readouterr().out
+    assert "Every attempt" in text and "run's own batch costs" in text
+    assert (out / "batches.jsonl").stat().st_size > 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,9 +26,11 @@ from pathlib import Path
 import numpy as np
 
 from ..core.costmodel import CostModel, nonneg_lstsq
+from ..sim.frontend import FrontEnd, fit_line
 from ..sim.traces import Workload
 from .capacity import probe_workload, wait_idle
 from .loadgen import LoadGenConfig, build_plan, replay
+from .records import RequestRecord
 
 
 @dataclass(frozen=True)
@@ -85,12 +88,45 @@ def calibration_rows(workload: Workload, texts: Sequence[str], measured: int, ra
     return rows, [texts[int(i)] for i in pick]
 
 
+def speed_moved(model: CostModel, batches: Sequence[LoggedBatch]) -> float:
+    """How far the batches' total slot time is from ``model``'s prediction for the same batches (+0.1:
+    they took 10 % longer). Run on a measured run's own batches with the model calibrated before it:
+    how far the CPU's speed moved in between."""
+    predicted = sum(model.latency(b.features) for b in batches)
+    return sum(b.slot_s for b in batches) / predicted - 1.0 if predicted > 0 else math.nan
+
+
+@dataclass
+class SpeedCalibration:
+    model: CostModel  # the profile at the live speed (``fit_live_batches``)
+    batches: list[LoggedBatch]
+    records: list[RequestRecord]  # the calibration requests, with their Server-Timing split
+
+
 def calibrate_speed(url: str, profile: CostModel, batch_log: Path, rows: Workload,
-                    texts: Sequence[str]) -> tuple[CostModel, list[LoggedBatch]]:
+                    texts: Sequence[str]) -> SpeedCalibration:
     """Replay ``rows`` (open loop) against the server writing ``batch_log`` and fit the profile's speed
     on the batches they made (``fit_live_batches``)."""
     offset = batch_log.stat().st_size if batch_log.exists() else 0
-    replay(build_plan(rows, texts=list(texts)), LoadGenConfig(url, progress=False, scrape_interval_s=0))
+    res = replay(build_plan(rows, texts=list(texts)), LoadGenConfig(url, progress=False, scrape_interval_s=0))
     wait_idle(url, 10.0)
     batches = read_batches(batch_log, offset)[0]
-    return fit_live_batches(profile, batches), batches
+    return SpeedCalibration(fit_live_batches(profile, batches), batches, res.records)
+
+
+def delay_under_load(frontend: FrontEnd, records: Sequence[RequestRecord]) -> FrontEnd:
+    """``frontend`` with its delay part (HTTP, JSON, the client: what overlaps across requests) refitted
+    on requests served under load: with the model's thread on the same core and other requests'
+    parsing on the event loop, a request spends 1-2 ms more there than alone (4.2 -> 6.1 ms at 80 %
+    of capacity). Untrimmed least squares: under load that delay has a tail (P99 2x the median), and
+    the simulator adds its mean to every request. The serial part (the tokenizer thread) stays the
+    idle fit: under load its ``Server-Timing`` includes the wait for that thread, which the simulator's
+    queue models."""
+    ok = [r for r in records
+          if r.ok and math.isfinite(r.server_tokenize_s) and math.isfinite(r.server_batcher_s)]
+    if len(ok) < 10:
+        return frontend
+    tokens = np.array([r.input_tokens for r in ok], dtype=float)
+    delay = np.array([r.latency_s - r.server_tokenize_s - r.server_batcher_s for r in ok])
+    const, per_token = fit_line(tokens, delay, trim=False)
+    return dataclasses.replace(frontend, delay_const_s=const, delay_per_token_s=per_token)

@@ -19,7 +19,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
 import os
@@ -39,14 +38,30 @@ from ..core.costmodel import CostModel
 from ..sim.frontend import FrontEnd
 from ..sim.target import DONE
 from ..sim.traces import Workload
-from .batch_fit import calibrate_speed, calibration_rows, fit_live_batches, read_batches
+from .batch_fit import (
+    calibrate_speed,
+    calibration_rows,
+    delay_under_load,
+    fit_live_batches,
+    read_batches,
+    speed_moved,
+)
 from .capacity import probe_workload, wait_idle
-from .fidelity_tables import DIAG_HEAD, HEAD, comparison_rows, diagnosis_rows, text_table
-from .loadgen import LoadGenConfig, build_plan, load_tokenizer, one_by_one_async, replay
-from .records import RequestRecord, Summary, format_summary, summarize, write_csv
+from .fidelity_tables import (
+    ATTEMPT_HEAD,
+    DIAG_HEAD,
+    HEAD,
+    attempt_row,
+    comparison_rows,
+    diagnosis_rows,
+    speed_rows,
+    text_table,
+)
+from .live_run import calibrate_frontend, measure, warm_up
+from .loadgen import build_plan, load_tokenizer
+from .records import RequestRecord, Summary, format_summary, write_csv
 from .report import RunData, html_table, write_report
-from .scrape import MetricsSeries
-from .serverproc import pinned, serve
+from .serverproc import pin_load_generator, pinned, serve
 
 DEFAULT_REQUESTS = 400
 
@@ -83,6 +98,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibration-s", type=float, default=45.0,
                    help="seconds of calibration traffic per load point (conv-llm with --llm-calibration "
                         "live; embeddings unless --no-speed-calibration)")
+    p.add_argument("--attempts", type=int, default=3,
+                   help="measure a load point again (fresh calibration) when the run's own batches "
+                        "(conv-llm: busy steps) took more than --speed-tolerance off the calibrated model, "
+                        "up to this many times; every attempt is printed and kept in the JSON")
+    p.add_argument("--speed-tolerance", type=float, default=0.05,
+                   help="how far the run's total batch (step) time may be from the calibrated model's "
+                        "before the CPU is said to have moved (default 5%%)")
     p.add_argument("--no-speed-calibration", action="store_true",
                    help="embeddings: simulate with the profile as it is, instead of fitting its speed on "
                         "the live server's own batches (serve --batch-log) right before each load point")
@@ -181,71 +203,6 @@ def run_profile(out: Path, padding: str, extra: str = "", cpus: str | None = Non
     return path
 
 
-@dataclass
-class Measurement:
-    summary: Summary
-    records: list[RequestRecord]
-    metrics: MetricsSeries | None
-    server: dict[str, float] = field(default_factory=dict)  # means from the server's histograms
-
-
-# server histogram -> the name used in the diagnosis
-SERVER_HISTOGRAMS = {
-    "batch_size": "batchpilot_batch_size",
-    "batch_run_s": "batchpilot_batch_run_seconds",
-    "queue_s": "batchpilot_queue_time_seconds",
-    "batcher_latency_s": "batchpilot_request_latency_seconds",
-    "http_handler_s": "batchpilot_http_request_duration_seconds{route=/v1/embeddings}",
-}
-
-
-def _histogram_mean(series: MetricsSeries, name: str) -> float:
-    base, _, labels = name.partition("{")
-    return series.histogram_mean(base, labels.rstrip("}"))
-
-
-def measure(url: str, workload: Workload, texts: list[str], sla_s: float, warmup_requests: int,
-            progress: bool, label: str) -> Measurement:
-    """Warm the server with a few unmeasured requests, let it drain, then replay ``workload`` exactly."""
-    if warmup_requests:
-        warm_up(url, workload, texts, warmup_requests)
-    plan = build_plan(workload, texts=texts[: len(workload)])  # a cut slice is a prefix of the texts' rows
-    res = replay(plan, LoadGenConfig(url, progress=progress), description=label)
-    m = Measurement(summarize(res.records, sla_s), res.records, res.metrics)
-    if res.metrics is not None:
-        m.server = {k: _histogram_mean(res.metrics, v) for k, v in SERVER_HISTOGRAMS.items()}
-        batches = res.metrics.delta("batchpilot_batch_size_count")
-        for key, counter in (("computed_tokens_per_batch", "batchpilot_computed_tokens_total"),
-                             ("useful_tokens_per_batch", "batchpilot_useful_tokens_total")):
-            m.server[key] = res.metrics.delta(counter) / batches if batches > 0 else math.nan
-    return m
-
-
-def warm_up(url: str, workload: Workload, texts: list[str], n: int) -> None:
-    """Send the first ``n`` rows (unmeasured) and wait for the queue to drain: the first calls of a fresh
-    server are slow (allocator, kernels for new shapes), which is not what a fidelity check measures."""
-    warm = workload.slice(0, min(n, len(workload)))
-    replay(build_plan(warm, texts=texts[: len(warm)], warmup_requests=len(warm)),
-           LoadGenConfig(url, progress=False, scrape_interval_s=0))
-    wait_idle(url, 10.0)
-
-
-def calibrate_frontend(url: str, workload: Workload, texts: list[str], n: int = 60,
-                       rounds: int = 2) -> tuple[FrontEnd, list[RequestRecord]]:
-    """Fit the simulator's front end (``sim.frontend.FrontEnd``) on this server: ``n`` rows spread over
-    the slice's lengths, sent one at a time (``rounds`` times each, no queueing anywhere), with the
-    server's ``Server-Timing`` split of each request."""
-    order = np.argsort(workload.input_tokens, kind="stable")
-    pick = sorted({int(order[int(q)]) for q in np.linspace(0, len(order) - 1, min(n, len(order)))})
-    plan_all = build_plan(workload, texts=texts[: len(workload)])
-    plan = [plan_all[i] for i in pick] * rounds
-    recs = asyncio.run(one_by_one_async(plan, LoadGenConfig(url, progress=False, scrape_interval_s=0)))
-    ok = [r for r in recs if r.ok]
-    fe = FrontEnd.fit(np.array([r.input_tokens for r in ok]), np.array([r.latency_s for r in ok]),
-                      np.array([r.server_tokenize_s for r in ok]), np.array([r.server_batcher_s for r in ok]))
-    return fe, recs
-
-
 def main(args: argparse.Namespace) -> int:
     from ..sim.workloads import load_workload
 
@@ -285,12 +242,12 @@ def main(args: argparse.Namespace) -> int:
     work = f"{adm.max_backlog_s * 1e3:.0f} ms" if adm.max_backlog_s else "inf"
     print(f"simulating the server's admission: queue <= {adm.max_queued_requests or 'inf'} inputs / "
           f"{adm.max_queued_tokens or 'inf'} tokens, predicted backlog <= {work}", flush=True)
-    _pin_self(args.cpus)
+    pin_load_generator(args.cpus)
     tok = load_tokenizer(args.tokenizer)
     texts = [p.body["input"] for p in build_plan(wl, tokenizer=tok, seed=args.seed)]
     serve_args = ["--profile", str(profile), "--log-level", "warning", *noop,
                   *(["--config", args.config] if args.config else []), *shlex.split(args.serve_args)]
-    speed_cal = not args.no_speed_calibration and args.noop_delay_ms is None and bool(args.loads)
+    speed_cal = not args.no_speed_calibration and bool(args.loads)
     batch_log = (out / "batches.jsonl").resolve()
     batch_log.unlink(missing_ok=True)
     if speed_cal:
@@ -316,66 +273,95 @@ def main(args: argparse.Namespace) -> int:
                   f"{frontend.delay_per_token_s * 1e6:.2f} us/token; mean outside the batcher "
                   f"{frontend.mean_s(wl.input_tokens) * 1e3:.2f} ms", flush=True)
         service = cost_model  # what batches cost now: the profile, or its speed fitted on live batches
+        idle_frontend = frontend
 
-        def speed_fit(k: float, measured: int, label: str) -> CostModel:
+        def speed_fit(k: float, measured: int, label: str) -> tuple[CostModel, FrontEnd | None]:
             rows, cal_texts = calibration_rows(wl, texts, measured, k, args.calibration_s, args.seed)
-            model, batches = calibrate_speed(url, cost_model, batch_log, rows, cal_texts)
-            fit = model.meta["live_fit"]
+            cal = calibrate_speed(url, cost_model, batch_log, rows, cal_texts)
+            fit = cal.model.meta["live_fit"]
+            fe = delay_under_load(idle_frontend, cal.records) if idle_frontend is not None else None
             print(f"{label}: live batches = {fit['alpha']:.3f} x profile + {fit['const_s'] * 1e3:.2f} ms "
-                  f"({len(batches)} batches of {len(rows)} calibration requests, median error "
-                  f"{fit['median_rel_error']:.1%})", flush=True)
-            result.setdefault("speed_fits", []).append({"label": label, "rate_scale": k, **fit})
-            return model
+                  f"({len(cal.batches)} batches of {len(rows)} calibration requests, median error "
+                  f"{fit['median_rel_error']:.1%})"
+                  + (f"; delay outside the batcher under load {fe.delay_const_s * 1e3:.2f} ms + "
+                     f"{fe.delay_per_token_s * 1e6:.2f} us/token" if fe is not None else ""), flush=True)
+            result.setdefault("speed_fits", []).append({"label": label, "rate_scale": k, **fit,
+                                                        "frontend": fe.to_dict() if fe else None})
+            return cal.model, fe
 
         if speed_cal:  # at a rate the profile calls busy but not saturated; then the capacity again
             k0 = 0.65 * cap.capacity
-            service = speed_fit(k0, len(probe_workload(wl, k0, args.max_live_s)), "capacity")
+            service, _ = speed_fit(k0, len(probe_workload(wl, k0, args.max_live_s)), "capacity")
             cap = sim_capacity(wl, config, service, args.sla, args.noise)
             print(f"simulated capacity at the live speed: rate scale {cap.capacity:.3f} = "
                   f"{cap.rps:.2f} req/s", flush=True)
             result.update(capacity_scale=cap.capacity, capacity_rps=cap.rps)
+        attempts_rows: list[list[Any]] = []
         for load in args.loads:
             k = load * cap.capacity
             scaled = probe_workload(wl, k, args.max_live_s)  # the same rows for the simulator and live
             if len(scaled) < len(wl):
                 print(f"{load:.0%}: replaying the first {len(scaled)} of {len(wl)} rows (--max-live-s "
                       f"{args.max_live_s:g})", flush=True)
-            if speed_cal:  # right before the measured run: this CPU's speed moves within minutes
-                service = speed_fit(k, len(scaled), f"{load:.0%}")
-            core = simulate(scaled, as_served, cost_model, args.sla, args.noise, args.seed, None, service)
-            pred = core if frontend is None else simulate(scaled, as_served, cost_model, args.sla, args.noise,
-                                                          args.seed, frontend, service)
-            log_from = batch_log.stat().st_size if batch_log.exists() else 0
-            live = measure(url, scaled, texts, args.sla, args.warmup_requests, not args.no_progress,
-                           f"{load:.0%} live")
-            print(format_summary(pred.summary, f"simulated at {load:.0%} of capacity (x{k:.3f})"))
-            print(format_summary(live.summary, f"live at {load:.0%} of capacity (x{k:.3f})"), flush=True)
-            rows += comparison_rows(load, k, pred, live, core)
+            tries = args.attempts if speed_cal else 1
+            for attempt in range(1, tries + 1):
+                if speed_cal:  # right before the measured run: this CPU's speed moves within minutes
+                    service, frontend = speed_fit(k, len(scaled), f"{load:.0%}")
+                core = simulate(scaled, as_served, cost_model, args.sla, args.noise, args.seed, None, service)
+                pred = core if frontend is None else simulate(scaled, as_served, cost_model, args.sla,
+                                                              args.noise, args.seed, frontend, service)
+                log_from = batch_log.stat().st_size if batch_log.exists() else 0
+                live = measure(url, scaled, texts, args.sla, args.warmup_requests, not args.no_progress,
+                               f"{load:.0%} live")
+                print(format_summary(pred.summary, f"simulated at {load:.0%} of capacity (x{k:.3f})"))
+                print(format_summary(live.summary, f"live at {load:.0%} of capacity (x{k:.3f})"), flush=True)
+                run_batches = read_batches(batch_log, log_from)[0] if speed_cal else []
+                moved = speed_moved(service, run_batches) if run_batches else math.nan
+                held = not speed_cal or abs(moved) <= args.speed_tolerance
+                load_avg = os.getloadavg()[0]
+                print(f"machine load average (1 min) after the run: {load_avg:.1f} on {os.cpu_count()} cores"
+                      + (f"; the run's batches took {moved:+.1%} against the calibration's model" if speed_cal
+                         else ""), flush=True)
+                attempts_rows.append(attempt_row(load, attempt, moved, held or attempt == tries, pred, live))
+                result["points"].append({"load": load, "rate_scale": k, "rows": len(scaled),
+                                         "attempt": attempt, "speed_moved": moved, "speed_held": held,
+                                         "predicted": pred.summary.to_dict(),
+                                         "predicted_core_only": core.summary.to_dict(),
+                                         "predicted_mean_batch_size": pred.report.mean_batch_size,
+                                         "predicted_mean_batch_s": pred.mean_batch_s,
+                                         "predicted_mean_queue_s": pred.mean_queue_s,
+                                         "measured": live.summary.to_dict(), "server": live.server,
+                                         "load_average_1m": load_avg})
+                write_csv(live.records, out / f"records-{int(load * 100)}-{attempt}.csv")
+                wait_idle(url, 10.0)
+                if held:
+                    break
+                if attempt < tries:
+                    print(f"{load:.0%}: the CPU's speed moved by {moved:+.1%} between the calibration and "
+                          f"the run (tolerance {args.speed_tolerance:.0%}): this run does not hold the "
+                          f"simulator to the machine it was calibrated on; calibrating and measuring again "
+                          f"(attempt {attempt + 1} of {tries})", flush=True)
+            own = None
+            if speed_cal and len(run_batches) >= 30:  # hindsight: the simulator with the run's own costs
+                own = simulate(scaled, as_served, cost_model, args.sla, args.noise, args.seed, frontend,
+                               fit_live_batches(cost_model, run_batches))
+            rows += comparison_rows(load, k, pred, live, core, own)
             diag += diagnosis_rows(load, pred, live, service)
             if speed_cal:
-                diag += speed_rows(load, service, cost_model, read_batches(batch_log, log_from)[0])
-            write_csv(live.records, out / f"records-{int(load * 100)}.csv")
-            load_avg = os.getloadavg()[0]
-            print(f"machine load average (1 min) after the run: {load_avg:.1f} on {os.cpu_count()} cores",
-                  flush=True)
+                diag += speed_rows(load, service, cost_model, run_batches)
             runs.append(RunData(f"live {load:.0%}", live.records, live.summary, live.metrics,
                                 {"rate_scale": k}))
             runs.append(RunData(f"simulated {load:.0%}", pred.records, pred.summary, None, {"rate_scale": k}))
-            result["points"].append({"load": load, "rate_scale": k, "rows": len(scaled),
-                                     "predicted": pred.summary.to_dict(),
-                                     "predicted_core_only": core.summary.to_dict(),
-                                     "predicted_mean_batch_size": pred.report.mean_batch_size,
-                                     "predicted_mean_batch_s": pred.mean_batch_s,
-                                     "predicted_mean_queue_s": pred.mean_queue_s,
-                                     "measured": live.summary.to_dict(), "server": live.server,
-                                     "load_average_1m": load_avg})
-            wait_idle(url, 10.0)
     table = text_table(HEAD, rows) if rows else ""
     diag_table = text_table(DIAG_HEAD, diag)
     print("\nFidelity: simulator prediction vs live measurement\n" + table)
     print("\nWhere the time goes (means; server histograms over the same runs)\n" + diag_table, flush=True)
     sections = [("Fidelity: predicted vs measured", html_table(HEAD, rows)),
                 ("Where the time goes", html_table(DIAG_HEAD, diag))]
+    if speed_cal and args.loads:
+        print("\nEvery attempt (the table above shows the last of each load)\n"
+              + text_table(ATTEMPT_HEAD, attempts_rows), flush=True)
+        sections.append(("Every attempt", html_table(ATTEMPT_HEAD, attempts_rows)))
     tuned_path = None
     if args.tuned_config or args.tune:
         from .tuner_check import run_tune, tuner_check
@@ -389,37 +375,3 @@ def main(args: argparse.Namespace) -> int:
     report = write_report(out, runs, title=f"fidelity: {args.workload}", sla_s=args.sla, sections=sections)
     print(f"fidelity.json and {report} written to {out}/ in {time.monotonic() - t_start:.0f} s")
     return 0
-
-
-def speed_rows(load: float, service: CostModel, profile: CostModel, run: list[Any]) -> list[list[Any]]:
-    """The speed fitted before the run against the same fit on the measured run's own batches (hindsight,
-    not a prediction: how far the CPU moved between calibration and run)."""
-    fit = service.meta["live_fit"]
-    try:
-        own = fit_live_batches(profile, run).meta["live_fit"]
-    except ValueError:
-        own = {"alpha": math.nan, "const_s": math.nan}
-    return [[f"{load:.0%}", "live speed: alpha x profile (calibration | the run's own batches)",
-             round(fit["alpha"], 3), round(own["alpha"], 3)],
-            [f"{load:.0%}", "  + per-batch serving cost", round(fit["const_s"] * 1e3, 2),
-             round(own["const_s"] * 1e3, 2)]]
-
-
-def _cores(cpus: str) -> set[int]:
-    """``taskset -c`` syntax (``1``, ``0,2``, ``1-3``) as a set of core numbers."""
-    out: set[int] = set()
-    for part in cpus.split(","):
-        lo, _, hi = part.partition("-")
-        out.update(range(int(lo), int(hi or lo) + 1))
-    return out
-
-
-def _pin_self(cpus: str | None) -> None:
-    """Move the load generator off the server's cores (when the server is pinned and others remain)."""
-    if not cpus or not hasattr(os, "sched_setaffinity"):
-        return
-    server = _cores(cpus)
-    rest = set(os.sched_getaffinity(0)) - server
-    if rest:
-        os.sched_setaffinity(0, rest)
-        print(f"load generator pinned to cores {sorted(rest)}, server and profiler to {sorted(server)}")

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..core.costmodel import CostModel
 
 if TYPE_CHECKING:
-    from .fidelity import Measurement, Prediction
+    from .fidelity import Prediction
+    from .live_run import Measurement
 
 TARGETS = {"p50": 0.10, "p99": 0.10, "throughput": 0.05}
 
@@ -28,30 +30,66 @@ def _err(pred: float, meas: float) -> float:
 
 
 HEAD = ["load", "rate scale", "metric", "predicted", "measured", "error", "target", "within",
-        "core only", "core-only error"]
+        "core only", "core-only error", "run's own batch costs", "own-cost error"]
 
 
 def comparison_rows(load: float, scale: float, pred: Prediction, live: Measurement,
-                    core: Prediction | None = None) -> list[list[Any]]:
+                    core: Prediction | None = None, own: Prediction | None = None) -> list[list[Any]]:
     """Predicted (with the calibrated front end) vs measured; ``core`` is the simulator of the batcher
-    alone (no front end), kept beside it so every run shows what the front-end stage changes."""
+    alone (no front end), kept beside it so every run shows what the front-end stage changes; ``own``
+    the simulator with the measured run's own batch costs (hindsight, not a prediction: it splits the
+    error into the CPU's speed during the run and the rest)."""
     m = live.summary
     rows = []
     live_bs = live.server.get("batch_size", math.nan)
     core = core or pred
-    for key, p, c, v, unit in (
-            ("P50 ms", pred.summary.p50, core.summary.p50, m.p50, 1e3),
-            ("P99 ms", pred.summary.p99, core.summary.p99, m.p99, 1e3),
+    nan = math.nan
+    for key, p, c, o, v, unit in (
+            ("P50 ms", pred.summary.p50, core.summary.p50, own.summary.p50 if own else nan, m.p50, 1e3),
+            ("P99 ms", pred.summary.p99, core.summary.p99, own.summary.p99 if own else nan, m.p99, 1e3),
             ("throughput req/s", pred.summary.throughput_rps, core.summary.throughput_rps,
-             m.throughput_rps, 1.0),
-            ("mean batch size", pred.report.mean_batch_size, core.report.mean_batch_size, live_bs, 1.0)):
-        e, ec = _err(p, v), _err(c, v)
+             own.summary.throughput_rps if own else nan, m.throughput_rps, 1.0),
+            ("mean batch size", pred.report.mean_batch_size, core.report.mean_batch_size,
+             own.report.mean_batch_size if own else nan, live_bs, 1.0)):
+        e, ec, eo = _err(p, v), _err(c, v), _err(o, v)
         tgt = TARGETS.get(key.split()[0].lower())
         ok = "" if tgt is None or not math.isfinite(e) else ("yes" if abs(e) <= tgt else "NO")
-        rows.append([f"{load:.0%}", f"{scale:.3f}", key, round(p * unit, 2), round(v * unit, 2),
-                     f"{e:+.1%}" if math.isfinite(e) else "-", f"±{tgt:.0%}" if tgt else "", ok,
-                     round(c * unit, 2), f"{ec:+.1%}" if math.isfinite(ec) else "-"])
+        rows.append([f"{load:.0%}", f"{scale:.3f}", key, round(p * unit, 2), round(v * unit, 2), _pct(e),
+                     f"±{tgt:.0%}" if tgt else "", ok, round(c * unit, 2), _pct(ec),
+                     round(o * unit, 2) if math.isfinite(o) else "-", _pct(eo)])
     return rows
+
+
+def _pct(e: float) -> str:
+    return f"{e:+.1%}" if math.isfinite(e) else "-"
+
+
+ATTEMPT_HEAD = ["load", "attempt", "run vs calibrated batch time", "P50 error", "P99 error",
+                "throughput error", "in the table"]
+
+
+def attempt_row(load: float, attempt: int, moved: float, used: bool, pred: Prediction,
+                live: Measurement) -> list[Any]:
+    """One measured attempt at a load point: how far the CPU moved since its calibration, and the errors."""
+    m, p = live.summary, pred.summary
+    return [f"{load:.0%}", attempt, _pct(moved), _pct(_err(p.p50, m.p50)), _pct(_err(p.p99, m.p99)),
+            _pct(_err(p.throughput_rps, m.throughput_rps)), "yes" if used else "no (speed moved)"]
+
+
+def speed_rows(load: float, service: CostModel, profile: CostModel, run: Sequence[Any]) -> list[list[Any]]:
+    """The speed fitted before the run against the same fit on the measured run's own batches (hindsight,
+    not a prediction: how far the CPU moved between calibration and run)."""
+    from .batch_fit import fit_live_batches
+
+    fit = service.meta["live_fit"]
+    try:
+        own = fit_live_batches(profile, run).meta["live_fit"]
+    except ValueError:
+        own = {"alpha": math.nan, "const_s": math.nan}
+    return [[f"{load:.0%}", "live speed: alpha x profile (calibration | the run's own batches)",
+             round(fit["alpha"], 3), round(own["alpha"], 3)],
+            [f"{load:.0%}", "  + per-batch serving cost", round(fit["const_s"] * 1e3, 2),
+             round(own["const_s"] * 1e3, 2)]]
 
 
 DIAG_HEAD = ["load", "quantity (mean, ms)", "simulated", "live"]

@@ -81,3 +81,23 @@ def serve(args: Sequence[str] = (), *, port: int | None = None, log_path: str | 
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def cores(cpus: str) -> set[int]:
+    """``taskset -c`` syntax (``1``, ``0,2``, ``1-3``) as a set of core numbers."""
+    out: set[int] = set()
+    for part in cpus.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def pin_load_generator(cpus: str | None) -> None:
+    """Move the load generator off the server's cores (when the server is pinned and others remain)."""
+    if not cpus or not hasattr(os, "sched_setaffinity"):
+        return
+    server = cores(cpus)
+    rest = set(os.sched_getaffinity(0)) - server
+    if rest:
+        os.sched_setaffinity(0, rest)
+        print(f"load generator pinned to cores {sorted(rest)}, server and profiler to {sorted(server)}")

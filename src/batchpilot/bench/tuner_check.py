@@ -18,7 +18,8 @@ from typing import Any
 from ..core.costmodel import CostModel
 from ..sim.traces import Workload
 from .capacity import CapacityConfig, live_capacity, probe_rows, wait_idle
-from .fidelity import DEFAULT_REQUESTS, load_config, measure, served_config, sim_capacity, simulate, warm_up
+from .fidelity import DEFAULT_REQUESTS, load_config, served_config, sim_capacity, simulate
+from .live_run import measure, warm_up
 from .loadgen import LoadGenConfig
 from .records import format_summary
 from .serverproc import serve

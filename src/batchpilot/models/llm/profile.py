@@ -75,9 +75,20 @@ def profile_llm_steps(runner: LLMModelRunner, *,
     mid = decode_contexts[len(decode_contexts) // 2]
     shapes += [([p], b, mid) for p in mixed_prefills for b in mixed_decodes]
     with torch.inference_mode():
-        for prefills, b, ctx in shapes:
-            plan = _plan(runner, prefills, b, ctx)
-            points.append(ProfilePoint(plan.shape.features(), time_step(runner, plan, repeats)))
+        plans = [_plan(runner, prefills, b, ctx) for prefills, b, ctx in shapes]
+        for plan in plans:
+            runner.forward(plan.chunks).argmax(-1).tolist()  # warm-up: a new shape's first call allocates
+        # timed round-robin, every shape once per round: this CPU's speed moves by a quarter within
+        # minutes, and timed shape after shape a step of it lands between the cheap shapes and the dear
+        # ones and bends the fit; round-robin it scales every shape alike (a speed: the live fit's alpha)
+        times: list[list[float]] = [[] for _ in plans]
+        for _ in range(repeats):
+            for plan, t in zip(plans, times, strict=True):
+                t0 = time.perf_counter()
+                runner.forward(plan.chunks).argmax(-1).tolist()
+                t.append(time.perf_counter() - t0)
+        points += [ProfilePoint(plan.shape.features(), sorted(t)[len(t) // 2])
+                   for plan, t in zip(plans, times, strict=True)]
     return CostModel.fit(points, LLM_FEATURES, meta={"source": "profile_llm_steps",
                                                      "block_size": runner.block_size,
                                                      "points": len(points), "repeats": repeats,

@@ -1,0 +1,82 @@
+"""One live run of the fidelity check: warm the server, replay a slice, read its own histograms; and
+the front end's calibration (requests one at a time, with the server's ``Server-Timing`` split)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..sim.frontend import FrontEnd
+from ..sim.traces import Workload
+from .capacity import wait_idle
+from .loadgen import LoadGenConfig, build_plan, one_by_one_async, replay
+from .records import RequestRecord, Summary, summarize
+from .scrape import MetricsSeries
+
+
+@dataclass
+class Measurement:
+    summary: Summary
+    records: list[RequestRecord]
+    metrics: MetricsSeries | None
+    server: dict[str, float] = field(default_factory=dict)  # means from the server's histograms
+
+
+# server histogram -> the name used in the diagnosis
+SERVER_HISTOGRAMS = {
+    "batch_size": "batchpilot_batch_size",
+    "batch_run_s": "batchpilot_batch_run_seconds",
+    "queue_s": "batchpilot_queue_time_seconds",
+    "batcher_latency_s": "batchpilot_request_latency_seconds",
+    "http_handler_s": "batchpilot_http_request_duration_seconds{route=/v1/embeddings}",
+}
+
+
+def histogram_mean(series: MetricsSeries, name: str) -> float:
+    base, _, labels = name.partition("{")
+    return series.histogram_mean(base, labels.rstrip("}"))
+
+
+def measure(url: str, workload: Workload, texts: list[str], sla_s: float, warmup_requests: int,
+            progress: bool, label: str) -> Measurement:
+    """Warm the server with a few unmeasured requests, let it drain, then replay ``workload`` exactly."""
+    if warmup_requests:
+        warm_up(url, workload, texts, warmup_requests)
+    plan = build_plan(workload, texts=texts[: len(workload)])  # a cut slice is a prefix of the texts' rows
+    res = replay(plan, LoadGenConfig(url, progress=progress), description=label)
+    m = Measurement(summarize(res.records, sla_s), res.records, res.metrics)
+    if res.metrics is not None:
+        m.server = {k: histogram_mean(res.metrics, v) for k, v in SERVER_HISTOGRAMS.items()}
+        batches = res.metrics.delta("batchpilot_batch_size_count")
+        for key, counter in (("computed_tokens_per_batch", "batchpilot_computed_tokens_total"),
+                             ("useful_tokens_per_batch", "batchpilot_useful_tokens_total")):
+            m.server[key] = res.metrics.delta(counter) / batches if batches > 0 else math.nan
+    return m
+
+
+def warm_up(url: str, workload: Workload, texts: list[str], n: int) -> None:
+    """Send the first ``n`` rows (unmeasured) and wait for the queue to drain: the first calls of a fresh
+    server are slow (allocator, kernels for new shapes), which is not what a fidelity check measures."""
+    warm = workload.slice(0, min(n, len(workload)))
+    replay(build_plan(warm, texts=texts[: len(warm)], warmup_requests=len(warm)),
+           LoadGenConfig(url, progress=False, scrape_interval_s=0))
+    wait_idle(url, 10.0)
+
+
+def calibrate_frontend(url: str, workload: Workload, texts: list[str], n: int = 60,
+                       rounds: int = 2) -> tuple[FrontEnd, list[RequestRecord]]:
+    """Fit the simulator's front end (``sim.frontend.FrontEnd``) on this server: ``n`` rows spread over
+    the slice's lengths, sent one at a time (``rounds`` times each, no queueing anywhere), with the
+    server's ``Server-Timing`` split of each request."""
+    order = np.argsort(workload.input_tokens, kind="stable")
+    pick = sorted({int(order[int(q)]) for q in np.linspace(0, len(order) - 1, min(n, len(order)))})
+    plan_all = build_plan(workload, texts=texts[: len(workload)])
+    plan = [plan_all[i] for i in pick] * rounds
+    recs = asyncio.run(one_by_one_async(plan, LoadGenConfig(url, progress=False, scrape_interval_s=0)))
+    ok = [r for r in recs if r.ok]
+    fe = FrontEnd.fit(np.array([r.input_tokens for r in ok]), np.array([r.latency_s for r in ok]),
+                      np.array([r.server_tokenize_s for r in ok]), np.array([r.server_batcher_s for r in ok]))
+    return fe, recs
