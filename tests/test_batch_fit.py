@@ -94,3 +94,18 @@ def test_delay_under_load_refits_only_the_part_outside_tokenizer_and_batcher() -
     assert fe.delay_const_s > 0.006
     assert (fe.serial_const_s, fe.serial_per_token_s) == (idle.serial_const_s, idle.serial_per_token_s)
     assert delay_under_load(idle, recs[:5]) == idle  # too few served requests: keep the idle fit
+
+
+def test_calibration_traffic_runs_at_the_measured_rows_rate() -> None:
+    """The rows after a measured slice can arrive faster than the slice's own (conv-llm: 1.6-1.9x);
+    the calibration keeps their pattern but slows it to the measured mean rate at the same scale."""
+    from batchpilot.bench.capacity import rate_matched
+
+    t = np.concatenate([np.arange(100) * 1.0, 100 + np.arange(300) * 0.5])  # then twice as fast
+    wl = Workload.from_columns("w", t, np.full(400, 20))
+    rows, _ = calibration_rows(wl, ["x"] * 400, measured=100, rate_scale=2.0, seconds=30.0)
+    gaps = np.diff(rows.arrival_s)
+    assert gaps == pytest.approx(np.full(len(gaps), 0.5))  # the measured rows' rate x2: 2 per second
+    assert len(rows) == 61
+    same = rate_matched(wl.slice(0, 100), wl.slice(0, 100), 3.0, 10.0)
+    assert np.diff(same.arrival_s) == pytest.approx(np.full(len(same) - 1, 1 / 3))

@@ -33,7 +33,7 @@ import numpy as np
 from ..core.costmodel import CostModel, nonneg_lstsq
 from ..sim.frontend import FrontEnd, fit_line
 from ..sim.traces import Workload
-from .capacity import probe_workload, wait_idle
+from .capacity import rate_matched, wait_idle
 from .loadgen import LoadGenConfig, build_plan, replay
 from .records import RequestRecord
 
@@ -84,11 +84,12 @@ def fit_live_batches(profile: CostModel, batches: Sequence[LoggedBatch], min_bat
 def calibration_rows(workload: Workload, texts: Sequence[str], measured: int, rate_scale: float,
                      seconds: float, seed: int = 0) -> tuple[Workload, list[str]]:
     """Calibration traffic for a measured run of the slice's first ``measured`` rows at ``rate_scale``:
-    the arrival times of the rows after them (``seconds`` of them, sped up the same), each with the
+    the arrival times of the rows after them (``seconds`` of them, at the measured rows' mean rate:
+    ``capacity.rate_matched``), each with the
     length and text of a measured row drawn at random (seeded). Other times, the measured run's mix of
     lengths: the batch shapes depend on it."""
     rest = workload.slice(measured, len(workload) - measured) if len(workload) - measured >= 30 else workload
-    times = probe_workload(rest, rate_scale, seconds)
+    times = rate_matched(rest, workload.slice(0, measured), rate_scale, seconds)
     pick = np.random.default_rng(seed + measured).integers(0, measured, len(times))
     rows = Workload.from_columns("calibration", times.arrival_s, workload.input_tokens[pick])
     return rows, [texts[int(i)] for i in pick]

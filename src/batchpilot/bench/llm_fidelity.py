@@ -32,7 +32,7 @@ import numpy as np
 
 from ..core.costmodel import CostModel
 from ..sim.traces import Workload
-from .capacity import CapacityConfig, probe_rows, probe_workload, search_capacity, wait_idle
+from .capacity import CapacityConfig, probe_rows, probe_workload, rate_matched, search_capacity, wait_idle
 from .llm_lockstep import CAL_HEAD, calibrate_serving
 from .llm_steps import LoggedStep, busy_intervals, fit_live_steps, read_steps
 from .loadgen import LoadGenConfig, build_plan, replay
@@ -236,12 +236,14 @@ def main(args: argparse.Namespace) -> int:
     def calibration_rows(measured: int, k: float) -> Workload:
         """Calibration traffic: the arrival times of rows the measured run does not use (the slice's
         rows after the measured ones, or the trace's after the slice when too few are left), each with
-        the prompt and output lengths of a measured row drawn at random (seeded), at rate scale ``k``.
-        Other times, the measured run's length mix: the step shapes, and what the HTTP layer parses,
+        the prompt and output lengths of a measured row drawn at random (seeded), at the measured rows'
+        mean rate at rate scale ``k`` (``capacity.rate_matched``). Other times, the measured run's length
+        mix and load: the step shapes, and what the HTTP layer parses,
         depend on it. Rows 110-200 alone, heavier than rows 0-110, put the step model 20 % off and
         the client's TTFT 42 ms beyond the engine's, against 8-9 ms in the measured run."""
         rest = len(wl) - measured
-        times = probe_workload(wl.slice(measured, rest) if rest >= 30 else after, k, args.calibration_s)
+        times = rate_matched(wl.slice(measured, rest) if rest >= 30 else after, wl.slice(0, measured), k,
+                             args.calibration_s)
         pick = np.random.default_rng(args.seed + measured).integers(0, measured, len(times))
         return Workload.from_columns("calibration", times.arrival_s, wl.input_tokens[pick],
                                      wl.output_tokens[pick])
