@@ -33,3 +33,17 @@ def test_batch_log_records_every_batch_with_its_shape_and_slot_time(tmp_path: Pa
     assert starts == sorted(starts)  # one slot: one batch after another
     for a, b in zip(batches, batches[1:], strict=False):
         assert b.start >= a.start + a.slot_s - 1e-6
+
+
+def test_a_failing_batch_observer_fails_neither_requests_nor_the_other_observers() -> None:
+    seen: list[int] = []
+
+    def broken(batch: object, start: float, slot_s: float) -> None:
+        raise OSError("disk full")
+
+    with live_server(FaultyExecutor(), SchedulerConfig()) as srv:
+        srv.service.batcher.batch_observers += [broken, lambda b, start, slot_s: seen.append(b.size)]
+        for i in range(3):
+            r = httpx.post(srv.url + "/v1/embeddings", json={"input": [5] * (4 + i)}, timeout=30)
+            assert r.status_code == 200, r.text
+    assert seen == [1, 1, 1]  # the observer after the broken one still saw every batch

@@ -251,7 +251,10 @@ class Batcher:
                     self.scheduler.on_batch_done(batch, now, took)
                     self._wake.set()
                     for observe in self.batch_observers:
-                        observe(batch, now - took, took)
+                        try:
+                            observe(batch, now - took, took)
+                        except Exception:  # a log that cannot be written must not stop the others
+                            log.exception("batch observer %r failed", observe)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a runtime bug: answer the batch's callers, never leave them hanging
