@@ -187,9 +187,11 @@ def probe_workload(workload: Workload, rate_scale: float, probe_s: float, busies
 def rate_matched(other: Workload, measured: Workload, rate_scale: float, probe_s: float) -> Workload:
     """The first ``probe_s`` seconds of ``other``'s arrival times, sped up so that their mean rate is
     ``measured``'s at ``rate_scale``: calibration traffic at the load it calibrates for. On conv-llm
-    the rows after a measured slice arrive 1.6-1.9x as fast as the slice's own (conv-embed: 1.1-1.5x):
-    sped up alike, a calibration ran at up to twice the measured load and read the client's TTFT
-    23-30 ms past the engine's where the measured runs had 7-8 ms."""
+    the rows after a measured slice arrive 1.6-2.7x as fast as the slice's own (conv-embed: 1.1-1.5x;
+    ``benchmarks/calibration_rates.py``): sped up alike, a calibration ran at up to twice the measured
+    load and read the client's TTFT 23-30 ms past the engine's where the measured runs had 7-8 ms.
+    The match is on the mean rate of all of ``other``; the ``probe_s`` window it returns can run
+    sparser or denser than that (-27% to +9% of the measured rate in that script's cases)."""
     def rate(w: Workload) -> float:
         span = float(w.arrival_s[-1] - w.arrival_s[0]) if len(w) > 1 else 0.0
         return (len(w) - 1) / span if span > 0 else math.nan
