@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -109,3 +110,14 @@ def test_calibration_traffic_runs_at_the_measured_rows_rate() -> None:
     assert len(rows) == 61
     same = rate_matched(wl.slice(0, 100), wl.slice(0, 100), 3.0, 10.0)
     assert np.diff(same.arrival_s) == pytest.approx(np.full(len(same) - 1, 1 / 3))
+
+
+def test_a_point_is_measured_again_only_when_the_cpu_moved_and_attempts_are_left(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from batchpilot.bench.batch_fit import measure_again
+
+    assert not measure_again(0.5, 0.049, 0.05, 1, 3, "batches")  # within the tolerance
+    assert measure_again(0.5, -0.08, 0.05, 1, 3, "batches")
+    assert "took -8.0%" in capsys.readouterr().out
+    assert not measure_again(0.5, 0.2, 0.05, 3, 3, "batches")  # no attempt left
+    assert not measure_again(0.5, math.nan, 0.05, 1, 3, "busy steps")  # nothing logged: nothing to judge

@@ -22,7 +22,6 @@ the batches it made.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from ..core.costmodel import CostModel, nonneg_lstsq
 from ..sim.frontend import FrontEnd, fit_line
 from ..sim.traces import Workload
 from .capacity import rate_matched, wait_idle
+from .llm_steps import read_json_lines
 from .loadgen import LoadGenConfig, build_plan, replay
 from .records import RequestRecord
 
@@ -48,17 +48,9 @@ class LoggedBatch:
 
 def read_batches(path: str | Path, offset: int = 0) -> tuple[list[LoggedBatch], int]:
     """Batches logged from byte ``offset`` on (whole lines only), and the offset to read from next."""
-    with open(path, "rb") as f:
-        f.seek(offset)
-        data = f.read()
-    end = data.rfind(b"\n") + 1
-    out = []
-    for line in data[:end].splitlines():
-        if line.strip():
-            d = json.loads(line)
-            out.append(LoggedBatch(float(d["start"]), float(d["slot_s"]), int(d["n"]),
-                                   {k: float(v) for k, v in d["features"].items()}))
-    return out, offset + end
+    rows, end = read_json_lines(path, offset)
+    return [LoggedBatch(float(d["start"]), float(d["slot_s"]), int(d["n"]),
+                        {k: float(v) for k, v in d["features"].items()}) for d in rows], end
 
 
 def fit_live_batches(profile: CostModel, batches: Sequence[LoggedBatch], min_batches: int = 30) -> CostModel:
@@ -101,6 +93,18 @@ def speed_moved(model: CostModel, batches: Sequence[LoggedBatch]) -> float:
     how far the CPU's speed moved in between."""
     predicted = sum(model.latency(b.features) for b in batches)
     return sum(b.slot_s for b in batches) / predicted - 1.0 if predicted > 0 else math.nan
+
+
+def measure_again(load: float, moved: float, tolerance: float, attempt: int, tries: int, what: str) -> bool:
+    """Whether a load point's run is repeated: its own batches (``what``: "batches", "busy steps") took
+    more than ``tolerance`` off the model calibrated just before it, and attempts are left. Says why."""
+    if not math.isfinite(moved) or abs(moved) <= tolerance or attempt >= tries:
+        return False
+    print(f"{load:.0%}: the run's {what} took {moved:+.1%} against the model calibrated just before it "
+          f"(tolerance {tolerance:.0%}): the CPU's speed moved, so this run does not hold the simulator to "
+          f"the machine it was calibrated on; calibrating and measuring again (attempt {attempt + 1} of "
+          f"{tries})", flush=True)
+    return True
 
 
 @dataclass

@@ -43,6 +43,7 @@ from .batch_fit import (
     calibration_rows,
     delay_under_load,
     fit_live_batches,
+    measure_again,
     read_batches,
     speed_moved,
 )
@@ -334,13 +335,8 @@ def main(args: argparse.Namespace) -> int:
                                          "load_average_1m": load_avg})
                 write_csv(live.records, out / f"records-{int(load * 100)}-{attempt}.csv")
                 wait_idle(url, 10.0)
-                if held:
+                if held or not measure_again(load, moved, args.speed_tolerance, attempt, tries, "batches"):
                     break
-                if attempt < tries:
-                    print(f"{load:.0%}: the CPU's speed moved by {moved:+.1%} between the calibration and "
-                          f"the run (tolerance {args.speed_tolerance:.0%}): this run does not hold the "
-                          f"simulator to the machine it was calibrated on; calibrating and measuring again "
-                          f"(attempt {attempt + 1} of {tries})", flush=True)
             own = None
             if speed_cal and len(run_batches) >= 30:  # hindsight: the simulator with the run's own costs
                 own = simulate(scaled, as_served, cost_model, args.sla, args.noise, args.seed, frontend,

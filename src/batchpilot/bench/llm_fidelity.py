@@ -32,6 +32,7 @@ import numpy as np
 
 from ..core.costmodel import CostModel
 from ..sim.traces import Workload
+from .batch_fit import measure_again
 from .capacity import CapacityConfig, probe_rows, probe_workload, rate_matched, search_capacity, wait_idle
 from .llm_lockstep import CAL_HEAD, calibrate_serving
 from .llm_steps import LoggedStep, busy_intervals, fit_live_steps, read_steps
@@ -333,12 +334,8 @@ def main(args: argparse.Namespace) -> int:
                                          "predicted": pred.to_dict(), "measured": m.to_dict()})
                 write_csv(res.records, out / f"records-llm-{int(load * 100)}-{attempt}.csv")
                 wait_idle(url, 30.0)
-                if held:
+                if held or not measure_again(load, moved, args.speed_tolerance, attempt, tries, "busy steps"):
                     break
-                if attempt < tries:
-                    print(f"{load:.0%}: the run's busy steps took {moved:+.1%} against the calibrated step "
-                          f"model (tolerance {args.speed_tolerance:.0%}): the CPU's speed moved; calibrating "
-                          f"and measuring again (attempt {attempt + 1} of {tries})", flush=True)
             tp = percentiles([(r.latency_s - r.ttft_s) / (r.tokens_received - 1) for r in res.records
                               if r.ok and r.tokens_received > 1], (50.0, 99.0))
             own = hindsight(rows_wl, config, profiled, run_steps, args.sla, delay)

@@ -28,6 +28,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -44,20 +45,22 @@ class LoggedStep:
     features: dict[str, float]
 
 
-def read_steps(path: str | Path, offset: int = 0) -> tuple[list[LoggedStep], int]:
-    """Steps logged from byte ``offset`` on (whole lines only), and the offset to read from next."""
+def read_json_lines(path: str | Path, offset: int = 0) -> tuple[list[dict[str, Any]], int]:
+    """The JSON lines a server appended to ``path`` from byte ``offset`` on — whole lines only (it may be
+    writing one now) — and the offset to read from next. The step log and the batch log both."""
     with open(path, "rb") as f:
         f.seek(offset)
         data = f.read()
     end = data.rfind(b"\n") + 1
-    steps = []
-    for line in data[:end].splitlines():
-        if not line.strip():
-            continue
-        d = json.loads(line)
-        steps.append(LoggedStep(float(d["start"]), float(d["wall_s"]), float(d["forward_s"]), int(d["seqs"]),
-                                bool(d["after_idle"]), {k: float(v) for k, v in d["features"].items()}))
-    return steps, offset + end
+    return [json.loads(line) for line in data[:end].splitlines() if line.strip()], offset + end
+
+
+def read_steps(path: str | Path, offset: int = 0) -> tuple[list[LoggedStep], int]:
+    """Steps logged from byte ``offset`` on (whole lines only), and the offset to read from next."""
+    rows, end = read_json_lines(path, offset)
+    return [LoggedStep(float(d["start"]), float(d["wall_s"]), float(d["forward_s"]), int(d["seqs"]),
+                       bool(d["after_idle"]), {k: float(v) for k, v in d["features"].items()})
+            for d in rows], end
 
 
 def busy_intervals(steps: Sequence[LoggedStep]) -> list[ProfilePoint]:
