@@ -79,9 +79,11 @@ class FakeServer:
             body = await req.json()
 
             async def gen() -> object:
-                for _ in range(body["max_tokens"]):
+                for i in range(body["max_tokens"]):
                     await asyncio.sleep(0.005)
-                    yield "data: " + json.dumps({"choices": [{"index": 0, "text": " a"}]}) + "\n\n"
+                    # the first token's text is held back (half a UTF-8 character): still a token
+                    chunk = {"choices": [{"index": 0, "text": " a" if i else ""}]}
+                    yield "data: " + json.dumps(chunk) + "\n\n"
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(gen(), media_type="text/event-stream")  # type: ignore[arg-type]

@@ -83,6 +83,38 @@ def test_streaming_completion_matches_non_streaming(client: openai.OpenAI) -> No
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
 
 
+def test_stream_headers_split_the_first_token_time(server: tuple[str, LLMEngine, CollectorRegistry]) -> None:
+    """Server-Timing on a stream: prompt encoding, the engine's TTFT, and the handler's whole first-token
+    time, nested (what the fidelity check reads to tell HTTP from the engine)."""
+    from batchpilot.bench.loadgen import parse_server_timing
+
+    body = {"model": "m", "prompt": "timing", "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", server[0] + "/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        t = parse_server_timing(r.headers["server-timing"])
+        assert r.read().endswith(b"data: [DONE]\n\n")
+    assert set(t) == {"tokenize", "engine", "app"}
+    assert t["engine"] > 0 and t["tokenize"] >= 0
+    assert t["tokenize"] + t["engine"] <= t["app"] + 2e-6  # each printed to the microsecond
+
+
+def test_load_generator_counts_every_streamed_token(server: tuple[str, LLMEngine, CollectorRegistry]) -> None:
+    """The load generator against the real engine: every token of ``max_tokens`` (ignore_eos) is counted,
+    text or not (the random model streams tokens whose text the detokenizer holds back), and its
+    records carry the server's first-token split."""
+    import numpy as np
+
+    from batchpilot.bench.loadgen import LoadGenConfig, build_plan, replay
+    from batchpilot.sim.traces import Workload
+
+    wl = Workload.from_columns("t", np.array([0.0, 0.01, 0.02]), np.array([7, 30, 12]), np.array([9, 4, 12]))
+    cfg = LoadGenConfig(server[0], "completions", model="m", progress=False, scrape_interval_s=0)
+    res = replay(build_plan(wl, "completions"), cfg)
+    for r, want in zip(res.records, [9, 4, 12], strict=True):
+        assert r.ok and r.tokens_received == want and len(r.itl_s) == want - 1
+        assert 0 < r.server_batcher_s <= r.server_app_s <= r.ttft_s <= r.latency_s
+
+
 def test_chat_completion_and_stream(client: openai.OpenAI) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a list?"}]
     kw = {"model": "m", "max_tokens": 6, "temperature": 0, "extra_body": {"ignore_eos": True}}

@@ -198,7 +198,10 @@ def parse_server_timing(header: str) -> dict[str, float]:
 
 async def _send_stream(client: httpx.AsyncClient, path: str, body: dict[str, Any], rec: RequestRecord,
                        clock: Callable[[], float]) -> None:
-    """SSE stream: every chunk with text is one or more tokens; TTFT = first such chunk."""
+    """SSE stream: every chunk with a choice is a token, TTFT = the first one. Its text may be empty (a
+    token the server's detokenizer holds back, half a UTF-8 character): the token still left the server,
+    and counting only chunks with text would move TTFT past it and merge its inter-token gap with the
+    next (a random-weights model streams such tokens often). The usage chunk has no choices."""
     stamps: list[float] = []
     usage_tokens = 0
     async with client.stream("POST", path, json=body) as resp:
@@ -207,6 +210,10 @@ async def _send_stream(client: httpx.AsyncClient, path: str, body: dict[str, Any
             rec.error = error_text((await resp.aread()).decode(errors="replace"))
             rec.done_s = clock()
             return
+        timing = parse_server_timing(resp.headers.get("server-timing", ""))  # of the first token
+        rec.server_tokenize_s = timing.get("tokenize", math.nan)
+        rec.server_batcher_s = timing.get("engine", math.nan)
+        rec.server_app_s = timing.get("app", math.nan)
         async for line in resp.aiter_lines():
             if not line.startswith("data:"):
                 continue
@@ -217,7 +224,7 @@ async def _send_stream(client: httpx.AsyncClient, path: str, body: dict[str, Any
             if chunk.get("error"):
                 rec.error = str(chunk["error"])[:200]
             choices = chunk.get("choices") or []
-            if choices and choices[0].get("text"):
+            if choices and isinstance(choices[0].get("text"), str):
                 stamps.append(clock())
             usage = chunk.get("usage")
             if usage and usage.get("completion_tokens"):

@@ -42,10 +42,12 @@ class RequestRecord:
     warmup: bool = False
     error: str = ""
     itl_s: list[float] = field(default_factory=list)  # streams: gaps between consecutive tokens
-    # the server's own split of the request (its Server-Timing header; NaN when it sends none):
+    # the server's own split of the request (its Server-Timing header; NaN when it sends none); for
+    # streams, of the first token (the headers leave with it):
     server_tokenize_s: float = math.nan  # handler start -> tokens ready (incl. the tokenizer thread's queue)
-    server_batcher_s: float = math.nan  # submitted to the Batcher -> every input's result back
-    server_app_s: float = math.nan  # handler start -> response body ready
+    # submitted to the Batcher -> every input's result back; streams: the engine's TTFT
+    server_batcher_s: float = math.nan
+    server_app_s: float = math.nan  # handler start -> response body ready; streams: first token on the loop
 
     @property
     def ok(self) -> bool:

@@ -57,6 +57,10 @@ class GenerationOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int = 0
+    # engine clock (time.monotonic): when the sequence reached the engine, and when this token left its
+    # step; the server's Server-Timing header splits the first token's time with them
+    arrival: float = 0.0
+    emitted: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -363,7 +367,7 @@ class LLMEngine:
             if reason is not None and out.seq_id not in stopped:
                 text += stream.detok.flush(seq.output_token_ids)
             stream.put(GenerationOutput(out.seq_id, text, [out.token_id], reason, seq.num_prompt_tokens,
-                                        seq.num_output_tokens, seq.num_cached_tokens))
+                                        seq.num_output_tokens, seq.num_cached_tokens, seq.arrival, now))
             first = stream.last_t is None
             event = TokenEvent(out.seq_id, now, now - seq.arrival if first else None,
                                None if first else now - (stream.last_t or now), reason is not None)

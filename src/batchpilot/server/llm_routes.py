@@ -46,6 +46,19 @@ def _usage(last: GenerationOutput) -> dict[str, Any]:
     return usage
 
 
+def first_token_timing(received: float, first: GenerationOutput) -> dict[str, str]:
+    """W3C ``Server-Timing`` of a stream's first token (the headers leave with it): ``tokenize`` = the
+    handler's start -> the sequence in the engine (prompt encoding), ``engine`` = the engine's TTFT
+    (queue, prefill, first token out of its step), ``app`` = the handler's start -> that token back on
+    the event loop. ``app - tokenize - engine`` is the hand-off from the engine thread to the loop;
+    the client's TTFT minus ``app`` is HTTP both ways. The fidelity check fits the simulator's
+    first-token delay on it."""
+    now = time.monotonic()
+    return {"server-timing": f"tokenize;dur={max(first.arrival - received, 0.0) * 1e3:.3f}, "
+                             f"engine;dur={max(first.emitted - first.arrival, 0.0) * 1e3:.3f}, "
+                             f"app;dur={(now - received) * 1e3:.3f}"}
+
+
 def make_llm_router(engine: LLMEngine, registry: CollectorRegistry) -> APIRouter:
     metrics = LLMMetrics(engine, registry)
     router = APIRouter(tags=["llm"])
@@ -90,6 +103,7 @@ def make_llm_router(engine: LLMEngine, registry: CollectorRegistry) -> APIRouter
         return await _unless_client_leaves(request, lambda gens: _completions(body, gens))
 
     async def _completions(body: CompletionRequest, gens: list[Any]) -> Any:
+        received = time.monotonic()
         route, rid, created = "/v1/completions", f"cmpl-{ids()}", int(time.time())
         prompts = body.prompts()
         model = _served_model(body.model)
@@ -98,6 +112,7 @@ def make_llm_router(engine: LLMEngine, registry: CollectorRegistry) -> APIRouter
                 raise APIError(400, "streaming takes a single prompt", code="unsupported_value",
                                param="prompt")
             first, gen = await start(prompts[0], body, route, gens)
+            timing = first_token_timing(received, first)
 
             async def events() -> AsyncIterator[bytes]:
                 last = first
@@ -112,7 +127,7 @@ def make_llm_router(engine: LLMEngine, registry: CollectorRegistry) -> APIRouter
                                 "choices": [], "usage": _usage(last)})
                 yield _sse("[DONE]")
 
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return StreamingResponse(events(), media_type="text/event-stream", headers=timing)
 
         choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
         # all prompts enter the engine before any is awaited, so they share batches
@@ -132,6 +147,7 @@ def make_llm_router(engine: LLMEngine, registry: CollectorRegistry) -> APIRouter
         return await _unless_client_leaves(request, lambda gens: _chat_completions(body, gens))
 
     async def _chat_completions(body: ChatCompletionRequest, gens: list[Any]) -> Any:
+        received = time.monotonic()
         route, rid, created = "/v1/chat/completions", f"chatcmpl-{ids()}", int(time.time())
         model = _served_model(body.model)
         try:
@@ -143,6 +159,7 @@ def make_llm_router(engine: LLMEngine, registry: CollectorRegistry) -> APIRouter
                            param="messages") from None
         first, gen = await start(prompt, body, route, gens)
         if body.stream:
+            timing = first_token_timing(received, first)
 
             def chunk(delta: dict[str, Any], reason: str | None) -> dict[str, Any]:
                 return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -162,7 +179,7 @@ def make_llm_router(engine: LLMEngine, registry: CollectorRegistry) -> APIRouter
                                 "model": model, "choices": [], "usage": _usage(last)})
                 yield _sse("[DONE]")
 
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return StreamingResponse(events(), media_type="text/event-stream", headers=timing)
 
         text, last = await collect((first, gen))
         finished(route, last)
