@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gc
 import hmac
 import json
 import logging
@@ -38,6 +39,7 @@ from ..runtime.errors import ExecutionError, RequestRejected
 from ..runtime.executor import Executor
 from .config import ServerConfig
 from .errors import APIError, error_body, install_error_handlers
+from .gc_pauses import GCPauses, freeze_heap
 from .limits import QueueBounds
 from .metrics import ServerMetrics
 from .schemas import EmbeddingRequest, EmbeddingResponse, Health, ModelCard, ModelList
@@ -238,9 +240,15 @@ def create_app(settings: ServerConfig, executor: Executor, config: SchedulerConf
         svc.batcher.batch_observers.append(batch_log)
         hooks.append(batch_log.close)  # after the drain: no batch writes after it
 
+    pauses = GCPauses(svc.metrics.registry)
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> Any:
+        log.info("gc: %d objects frozen out of collections (startup's heap)", freeze_heap())
+        pauses.start()
         yield
+        pauses.close()
+        gc.unfreeze()  # back to normal for whatever outlives the server in this process (tests)
         await svc.close()
         for hook in hooks:
             await asyncio.get_running_loop().run_in_executor(None, hook)
