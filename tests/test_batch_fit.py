@@ -110,6 +110,12 @@ def test_calibration_traffic_runs_at_the_measured_rows_rate() -> None:
     assert len(rows) == 61
     same = rate_matched(wl.slice(0, 100), wl.slice(0, 100), 3.0, 10.0)
     assert np.diff(same.arrival_s) == pytest.approx(np.full(len(same) - 1, 1 / 3))
+    # the window's own rate is matched, not the mean of all the rows it is cut from: 60 s at 1/s then
+    # 600 at 10/s average ~5.5/s, but a 10-second window at the head holds only the slow rows
+    other = Workload.from_columns("o", np.concatenate([np.arange(60.0), 60 + np.arange(600) * 0.1]),
+                                  np.full(660, 20))
+    window = rate_matched(other, wl.slice(0, 100), 2.0, 10.0)  # the measured rows: 1/s, at x2: 2/s
+    assert (len(window) - 1) / (window.arrival_s[-1] - window.arrival_s[0]) == pytest.approx(2.0, rel=0.05)
 
 
 def test_a_point_is_measured_again_only_when_the_cpu_moved_and_attempts_are_left(
