@@ -44,13 +44,15 @@ class LoggedBatch:
     slot_s: float
     n: int
     features: dict[str, float]
+    formed: float = math.nan  # when the scheduler formed it (NaN in logs written before the field)
 
 
 def read_batches(path: str | Path, offset: int = 0) -> tuple[list[LoggedBatch], int]:
     """Batches logged from byte ``offset`` on (whole lines only), and the offset to read from next."""
     rows, end = read_json_lines(path, offset)
     return [LoggedBatch(float(d["start"]), float(d["slot_s"]), int(d["n"]),
-                        {k: float(v) for k, v in d["features"].items()}) for d in rows], end
+                        {k: float(v) for k, v in d["features"].items()}, float(d.get("formed", math.nan)))
+            for d in rows], end
 
 
 def fit_live_batches(profile: CostModel, batches: Sequence[LoggedBatch], min_batches: int = 30) -> CostModel:
