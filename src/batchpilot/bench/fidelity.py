@@ -99,6 +99,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibration-s", type=float, default=45.0,
                    help="seconds of calibration traffic per load point (conv-llm with --llm-calibration "
                         "live; embeddings unless --no-speed-calibration)")
+    p.add_argument("--calibration-requests", type=int, default=40,
+                   help="conv-llm: make each calibration at least this many requests (longer than "
+                        "--calibration-s at low rates: 45 s at 50%% load were 14 requests, too few to "
+                        "fit the step speed on)")
     p.add_argument("--attempts", type=int, default=3,
                    help="measure a load point again (fresh calibration) when the run's own batches "
                         "(conv-llm: busy steps) took more than --speed-tolerance off the calibrated model, "
