@@ -118,6 +118,16 @@ def test_calibration_traffic_runs_at_the_measured_rows_rate() -> None:
     assert (len(window) - 1) / (window.arrival_s[-1] - window.arrival_s[0]) == pytest.approx(2.0, rel=0.05)
 
 
+def test_a_calibration_holds_enough_requests_at_low_rates() -> None:
+    from batchpilot.bench.capacity import calibration_seconds
+
+    slow = Workload.from_columns("w", np.arange(31) * 3.0, np.full(31, 20))  # 1 request / 3 s
+    assert calibration_seconds(slow, 1.0, 45.0, 40) == pytest.approx(120.0)  # 40 requests at 1/3 per s
+    assert calibration_seconds(slow, 2.0, 45.0, 40) == pytest.approx(60.0)  # twice the rate: half as long
+    assert calibration_seconds(slow, 1.0, 45.0, 10) == 45.0  # 45 s already hold 15
+    assert calibration_seconds(slow.slice(0, 1), 1.0, 45.0, 40) == 45.0  # one row: no rate to go by
+
+
 def test_a_point_is_measured_again_only_when_the_cpu_moved_and_attempts_are_left(
         capsys: pytest.CaptureFixture[str]) -> None:
     from batchpilot.bench.batch_fit import measure_again

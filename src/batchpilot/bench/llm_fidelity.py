@@ -33,7 +33,15 @@ import numpy as np
 from ..core.costmodel import CostModel
 from ..sim.traces import Workload
 from .batch_fit import measure_again
-from .capacity import CapacityConfig, probe_rows, probe_workload, rate_matched, search_capacity, wait_idle
+from .capacity import (
+    CapacityConfig,
+    calibration_seconds,
+    probe_rows,
+    probe_workload,
+    rate_matched,
+    search_capacity,
+    wait_idle,
+)
 from .llm_lockstep import CAL_HEAD, calibrate_serving
 from .llm_steps import LoggedStep, busy_intervals, fit_live_steps, read_steps
 from .loadgen import LoadGenConfig, build_plan, replay
@@ -243,11 +251,7 @@ def main(args: argparse.Namespace) -> int:
         depend on it. Rows 110-200 alone, heavier than rows 0-110, put the step model 20 % off and
         the client's TTFT 42 ms beyond the engine's, against 8-9 ms in the measured run."""
         rest = len(wl) - measured
-        # at least --calibration-requests: at 50% load 45 s held 14 requests, and the fitted speed
-        # swung 1.14 -> 1.00 between two calibrations a few minutes apart while the runs after them read
-        # 1.02 and 1.09: the calibration's own sampling noise, not the CPU
-        rate = (measured - 1) / max(float(wl.arrival_s[measured - 1] - wl.arrival_s[0]), 1e-9) * k
-        seconds = max(args.calibration_s, args.calibration_requests / rate if measured > 1 else 0.0)
+        seconds = calibration_seconds(wl.slice(0, measured), k, args.calibration_s, args.calibration_requests)
         times = rate_matched(wl.slice(measured, rest) if rest >= 30 else after, wl.slice(0, measured), k,
                              seconds)
         pick = np.random.default_rng(args.seed + measured).integers(0, measured, len(times))
