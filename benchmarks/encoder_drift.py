@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
+import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def main() -> None:
@@ -26,6 +28,7 @@ def main() -> None:
     ap.add_argument("--window-s", type=float, default=15.0)
     args = ap.parse_args()
     import torch
+    from drift_windows import window_medians
 
     from batchpilot.models.encoder import EncoderExecutor, make_batch
 
@@ -38,23 +41,15 @@ def main() -> None:
 
     shapes = {"8x128": [ids(128)] * 8, "1x32": [ids(32)], "2x64": [ids(64)] * 2}
     batches = {k: make_batch(v, "dynamic", ex.max_length) for k, v in shapes.items()}
-    medians: dict[str, list[float]] = {k: [] for k in shapes}
-    t0 = time.monotonic()
-    print(f"{'t (s)':>6s} " + " ".join(f"{k:>10s}" for k in shapes) + "   (median ms per window)")
-    while time.monotonic() - t0 < args.minutes * 60:
-        w0, times = time.monotonic(), {k: [] for k in shapes}
-        while time.monotonic() - w0 < args.window_s:
-            for k, b in batches.items():
-                prepared = ex.prepare(b)
-                s = time.perf_counter()
-                ex.run(prepared)
-                times[k].append(time.perf_counter() - s)
-        for k, v in times.items():
-            medians[k].append(statistics.median(v))
-        print(f"{time.monotonic() - t0:6.0f} " + " ".join(f"{medians[k][-1] * 1e3:10.2f}" for k in shapes),
-              flush=True)
-    print("spread of the window medians (max / min - 1): " + ", ".join(
-        f"{k} {max(v) / min(v) - 1:+.1%}" for k, v in medians.items()))
+
+    def timer(batch: object) -> float:
+        prepared = ex.prepare(batch)
+        s = time.perf_counter()
+        ex.run(prepared)
+        return time.perf_counter() - s
+
+    medians = window_medians({k: (lambda b=b: timer(b)) for k, b in batches.items()}, args.minutes,
+                             args.window_s)
     rel = [[m / v[0] for m in v] for v in medians.values()]  # each shape against its first window
     apart = max(max(r[i] for r in rel) / min(r[i] for r in rel) - 1 for i in range(len(rel[0])))
     print(f"largest gap between the shapes' moves in one window: {apart:+.1%} (a speed moves them together)")

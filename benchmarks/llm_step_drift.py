@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -29,6 +27,7 @@ def main() -> None:
     ap.add_argument("--window-s", type=float, default=15.0)
     args = ap.parse_args()
     import torch
+    from drift_windows import window_medians
     from llm_step_shapes import plan_for
 
     from batchpilot.models.llm.profile import time_step
@@ -37,22 +36,9 @@ def main() -> None:
     runner = build_llm_engine(None, start=False, threads=1).runner
     plans = {"1 decode @256": plan_for(runner, [256]), "4 decodes @256": plan_for(runner, [256] * 4),
              "100-token prefill": plan_for(runner, [], 100)}
-    medians: dict[str, list[float]] = {k: [] for k in plans}
-    t0 = time.monotonic()
-    print(f"{'t (s)':>6s} " + " ".join(f"{k:>18s}" for k in plans) + "   (median ms per window)")
     with torch.inference_mode():
-        while time.monotonic() - t0 < args.minutes * 60:
-            w0, times = time.monotonic(), {k: [] for k in plans}
-            while time.monotonic() - w0 < args.window_s:
-                for k, plan in plans.items():
-                    times[k].append(time_step(runner, plan, 1))
-            for k, v in times.items():
-                medians[k].append(statistics.median(v))
-            print(f"{time.monotonic() - t0:6.0f} " + " ".join(f"{medians[k][-1] * 1e3:18.2f}" for k in plans),
-                  flush=True)
-    print("spread of the window medians (max / min - 1): " + ", ".join(
-        f"{k} {max(v) / min(v) - 1:+.1%}" for k, v in medians.items()))
-
+        window_medians({k: (lambda p=plan: time_step(runner, p, 1)) for k, plan in plans.items()},
+                       args.minutes, args.window_s, width=18)
 
 if __name__ == "__main__":
     main()
