@@ -33,9 +33,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from batchpilot.core.config import PlannerConfig, PolicyConfig, SchedulerConfig  # noqa: E402
 from batchpilot.core.costmodel import CostModel  # noqa: E402
+from batchpilot.core.deployment import DeploymentSpec, ModelLimits, resolve_deployment  # noqa: E402
 from batchpilot.runtime.batcher import Batcher  # noqa: E402
 from batchpilot.runtime.errors import RequestRejected  # noqa: E402
-from batchpilot.server.config import fit_to_model  # noqa: E402
 
 
 def configs(names: list[str]) -> dict[str, SchedulerConfig]:
@@ -185,7 +185,9 @@ def main() -> None:
           f"cost model: {args.profile or 'default_cpu_minilm'}, SLA P99 <= {args.sla:.1f} s")
 
     def run(label: str, cfg: SchedulerConfig, scale: float, stop_early: bool = True) -> Run:
-        fitted = fit_to_model(cfg, ex.max_length)
+        # the deployment `serve` would run for this config (core.deployment), on this model
+        fitted = resolve_deployment(DeploymentSpec(encoder=cfg), cost,
+                                    ModelLimits(ex.max_length, ex.supports_padding_free())).scheduler
         r = asyncio.run(replay(ex, fitted, cost, arrivals, ids, scale, args.sla, label, stop_early))
         show(r)
         return r

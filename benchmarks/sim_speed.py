@@ -85,11 +85,9 @@ def main() -> None:
     wl = tiled(args.requests, args.rate_scale)
     cfg = SchedulerConfig()
     if args.config:
-        from pathlib import Path
+        from batchpilot.config_file import load_spec
 
-        import yaml
-
-        cfg = SchedulerConfig.from_dict(yaml.safe_load(Path(args.config).read_text()))
+        cfg = load_spec(args.config).encoder
     print(f"workload: {wl.name}, {len(wl):,} requests, {wl.mean_rate:.2f} req/s; config: "
           f"{args.config or 'batchpilot default'} ({cfg.policy.name}, {cfg.planner.grouping}/"
           f"{cfg.planner.padding}, bs {cfg.policy.max_batch_size}, {cfg.policy.max_wait_s * 1e3:g} ms)")

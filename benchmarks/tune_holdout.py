@@ -15,8 +15,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import yaml
-
+from batchpilot.config_file import load_spec
 from batchpilot.core.config import SchedulerConfig
 from batchpilot.core.costmodel import CostModel
 from batchpilot.sim.tune import Candidate, TuneConfig, Tuner, baselines
@@ -35,8 +34,7 @@ def main() -> None:
     wl = load_workload(args.workload, start=args.start, count=args.requests)
     cm = CostModel.load(args.profile) if args.profile else CostModel.default_cpu_minilm()
     tuner = Tuner(wl, cm, TuneConfig(sla_p99_s=args.sla_p99))
-    cands = [Candidate(Path(p).name, SchedulerConfig.from_dict(yaml.safe_load(Path(p).read_text())))
-             for p in args.configs]
+    cands = [Candidate(Path(p).name, load_spec(p).encoder) for p in args.configs]
     cands += [Candidate("batchpilot default", SchedulerConfig(), "default"), *baselines(SchedulerConfig())]
     print(f"{wl.name}: rows [{args.start}, {args.start + len(wl)}), {wl.mean_rate:.2f} req/s at scale 1, "
           f"P99 <= {args.sla_p99:g} s")

@@ -1,19 +1,21 @@
-"""The live step log: reading it while it grows, which intervals count, and the fit on them."""
+"""The live step log: reading it while it grows, and the run's steps against the step profile."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from batchpilot.bench.llm_steps import LoggedStep, busy_intervals, fit_live_steps, read_steps
+from batchpilot.bench.llm_fidelity import comparison_rows, simulate
+from batchpilot.bench.llm_steps import LoggedStep, read_steps, speed_vs_profile
 from batchpilot.core.costmodel import LLM_FEATURES, CostModel
 from batchpilot.runtime.llm_engine import StepLog, StepRecord
 
 TRUE = {"const": 0.008, "prefill_tokens": 4e-4, "decode_seqs": 6e-4, "kv_tokens": 2e-6, "prefill_attn": 0.0,
         "multi_row": 0.005}
+PROFILE = CostModel(LLM_FEATURES, tuple(TRUE[f] for f in LLM_FEATURES), (0.0,) * 6, meta={"source": "p"})
 
 
 def _feats(prefill: int, decodes: int, ctx: int) -> dict[str, float]:
@@ -32,6 +34,7 @@ def test_read_steps_takes_whole_lines_and_resumes(tmp_path: Path) -> None:
     log(StepRecord(1, 1.02, 0.01, 0.008, 2, _feats(0, 2, 40), False))
     steps, off = read_steps(tmp_path / "s.jsonl")
     assert [s.start for s in steps] == [1.0, 1.02] and steps[0].after_idle and not steps[1].after_idle
+    assert steps[1].seqs == 2 and steps[1].features == _feats(0, 2, 40)
     with open(tmp_path / "s.jsonl", "a") as f:  # a line the server is still writing
         f.write(json.dumps({"start": 2.0})[:7])
     more, off2 = read_steps(tmp_path / "s.jsonl", off)
@@ -40,37 +43,48 @@ def test_read_steps_takes_whole_lines_and_resumes(tmp_path: Path) -> None:
     log(StepRecord(2, 3.0, 0.01, 0.008, 1, _feats(0, 1, 9), False))  # after close: dropped, no error
 
 
-def test_idle_gaps_are_not_step_costs() -> None:
-    steps = [LoggedStep(0.0, 0.01, 0.009, 1, True, _feats(16, 0, 0)),
-             LoggedStep(0.012, 0.01, 0.009, 1, False, _feats(0, 1, 17)),
-             LoggedStep(5.0, 0.01, 0.009, 1, True, _feats(16, 0, 0)),  # after an idle wait
-             LoggedStep(5.02, 0.01, 0.009, 1, False, _feats(0, 1, 17))]
-    assert [round(p.latency_s, 3) for p in busy_intervals(steps)] == [0.012, 0.02]
+def test_speed_vs_profile_on_a_hand_built_step_log(tmp_path: Path) -> None:
+    """Total logged wall seconds over the profile's total on the same shapes, minus 1: the dear steps
+    weigh by their cost, idle gaps between steps do not count, and the log is read from an offset."""
+    shapes = [_feats(128, 0, 0), _feats(0, 1, 200), _feats(0, 4, 300), _feats(64, 3, 250)]
+    log = StepLog(str(tmp_path / "steps.jsonl"))
+    log(StepRecord(0, 0.0, 5.0, 4.0, 1, _feats(512, 0, 0), True))  # before the measured run: skipped
+    log.close()
+    offset = (tmp_path / "steps.jsonl").stat().st_size
+    log = StepLog(str(tmp_path / "steps.jsonl"))
+    t = 100.0
+    for i, (f, scale) in enumerate(zip(shapes, (1.0, 1.2, 1.1, 1.0), strict=True)):
+        log(StepRecord(i + 1, t, _cost(f) * scale, _cost(f) * scale * 0.9, 1, f, i == 2))
+        t += 10.0  # long idle gaps: not step time
+    log.close()
+    steps, _ = read_steps(tmp_path / "steps.jsonl", offset)
+    assert len(steps) == 4
+    expected = sum(_cost(f) * s for f, s in zip(shapes, (1.0, 1.2, 1.1, 1.0), strict=True))
+    assert speed_vs_profile(PROFILE, steps) == pytest.approx(expected / sum(_cost(f) for f in shapes) - 1)
+    assert speed_vs_profile(PROFILE, steps[:1]) == pytest.approx(0.0)  # ran exactly as profiled
+    assert math.isnan(speed_vs_profile(PROFILE, []))
+    half = [LoggedStep(s.start, s.wall_s / 2, s.forward_s / 2, s.seqs, s.after_idle, s.features)
+            for s in steps]
+    assert speed_vs_profile(PROFILE, half) == pytest.approx((expected / 2) / sum(map(_cost, shapes)) - 1)
 
 
-def test_fit_recovers_speed_and_serving_costs_on_top_of_the_profile() -> None:
-    """Live steps = 1.2 x the profile + 1.5 ms + 0.4 ms per decode (plus noise): the fit finds the three
-    numbers and the served model predicts every step on the profile's shape."""
-    profile = CostModel(LLM_FEATURES, tuple(TRUE[f] for f in LLM_FEATURES), (0.0,) * 6, meta={"source": "p"})
-    rng = np.random.default_rng(0)
-    t, steps = 0.0, []
+def test_comparison_rows_targets_and_speed_column() -> None:
+    """Every metric row of a point, its target and verdict, and the point's speed on each row."""
+    from batchpilot.bench.records import RequestRecord, summarize
+    from batchpilot.core.llm_scheduler import LLMSchedulerConfig
+    from batchpilot.sim.traces import Workload
 
-    def live(f: dict[str, float]) -> float:
-        return 1.2 * _cost(f) + 0.0015 + 0.0004 * f["decode_seqs"]
-
-    for i in range(400):
-        decodes = int(rng.integers(0, 9))
-        prefill = int(rng.choice([0, 0, 0, 32, 128, 256])) if decodes else int(rng.integers(8, 300))
-        f = _feats(prefill, decodes, int(rng.integers(20, 600)))
-        cost = live(f) * float(rng.uniform(0.97, 1.03))
-        steps.append(LoggedStep(t, cost * 0.9, cost * 0.8, decodes + (prefill > 0), i == 0, f))
-        t += cost
-    model = fit_live_steps(profile, steps)
-    fit = model.meta["live_fit"]
-    assert fit["points"] == 399 and model.meta["source"] == "p"
-    assert fit["alpha"] == pytest.approx(1.2, rel=0.03)
-    assert fit["const_s"] == pytest.approx(0.0015, abs=4e-4)
-    assert fit["per_decode_s"] == pytest.approx(4e-4, abs=1e-4)
-    assert max(abs(model.latency(s.features) / live(s.features) - 1) for s in steps) < 0.03
-    with pytest.raises(ValueError, match="busy step intervals"):
-        fit_live_steps(profile, steps[:10])
+    wl = Workload.from_columns("t", [0.0, 0.5, 1.0, 1.5], [32, 64, 16, 40], [8, 8, 4, 6])
+    pred, rep = simulate(wl, LLMSchedulerConfig(), PROFILE, 2.0)
+    assert rep.num_rejected == 0 and pred.ttft["p50"] > 0 and pred.output_tokens_per_s > 0
+    recs = [RequestRecord(i, t, 32, 8, sent_s=t, done_s=t + 0.2, status=200, latency_s=0.2, ttft_s=0.05,
+                          tokens_received=8) for i, t in enumerate((0.0, 0.5, 1.0))]
+    recs.append(RequestRecord(3, 1.5, 40, 6, sent_s=1.5, done_s=1.51, status=503, latency_s=0.01))
+    meas = summarize(recs, 2.0)
+    rows = comparison_rows(0.5, 0.25, pred, 0, meas, 0.071)
+    assert [r[2] for r in rows] == ["TTFT P50 ms", "TTFT P99 ms", "TPOT P50 ms", "TPOT P99 ms",
+                                    "output tok/s", "rejected"]
+    assert [r[6] for r in rows] == ["10%"] * 4 + ["5%", "10% or 5"]
+    assert all(r[8] == "+7.1%" for r in rows) and rows[0][4] == "50.00"
+    assert rows[-1][3:6] == ["0", "1", "-1"] and rows[-1][7] == "yes"  # one refusal: within 5 requests
+    assert comparison_rows(0.5, 0.25, pred, 20, meas, math.nan)[-1][7:] == ["no", "-"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from batchpilot.core.costmodel import BatchShape, CostModel
 from batchpilot.models.device import peak_memory_bytes
 from batchpilot.models.encoder import EncoderConfig, EncoderExecutor
 from batchpilot.models.profiler import Measurement, leave_one_out, profile_encoder, profile_grid
+from batchpilot.sim.frontend import FrontEnd
 
 
 @pytest.fixture(scope="module")
@@ -88,11 +90,17 @@ def test_leave_one_out_is_exact_on_linear_data() -> None:
 def test_cli_writes_a_profile_the_server_can_load(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "profile.json"
     rc = cli.main(["profile", "-o", str(out), "--device", "cpu", "--batch-sizes", "1", "2", "--lengths", "8",
-                   "16", "24", "--repeats", "1", "--holdout", "2"])
+                   "16", "24", "--repeats", "1", "--holdout", "2", "--serving-requests", "3"])
     assert rc == 0
     doc = json.loads(out.read_text())
-    assert set(doc) == {"cost_model", "points", "holdout", "meta"}
+    assert set(doc) == {"cost_model", "points", "holdout", "meta", "frontend", "serving_path"}
     assert len(doc["points"]) == 6 and len(doc["holdout"]) == 2
+    frontend = FrontEnd.from_profile(out)  # the serving path, measured on the real app in-process
+    assert frontend is not None and frontend.serial_busy_factor >= 1.0
+    assert all(math.isfinite(v) and v >= 0 for v in frontend.to_dict().values())
+    assert doc["serving_path"]["requests"] == 2 * 3 and doc["serving_path"]["padding"] == "dynamic"
+    prepare = doc["cost_model"]["meta"]["prepare_s"]  # the median collation time of the grid's batches
+    assert prepare == pytest.approx(statistics.median(p["prepare_s"] for p in doc["points"]))
     assert all(p["memory_bytes"] > 0 for p in doc["points"])
     meta = doc["meta"]
     assert meta["model"] == "all-MiniLM-L6-v2" and meta["torch"] == torch.__version__

@@ -18,7 +18,7 @@ def test_simulate_prints_the_table_and_writes_plots(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     cfg = tmp_path / "cfg.yaml"
-    cfg.write_text(yaml.safe_dump(SchedulerConfig(policy=PolicyConfig(name="window")).to_dict()))
+    cfg.write_text(yaml.safe_dump({"encoder": SchedulerConfig(policy=PolicyConfig(name="window")).to_dict()}))
     rc = main(["simulate", "--workload", "conv-embed", "--rate-scale", "4", "--requests", "400",
                "--config", str(cfg), "--plot", str(tmp_path / "out")])
     out = capsys.readouterr().out
@@ -36,7 +36,8 @@ def test_simulate_uses_the_profile_and_synthetic_specs(
     prof = tmp_path / "profile.json"
     prof.write_text(json.dumps({"cost_model": slow.to_dict(), "points": []}))
     cfg = tmp_path / "cfg.yaml"
-    cfg.write_text(yaml.safe_dump({"policy": {"name": "window", "max_batch_size": 1, "max_wait_s": 0.0}}))
+    cfg.write_text(yaml.safe_dump({"encoder": {"policy": {"name": "window", "max_batch_size": 1,
+                                                          "max_wait_s": 0.0}}}))
     rc = main(["simulate", "--workload", "poisson:rate=0.01", "--requests", "50", "--lengths",
                "constant:value=8", "--profile", str(prof), "--config", str(cfg),
                "--priorities", "0:0.5,-1:0.5", "--json", str(tmp_path / "r.json")])
@@ -58,12 +59,15 @@ def test_tune_writes_a_config_serve_can_load(tmp_path: Path, capsys: pytest.Capt
     text = capsys.readouterr().out
     assert rc == 0
     assert "static bs8, pad to max" in text and "winner" in text
-    cfg = SchedulerConfig.from_dict(yaml.safe_load(out.read_text()))
+    from batchpilot.config_file import load_spec
+
+    cfg = load_spec(out).encoder
     assert cfg.planner.padding in ("dynamic", "bucket", "max")
 
 
-def test_simulate_with_the_servers_limits_and_a_front_end(tmp_path: Path) -> None:
-    """--server-limits refuses what `serve` would under overload; --frontend adds the serving path."""
+def test_simulate_runs_the_servers_deployment_and_the_profiles_serving_path(tmp_path: Path) -> None:
+    """The flags mean what they mean for `serve`: no shedding unless a latency SLA is declared; the
+    concurrency limit refuses; the profile's serving path delays every request."""
     base = ["simulate", "--workload", "conv-embed", "--rate-scale", "8", "--requests", "600"]
 
     def run(*extra: str) -> dict[str, object]:
@@ -71,13 +75,34 @@ def test_simulate_with_the_servers_limits_and_a_front_end(tmp_path: Path) -> Non
         assert main([*base, *extra, "--json", str(out)]) == 0
         return dict(json.loads(out.read_text()))
 
-    plain = run()
-    limited = run("--server-limits")
-    assert plain["num_rejected"] == 0 and int(limited["num_rejected"]) > 0  # type: ignore[call-overload]
-    fe = tmp_path / "fidelity.json"
-    fe.write_text(json.dumps({"frontend": {"serial_const_s": 0.0, "serial_per_token_s": 0.0,
-                                           "delay_const_s": 0.25, "delay_per_token_s": 0.0}}))
-    slow = run("--frontend", str(fe))
+    prof = tmp_path / "profile.json"
+    prof.write_text(json.dumps({"cost_model": CostModel.default_cpu_minilm().to_dict(), "points": []}))
+    plain = run("--profile", str(prof))
+    assert plain["num_rejected"] == 0  # overloaded, but nothing declared: it queues
+    shed = run("--profile", str(prof), "--latency-sla", "1.0")
+    assert int(shed["num_rejected"]) > 0  # type: ignore[call-overload]
+    capped = run("--profile", str(prof), "--max-concurrency", "4")
+    assert int(capped["num_rejected"]) > 0  # type: ignore[call-overload]
+    with_fe = tmp_path / "profile_fe.json"
+    with_fe.write_text(json.dumps({"cost_model": CostModel.default_cpu_minilm().to_dict(), "points": [],
+                                   "frontend": {"serial_const_s": 0.0, "serial_per_token_s": 0.0,
+                                                "delay_const_s": 0.25, "delay_per_token_s": 0.0}}))
+    slow = run("--profile", str(with_fe))
     lat, lat_fe = plain["latency"], slow["latency"]
     assert lat_fe["p50"] == pytest.approx(lat["p50"] + 0.25)  # type: ignore[index]
     assert slow["queue"] == plain["queue"]  # a pure delay leaves the batcher's queue alone
+    alone = run("--profile", str(with_fe), "--batcher-only")
+    assert alone["latency"] == plain["latency"]
+
+
+def test_one_config_file_for_encoder_llm_and_server(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "llm.yaml"
+    cfg.write_text(yaml.safe_dump({"llm": {"max_num_seqs": 8, "max_num_batched_tokens": 256},
+                                   "server": {"max_concurrency": 64}}))
+    assert main(["simulate", "--workload", "conv-llm", "--target", "llm", "--requests", "20",
+                 "--config", str(cfg)]) == 0
+    flat = tmp_path / "flat.yaml"
+    flat.write_text(yaml.safe_dump({"policy": {"name": "window"}}))
+    assert main(["simulate", "--requests", "10", "--config", str(flat)]) == 2
+    assert "go under 'encoder:'" in " ".join(capsys.readouterr().out.split())

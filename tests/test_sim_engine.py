@@ -223,3 +223,24 @@ def test_an_iteration_level_llm_scheduler_runs_in_the_same_loop() -> None:
     assert max(many.finished[i] for i in range(3)) < 0.5
     # the late arrival finds the engine idle: one step (prefill 30 tokens, its only token sampled)
     assert many.finished[3] == pytest.approx(0.5 + 0.01 + 0.001 * 30) == stats.end_s
+
+
+def test_a_busy_slot_takes_its_next_batch_a_lead_before_the_running_one_ends() -> None:
+    """The simulator's slots pipeline as the live ones do (``BatchScheduler.next_batch_at``): a batch is
+    formed ``pipeline_lead_s`` before the running one is predicted to end and starts when it ends, so a
+    request arriving inside the lead waits for the batch after."""
+    from batchpilot.core.config import PolicyConfig, SchedulerConfig
+    from batchpilot.core.costmodel import CostModel
+    from batchpilot.sim.target import simulate_encoder
+    from batchpilot.sim.traces import Workload
+
+    cm = CostModel(latency_coef=(0.1, 0.0, 0.0, 0.0))
+    wl = Workload.from_columns("p", [0.0, 0.05, 0.09], [8, 8, 8])
+    pol = PolicyConfig(name="window", max_batch_size=8, max_wait_s=0.0)
+    piped = simulate_encoder(wl, SchedulerConfig(policy=pol, pipeline_lead_s=0.02), cm)
+    assert piped.record.dispatch_s == pytest.approx([0.0, 0.08, 0.18])
+    assert piped.record.finish_s == pytest.approx([0.1, 0.2, 0.3])
+    assert piped.record.b_start == pytest.approx([0.0, 0.1, 0.2]) and piped.stats.num_pipelined == 2
+    # with no lead, the slot takes its next batch when the running one ends: r1 and r2 go together
+    plain = simulate_encoder(wl, SchedulerConfig(policy=pol, pipeline_lead_s=1e-9), cm)
+    assert plain.record.finish_s == pytest.approx([0.1, 0.2, 0.2])

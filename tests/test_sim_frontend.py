@@ -3,7 +3,9 @@ fit from one-at-a-time measurements, and what it does to a simulated run."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -101,3 +103,40 @@ def test_serial_stage_spreads_a_burst_before_the_batcher() -> None:
     rep = summarize(run)
     assert rep.latency["mean"] == pytest.approx(0.04 + 0.05)  # from the client's arrival
     assert rep.queue["mean"] == pytest.approx(np.mean([0.03, 0.02, 0.01, 0.0]))  # from the batcher's
+
+
+def test_driver_fields_are_validated_and_default_when_absent() -> None:
+    fe = FrontEnd(serial_const_s=1e-3, batch_overhead_s=2e-4, serial_busy_factor=1.5)
+    assert FrontEnd.from_dict(fe.to_dict()) == fe
+    old = {"serial_const_s": 1e-3, "serial_per_token_s": 0.0, "delay_const_s": 0.0, "delay_per_token_s": 0.0}
+    back = FrontEnd.from_dict(old)  # a dict written before the driver fields existed
+    assert (back.batch_overhead_s, back.serial_busy_factor) == (0.0, 1.0)
+    with pytest.raises(ValueError, match="batch_overhead_s"):
+        FrontEnd(batch_overhead_s=-1e-3)
+    with pytest.raises(ValueError, match="serial_busy_factor"):
+        FrontEnd(serial_busy_factor=0.9)
+    with pytest.raises(ValueError, match="serial_busy_factor"):
+        FrontEnd(serial_busy_factor=math.inf)
+    tok = np.array([10.0, 100.0, 200.0, 300.0])
+    fitted = FrontEnd.fit(tok, np.full(4, 0.02), np.full(4, 1e-3), np.full(4, 0.01))
+    assert (fitted.batch_overhead_s, fitted.serial_busy_factor) == (0.0, 1.0)
+
+
+def test_from_profile_reads_the_frontend_entry(tmp_path: Path) -> None:
+    fe = FrontEnd(serial_const_s=1e-3, delay_const_s=2e-3, batch_overhead_s=3e-4, serial_busy_factor=1.2)
+    with_fe = tmp_path / "with.json"
+    with_fe.write_text(json.dumps({"cost_model": {}, "frontend": fe.to_dict()}))
+    assert FrontEnd.from_profile(with_fe) == fe
+    without = tmp_path / "without.json"
+    without.write_text(json.dumps({"cost_model": {}, "points": []}))
+    assert FrontEnd.from_profile(str(without)) is None
+
+
+def test_busy_factor_scales_the_serial_service_time() -> None:
+    arr = np.array([0.0, 0.0, 0.0, 1.0])
+    tok = np.array([100, 100, 100, 100])
+    base = FrontEnd(serial_const_s=0.01, serial_per_token_s=1e-4)
+    busy = FrontEnd(serial_const_s=0.01, serial_per_token_s=1e-4, serial_busy_factor=2.0)
+    np.testing.assert_allclose(base.batcher_arrivals(arr, tok), [0.02, 0.04, 0.06, 1.02])
+    np.testing.assert_allclose(busy.batcher_arrivals(arr, tok), [0.04, 0.08, 0.12, 1.04])
+    np.testing.assert_allclose(busy.delay(tok), base.delay(tok))  # the delay stage is not the tokenizer

@@ -57,14 +57,19 @@ def test_failures_count_as_infinitely_late_and_warmup_is_excluded() -> None:
     assert late.num_measured == 2 and late.p99_all == pytest.approx(0.01)
 
 
-def test_deadline_drops_are_recorded() -> None:
+def test_deadline_drops_and_refusals_are_recorded() -> None:
     wl = Workload.from_columns("d", [0.0] * 6, [10] * 6)
     cfg = SchedulerConfig(policy=PolicyConfig(name="window", max_batch_size=1, max_wait_s=0.0))
-    run = simulate_encoder(wl, cfg, const_cost(0.4), request_sla_s=1.0)
+    # the scheduler believes 0.1 s per batch, so it admits all six within their 1 s deadlines; batches
+    # really take 0.4 s, so the later ones expire in the queue
+    run = simulate_encoder(wl, cfg, const_cost(0.1), service_model=const_cost(0.4), request_sla_s=1.0)
     status = run.record.status
     assert status.count(DONE) >= 2 and status.count(DROPPED) >= 1
     assert set(status) <= {DONE, DROPPED}
     assert summarize(run).failures_by_reason.get("deadline_expired", 0) == status.count(DROPPED)
+    # believing the true 0.4 s, admission refuses what its predicted completion says would miss
+    run = simulate_encoder(wl, cfg, const_cost(0.4), request_sla_s=1.0)
+    assert run.record.status.count(DONE) == 2 and run.record.status.count(REJECTED) == 4
 
 
 def test_peak_concurrent_releases_before_acquiring_at_a_tie() -> None:

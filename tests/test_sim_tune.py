@@ -56,11 +56,10 @@ def test_search_ranks_baselines_and_writes_a_loadable_yaml(tmp_path: Path) -> No
     assert result.best.rps > static.rps  # padding everything to 512 cannot win on conv-embed
     assert "winner" in explain(result) and "padding efficiency" in explain(result)
     path = write_yaml(result, tmp_path / "best.yaml")
-    loaded = SchedulerConfig.from_dict(yaml.safe_load(path.read_text()))
-    assert loaded == result.best.config
-    from batchpilot.server.config import load_scheduler_config  # what `batchpilot serve --config` reads
+    assert set(yaml.safe_load(path.read_text())) == {"encoder", "server"}
+    from batchpilot.config_file import load_spec  # what `serve --config` and `simulate --config` read
 
-    assert load_scheduler_config(path) == result.best.config
+    assert load_spec(path).encoder == result.best.config
 
 
 def test_grid_respects_allowed_paddings_and_baseline_semantics() -> None:

@@ -46,8 +46,8 @@ def guarded_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """No-op model, 400 ms per batch of one, at most 2 queued requests, an API key and a 64 KiB body limit."""
     d = tmp_path_factory.mktemp("guarded")
     cfg = d / "sched.yaml"
-    cfg.write_text("policy: {name: window, max_batch_size: 1, max_wait_s: 0.0}\n"
-                   "admission: {max_queued_requests: 2}\n")
+    cfg.write_text("encoder:\n  policy: {name: window, max_batch_size: 1, max_wait_s: 0.0}\n"
+                   "  admission: {max_queued_requests: 2}\n")
     args = ["--noop", "--noop-delay-ms", "400", "--config", str(cfg), "--api-key", API_KEY,
             "--max-body-bytes", "65536", "--no-warmup"]
     with running_server(args, d) as url:

@@ -26,7 +26,6 @@ from batchpilot.runtime.errors import ExecutorCrashed
 from batchpilot.runtime.executor import NoopExecutor
 from batchpilot.server.app import create_app
 from batchpilot.server.config import ServerConfig
-from batchpilot.server.lifecycle import Drainer
 
 POISON = 4242  # a token id that makes FaultyExecutor.run raise (a "model bug" on one input)
 CRASH = 4343  # a token id that makes it raise ExecutorCrashed while crashes_left > 0
@@ -142,14 +141,14 @@ def scrape(url: str, headers: dict[str, str] | None = None) -> dict[str, float]:
 def live_server(executor: Any, config: SchedulerConfig | None = None, *,
                 cost_model: CostModel | None = None,
                 routers: Sequence[Callable[[Any], Any]] = (), extra_models: Sequence[str] = (),
-                max_in_flight: int = 0, queue_bounds: Any = None, **settings: Any) -> Iterator[LiveServer]:
+                **settings: Any) -> Iterator[LiveServer]:
+    """The real app on a free port in a thread. ``config`` is used as given (tests that want the
+    server's deployment pass ``resolve_deployment(...).scheduler``)."""
     settings.setdefault("request_timeout_s", 30.0)
     settings.setdefault("drain_timeout_s", 5.0)
     cfg = ServerConfig(port=free_port(), **settings)
     app: Any = create_app(cfg, executor, config or SchedulerConfig(), cost_model, routers=routers,
-                          extra_models=extra_models, queue_bounds=queue_bounds)
-    if max_in_flight:
-        app = Drainer(app, max_in_flight)  # what `batchpilot serve` puts in front (--max-concurrency)
+                          extra_models=extra_models)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=cfg.port, log_level="warning",
                                            lifespan="on"))
     thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)

@@ -7,6 +7,7 @@ the LLM team's code; ``batchpilot serve --llm`` mounts the same router.
 from __future__ import annotations
 
 import asyncio
+import math
 import socket
 import threading
 import time
@@ -198,44 +199,33 @@ def test_concurrent_requests_batch_and_cancelled_stream_frees_blocks(
     assert engine.stats().num_steps > 0
 
 
-def test_step_counters_and_serving_calibration(server: tuple[str, LLMEngine, CollectorRegistry]) -> None:
-    """The engine times its steps (wall, and the forward + sampling part), and bench fidelity's
-    calibration turns lockstep streams into a serving overhead on top of the step profile."""
-    from batchpilot.bench.llm_lockstep import calibrate_serving
-    from batchpilot.core.costmodel import LLM_FEATURES, CostModel
-
+def test_step_counters(server: tuple[str, LLMEngine, CollectorRegistry]) -> None:
+    """The engine times its steps (wall, and the forward + sampling part) and sums their features."""
     url, engine, _ = server
     before = engine.stats()
-    profiled = CostModel(LLM_FEATURES, (0.001, 1e-5, 1e-5, 0.0, 0.0, 0.002), (0.0,) * 6)
-    served, cal = calibrate_serving(url, profiled, levels=(1, 2, 3, 4), max_tokens=12, max_streams=3,
-                                    model="m")
+
+    async def streams() -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            await asyncio.gather(*(http.post("/v1/completions", json={
+                "model": "m", "prompt": [7 + i] * (6 + 4 * i), "max_tokens": 12, "ignore_eos": True})
+                for i in range(3)))
+
+    asyncio.run(streams())
     after = engine.stats()
-    assert cal.streams == [1, 2, 3]  # levels above max_streams (the engine's max_num_seqs) are skipped
     steps = after.num_steps - before.num_steps
     assert steps >= 12 and after.step_seqs - before.step_seqs >= steps  # >= 1 sequence per step
     assert 0 < after.forward_seconds - before.forward_seconds < after.step_seconds - before.step_seconds
     feats = {k: after.step_features[k] - before.step_features.get(k, 0.0) for k in after.step_features}
     assert feats["const"] == steps and feats["decode_seqs"] + feats["prefill_tokens"] >= steps
-    assert feats["multi_row"] <= steps and cal.first_token_delay_s >= 0.0
-    # every lockstep gap is a live step: at least the forward it contains, so the overhead is >= 0 and
-    # the served model adds exactly the fitted terms to const and decode_seqs
-    assert all(c > 0 for c in cal.client_itl_s)
-    names = served.feature_names
-    diff = dict(zip(names, (s - p for s, p in zip(served.latency_coef, profiled.latency_coef, strict=True)),
-                    strict=True))
-    base = dict(zip(names, profiled.latency_coef, strict=True))
-    for name, extra in (("const", cal.extra_const_s), ("decode_seqs", cal.extra_per_seq_s),
-                        ("multi_row", cal.extra_multi_row_s)):  # added, unless that would go below 0
-        assert diff[name] == pytest.approx(max(extra, -base[name]))
-    assert diff["prefill_tokens"] == diff["kv_tokens"] == 0.0
-    assert served.meta["serving_overhead"]["const_s"] == cal.extra_const_s
+    assert feats["multi_row"] <= steps
 
 
 def test_step_log_records_every_step_with_its_shape(server: tuple[str, LLMEngine, CollectorRegistry],
                                                     tmp_path: Path) -> None:
     """``serve --llm-step-log``: one line per engine step, its features summing to the engine's own
-    counters, and each busy interval at least the step's wall time (what the live fit is made of)."""
-    from batchpilot.bench.llm_steps import busy_intervals, read_steps
+    counters, and the steps' speed against a step profile readable from it."""
+    from batchpilot.bench.llm_steps import read_steps, speed_vs_profile
+    from batchpilot.core.costmodel import LLM_FEATURES, CostModel
     from batchpilot.runtime.llm_engine import StepLog
 
     url, engine, _ = server
@@ -263,4 +253,5 @@ def test_step_log_records_every_step_with_its_shape(server: tuple[str, LLMEngine
     assert all(0 < s.forward_s <= s.wall_s for s in steps if s.seqs)
     for a, b in zip(steps, steps[1:], strict=False):
         assert b.start >= a.start + a.wall_s  # steps never overlap: one engine thread
-    assert 0 < len(busy_intervals(steps)) < len(steps)
+    profile = CostModel(LLM_FEATURES, (0.001, 1e-5, 1e-5, 0.0, 0.0, 0.002), (0.0,) * 6)
+    assert math.isfinite(speed_vs_profile(profile, steps)) and speed_vs_profile(profile, steps) > -1.0

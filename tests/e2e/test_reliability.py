@@ -29,9 +29,9 @@ from inproc import (
     wait_for,
 )
 
-from batchpilot.core.config import AdmissionConfig, PlannerConfig, PolicyConfig, SchedulerConfig
+from batchpilot.core.config import PlannerConfig, PolicyConfig, SchedulerConfig
 from batchpilot.core.costmodel import BatchShape, CostModel
-from batchpilot.server import limits
+from batchpilot.core.deployment import DeploymentSpec, ModelLimits, ServingOptions, resolve_deployment
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 
@@ -343,13 +343,17 @@ def test_llm_client_leaving_before_its_first_token_is_aborted(full: LiveServer) 
 
 
 # -- overload ------------------------------------------------------------------------------------
-def overload_config() -> tuple[SchedulerConfig, CostModel, limits.QueueBounds]:
-    """A model of exactly 50 ms per batch of <= 2: capacity 40 requests/s; the server's SLA limits."""
+def deployed(encoder: SchedulerConfig, cm: CostModel, **server: Any) -> SchedulerConfig:
+    """What `batchpilot serve` runs for this encoder config and these server options."""
+    spec = DeploymentSpec(encoder=encoder, server=ServingOptions(**server))
+    return resolve_deployment(spec, cm, ModelLimits(512, True, 0.0)).scheduler
+
+
+def overload_config(**server: Any) -> tuple[SchedulerConfig, CostModel]:
+    """A model of exactly 50 ms per batch of <= 2: capacity 40 requests/s; a declared 1 s SLA."""
     cm = CostModel(latency_coef=(0.05, 0.0, 0.0, 0.0), memory_coef=(0.0, 0.0, 1.0, 0.0))
-    cfg = limits.apply(window(2), cm)
-    bounds = limits.queue_bounds(cfg, cm)
-    assert bounds is not None
-    return cfg, cm, bounds
+    server.setdefault("latency_sla_s", 1.0)
+    return deployed(window(2), cm, **server), cm
 
 
 async def _burst(url: str, n: int) -> list[httpx.Response | BaseException]:
@@ -358,13 +362,13 @@ async def _burst(url: str, n: int) -> list[httpx.Response | BaseException]:
                                            for i in range(n)), return_exceptions=True))
 
 
-def test_overload_every_request_is_answered_once_with_success_or_retry_after() -> None:
-    cfg, cm, bounds = overload_config()
-    bound = round(bounds.max_backlog_s / bounds.work_s[8])  # inputs of a few tokens: 25 ms of work each
-    assert bound == 24  # 0.6 s of backlog at 25 ms of work per input
+def test_overload_with_a_declared_sla_answers_every_request_once_with_success_or_retry_after() -> None:
+    cfg, cm = overload_config()
+    assert cfg.admission.latency_sla_s == 1.0
+    bound = 40  # 1 s of predicted work at 25 ms per input (50 ms per batch of 2)
     n = 3 * 40 * 2  # 3x capacity for two seconds' worth of requests, all at once
     ex = FaultyExecutor(delay_s=0.05)
-    with live_server(ex, cfg, cost_model=cm, queue_bounds=bounds) as srv:
+    with live_server(ex, cfg, cost_model=cm) as srv:
         rs = asyncio.run(_burst(srv.url, n))
         errors = [r for r in rs if isinstance(r, BaseException)]
         assert not errors, errors[:3]  # no timeout, no reset: every request got an answer
@@ -374,54 +378,53 @@ def test_overload_every_request_is_answered_once_with_success_or_retry_after() -
         for r in rs:
             if isinstance(r, httpx.Response) and r.status_code == 503:
                 err = assert_openai_error(r, 503)
-                assert err["code"] == "queue_full" and int(r.headers["Retry-After"]) >= 1
+                assert err["code"] == "queue_full" and "latency SLA" in err["message"]
+                assert int(r.headers["Retry-After"]) >= 1
         m = srv.metrics()
         answered = sum(v for k, v in m.items() if k.startswith("batchpilot_http_requests_total{"))
         assert answered == n  # exactly once each
         assert m["batchpilot_rejections_total{reason=queue_full}"] == codes.count(503)
         assert sum(b.size for b in ex.batches) == codes.count(200)  # every admitted one ran once
         assert m["batchpilot_pending_requests"] == 0 and m["batchpilot_queue_length"] == 0
+        assert m["batchpilot_requests_in_progress"] == 0
         assert post(srv.url, {"input": "after the storm"}).status_code == 200
 
 
-def test_concurrency_limit_refuses_at_the_http_layer_with_retry_after() -> None:
+def test_without_a_declared_sla_a_burst_is_queued_not_refused() -> None:
+    """300 concurrent requests to the default deployment: all answered 200 (they queue within the
+    concurrency limit and the timeout), none refused for latency."""
+    cm = CostModel(latency_coef=(0.005, 0.0, 0.0, 0.0))
+    cfg = deployed(window(16), cm)
+    assert cfg.admission.latency_sla_s == 0 and cfg.admission.max_concurrent_requests == 512
+    with live_server(FaultyExecutor(delay_s=0.005), cfg, cost_model=cm) as srv:
+        rs = asyncio.run(_burst(srv.url, 300))
+        assert [r.status_code for r in rs if isinstance(r, httpx.Response)] == [200] * 300
+
+
+def test_the_concurrency_limit_refuses_with_retry_after_and_counts_whole_requests() -> None:
     ex = FaultyExecutor()
     ex.gate.clear()
-    with live_server(ex, window(1), max_in_flight=2) as srv, concurrent.futures.ThreadPoolExecutor(2) as pool:
-        held = [pool.submit(post, srv.url, {"input": f"held {i}"}) for i in range(2)]
-        wait_for(lambda: srv.app.in_flight == 2, what="two requests in flight")
+    cm = CostModel(latency_coef=(0.01, 0.0, 0.0, 0.0))
+    cfg = deployed(window(1), cm, max_concurrency=2)
+    with live_server(ex, cfg, cost_model=cm) as srv, concurrent.futures.ThreadPoolExecutor(2) as pool:
+        held = [pool.submit(post, srv.url, {"input": [f"held {i}", "and another"]}) for i in range(2)]
+        wait_for(lambda: srv.metrics()["batchpilot_requests_in_progress"] == 2, what="two requests in")
         r = post(srv.url, {"input": "third"})
         err = assert_openai_error(r, 503)
-        assert err["code"] == "overloaded" and int(r.headers["Retry-After"]) >= 1
+        assert err["code"] == "queue_full" and "max_concurrent_requests" in err["message"]
+        assert int(r.headers["Retry-After"]) >= 1
         assert httpx.get(srv.url + "/health").status_code == 200  # probes always get through
-        assert "batchpilot_pending_requests" in srv.metrics()
         ex.gate.set()
         assert [f.result().status_code for f in held] == [200, 200]
         assert post(srv.url, {"input": "fourth"}).status_code == 200
-        assert srv.app.overloaded == 1 and srv.app.in_flight == 0
 
 
-def test_one_request_larger_than_the_queue_bound_is_served_on_an_empty_queue() -> None:
-    cfg, cm, bounds = overload_config()
-    big = [[1] * 512] * (int(bounds.max_backlog_s / bounds.work_s[512]) + 2)  # more work than the bound
-    with live_server(FaultyExecutor(), cfg, cost_model=cm, queue_bounds=bounds) as srv:
+def test_one_request_larger_than_the_sla_is_served_on_an_empty_queue() -> None:
+    cfg, cm = overload_config()
+    big = [[1] * 512] * 50  # 25 batches of 50 ms: more predicted work than the 1 s SLA
+    with live_server(FaultyExecutor(), cfg, cost_model=cm) as srv:
         r = post(srv.url, {"input": big})
         assert r.status_code == 200 and len(r.json()["data"]) == len(big)
-
-
-def test_sla_queue_bounds_follow_the_cost_model() -> None:
-    slow = CostModel(latency_coef=(0.2, 0.0, 0.0, 0.0))
-    fast = CostModel(latency_coef=(0.02, 0.0, 0.0, 0.0))
-    cfg = window(4)
-    fast_b, slow_b = limits.queue_bounds(cfg, fast), limits.queue_bounds(cfg, slow)
-    assert fast_b is not None and slow_b is not None
-    assert fast_b.max_backlog_s == slow_b.max_backlog_s == limits.sla_backlog_s(cfg)  # 0.6 x SLA
-    assert fast_b.work_s[64] == pytest.approx(0.005) and slow_b.work_s[64] == pytest.approx(0.05)  # / batch 4
-    explicit = window(4, admission=AdmissionConfig(max_queued_requests=7))
-    assert limits.queue_bounds(explicit, slow) is None  # a config's own admission limits win
-    assert limits.queue_bounds(cfg, slow, enabled=False) is None
-    assert limits.apply(cfg, slow, enabled=False) == cfg
-    assert limits.apply(cfg, slow).planner.max_batch_memory_bytes > 0
 
 
 # -- exposure ------------------------------------------------------------------------------------

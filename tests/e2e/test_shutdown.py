@@ -24,8 +24,8 @@ def start(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[bytes], str, Pat
     port = free_port()
     log_path = tmp_path / "serve.log"
     cfg = tmp_path / "sched.yaml"  # one input per batch; an explicit queue bound with room for the test
-    cfg.write_text("policy: {name: window, max_batch_size: 1, max_wait_s: 0.0}\n"
-                   "admission: {max_queued_requests: 16}\n")
+    cfg.write_text("encoder:\n  policy: {name: window, max_batch_size: 1, max_wait_s: 0.0}\n"
+                   "  admission: {max_queued_requests: 16}\n")
     cmd = [sys.executable, "-m", "batchpilot.cli", "serve", "--port", str(port), "--noop", "--no-warmup",
            "--config", str(cfg), *args]
     with open(log_path, "wb") as log:

@@ -184,53 +184,6 @@ def probe_workload(workload: Workload, rate_scale: float, probe_s: float, busies
     return workload.slice(start, count).scale_rate(rate_scale)
 
 
-def rate_matched(other: Workload, measured: Workload, rate_scale: float, probe_s: float) -> Workload:
-    """A ``probe_s``-second window of ``other``'s arrival times (its first), sped up so that the window's
-    own mean rate is ``measured``'s at ``rate_scale``: calibration traffic at the load it calibrates for.
-    On conv-llm the rows after a measured slice arrive 1.6-2.7x as fast as the slice's own (conv-embed:
-    1.1-1.5x; ``benchmarks/calibration_rates.py``): sped up alike, a calibration ran at up to twice the
-    measured load and read the client's TTFT 23-30 ms past the engine's where the measured runs had
-    7-8 ms. Matching the mean rate of all of ``other`` left the window itself -27% to +9% off; the
-    speed-up is now iterated on the window's own rate (which rows fall in it moves with the speed-up;
-    the closest of a few fixed-point steps is kept)."""
-    def rate(w: Workload) -> float:
-        span = float(w.arrival_s[-1] - w.arrival_s[0]) if len(w) > 1 else 0.0
-        return (len(w) - 1) / span if span > 0 else math.nan
-
-    target = rate(measured) * rate_scale
-    r_other = rate(other)
-    if not (math.isfinite(target) and math.isfinite(r_other)):
-        return probe_workload(other, rate_scale, probe_s)
-    k = target / r_other
-    best, best_err = probe_workload(other, k, probe_s), math.inf
-    for _ in range(8):
-        window = probe_workload(other, k, probe_s)
-        r = rate(window)
-        if not math.isfinite(r):
-            break
-        err = abs(r / target - 1.0)
-        if err < best_err:
-            best, best_err = window, err
-        if err < 0.01:
-            break
-        k *= target / r
-    return best
-
-
-def calibration_seconds(measured: Workload, rate_scale: float, seconds: float, min_requests: int) -> float:
-    """How long a calibration for ``measured`` at ``rate_scale`` runs: ``seconds``, or longer when that
-    holds fewer than ``min_requests`` at the measured rows' rate. On conv-llm at 50% load 45 s held 14
-    requests, and the step speed fitted on so few swung 1.14 -> 1.00 between two calibrations minutes
-    apart while the runs after them read 1.02 and 1.09: the calibration's own sampling noise."""
-    if len(measured) < 2 or rate_scale <= 0:
-        return seconds
-    span = float(measured.arrival_s[-1] - measured.arrival_s[0])
-    if span <= 0:
-        return seconds
-    rate = (len(measured) - 1) / span * rate_scale
-    return max(seconds, min_requests / rate)
-
-
 def live_capacity(workload: Workload, loadgen: LoadGenConfig, config: CapacityConfig,
                   texts: list[str] | None = None, tokenizer: Any = None,
                   on_probe: Callable[[Probe], None] | None = None) -> CapacityResult:

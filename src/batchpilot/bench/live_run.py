@@ -1,18 +1,13 @@
-"""One live run of the fidelity check: warm the server, replay a slice, read its own histograms; and
-the front end's calibration (requests one at a time, with the server's ``Server-Timing`` split)."""
+"""One live run of the fidelity check: warm the server, replay a slice, read its own histograms."""
 
 from __future__ import annotations
 
-import asyncio
 import math
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from ..sim.frontend import FrontEnd
 from ..sim.traces import Workload
 from .capacity import wait_idle
-from .loadgen import LoadGenConfig, build_plan, one_by_one_async, replay
+from .loadgen import LoadGenConfig, build_plan, replay
 from .records import RequestRecord, Summary, summarize
 from .scrape import MetricsSeries
 
@@ -64,19 +59,3 @@ def warm_up(url: str, workload: Workload, texts: list[str], n: int) -> None:
     replay(build_plan(warm, texts=texts[: len(warm)], warmup_requests=len(warm)),
            LoadGenConfig(url, progress=False, scrape_interval_s=0))
     wait_idle(url, 10.0)
-
-
-def calibrate_frontend(url: str, workload: Workload, texts: list[str], n: int = 60,
-                       rounds: int = 2) -> tuple[FrontEnd, list[RequestRecord]]:
-    """Fit the simulator's front end (``sim.frontend.FrontEnd``) on this server: ``n`` rows spread over
-    the slice's lengths, sent one at a time (``rounds`` times each, no queueing anywhere), with the
-    server's ``Server-Timing`` split of each request."""
-    order = np.argsort(workload.input_tokens, kind="stable")
-    pick = sorted({int(order[int(q)]) for q in np.linspace(0, len(order) - 1, min(n, len(order)))})
-    plan_all = build_plan(workload, texts=texts[: len(workload)])
-    plan = [plan_all[i] for i in pick] * rounds
-    recs = asyncio.run(one_by_one_async(plan, LoadGenConfig(url, progress=False, scrape_interval_s=0)))
-    ok = [r for r in recs if r.ok]
-    fe = FrontEnd.fit(np.array([r.input_tokens for r in ok]), np.array([r.latency_s for r in ok]),
-                      np.array([r.server_tokenize_s for r in ok]), np.array([r.server_batcher_s for r in ok]))
-    return fe, recs

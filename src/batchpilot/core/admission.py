@@ -1,8 +1,12 @@
-"""What gets into the queue: length, deadline feasibility, queue bounds, and a token-bucket rate limit.
+"""What gets into the queue: one decision per request (all of its inputs, or none of them).
 
-Checks run cheapest-and-most-permanent first, so a client learns the reason that retrying will not
-fix (too long, infeasible) before the one that retrying will (queue full, rate limited). The token
-bucket is charged only for requests that are admitted.
+Rules: each input's length and deadline feasibility; the concurrency limit (requests in progress);
+queue bounds in inputs, tokens and predicted work; a declared latency SLA or the inputs' own deadlines
+against the predicted completion; a token-bucket rate limit. Checks run cheapest-and-most-permanent
+first, so a client learns the reason that retrying will not fix (too long, infeasible) before the one
+that retrying will (queue full, rate limited). The token bucket is charged only for requests that are
+admitted. The server and the simulator both reach these rules through ``BatchScheduler.submit_group``:
+there is no admission anywhere else.
 
 Every ``Rejection`` carries a reason a server maps to a status (400 too long, 429 rate limited or
 infeasible, 503 queue full, 504 expired), a message that says what happened in numbers, and a
@@ -12,11 +16,11 @@ infeasible, 503 queue full, 504 expired), a message that says what happened in n
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .config import AdmissionConfig, PlannerConfig
 from .costmodel import CostModel
-from .overload import work_refusal
 from .request import Request
 
 
@@ -33,11 +37,39 @@ class RejectReason(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class LoadState:
+    """What admission reads of the scheduler's state for one request (``BatchScheduler._load``)."""
+
+    num_requests: int  # requests admitted and not finished
+    num_waiting: int  # inputs waiting
+    num_tokens: int  # tokens waiting
+    backlog_s: float  # predicted seconds of work ahead, per slot (``BatchScheduler.predicted_backlog_s``)
+    work_scale: float = 1.0  # measured / predicted batch seconds (``BatchScheduler.work_scale``)
+
+
+def predicted_completion_s(ahead_s: float, own_s: float) -> float:
+    """Seconds from now until a request finishes, as admission predicts it: the work ahead of it (batches
+    in flight, their remaining predicted time, and the queue) then its own inputs' share of full batches.
+    Under load the queue drains in full batches, so a share is what each input adds; the prediction is
+    the simulator's too, since admission runs inside the core."""
+    return ahead_s + own_s
+
+
+@dataclass(frozen=True, slots=True)
 class Rejection:
     request: Request
     reason: RejectReason
     message: str
     retry_after_s: float | None = None
+
+
+def work_refusal(max_backlog_s: float, num_waiting: int, backlog_s: float, added_work_s: float) -> float:
+    """0.0 to admit, else how many seconds of work over the bound admitting would put the backlog (the
+    Retry-After hint). An empty queue always admits: a request larger than the bound alone would
+    otherwise never be served."""
+    if not max_backlog_s or not num_waiting:
+        return 0.0
+    return max(backlog_s + added_work_s - max_backlog_s, 0.0)
 
 
 def pad_length(max_len_in_batch: int, multiple: int, cap: int) -> int:
@@ -138,9 +170,9 @@ class AdmissionController:
                     f"({mem_budget:.0f} bytes) alone")
         return None
 
-    def check(self, req: Request, now: float, num_waiting: int, num_waiting_tokens: int,
-              predicted_backlog_s: float = 0.0, work_scale: float = 1.0) -> Rejection | None:
-        cfg = self.config
+    def check_input(self, req: Request, now: float) -> Rejection | None:
+        """The checks of one input that no queue state changes: too long (400), and a deadline it cannot
+        meet even dispatched alone now (429). Retrying the same input would not help."""
         length = req.length
         if length > self._limit:
             if length > self.max_length:
@@ -149,35 +181,76 @@ class AdmissionController:
             else:
                 message = self._budget_problem(length) or f"input of {length} tokens does not fit a batch"
             return Rejection(req, RejectReason.TOO_LONG, message)
-        if req.deadline is not None and cfg.reject_infeasible:
+        if req.deadline is not None and self.config.reject_infeasible:
             need = self._alone_q[length]
             slack = req.deadline - now
             if need > slack:
                 return Rejection(req, RejectReason.INFEASIBLE_DEADLINE,
                                  f"deadline leaves {slack * 1e3:.1f} ms but this input alone is predicted "
                                  f"to take {need * 1e3:.1f} ms (p{self.cost_model.quantile * 100:g})")
-        if cfg.max_queued_requests and num_waiting >= cfg.max_queued_requests:
-            return Rejection(req, RejectReason.QUEUE_FULL,
-                             f"{num_waiting} requests are waiting (admission.max_queued_requests)",
-                             self._drain_s(num_waiting, num_waiting_tokens))
-        if cfg.max_queued_tokens and num_waiting_tokens + req.length > cfg.max_queued_tokens:
-            return Rejection(req, RejectReason.QUEUE_FULL,
-                             f"{num_waiting_tokens} tokens are waiting and this input adds {req.length} "
+        return None
+
+    def check_group(self, reqs: Sequence[Request], now: float, state: LoadState) -> Rejection | None:
+        """Admit the request ``reqs`` (one or more inputs) as a whole, or refuse it: None (admit; the rate
+        bucket is charged once) or the ``Rejection`` of the first rule it breaks, naming the request's
+        first input. Rules, cheapest and most permanent first: each input's own checks
+        (``check_input``); the concurrency limit; the queue bounds (inputs, tokens, predicted work),
+        which always admit into an empty queue, so a request larger than a bound is served alone rather
+        than refused forever; a declared latency SLA or the inputs' own deadlines against the predicted
+        completion (``predicted_completion_s``); the rate limit."""
+        first = reqs[0]
+        for r in reqs:
+            rej = self.check_input(r, now)
+            if rej is not None:
+                return rej
+        cfg = self.config
+        n = len(reqs)
+        if cfg.max_concurrent_requests and state.num_requests >= cfg.max_concurrent_requests:
+            return Rejection(first, RejectReason.QUEUE_FULL,
+                             f"{state.num_requests} requests are in progress "
+                             f"(admission.max_concurrent_requests = {cfg.max_concurrent_requests})",
+                             self._drain_s(state.num_waiting, state.num_tokens))
+        waiting = state.num_waiting
+        if waiting and cfg.max_queued_requests and waiting + n > cfg.max_queued_requests:
+            return Rejection(first, RejectReason.QUEUE_FULL,
+                             f"{waiting} inputs are waiting and this request adds {n} "
+                             f"(admission.max_queued_requests = {cfg.max_queued_requests})",
+                             self._drain_s(waiting, state.num_tokens))
+        tokens = sum(r.length for r in reqs) if n > 1 else first.length
+        if waiting and cfg.max_queued_tokens and state.num_tokens + tokens > cfg.max_queued_tokens:
+            return Rejection(first, RejectReason.QUEUE_FULL,
+                             f"{state.num_tokens} tokens are waiting and this request adds {tokens} "
                              f"(admission.max_queued_tokens = {cfg.max_queued_tokens})",
-                             self._drain_s(num_waiting, num_waiting_tokens))
-        if cfg.max_backlog_s:
-            own = self.work_s[length] * work_scale
-            over = work_refusal(cfg.max_backlog_s, num_waiting, predicted_backlog_s, own)
-            if over > 0.0:
-                return Rejection(req, RejectReason.QUEUE_FULL,
-                                 f"{predicted_backlog_s * 1e3:.0f} ms of predicted work is waiting and this "
-                                 f"input adds {own * 1e3:.1f} ms "
-                                 f"(admission.max_backlog_s = {cfg.max_backlog_s * 1e3:.0f} ms)",
-                                 over)
+                             self._drain_s(waiting, state.num_tokens))
+        if cfg.max_backlog_s or cfg.latency_sla_s or first.deadline is not None:
+            work = self.work_s
+            own = (sum(work[r.length] for r in reqs) if n > 1 else work[first.length]) * state.work_scale
+            ahead = state.backlog_s
+            if cfg.max_backlog_s:
+                over = work_refusal(cfg.max_backlog_s, waiting, ahead, own)
+                if over > 0.0:
+                    return Rejection(first, RejectReason.QUEUE_FULL,
+                                     f"{ahead * 1e3:.0f} ms of predicted work is waiting and this request "
+                                     f"adds {own * 1e3:.1f} ms "
+                                     f"(admission.max_backlog_s = {cfg.max_backlog_s * 1e3:.0f} ms)", over)
+            if ahead > 0.0:
+                done_in = predicted_completion_s(ahead, own)
+                if cfg.latency_sla_s and done_in > cfg.latency_sla_s:
+                    return Rejection(first, RejectReason.QUEUE_FULL,
+                                     f"predicted to finish in {done_in * 1e3:.0f} ms "
+                                     f"({ahead * 1e3:.0f} ms of work ahead + {own * 1e3:.0f} ms of its own), "
+                                     "over the latency SLA "
+                                     f"of {cfg.latency_sla_s * 1e3:.0f} ms", done_in - cfg.latency_sla_s)
+                deadline = min((r.deadline for r in reqs if r.deadline is not None), default=None)
+                if deadline is not None and now + done_in > deadline:
+                    return Rejection(first, RejectReason.QUEUE_FULL,
+                                     f"predicted to finish in {done_in * 1e3:.0f} ms behind "
+                                     f"{ahead * 1e3:.0f} ms of work; its deadline leaves "
+                                     f"{(deadline - now) * 1e3:.0f} ms", now + done_in - deadline)
         if self.bucket is not None:
             wait = self.bucket.try_take(now)
             if wait > 0.0:
-                return Rejection(req, RejectReason.RATE_LIMITED,
+                return Rejection(first, RejectReason.RATE_LIMITED,
                                  f"over the admitted rate of {cfg.rate:g} requests/s (burst {cfg.burst})",
                                  wait)
         return None

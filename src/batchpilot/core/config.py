@@ -1,8 +1,9 @@
-"""One config dataclass per component, validated at construction, loadable from the tuner's YAML.
+"""One config dataclass per component, validated at construction, loadable from the config file.
 
-``SchedulerConfig.from_dict(yaml.safe_load(...))`` is what ``batchpilot serve --config`` and
-``batchpilot simulate --config`` both read, and what ``batchpilot tune`` writes (``to_dict``).
-Unknown keys are errors: a typo in a config must not silently fall back to a default.
+``SchedulerConfig.from_dict`` reads the ``encoder:`` section of the one config file
+(``batchpilot.config_file``, ``core.deployment.DeploymentSpec``) that ``serve``, ``simulate``, ``tune``
+and ``bench`` read and ``tune`` writes (``to_dict``). Unknown keys are errors: a typo in a config must
+not silently fall back to a default.
 """
 
 from __future__ import annotations
@@ -137,23 +138,40 @@ class PlannerConfig:
 
 @dataclass(frozen=True)
 class AdmissionConfig:
-    """What gets in. 0 means unlimited for every limit here."""
+    """What gets in. 0 means unlimited (or off) for every limit here.
 
-    rate: float = 0.0  # token bucket refill, requests per second
+    Every limit applies to a *request* (a group of inputs admitted or refused as a whole,
+    ``BatchScheduler.submit_group``), never to part of one. ``core/deployment.py`` fills the server's
+    defaults (concurrency, timeout, a declared SLA) into the zeros, the same for ``serve`` and
+    ``simulate``.
+    """
+
+    rate: float = 0.0  # token bucket refill, requests per second (one token per request)
     burst: int = 0
-    max_queued_requests: int = 0
+    max_queued_requests: int = 0  # inputs waiting (a request is admitted whole into an empty queue)
     max_queued_tokens: int = 0
     # predicted seconds of model work waiting (each input: its share of a full batch of its length,
-    # ``AdmissionController.work_s``); an input is always admitted into an empty queue
+    # ``AdmissionController.work_s``); a request is always admitted into an empty queue
     max_backlog_s: float = 0.0
+    # requests admitted and not yet finished (queued or in a batch): the server's concurrency limit
+    max_concurrent_requests: int = 0
+    # an input still waiting this long after its arrival is dropped (DEADLINE_EXPIRED: the server's 504)
+    timeout_s: float = 0.0
+    # a declared latency SLA: refuse a request whose predicted completion (work ahead + its own) misses
+    # it; 0 = none declared, so no latency-based shedding (requests queue within the other bounds)
+    latency_sla_s: float = 0.0
     max_length: int = 512
     reject_infeasible: bool = True
 
     def __post_init__(self) -> None:
         _positive("admission", "rate", self.rate, allow_zero=True)
         _positive("admission", "max_backlog_s", self.max_backlog_s, allow_zero=True)
-        if self.burst < 0 or self.max_queued_requests < 0 or self.max_queued_tokens < 0:
-            raise ValueError("admission.burst, max_queued_requests and max_queued_tokens must be >= 0")
+        _positive("admission", "timeout_s", self.timeout_s, allow_zero=True)
+        _positive("admission", "latency_sla_s", self.latency_sla_s, allow_zero=True)
+        if (self.burst < 0 or self.max_queued_requests < 0 or self.max_queued_tokens < 0
+                or self.max_concurrent_requests < 0):
+            raise ValueError("admission.burst, max_queued_requests, max_queued_tokens and "
+                             "max_concurrent_requests must be >= 0")
         if self.rate > 0 and self.burst < 1:
             raise ValueError("admission.burst must be >= 1 when admission.rate is set")
         if self.max_length < 1:
@@ -170,11 +188,16 @@ class SchedulerConfig:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     queue_order: QueueOrder = "fcfs"
     num_slots: int = 1  # executor slots (model instances / worker threads)
+    # A busy slot takes its next batch this long before its running batch is predicted to end, so the
+    # next batch is collated while this one runs (``BatchScheduler.next_batch_at``). 0: the deployment
+    # derives it from the profile's measured collation time (``core/deployment.py``).
+    pipeline_lead_s: float = 0.0
 
     def __post_init__(self) -> None:
         _choice("scheduler", "queue_order", self.queue_order, QUEUE_ORDERS)
         if self.num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {self.num_slots}")
+        _positive("scheduler", "pipeline_lead_s", self.pipeline_lead_s, allow_zero=True)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -190,10 +213,10 @@ class SchedulerConfig:
         for key, value in data.items():
             if key in sections:
                 kwargs[key] = _build(sections[key], key, value or {})
-            elif key in ("queue_order", "num_slots"):
+            elif key in ("queue_order", "num_slots", "pipeline_lead_s"):
                 kwargs[key] = value
             else:
-                allowed = ", ".join([*sections, "queue_order", "num_slots"])
+                allowed = ", ".join([*sections, "queue_order", "num_slots", "pipeline_lead_s"])
                 raise ValueError(f"config: unknown key {key!r}; allowed top-level keys: {allowed}")
         return cls(**kwargs)
 

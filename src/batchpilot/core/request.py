@@ -27,6 +27,7 @@ class Request:
     deadline: float | None = None
     sla: float | None = None
     payload: Any = field(default=None, repr=False)
+    group: int = -1  # the scheduler's: the id of the request's first input when it has several, else -1
 
     def __post_init__(self) -> None:
         if self.length < 1:

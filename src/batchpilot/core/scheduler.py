@@ -1,7 +1,9 @@
 """The encoder scheduling core: a state machine with two calls, driven by any clock.
 
-    submit(request, now)          -> None (admitted) | Rejection
+    submit_group(requests, now)   -> None (all admitted) | Rejection (none admitted)
+    submit(request, now)          -> submit_group([request], now)
     schedule(now, free_slots)     -> SchedulerOutput(batches, dropped, wake_at)
+    next_batch_at(batch, started) -> when the slot running ``batch`` takes its next one (pipelining)
     on_batch_done(batch, now, s)  -> None  (feeds adaptive policies; every dispatched batch, once)
     cancel(request_id, now)       -> bool
 
@@ -11,8 +13,8 @@ anything themselves. Nothing here reads a clock, awaits, or imports torch.
 
 Inside, the pieces are composed in this order::
 
-    submit:   admission.check ─▶ queue.push ─▶ policy.on_arrival, bucketer.observe
-    schedule: queue.expire (+ infeasible sweep) ─▶ while a slot is free:
+    submit:   admission.check_group ─▶ queue.push (each input) ─▶ policy.on_arrival, bucketer.observe
+    schedule: queue.expire (+ timeout, infeasible sweep) ─▶ while a slot is free:
                   policy.decide(now, QueueState) ─▶ Wait: stop  |  Dispatch:
                   planner.plan(queue.peek(lookahead × cap)) ─▶ queue.take ─▶ Batch
 """
@@ -20,9 +22,10 @@ Inside, the pieces are composed in this order::
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .admission import AdmissionController, Rejection, RejectReason, pad_length
+from .admission import AdmissionController, LoadState, Rejection, RejectReason, pad_length
 from .bucketing import Bucketer
 from .config import SchedulerConfig
 from .costmodel import BatchShape, CostModel
@@ -109,17 +112,24 @@ class BatchScheduler:
         self.admission = AdmissionController(config.admission, plan, cost_model, config.policy.max_batch_size,
                                              config.num_slots)
         self.stats = SchedulerStats()
-        self._queue = RequestQueue(config.queue_order, config.admission.max_queued_requests,
-                                   self.admission.work_s)
+        # admission alone bounds the queue (a request is admitted whole): the queue itself is unbounded
+        self._queue = RequestQueue(config.queue_order, 0, self.admission.work_s)
         # The queue's id -> entry dict and deadline heap (never rebound): truth-testing them directly
         # saves Python-level calls on the hot path, which runs ~3 times per request in the simulator.
         self._live = self._queue._live
         self._deadlines = self._queue._deadlines
-        self._in_flight: dict[int, float] = {}  # dispatched, not yet done: batch id -> predicted seconds
-        self._in_flight_s = 0.0
+        # dispatched, not yet done: batch id -> (formed at, predicted seconds)
+        self._in_flight: dict[int, tuple[float, float]] = {}
         self._num_slots = max(config.num_slots, 1)
         self._work_scale = 1.0
-        self._bounds_backlog = config.admission.max_backlog_s > 0
+        adm = config.admission
+        self._reads_backlog = adm.max_backlog_s > 0 or adm.latency_sla_s > 0
+        self._timeout_s = adm.timeout_s
+        self._lead_s = config.pipeline_lead_s
+        # requests in progress: singles count 1 until their input is done; a group's inputs share one
+        # entry of ``_group_left`` (group id -> inputs not yet done)
+        self._num_requests = 0
+        self._group_left: dict[int, int] = {}
         self._next_batch_id = 0  # deterministic batch ids (a counter, as IdCounter, without the call)
         self._lookahead = 1 if plan.grouping == "fifo" else plan.lookahead
         self._padding = plan.padding
@@ -138,12 +148,22 @@ class BatchScheduler:
         return self._queue.num_tokens
 
     @property
-    def predicted_backlog_s(self) -> float:
-        """Predicted seconds until everything dispatched and waiting has run, per slot: the batches in
-        flight (their whole predicted time: how far a running one has got is not known here) plus the
-        queue's work (``AdmissionController.work_s`` summed), times ``work_scale``. What
-        ``admission.max_backlog_s`` bounds."""
-        return (self._queue.num_work_s + self._in_flight_s / self._num_slots) * self._work_scale
+    def num_requests(self) -> int:
+        """Requests (groups of inputs) admitted and not finished: what ``max_concurrent_requests`` bounds."""
+        return self._num_requests
+
+    def predicted_backlog_s(self, now: float) -> float:
+        """Predicted seconds until everything dispatched and waiting has run, per slot: what is left of
+        the batches in flight (predicted time times ``work_scale``, less the time since they were
+        formed) plus the queue's work (``AdmissionController.work_s`` summed, times ``work_scale``).
+        What ``admission.max_backlog_s`` bounds and the latency SLA is checked against."""
+        scale = self._work_scale
+        left = 0.0
+        for formed, predicted in self._in_flight.values():
+            rest = predicted * scale - (now - formed)
+            if rest > 0.0:
+                left += rest
+        return self._queue.num_work_s * scale + left / self._num_slots
 
     @property
     def work_scale(self) -> float:
@@ -168,26 +188,56 @@ class BatchScheduler:
 
     # -- the four calls ----------------------------------------------------------------------
     def submit(self, request: Request, now: float) -> Rejection | None:
-        self.stats.submitted += 1
+        """One request of one input: ``submit_group([request], now)``."""
+        return self.submit_group((request,), now)
+
+    def submit_group(self, requests: Sequence[Request], now: float) -> Rejection | None:
+        """Admit every input of one request, or none (``AdmissionController.check_group``). The inputs
+        may be split across batches; the request counts as in progress until its last input is done,
+        dropped or cancelled."""
+        n = len(requests)
+        if n == 0:
+            raise ValueError("submit_group: a request needs at least one input")
+        self.stats.submitted += n
         q = self._queue
-        backlog = self.predicted_backlog_s if self._bounds_backlog else 0.0  # hot path in the simulator
-        rejection = self.admission.check(request, now, len(q), q.num_tokens, backlog, self._work_scale)
-        if rejection is None and not q.push(request):  # capacity is also enforced by the queue itself
-            rejection = Rejection(request, RejectReason.QUEUE_FULL, f"{len(q)} requests are waiting")
+        backlog = self.predicted_backlog_s(now) if (self._reads_backlog or requests[0].deadline is not None) \
+            else 0.0  # hot path in the simulator
+        state = LoadState(self._num_requests, len(self._live), q.num_tokens, backlog, self._work_scale)
+        rejection = self.admission.check_group(requests, now, state)
         if rejection is not None:
-            self.stats.rejected[rejection.reason.value] += 1
+            self.stats.rejected[rejection.reason.value] += n
             return rejection
-        self.stats.admitted += 1
-        self.policy.on_arrival(now)
-        if self.bucketer is not None:
-            self.bucketer.observe(request.length, now)
+        if n > 1:
+            group = requests[0].id
+            self._group_left[group] = n
+            for r in requests:
+                r.group = group
+        for r in requests:
+            q.push(r)
+        self._num_requests += 1
+        self.stats.admitted += n
+        policy, bucketer = self.policy, self.bucketer
+        for r in requests:
+            policy.on_arrival(now)
+            if bucketer is not None:
+                bucketer.observe(r.length, now)
         return None
 
     def cancel(self, request_id: int, now: float) -> bool:
-        if self._queue.remove(request_id) is None:
+        req = self._queue.remove(request_id)
+        if req is None:
             return False
         self.stats.cancelled += 1
+        self._leave(req)
         return True
+
+    def next_batch_at(self, batch: Batch, started_at: float) -> float:
+        """When the slot that started ``batch`` at ``started_at`` takes its next batch: its predicted end
+        (``predicted_s`` times ``work_scale``) less ``pipeline_lead_s``, so the next batch is collated
+        while this one runs. Not earlier: a batch formed early is cut off from the requests that arrive
+        meanwhile, and batching gains come from exactly those. The live slot and the simulator's slot
+        both ask this."""
+        return started_at + batch.predicted_s * self._work_scale - self._lead_s
 
     def schedule(self, now: float, free_slots: int) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -197,6 +247,10 @@ class BatchScheduler:
             return out
         if self._deadlines:
             self._drop_expired(now, out)
+        if self._timeout_s:
+            self._drop_timed_out(now, out)
+            if not live:
+                return out
         wake: float | None = None
         policy, planner, stats = self.policy, self.planner, self.stats
         while free_slots > 0 and live:
@@ -215,8 +269,7 @@ class BatchScheduler:
             self._next_batch_id = batch_id + 1
             out.batches.append(Batch(batch_id, plan.requests, plan.padded_len, shape, self._padding, now,
                                      plan.predicted_s))
-            self._in_flight[batch_id] = plan.predicted_s
-            self._in_flight_s += plan.predicted_s
+            self._in_flight[batch_id] = (now, plan.predicted_s)
             stats.batches += 1
             stats.dispatched += shape.n
             stats.useful_tokens += shape.useful_tokens
@@ -227,15 +280,22 @@ class BatchScheduler:
             urgent = q.most_urgent()
             if urgent is not None and urgent.deadline is not None:
                 wake = urgent.deadline if wake is None else min(wake, urgent.deadline)
+        if live and self._timeout_s:
+            oldest = q.oldest()
+            if oldest is not None:
+                due = oldest.arrival + self._timeout_s
+                wake = due if wake is None else min(wake, due)
         out.wake_at = wake
         return out
 
     def on_batch_done(self, batch: Batch, now: float, latency_s: float, ran: bool = True) -> None:
         """Every dispatched batch must be reported exactly once, also one that never ran (``ran=False``:
         everyone in it left first), or the backlog keeps counting it."""
-        predicted = self._in_flight.pop(batch.id, None)
-        if predicted is not None:
-            self._in_flight_s = self._in_flight_s - predicted if self._in_flight else 0.0
+        entry = self._in_flight.pop(batch.id, None)
+        predicted = entry[1] if entry is not None else None
+        if entry is not None:
+            for r in batch.requests:
+                self._leave(r)
         if not ran:
             return
         if predicted and latency_s > 0.0:
@@ -245,13 +305,39 @@ class BatchScheduler:
         self.policy.on_batch_done(batch.size, now, latency_s)
 
     # -- internals ---------------------------------------------------------------------------
+    def _leave(self, req: Request) -> None:
+        """One input is done, dropped or cancelled: its request leaves with its last input."""
+        group = req.group
+        if group >= 0:
+            left = self._group_left.get(group)
+            if left is None:
+                return
+            if left > 1:
+                self._group_left[group] = left - 1
+                return
+            del self._group_left[group]
+        self._num_requests -= 1
+
+    def _drop(self, req: Request, out: SchedulerOutput, reason: RejectReason, message: str) -> None:
+        out.dropped.append(Rejection(req, reason, message))
+        self.stats.rejected[reason.value] += 1
+        self._leave(req)
+
+    def _drop_timed_out(self, now: float, out: SchedulerOutput) -> None:
+        q, timeout = self._queue, self._timeout_s
+        oldest = q.oldest()
+        while oldest is not None and now - oldest.arrival >= timeout:
+            q.remove(oldest.id)
+            self._drop(oldest, out, RejectReason.DEADLINE_EXPIRED,
+                       f"not started within the request timeout of {timeout:g} s")
+            oldest = q.oldest()
+
     def _drop_expired(self, now: float, out: SchedulerOutput) -> None:
         q = self._queue
         for r in q.expire(now):
             late = now - (r.deadline if r.deadline is not None else now)
-            out.dropped.append(Rejection(r, RejectReason.DEADLINE_EXPIRED,
-                                         f"deadline passed {late * 1e3:.1f} ms ago while waiting"))
-            self.stats.rejected[RejectReason.DEADLINE_EXPIRED.value] += 1
+            self._drop(r, out, RejectReason.DEADLINE_EXPIRED,
+                       f"deadline passed {late * 1e3:.1f} ms ago while waiting")
         if not self._drop_infeasible:
             return
         urgent = q.most_urgent()
@@ -262,8 +348,6 @@ class BatchScheduler:
             need = alone(r.length)
             if r.deadline is not None and now + need > r.deadline:
                 q.remove(r.id)
-                out.dropped.append(Rejection(
-                    r, RejectReason.INFEASIBLE_DEADLINE,
-                    f"dropped: {(r.deadline - now) * 1e3:.1f} ms left but it alone is predicted to take "
-                    f"{need * 1e3:.1f} ms"))
-                self.stats.rejected[RejectReason.INFEASIBLE_DEADLINE.value] += 1
+                self._drop(r, out, RejectReason.INFEASIBLE_DEADLINE,
+                           f"dropped: {(r.deadline - now) * 1e3:.1f} ms left but it alone is predicted to "
+                           f"take {need * 1e3:.1f} ms")

@@ -95,6 +95,17 @@ class HostToDevice:
         return Staged(moved, event)
 
 
+def memory_bytes(device: torch.device | str) -> float:
+    """The memory a batch budget is a share of: the GPU's total memory, or the machine's (CPU)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0.0
+
+
 def peak_memory_bytes(fn: Callable[[], object], device: torch.device) -> float:
     """Peak bytes allocated by torch *while* ``fn`` runs, above what was allocated when it started.
 

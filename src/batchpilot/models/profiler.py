@@ -12,6 +12,10 @@ Accuracy is reported two ways: leave-one-out over the grid (each point predicted
 without it) and, with ``holdout``, seeded mixed-length batches the grid never saw, predicted by the
 model fitted on the whole grid.
 
+Then, unless ``--no-serving-path``, the serving path around the batcher: the real app served
+in-process, requests sent one at a time (``server/serving_profile.py``), fitted into the simulator's
+``sim.frontend.FrontEnd`` and written under the profile's ``"frontend"`` key.
+
 torch is imported lazily: ``batchpilot --help`` must work without it.
 """
 
@@ -180,8 +184,20 @@ def profile_grid(executor: Any, batch_sizes: tuple[int, ...], lengths: tuple[int
             advance(f"round {r + 1}/{repeats}")
     out = [s.measurement() for s in kept]
     meta = {"source": "batchpilot profile", "model": executor.model_name, "padding": padding,
-            "device": str(executor.device), "points": len(out)}
+            "device": str(executor.device), "points": len(out),
+            "prepare_s": statistics.median(m.prepare_s for m in out),  # the live pipeline's lead
+            **model_limits(executor)}
     return CostModel.fit([m.point() for m in out], meta=meta), out
+
+
+def model_limits(executor: Any) -> dict[str, Any]:
+    """What the deployment needs to know of the model (``core.deployment.ModelLimits.from_meta``), so the
+    simulator resolves the same deployment from the profile as ``serve`` does from the loaded model."""
+    from .device import memory_bytes
+
+    return {"max_length": int(executor.max_length),
+            "supports_padding_free": bool(getattr(executor, "supports_padding_free", lambda: True)()),
+            "device_memory_bytes": memory_bytes(executor.device)}
 
 
 def leave_one_out(points: list[Measurement]) -> list[float]:
@@ -238,6 +254,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-length", type=int, default=None, help="serve up to this many tokens (default: "
                    "the model's position limit)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-serving-path", action="store_true",
+                   help="skip the serving-path measurement (the profile's 'frontend' entry)")
+    p.add_argument("--serving-requests", type=int, default=24,
+                   help="serving path: input lengths from 4 tokens to the model's limit, each sent twice")
     p.set_defaults(func=run)
 
 
@@ -280,9 +300,40 @@ def run(args: argparse.Namespace) -> int:
         "holdout": [dict(m.to_dict(), predicted_s=model.latency(m.features)) for m, _ in held],
         "meta": meta,
     }
+    if not args.no_serving_path:
+        serving = _serving_path(ex, model, args, console)
+        if serving is not None:
+            doc["frontend"], doc["serving_path"] = serving
     Path(args.output).write_text(json.dumps(doc, indent=2))
     print(f"wrote {args.output} ({len(points)} shapes + {len(held)} held-out batches in {wall:.1f} s)")
     return 0
+
+
+def _serving_path(ex: Any, model: CostModel, args: argparse.Namespace,
+                  console: Any) -> tuple[dict[str, float], dict[str, Any]] | None:
+    """The serving-path measurement (``server/serving_profile.py``) as the profile's ``frontend`` and
+    ``serving_path`` entries; None, with a warning, when the server stack is missing or it failed (the
+    cost model is still written)."""
+    try:
+        from ..server.serving_profile import measure_serving_path
+    except ImportError as exc:
+        console.print(f"[yellow]warning:[/] serving path not measured: the server stack is not importable "
+                      f"({exc}); the profile has no 'frontend' entry")
+        return None
+    try:
+        frontend, details = measure_serving_path(ex, model, requests=args.serving_requests, seed=args.seed,
+                                                 padding=args.padding)
+    except (RuntimeError, ValueError, OSError) as exc:
+        console.print(f"[yellow]warning:[/] serving path not measured: {exc}; the profile has no "
+                      "'frontend' entry")
+        return None
+    print(f"serving path ({details['ok']} lone requests, {details['min_tokens']}-{details['max_tokens']} "
+          f"tokens, {details['wall_s']:.1f} s): tokenizer {frontend.serial_const_s * 1e3:.2f} ms + "
+          f"{frontend.serial_per_token_s * 1e6:.2f} us/token (x{frontend.serial_busy_factor:.2f} with the "
+          f"model busy), HTTP/JSON/client {frontend.delay_const_s * 1e3:.2f} ms + "
+          f"{frontend.delay_per_token_s * 1e6:.2f} us/token, driver overhead "
+          f"{frontend.batch_overhead_s * 1e3:.2f} ms/batch")
+    return frontend.to_dict(), details
 
 
 def _table(name: str, padding: str, model: CostModel, points: list[Measurement], loo: list[float],

@@ -4,13 +4,16 @@ A batch observer of the ``Batcher`` (``batcher.batch_observers``): for every bat
 scheduler formed it, when its slot started it, how long the slot was busy with it (the executor call
 plus the thread hand-off: what
 the simulator's cost model stands for), its size and its cost-model features. ``bench fidelity``
-reads it while the server writes (line-buffered; ``bench.batch_fit.read_batches`` takes whole lines
-only) and fits the profile's speed on the live server's own batches.
+reads it while the server writes (line-buffered; ``read_batches`` takes whole lines only) to report how
+the run's batches compared with the profile. Nothing fits a prediction on it.
 """
 
 from __future__ import annotations
 
 import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
 from typing import IO
 
 from ..core.scheduler import Batch
@@ -30,3 +33,28 @@ class BatchLog:
 
     def close(self) -> None:
         self._f.close()
+
+
+@dataclass(frozen=True)
+class LoggedBatch:
+    start: float
+    slot_s: float
+    n: int
+    features: dict[str, float]
+    formed: float = math.nan
+
+
+def read_batches(path: str | Path, offset: int = 0) -> tuple[list[LoggedBatch], int]:
+    """Batches logged from byte ``offset`` on (whole lines only), and the offset to read from next."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        data = f.read()
+    end = data.rfind(b"\n") + 1
+    out = []
+    for line in data[:end].decode().splitlines():
+        if line.strip():
+            d = json.loads(line)
+            out.append(LoggedBatch(float(d["start"]), float(d["slot_s"]), int(d["n"]),
+                                   {k: float(v) for k, v in d["features"].items()},
+                                   float(d.get("formed", math.nan))))
+    return out, offset + end

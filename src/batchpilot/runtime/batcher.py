@@ -82,7 +82,7 @@ class Batcher:
         """Queue one input and wait for its result. ``deadline`` is absolute on ``clock`` (time.monotonic by
         default), ``sla`` relative seconds. Raises ``RequestRejected`` (with the core's reason and a
         ``retry_after_s``), or ``ExecutionError`` if the model failed on this input."""
-        rid, future = self._enqueue(payload, length, priority, deadline, sla)
+        rid, future = self._enqueue_group([payload], [length], priority, deadline, sla)[0]
         try:
             return await future
         except asyncio.CancelledError:
@@ -93,9 +93,18 @@ class Batcher:
                       sla: float | None = None) -> asyncio.Future[Any]:
         """Like ``submit`` but returns the future at once (no task per request: for bulk producers).
         Cancelling the future withdraws the request. Must be called on the event loop thread."""
-        rid, future = self._enqueue(payload, length, priority, deadline, sla)
-        future.add_done_callback(lambda f: self._cancel(rid) if f.cancelled() else None)
-        return future
+        return self.submit_group_nowait([payload], [length], priority, deadline, sla)[0]
+
+    def submit_group_nowait(self, payloads: list[Any], lengths: list[int], priority: int = 0,
+                            deadline: float | None = None,
+                            sla: float | None = None) -> list[asyncio.Future[Any]]:
+        """One request of several inputs, admitted or refused as a whole by the core
+        (``BatchScheduler.submit_group``): a future per input, or ``RequestRejected`` for all of them.
+        Cancelling a future withdraws its input. Must be called on the event loop thread."""
+        pairs = self._enqueue_group(payloads, lengths, priority, deadline, sla)
+        for rid, future in pairs:
+            future.add_done_callback(lambda f, rid=rid: self._cancel(rid) if f.cancelled() else None)
+        return [f for _, f in pairs]
 
     @property
     def num_pending(self) -> int:
@@ -135,8 +144,8 @@ class Batcher:
         self._set_health("stopped")
 
     # -- admission ---------------------------------------------------------------------------
-    def _enqueue(self, payload: Any, length: int, priority: int, deadline: float | None,
-                 sla: float | None) -> tuple[int, asyncio.Future[Any]]:
+    def _enqueue_group(self, payloads: list[Any], lengths: list[int], priority: int,
+                       deadline: float | None, sla: float | None) -> list[tuple[int, asyncio.Future[Any]]]:
         if not self._accepting:
             self.observer.on_reject(RejectReason.SHUTTING_DOWN)
             raise RequestRejected(RejectReason.SHUTTING_DOWN, "the server is shutting down",
@@ -144,17 +153,23 @@ class Batcher:
         if self._task is None:
             self._start()
         now = self.clock()
-        req = Request(self._ids(), now, length, priority, deadline, sla, payload)
-        rejection = self.scheduler.submit(req, now)
+        reqs = [Request(self._ids(), now, length, priority, deadline, sla, payload)
+                for payload, length in zip(payloads, lengths, strict=True)]
+        rejection = self.scheduler.submit_group(reqs, now)
         if rejection is not None:
             self.observer.on_reject(rejection.reason)
             raise RequestRejected.from_rejection(rejection)
-        future: asyncio.Future[Any] = self._loop.create_future()  # type: ignore[union-attr]
-        self._pending[req.id] = _Pending(req, future)
-        if self._observe_admit:
-            self.observer.on_admit(req)
+        out = []
+        loop = self._loop
+        assert loop is not None
+        for req in reqs:
+            future: asyncio.Future[Any] = loop.create_future()
+            self._pending[req.id] = _Pending(req, future)
+            if self._observe_admit:
+                self.observer.on_admit(req)
+            out.append((req.id, future))
         self._wake.set()
-        return req.id, future
+        return out
 
     def _start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -230,15 +245,14 @@ class Batcher:
     async def _execute(self, slot: Slot, batch: Batch) -> None:
         reported = False  # the scheduler counts a dispatched batch as backlog until it hears of it once
         try:
-            t0 = self.clock()
             prepared, prep_exc = await self._prepare(slot.prepare_pool, batch)
-            slot.on_prepared(self.clock() - t0)
             async with slot.run_lock:
                 if not any(r.id in self._pending for r in batch.requests):  # everyone left
                     slot.next = None
                     self._wake.set()
                     return
-                slot.on_run_start(batch, self.clock())
+                started = self.clock()
+                slot.on_run_start(batch, started, self.scheduler.next_batch_at(batch, started))
                 self.observer.on_slot_busy(slot.index, True)
                 self._wake.set()
                 try:

@@ -2,15 +2,13 @@
 
     batch N   : [prepare]──[========= run =========]
     batch N+1 :                       [prepare]────[========= run =========]
-                                      ^ accepts() turns true here: expected end of N minus the lead
+                                      ^ accepts() turns true here: BatchScheduler.next_batch_at(N)
 
 Collation of the next batch (``executor.prepare``) runs on the slot's prepare thread while the current
-batch runs on the run thread, so collation is off the critical path. The slot only asks the scheduler
-for its next batch shortly before the current one is expected to finish (``lead_s`` ahead), not as soon
-as it starts: forming the next batch early would cut it off from the requests that arrive meanwhile,
-and batching gains come from exactly those. The expected end is the cost model's prediction corrected
-by the running ratio of measured to predicted time, so a miscalibrated profile does not form batches
-early; if the prediction is late the slot simply becomes free when the run ends (no overlap, no harm).
+batch runs on the run thread, so collation is off the critical path. *When* the slot takes its next
+batch is the core's decision (``BatchScheduler.next_batch_at``: the running batch's predicted end, less
+the deployment's pipeline lead), so the simulator's slots take theirs at the same moments. If the
+prediction is late the slot simply becomes free when the run ends (no overlap, no harm).
 """
 
 from __future__ import annotations
@@ -19,9 +17,6 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
 from ..core.scheduler import Batch
-
-_EWMA = 0.2
-_MIN_LEAD_S = 0.0005  # covers the thread hand-off even when prepare is nearly free
 
 
 class Slot:
@@ -35,10 +30,7 @@ class Slot:
         self.running: Batch | None = None
         self.next: Batch | None = None  # dispatched to this slot, preparing or waiting for the run stage
         self.run_started = 0.0
-        self.expected_end = 0.0
-        self.prepare_s = 0.0  # EWMA of prepare wall time
-        self.ratio = 1.0  # EWMA of measured / predicted run time
-        self.run_s = 0.0  # EWMA of run time, used when the batch carries no prediction
+        self.accept_at = 0.0  # when a busy slot takes its next batch (the core's next_batch_at)
         self._run_lock: asyncio.Lock | None = None
 
     @property
@@ -46,10 +38,6 @@ class Slot:
         if self._run_lock is None:  # created lazily: it binds to the running loop
             self._run_lock = asyncio.Lock()
         return self._run_lock
-
-    @property
-    def lead_s(self) -> float:
-        return max(2.0 * self.prepare_s, _MIN_LEAD_S)
 
     @property
     def is_idle(self) -> bool:
@@ -61,29 +49,22 @@ class Slot:
             return False
         if self.running is None:
             return True
-        return self.pipeline and now >= self.expected_end - self.lead_s
+        return self.pipeline and now >= self.accept_at
 
     def accept_time(self) -> float | None:
         """When a busy slot will start accepting (a wake-up time for the driver), else None."""
         if not self.pipeline or self.running is None or self.next is not None:
             return None
-        return self.expected_end - self.lead_s
+        return self.accept_at
 
-    def on_prepared(self, seconds: float) -> None:
-        self.prepare_s = seconds if self.prepare_s == 0.0 else (1 - _EWMA) * self.prepare_s + _EWMA * seconds
-
-    def on_run_start(self, batch: Batch, now: float) -> None:
+    def on_run_start(self, batch: Batch, now: float, accept_at: float) -> None:
         self.next = None
         self.running = batch
         self.run_started = now
-        expected = batch.predicted_s * self.ratio if batch.predicted_s > 0 else self.run_s
-        self.expected_end = now + expected
+        self.accept_at = accept_at
 
     def on_run_end(self, batch: Batch, now: float) -> float:
         took = now - self.run_started
-        if batch.predicted_s > 0:
-            self.ratio = (1 - _EWMA) * self.ratio + _EWMA * (took / batch.predicted_s)
-        self.run_s = took if self.run_s == 0.0 else (1 - _EWMA) * self.run_s + _EWMA * took
         self.running = None
         return took
 

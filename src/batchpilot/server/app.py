@@ -1,7 +1,8 @@
 """The HTTP layer: OpenAI-compatible embeddings over a Batcher, plus /v1/models, /health and /metrics.
 
-    POST /v1/embeddings ─▶ validate ─▶ tokenize (one worker thread, off the event loop) ─▶ one
-    Batcher.submit per input ─▶ wait for all, the client's disconnect, or the request timeout ─▶ JSON
+    POST /v1/embeddings ─▶ validate ─▶ tokenize (one worker thread, off the event loop) ─▶
+    Batcher.submit_group (the core admits all inputs or none) ─▶ wait for all, the client's
+    disconnect, or the request timeout ─▶ JSON
 
 Errors are OpenAI-shaped (``server/errors.py``): core rejections map by reason (too long 400,
 infeasible deadline and rate limit 429, queue full and shutting down 503 with Retry-After, expired
@@ -40,7 +41,6 @@ from ..runtime.executor import Executor
 from .config import ServerConfig
 from .errors import APIError, error_body, install_error_handlers
 from .gc_pauses import GCPauses, freeze_heap
-from .limits import QueueBounds
 from .metrics import ServerMetrics
 from .schemas import EmbeddingRequest, EmbeddingResponse, Health, ModelCard, ModelList
 
@@ -72,9 +72,8 @@ class EmbeddingService:
     """Everything one request needs: the executor (tokenizer + model), its Batcher, metrics, settings."""
 
     def __init__(self, settings: ServerConfig, executor: Executor, config: SchedulerConfig,
-                 cost_model: CostModel, queue_bounds: QueueBounds | None = None) -> None:
+                 cost_model: CostModel) -> None:
         self.settings = settings
-        self.queue_bounds = queue_bounds
         self.executor = executor
         self.metrics = ServerMetrics(config.num_slots)
         self.batcher = Batcher(executor, config, cost_model, observer=self.metrics)
@@ -117,18 +116,10 @@ class EmbeddingService:
             tokenized = self.batcher.clock()
         except ValueError as exc:
             raise APIError(400, str(exc), code="context_length_exceeded", param="input") from None
-        if self.queue_bounds is not None:
-            sched = self.batcher.scheduler
-            lengths = [len(x) for x in tokens]
-            refused = self.queue_bounds.refusal(sched.num_waiting, sched.predicted_backlog_s, lengths,
-                                                sched.work_scale)
-            if refused is not None:
-                self.metrics.on_reject(RejectReason.QUEUE_FULL)
-                raise APIError(503, refused[0], code="queue_full", retry_after_s=refused[1])
         futures: list[asyncio.Future[Any]] = []
-        try:
-            for x in tokens:
-                futures.append(self.batcher.submit_nowait(x, len(x), priority or 0, deadline))
+        try:  # the core admits or refuses the request's inputs together
+            futures = self.batcher.submit_group_nowait(tokens, [len(x) for x in tokens], priority or 0,
+                                                       deadline)
             results = await self._wait(futures, request)
             answered = self.batcher.clock()
         except RequestRejected as exc:
@@ -226,14 +217,14 @@ async def _disconnected(request: Request) -> None:
 def create_app(settings: ServerConfig, executor: Executor, config: SchedulerConfig | None = None,
                cost_model: CostModel | None = None,
                routers: Sequence[Callable[[CollectorRegistry], APIRouter]] = (),
-               extra_models: Sequence[str] = (), on_shutdown: Sequence[Callable[[], Any]] = (),
-               queue_bounds: QueueBounds | None = None) -> Guard:
+               extra_models: Sequence[str] = (), on_shutdown: Sequence[Callable[[], Any]] = ()) -> Guard:
     """The ASGI app to hand to uvicorn (``.app`` is the FastAPI instance, ``.state.service`` the service).
     ``routers`` are factories given the metrics registry (how the LLM routes are mounted with ``--llm``);
-    ``extra_models`` are listed by /v1/models too; ``on_shutdown`` run (in a thread) after the drain;
-    ``queue_bounds`` (``limits.queue_bounds``) refuse a request with 503 when the queue is too long."""
+    ``extra_models`` are listed by /v1/models too; ``on_shutdown`` run (in a thread) after the drain.
+    ``config`` is the resolved deployment's scheduler config (``core.deployment``): every admission
+    rule is in it."""
     svc = EmbeddingService(settings, executor, config or SchedulerConfig(),
-                           cost_model or CostModel.default_cpu_minilm(), queue_bounds)
+                           cost_model or CostModel.default_cpu_minilm())
     hooks = list(on_shutdown)
     if settings.batch_log:
         batch_log = BatchLog(settings.batch_log)

@@ -20,10 +20,11 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ..core.config import PADDINGS, POLICIES, SchedulerConfig
+from ..config_file import add_deployment_args, spec_from_args
+from ..core.config import SchedulerConfig
 from ..core.costmodel import BatchShape, CostModel
-from . import limits
-from .config import ServerConfig, fit_to_model, load_scheduler_config
+from ..core.deployment import DeploymentSpec, ModelLimits, resolve_deployment
+from .config import ServerConfig
 
 log = logging.getLogger("batchpilot.server")
 
@@ -36,20 +37,14 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-length", type=int, default=None, help="max tokens per input (default: model limit)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: all cores; 1 is faster when oversubscribed)")
-    p.add_argument("--config", default=None, help="scheduler YAML (what `batchpilot tune` writes)")
+    add_deployment_args(p)
     p.add_argument("--profile", default=None, help="cost-model profile JSON (`batchpilot profile -o`)")
     p.add_argument("--no-startup-profile", action="store_true",
                    help="without --profile, use the built-in default cost model instead of measuring")
-    p.add_argument("--policy", choices=POLICIES, default=None, help="override the config's dispatch policy")
-    p.add_argument("--max-batch-size", type=int, default=None)
-    p.add_argument("--max-wait-ms", type=float, default=None)
-    p.add_argument("--padding", choices=PADDINGS, default=None)
-    p.add_argument("--num-slots", type=int, default=None, help="executor slots (model instances)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("BATCHPILOT_API_KEY"),
                    help="require Authorization: Bearer KEY on every route but /health")
-    p.add_argument("--request-timeout-s", type=float, default=60.0)
     p.add_argument("--drain-timeout-s", type=float, default=30.0)
     p.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes)
     p.add_argument("--noop", action="store_true", help="serve a no-op model (benchmarks of the serving path)")
@@ -59,18 +54,14 @@ def register(subparsers: Any) -> None:
     p.add_argument("--llm-model", default=None, help="--llm: local HF causal-LM folder")
     p.add_argument("--batch-log", default=None, metavar="PATH",
                    help="append one JSON line per executed encoder batch (start, slot seconds, size, "
-                        "cost-model features) to PATH: what `bench fidelity` fits the profile's speed on")
+                        "cost-model features) to PATH: how `bench fidelity` reports the run's speed "
+                        "against the profile")
     p.add_argument("--llm-step-log", default=None, metavar="PATH",
                    help="--llm: append one JSON line per engine step (shape features, wall and forward "
-                        "seconds) to PATH: what `bench fidelity --workload conv-llm` fits the live step "
-                        "model on")
+                        "seconds) to PATH")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.add_argument("--log-format", default="text", choices=("text", "json"),
                    help="json: one JSON object per line (time, level, logger, message, exc_info)")
-    p.add_argument("--max-concurrency", type=int, default=None,
-                   help="HTTP requests in flight at once before 503 overloaded (default 256; 0 = no limit)")
-    p.add_argument("--no-overload-limits", action="store_true",
-                   help="keep the config's unlimited queue (default: bound it from the SLA and cost model)")
     p.add_argument("--access-log", action="store_true", help="log every request (off: it costs throughput)")
     p.set_defaults(func=run)
 
@@ -79,52 +70,62 @@ def run(args: argparse.Namespace) -> int:
     from . import lifecycle, logs
 
     logs.configure(args.log_level, args.log_format)
+    spec = spec_from_args(args)
     settings = ServerConfig(
         host=args.host, port=args.port, model_path=args.model, model_name=args.model_name,
         max_length=args.max_length, num_threads=args.threads, noop=args.noop,
         noop_delay_s=args.noop_delay_ms / 1000.0,
         profile_path=args.profile, startup_profile=not args.no_startup_profile, api_key=args.api_key,
-        max_body_bytes=args.max_body_bytes, request_timeout_s=args.request_timeout_s,
+        max_body_bytes=args.max_body_bytes, request_timeout_s=spec.server.request_timeout_s,
         drain_timeout_s=args.drain_timeout_s, warmup=not args.no_warmup, llm=args.llm,
         llm_model=args.llm_model, llm_step_log=args.llm_step_log, batch_log=args.batch_log,
-        log_level=args.log_level, overload_limits=not args.no_overload_limits)
-    sched = load_scheduler_config(args.config, policy=args.policy, max_batch_size=args.max_batch_size,
-                                  max_wait_ms=args.max_wait_ms, padding=args.padding,
-                                  num_slots=args.num_slots)
-    app = build_app(settings, sched)
+        log_level=args.log_level)
+    app = build_app(settings, spec)
     if settings.host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
         log.warning("binding %s without --api-key: anyone who can reach this port can use the model",
                     settings.host)
-    max_in_flight = lifecycle.DEFAULT_MAX_IN_FLIGHT if args.max_concurrency is None else args.max_concurrency
     # SIGTERM: 503 to new requests while in-flight work drains, then exit 0 (lifecycle.py)
     return lifecycle.serve(app, host=settings.host, port=settings.port,
                            drain_timeout_s=settings.drain_timeout_s, log_level=settings.log_level,
-                           access_log=args.access_log, max_in_flight=max_in_flight,
-                           log_format=args.log_format)
+                           access_log=args.access_log, log_format=args.log_format)
 
 
-def build_app(settings: ServerConfig, sched: SchedulerConfig) -> Any:
-    """Load the executor and cost model, clamp the config to the model, mount the optional LLM routes."""
+def build_app(settings: ServerConfig, spec: DeploymentSpec | SchedulerConfig | None = None) -> Any:
+    """Load the executor and cost model, resolve the deployment (``core.deployment``: the same function
+    ``simulate`` runs), mount the optional LLM routes."""
     from .app import create_app
 
+    if not isinstance(spec, DeploymentSpec):
+        spec = DeploymentSpec(encoder=spec or SchedulerConfig())
     executor = load_executor(settings)
-    sched = fit_to_model(sched, int(executor.max_length))
-    if sched.planner.padding == "none" and not getattr(executor, "supports_padding_free", lambda: True)():
-        # the default is padding-free; a model without a ragged path still serves, padded per batch
-        log.warning("padding 'none' is not supported for this model; serving with padding 'dynamic'")
-        sched = dataclasses.replace(sched, planner=dataclasses.replace(sched.planner, padding="dynamic"))
-    cost_model = choose_cost_model(settings, executor, sched.planner.padding)
-    sched = limits.apply(sched, cost_model, enabled=settings.overload_limits)
-    bounds = limits.queue_bounds(sched, cost_model, enabled=settings.overload_limits)
-    log.info(limits.describe(sched, bounds))
-    log.info("scheduler: policy=%s max_batch_size=%d max_wait=%.1f ms padding=%s grouping=%s slots=%d",
-             sched.policy.name, sched.policy.max_batch_size, sched.policy.max_wait_s * 1e3,
-             sched.planner.padding, sched.planner.grouping, sched.num_slots)
+    supports = getattr(executor, "supports_padding_free", lambda: True)()
+    padding = spec.encoder.planner.padding if supports else "dynamic"
+    cost_model = choose_cost_model(settings, executor, padding)
+    limits = ModelLimits(int(executor.max_length), bool(supports), device_memory_bytes(executor))
+    deployment = resolve_deployment(spec, cost_model, limits)
+    for note in deployment.notes:
+        log.info("deployment: %s", note)
+    log.info("deployment: %s", deployment.describe())
+    sched = deployment.scheduler
     if not settings.llm:
-        return create_app(settings, executor, sched, cost_model, queue_bounds=bounds)
-    engine, router, hooks = _llm_router(settings)
+        return create_app(settings, executor, sched, cost_model)
+    engine, router, hooks = _llm_router(settings, spec)
     return create_app(settings, executor, sched, cost_model, routers=[router],
-                      extra_models=[engine.model_name], on_shutdown=hooks, queue_bounds=bounds)
+                      extra_models=[engine.model_name], on_shutdown=hooks)
+
+
+def device_memory_bytes(executor: Any) -> float:
+    """The memory a batch budget is a share of: the executor's device's (``models.device.memory_bytes``),
+    or this machine's for an executor without torch (the no-op model); 0 where it cannot be read."""
+    device = getattr(executor, "device", None)
+    if device is not None:
+        from ..models.device import memory_bytes
+
+        return memory_bytes(device)
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0.0
 
 
 def load_executor(settings: ServerConfig) -> Any:
@@ -179,7 +180,7 @@ def startup_profile(profile_encoder: Any, executor: Any, padding: str) -> CostMo
     return model
 
 
-def _llm_router(settings: ServerConfig) -> tuple[Any, Any, list[Callable[[], Any]]]:
+def _llm_router(settings: ServerConfig, spec: DeploymentSpec) -> tuple[Any, Any, list[Callable[[], Any]]]:
     """The started engine, a factory the app calls with its registry (``make_llm_router``), and what to
     run at shutdown, in order."""
     from . import llm_routes  # lazy: the LLM stack loads only with --llm
@@ -187,7 +188,7 @@ def _llm_router(settings: ServerConfig) -> tuple[Any, Any, list[Callable[[], Any
     build = getattr(llm_routes, "build_llm_engine", None)
     if build is None:
         from ..runtime.llm_engine import build_llm_engine as build
-    engine = build(settings.llm_model)
+    engine = build(settings.llm_model, **llm_overrides(spec))
     hooks: list[Callable[[], Any]] = [engine.shutdown]
     if settings.llm_step_log:
         from ..runtime.llm_engine import StepLog
@@ -198,6 +199,16 @@ def _llm_router(settings: ServerConfig) -> tuple[Any, Any, list[Callable[[], Any
         log.info("llm: logging every engine step to %s", settings.llm_step_log)
     log.info("llm: mounted the LLM routes (%s)", getattr(engine, "model_name", settings.llm_model))
     return engine, lambda registry: llm_routes.make_llm_router(engine, registry), hooks
+
+
+def llm_overrides(spec: DeploymentSpec) -> dict[str, Any]:
+    """The ``llm:`` settings that differ from ``LLMSchedulerConfig``'s defaults: the engine's own
+    defaults (the model's position limit and EOS tokens) stand for the rest."""
+    from ..core.llm_scheduler import LLMSchedulerConfig
+
+    default = LLMSchedulerConfig()
+    return {f.name: getattr(spec.llm, f.name) for f in dataclasses.fields(spec.llm)
+            if getattr(spec.llm, f.name) != getattr(default, f.name)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,33 +33,23 @@ from .errors import error_body
 log = logging.getLogger("batchpilot.server")
 
 DRAIN_RETRY_AFTER_S = 5
-OVERLOAD_RETRY_AFTER_S = 1
-DEFAULT_MAX_IN_FLIGHT = 256  # ~1 s of requests at the HTTP layer's rate on 2 CPU cores
-_ALWAYS = frozenset({"/health", "/metrics"})  # probes and scrapes get through any overload
 _HANDLED = (signal.SIGINT, signal.SIGTERM)
 Receive = Callable[[], Awaitable[Any]]
 Send = Callable[[Any], Awaitable[None]]
 
 
 class Drainer:
-    """ASGI wrapper: counts in-flight HTTP requests; once ``draining``, refuses new ones with 503; and
-    with ``max_in_flight`` refuses requests beyond that many at once (503 ``overloaded``).
+    """ASGI wrapper: counts in-flight HTTP requests; once ``draining``, refuses new ones with 503.
 
-    The concurrency limit protects the HTTP layer itself: when parsing and answering requests is the
-    bottleneck (a fast model, or a CPU shared with other work), requests pile up in the event loop
-    before admission ever sees them, and the queue bound cannot help. A refusal here costs no body
-    read and no JSON parsing, so the server can refuse far faster than it can serve."""
+    It decides nothing about load: the concurrency limit is the core's
+    (``admission.max_concurrent_requests``), so the simulator applies it too."""
 
-    def __init__(self, app: Any, max_in_flight: int = 0) -> None:
-        if max_in_flight < 0:
-            raise ValueError(f"max_in_flight must be >= 0 (0 = unlimited), got {max_in_flight}")
+    def __init__(self, app: Any) -> None:
         self.app = app
         self.state = getattr(app, "state", None)  # tests and the CLI reach the service through it
-        self.max_in_flight = max_in_flight
         self.in_flight = 0
         self.draining = False
         self.refused = 0
-        self.overloaded = 0
         self._idle: asyncio.Event | None = None
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
@@ -68,11 +58,6 @@ class Drainer:
             return
         if self.draining and scope["path"] != "/metrics":
             await self._refuse(scope, send)
-            return
-        if self.max_in_flight and self.in_flight >= self.max_in_flight and scope["path"] not in _ALWAYS:
-            self.overloaded += 1
-            msg = f"over {self.max_in_flight} concurrent requests; retry later"
-            await _send_503(send, error_body(503, msg, code="overloaded"), OVERLOAD_RETRY_AFTER_S)
             return
         self.in_flight += 1
         try:
@@ -171,11 +156,10 @@ class GracefulServer(uvicorn.Server):
 
 
 def serve(app: Any, *, host: str, port: int, drain_timeout_s: float, log_level: str = "info",
-          access_log: bool = False, log_format: str = "text",
-          max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> int:
+          access_log: bool = False, log_format: str = "text") -> int:
     """Run until SIGTERM/SIGINT, drain, shut down. Returns the exit status: 0, or 1 if the drain timed out
     and in-flight requests had to be failed."""
-    drainer = Drainer(app, max_in_flight)
+    drainer = Drainer(app)
     # json: keep the handlers logs.configure installed (uvicorn's own config would print plain text)
     log_config = None if log_format == "json" else uvicorn.config.LOGGING_CONFIG
     config = uvicorn.Config(drainer, host=host, port=port, log_level=log_level, access_log=access_log,

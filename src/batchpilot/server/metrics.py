@@ -3,7 +3,8 @@
 Names (all prefixed ``batchpilot_``):
 
     queue_length / queue_tokens / pending_requests   gauges read at scrape time from the scheduler
-    backlog_seconds                               gauge: predicted model seconds waiting (the SLA bound)
+    requests_in_progress                             gauge: requests admitted, not finished (concurrency)
+    backlog_seconds                                  gauge: predicted model seconds ahead of a new request
     queue_time_seconds                               histogram: arrival -> dispatched in a batch
     request_latency_seconds                          histogram: arrival -> result, per input
     http_request_duration_seconds{route}             histogram: HTTP handler time, per request
@@ -54,9 +55,12 @@ class ServerMetrics(BatcherObserver):
         self.queue_length = Gauge("batchpilot_queue_length", "Requests waiting in the scheduler", registry=r)
         self.queue_tokens = Gauge("batchpilot_queue_tokens", "Tokens waiting in the scheduler", registry=r)
         self.backlog = Gauge("batchpilot_backlog_seconds",
-                                "Predicted model seconds waiting in the scheduler (what the SLA queue bound "
-                                "limits)", registry=r)
-        self.pending = Gauge("batchpilot_pending_requests", "Accepted, not yet answered", registry=r)
+                                "Predicted model seconds ahead of a new request (in flight + queued, per "
+                                "slot; what a declared latency SLA is checked against)", registry=r)
+        self.pending = Gauge("batchpilot_pending_requests", "Accepted inputs, not yet answered", registry=r)
+        self.in_progress = Gauge("batchpilot_requests_in_progress",
+                                 "Requests admitted and not finished (what max_concurrency limits)",
+                                 registry=r)
         self.queue_time = Histogram("batchpilot_queue_time_seconds", "Arrival to dispatch",
                                     buckets=LATENCY_BUCKETS, registry=r)
         self.latency = Histogram("batchpilot_request_latency_seconds", "Arrival to result, per input",
@@ -93,8 +97,9 @@ class ServerMetrics(BatcherObserver):
         """Read queue gauges from the live scheduler at scrape time (no per-request updates)."""
         self.queue_length.set_function(lambda: scheduler.num_waiting)
         self.queue_tokens.set_function(lambda: scheduler.num_waiting_tokens)
-        self.backlog.set_function(lambda: scheduler.predicted_backlog_s)
+        self.backlog.set_function(lambda: scheduler.predicted_backlog_s(time.monotonic()))
         self.pending.set_function(num_pending)
+        self.in_progress.set_function(lambda: scheduler.num_requests)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -18,8 +18,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..core.config import SchedulerConfig
+from ..config_file import add_deployment_args, spec_from_args
 from ..core.costmodel import CostModel
+from ..core.deployment import Deployment, DeploymentSpec, ModelLimits, resolve_deployment
+from .frontend import FrontEnd
 from .synthetic import ARRIVALS, parse_spec, synthetic_workload
 from .traces import Workload
 from .workloads import STANDARD_WORKLOADS, conv_embed, load_workload
@@ -31,18 +33,17 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("simulate", help="predict latency and throughput of a config on a workload",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(p)
-    p.add_argument("--config", help="SchedulerConfig YAML (what `batchpilot serve --config` reads)")
-    p.add_argument("--sla", type=float, default=1.0, help="latency SLA in seconds for attainment/goodput")
+    add_deployment_args(p)
+    p.add_argument("--sla", type=float, default=1.0,
+                   help="latency target in seconds for the report's attainment and goodput (reporting "
+                        "only; --latency-sla declares one that the server sheds load for)")
     p.add_argument("--request-sla", type=float, default=None,
                    help="give every request this deadline (s after arrival); SLA-aware policies and "
                         "deadline drops use it")
     p.add_argument("--noise", action="store_true", help="draw batch times from the profile's residuals")
-    p.add_argument("--server-limits", action="store_true",
-                   help="refuse what `batchpilot serve` refuses by default: the SLA queue bounds "
-                        "(core/overload.py) when the config sets no admission limits of its own")
-    p.add_argument("--frontend", metavar="JSON",
-                   help="the serving path outside the batcher (sim/frontend.py: the 'frontend' object "
-                        "of a `bench fidelity` fidelity.json, or a file with just its four fields)")
+    p.add_argument("--batcher-only", action="store_true",
+                   help="leave out the serving path outside the batcher (the profile's 'frontend': HTTP, "
+                        "JSON, tokenisation) and predict the batcher's latency alone")
     p.add_argument("--plot", metavar="DIR", help="write latency CDF, queue length and batch size PNGs here")
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     p.add_argument("--target", choices=("encoder", "llm"), default=None,
@@ -100,12 +101,17 @@ def load_cost_model(args: argparse.Namespace, console: Any) -> CostModel:
     return CostModel.default_cpu_minilm()
 
 
-def load_config(path: str | None) -> SchedulerConfig:
-    if not path:
-        return SchedulerConfig()
-    import yaml
+def resolve(spec: DeploymentSpec, cost_model: CostModel) -> Deployment:
+    """The deployment ``serve`` would run with this spec and profile (``core.deployment``), with the
+    model limits the profile recorded."""
+    return resolve_deployment(spec, cost_model, ModelLimits.from_meta(cost_model.meta))
 
-    return SchedulerConfig.from_dict(yaml.safe_load(Path(path).read_text()))
+
+def load_frontend(args: argparse.Namespace) -> FrontEnd | None:
+    """The serving path outside the batcher, from the profile file and nowhere else."""
+    if getattr(args, "batcher_only", False) or not getattr(args, "profile", None):
+        return None
+    return FrontEnd.from_profile(args.profile)
 
 
 def run_simulate(args: argparse.Namespace) -> int:
@@ -115,7 +121,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     console = make_console()
     try:
         workload = resolve_workload(args)
-        config = load_config(args.config)
+        spec = spec_from_args(args)
     except (ValueError, FileNotFoundError, KeyError) as exc:
         console.print(f"[red]batchpilot simulate: {exc}[/]")
         return 2
@@ -126,20 +132,21 @@ def run_simulate(args: argparse.Namespace) -> int:
         except ImportError as exc:
             console.print(f"[red]the LLM simulator target is not available: {exc}[/]")
             return 2
-        return int(llm.simulate_cli(args, workload, console))
+        return int(llm.simulate_cli(args, workload, console, spec.llm))
     cost_model = load_cost_model(args, console)
-    if args.server_limits:
-        from ..core.overload import with_sla_queue_bounds
-
-        config = with_sla_queue_bounds(config)
-    frontend = None
-    if args.frontend:
-        import json
-
-        from .frontend import FrontEnd
-
-        doc = json.loads(Path(args.frontend).read_text())
-        frontend = FrontEnd.from_dict(doc.get("frontend", doc))
+    try:
+        deployment = resolve(spec, cost_model)
+    except ValueError as exc:
+        console.print(f"[red]batchpilot simulate: {exc}[/]")
+        return 2
+    config = deployment.scheduler
+    for note in deployment.notes:
+        console.print(f"deployment: {note}")
+    console.print(f"deployment: {deployment.describe()}")
+    frontend = load_frontend(args)
+    if frontend is None and not args.batcher_only:
+        console.print("[yellow]the profile has no serving-path section ('frontend'): predicting the batcher "
+                      "alone; re-run `batchpilot profile` to include HTTP, JSON and tokenisation[/]")
     with _progress(console, len(workload)) as progress:
         run = simulate_encoder(workload, config, cost_model, noise=args.noise, seed=args.seed,
                                request_sla_s=args.request_sla, progress=progress, frontend=frontend)

@@ -6,6 +6,13 @@ The engine decides nothing. It moves time forward and hands three kinds of event
     target.on_arrival(index, now)        a workload row arrives (index into the workload arrays)
     target.schedule(now, free_slots)     -> (jobs to start now, wake_at or None)
     target.on_job_done(job, now)         a job's service time has elapsed; its slot is free again
+    target.next_job_at(job)              (optional) when the slot running ``job`` takes its next one
+
+Pipelining: a target with ``next_job_at`` (the encoder target asks the core's
+``BatchScheduler.next_batch_at``) lets a busy slot take one more job once that time has passed, the
+way the live slot collates its next batch while the current one runs. Such a job waits on its slot
+and starts the instant the running job ends. ``schedule`` is offered those slots as free, after the
+idle ones, and the loop wakes at the next such time while the target has work waiting.
 
 A ``Job`` is opaque to the engine except for ``duration_s``. The encoder target's jobs are
 ``core.scheduler.Batch`` objects timed by ``CostModel.latency(batch.shape)``; an LLM target's jobs are
@@ -62,6 +69,7 @@ class EngineStats:
     num_schedule_calls: int = 0
     num_jobs: int = 0
     busy_s: list[float] = field(default_factory=list)  # per slot
+    num_pipelined: int = 0  # jobs taken by a busy slot and started when its running job ended
     stalled: bool = False  # work left but nothing scheduled and no wake-up: a core bug or a full stop
     aborted: bool = False  # the target raised StopSimulation
 
@@ -86,6 +94,7 @@ class Engine:
     ) -> None:
         if num_slots < 1:
             raise ValueError(f"engine: num_slots must be >= 1, got {num_slots}")
+        self.next_job_at: Callable[[Job], float] | None = getattr(target, "next_job_at", None)
         self.target = target
         self.num_slots = num_slots
         self.progress = progress
@@ -109,7 +118,13 @@ class Engine:
         target = self.target
         on_done, on_arrival, schedule = target.on_job_done, target.on_arrival, target.schedule
         busy = stats.busy_s
-        free: list[int] = list(range(self.num_slots - 1, -1, -1))  # pop() gives the lowest slot first
+        num_slots = self.num_slots
+        free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() gives the lowest slot first
+        next_at = self.next_job_at
+        accept = [math.inf] * num_slots  # per busy slot: when it takes its next job (pipelining)
+        waiting: list[Job | None] = [None] * num_slots  # per busy slot: the job collated behind it
+        queued_jobs = 0
+        has_pending = getattr(type(target), "has_pending", None)
         running: list[tuple[float, int, Job]] = []  # (end time, seq, job)
         push, pop = heapq.heappush, heapq.heappop
         inf = math.inf
@@ -131,9 +146,19 @@ class Engine:
                 # every event at this instant: completions first, then arrivals (row order), then the wake-up
                 while running and running[0][0] == now:
                     job = pop(running)[2]
-                    free.append(job.slot)
-                    busy[job.slot] += job.duration_s
+                    slot = job.slot
+                    busy[slot] += job.duration_s
                     on_done(job, now)
+                    queued = waiting[slot]
+                    if queued is None:
+                        accept[slot] = inf
+                        free.append(slot)
+                    else:  # the slot's next job was collated meanwhile: it starts now
+                        waiting[slot] = None
+                        queued.start_s = now
+                        seq += 1
+                        push(running, (now + queued.duration_s, seq, queued))
+                        accept[slot] = next_at(queued) if next_at is not None else inf
                 while i < n and arr[i] == now:
                     on_arrival(i, now)
                     i += 1
@@ -143,26 +168,41 @@ class Engine:
                 if progress is not None and i >= next_report:
                     progress(i)
                     next_report = i + every
-                jobs, wake_at = schedule(now, len(free))
+                ready = [k for k in range(num_slots) if accept[k] <= now and waiting[k] is None] \
+                    if next_at is not None else []
+                jobs, wake_at = schedule(now, len(free) + len(ready))
                 calls += 1
                 if jobs:
-                    if len(jobs) > len(free):
-                        raise RuntimeError(f"target started {len(jobs)} jobs with {len(free)} free slots")
+                    if len(jobs) > len(free) + len(ready):
+                        raise RuntimeError(f"target started {len(jobs)} jobs with "
+                                           f"{len(free) + len(ready)} free slots")
                     for job in jobs:
-                        job.slot = free.pop()
-                        job.start_s = now
-                        seq += 1
-                        push(running, (now + job.duration_s, seq, job))
-                if wake_at is None:
-                    wake = inf
-                else:
+                        if free:
+                            job.slot = slot = free.pop()
+                            job.start_s = now
+                            seq += 1
+                            push(running, (now + job.duration_s, seq, job))
+                            accept[slot] = next_at(job) if next_at is not None else inf
+                        else:  # a busy slot past its accept time: the job waits for the running one
+                            slot = ready.pop(0)
+                            job.slot = slot
+                            waiting[slot] = job
+                            accept[slot] = inf
+                            queued_jobs += 1
+                wake = inf if wake_at is None else wake_at
+                if next_at is not None and (has_pending is None or target.has_pending):  # type: ignore[attr-defined]
+                    soon = min((t for t in accept if t > now), default=inf)
+                    if soon < wake:
+                        wake = soon
+                if wake <= now:
                     # A wake-up at or before now would spin forever; nudge it to the next float instead.
-                    wake = wake_at if wake_at > now else math.nextafter(now, inf)
+                    wake = math.nextafter(now, inf)
         finally:
             stats.end_s = last
             stats.num_events = i + (seq - len(running)) + wakes  # arrivals + completions + wake-ups
             stats.num_schedule_calls = calls
-            stats.num_jobs = seq
+            stats.num_jobs = seq + sum(1 for w in waiting if w is not None)
+            stats.num_pipelined = queued_jobs
             stats.stalled = not running and wake == inf and bool(getattr(target, "has_pending", False))
             if progress is not None:
                 progress(i)

@@ -6,20 +6,38 @@ sees that time, so a simulator of the core alone predicts the *batcher's* latenc
 ``FrontEnd`` adds it back with two stages, each ``const + per_token * L``:
 
 * ``serial``: one server in FIFO order before the batcher — the tokenizer thread. Request ``i``
-  reaches the batcher at ``d_i = max(a_i, d_{i-1}) + serial(L_i)`` (Lindley's recursion), so a burst
-  queues here exactly as it does live, and the batcher sees the burst spread out.
+  reaches the batcher at ``d_i = max(a_i, d_{i-1}) + serial(L_i) * serial_busy_factor`` (Lindley's
+  recursion), so a burst queues here exactly as it does live, and the batcher sees the burst spread out.
 * ``delay``: time that overlaps across requests (HTTP parsing, response encoding, the client) added
   to every request's finish time.
 
-``FrontEnd.fit`` calibrates both from requests sent one at a time to an idle server with the
-server's ``Server-Timing`` split (``bench/fidelity.py`` does it): serial = the ``tokenize`` part,
-delay = client latency minus ``tokenize`` and ``batcher``.
+The fields:
+
+* ``serial_const_s``, ``serial_per_token_s``: the tokenizer thread's time per request (the
+  ``tokenize`` part of the server's ``Server-Timing`` header) on an idle server.
+* ``delay_const_s``, ``delay_per_token_s``: the client's latency minus the ``tokenize`` and ``batcher``
+  parts: HTTP, validation, JSON both ways, the client itself.
+* ``batch_overhead_s``: what the live driver adds to every batch over the cost model's prediction of
+  its ``prepare + run`` (the hand-offs between the event loop, the slot's prepare and run threads and
+  back): the median, over lone requests, of the ``batcher`` part minus the predicted latency of that
+  one-input batch, clipped at 0.
+* ``serial_busy_factor``: how much slower the tokenizer is while the model runs a batch (both share
+  the CPU) than on an idle machine, >= 1; under load the model is nearly always busy, so the serial
+  stage's service time is scaled by it.
+
+``batchpilot profile`` (``server/serving_profile.py``) is the one source of these numbers: it serves the
+real app in-process, sends requests one at a time (no queueing anywhere), fits the two stages with
+``FrontEnd.fit`` and writes the result under the profile's ``"frontend"`` key, which
+``FrontEnd.from_profile`` reads back. ``FrontEnd.fit`` does the fitting part alone (it leaves the two
+driver fields at their defaults).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,16 +49,23 @@ class FrontEnd:
     serial_per_token_s: float = 0.0
     delay_const_s: float = 0.0
     delay_per_token_s: float = 0.0
+    batch_overhead_s: float = 0.0
+    serial_busy_factor: float = 1.0
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
             if not (math.isfinite(value) and value >= 0.0):
                 raise ValueError(f"frontend.{name} = {value!r}; must be a finite number >= 0")
+        if self.serial_busy_factor < 1.0:
+            raise ValueError(f"frontend.serial_busy_factor = {self.serial_busy_factor!r}; must be >= 1 "
+                             "(the tokenizer is never faster with the model busy)")
 
     def batcher_arrivals(self, arrival_s: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """When each request reaches the batcher, after the serial stage (non-decreasing when the
-        arrivals are)."""
-        service = (self.serial_const_s + self.serial_per_token_s * np.asarray(tokens, dtype=float)).tolist()
+        arrivals are). Each service time is scaled by ``serial_busy_factor``: under load the tokenizer
+        shares the CPU with a running batch."""
+        service = (self.serial_busy_factor * (self.serial_const_s + self.serial_per_token_s
+                                              * np.asarray(tokens, dtype=float))).tolist()
         out = np.empty(len(service))
         free = -math.inf
         for i, (a, c) in enumerate(zip(np.asarray(arrival_s, dtype=float).tolist(), service, strict=True)):
@@ -78,7 +103,16 @@ class FrontEnd:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> FrontEnd:
+        """The inverse of ``to_dict``; fields it lacks keep their defaults."""
         return cls(**{k: float(v) for k, v in d.items()})
+
+    @classmethod
+    def from_profile(cls, path: str | Path) -> FrontEnd | None:
+        """The ``"frontend"`` entry of a ``batchpilot profile`` JSON, or None when it has none
+        (a profile written with ``--no-serving-path``)."""
+        doc = json.loads(Path(path).read_text())
+        entry = doc.get("frontend") if isinstance(doc, dict) else None
+        return None if entry is None else cls.from_dict(entry)
 
 
 def fit_line(x: np.ndarray, y: np.ndarray, trim: bool = True) -> tuple[float, float]:

@@ -207,22 +207,12 @@ def simulate_llm(workload: Workload, config: LLMSchedulerConfig | None = None,
     return LLMSimRun(workload, config, cost_model, stats, target.record, scheduler.num_preemptions)
 
 
-def simulate_cli(args: Any, workload: Workload, console: Any) -> int:
-    """``batchpilot simulate --target llm``: ``--config`` is an LLMSchedulerConfig YAML (its fields)."""
+def simulate_cli(args: Any, workload: Workload, console: Any,
+                 config: LLMSchedulerConfig | None = None) -> int:
+    """``batchpilot simulate --target llm``: ``config`` is the config file's ``llm:`` section."""
     from rich.table import Table
 
-    config = LLMSchedulerConfig()
-    if getattr(args, "config", None):
-        from pathlib import Path
-
-        import yaml
-
-        data = yaml.safe_load(Path(args.config).read_text()) or {}
-        try:
-            config = LLMSchedulerConfig(**data.get("llm_scheduler", data))
-        except TypeError as exc:
-            console.print(f"[red]--config for the LLM target takes LLMSchedulerConfig fields: {exc}[/]")
-            return 2
+    config = config or LLMSchedulerConfig()
     if getattr(args, "profile", None):
         cost_model = CostModel.load(args.profile)
     else:

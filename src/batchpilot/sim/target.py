@@ -67,8 +67,11 @@ class EncoderTarget:
         seed: int = 0,
         request_sla_s: float | None = None,
         stop_after_misses: tuple[float, int, float] | None = None,
+        batch_overhead_s: float = 0.0,
     ) -> None:
-        """``stop_after_misses = (sla_s, max_misses, warmup_s)``: stop the run (``StopSimulation``) once more
+        """``batch_overhead_s``: seconds the live driver adds to every batch outside the model (thread
+        hand-offs, the event loop; the profile's ``frontend.batch_overhead_s``).
+        ``stop_after_misses = (sla_s, max_misses, warmup_s)``: stop the run (``StopSimulation``) once more
         than ``max_misses`` measured requests finished later than ``sla_s`` or failed — the tuner's
         early exit when a probe's P99 is already lost for certain."""
         self.scheduler = scheduler
@@ -83,6 +86,7 @@ class EncoderTarget:
         self._prio = workload.priority.tolist()
         self._residuals = self.service_model.rel_residuals
         self._stop = stop_after_misses
+        self._overhead = batch_overhead_s
         self.num_misses = 0
 
     @property
@@ -115,6 +119,10 @@ class EncoderTarget:
             jobs.append(Job(self._duration(batch), batch))
         return jobs, out.wake_at
 
+    def next_job_at(self, job: Job) -> float:
+        """When the slot that started ``job`` takes its next batch: the core's ``next_batch_at``."""
+        return self.scheduler.next_batch_at(job.payload, job.start_s)
+
     def on_job_done(self, job: Job, now: float) -> None:
         batch: Batch = job.payload
         rec = self.record
@@ -139,12 +147,12 @@ class EncoderTarget:
         shape = batch.shape
         mean = self.service_model.batch_latency(shape.n, shape.tokens, shape.attn)
         if not self.noise or not self._residuals:
-            return mean
+            return mean + self._overhead
         if not self._u:
             self._u = self._rng.random(4096).tolist()
         # the same draw as CostModel.sample_latency: the residual picked by u, scaling the mean
         res = self._residuals
-        return max(mean * (1.0 + res[min(int(self._u.pop() * len(res)), len(res) - 1)]), 0.0)
+        return max(mean * (1.0 + res[min(int(self._u.pop() * len(res)), len(res) - 1)]), 0.0) + self._overhead
 
     def _fail(self, rej: Rejection, kind: int, now: float) -> None:
         rec = self.record
@@ -194,7 +202,8 @@ def simulate_encoder(
     config = config or SchedulerConfig()
     cost_model = cost_model or CostModel.default_cpu_minilm()
     target = EncoderTarget(BatchScheduler(config, cost_model), workload, service_model, noise, seed,
-                           request_sla_s, stop_after_misses)
+                           request_sla_s, stop_after_misses,
+                           frontend.batch_overhead_s if frontend is not None else 0.0)
     engine = Engine(target, config.num_slots, progress=progress)
     at_batcher = None
     if frontend is not None:

@@ -30,8 +30,11 @@ from typing import Any
 
 import numpy as np
 
+from ..config_file import add_deployment_args
 from ..core.config import PlannerConfig, PolicyConfig, SchedulerConfig
 from ..core.costmodel import CostModel
+from ..core.deployment import DeploymentSpec, ModelLimits, resolve_deployment
+from .frontend import FrontEnd
 from .metrics import SimReport, summarize
 from .target import simulate_encoder
 from .traces import Workload
@@ -130,14 +133,26 @@ def grid(base: SchedulerConfig, tc: TuneConfig) -> list[Candidate]:
 
 
 class Tuner:
+    """Every probe simulates the deployment ``serve`` would run with the candidate as its ``encoder:``
+    section and ``spec``'s ``server:`` options (``core.deployment.resolve_deployment``), and, with
+    ``frontend``, the serving path the profile measured."""
+
     def __init__(self, workload: Workload, cost_model: CostModel, tc: TuneConfig,
-                 base: SchedulerConfig | None = None, log: Callable[[str], None] | None = None) -> None:
+                 base: SchedulerConfig | None = None, log: Callable[[str], None] | None = None,
+                 spec: DeploymentSpec | None = None, frontend: FrontEnd | None = None) -> None:
         self.workload = workload
         self.cost_model = cost_model
         self.tc = tc
-        self.base = base or SchedulerConfig()
+        self.spec = spec or DeploymentSpec()
+        self.base = base or self.spec.encoder
+        self.frontend = frontend
+        self.limits = ModelLimits.from_meta(cost_model.meta)
         self.log = log or (lambda _: None)
         self.num_simulations = 0
+
+    def deployed(self, cfg: SchedulerConfig) -> SchedulerConfig:
+        """``cfg`` as the server would run it."""
+        return resolve_deployment(self.spec.replace(encoder=cfg), self.cost_model, self.limits).scheduler
 
     # -- one probe and one capacity search ---------------------------------------------------
     def probe(
@@ -150,8 +165,8 @@ class Tuner:
         allowed = n - int(math.floor(0.99 * (n - 1))) - 1  # more misses than this: P99 > SLA for sure
         stop = (tc.sla_p99_s, allowed, tc.warmup_s) if stop_early else None
         self.num_simulations += 1
-        run = simulate_encoder(scaled, cfg, self.cost_model, noise=tc.noise, seed=tc.seed,
-                               stop_after_misses=stop)
+        run = simulate_encoder(scaled, self.deployed(cfg), self.cost_model, noise=tc.noise, seed=tc.seed,
+                               stop_after_misses=stop, frontend=self.frontend)
         if run.stats.aborted:
             return None
         return summarize(run, tc.sla_p99_s, tc.warmup_s)
@@ -272,9 +287,10 @@ def explain(result: TuneResult) -> str:
     return "\n".join(lines)
 
 
-def write_yaml(result: TuneResult, path: str | Path) -> Path:
-    """The winner as the YAML ``SchedulerConfig.from_dict`` (and ``batchpilot serve --config``) reads."""
-    import yaml
+def write_yaml(result: TuneResult, path: str | Path, spec: DeploymentSpec | None = None) -> Path:
+    """The winner as a config file (``encoder:`` and ``server:`` sections) that ``serve --config`` and
+    ``simulate --config`` read."""
+    from ..config_file import dump_spec
 
     b = result.best
     header = (f"# batchpilot tune: {result.workload.name} ({len(result.workload)} rows), P99 <= "
@@ -282,8 +298,7 @@ def write_yaml(result: TuneResult, path: str | Path) -> Path:
               f"{b.rps:.2f} req/s; {b.label}\n")
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(header + yaml.safe_dump(b.config.to_dict(), sort_keys=False))
-    return p
+    return dump_spec((spec or DeploymentSpec()).replace(encoder=b.config), p, header)
 
 
 def register(subparsers: Any) -> None:
@@ -292,9 +307,12 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("tune", help="find the config with the highest rate inside a P99 SLA",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(p)
+    add_deployment_args(p, config_help="base config (its encoder admission, max_len, num_slots and its "
+                                       "server section are kept)")
     p.set_defaults(requests=8000)
     p.add_argument("--sla-p99", type=float, default=1.0, help="P99 latency SLA in seconds")
-    p.add_argument("--config", help="base SchedulerConfig YAML (admission, max_len, num_slots are kept)")
+    p.add_argument("--batcher-only", action="store_true",
+                   help="leave out the profile's serving path (HTTP, JSON, tokenisation)")
     p.add_argument("-o", "--output", default="best.yaml", help="where to write the winning config")
     p.add_argument("--candidates", type=int, default=TuneConfig.candidates, help="grid points sampled")
     p.add_argument("--paddings", default="max,dynamic,bucket,none",
@@ -305,12 +323,13 @@ def register(subparsers: Any) -> None:
 
 
 def run_tune(args: argparse.Namespace) -> int:
-    from .cli import load_config, load_cost_model, make_console, resolve_workload
+    from ..config_file import spec_from_args
+    from .cli import load_cost_model, load_frontend, make_console, resolve_workload
 
     console = make_console()
     try:
         workload = resolve_workload(args)
-        base = load_config(args.config)
+        spec = spec_from_args(args)
         tc = TuneConfig(sla_p99_s=args.sla_p99, candidates=args.candidates, noise=args.noise, seed=args.seed,
                         warmup_s=args.warmup_s, paddings=tuple(x.strip() for x in args.paddings.split(",")))
     except (ValueError, FileNotFoundError) as exc:
@@ -320,11 +339,11 @@ def run_tune(args: argparse.Namespace) -> int:
     console.print(f"tuning on {workload.name}: {len(workload)} rows, {workload.mean_rate:.2f} req/s at "
                   f"scale 1; {tc.candidates} sampled configs + baselines, {tc.rungs} rungs of successive "
                   "halving")
-    tuner = Tuner(workload, cost_model, tc, base, log=console.print)
+    tuner = Tuner(workload, cost_model, tc, log=console.print, spec=spec, frontend=load_frontend(args))
     result = tuner.run()
     console.print(result_table(result))
     console.print(explain(result))
-    path = write_yaml(result, args.output)
+    path = write_yaml(result, args.output, spec)
     console.print(f"wrote {path} ({result.num_simulations} simulations in {result.seconds:.0f} s)")
     if args.plot:
         from .plots import plot_goodput

@@ -1,0 +1,111 @@
+"""The one config file and the one set of deployment flags, shared by serve, simulate, tune and bench.
+
+    encoder:            # core.config.SchedulerConfig (what `batchpilot tune` writes)
+      policy: {name: hybrid, max_batch_size: 16, max_wait_s: 0.005}
+      planner: {padding: none}
+    llm:                # core.llm_scheduler.LLMSchedulerConfig (serve --llm, simulate --target llm)
+      max_num_seqs: 64
+    server:             # core.deployment.ServingOptions
+      max_concurrency: 512
+      request_timeout_s: 60
+      latency_sla_s: 1.0   # declare an SLA: refuse what would miss it (default: none, no shedding)
+
+Every section is optional. ``add_deployment_args`` adds the flags that override the file, with the
+same names and meanings in every command, and ``spec_from_args`` reads them back, so ``simulate`` and
+``serve`` given the same flags run the same deployment (``core.deployment.resolve_deployment``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .core.config import PADDINGS, POLICIES
+from .core.deployment import DeploymentSpec
+
+
+def load_spec(path: str | Path | None) -> DeploymentSpec:
+    """The file's ``DeploymentSpec`` (the defaults for None); errors name the file and the key."""
+    if path is None:
+        return DeploymentSpec()
+    text = Path(path).read_text()
+    data = yaml.safe_load(text)
+    if data is not None and not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping with encoder/llm/server sections, "
+                         f"got {type(data).__name__}")
+    try:
+        return DeploymentSpec.from_dict(data)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{path}: {exc}") from None
+
+
+def dump_spec(spec: DeploymentSpec, path: str | Path, header: str = "",
+              sections: tuple[str, ...] = ("encoder", "server")) -> Path:
+    """Write the sections of ``spec`` that a command produced (the tuner: encoder and server)."""
+    data = {k: v for k, v in spec.to_dict().items() if k in sections}
+    p = Path(path)
+    p.write_text(header + yaml.safe_dump(data, sort_keys=False))
+    return p
+
+
+def add_deployment_args(p: argparse.ArgumentParser, *, config_help: str | None = None) -> None:
+    """``--config`` and the flags that override it (the same in serve, simulate, tune and bench)."""
+    g = p.add_argument_group("deployment (the same flags in serve, simulate, tune and bench fidelity)")
+    g.add_argument("--config", default=None,
+                   help=config_help or "config YAML with encoder:, llm: and server: sections")
+    g.add_argument("--policy", choices=POLICIES, default=None, help="override encoder.policy.name")
+    g.add_argument("--max-batch-size", type=int, default=None, help="override encoder.policy.max_batch_size")
+    g.add_argument("--max-wait-ms", type=float, default=None, help="override encoder.policy.max_wait_s")
+    g.add_argument("--padding", choices=PADDINGS, default=None, help="override encoder.planner.padding")
+    g.add_argument("--num-slots", type=int, default=None, help="override encoder.num_slots")
+    g.add_argument("--max-concurrency", type=int, default=None,
+                   help="requests in progress at once before 503 (server.max_concurrency, default 512; "
+                        "0 = no limit)")
+    g.add_argument("--request-timeout-s", type=float, default=None,
+                   help="answer 504 when a request is not done by then (server.request_timeout_s, "
+                        "default 60)")
+    g.add_argument("--latency-sla", type=float, default=None, metavar="S",
+                   help="declare a latency SLA in seconds: refuse (503) a request whose predicted "
+                        "completion would miss it (server.latency_sla_s; default none: no shedding)")
+
+
+def spec_from_args(args: argparse.Namespace) -> DeploymentSpec:
+    """The config file with the command-line overrides applied on top."""
+    spec = load_spec(getattr(args, "config", None))
+    enc = spec.encoder
+    pol: dict[str, Any] = {}
+    if getattr(args, "policy", None) is not None:
+        pol["name"] = args.policy
+    if getattr(args, "max_batch_size", None) is not None:
+        pol["max_batch_size"] = args.max_batch_size
+    if getattr(args, "max_wait_ms", None) is not None:
+        pol["max_wait_s"] = args.max_wait_ms / 1000.0
+    if pol:
+        enc = dataclasses.replace(enc, policy=dataclasses.replace(enc.policy, **pol))
+    if getattr(args, "padding", None) is not None:
+        enc = dataclasses.replace(enc, planner=dataclasses.replace(enc.planner, padding=args.padding))
+    if getattr(args, "num_slots", None) is not None:
+        enc = dataclasses.replace(enc, num_slots=args.num_slots)
+    return spec.replace(encoder=enc, max_concurrency=getattr(args, "max_concurrency", None),
+                        request_timeout_s=getattr(args, "request_timeout_s", None),
+                        latency_sla_s=getattr(args, "latency_sla", None))
+
+
+_FLAGS = (("config", "--config"), ("policy", "--policy"), ("max_batch_size", "--max-batch-size"),
+          ("max_wait_ms", "--max-wait-ms"), ("padding", "--padding"), ("num_slots", "--num-slots"),
+          ("max_concurrency", "--max-concurrency"), ("request_timeout_s", "--request-timeout-s"),
+          ("latency_sla", "--latency-sla"))
+
+
+def deployment_flags(args: argparse.Namespace) -> list[str]:
+    """The deployment flags given on this command line, to hand on unchanged to ``batchpilot serve``."""
+    out: list[str] = []
+    for attr, flag in _FLAGS:
+        value = getattr(args, attr, None)
+        if value is not None:
+            out += [flag, str(Path(value).resolve()) if attr == "config" else str(value)]
+    return out

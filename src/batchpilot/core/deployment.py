@@ -1,0 +1,176 @@
+"""The deployment a server runs, resolved once: what ``serve``, ``simulate``, ``tune`` and ``bench`` all run.
+
+A user gives a config file (``encoder:``, ``llm:`` and ``server:`` sections, ``DeploymentSpec``),
+command-line flags on top of it, and a profile; the model adds its limits (``ModelLimits``). One pure
+function turns that into the effective deployment::
+
+    resolve_deployment(spec, cost_model, model) -> Deployment(scheduler, spec, notes)
+
+Rules, in order (each change is written into ``notes``, which the server logs and the simulator prints):
+
+1. Lengths: ``planner.max_len`` and ``admission.max_length`` are clamped to the model's limit.
+2. Padding: a model without a padding-free path serves ``padding: none`` configs padded per batch
+   (``dynamic``).
+3. Memory: with no batch memory budget of its own, one batch may use ``server.memory_share`` of the
+   device memory the model reports (``ModelLimits.memory_bytes``), priced by the cost model.
+4. Admission, from ``server:``: the concurrency limit (requests in progress), the request timeout (an
+   input not started by then is dropped: 504), and, only when the user declares one, the latency SLA
+   (refuse a request whose predicted completion misses it). A value set in ``encoder.admission``
+   wins over the ``server:`` one. Without a declared SLA nothing is refused for latency: requests queue
+   within the count bounds and the timeout, as TEI and Triton do by default.
+5. Pipelining: a slot takes its next batch ``pipeline_lead_s`` before the running one is predicted to
+   end; unless set, twice the profile's measured collation time (``cost_model.meta["prepare_s"]``),
+   at least ``MIN_PIPELINE_LEAD_S``.
+
+Nothing here reads a clock, a file or the machine: the driver passes in what it measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import SchedulerConfig, _build, _positive
+from .costmodel import CostModel
+from .llm_scheduler import LLMSchedulerConfig
+
+MIN_PIPELINE_LEAD_S = 0.0005  # covers the thread hand-off even when collation is nearly free
+SECTIONS = ("encoder", "llm", "server")
+
+
+@dataclass(frozen=True)
+class ServingOptions:
+    """The ``server:`` section: what the server promises every request, whatever the scheduler config."""
+
+    # requests (each with all its inputs) admitted and not yet answered; more get 503 + Retry-After.
+    # TEI's default; 0 = no limit
+    max_concurrency: int = 512
+    request_timeout_s: float = 60.0  # not answered by then: 504 (queued inputs are dropped by the core)
+    latency_sla_s: float = 0.0  # a declared SLA (seconds): latency-based shedding; 0 = none declared
+    memory_share: float = 0.25  # one batch may use this share of device memory (0 = no budget)
+
+    def __post_init__(self) -> None:
+        if self.max_concurrency < 0:
+            raise ValueError(f"server.max_concurrency must be >= 0 (0 = no limit), "
+                             f"got {self.max_concurrency}")
+        _positive("server", "request_timeout_s", self.request_timeout_s)
+        _positive("server", "latency_sla_s", self.latency_sla_s, allow_zero=True)
+        if not 0.0 <= self.memory_share <= 1.0:
+            raise ValueError(f"server.memory_share must be in [0, 1], got {self.memory_share}")
+
+
+@dataclass(frozen=True)
+class DeploymentSpec:
+    """One config file, three sections: ``encoder`` (``SchedulerConfig``), ``llm``
+    (``LLMSchedulerConfig``) and ``server`` (``ServingOptions``). Unknown keys are errors."""
+
+    encoder: SchedulerConfig = field(default_factory=SchedulerConfig)
+    llm: LLMSchedulerConfig = field(default_factory=LLMSchedulerConfig)
+    server: ServingOptions = field(default_factory=ServingOptions)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> DeploymentSpec:
+        data = dict(data or {})
+        unknown = sorted(set(data) - set(SECTIONS))
+        if unknown:
+            hint = ""
+            if set(unknown) & {"policy", "planner", "bucketing", "admission", "queue_order", "num_slots"}:
+                hint = " (scheduler settings go under 'encoder:')"
+            raise ValueError(f"config: unknown top-level key(s) {unknown}{hint}; "
+                             f"the sections are {', '.join(SECTIONS)}")
+        llm = dict(data.get("llm") or {})
+        if "eos_token_ids" in llm:
+            llm["eos_token_ids"] = tuple(llm["eos_token_ids"])
+        return cls(encoder=SchedulerConfig.from_dict(data.get("encoder")),
+                   llm=_build(LLMSchedulerConfig, "llm", llm),
+                   server=_build(ServingOptions, "server", dict(data.get("server") or {})))
+
+    def to_dict(self) -> dict[str, Any]:
+        llm = dataclasses.asdict(self.llm)
+        llm["eos_token_ids"] = list(self.llm.eos_token_ids)
+        return {"encoder": self.encoder.to_dict(), "llm": llm, "server": dataclasses.asdict(self.server)}
+
+    def replace(self, *, encoder: SchedulerConfig | None = None, llm: LLMSchedulerConfig | None = None,
+                **server: Any) -> DeploymentSpec:
+        """A copy with some sections replaced and some ``server`` options changed (flags on top of a file;
+        ``None`` values are ignored, so unset flags keep the file's)."""
+        changed = {k: v for k, v in server.items() if v is not None}
+        return DeploymentSpec(encoder or self.encoder, llm or self.llm,
+                              dataclasses.replace(self.server, **changed) if changed else self.server)
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the loaded model (or the simulated one) allows."""
+
+    max_length: int = 512
+    supports_padding_free: bool = True
+    memory_bytes: float = 0.0  # the device memory a batch budget is a share of (0: no budget)
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any]) -> ModelLimits:
+        """The limits a profile recorded of its model (``batchpilot profile`` writes them into
+        ``cost_model.meta``): what the simulator resolves a deployment with, when no model is loaded."""
+        return cls(int(meta.get("max_length", 512)), bool(meta.get("supports_padding_free", True)),
+                   float(meta.get("device_memory_bytes", 0.0)))
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """The effective deployment: the scheduler config every driver runs, and why it differs from the file."""
+
+    scheduler: SchedulerConfig
+    spec: DeploymentSpec
+    notes: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        """One line for logs and reports."""
+        s = self.scheduler
+        a, p = s.admission, s.planner
+        mem = f"{p.max_batch_memory_bytes / 2**20:.0f} MiB" if p.max_batch_memory_bytes else "none"
+        sla = f"{a.latency_sla_s * 1e3:.0f} ms (shedding on)" if a.latency_sla_s else "none (no shedding)"
+        return (f"policy={s.policy.name} max_batch_size={s.policy.max_batch_size} "
+                f"max_wait={s.policy.max_wait_s * 1e3:.1f} ms padding={p.padding} grouping={p.grouping} "
+                f"slots={s.num_slots} pipeline lead {s.pipeline_lead_s * 1e3:.2f} ms; admission: "
+                f"concurrency <= {a.max_concurrent_requests or 'inf'}, queue <= "
+                f"{a.max_queued_requests or 'inf'} inputs / {a.max_queued_tokens or 'inf'} tokens, timeout "
+                f"{a.timeout_s or 'inf'} s, latency SLA {sla}, rate {a.rate or 'inf'}/s; batch memory {mem}")
+
+
+def resolve_deployment(spec: DeploymentSpec, cost_model: CostModel,
+                       model: ModelLimits | None = None) -> Deployment:
+    """The effective encoder deployment (see the module docstring for the rules)."""
+    model = model or ModelLimits()
+    cfg = spec.encoder
+    opts = spec.server
+    notes: list[str] = []
+    planner, adm = cfg.planner, cfg.admission
+    if planner.max_len > model.max_length:
+        notes.append(f"planner.max_len {planner.max_len} -> {model.max_length} (the model's limit)")
+        planner = dataclasses.replace(planner, max_len=model.max_length)
+    if adm.max_length > model.max_length:
+        adm = dataclasses.replace(adm, max_length=model.max_length)
+    if planner.padding == "none" and not model.supports_padding_free:
+        notes.append("padding 'none' is not supported by this model: serving with padding 'dynamic'")
+        planner = dataclasses.replace(planner, padding="dynamic")
+    if not planner.max_batch_memory_bytes and opts.memory_share and model.memory_bytes \
+            and any(cost_model.encoder_memory_coef):
+        budget = opts.memory_share * model.memory_bytes
+        notes.append(f"batch memory budget {budget / 2**20:.0f} MiB ({opts.memory_share:.0%} of memory)")
+        planner = dataclasses.replace(planner, max_batch_memory_bytes=budget)
+    fill: dict[str, Any] = {}
+    if not adm.max_concurrent_requests and opts.max_concurrency:
+        fill["max_concurrent_requests"] = opts.max_concurrency
+    if not adm.timeout_s:
+        fill["timeout_s"] = opts.request_timeout_s
+    if not adm.latency_sla_s and opts.latency_sla_s:
+        fill["latency_sla_s"] = opts.latency_sla_s
+    if fill:
+        adm = dataclasses.replace(adm, **fill)
+    lead = cfg.pipeline_lead_s
+    if not lead:
+        prepare = float(cost_model.meta.get("prepare_s", 0.0) or 0.0)
+        lead = max(2.0 * prepare, MIN_PIPELINE_LEAD_S)
+    resolved = dataclasses.replace(cfg, planner=planner, admission=adm, pipeline_lead_s=lead)
+    return Deployment(resolved, spec, tuple(notes))

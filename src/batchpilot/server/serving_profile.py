@@ -1,0 +1,242 @@
+"""Measure the serving path around the batcher on this machine: the ``"frontend"`` part of a profile.
+
+The cost model says what a batch costs the executor; a client sees more. ``measure_serving_path``
+serves the real app (``create_app``, the one ``batchpilot serve`` runs) in-process with uvicorn on a
+free 127.0.0.1 port, and measures three things the simulator's ``sim.frontend.FrontEnd`` needs:
+
+1. **The two front-end stages.** Real texts of lengths spread from 4 tokens to the model's limit
+   (``sim.texts.texts_for_lengths``), each sent ``rounds`` times in a seeded shuffled order, strictly
+   one at a time with httpx (``bench.loadgen.one_by_one_async``): no queueing anywhere, so each
+   request's ``Server-Timing`` split (``tokenize``, ``batcher``) and its client latency are the bare
+   path. ``FrontEnd.fit`` turns them into the serial stage (the tokenizer thread) and the delay (HTTP,
+   JSON, the client). A few unmeasured requests first warm the server up.
+2. **The live driver's per-batch overhead.** Each lone request is a batch of one; its ``batcher`` time
+   minus its slot's own run time (the batch observer's ``slot_s``: what the cost model stands for) is
+   what the driver adds around the model: the scheduling call, collation, the event-loop and thread
+   hand-offs. Measured against the slot's time, not the cost model's prediction, so an error of the
+   fit does not land in it. The median, clipped at 0, is ``batch_overhead_s``. The server dispatches
+   without a batching window (``max_wait_s = 0``) so that the window, which the simulator models by
+   itself, is not counted here.
+3. **Tokenizer/model contention.** ``executor.tokenize`` of a fixed list of texts is timed with the
+   model idle and while another thread runs model batches back to back (``prepare + run``, as the
+   profiler makes them); the ratio of the medians (>= 1) is ``serial_busy_factor``: under load the
+   tokenizer thread shares the CPU with a running batch.
+
+Bounded: a few seconds of requests plus ~4 s of contention timing for MiniLM on 2 CPU cores; the
+server is shut down (drained, thread joined) before it returns. fastapi, uvicorn and httpx are
+imported here: the caller imports this module lazily.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+import socket
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import uvicorn
+
+from ..bench.loadgen import LoadGenConfig, PlannedRequest, one_by_one_async
+from ..core.config import Padding, PolicyConfig, SchedulerConfig
+from ..core.costmodel import BatchShape, CostModel
+from ..sim.frontend import FrontEnd
+from .app import create_app
+from .config import ServerConfig
+
+WARMUP_REQUESTS = 4
+IDLE_S, BUSY_S, CYCLES = 0.25, 0.5, 4  # contention timing: idle, busy, idle, busy, ... idle
+CONTENTION_BATCH = (4, 128)  # the background thread's batch: 4 inputs of about 128 tokens
+
+
+def measure_serving_path(executor: Any, cost_model: CostModel, *, requests: int = 24, rounds: int = 2,
+                         seed: int = 0, texts_for_length: Callable[[list[int]], list[str]] | None = None,
+                         padding: str | None = None) -> tuple[FrontEnd, dict[str, Any]]:
+    """Serve ``executor`` in-process and measure its serving path (module docstring): ``requests``
+    lengths from 4 tokens to ``executor.max_length``, each sent ``rounds`` times. ``texts_for_length``
+    maps token lengths to texts of exactly those lengths (default: ``sim.texts.texts_for_lengths``
+    with the executor's tokenizer). ``padding`` is what the server would run ("none" or "dynamic";
+    default "none", "dynamic" for an executor without a padding-free path, as ``serve`` does).
+    Returns the fitted ``FrontEnd`` and a JSON-ready dict of what was measured."""
+    if requests < 3 or rounds < 1:
+        raise ValueError(f"serving path: requests must be >= 3 and rounds >= 1, got {requests}, {rounds}")
+    t_start = time.perf_counter()
+    padding = _serving_padding(executor, padding)
+    top = int(executor.max_length)
+    wanted = sorted({int(round(x)) for x in np.linspace(min(4, top), top, requests)})
+    if texts_for_length is None:
+        from ..sim.texts import texts_for_lengths
+
+        texts = texts_for_lengths(executor.tokenizer, wanted, seed=seed)
+    else:
+        texts = list(texts_for_length(wanted))
+    lengths = [len(ids) for ids in executor.tokenize(texts)]  # what the server will count
+    order = [i for i in range(len(texts)) for _ in range(rounds)]
+    random.Random(seed).shuffle(order)
+    warm = [len(texts) - 1, 0, len(texts) // 2, len(texts) - 1][:WARMUP_REQUESTS]
+    plan = [PlannedRequest(k, 0.0, lengths[i], 0, {"input": texts[i]}, warmup=k < len(warm))
+            for k, i in enumerate(warm + order)]
+
+    sched = _scheduler_config(executor, padding)
+    records, slot_s = _serve_and_send(executor, sched, cost_model, plan)
+    if len(slot_s) != len(records):
+        raise RuntimeError(f"serving path: {len(records)} lone requests ran as {len(slot_s)} batches")
+    slot_of = {id(r): took for r, took in zip(records, slot_s, strict=True)}
+    measured = [r for r in records if not r.warmup]
+    ok = [r for r in measured if r.ok]
+    if len(ok) < 3:
+        errors = sorted({r.error for r in measured if r.error})[:3]
+        raise RuntimeError(f"serving path: {len(ok)} of {len(measured)} requests answered "
+                           f"({'; '.join(errors) or 'no Server-Timing header'})")
+    tok = np.array([r.input_tokens for r in ok], dtype=float)
+    client = np.array([r.latency_s for r in ok])
+    tokenize = np.array([r.server_tokenize_s for r in ok])
+    batcher = np.array([r.server_batcher_s for r in ok])
+    fitted = FrontEnd.fit(tok, client, tokenize, batcher)
+    predicted = np.array([cost_model.latency(_one_input(int(n), padding)) for n in tok])
+    slots = np.array([slot_of[id(r)] for r in ok])
+    overhead = batcher - slots
+    finite = overhead[np.isfinite(overhead)]
+    overhead_s = max(float(np.median(finite)), 0.0) if finite.size else 0.0
+
+    idle, busy = _contention(executor, texts, lengths, padding)
+    idle_s, busy_s = statistics.median(idle), statistics.median(busy)
+    factor = max(busy_s / idle_s, 1.0) if idle_s > 0 else 1.0
+    frontend = dataclasses.replace(fitted, batch_overhead_s=overhead_s, serial_busy_factor=factor)
+    details = {
+        "requests": len(measured), "ok": len(ok), "warmup_requests": len(warm), "lengths": len(wanted),
+        "min_tokens": min(lengths), "max_tokens": max(lengths), "rounds": rounds, "padding": padding,
+        "policy": {"name": sched.policy.name, "max_wait_s": sched.policy.max_wait_s},
+        "median_client_s": _median(client), "median_tokenize_s": _median(tokenize),
+        "median_batcher_s": _median(batcher), "median_slot_s": _median(slots),
+        "median_predicted_s": _median(predicted),
+        "median_overhead_s": _median(overhead),
+        "tokenize_texts": len(texts), "tokenize_idle_s": idle_s,
+        "tokenize_busy_s": busy_s, "tokenize_idle_samples": len(idle),
+        "tokenize_busy_samples": len(busy), "fit": fitted.to_dict(),
+        "wall_s": round(time.perf_counter() - t_start, 2),
+    }
+    return frontend, details
+
+
+def _serving_padding(executor: Any, padding: str | None) -> Padding:
+    if padding not in (None, "none", "dynamic"):
+        raise ValueError(f"serving path: padding must be 'none' or 'dynamic', got {padding!r}")
+    if padding == "dynamic":
+        return "dynamic"
+    supported = getattr(executor, "supports_padding_free", lambda: True)()
+    return "none" if supported else "dynamic"
+
+
+def _scheduler_config(executor: Any, padding: Padding) -> SchedulerConfig:
+    """The server's defaults with this padding, lengths clamped to the model's (as ``serve`` does), and
+    no batching window (a lone request dispatches at once: the window is the policy's, and the
+    simulator models it)."""
+    base, top = SchedulerConfig(), int(executor.max_length)
+    planner = dataclasses.replace(base.planner, padding=padding, max_len=min(base.planner.max_len, top))
+    admission = dataclasses.replace(base.admission, max_length=min(base.admission.max_length, top))
+    return dataclasses.replace(base, policy=PolicyConfig(max_wait_s=0.0), planner=planner,
+                               admission=admission)
+
+
+def _one_input(length: int, padding: str) -> BatchShape:
+    return BatchShape.ragged([length]) if padding == "none" else BatchShape.padded([length], length)
+
+
+def _serve_and_send(executor: Any, sched: SchedulerConfig, cost_model: CostModel,
+                    plan: Sequence[PlannedRequest]) -> tuple[list[Any], list[float]]:
+    """Start uvicorn on a socket bound here (no port race), send ``plan`` one by one, shut down. Also
+    returns each batch's slot seconds, in the order they ran."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = int(sock.getsockname()[1])
+    app = create_app(ServerConfig(port=port, request_timeout_s=30.0, drain_timeout_s=5.0), executor, sched,
+                     cost_model)
+    slot_s: list[float] = []
+    app.state.service.batcher.batch_observers.append(lambda batch, start, took: slot_s.append(took))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           access_log=False, lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True,
+                              name="batchpilot-serving-profile")
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("serving path: the in-process server did not start")
+            time.sleep(0.02)
+        config = LoadGenConfig(f"http://127.0.0.1:{port}", model=app.state.service.model_name,
+                               timeout_s=30.0, progress=False, scrape_interval_s=0)
+        records = asyncio.run(one_by_one_async(plan, config))
+    finally:
+        server.should_exit = True  # uvicorn drains, then the app's lifespan shuts the Batcher down
+        thread.join(15)
+        sock.close()
+    if thread.is_alive():
+        raise RuntimeError("serving path: the in-process server did not shut down within 15 s")
+    return records, slot_s
+
+
+def _contention(executor: Any, texts: list[str], lengths: list[int],
+                padding: str) -> tuple[list[float], list[float]]:
+    """Seconds per ``executor.tokenize(texts)`` call with the model idle and while a thread runs
+    ``prepare + run`` of one batch back to back (``CONTENTION_BATCH`` copies of the text nearest its
+    length, batched with ``make_batch`` as the profiler does), in ``CYCLES`` alternations so that a
+    neighbour's load or a drift of the CPU's speed falls on both sides alike."""
+    from ..models.encoder import make_batch
+
+    n, length = CONTENTION_BATCH
+    nearest = min(range(len(texts)), key=lambda i: abs(lengths[i] - length))
+    ids = executor.tokenize([texts[nearest]])[0]
+    batch = make_batch([list(ids)] * n, padding, int(executor.max_length))
+    executor.run(executor.prepare(batch))  # this shape's first call allocates
+    busy_flag, stop = threading.Event(), threading.Event()
+
+    def model_loop() -> None:
+        while not stop.is_set():
+            if busy_flag.wait(0.01):
+                executor.run(executor.prepare(batch))
+
+    def call() -> Any:
+        return executor.tokenize(texts)
+
+    idle: list[float] = []
+    busy: list[float] = []
+    worker = threading.Thread(target=model_loop, name="batchpilot-contention", daemon=True)
+    worker.start()
+    try:
+        for _ in range(CYCLES):
+            idle += _time_calls(call, IDLE_S)
+            busy_flag.set()
+            time.sleep(0.02)  # the first batch is under way
+            busy += _time_calls(call, BUSY_S)
+            busy_flag.clear()
+            time.sleep(0.1)  # the batch in flight ends (a few of them at most: MiniLM 4 x 128 ~ 50 ms)
+        idle += _time_calls(call, IDLE_S)
+    finally:
+        stop.set()
+        busy_flag.set()
+        worker.join(30)
+    return idle, busy
+
+
+def _time_calls(call: Callable[[], Any], seconds: float, min_calls: int = 5,
+                max_calls: int = 2000) -> list[float]:
+    """Time ``call`` repeatedly for about ``seconds`` (at least ``min_calls``, at most ``max_calls``)."""
+    out: list[float] = []
+    end = time.perf_counter() + seconds
+    while len(out) < max_calls and (len(out) < min_calls or time.perf_counter() < end):
+        t0 = time.perf_counter()
+        call()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def _median(x: np.ndarray) -> float:
+    finite = x[np.isfinite(x)]
+    return float(np.median(finite)) if finite.size else float("nan")

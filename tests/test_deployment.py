@@ -1,0 +1,99 @@
+"""The one deployment: what `serve`, `simulate`, `tune` and `bench` resolve from the same inputs."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+import yaml
+
+from batchpilot.config_file import add_deployment_args, deployment_flags, dump_spec, load_spec, spec_from_args
+from batchpilot.core.config import AdmissionConfig, PlannerConfig, PolicyConfig, SchedulerConfig
+from batchpilot.core.costmodel import CostModel
+from batchpilot.core.deployment import (
+    MIN_PIPELINE_LEAD_S,
+    DeploymentSpec,
+    ModelLimits,
+    ServingOptions,
+    resolve_deployment,
+)
+
+CM = CostModel.default_cpu_minilm()
+
+
+def test_defaults_queue_within_the_concurrency_limit_and_timeout_without_shedding() -> None:
+    dep = resolve_deployment(DeploymentSpec(), CM, ModelLimits(512, True, 0.0))
+    adm = dep.scheduler.admission
+    assert adm.max_concurrent_requests == 512 and adm.timeout_s == 60.0
+    assert adm.latency_sla_s == 0.0 and adm.max_backlog_s == 0.0  # no SLA declared: no latency shedding
+    assert dep.scheduler.pipeline_lead_s == MIN_PIPELINE_LEAD_S  # the default model has no prepare_s
+    assert "no shedding" in dep.describe()
+
+
+def test_the_model_and_the_profile_shape_the_deployment() -> None:
+    spec = DeploymentSpec(server=ServingOptions(latency_sla_s=0.5, max_concurrency=0))
+    cm = CostModel(latency_coef=CM.latency_coef, memory_coef=CM.memory_coef, meta={"prepare_s": 0.003})
+    dep = resolve_deployment(spec, cm, ModelLimits(256, False, 8 * 2**30))
+    s = dep.scheduler
+    assert s.planner.max_len == 256 and s.admission.max_length == 256
+    assert s.planner.padding == "dynamic"  # no padding-free path in this model
+    assert s.planner.max_batch_memory_bytes == pytest.approx(0.25 * 8 * 2**30)
+    assert s.admission.latency_sla_s == 0.5 and s.admission.max_concurrent_requests == 0
+    assert s.pipeline_lead_s == pytest.approx(0.006)  # twice the measured collation time
+    assert len(dep.notes) == 3  # max_len, padding, memory: each change is said
+    # the simulator resolves with the limits the profile recorded: the same deployment
+    meta = {"max_length": 256, "supports_padding_free": False, "device_memory_bytes": 8 * 2**30,
+            "prepare_s": 0.003}
+    cm2 = CostModel(latency_coef=CM.latency_coef, memory_coef=CM.memory_coef, meta=meta)
+    assert resolve_deployment(spec, cm2, ModelLimits.from_meta(meta)).scheduler == s
+
+
+def test_the_config_files_own_admission_values_win() -> None:
+    adm = AdmissionConfig(max_concurrent_requests=7, timeout_s=5.0, latency_sla_s=2.0)
+    enc = SchedulerConfig(admission=adm,
+                          planner=PlannerConfig(max_batch_memory_bytes=1e6), pipeline_lead_s=0.01)
+    s = resolve_deployment(DeploymentSpec(encoder=enc, server=ServingOptions(latency_sla_s=1.0)), CM,
+                           ModelLimits(512, True, 2**30)).scheduler
+    a = s.admission
+    assert (a.max_concurrent_requests, a.timeout_s, a.latency_sla_s) == (7, 5.0, 2.0)
+    assert s.planner.max_batch_memory_bytes == 1e6 and s.pipeline_lead_s == 0.01
+
+
+def test_one_file_three_sections_and_clear_errors(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"encoder": {"policy": {"max_batch_size": 8}},
+                                    "llm": {"max_num_seqs": 4, "eos_token_ids": [2]},
+                                    "server": {"latency_sla_s": 1.5}}))
+    spec = load_spec(path)
+    assert spec.encoder.policy.max_batch_size == 8 and spec.llm.max_num_seqs == 4
+    assert spec.llm.eos_token_ids == (2,) and spec.server.latency_sla_s == 1.5
+    assert DeploymentSpec.from_dict(spec.to_dict()) == spec
+    out = dump_spec(spec, tmp_path / "out.yaml", "# header\n")
+    assert out.read_text().startswith("# header") and load_spec(out).encoder == spec.encoder
+    for bad, match in (({"policy": {}}, "go under 'encoder:'"),
+                       ({"server": {"max_concurency": 1}}, "max_concurency"),
+                       ({"llm": {"max_num_seqs": 0}}, "max_num_seqs"), ([1, 2], "expected a mapping"),
+                       ({"server": {"latency_sla_s": -1}}, "latency_sla_s")):
+        path.write_text(yaml.safe_dump(bad))
+        with pytest.raises(ValueError, match=match):
+            load_spec(path)
+
+
+def test_the_same_flags_give_the_same_spec_everywhere(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"encoder": {"policy": {"name": "window"}},
+                                    "server": {"max_concurrency": 9}}))
+    p = argparse.ArgumentParser()
+    add_deployment_args(p)
+    argv = ["--config", str(path), "--max-batch-size", "4", "--latency-sla", "0.8",
+            "--request-timeout-s", "5"]
+    args = p.parse_args(argv)
+    spec = spec_from_args(args)
+    assert spec.encoder.policy.name == "window" and spec.encoder.policy.max_batch_size == 4
+    assert spec.server == ServingOptions(max_concurrency=9, request_timeout_s=5.0, latency_sla_s=0.8)
+    # what `bench fidelity` hands to `serve`: parsed again, the very same spec
+    again = spec_from_args(p.parse_args(deployment_flags(args)))
+    assert again == spec
+    assert spec_from_args(p.parse_args([])) == DeploymentSpec()
+    assert PolicyConfig().name == DeploymentSpec().encoder.policy.name

@@ -1,0 +1,86 @@
+"""The serving-path measurement (``server/serving_profile.py``): the real app served in-process, lone
+requests over HTTP, the fitted ``FrontEnd`` and what it reports.
+
+No speed assertions (the machine is shared): only that every number is finite and non-negative, the
+counts add up, and the server is gone afterwards.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any
+
+import pytest
+
+from batchpilot.core.costmodel import CostModel
+from batchpilot.models.encoder import EncoderConfig, EncoderExecutor
+from batchpilot.runtime.executor import NoopExecutor
+from batchpilot.server import serving_profile
+from batchpilot.server.serving_profile import measure_serving_path
+from batchpilot.sim.frontend import FrontEnd
+
+
+@pytest.fixture(autouse=True)
+def short_contention(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(serving_profile, "IDLE_S", 0.1)
+    monkeypatch.setattr(serving_profile, "BUSY_S", 0.2)
+    monkeypatch.setattr(serving_profile, "CYCLES", 2)
+
+
+def _check(frontend: FrontEnd, details: dict[str, Any], requests: int, rounds: int) -> None:
+    for name, value in frontend.to_dict().items():
+        assert math.isfinite(value) and value >= 0.0, name
+    assert frontend.serial_busy_factor >= 1.0
+    assert details["requests"] == requests * rounds and details["ok"] == requests * rounds
+    assert details["lengths"] == requests and details["rounds"] == rounds
+    assert details["warmup_requests"] == serving_profile.WARMUP_REQUESTS
+    assert details["tokenize_idle_samples"] >= 5 and details["tokenize_busy_samples"] >= 5
+    fit = FrontEnd.from_dict(details["fit"])  # the bare two-stage fit
+    assert (fit.batch_overhead_s, fit.serial_busy_factor) == (0.0, 1.0)
+    assert (fit.serial_const_s, fit.delay_const_s) == (frontend.serial_const_s, frontend.delay_const_s)
+    assert not any(t.name == "batchpilot-serving-profile" for t in threading.enumerate())  # shut down
+
+
+@pytest.fixture(scope="module")
+def ex() -> EncoderExecutor:
+    executor = EncoderExecutor(EncoderConfig(device="cpu"))
+    executor.warmup()
+    return executor
+
+
+def test_real_model_serving_path(ex: EncoderExecutor) -> None:
+    frontend, details = measure_serving_path(ex, CostModel.default_cpu_minilm(), requests=4, rounds=1)
+    _check(frontend, details, 4, 1)
+    assert details["min_tokens"] == 4 and details["max_tokens"] == ex.max_length
+    assert details["padding"] == "none"  # MiniLM has the padding-free path: what `serve` would run
+    assert details["policy"] == {"name": "hybrid", "max_wait_s": 0.0}
+    assert frontend.delay_const_s + frontend.delay_per_token_s > 0  # HTTP and JSON are never free
+    for key in ("median_client_s", "median_tokenize_s", "median_batcher_s", "median_predicted_s"):
+        assert math.isfinite(details[key]) and details[key] > 0, key
+
+
+def test_padding_is_passed_through(ex: EncoderExecutor) -> None:
+    _, details = measure_serving_path(ex, CostModel.default_cpu_minilm(), requests=3, rounds=1,
+                                      padding="dynamic")
+    assert details["padding"] == "dynamic"
+
+
+def test_any_executor_with_its_own_texts() -> None:
+    """The no-op model: one token per word, so the texts are that many words; its cost model is its
+    fixed delay, and the driver's overhead is what the batcher adds on top."""
+    noop = NoopExecutor(delay_s=0.002, max_length=64)
+    model = CostModel(latency_coef=(0.002, 0.0, 0.0, 0.0))
+    frontend, details = measure_serving_path(noop, model, requests=5, rounds=2, seed=3,
+                                             texts_for_length=lambda lengths: [" ".join(["w"] * n)
+                                                                               for n in lengths])
+    _check(frontend, details, 5, 2)
+    assert details["min_tokens"] == 4 and details["max_tokens"] == 64
+    assert details["median_predicted_s"] == pytest.approx(0.002)
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(ValueError, match="requests must be >= 3"):
+        measure_serving_path(NoopExecutor(), CostModel(), requests=2)
+    with pytest.raises(ValueError, match="padding must be"):
+        measure_serving_path(NoopExecutor(), CostModel(), padding="bucket")
