@@ -1,24 +1,77 @@
-"""Simulator vs live server on conv-embed: predicted vs measured P50, P99, throughput and mean batch size
-at 50% and 80% of the simulated capacity, where the time goes, and (with --tune or --tuned-config) the
-tuner's config against the default, both live.
+"""Simulator vs live server over a matrix: three workloads, unpinned and pinned, one profile per setting.
 
-    python benchmarks/fidelity.py                                  # profiles first (a few minutes)
-    python benchmarks/fidelity.py --profile profile.json --requests 400 --tune
-    python benchmarks/fidelity.py --config tuned.yaml --profile profile.json
+    .venv/bin/python benchmarks/fidelity.py [--requests 1000] [--workloads conv-embed mmpp bimodal]
+                                            [--pinnings none 1] [--out bench-out/fidelity]
 
-Every option of ``batchpilot bench fidelity`` is accepted; output goes to --out (default
-bench-out/fidelity): fidelity.json, records-*.csv, report.html, serve logs. The machine is shared:
-compare only the predicted/measured pairs printed by one run.
+For each pinning (``none``: server and load generator share both cores, torch on every core; ``1``:
+the server and the profiler on core 1, the load generator on core 0), ``batchpilot profile`` runs once,
+first; then ``batchpilot bench fidelity`` runs each workload with that profile at 50% and 80% of the
+predicted capacity (its own table: P50, P99, throughput, rejected, mean batch size, with the
+machine's speed against the profile beside each point). The prediction uses the profile file only.
+This script prints every table and one summary of cells within target.
+
+Workloads: ``conv-embed`` (the standard trace slice), ``mmpp`` (bursty on/off arrivals, lognormal
+lengths) and ``bimodal`` (Poisson arrivals, 80% short and 20% long inputs).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import subprocess
 import sys
+import time
+from pathlib import Path
 
-from batchpilot.cli import main
+WORKLOADS = {
+    "conv-embed": ["--workload", "conv-embed"],
+    "mmpp": ["--workload", "mmpp:rate_on=8,rate_off=1,on_s=10,off_s=20",
+             "--lengths", "lognormal:median=128,sigma=0.8"],
+    "bimodal": ["--workload", "poisson:rate=4", "--lengths", "bimodal:short=24,long=400,p_long=0.2"],
+}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=1000, help="rows per load point")
+    ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    ap.add_argument("--pinnings", nargs="+", default=["none", "1"], help="'none' or taskset cores")
+    ap.add_argument("--out", default="bench-out/fidelity")
+    ap.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more `bench fidelity` options")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cli = [sys.executable, "-m", "batchpilot.cli"]
+    extra = [a for a in args.extra if a != "--"]
+    summary = []
+    for pin in args.pinnings:
+        cpus = [] if pin == "none" else ["--cpus", pin]
+        profile = out / f"profile-{pin}.json"
+        taskset = [] if pin == "none" else ["taskset", "-c", pin]
+        t0 = time.monotonic()
+        subprocess.run([*taskset, *cli, "profile", "--padding", "none", "-o", str(profile)], check=True,
+                       stdout=subprocess.DEVNULL)
+        print(f"profile ({pin}): {profile} in {time.monotonic() - t0:.0f} s", flush=True)
+        for name in args.workloads:
+            run_out = out / f"{name}-{pin}"
+            cmd = [*cli, "bench", "fidelity", *WORKLOADS[name], "--requests", str(args.requests),
+                   "--profile", str(profile), *cpus, "--no-progress", "--out", str(run_out), *extra]
+            print(f"\n$ {' '.join(cmd)}", flush=True)
+            rc = subprocess.run(cmd).returncode
+            if rc != 0:
+                summary.append((name, pin, "failed", "", ""))
+                continue
+            res = json.loads((run_out / "fidelity.json").read_text())
+            rows = res["table"]["rows"]
+            scored = [r for r in rows if r[7] in ("yes", "no")]
+            speeds = sorted({r[8] for r in rows})
+            summary.append((name, pin, f"{sum(r[7] == 'yes' for r in scored)}/{len(scored)}",
+                            f"{res['capacity_rps']:.2f}", ", ".join(speeds)))
+    print("\nworkload     cpus  cells within target  predicted capacity req/s  speed vs profile (50%, 80%)")
+    for name, pin, cells, cap, speed in summary:
+        print(f"{name:<12} {pin:<5} {cells:>19}  {cap:>24}  {speed}")
+    return 0
+
 
 if __name__ == "__main__":
-    argv = sys.argv[1:]
-    if "--out" not in argv:
-        argv += ["--out", "bench-out/fidelity"]
-    raise SystemExit(main(["bench", "fidelity", *argv]))
+    raise SystemExit(main())

@@ -13,7 +13,7 @@ queueing (no coordinated omission). In the goodput search a run stops early once
 exceeded the SLA than a P99 <= SLA allows (the verdict cannot change), which keeps overloaded runs short;
 the policy table runs every request to the end.
 
-Goodput (DESIGN.md) = the highest rate at which P99 <= 1 s. The headline searches it upward over
+Goodput (docs/design.md) = the highest rate at which P99 <= 1 s. The headline searches it upward over
 ``--goodput-scales`` for both configs, interleaved, so machine-load drift hits both alike.
 """
 

@@ -1,7 +1,7 @@
 """Offline LLM throughput on a conv-llm slice: batchpilot vs HF static batching vs HF continuous batching.
 
 All in one run, on one model (the default tiny Llama: 6 x 512, GQA 8:4, vocab 4096, seeded random
-weights), on the same requests: a contiguous slice of the conv-llm workload (DESIGN.md: prompt
+weights), on the same requests: a contiguous slice of the conv-llm workload (docs/design.md: prompt
 ``clip(round(ctx/8), 4, 1024)`` tokens, output ``clip(gen, 1, 256)`` tokens, EOS ignored). Every
 request is submitted at t=0 (an offline batch); prompts are seeded random token ids (the model is
 random, so content does not matter, only lengths do).

@@ -213,7 +213,9 @@ def main() -> int:
 
     texts = conv_embed_texts(args.texts, args.seed)
     port = free_port()
-    serve = [sys.executable, "-m", "batchpilot.cli", "serve", "--port", str(port), "--no-warmup"]
+    # the SLA is declared: shedding is what this soak exercises (without one the server queues)
+    serve = [sys.executable, "-m", "batchpilot.cli", "serve", "--port", str(port), "--no-warmup",
+             "--latency-sla", str(args.sla_s)]
     if args.noop_delay_ms is not None:
         serve += ["--noop", "--noop-delay-ms", str(args.noop_delay_ms)]
     else:

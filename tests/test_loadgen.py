@@ -310,6 +310,7 @@ def test_fidelity_rows_compare_the_simulator_with_a_measurement() -> None:
     rows = comparison_rows(0.5, 1.0, pred, same, 0.01)
     assert [r[2] for r in rows] == ["P50 ms", "P99 ms", "throughput req/s", "rejected", "mean batch size"]
     assert [r[7] for r in rows] == ["yes", "yes", "yes", "yes", "-"] and rows[0][8] == "+1.0%"
+    assert rows[0][9] == "-"  # no hindsight simulation given
     slow = summarize([RequestRecord(i, 0.1 * i, 8, sent_s=0.1 * i, done_s=0.1 * i + pred.summary.p50 * 1.2,
                                     status=200, latency_s=pred.summary.p50 * 1.2) for i in range(50)])
     rows = comparison_rows(0.5, 1.0, pred, Measurement(slow, [], None, {}), 0.0)

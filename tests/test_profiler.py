@@ -90,7 +90,8 @@ def test_leave_one_out_is_exact_on_linear_data() -> None:
 def test_cli_writes_a_profile_the_server_can_load(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "profile.json"
     rc = cli.main(["profile", "-o", str(out), "--device", "cpu", "--batch-sizes", "1", "2", "--lengths", "8",
-                   "16", "24", "--repeats", "1", "--holdout", "2", "--serving-requests", "3"])
+                   "16", "24", "--repeats", "1", "--holdout", "2", "--serving-requests", "3",
+                   "--loaded-requests", "30"])
     assert rc == 0
     doc = json.loads(out.read_text())
     assert set(doc) == {"cost_model", "points", "holdout", "meta", "frontend", "serving_path"}

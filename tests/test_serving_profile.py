@@ -50,7 +50,8 @@ def ex() -> EncoderExecutor:
 
 
 def test_real_model_serving_path(ex: EncoderExecutor) -> None:
-    frontend, details = measure_serving_path(ex, CostModel.default_cpu_minilm(), requests=4, rounds=1)
+    frontend, details = measure_serving_path(ex, CostModel.default_cpu_minilm(), requests=4, rounds=1,
+                                             loaded_requests=40)
     _check(frontend, details, 4, 1)
     assert details["min_tokens"] == 4 and details["max_tokens"] == ex.max_length
     assert details["padding"] == "none"  # MiniLM has the padding-free path: what `serve` would run
@@ -61,9 +62,10 @@ def test_real_model_serving_path(ex: EncoderExecutor) -> None:
 
 
 def test_padding_is_passed_through(ex: EncoderExecutor) -> None:
-    _, details = measure_serving_path(ex, CostModel.default_cpu_minilm(), requests=3, rounds=1,
-                                      padding="dynamic")
+    frontend, details = measure_serving_path(ex, CostModel.default_cpu_minilm(), requests=3, rounds=1,
+                                             loaded_requests=0, padding="dynamic")
     assert details["padding"] == "dynamic"
+    assert (frontend.loaded_alpha, frontend.loaded_const_s) == (1.0, 0.0)  # no loaded phase: the defaults
 
 
 def test_any_executor_with_its_own_texts() -> None:
@@ -71,12 +73,17 @@ def test_any_executor_with_its_own_texts() -> None:
     fixed delay, and the driver's overhead is what the batcher adds on top."""
     noop = NoopExecutor(delay_s=0.002, max_length=64)
     model = CostModel(latency_coef=(0.002, 0.0, 0.0, 0.0))
-    frontend, details = measure_serving_path(noop, model, requests=5, rounds=2, seed=3,
+    frontend, details = measure_serving_path(noop, model, requests=5, rounds=2, seed=3, loaded_requests=30,
                                              texts_for_length=lambda lengths: [" ".join(["w"] * n)
                                                                                for n in lengths])
     _check(frontend, details, 5, 2)
     assert details["min_tokens"] == 4 and details["max_tokens"] == 64
     assert details["median_predicted_s"] == pytest.approx(0.002)
+    # under load the no-op model still sleeps 2 ms a batch: its loaded time is about the profile's
+    loaded = details["loaded"]
+    assert loaded["batches"] >= 10 and 0.8 < loaded["slot_over_predicted"] < 3.0
+    assert frontend.batch_seconds(0.002) == pytest.approx(
+        frontend.loaded_alpha * 0.002 + frontend.loaded_const_s)
 
 
 def test_bad_arguments_are_refused() -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -186,12 +187,18 @@ def probe_workload(workload: Workload, rate_scale: float, probe_s: float, busies
 
 def live_capacity(workload: Workload, loadgen: LoadGenConfig, config: CapacityConfig,
                   texts: list[str] | None = None, tokenizer: Any = None,
-                  on_probe: Callable[[Probe], None] | None = None) -> CapacityResult:
-    """Capacity of the server at ``loadgen.url`` on ``workload`` (texts are built once for the slice)."""
+                  on_probe: Callable[[Probe], None] | None = None,
+                  turn: Callable[[], AbstractContextManager[Any]] = nullcontext) -> CapacityResult:
+    """Capacity of the server at ``loadgen.url`` on ``workload`` (texts are built once for the slice).
+    Each probe runs inside ``turn()`` (``bench.interleave``: several searches taking turns)."""
     if loadgen.endpoint == "embeddings" and texts is None:
         texts = [p.body["input"] for p in build_plan(workload, "embeddings", tokenizer=tokenizer)]
 
     def probe(k: float) -> Summary:
+        with turn():
+            return _probe(k)
+
+    def _probe(k: float) -> Summary:
         start, count = probe_rows(workload, k, config.probe_s, busiest=True)
         wl = workload.slice(start, count).scale_rate(k)
         plan = build_plan(wl, loadgen.endpoint, texts=texts[start: start + count] if texts else None,

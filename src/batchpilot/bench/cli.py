@@ -5,6 +5,7 @@ the simulator's fidelity, or run the padding benchmark.
     batchpilot bench --compare http://127.0.0.1:8000 http://127.0.0.1:8001 cfg.yaml --rate-scale 2 3
     batchpilot bench capacity --url http://127.0.0.1:8000 --workload conv-embed --probe-s 30
     batchpilot bench fidelity --workload conv-embed --config cfg.yaml [--profile profile.json]
+    batchpilot bench tuner --workload conv-embed --requests 400 [--profile profile.json]
     batchpilot bench padding ...            (the ragged team's benchmark, batchpilot.bench.padding)
 
 ``--compare`` takes server URLs and/or scheduler YAML files; a YAML starts ``batchpilot serve --config``
@@ -23,7 +24,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-SUBS = ("run", "capacity", "fidelity", "padding")
+SUBS = ("run", "capacity", "fidelity", "tuner", "padding")
 
 
 def _workload_args(p: argparse.ArgumentParser) -> None:
@@ -62,7 +63,7 @@ def register(subparsers: Any) -> None:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     _run_args(p)
     p.set_defaults(func=main_run, bench_command="run")
-    sub = p.add_subparsers(dest="bench_command", metavar="{run,capacity,fidelity,padding}")
+    sub = p.add_subparsers(dest="bench_command", metavar="{run,capacity,fidelity,tuner,padding}")
     r = sub.add_parser("run", help="replay a workload (the default)")
     _run_args(r)
     r.set_defaults(func=main_run)
@@ -82,6 +83,12 @@ def register(subparsers: Any) -> None:
     add_arguments(f)
     _workload_args(f)
     f.set_defaults(func=_fidelity)
+    t = sub.add_parser("tuner", help="the tuner's ranking against live goodput (Spearman), interleaved")
+    from .tuner_check import add_arguments as add_tuner_arguments
+
+    add_tuner_arguments(t)
+    _workload_args(t)
+    t.set_defaults(func=_tuner)
     # prefix_chars="+": every "-..." token after "padding" (--help included) is the padding benchmark's
     pad = sub.add_parser("padding", help="padding modes benchmark (batchpilot.bench.padding)", add_help=False,
                          prefix_chars="+")
@@ -97,6 +104,12 @@ def _padding(args: argparse.Namespace) -> int:
 
 def _fidelity(args: argparse.Namespace) -> int:
     from .fidelity import main
+
+    return main(args)
+
+
+def _tuner(args: argparse.Namespace) -> int:
+    from .tuner_check import main
 
     return main(args)
 

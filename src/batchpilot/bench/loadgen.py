@@ -329,8 +329,9 @@ async def replay_async(
 
 
 async def one_by_one_async(plan: Sequence[PlannedRequest], config: LoadGenConfig) -> list[RequestRecord]:
-    """Send the plan's requests strictly one after another, ignoring their schedule: a *calibration*
-    client (no queueing anywhere, so each latency is the bare serving path), never a load test."""
+    """Send the plan's requests strictly one after another, ignoring their schedule: a *measuring*
+    client (no queueing anywhere, so each latency is the bare serving path; ``batchpilot profile``'s
+    serving-path measurement), never a load test."""
     timeout = httpx.Timeout(config.timeout_s, connect=min(config.timeout_s, 10.0))
     path = PATHS[config.endpoint]
     send = _send_embedding if config.endpoint == "embeddings" else _send_stream

@@ -72,8 +72,8 @@ class StepShape:
             "kv_tokens": float(self.kv_tokens),
             "prefill_attn": float(self.prefill_attn),
             # A step of one token row (one decode, nothing else) runs every matmul as matrix x vector;
-            # two rows or more take the matrix x matrix path, a fixed step up on CPU (the tiny Llama:
-            # one decode 9.8 ms, two 18.6 ms, four 21.7 ms at 256 tokens: benchmarks/llm_step_shapes.py).
+            # two rows or more take the matrix x matrix path, a fixed step up in cost on CPU that the
+            # other features cannot express.
             "multi_row": float(self.prefill_tokens + self.decode_seqs >= 2),
         }
 
@@ -256,7 +256,7 @@ class CostModel:
 
     @classmethod
     def default_cpu_minilm(cls) -> CostModel:
-        """A stated conservative default: all-MiniLM-L6-v2 on 2 shared CPU cores (DESIGN.md figures).
+        """A stated conservative default: all-MiniLM-L6-v2 on 2 shared CPU cores (a stated default).
 
         20 ms fixed per call, ~0.2 ms per computed token, attention 2e-7 s per L^2 unit: batch 1 at
         16/128/512 tokens predicts 24/50/176 ms; 32 x 128 predicts 0.98 s. Memory ~18 KB per token.

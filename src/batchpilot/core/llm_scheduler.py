@@ -97,8 +97,8 @@ class StepPlan:
 
         The KV read of the decodes is what the runner gathers: decodes sorted by context, split by
         ``decode_groups``, each group padded to its longest context. Three decodes at 120/250/380
-        tokens read 3 x 380, not 750: they run ~20% slower than three at 250, which a sum of contexts
-        cannot see (``benchmarks/llm_step_shapes.py``; docs/loadgen.md, LLM fidelity)."""
+        tokens read 3 x 380, not 750: they cost more than three at 250, which a sum of contexts
+        cannot see."""
         prefill = [c for c in self.chunks if not c.is_decode]
         ctx = sorted(c.context_len for c in self.chunks if c.is_decode)
         padded = sum((b - a) * ctx[b - 1] for a, b in decode_groups(len(ctx)))

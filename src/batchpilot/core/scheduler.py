@@ -168,9 +168,9 @@ class BatchScheduler:
     @property
     def work_scale(self) -> float:
         """How much longer batches have been running than the cost model predicts (a moving average of
-        reported / predicted seconds, 1.0 until a batch is done). Under overload the HTTP layer,
-        tokenising and refusing take CPU from the model: with MiniLM on 2 CPU cores at 3x capacity,
-        predicted seconds alone let admitted requests wait 0.8-1.5 s under a 1 s SLA."""
+        reported / predicted seconds, 1.0 until a batch is done). Under load the HTTP layer and
+        tokenising take CPU from the model, and a shared machine's speed moves: admission and the
+        pipelining lead price the work ahead at the speed batches are running now."""
         return self._work_scale
 
     @property

@@ -38,7 +38,7 @@ QUICK_BATCH_SIZES = (1, 4, 16)
 QUICK_LENGTHS = (16, 64, 256, 512)
 # `batchpilot profile`'s grid: every length doubling and batch sizes up to 16 (29 shapes under the 4096-token
 # cap, ~80 s for MiniLM on one CPU core). The quick grid (12 shapes, the server's start-up profile) fitted
-# MiniLM with a 14% median / 55% max held-out error; this one with 5% / 8% (docs/loadgen.md, fidelity).
+# MiniLM with a 14% median / 55% max held-out error; this one with 5% / 8% (docs/profiler.md).
 STANDARD_BATCH_SIZES = (1, 2, 4, 8, 16)
 STANDARD_LENGTHS = (16, 32, 64, 128, 256, 512)
 
@@ -177,7 +177,8 @@ def profile_grid(executor: Any, batch_sizes: tuple[int, ...], lengths: tuple[int
         # then the timed calls round-robin: every shape once per round. This CPU's speed moves by a
         # quarter within minutes; timing shape after shape put a step of it between the small shapes
         # and the large ones and bent the fit (one profile's large batches came out 15 % off their
-        # neighbours). Round-robin, a drift moves every shape alike: a speed the live fit corrects.
+        # neighbours). Round-robin, a drift moves every shape alike: a speed, which ``bench fidelity``
+        # reports as "speed vs profile".
         for r in range(repeats):
             for s in kept:
                 s.time_once()
@@ -258,6 +259,9 @@ def register(subparsers: Any) -> None:
                    help="skip the serving-path measurement (the profile's 'frontend' entry)")
     p.add_argument("--serving-requests", type=int, default=24,
                    help="serving path: input lengths from 4 tokens to the model's limit, each sent twice")
+    p.add_argument("--loaded-requests", type=int, default=240,
+                   help="serving path: open-loop requests that measure a batch's time under serving load "
+                        "(0 = not measured)")
     p.set_defaults(func=run)
 
 
@@ -322,7 +326,7 @@ def _serving_path(ex: Any, model: CostModel, args: argparse.Namespace,
         return None
     try:
         frontend, details = measure_serving_path(ex, model, requests=args.serving_requests, seed=args.seed,
-                                                 padding=args.padding)
+                                                 padding=args.padding, loaded_requests=args.loaded_requests)
     except (RuntimeError, ValueError, OSError) as exc:
         console.print(f"[yellow]warning:[/] serving path not measured: {exc}; the profile has no "
                       "'frontend' entry")
@@ -332,7 +336,9 @@ def _serving_path(ex: Any, model: CostModel, args: argparse.Namespace,
           f"{frontend.serial_per_token_s * 1e6:.2f} us/token (x{frontend.serial_busy_factor:.2f} with the "
           f"model busy), HTTP/JSON/client {frontend.delay_const_s * 1e3:.2f} ms + "
           f"{frontend.delay_per_token_s * 1e6:.2f} us/token, driver overhead "
-          f"{frontend.batch_overhead_s * 1e3:.2f} ms/batch")
+          f"{frontend.batch_overhead_s * 1e3:.2f} ms/batch; under load a batch takes "
+          f"{frontend.loaded_alpha:.3f} x the cost model + {frontend.loaded_const_s * 1e3:.2f} ms "
+          f"({details['loaded'].get('batches', 0)} batches)")
     return frontend.to_dict(), details
 
 

@@ -116,7 +116,8 @@ class EngineStats:
 
 class StepLog:
     """A step observer that appends one JSON line per step to ``path`` (``serve --llm-step-log``): what
-    fitting the step model on the live server's own steps reads (``bench.llm_steps``)."""
+    ``bench fidelity`` reads to compare the live server's steps with the step profile
+    (``bench.llm_steps.speed_vs_profile``)."""
 
     def __init__(self, path: str) -> None:
         self._f = open(path, "a", buffering=1)  # noqa: SIM115 - line-buffered (read while serving); close()

@@ -130,8 +130,8 @@ class EmbeddingService:
             for f in futures:
                 f.cancel()  # no-op when done; withdraws the rest when one failed or the client left
         response = JSONResponse(self._body(results, tokens, body.encoding_format))
-        # W3C Server-Timing: where this request's time went inside the server (the load generator's
-        # fidelity check fits the simulator's front-end stage from it; browsers' dev tools show it too)
+        # W3C Server-Timing: where this request's time went inside the server (`batchpilot profile`
+        # measures the simulator's serving path from it; browsers' dev tools show it too)
         response.headers["server-timing"] = (
             f"tokenize;dur={(tokenized - received) * 1e3:.3f}, "
             f"batcher;dur={(answered - tokenized) * 1e3:.3f}, "

@@ -51,8 +51,7 @@ def first_token_timing(received: float, first: GenerationOutput) -> dict[str, st
     handler's start -> the sequence in the engine (prompt encoding), ``engine`` = the engine's TTFT
     (queue, prefill, first token out of its step), ``app`` = the handler's start -> that token back on
     the event loop. ``app - tokenize - engine`` is the hand-off from the engine thread to the loop;
-    the client's TTFT minus ``app`` is HTTP both ways. The fidelity check fits the simulator's
-    first-token delay on it."""
+    the client's TTFT minus ``app`` is HTTP both ways (the load generator records each part)."""
     now = time.monotonic()
     return {"server-timing": f"tokenize;dur={max(first.arrival - received, 0.0) * 1e3:.3f}, "
                              f"engine;dur={max(first.emitted - first.arrival, 0.0) * 1e3:.3f}, "

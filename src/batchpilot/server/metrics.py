@@ -14,7 +14,7 @@ Names (all prefixed ``batchpilot_``):
     useful_tokens_total / computed_tokens_total      counters: real vs computed (padded) tokens
     padding_efficiency                               gauge: useful / computed since start
     executor_busy_seconds_total / executor_busy_slots / executor_utilization
-    rejections_total{reason}                         counter: core RejectReason values + http reasons
+    rejections_total{reason}                         counter: core RejectReason values
     cancellations_total{stage}                       counter: queued | running
     batch_failures_total                             counter: executor calls that raised
     health                                           gauge: 1 ok, 0.5 degraded, 0 draining/stopped

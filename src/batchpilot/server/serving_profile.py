@@ -17,7 +17,15 @@ free 127.0.0.1 port, and measures three things the simulator's ``sim.frontend.Fr
    fit does not land in it. The median, clipped at 0, is ``batch_overhead_s``. The server dispatches
    without a batching window (``max_wait_s = 0``) so that the window, which the simulator models by
    itself, is not counted here.
-3. **Tokenizer/model contention.** ``executor.tokenize`` of a fixed list of texts is timed with the
+3. **Batches under serving load.** The model runs slower while the server handles traffic than alone
+   in the profiler's loop (other threads' work on the same cores, caches, the GIL). With the server
+   still up, a load generator in another process (on the cores this process is not pinned to, when
+   there are any, as ``bench`` runs it) sends ``LOADED_REQUESTS`` of the same texts open-loop (seeded
+   Poisson) at ``LOADED_SHARE`` of the rate one slot can serve them one at a time. Every batch's slot
+   time against the cost model's prediction gives ``loaded_alpha`` and ``loaded_const_s``: a batch
+   under load takes ``loaded_alpha * predicted + loaded_const_s`` (non-negative least squares on
+   relative errors). This traffic is the profile's own, made before any run it predicts.
+4. **Tokenizer/model contention.** ``executor.tokenize`` of a fixed list of texts is timed with the
    model idle and while another thread runs model batches back to back (``prepare + run``, as the
    profiler makes them); the ratio of the medians (>= 1) is ``serial_busy_factor``: under load the
    tokenizer thread shares the CPU with a running batch.
@@ -50,13 +58,16 @@ from .app import create_app
 from .config import ServerConfig
 
 WARMUP_REQUESTS = 4
+LOADED_REQUESTS = 240  # ~10-20 s of traffic for MiniLM on one CPU core
+LOADED_SHARE = 0.5  # of one slot's one-at-a-time rate: busy, with batches forming, not saturated
 IDLE_S, BUSY_S, CYCLES = 0.25, 0.5, 4  # contention timing: idle, busy, idle, busy, ... idle
 CONTENTION_BATCH = (4, 128)  # the background thread's batch: 4 inputs of about 128 tokens
 
 
 def measure_serving_path(executor: Any, cost_model: CostModel, *, requests: int = 24, rounds: int = 2,
                          seed: int = 0, texts_for_length: Callable[[list[int]], list[str]] | None = None,
-                         padding: str | None = None) -> tuple[FrontEnd, dict[str, Any]]:
+                         padding: str | None = None,
+                         loaded_requests: int = LOADED_REQUESTS) -> tuple[FrontEnd, dict[str, Any]]:
     """Serve ``executor`` in-process and measure its serving path (module docstring): ``requests``
     lengths from 4 tokens to ``executor.max_length``, each sent ``rounds`` times. ``texts_for_length``
     maps token lengths to texts of exactly those lengths (default: ``sim.texts.texts_for_lengths``
@@ -83,7 +94,8 @@ def measure_serving_path(executor: Any, cost_model: CostModel, *, requests: int 
             for k, i in enumerate(warm + order)]
 
     sched = _scheduler_config(executor, padding)
-    records, slot_s = _serve_and_send(executor, sched, cost_model, plan)
+    loaded_plan = _loaded_plan(texts, lengths, cost_model, padding, seed, loaded_requests)
+    records, slot_s, loaded = _serve_and_send(executor, sched, cost_model, plan, loaded_plan)
     if len(slot_s) != len(records):
         raise RuntimeError(f"serving path: {len(records)} lone requests ran as {len(slot_s)} batches")
     slot_of = {id(r): took for r, took in zip(records, slot_s, strict=True)}
@@ -107,7 +119,9 @@ def measure_serving_path(executor: Any, cost_model: CostModel, *, requests: int 
     idle, busy = _contention(executor, texts, lengths, padding)
     idle_s, busy_s = statistics.median(idle), statistics.median(busy)
     factor = max(busy_s / idle_s, 1.0) if idle_s > 0 else 1.0
-    frontend = dataclasses.replace(fitted, batch_overhead_s=overhead_s, serial_busy_factor=factor)
+    alpha, const, load_details = _fit_loaded(loaded, cost_model)
+    frontend = dataclasses.replace(fitted, batch_overhead_s=overhead_s, serial_busy_factor=factor,
+                                   loaded_alpha=alpha, loaded_const_s=const)
     details = {
         "requests": len(measured), "ok": len(ok), "warmup_requests": len(warm), "lengths": len(wanted),
         "min_tokens": min(lengths), "max_tokens": max(lengths), "rounds": rounds, "padding": padding,
@@ -118,7 +132,7 @@ def measure_serving_path(executor: Any, cost_model: CostModel, *, requests: int 
         "median_overhead_s": _median(overhead),
         "tokenize_texts": len(texts), "tokenize_idle_s": idle_s,
         "tokenize_busy_s": busy_s, "tokenize_idle_samples": len(idle),
-        "tokenize_busy_samples": len(busy), "fit": fitted.to_dict(),
+        "tokenize_busy_samples": len(busy), "fit": fitted.to_dict(), "loaded": load_details,
         "wall_s": round(time.perf_counter() - t_start, 2),
     }
     return frontend, details
@@ -148,17 +162,81 @@ def _one_input(length: int, padding: str) -> BatchShape:
     return BatchShape.ragged([length]) if padding == "none" else BatchShape.padded([length], length)
 
 
+def _loaded_plan(texts: list[str], lengths: list[int], cost_model: CostModel, padding: str,
+                 seed: int, n: int) -> list[PlannedRequest]:
+    """``n`` of the texts, seeded, at Poisson times: ``LOADED_SHARE`` of the rate at which one slot
+    serves them alone (the cost model's mean lone latency)."""
+    if n <= 0:
+        return []
+    rng = random.Random(seed + 7)
+    pick = [rng.randrange(len(texts)) for _ in range(n)]
+    alone = statistics.mean(cost_model.latency(_one_input(lengths[i], padding)) for i in pick)
+    rate = LOADED_SHARE / max(alone, 1e-4)
+    t, out = 0.0, []
+    for k, i in enumerate(pick):
+        t += rng.expovariate(rate)
+        out.append(PlannedRequest(k, t, lengths[i], 0, {"input": texts[i]}))
+    return out
+
+
+def _fit_loaded(batches: list[tuple[dict[str, float], float]],
+                cost_model: CostModel) -> tuple[float, float, dict[str, Any]]:
+    """``slot_s ~ alpha * predicted + const`` over the loaded phase's batches (relative errors)."""
+    from ..core.costmodel import nonneg_lstsq
+
+    if len(batches) < 10:
+        return 1.0, 0.0, {"batches": len(batches), "note": "too few batches: loaded speed not measured"}
+    pred = np.array([cost_model.latency(f) for f, _ in batches])
+    took = np.array([t for _, t in batches])
+    w = 1.0 / np.maximum(took, 1e-6)
+    alpha, const = (float(c) for c in nonneg_lstsq(np.column_stack([pred, np.ones_like(pred)]) * w[:, None],
+                                                   took * w))
+    if alpha <= 0:
+        alpha, const = float(took.sum() / pred.sum()), 0.0
+    sizes = [f.get("n", 1.0) for f, _ in batches]
+    return alpha, const, {"batches": len(batches), "mean_batch_size": float(np.mean(sizes)),
+                          "slot_over_predicted": float(took.sum() / pred.sum()), "alpha": alpha,
+                          "const_s": const}
+
+
+def _send_elsewhere(url: str, model: str, plan: Sequence[PlannedRequest]) -> None:
+    """Replay ``plan`` open-loop from a child process on the cores this one is not pinned to (if any)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    child = ctx.Process(target=_replay_child, args=(url, model, list(plan)), daemon=True)
+    child.start()
+    child.join(600)
+    if child.exitcode != 0:
+        raise RuntimeError(f"serving path: the load generator process exited with {child.exitcode}")
+
+
+def _replay_child(url: str, model: str, plan: list[PlannedRequest]) -> None:
+    import os
+
+    from ..bench.loadgen import replay
+
+    if hasattr(os, "sched_getaffinity"):
+        mine, every = os.sched_getaffinity(0), set(range(os.cpu_count() or 1))
+        if every - mine and len(mine) < len(every):
+            os.sched_setaffinity(0, every - mine)
+    replay(plan, LoadGenConfig(url, model=model, timeout_s=60.0, progress=False, scrape_interval_s=0))
+
+
 def _serve_and_send(executor: Any, sched: SchedulerConfig, cost_model: CostModel,
-                    plan: Sequence[PlannedRequest]) -> tuple[list[Any], list[float]]:
-    """Start uvicorn on a socket bound here (no port race), send ``plan`` one by one, shut down. Also
-    returns each batch's slot seconds, in the order they ran."""
+                    plan: Sequence[PlannedRequest], loaded_plan: Sequence[PlannedRequest] = (),
+                    ) -> tuple[list[Any], list[float], list[tuple[dict[str, float], float]]]:
+    """Start uvicorn on a socket bound here (no port race), send ``plan`` one by one, then
+    ``loaded_plan`` open-loop from another process, shut down. Also returns each lone batch's slot
+    seconds in the order they ran, and each loaded batch's (features, slot seconds)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = int(sock.getsockname()[1])
     app = create_app(ServerConfig(port=port, request_timeout_s=30.0, drain_timeout_s=5.0), executor, sched,
                      cost_model)
-    slot_s: list[float] = []
-    app.state.service.batcher.batch_observers.append(lambda batch, start, took: slot_s.append(took))
+    seen: list[tuple[dict[str, float], float]] = []
+    app.state.service.batcher.batch_observers.append(
+        lambda batch, start, took: seen.append(({**batch.shape.features(), "n": float(batch.size)}, took)))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                            access_log=False, lifespan="on"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True,
@@ -173,13 +251,17 @@ def _serve_and_send(executor: Any, sched: SchedulerConfig, cost_model: CostModel
         config = LoadGenConfig(f"http://127.0.0.1:{port}", model=app.state.service.model_name,
                                timeout_s=30.0, progress=False, scrape_interval_s=0)
         records = asyncio.run(one_by_one_async(plan, config))
+        lone = len(seen)
+        if loaded_plan:
+            _send_elsewhere(config.base_url, config.model or "", loaded_plan)
+            time.sleep(0.5)  # the last batches report on the loop
     finally:
         server.should_exit = True  # uvicorn drains, then the app's lifespan shuts the Batcher down
         thread.join(15)
         sock.close()
     if thread.is_alive():
         raise RuntimeError("serving path: the in-process server did not shut down within 15 s")
-    return records, slot_s
+    return records, [t for _, t in seen[:lone]], seen[lone:]
 
 
 def _contention(executor: Any, texts: list[str], lengths: list[int],

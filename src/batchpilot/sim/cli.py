@@ -97,7 +97,7 @@ def load_cost_model(args: argparse.Namespace, console: Any) -> CostModel:
     if args.profile:
         return CostModel.load(args.profile)
     console.print("[yellow]no --profile: using CostModel.default_cpu_minilm() (all-MiniLM-L6-v2 on 2 shared "
-                  "CPU cores, DESIGN.md figures); run `batchpilot profile` for this machine's numbers[/]")
+                  "CPU cores, a stated default); run `batchpilot profile` for this machine's numbers[/]")
     return CostModel.default_cpu_minilm()
 
 

@@ -17,10 +17,12 @@ The fields:
   ``tokenize`` part of the server's ``Server-Timing`` header) on an idle server.
 * ``delay_const_s``, ``delay_per_token_s``: the client's latency minus the ``tokenize`` and ``batcher``
   parts: HTTP, validation, JSON both ways, the client itself.
-* ``batch_overhead_s``: what the live driver adds to every batch over the cost model's prediction of
-  its ``prepare + run`` (the hand-offs between the event loop, the slot's prepare and run threads and
-  back): the median, over lone requests, of the ``batcher`` part minus the predicted latency of that
-  one-input batch, clipped at 0.
+* ``batch_overhead_s``: what the live driver adds to every batch around the model (the scheduling call,
+  collation, the hand-offs between the event loop and the slot's threads): the median, over lone
+  requests, of the ``batcher`` part minus the slot's own run time for that batch, clipped at 0.
+* ``loaded_alpha``, ``loaded_const_s``: a batch under serving load takes ``loaded_alpha`` times the cost
+  model's prediction plus ``loaded_const_s`` (measured by the profile with its own open-loop traffic:
+  the model runs slower while the server handles requests than alone in the profiler's loop).
 * ``serial_busy_factor``: how much slower the tokenizer is while the model runs a batch (both share
   the CPU) than on an idle machine, >= 1; under load the model is nearly always busy, so the serial
   stage's service time is scaled by it.
@@ -51,6 +53,8 @@ class FrontEnd:
     delay_per_token_s: float = 0.0
     batch_overhead_s: float = 0.0
     serial_busy_factor: float = 1.0
+    loaded_alpha: float = 1.0
+    loaded_const_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
@@ -72,6 +76,10 @@ class FrontEnd:
             free = (a if a > free else free) + c
             out[i] = free
         return out
+
+    def batch_seconds(self, predicted_s: float) -> float:
+        """A batch's slot time under serving load, from the cost model's prediction for it."""
+        return self.loaded_alpha * predicted_s + self.loaded_const_s
 
     def delay(self, tokens: np.ndarray) -> np.ndarray:
         return self.delay_const_s + self.delay_per_token_s * np.asarray(tokens, dtype=float)

@@ -68,9 +68,12 @@ class EncoderTarget:
         request_sla_s: float | None = None,
         stop_after_misses: tuple[float, int, float] | None = None,
         batch_overhead_s: float = 0.0,
+        loaded: tuple[float, float] = (1.0, 0.0),
     ) -> None:
         """``batch_overhead_s``: seconds the live driver adds to every batch outside the model (thread
-        hand-offs, the event loop; the profile's ``frontend.batch_overhead_s``).
+        hand-offs, the event loop; the profile's ``frontend.batch_overhead_s``). ``loaded``: (alpha,
+        const) of a batch's time under serving load, ``alpha * cost model + const`` (the profile's
+        ``frontend.loaded_alpha`` and ``loaded_const_s``).
         ``stop_after_misses = (sla_s, max_misses, warmup_s)``: stop the run (``StopSimulation``) once more
         than ``max_misses`` measured requests finished later than ``sla_s`` or failed — the tuner's
         early exit when a probe's P99 is already lost for certain."""
@@ -87,6 +90,7 @@ class EncoderTarget:
         self._residuals = self.service_model.rel_residuals
         self._stop = stop_after_misses
         self._overhead = batch_overhead_s
+        self._alpha, self._const = loaded
         self.num_misses = 0
 
     @property
@@ -145,7 +149,7 @@ class EncoderTarget:
 
     def _duration(self, batch: Batch) -> float:
         shape = batch.shape
-        mean = self.service_model.batch_latency(shape.n, shape.tokens, shape.attn)
+        mean = self._alpha * self.service_model.batch_latency(shape.n, shape.tokens, shape.attn) + self._const
         if not self.noise or not self._residuals:
             return mean + self._overhead
         if not self._u:
@@ -203,7 +207,9 @@ def simulate_encoder(
     cost_model = cost_model or CostModel.default_cpu_minilm()
     target = EncoderTarget(BatchScheduler(config, cost_model), workload, service_model, noise, seed,
                            request_sla_s, stop_after_misses,
-                           frontend.batch_overhead_s if frontend is not None else 0.0)
+                           frontend.batch_overhead_s if frontend is not None else 0.0,
+                           (frontend.loaded_alpha, frontend.loaded_const_s) if frontend is not None
+                           else (1.0, 0.0))
     engine = Engine(target, config.num_slots, progress=progress)
     at_batcher = None
     if frontend is not None:

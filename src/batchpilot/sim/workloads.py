@@ -1,4 +1,4 @@
-"""The standard workloads (DESIGN.md), so every benchmark, simulation and load test means the same thing.
+"""The standard workloads (docs/design.md), so every benchmark, simulation and load test means the same thing.
 
 * ``conv-embed`` (encoder): arrivals of the Azure 2023 conversation trace, offset from the first row;
   input length ``clip(round(ContextTokens / 8), 4, 512)``; no output tokens.

@@ -64,9 +64,9 @@ def profile_llm_steps(runner: LLMModelRunner, *,
 
     The grid covers the region a small continuous batch lives in (1-16 decodes, prompts of tens to
     hundreds of tokens) densely: a grid of 12 points (prefills 16/128/512, decodes 1/16/64) left the
-    fixed cost undetermined, 8 ms in one profile and 13 ms in the next on the same machine, while the
-    live engine's one-sequence step took 9.7 ms (docs/loadgen.md, LLM fidelity). Ten prompt lengths:
-    with six, the split between ``prefill_tokens`` and ``prefill_attn`` moved 17x between two profiles."""
+    fixed cost undetermined, 8 ms in one profile and 13 ms in the next on the same machine. Ten prompt
+    lengths: with six, the split between ``prefill_tokens`` and ``prefill_attn`` moved 17x between two
+    profiles."""
     points = []
     shapes: list[tuple[list[int], int, int]] = []
     shapes += [([n], 0, 1) for n in prefill_lengths]
@@ -80,7 +80,8 @@ def profile_llm_steps(runner: LLMModelRunner, *,
             runner.forward(plan.chunks).argmax(-1).tolist()  # warm-up: a new shape's first call allocates
         # timed round-robin, every shape once per round: this CPU's speed moves by a quarter within
         # minutes, and timed shape after shape a step of it lands between the cheap shapes and the dear
-        # ones and bends the fit; round-robin it scales every shape alike (a speed: the live fit's alpha)
+        # ones and bends the fit; round-robin it scales every shape alike (a speed, which ``bench fidelity``
+        # reports as "speed vs profile")
         times: list[list[float]] = [[] for _ in plans]
         for _ in range(repeats):
             for plan, t in zip(plans, times, strict=True):

@@ -1,0 +1,147 @@
+"""Does the tuner's ranking hold live? ``batchpilot bench tuner``.
+
+    batchpilot bench tuner --workload conv-embed --requests 400 [--profile p.json] [--cpus 1]
+
+1. Profile (``--profile`` or a fresh ``batchpilot profile``), before any measured traffic.
+2. ``batchpilot tune``'s search on the slice (``sim.tune.Tuner``, the same deployment flags and the
+   profile's serving path): every config it measured at its last rung, ranked by predicted goodput (the
+   highest rate scale whose P99, refusals counted as late, meets ``--sla``).
+3. ``--configs`` of them picked evenly across that ranking (the winner and the last included), plus
+   the default config when it is not among them; each is written as a config file.
+4. One ``batchpilot serve`` per config, all started at once (pinned alike with ``--cpus``), and one live
+   capacity search per server on the same rows with the same definition as the tuner's (the whole
+   slice per probe, P99 over it, stopped once lost), the probes interleaved round-robin
+   (``bench.interleave``) so that a drift of the CPU's speed falls on every config alike.
+5. Spearman's rank correlation of predicted and live goodput, and the tuned/default live ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..config_file import add_deployment_args, dump_spec, spec_from_args
+from ..core.costmodel import CostModel
+from ..sim.frontend import FrontEnd
+from .capacity import CapacityConfig
+from .fidelity import load_workload, run_profile, text_table
+from .interleave import interleaved_capacity
+from .loadgen import build_plan, load_tokenizer
+from .serverproc import pin_load_generator, serve
+
+HEAD = ["tuner rank", "config", "kind", "predicted req/s", "live req/s", "live probes"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_deployment_args(p)
+    p.add_argument("--profile", default=None, help="profile JSON (default: run `batchpilot profile` first)")
+    p.add_argument("--profile-args", default="", help="extra args for `batchpilot profile`")
+    p.add_argument("--lengths", default="lognormal:median=128,sigma=0.8",
+                   help="synthetic workloads: input lengths (as `simulate --lengths`)")
+    p.add_argument("--configs", type=int, default=5, help="configs picked across the tuner's ranking")
+    p.add_argument("--candidates", type=int, default=32, help="grid points the tuner samples")
+    p.add_argument("--max-probes", type=int, default=7, help="live probes per config")
+    p.add_argument("--cpus", default=None, help="pin the profiler and every server to these cores")
+
+
+def spearman(x: list[float], y: list[float]) -> float:
+    """Spearman's rank correlation (ties share their mean rank)."""
+    def ranks(v: list[float]) -> np.ndarray:
+        a = np.asarray(v, dtype=float)
+        order = a.argsort(kind="stable")
+        r = np.empty(len(a))
+        r[order] = np.arange(len(a), dtype=float)
+        for value in np.unique(a):  # mean rank for ties
+            tie = a == value
+            r[tie] = r[tie].mean()
+        return r
+
+    if len(x) < 2:
+        return math.nan
+    rx, ry = ranks(x), ranks(y)
+    if rx.std() == 0 or ry.std() == 0:
+        return math.nan
+    return float(np.corrcoef(rx, ry)[0, 1])
+
+
+def pick(ranked: list[Any], k: int) -> list[int]:
+    """Indices of ``k`` configs evenly spread over a ranking (first and last included)."""
+    if len(ranked) <= k:
+        return list(range(len(ranked)))
+    return sorted({int(round(i)) for i in np.linspace(0, len(ranked) - 1, k)})
+
+
+def main(args: argparse.Namespace) -> int:
+    from ..sim.tune import TuneConfig, Tuner
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    spec = spec_from_args(args)
+    profile = Path(args.profile) if args.profile else run_profile(out, spec.encoder.planner.padding,
+                                                                   args.profile_args, args.cpus)
+    cost_model = CostModel.load(profile)
+    frontend = FrontEnd.from_profile(profile)
+    wl = load_workload(args)
+    tc = TuneConfig(sla_p99_s=args.sla, candidates=args.candidates, rungs=2, rel_tol=(0.1, 0.03),
+                    min_rows=min(len(wl), 200), seed=args.seed)
+    tuner = Tuner(wl, cost_model, tc, spec=spec, frontend=frontend, log=print)
+    result = tuner.run()
+    ranked = [c for c in result.candidates if c.rps > 0]
+    chosen = [ranked[i] for i in pick(ranked, args.configs)]
+    if not any(c.kind == "default" for c in chosen):
+        chosen += [c for c in result.candidates if c.kind == "default"]
+    rank = {id(c): i + 1 for i, c in enumerate(result.candidates)}
+    names = {id(c): f"c{rank[id(c)]}" for c in chosen}
+    print(f"tuner: {len(result.candidates)} configs ranked in {result.seconds:.0f} s; measuring live: "
+          + "; ".join(f"#{rank[id(c)]} {c.label} ({c.rps:.2f} req/s)" for c in chosen), flush=True)
+    pin_load_generator(args.cpus)
+    tok = load_tokenizer(args.tokenizer)
+    texts = [p.body["input"] for p in build_plan(wl, tokenizer=tok, seed=args.seed)]
+    ccfg = CapacityConfig(sla_s=args.sla, growth=1.25, lo=0.05, hi=256.0, rel_tol=0.05,
+                          max_probes=args.max_probes, probe_s=1e9, cooldown_s=5.0)
+    with ExitStack() as stack:
+        urls = {}
+        for c in chosen:
+            # the file holds the whole deployment (encoder and server sections): no other flags
+            name = names[id(c)]
+            path = dump_spec(spec.replace(encoder=c.config), out / f"{name}.yaml", f"# {c.label}\n")
+            serve_args = ["--profile", str(profile), "--log-level", "warning", "--config", str(path),
+                          *shlex.split(args.serve_args)]
+            urls[name] = stack.enter_context(serve(serve_args, log_path=out / f"serve-{name}.log",
+                                                   cpus=args.cpus))
+        starts = {names[id(c)]: 0.9 * c.capacity for c in chosen}
+        live = interleaved_capacity(wl, urls, ccfg, texts, starts)
+    rows, pred, meas = [], [], []
+    for c in chosen:
+        res = live[names[id(c)]]
+        pred.append(c.rps)
+        meas.append(res.rps)
+        rows.append([f"#{rank[id(c)]}", c.label, c.kind, f"{c.rps:.2f}",
+                     f"{res.rps:.2f}" + ("" if res.bracketed else " (lower bound)"), str(len(res.probes))])
+    rho = spearman(pred, meas)
+    best = next(c for c in chosen if c is result.best) if result.best in chosen else chosen[0]
+    default = next((c for c in chosen if c.kind == "default"), None)
+    ratio = (live[names[id(best)]].rps / live[names[id(default)]].rps
+             if default is not None and live[names[id(default)]].rps > 0 else math.nan)
+    pred_ratio = best.rps / default.rps if default is not None and default.rps > 0 else math.nan
+    print("\nTuner check: predicted vs live goodput (highest rate with P99 <= "
+          f"{args.sla:g} s, refusals counted as late)\n{text_table(HEAD, rows)}")
+    print(f"Spearman rank correlation, predicted vs live: {rho:.2f} over {len(chosen)} configs\n"
+          f"tuned ({best.label}) / default goodput: live {ratio:.3f}, predicted {pred_ratio:.3f}\n"
+          f"{time.monotonic() - t0:.0f} s in all", flush=True)
+    (out / "tuner_check.json").write_text(json.dumps({
+        "workload": wl.name, "requests": len(wl), "profile": str(profile), "spearman": rho,
+        "tuned_over_default_live": ratio, "tuned_over_default_predicted": pred_ratio,
+        "rows": rows, "probes": {n: [(p.rate_scale, p.passed, p.summary.p99) for p in r.probes]
+                                 for n, r in live.items()}}, indent=2, default=str))
+    return 0
+
