@@ -30,6 +30,9 @@ def short_contention(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _check(frontend: FrontEnd, details: dict[str, Any], requests: int, rounds: int) -> None:
     for name, value in frontend.to_dict().items():
+        if name == "loaded_residuals":  # relative errors around the loaded line, sorted
+            assert value == sorted(value) and all(math.isfinite(r) and r > -1 for r in value)
+            continue
         assert math.isfinite(value) and value >= 0.0, name
     assert frontend.serial_busy_factor >= 1.0
     assert details["requests"] == requests * rounds and details["ok"] == requests * rounds
@@ -82,6 +85,7 @@ def test_any_executor_with_its_own_texts() -> None:
     # under load the no-op model still sleeps 2 ms a batch: its loaded time is about the profile's
     loaded = details["loaded"]
     assert loaded["batches"] >= 10 and 0.8 < loaded["slot_over_predicted"] < 3.0
+    assert len(frontend.loaded_residuals) == loaded["batches"]
     assert frontend.batch_seconds(0.002) == pytest.approx(
         frontend.loaded_alpha * 0.002 + frontend.loaded_const_s)
 

@@ -140,3 +140,26 @@ def test_busy_factor_scales_the_serial_service_time() -> None:
     np.testing.assert_allclose(base.batcher_arrivals(arr, tok), [0.02, 0.04, 0.06, 1.02])
     np.testing.assert_allclose(busy.batcher_arrivals(arr, tok), [0.04, 0.08, 0.12, 1.04])
     np.testing.assert_allclose(busy.delay(tok), base.delay(tok))  # the delay stage is not the tokenizer
+
+
+def test_loaded_residuals_round_trip_and_set_the_simulated_spread() -> None:
+    from batchpilot.core.config import PolicyConfig, SchedulerConfig
+    from batchpilot.core.costmodel import CostModel
+    from batchpilot.sim.target import simulate_encoder
+    from batchpilot.sim.traces import Workload
+
+    fe = FrontEnd(loaded_alpha=2.0, loaded_const_s=0.001, loaded_residuals=(0.5, -0.5, 0.0))
+    assert fe.loaded_residuals == (-0.5, 0.0, 0.5)
+    assert FrontEnd.from_dict(fe.to_dict()) == fe
+    assert fe.batch_seconds(0.01) == pytest.approx(0.021)
+    with pytest.raises(ValueError, match="loaded_residuals"):
+        FrontEnd(loaded_residuals=(-1.5,))
+    # every simulated batch: (alpha x cost model + const) x (1 + a drawn residual), seeded
+    cm = CostModel(latency_coef=(0.01, 0.0, 0.0, 0.0))
+    wl = Workload.from_columns("r", [i * 1.0 for i in range(40)], [8] * 40)
+    cfg = SchedulerConfig(policy=PolicyConfig(name="window", max_batch_size=1, max_wait_s=0.0))
+    run = simulate_encoder(wl, cfg, cm, frontend=fe, seed=3)
+    durations = sorted(set(round(d, 6) for d in run.record.b_duration))
+    assert durations == pytest.approx([0.0105, 0.021, 0.0315])
+    again = simulate_encoder(wl, cfg, cm, frontend=fe, seed=3)
+    assert again.record.b_duration == run.record.b_duration

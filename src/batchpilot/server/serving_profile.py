@@ -24,7 +24,8 @@ free 127.0.0.1 port, and measures three things the simulator's ``sim.frontend.Fr
    Poisson) at ``LOADED_SHARE`` of the rate one slot can serve them one at a time. Every batch's slot
    time against the cost model's prediction gives ``loaded_alpha`` and ``loaded_const_s``: a batch
    under load takes ``loaded_alpha * predicted + loaded_const_s`` (non-negative least squares on
-   relative errors). This traffic is the profile's own, made before any run it predicts.
+   relative errors), spread around that line as ``loaded_residuals``. This traffic is the profile's
+   own, made before any run it predicts.
 4. **Tokenizer/model contention.** ``executor.tokenize`` of a fixed list of texts is timed with the
    model idle and while another thread runs model batches back to back (``prepare + run``, as the
    profiler makes them); the ratio of the medians (>= 1) is ``serial_busy_factor``: under load the
@@ -121,7 +122,8 @@ def measure_serving_path(executor: Any, cost_model: CostModel, *, requests: int 
     factor = max(busy_s / idle_s, 1.0) if idle_s > 0 else 1.0
     alpha, const, load_details = _fit_loaded(loaded, cost_model)
     frontend = dataclasses.replace(fitted, batch_overhead_s=overhead_s, serial_busy_factor=factor,
-                                   loaded_alpha=alpha, loaded_const_s=const)
+                                   loaded_alpha=alpha, loaded_const_s=const,
+                                   loaded_residuals=tuple(load_details.pop("residuals", ())))
     details = {
         "requests": len(measured), "ok": len(ok), "warmup_requests": len(warm), "lengths": len(wanted),
         "min_tokens": min(lengths), "max_tokens": max(lengths), "rounds": rounds, "padding": padding,
@@ -194,9 +196,11 @@ def _fit_loaded(batches: list[tuple[dict[str, float], float]],
     if alpha <= 0:
         alpha, const = float(took.sum() / pred.sum()), 0.0
     sizes = [f.get("n", 1.0) for f, _ in batches]
+    residuals = took / (alpha * pred + const) - 1.0
     return alpha, const, {"batches": len(batches), "mean_batch_size": float(np.mean(sizes)),
                           "slot_over_predicted": float(took.sum() / pred.sum()), "alpha": alpha,
-                          "const_s": const}
+                          "const_s": const, "residuals": sorted(float(r) for r in residuals),
+                          "residual_std": float(residuals.std())}
 
 
 def _send_elsewhere(url: str, model: str, plan: Sequence[PlannedRequest]) -> None:

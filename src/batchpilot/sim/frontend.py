@@ -23,6 +23,9 @@ The fields:
 * ``loaded_alpha``, ``loaded_const_s``: a batch under serving load takes ``loaded_alpha`` times the cost
   model's prediction plus ``loaded_const_s`` (measured by the profile with its own open-loop traffic:
   the model runs slower while the server handles requests than alone in the profiler's loop).
+* ``loaded_residuals``: the spread of those batches around that line (``slot / line - 1``, sorted): the
+  simulator draws every batch's time from it (seeded), so the queueing it predicts sees the service-time
+  variance the served model really has, not the profiler loop's.
 * ``serial_busy_factor``: how much slower the tokenizer is while the model runs a batch (both share
   the CPU) than on an idle machine, >= 1; under load the model is nearly always busy, so the serial
   stage's service time is scaled by it.
@@ -55,9 +58,15 @@ class FrontEnd:
     serial_busy_factor: float = 1.0
     loaded_alpha: float = 1.0
     loaded_const_s: float = 0.0
+    loaded_residuals: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "loaded_residuals", tuple(sorted(float(r) for r in self.loaded_residuals)))
+        if any(not math.isfinite(r) or r <= -1.0 for r in self.loaded_residuals):
+            raise ValueError("frontend.loaded_residuals must be finite relative errors > -1")
         for name, value in asdict(self).items():
+            if name == "loaded_residuals":
+                continue
             if not (math.isfinite(value) and value >= 0.0):
                 raise ValueError(f"frontend.{name} = {value!r}; must be a finite number >= 0")
         if self.serial_busy_factor < 1.0:
@@ -106,13 +115,16 @@ class FrontEnd:
         return float(np.mean(self.serial_const_s + self.delay_const_s
                              + (self.serial_per_token_s + self.delay_per_token_s) * t)) if t.size else 0.0
 
-    def to_dict(self) -> dict[str, float]:
-        return asdict(self)
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["loaded_residuals"] = list(self.loaded_residuals)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> FrontEnd:
         """The inverse of ``to_dict``; fields it lacks keep their defaults."""
-        return cls(**{k: float(v) for k, v in d.items()})
+        return cls(**{k: (tuple(float(x) for x in v) if k == "loaded_residuals" else float(v))
+                      for k, v in d.items()})
 
     @classmethod
     def from_profile(cls, path: str | Path) -> FrontEnd | None:

@@ -69,11 +69,13 @@ class EncoderTarget:
         stop_after_misses: tuple[float, int, float] | None = None,
         batch_overhead_s: float = 0.0,
         loaded: tuple[float, float] = (1.0, 0.0),
+        loaded_residuals: tuple[float, ...] = (),
     ) -> None:
         """``batch_overhead_s``: seconds the live driver adds to every batch outside the model (thread
         hand-offs, the event loop; the profile's ``frontend.batch_overhead_s``). ``loaded``: (alpha,
         const) of a batch's time under serving load, ``alpha * cost model + const`` (the profile's
-        ``frontend.loaded_alpha`` and ``loaded_const_s``).
+        ``frontend.loaded_alpha`` and ``loaded_const_s``); ``loaded_residuals``: the served batches'
+        spread around it, drawn from for every batch (seeded) in place of the profile's residuals.
         ``stop_after_misses = (sla_s, max_misses, warmup_s)``: stop the run (``StopSimulation``) once more
         than ``max_misses`` measured requests finished later than ``sla_s`` or failed — the tuner's
         early exit when a probe's P99 is already lost for certain."""
@@ -87,7 +89,8 @@ class EncoderTarget:
         self.record = EncoderRecord(len(workload))
         self._lengths = workload.input_tokens.tolist()
         self._prio = workload.priority.tolist()
-        self._residuals = self.service_model.rel_residuals
+        self._residuals = loaded_residuals or self.service_model.rel_residuals
+        self.noise = noise or bool(loaded_residuals)
         self._stop = stop_after_misses
         self._overhead = batch_overhead_s
         self._alpha, self._const = loaded
@@ -209,7 +212,7 @@ def simulate_encoder(
                            request_sla_s, stop_after_misses,
                            frontend.batch_overhead_s if frontend is not None else 0.0,
                            (frontend.loaded_alpha, frontend.loaded_const_s) if frontend is not None
-                           else (1.0, 0.0))
+                           else (1.0, 0.0), frontend.loaded_residuals if frontend is not None else ())
     engine = Engine(target, config.num_slots, progress=progress)
     at_batcher = None
     if frontend is not None:
