@@ -99,6 +99,7 @@ def simulate(workload: Workload, config: SchedulerConfig, cost_model: CostModel,
     service = None
     if speed and frontend is not None:  # every served batch (1 + speed) times what the profile says
         frontend = dataclasses.replace(frontend, loaded_alpha=frontend.loaded_alpha * (1.0 + speed),
+                                       loaded_rate_coef=frontend.loaded_rate_coef * (1.0 + speed),
                                        loaded_const_s=frontend.loaded_const_s * (1.0 + speed))
     elif speed:
         service = dataclasses.replace(cost_model, latency_coef=tuple(c * (1.0 + speed)
@@ -128,17 +129,18 @@ def predicted_capacity(workload: Workload, cost_model: CostModel, spec: Any, fro
     return cand
 
 
-def run_speed(batch_log: Path, offset: int, cost_model: CostModel,
-              frontend: FrontEnd | None = None) -> tuple[float, int]:
+def run_speed(batch_log: Path, offset: int, cost_model: CostModel, frontend: FrontEnd | None = None,
+              rate: float = 0.0) -> tuple[float, int]:
     """How the batches logged from byte ``offset`` on ran against the profile: total slot seconds over
-    the total the profile predicts for them (with ``frontend``, as a batch under serving load:
-    ``FrontEnd.batch_seconds``), minus 1 (+5% = 5% slower than profiled), and the number of batches."""
+    the total the profile predicts for them (with ``frontend``, as batches under serving load at the
+    run's mean request ``rate``: ``FrontEnd.batch_seconds``), minus 1 (+5% = 5% slower than profiled),
+    and the number of batches."""
     if not batch_log.exists():
         return math.nan, 0
     batches, _ = read_batches(batch_log, offset)
     took = sum(b.slot_s for b in batches)
-    at = frontend.batch_seconds if frontend is not None else (lambda x: x)
-    predicted = sum(at(cost_model.latency(b.features)) for b in batches)
+    predicted = sum(frontend.batch_seconds(cost_model.latency(b.features), rate) if frontend is not None
+                    else cost_model.latency(b.features) for b in batches)
     return (took / predicted - 1.0 if predicted > 0 else math.nan), len(batches)
 
 
@@ -254,7 +256,7 @@ def main(args: argparse.Namespace) -> int:
             offset = batch_log.stat().st_size if batch_log.exists() else 0
             live = measure(url, scaled, texts, args.sla, args.warmup_requests, not args.no_progress,
                            f"{load:.0%} live")
-            speed, n_batches = run_speed(batch_log, offset, cost_model, frontend)
+            speed, n_batches = run_speed(batch_log, offset, cost_model, frontend, scaled.mean_rate)
             print(format_summary(pred.summary, f"predicted at {load:.0%} of capacity (x{k:.3f})"))
             print(format_summary(live.summary, f"live at {load:.0%} of capacity (x{k:.3f})"))
             print(f"the run's {n_batches} batches (warm-up included) took {speed:+.1%} against the profile",

@@ -337,7 +337,8 @@ def _serving_path(ex: Any, model: CostModel, args: argparse.Namespace,
           f"model busy), HTTP/JSON/client {frontend.delay_const_s * 1e3:.2f} ms + "
           f"{frontend.delay_per_token_s * 1e6:.2f} us/token, driver overhead "
           f"{frontend.batch_overhead_s * 1e3:.2f} ms/batch; under load a batch takes "
-          f"{frontend.loaded_alpha:.3f} x the cost model + {frontend.loaded_const_s * 1e3:.2f} ms, "
+          f"the cost model x ({frontend.loaded_alpha:.3f} + {frontend.loaded_rate_coef:.4f} x requests/s) + "
+          f"{frontend.loaded_const_s * 1e3:.2f} ms, "
           f"spread {details['loaded'].get('residual_std', 0.0):.1%} ({details['loaded'].get('batches', 0)} "
           "batches)")
     return frontend.to_dict(), details

@@ -21,11 +21,13 @@ free 127.0.0.1 port, and measures three things the simulator's ``sim.frontend.Fr
    in the profiler's loop (other threads' work on the same cores, caches, the GIL). With the server
    still up, a load generator in another process (on the cores this process is not pinned to, when
    there are any, as ``bench`` runs it) sends ``LOADED_REQUESTS`` of the same texts open-loop (seeded
-   Poisson) at ``LOADED_SHARE`` of the rate one slot can serve them one at a time. Every batch's slot
-   time against the cost model's prediction gives ``loaded_alpha`` and ``loaded_const_s``: a batch
-   under load takes ``loaded_alpha * predicted + loaded_const_s`` (non-negative least squares on
-   relative errors), spread around that line as ``loaded_residuals``. This traffic is the profile's
-   own, made before any run it predicts.
+   Poisson), half at each of ``LOADED_SHARES`` of the rate one slot can serve them one at a time. Each
+   batch's slot time, its cost-model prediction and the rate of requests that reached the server in the
+   second before it started give a batch's time under load, ``predicted * (loaded_alpha +
+   loaded_rate_coef * rate) + loaded_const_s`` (non-negative least squares on relative errors: the
+   other requests' HTTP, JSON and tokenising work competes with the model for the same cores), spread
+   around that line as ``loaded_residuals``. This traffic is the profile's own, made before any run it
+   predicts.
 4. **Tokenizer/model contention.** ``executor.tokenize`` of a fixed list of texts is timed with the
    model idle and while another thread runs model batches back to back (``prepare + run``, as the
    profiler makes them); the ratio of the medians (>= 1) is ``serial_busy_factor``: under load the
@@ -54,13 +56,13 @@ import uvicorn
 from ..bench.loadgen import LoadGenConfig, PlannedRequest, one_by_one_async
 from ..core.config import Padding, PolicyConfig, SchedulerConfig
 from ..core.costmodel import BatchShape, CostModel
-from ..sim.frontend import FrontEnd
+from ..sim.frontend import RATE_WINDOW_S, FrontEnd
 from .app import create_app
 from .config import ServerConfig
 
 WARMUP_REQUESTS = 4
 LOADED_REQUESTS = 240  # ~10-20 s of traffic for MiniLM on one CPU core
-LOADED_SHARE = 0.5  # of one slot's one-at-a-time rate: busy, with batches forming, not saturated
+LOADED_SHARES = (0.3, 0.75)  # of one slot's one-at-a-time rate: two loads, to see how the rate slows a batch
 IDLE_S, BUSY_S, CYCLES = 0.25, 0.5, 4  # contention timing: idle, busy, idle, busy, ... idle
 CONTENTION_BATCH = (4, 128)  # the background thread's batch: 4 inputs of about 128 tokens
 
@@ -120,9 +122,9 @@ def measure_serving_path(executor: Any, cost_model: CostModel, *, requests: int 
     idle, busy = _contention(executor, texts, lengths, padding)
     idle_s, busy_s = statistics.median(idle), statistics.median(busy)
     factor = max(busy_s / idle_s, 1.0) if idle_s > 0 else 1.0
-    alpha, const, load_details = _fit_loaded(loaded, cost_model)
+    (alpha, rate_coef, const), load_details = _fit_loaded(loaded, cost_model)
     frontend = dataclasses.replace(fitted, batch_overhead_s=overhead_s, serial_busy_factor=factor,
-                                   loaded_alpha=alpha, loaded_const_s=const,
+                                   loaded_alpha=alpha, loaded_rate_coef=rate_coef, loaded_const_s=const,
                                    loaded_residuals=tuple(load_details.pop("residuals", ())))
     details = {
         "requests": len(measured), "ok": len(ok), "warmup_requests": len(warm), "lengths": len(wanted),
@@ -164,43 +166,62 @@ def _one_input(length: int, padding: str) -> BatchShape:
     return BatchShape.ragged([length]) if padding == "none" else BatchShape.padded([length], length)
 
 
+@dataclasses.dataclass
+class Loaded:
+    """One batch the server ran: its features, slot seconds, start and its requests' arrivals."""
+
+    features: dict[str, float]
+    slot_s: float
+    start: float
+    arrivals: list[float]
+
+
 def _loaded_plan(texts: list[str], lengths: list[int], cost_model: CostModel, padding: str,
                  seed: int, n: int) -> list[PlannedRequest]:
-    """``n`` of the texts, seeded, at Poisson times: ``LOADED_SHARE`` of the rate at which one slot
-    serves them alone (the cost model's mean lone latency)."""
+    """``n`` of the texts, seeded, at Poisson times: the first half at ``LOADED_SHARES[0]`` of the rate
+    at which one slot serves them alone (the cost model's mean lone latency), the second half at
+    ``LOADED_SHARES[1]``, a pause of two seconds between."""
     if n <= 0:
         return []
     rng = random.Random(seed + 7)
     pick = [rng.randrange(len(texts)) for _ in range(n)]
     alone = statistics.mean(cost_model.latency(_one_input(lengths[i], padding)) for i in pick)
-    rate = LOADED_SHARE / max(alone, 1e-4)
     t, out = 0.0, []
     for k, i in enumerate(pick):
-        t += rng.expovariate(rate)
+        share = LOADED_SHARES[0] if k < n // 2 else LOADED_SHARES[1]
+        t += rng.expovariate(share / max(alone, 1e-4)) + (2.0 if k == n // 2 else 0.0)
         out.append(PlannedRequest(k, t, lengths[i], 0, {"input": texts[i]}))
     return out
 
 
-def _fit_loaded(batches: list[tuple[dict[str, float], float]],
-                cost_model: CostModel) -> tuple[float, float, dict[str, Any]]:
-    """``slot_s ~ alpha * predicted + const`` over the loaded phase's batches (relative errors)."""
+def _fit_loaded(batches: list[Loaded], cost_model: CostModel) -> tuple[tuple[float, float, float],
+                                                                       dict[str, Any]]:
+    """``slot_s ~ predicted * (alpha + coef * rate) + const`` over the loaded batches (relative errors),
+    ``rate`` = requests that arrived in the ``RATE_WINDOW_S`` before the batch started, per second."""
     from ..core.costmodel import nonneg_lstsq
 
     if len(batches) < 10:
-        return 1.0, 0.0, {"batches": len(batches), "note": "too few batches: loaded speed not measured"}
-    pred = np.array([cost_model.latency(f) for f, _ in batches])
-    took = np.array([t for _, t in batches])
+        return (1.0, 0.0, 0.0), {"batches": len(batches), "note": "too few batches: not measured"}
+    arrivals = np.sort(np.array([a for b in batches for a in b.arrivals]))
+    starts = np.array([b.start for b in batches])
+    rate = (np.searchsorted(arrivals, starts) - np.searchsorted(arrivals, starts - RATE_WINDOW_S)) \
+        / RATE_WINDOW_S
+    pred = np.array([cost_model.latency(b.features) for b in batches])
+    took = np.array([b.slot_s for b in batches])
     w = 1.0 / np.maximum(took, 1e-6)
-    alpha, const = (float(c) for c in nonneg_lstsq(np.column_stack([pred, np.ones_like(pred)]) * w[:, None],
-                                                   took * w))
+    x = np.column_stack([pred, pred * rate, np.ones_like(pred)])
+    alpha, coef, const = (float(c) for c in nonneg_lstsq(x * w[:, None], took * w))
     if alpha <= 0:
-        alpha, const = float(took.sum() / pred.sum()), 0.0
-    sizes = [f.get("n", 1.0) for f, _ in batches]
-    residuals = took / (alpha * pred + const) - 1.0
-    return alpha, const, {"batches": len(batches), "mean_batch_size": float(np.mean(sizes)),
-                          "slot_over_predicted": float(took.sum() / pred.sum()), "alpha": alpha,
-                          "const_s": const, "residuals": sorted(float(r) for r in residuals),
-                          "residual_std": float(residuals.std())}
+        alpha, coef, const = float(took.sum() / pred.sum()), 0.0, 0.0
+    line = pred * (alpha + coef * rate) + const
+    residuals = took / line - 1.0
+    return (alpha, coef, const), {
+        "batches": len(batches),
+        "mean_batch_size": float(np.mean([b.features.get("n", 1.0) for b in batches])),
+        "rate_min": float(rate.min()), "rate_max": float(rate.max()), "rate_mean": float(rate.mean()),
+        "slot_over_predicted": float(took.sum() / pred.sum()), "alpha": alpha, "rate_coef": coef,
+        "const_s": const, "residuals": sorted(float(r) for r in residuals),
+        "residual_std": float(residuals.std())}
 
 
 def _send_elsewhere(url: str, model: str, plan: Sequence[PlannedRequest]) -> None:
@@ -229,7 +250,7 @@ def _replay_child(url: str, model: str, plan: list[PlannedRequest]) -> None:
 
 def _serve_and_send(executor: Any, sched: SchedulerConfig, cost_model: CostModel,
                     plan: Sequence[PlannedRequest], loaded_plan: Sequence[PlannedRequest] = (),
-                    ) -> tuple[list[Any], list[float], list[tuple[dict[str, float], float]]]:
+                    ) -> tuple[list[Any], list[float], list[Loaded]]:
     """Start uvicorn on a socket bound here (no port race), send ``plan`` one by one, then
     ``loaded_plan`` open-loop from another process, shut down. Also returns each lone batch's slot
     seconds in the order they ran, and each loaded batch's (features, slot seconds)."""
@@ -238,9 +259,10 @@ def _serve_and_send(executor: Any, sched: SchedulerConfig, cost_model: CostModel
     port = int(sock.getsockname()[1])
     app = create_app(ServerConfig(port=port, request_timeout_s=30.0, drain_timeout_s=5.0), executor, sched,
                      cost_model)
-    seen: list[tuple[dict[str, float], float]] = []
+    seen: list[Loaded] = []
     app.state.service.batcher.batch_observers.append(
-        lambda batch, start, took: seen.append(({**batch.shape.features(), "n": float(batch.size)}, took)))
+        lambda batch, start, took: seen.append(Loaded({**batch.shape.features(), "n": float(batch.size)},
+                                                      took, start, [r.arrival for r in batch.requests])))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                            access_log=False, lifespan="on"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True,
@@ -265,7 +287,7 @@ def _serve_and_send(executor: Any, sched: SchedulerConfig, cost_model: CostModel
         sock.close()
     if thread.is_alive():
         raise RuntimeError("serving path: the in-process server did not shut down within 15 s")
-    return records, [t for _, t in seen[:lone]], seen[lone:]
+    return records, [b.slot_s for b in seen[:lone]], seen[lone:]
 
 
 def _contention(executor: Any, texts: list[str], lengths: list[int],

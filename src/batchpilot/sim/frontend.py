@@ -20,9 +20,11 @@ The fields:
 * ``batch_overhead_s``: what the live driver adds to every batch around the model (the scheduling call,
   collation, the hand-offs between the event loop and the slot's threads): the median, over lone
   requests, of the ``batcher`` part minus the slot's own run time for that batch, clipped at 0.
-* ``loaded_alpha``, ``loaded_const_s``: a batch under serving load takes ``loaded_alpha`` times the cost
-  model's prediction plus ``loaded_const_s`` (measured by the profile with its own open-loop traffic:
-  the model runs slower while the server handles requests than alone in the profiler's loop).
+* ``loaded_alpha``, ``loaded_rate_coef``, ``loaded_const_s``: a batch under serving load takes
+  ``predicted * (loaded_alpha + loaded_rate_coef * rate) + loaded_const_s``, ``rate`` being the requests
+  that reached the server in the second before it started (``RATE_WINDOW_S``). Measured by the profile
+  with its own open-loop traffic at two rates: the model runs slower while the server handles requests
+  (their HTTP, JSON and tokenising share its cores) than alone in the profiler's loop.
 * ``loaded_residuals``: the spread of those batches around that line (``slot / line - 1``, sorted): the
   simulator draws every batch's time from it (seeded), so the queueing it predicts sees the service-time
   variance the served model really has, not the profiler loop's.
@@ -47,6 +49,8 @@ from typing import Any
 
 import numpy as np
 
+RATE_WINDOW_S = 1.0  # a batch's request rate: arrivals in this window before it started
+
 
 @dataclass(frozen=True)
 class FrontEnd:
@@ -57,6 +61,7 @@ class FrontEnd:
     batch_overhead_s: float = 0.0
     serial_busy_factor: float = 1.0
     loaded_alpha: float = 1.0
+    loaded_rate_coef: float = 0.0
     loaded_const_s: float = 0.0
     loaded_residuals: tuple[float, ...] = ()
 
@@ -86,9 +91,10 @@ class FrontEnd:
             out[i] = free
         return out
 
-    def batch_seconds(self, predicted_s: float) -> float:
-        """A batch's slot time under serving load, from the cost model's prediction for it."""
-        return self.loaded_alpha * predicted_s + self.loaded_const_s
+    def batch_seconds(self, predicted_s: float, rate: float = 0.0) -> float:
+        """A batch's slot time under serving load, from the cost model's prediction for it and the
+        request rate (per second, over the ``RATE_WINDOW_S`` before it starts)."""
+        return predicted_s * (self.loaded_alpha + self.loaded_rate_coef * rate) + self.loaded_const_s
 
     def delay(self, tokens: np.ndarray) -> np.ndarray:
         return self.delay_const_s + self.delay_per_token_s * np.asarray(tokens, dtype=float)

@@ -14,6 +14,7 @@ to see what a wrong belief costs.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -24,7 +25,7 @@ from ..core.costmodel import CostModel
 from ..core.request import Request
 from ..core.scheduler import Batch, BatchScheduler, Rejection
 from .engine import Engine, EngineStats, Job, StopSimulation
-from .frontend import FrontEnd
+from .frontend import RATE_WINDOW_S, FrontEnd
 from .traces import Workload
 
 DONE, PENDING, REJECTED, DROPPED = 1, 0, 2, 3
@@ -68,13 +69,14 @@ class EncoderTarget:
         request_sla_s: float | None = None,
         stop_after_misses: tuple[float, int, float] | None = None,
         batch_overhead_s: float = 0.0,
-        loaded: tuple[float, float] = (1.0, 0.0),
+        loaded: tuple[float, float, float] = (1.0, 0.0, 0.0),
         loaded_residuals: tuple[float, ...] = (),
     ) -> None:
         """``batch_overhead_s``: seconds the live driver adds to every batch outside the model (thread
         hand-offs, the event loop; the profile's ``frontend.batch_overhead_s``). ``loaded``: (alpha,
-        const) of a batch's time under serving load, ``alpha * cost model + const`` (the profile's
-        ``frontend.loaded_alpha`` and ``loaded_const_s``); ``loaded_residuals``: the served batches'
+        rate coefficient, const) of a batch's time under serving load, ``cost model * (alpha + coef *
+        rate) + const`` with ``rate`` the arrivals of the last ``RATE_WINDOW_S`` per second (the
+        profile's ``frontend.loaded_*``); ``loaded_residuals``: the served batches'
         spread around it, drawn from for every batch (seeded) in place of the profile's residuals.
         ``stop_after_misses = (sla_s, max_misses, warmup_s)``: stop the run (``StopSimulation``) once more
         than ``max_misses`` measured requests finished later than ``sla_s`` or failed — the tuner's
@@ -93,7 +95,8 @@ class EncoderTarget:
         self.noise = noise or bool(loaded_residuals)
         self._stop = stop_after_misses
         self._overhead = batch_overhead_s
-        self._alpha, self._const = loaded
+        self._alpha, self._rate_coef, self._const = loaded
+        self._recent: deque[float] = deque()  # arrivals in the last RATE_WINDOW_S (only with a rate coef)
         self.num_misses = 0
 
     @property
@@ -101,6 +104,8 @@ class EncoderTarget:
         return self.scheduler.num_waiting > 0
 
     def on_arrival(self, index: int, now: float) -> None:
+        if self._rate_coef:
+            self._recent.append(now)
         req = Request(index, now, self._lengths[index], self._prio[index], None, self.request_sla_s)
         rejection = self.scheduler.submit(req, now)
         if rejection is not None:
@@ -123,7 +128,7 @@ class EncoderTarget:
         for batch in out.batches:
             for r in batch.requests:
                 dispatch[r.id] = now
-            jobs.append(Job(self._duration(batch), batch))
+            jobs.append(Job(self._duration(batch, now), batch))
         return jobs, out.wake_at
 
     def next_job_at(self, job: Job) -> float:
@@ -150,9 +155,15 @@ class EncoderTarget:
         rec.b_attn.append(shape.attn)
         self.scheduler.on_batch_done(batch, now, job.duration_s)
 
-    def _duration(self, batch: Batch) -> float:
+    def _duration(self, batch: Batch, now: float) -> float:
         shape = batch.shape
-        mean = self._alpha * self.service_model.batch_latency(shape.n, shape.tokens, shape.attn) + self._const
+        factor = self._alpha
+        if self._rate_coef:
+            recent, start = self._recent, now - RATE_WINDOW_S
+            while recent and recent[0] < start:
+                recent.popleft()
+            factor += self._rate_coef * len(recent) / RATE_WINDOW_S
+        mean = factor * self.service_model.batch_latency(shape.n, shape.tokens, shape.attn) + self._const
         if not self.noise or not self._residuals:
             return mean + self._overhead
         if not self._u:
@@ -211,8 +222,9 @@ def simulate_encoder(
     target = EncoderTarget(BatchScheduler(config, cost_model), workload, service_model, noise, seed,
                            request_sla_s, stop_after_misses,
                            frontend.batch_overhead_s if frontend is not None else 0.0,
-                           (frontend.loaded_alpha, frontend.loaded_const_s) if frontend is not None
-                           else (1.0, 0.0), frontend.loaded_residuals if frontend is not None else ())
+                           (frontend.loaded_alpha, frontend.loaded_rate_coef, frontend.loaded_const_s)
+                           if frontend is not None else (1.0, 0.0, 0.0),
+                           frontend.loaded_residuals if frontend is not None else ())
     engine = Engine(target, config.num_slots, progress=progress)
     at_batcher = None
     if frontend is not None:
