@@ -64,9 +64,9 @@ def main() -> int:
             res = json.loads((run_out / "fidelity.json").read_text())
             rows = res["table"]["rows"]
             scored = [r for r in rows if r[7] in ("yes", "no")]
-            speeds = sorted({r[8] for r in rows})
+            speeds = [p["speed_vs_profile"] for p in res["points"]]
             summary.append((name, pin, f"{sum(r[7] == 'yes' for r in scored)}/{len(scored)}",
-                            f"{res['capacity_rps']:.2f}", ", ".join(speeds)))
+                            f"{res['capacity_rps']:.2f}", ", ".join(f"{x:+.1%}" for x in speeds)))
     print("\nworkload     cpus  cells within target  predicted capacity req/s  speed vs profile (50%, 80%)")
     for name, pin, cells, cap, speed in summary:
         print(f"{name:<12} {pin:<5} {cells:>19}  {cap:>24}  {speed}")

@@ -98,7 +98,8 @@ def test_cli_writes_a_profile_the_server_can_load(tmp_path: Path, capsys: pytest
     assert len(doc["points"]) == 6 and len(doc["holdout"]) == 2
     frontend = FrontEnd.from_profile(out)  # the serving path, measured on the real app in-process
     assert frontend is not None and frontend.serial_busy_factor >= 1.0
-    assert all(math.isfinite(v) and v >= 0 for v in frontend.to_dict().values())
+    assert all(math.isfinite(v) and v >= 0 for k, v in frontend.to_dict().items() if k != "loaded_residuals")
+    assert all(r > -1 for r in frontend.loaded_residuals)
     assert doc["serving_path"]["requests"] == 2 * 3 and doc["serving_path"]["padding"] == "dynamic"
     prepare = doc["cost_model"]["meta"]["prepare_s"]  # the median collation time of the grid's batches
     assert prepare == pytest.approx(statistics.median(p["prepare_s"] for p in doc["points"]))

@@ -55,9 +55,11 @@ def add_llm_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config_and_profile(out: Path, spec: Any, profile: str | None, cpus: str | None,
-                              model: str | None = None) -> tuple[LLMSchedulerConfig, CostModel]:
+                              model: str | None = None) -> tuple[LLMSchedulerConfig, CostModel, float]:
     """The scheduler config of the engine ``serve --llm`` builds from ``spec``, and the step cost model:
-    loaded from ``profile``, or profiled here on that engine's runner (on ``cpus``, as the server runs)."""
+    loaded from ``profile``, or profiled here on that engine's runner (on ``cpus``, as the server runs),
+    and the serving path's first-token delay (``server.llm_serving_profile``; 0 when the profile lacks it).
+    """
     from ..runtime.llm_engine import build_llm_engine
     from ..server.cli import llm_overrides
 
@@ -72,29 +74,41 @@ def engine_config_and_profile(out: Path, spec: Any, profile: str | None, cpus: s
         config = engine.config
         if profile:
             cost_model = CostModel.load(profile)
+            delay = float(json.loads(Path(profile).read_text()).get("frontend", {}).get("first_token_delay_s",
+                                                                                      0.0))
         else:
             from ..models.llm.profile import profile_llm_steps
+            from ..server.llm_serving_profile import measure_first_token_delay
 
             print("profiling LLM steps (models.llm.profile.profile_llm_steps) ...", flush=True)
             cost_model = profile_llm_steps(engine.runner)
-            cost_model.save(out / "llm_profile.json")
+            engine.start()
+            try:
+                delay, details = measure_first_token_delay(engine)
+            finally:
+                engine.shutdown()
+            path = out / "llm_profile.json"
+            path.write_text(json.dumps({"cost_model": cost_model.to_dict(),
+                                        "frontend": {"first_token_delay_s": delay},
+                                        "serving_path": details}, indent=2))
             coef = ", ".join(f"{n}={c:.3g}" for n, c in zip(cost_model.feature_names, cost_model.latency_coef,
                                                              strict=True))
-            print(f"step model: {coef} -> {out / 'llm_profile.json'}", flush=True)
+            print(f"step model: {coef}; serving path: first token {delay * 1e3:.2f} ms after the engine's "
+                  f"({details['ok']} lone streams) -> {path}", flush=True)
         del engine
     finally:
         if saved is not None:
             os.sched_setaffinity(0, saved)
-    return config, cost_model
+    return config, cost_model, delay
 
 
 def simulate(workload: Workload, config: LLMSchedulerConfig, cost_model: CostModel,
-             sla_s: float) -> tuple[Summary, Any]:
+             sla_s: float, first_token_delay_s: float = 0.0) -> tuple[Summary, Any]:
     """The simulated run as a ``Summary`` whose latency percentiles are TTFT (what the SLA is on), and
     the simulator's own report (``num_rejected``)."""
     from ..sim.llm import simulate_llm
 
-    rep = simulate_llm(workload, config, cost_model).report()
+    rep = simulate_llm(workload, config, cost_model, first_token_delay_s=first_token_delay_s).report()
     ttft = {"p50": rep.ttft_p50, "p90": math.nan, "p99": rep.ttft_p99, "p99.9": math.nan}
     n = rep.num_requests
     s = Summary(num_requests=n, num_ok=rep.num_finished, num_warmup=0, duration_s=rep.duration_s,
@@ -155,13 +169,13 @@ def main(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     sla, seed, cpus, model = float(opt("sla", 2.0)), int(opt("seed", 0)), opt("cpus"), opt("llm_model")
     spec = spec_from_args(args)
-    config, cost_model = engine_config_and_profile(out, spec, opt("profile"), cpus, model)
+    config, cost_model, delay = engine_config_and_profile(out, spec, opt("profile"), cpus, model)
     start = int(opt("start", 0))
     wl = load_workload("conv-llm", 1.0, start, opt("requests") or DEFAULT_REQUESTS, trace=opt("trace"))
     print(f"workload conv-llm rows [{start}, {start + len(wl)}) over {wl.duration_s:.1f} s "
           f"({wl.mean_rate:.2f} req/s); TTFT P99 SLA {sla:g} s; engine {config}", flush=True)
     search = CapacityConfig(sla_s=sla, rel_tol=0.03, max_probes=30, lo=1e-3, hi=256.0)
-    cap = search_capacity(lambda k: simulate(wl.scale_rate(k), config, cost_model, sla)[0], search)
+    cap = search_capacity(lambda k: simulate(wl.scale_rate(k), config, cost_model, sla, delay)[0], search)
     bound = "" if cap.bracketed else f" (a lower bound: every rate up to x{search.hi:g} met the SLA)"
     print(f"simulated capacity: rate scale {cap.rate_scale:.3f} = {cap.rps:.2f} req/s{bound}", flush=True)
     result: dict[str, Any] = {
@@ -193,7 +207,7 @@ def main(args: argparse.Namespace) -> int:
         for load in opt("loads", [0.5, 0.8]) or []:
             k = load * cap.rate_scale
             rows_wl = probe_workload(wl, k, max_live_s) if max_live_s else wl.scale_rate(k)
-            pred, rep = simulate(rows_wl, config, cost_model, sla)
+            pred, rep = simulate(rows_wl, config, cost_model, sla, delay)
             if warmup:
                 warm = rows_wl.slice(0, min(warmup, len(rows_wl)))
                 replay(build_plan(warm, "completions", warmup_requests=len(warm)), quiet)

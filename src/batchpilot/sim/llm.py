@@ -197,13 +197,20 @@ class LLMSimRun:
 
 
 def simulate_llm(workload: Workload, config: LLMSchedulerConfig | None = None,
-                 cost_model: CostModel | None = None, *, noise: bool = False, seed: int = 0) -> LLMSimRun:
-    """Replay ``workload`` (prompt = input_tokens, output = output_tokens) through a fresh LLMScheduler."""
+                 cost_model: CostModel | None = None, *, noise: bool = False, seed: int = 0,
+                 first_token_delay_s: float = 0.0) -> LLMSimRun:
+    """Replay ``workload`` (prompt = input_tokens, output = output_tokens) through a fresh LLMScheduler.
+    ``first_token_delay_s``: the serving path around the engine (the profile's
+    ``frontend.first_token_delay_s``), added to every token's time as the client sees it."""
     config = config or LLMSchedulerConfig()
     cost_model = cost_model or default_llm_cost_model()
     scheduler = LLMScheduler(config)
     target = LLMTarget(scheduler, workload, cost_model, noise, seed)
     stats = Engine(target, num_slots=1).run(workload.arrival_s)  # type: ignore[arg-type]
+    if first_token_delay_s:
+        rec = target.record
+        rec.first_token_s = [t + first_token_delay_s for t in rec.first_token_s]
+        rec.finish_s = [t + first_token_delay_s for t in rec.finish_s]
     return LLMSimRun(workload, config, cost_model, stats, target.record, scheduler.num_preemptions)
 
 
