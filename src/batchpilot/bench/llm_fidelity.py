@@ -35,6 +35,7 @@ from ..core.costmodel import CostModel
 from ..core.llm_scheduler import LLMSchedulerConfig
 from ..sim.traces import Workload
 from .capacity import CapacityConfig, probe_workload, search_capacity, wait_idle
+from .fidelity import text_table
 from .llm_steps import read_steps, speed_vs_profile
 from .loadgen import LoadGenConfig, build_plan, replay
 from .records import Summary, format_summary, summarize, write_csv
@@ -147,13 +148,6 @@ def comparison_rows(load: float, k: float, pred: Summary, rejected_pred: int, me
                  f"{rejected_pred - rejected:+d}", "10% or 5", "yes" if ok else "no", sp])
     return rows
 
-
-def text_table(head: list[str], rows: list[list[Any]]) -> str:
-    cells = [head] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(head))]
-    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths,
-                                                                                              strict=True)))
-                     for r in cells)
 
 
 def main(args: argparse.Namespace) -> int:

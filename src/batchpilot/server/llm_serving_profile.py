@@ -15,19 +15,16 @@ time per output token is unchanged.
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
-import time
 from typing import Any
 
 import numpy as np
-import uvicorn
 
 from ..bench.loadgen import LoadGenConfig, build_plan, one_by_one_async
 from ..runtime.executor import NoopExecutor
 from ..sim.traces import Workload
 from .app import create_app
 from .config import ServerConfig
+from .serving_profile import bound_socket, in_thread
 
 REQUESTS = 12
 OUTPUT_TOKENS = 4
@@ -42,31 +39,15 @@ def measure_first_token_delay(engine: Any, requests: int = REQUESTS,
     lengths = [int(x) for x in np.linspace(16, max(top, 16), requests)]
     wl = Workload.from_columns("llm-serving-path", [0.0] * requests, lengths, [OUTPUT_TOKENS] * requests)
     plan = build_plan(wl, "completions", seed=seed)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    port = int(sock.getsockname()[1])
+    sock, port = bound_socket()
     app = create_app(ServerConfig(port=port, request_timeout_s=60.0, drain_timeout_s=5.0), NoopExecutor(),
                      routers=[lambda registry: make_llm_router(engine, registry)],
                      extra_models=[engine.model_name])
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           access_log=False, lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True,
-                              name="batchpilot-llm-serving-profile")
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            if not thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("llm serving path: the in-process server did not start")
-            time.sleep(0.02)
-        config = LoadGenConfig(f"http://127.0.0.1:{port}", "completions", model=engine.model_name,
-                               timeout_s=60.0, progress=False, scrape_interval_s=0)
+    with in_thread(app, sock, "batchpilot-llm-serving-profile") as url:
+        config = LoadGenConfig(url, "completions", model=engine.model_name, timeout_s=60.0, progress=False,
+                               scrape_interval_s=0)
         asyncio.run(one_by_one_async(plan[:2], config))  # unmeasured: the first steps allocate
         records = asyncio.run(one_by_one_async(plan, config))
-    finally:
-        server.should_exit = True
-        thread.join(15)
-        sock.close()
     gaps = np.array([r.ttft_s - r.server_batcher_s for r in records if r.ok], dtype=float)
     gaps = gaps[np.isfinite(gaps)]
     if gaps.size < 3:

@@ -47,7 +47,8 @@ import socket
 import statistics
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -254,40 +255,52 @@ def _serve_and_send(executor: Any, sched: SchedulerConfig, cost_model: CostModel
     """Start uvicorn on a socket bound here (no port race), send ``plan`` one by one, then
     ``loaded_plan`` open-loop from another process, shut down. Also returns each lone batch's slot
     seconds in the order they ran, and each loaded batch's (features, slot seconds)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    port = int(sock.getsockname()[1])
+    sock, port = bound_socket()
     app = create_app(ServerConfig(port=port, request_timeout_s=30.0, drain_timeout_s=5.0), executor, sched,
                      cost_model)
     seen: list[Loaded] = []
     app.state.service.batcher.batch_observers.append(
         lambda batch, start, took: seen.append(Loaded({**batch.shape.features(), "n": float(batch.size)},
                                                       took, start, [r.arrival for r in batch.requests])))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           access_log=False, lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True,
-                              name="batchpilot-serving-profile")
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            if not thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("serving path: the in-process server did not start")
-            time.sleep(0.02)
-        config = LoadGenConfig(f"http://127.0.0.1:{port}", model=app.state.service.model_name,
-                               timeout_s=30.0, progress=False, scrape_interval_s=0)
+    with in_thread(app, sock, "batchpilot-serving-profile") as url:
+        config = LoadGenConfig(url, model=app.state.service.model_name, timeout_s=30.0, progress=False,
+                               scrape_interval_s=0)
         records = asyncio.run(one_by_one_async(plan, config))
         lone = len(seen)
         if loaded_plan:
             _send_elsewhere(config.base_url, config.model or "", loaded_plan)
             time.sleep(0.5)  # the last batches report on the loop
+    return records, [b.slot_s for b in seen[:lone]], seen[lone:]
+
+
+def bound_socket() -> tuple[socket.socket, int]:
+    """A 127.0.0.1 socket bound to a free port (handed to uvicorn: no race for the port)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    return sock, int(sock.getsockname()[1])
+
+
+@contextmanager
+def in_thread(app: Any, sock: socket.socket, name: str) -> Iterator[str]:
+    """Serve ``app`` with uvicorn on ``sock`` in a thread; yields its URL; drains and joins on exit."""
+    port = int(sock.getsockname()[1])
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           access_log=False, lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name=name)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"{name}: the in-process server did not start")
+            time.sleep(0.02)
+        yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True  # uvicorn drains, then the app's lifespan shuts the Batcher down
         thread.join(15)
         sock.close()
     if thread.is_alive():
-        raise RuntimeError("serving path: the in-process server did not shut down within 15 s")
-    return records, [b.slot_s for b in seen[:lone]], seen[lone:]
+        raise RuntimeError(f"{name}: the in-process server did not shut down within 15 s")
 
 
 def _contention(executor: Any, texts: list[str], lengths: list[int],
