@@ -71,6 +71,9 @@ class StubScheduler:
             out.batches.append(Batch(self.ids, reqs, shape.padded_len, shape, "dynamic", now))
         return out
 
+    def next_batch_at(self, batch, started_at):  # type: ignore[no-untyped-def]
+        return float("inf")  # no pipelining: the slot takes its next batch when this one ends
+
     def on_batch_done(self, batch, now, latency_s):  # type: ignore[no-untyped-def]
         return None
 

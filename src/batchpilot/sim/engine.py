@@ -168,8 +168,9 @@ class Engine:
                 if progress is not None and i >= next_report:
                     progress(i)
                     next_report = i + every
-                ready = [k for k in range(num_slots) if accept[k] <= now and waiting[k] is None] \
-                    if next_at is not None else []
+                # busy slots past their accept time (a slot with a job waiting behind it accepts at inf)
+                amin = min(accept) if next_at is not None else inf
+                ready = [k for k in range(num_slots) if accept[k] <= now] if amin <= now else []
                 jobs, wake_at = schedule(now, len(free) + len(ready))
                 calls += 1
                 if jobs:
@@ -191,7 +192,9 @@ class Engine:
                             queued_jobs += 1
                 wake = inf if wake_at is None else wake_at
                 if next_at is not None and (has_pending is None or target.has_pending):  # type: ignore[attr-defined]
-                    soon = min((t for t in accept if t > now), default=inf)
+                    soon = min(accept)
+                    if soon <= now:
+                        soon = min((t for t in accept if t > now), default=inf)
                     if soon < wake:
                         wake = soon
                 if wake <= now:
