@@ -1,7 +1,7 @@
 """The LLM routes end to end: a real uvicorn server on a free 127.0.0.1 port, real openai/httpx clients.
 
 The app here is built by hand (FastAPI + error handlers + the LLM router) so this test depends only on
-the LLM team's code; ``batchpilot serve --llm`` mounts the same router.
+on the LLM routes and engine; ``batchpilot serve --llm`` mounts the same router.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ the simulator's fidelity, or run the padding benchmark.
     batchpilot bench capacity --url http://127.0.0.1:8000 --workload conv-embed --probe-s 30
     batchpilot bench fidelity --workload conv-embed --config cfg.yaml [--profile profile.json]
     batchpilot bench tuner --workload conv-embed --requests 400 [--profile profile.json]
-    batchpilot bench padding ...            (the ragged team's benchmark, batchpilot.bench.padding)
+    batchpilot bench padding ...            (the padding modes benchmark, batchpilot.bench.padding)
 
 ``--compare`` takes server URLs and/or scheduler YAML files; a YAML starts ``batchpilot serve --config``
 on a free port for its run. Every run writes ``records-<label>.csv``, ``summary.json``, the PNGs and
@@ -97,7 +97,7 @@ def register(subparsers: Any) -> None:
 
 
 def _padding(args: argparse.Namespace) -> int:
-    from . import padding  # the ragged team's module, imported only when asked for
+    from . import padding  # imported only when asked for
 
     return int(padding.main(list(args.args)) or 0)
 

@@ -172,7 +172,7 @@ STARTUP_PROFILE = {"batch_sizes": (1, 8), "lengths": (16, 128, 512), "repeats": 
 
 
 def startup_profile(profile_encoder: Any, executor: Any, padding: str) -> CostModel:
-    """The models team's profile bounded to ~15 s (rich progress bar), in the padding mode served."""
+    """The encoder profile (`models.profiler.profile_encoder`) bounded to ~15 s, padded as served."""
     model, points = profile_encoder(executor, padding="none" if padding == "none" else "dynamic",
                                     **STARTUP_PROFILE)
     log.info("cost model: start-up profile of %d shapes; batch 1 x 128 tokens predicted %.1f ms", len(points),
