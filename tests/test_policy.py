@@ -27,6 +27,8 @@ COST = simple_cost_model(const=0.010, per_token=1e-5)  # batch of n x 100 tokens
 
 
 def policy(name: str, **kw: object) -> Policy:
+    """The policy's own window (``wait_only_if_it_pays`` off unless a test turns it on)."""
+    kw.setdefault("wait_only_if_it_pays", False)
     return make_policy(PolicyConfig(name=name, **kw), COST, PlannerConfig(padding="dynamic"))  # type: ignore[arg-type]
 
 
@@ -60,7 +62,8 @@ def test_window_fires_early_when_full() -> None:
 
 
 def test_full_counts_the_token_budget_too() -> None:
-    p = make_policy(PolicyConfig(name="window", max_batch_size=32), COST, PlannerConfig(max_batch_tokens=500))
+    p = make_policy(PolicyConfig(name="window", max_batch_size=32, wait_only_if_it_pays=False), COST,
+                    PlannerConfig(max_batch_tokens=500))
     assert isinstance(p.decide(0.0, state(5, length=100)), Dispatch)
     assert isinstance(p.decide(0.0, state(4, length=100)), Wait)
 
@@ -182,3 +185,40 @@ def test_wait_bounds() -> None:
     assert policy("window", max_wait_s=0.01).wait_bound_s == 0.01
     assert policy("hybrid", max_wait_s=0.01, patience_s=0.02).wait_bound_s == pytest.approx(0.03)
     assert policy("sla", sla_s=0.5).wait_bound_s == 0.5
+
+
+# -- windows open only when waiting pays ------------------------------------------------------------
+# COST: a batch of n x 100 tokens takes 10 ms + n ms, so with one waiting the break-even gap is
+# 2 x 11 ms - 12 ms = 10 ms: waiting for a second request raises throughput only if it comes sooner.
+
+@pytest.mark.parametrize("name", ["window", "backlog", "hybrid", "adaptive"])
+def test_a_lone_request_at_light_load_goes_at_once(name: str) -> None:
+    p = policy(name, max_wait_s=0.050, wait_only_if_it_pays=True, min_wait_s=0.0)
+    feed(p, [0.0, 0.5, 1.0])  # one request every 500 ms, far above the 10 ms break-even gap
+    assert p.break_even_gap(1, state(1)) == pytest.approx(0.010)
+    d = p.decide(1.0, state(1, oldest=1.0))
+    assert isinstance(d, Dispatch) and d.reason == "waiting does not pay" and not d.urgent
+
+
+@pytest.mark.parametrize("name", ["window", "backlog", "hybrid", "adaptive"])
+def test_the_window_opens_when_the_next_request_is_due_sooner_than_break_even(name: str) -> None:
+    p = policy(name, max_wait_s=0.050, wait_only_if_it_pays=True, min_wait_s=0.0)
+    feed(p, [i * 0.002 for i in range(20)])  # every 2 ms: a second request is worth waiting for
+    assert isinstance(p.decide(0.038, state(1, oldest=0.038)), Wait)
+
+
+def test_a_long_quiet_spell_closes_the_window_even_if_the_ewma_says_busy() -> None:
+    p = policy("window", max_wait_s=0.200, wait_only_if_it_pays=True)
+    feed(p, [i * 0.002 for i in range(20)])
+    assert isinstance(p.decide(0.040, state(1, oldest=0.039)), Wait)
+    assert isinstance(p.decide(0.060, state(1, oldest=0.039)), Dispatch)  # 22 ms without an arrival
+
+
+def test_static_batching_never_skips_its_wait() -> None:
+    p = policy("static", max_wait_s=0.050, wait_only_if_it_pays=True)
+    feed(p, [0.0, 0.5, 1.0])
+    assert p.decide(1.0, state(1, oldest=1.0)) == Wait(1.05)
+
+
+def test_the_fast_path_is_the_default() -> None:
+    assert PolicyConfig().wait_only_if_it_pays

@@ -7,8 +7,20 @@ from batchpilot.core.scheduler import BatchScheduler, RejectReason
 from core_factories import FakeClock, drive, make_request, make_scheduler, simple_cost_model
 
 
+def test_an_idle_scheduler_serves_a_lone_request_at_once() -> None:
+    s = make_scheduler()  # the default policy: its window opens only when waiting pays
+    clock = FakeClock()
+    for _ in range(3):  # sparse traffic: one request every 200 ms, each alone
+        assert s.submit(make_request(10, clock()), clock()) is None
+        out = s.schedule(clock(), 1)
+        assert [b.size for b in out.batches] == [1] and out.batches[0].formed_at == clock()
+        s.on_batch_done(out.batches[0], clock.advance(0.02), 0.02)
+        clock.advance(0.18)
+
+
 def test_window_then_dispatch_with_wake_at() -> None:
-    s = make_scheduler(policy={"name": "window", "max_wait_s": 0.010, "max_batch_size": 4})
+    s = make_scheduler(policy={"name": "window", "max_wait_s": 0.010, "max_batch_size": 4,
+                               "wait_only_if_it_pays": False})
     clock = FakeClock()
     assert s.submit(make_request(10, 0.0), clock()) is None
     out = s.schedule(clock(), 1)

@@ -31,7 +31,8 @@ def linear_cost(c0: float, c1: float = 0.0) -> CostModel:
 
 
 def window_config(batch: int, wait_s: float) -> SchedulerConfig:
-    return SchedulerConfig(policy=PolicyConfig(name="window", max_batch_size=batch, max_wait_s=wait_s),
+    return SchedulerConfig(policy=PolicyConfig(name="window", max_batch_size=batch, max_wait_s=wait_s,
+                                                 wait_only_if_it_pays=False),
                            planner=PlannerConfig(grouping="fifo", padding="dynamic"))
 
 

@@ -93,7 +93,8 @@ def test_serial_stage_spreads_a_burst_before_the_batcher() -> None:
     # 4 requests at once, 10 ms each in the tokenizer thread: they reach the batcher 10 ms apart, so a
     # batch-of-4 window policy that would have taken them together now waits for the last one
     wl = _workload([0.0] * 4, [16] * 4)
-    cfg = SchedulerConfig(policy=PolicyConfig(name="window", max_batch_size=4, max_wait_s=0.1))
+    cfg = SchedulerConfig(policy=PolicyConfig(name="window", max_batch_size=4, max_wait_s=0.1,
+                                              wait_only_if_it_pays=False))
     cm = CostModel(latency_coef=(0.05, 0.0, 0.0, 0.0))
     run = simulate_encoder(wl, cfg, cm, frontend=FrontEnd(serial_const_s=0.01))
     assert run.batcher_arrival_s is not None

@@ -48,6 +48,10 @@ class PolicyConfig:
     backlog_tokens: int = 0
     # hybrid patience: keep waiting past max_wait_s (up to patience_s more) when arrivals are imminent
     patience_s: float = 0.0
+    # window, backlog, hybrid, adaptive, aimd: with a slot free, wait for more requests only while the
+    # next arrival (the EWMA gap) is expected sooner than the break-even gap of the cost model
+    # (``Policy.break_even_gap``): at light load a lone request goes at once. False: the fixed window.
+    wait_only_if_it_pays: bool = True
     # adaptive window from the EWMA of inter-arrival times
     min_wait_s: float = 0.0
     ewma_alpha: float = 0.2

@@ -9,6 +9,11 @@ its bound and must be in this batch. ``Wait(None)`` means "nothing to do until s
 Each policy keeps its own EWMA of inter-arrival times (fed by ``on_arrival``) and may learn from
 ``on_batch_done`` (AIMD). ``wait_bound_s`` is how long a request can wait with a slot free before the
 policy dispatches it: the starvation bound the tests check.
+
+Windows open only when waiting can pay (``PolicyConfig.wait_only_if_it_pays``, on by default for every
+windowed policy but ``static``): with a slot free, the policy waits for the next request only if it is
+expected sooner than the cost model's break-even gap (``break_even_gap``). At light load the expected
+gap is long, so a lone request is dispatched at once and batching costs it nothing.
 """
 
 from __future__ import annotations
@@ -124,6 +129,21 @@ class Policy:
     def on_batch_done(self, size: int, now: float, latency_s: float) -> None:
         return None
 
+    def break_even_gap(self, n: int, s: QueueState) -> float:
+        """With ``n`` waiting, dispatching now serves n in L(n); waiting one gap g serves n+1 in
+        g + L(n+1). Waiting raises throughput only while g < (n+1)·L(n)/n − L(n+1), returned here."""
+        lat_n = self.estimator.latency(n, s)
+        return (n + 1) * lat_n / n - self.estimator.latency(n + 1, s)
+
+    def _hold(self, now: float, s: QueueState, until: float) -> Decision:
+        """``Wait(until)``, unless waiting cannot pay (``wait_only_if_it_pays``): the next request is
+        expected later than the break-even gap, so the batch goes now (at light load: at once)."""
+        if self.config.wait_only_if_it_pays:
+            n = min(s.num_waiting, self.cap)
+            if n and self.expected_gap(now) >= self.break_even_gap(n, s):
+                return Dispatch(self.cap, False, "waiting does not pay")
+        return Wait(until)
+
     def decide(self, now: float, s: QueueState) -> Decision:
         return self._window(now, s, self.cap, self.config.max_wait_s)
 
@@ -134,7 +154,7 @@ class Policy:
             return Dispatch(cap, now >= due, "full")
         if now >= due:
             return Dispatch(cap, True, "window")
-        return Wait(due)
+        return self._hold(now, s, due)
 
 
 class WindowPolicy(Policy):
@@ -142,9 +162,13 @@ class WindowPolicy(Policy):
 
 
 class StaticPolicy(Policy):
-    """Static batching: fire only full batches; ``max_wait_s`` is just the safety net against starvation."""
+    """Static batching: fire only full batches; ``max_wait_s`` is just the safety net against starvation
+    (it never skips the wait: ``wait_only_if_it_pays`` does not apply)."""
 
     name = "static"
+
+    def _hold(self, now: float, s: QueueState, until: float) -> Decision:
+        return Wait(until)
 
 
 class BacklogPolicy(Policy):
@@ -162,7 +186,7 @@ class BacklogPolicy(Policy):
             return Dispatch(self.cap, now >= due, "full")
         if now >= due:
             return Dispatch(self.cap, True, "window")
-        return Wait(due)  # the window, inlined: this runs on every arrival and wake-up
+        return self._hold(now, s, due)  # the window, inlined: this runs on every arrival and wake-up
 
 
 class HybridPolicy(BacklogPolicy):
@@ -233,8 +257,7 @@ class SlaPolicy(Policy):
             return Dispatch(cap, True, "deadline")
         if self.mean_interarrival_s == _INF:
             return Dispatch(cap, False, "no arrivals expected")
-        lat_n = self.estimator.latency(n, s)
-        gap_star = (n + 1) * lat_n / n - self.estimator.latency(n + 1, s)
+        gap_star = self.break_even_gap(n, s)
         until = min(latest, self.last_arrival + gap_star)
         if self.expected_gap(now) >= gap_star or until <= now:
             return Dispatch(cap, False, "throughput")
