@@ -33,12 +33,13 @@ from batchpilot.core.config import PlannerConfig, PolicyConfig, SchedulerConfig
 from batchpilot.core.costmodel import BatchShape, CostModel
 from batchpilot.core.deployment import DeploymentSpec, ModelLimits, ServingOptions, resolve_deployment
 
-ERROR_KEYS = {"message", "type", "param", "code"}
+ERROR_KEYS = {"message", "type", "param", "code"}  # and, on a 5xx, "request_id"
 
 
 def window(max_batch_size: int, max_wait_s: float = 0.0, **kw: Any) -> SchedulerConfig:
+    """A fixed window: the tests decide when a batch forms, not the cost model's break-even."""
     return SchedulerConfig(policy=PolicyConfig(name="window", max_batch_size=max_batch_size,
-                                               max_wait_s=max_wait_s), **kw)
+                                               max_wait_s=max_wait_s, wait_only_if_it_pays=False), **kw)
 
 
 def assert_openai_error(r: httpx.Response, status: int | tuple[int, ...]) -> dict[str, Any]:
@@ -46,7 +47,10 @@ def assert_openai_error(r: httpx.Response, status: int | tuple[int, ...]) -> dic
     assert r.status_code in statuses, (r.status_code, r.text)
     assert "Traceback" not in r.text and 'File "' not in r.text, r.text  # no stack trace leaks
     err = r.json()["error"]
-    assert set(err) == ERROR_KEYS and err["message"] and err["type"], err
+    keys = ERROR_KEYS | {"request_id"} if r.status_code >= 500 else ERROR_KEYS
+    assert set(err) == keys and err["message"] and err["type"], err
+    if r.status_code >= 500:  # the id the log has the detail under
+        assert err["request_id"] == r.headers["x-request-id"], (err, r.headers)
     return dict(err)
 
 
@@ -71,6 +75,11 @@ EMBED_CASES: list[tuple[str, Any, int, str | None]] = [
     ("empty token list", {"input": [[]]}, 400, "empty_input"),
     ("over-long text", {"input": "word " * 600}, 400, "context_length_exceeded"),
     ("over-long token ids", {"input": [list(range(1, 700))]}, 400, "context_length_exceeded"),
+    ("one flat token list longer than max_inputs", {"input": list(range(1, 3000))}, 400,
+     "context_length_exceeded"),
+    ("token ids over max_input_tokens", {"input": [list(range(1, 9000))]}, 400, "input_too_long"),
+    ("text over max_input_chars", {"input": ["ok", "x" * 65537]}, 400, "input_too_long"),
+    ("priority beyond 32 bits", {"input": "a", "priority": 10**400}, 422, "invalid_value"),
     ("number", {"input": 5}, 422, "invalid_value"),
     ("null", {"input": None}, 422, "invalid_value"),
     ("object", {"input": {"text": "a"}}, 422, "invalid_value"),
@@ -107,6 +116,13 @@ RAW_CASES: list[tuple[str, bytes, dict[str, str], int | tuple[int, ...]]] = [
     ("NaN deadline header", b'{"input": "a"}', {"X-Deadline-Ms": "nan"}, 400),
     ("infinite deadline header", b'{"input": "a"}', {"X-Deadline-Ms": "-inf"}, 400),
     ("word priority header", b'{"input": "a"}', {"X-Priority": "urgent"}, 400),
+    ("400-digit priority header", b'{"input": "a"}', {"X-Priority": "9" * 400}, 400),
+    ("5000-digit priority header", b'{"input": "a"}', {"X-Priority": "9" * 5000}, 400),
+    ("400-digit deadline header", b'{"input": "a"}', {"X-Deadline-Ms": "9" * 400}, 400),
+    ("lone surrogate", b'{"input": "a \\ud800 b"}', {}, 400),
+    ("lone low surrogate among texts", b'{"input": ["fine", "\\udfff"]}', {}, 400),
+    ("infinite deadline in the body", b'{"input": "a", "deadline_ms": Infinity}', {}, 422),
+    ("NaN deadline in the body", b'{"input": "a", "deadline_ms": NaN}', {}, 422),
 ]
 
 
@@ -197,7 +213,7 @@ def test_a_poison_input_fails_only_its_own_request() -> None:
         assert ex.batches[0].size == 3  # they shared a batch, and the batch raised
         assert [r.status_code for r in rs] == [200, 500, 200], [r.text for r in rs]
         err = assert_openai_error(rs[1], 500)
-        assert err["code"] == "model_error" and "poison" in err["message"]
+        assert err["code"] == "model_error" and "poison" not in rs[1].text  # the detail is in the log
         m = srv.metrics()
         assert m["batchpilot_batch_failures_total"] >= 2  # the whole batch, then the half with the poison
         assert httpx.get(srv.url + "/health").json()["status"] == "ok"
@@ -222,7 +238,7 @@ def test_an_executor_that_stays_broken_fails_its_batch_and_health_returns_on_suc
     ex = FaultyExecutor(crashes_left=2)  # the retry after recover() crashes too
     with live_server(ex, window(1)) as srv:
         err = assert_openai_error(post(srv.url, {"input": [[CRASH]]}), 500)
-        assert "crashed" in err["message"]
+        assert err["code"] == "model_error" and "simulated" not in err["message"]
         assert httpx.get(srv.url + "/health").json()["status"] == "degraded"
         assert post(srv.url, {"input": "next"}).status_code == 200
         assert httpx.get(srv.url + "/health").json()["status"] == "ok"
@@ -473,3 +489,46 @@ def test_json_logs_are_one_object_per_line(capsys: pytest.CaptureFixture[str]) -
     assert records[0]["message"] == "queue full: 7 waiting" and records[0]["level"] == "warning"
     assert records[0]["logger"] == "batchpilot.server" and "time" in records[0]
     assert "ValueError: boom" in records[1]["exc_info"]
+
+
+# -- what a 5xx tells the client -----------------------------------------------------------------
+def test_a_non_finite_embedding_is_a_fixed_500_with_a_request_id_not_a_traceback() -> None:
+    """A model whose output overflows (half precision) to NaN/inf: the JSON encoder must not be where
+    the request dies, and nothing of the failure but a fixed message reaches the client."""
+    import numpy as np
+
+    class Overflowing(FaultyExecutor):
+        def run(self, prepared: list[Any]) -> list[Any]:
+            out = super().run(prepared)
+            return [np.full(self.dim, np.inf if i % 2 else np.nan, dtype=np.float32) for i in range(len(out))]
+
+    with live_server(Overflowing(), window(1)) as srv:
+        r = post(srv.url, {"input": ["one", "two"]})
+        err = assert_openai_error(r, 500)
+        assert err["code"] in ("non_finite_output", "internal_error"), err
+        assert "Out of range" not in r.text and "nan" not in r.text.lower().replace("non_finite", "")
+        assert httpx.get(srv.url + "/health").status_code == 200
+
+
+def test_a_500_keeps_internal_text_in_the_log_under_the_request_id(caplog: pytest.LogCaptureFixture) -> None:
+    ex = FaultyExecutor()
+    with live_server(ex, window(1)) as srv, caplog.at_level(logging.ERROR, logger="batchpilot.server"):
+        r = post(srv.url, {"input": [[POISON]]}, headers={"X-Request-Id": "trace-me-42"})
+        err = assert_openai_error(r, 500)
+    assert err["request_id"] == "trace-me-42" and "poison" not in r.text
+    logged = [rec.getMessage() for rec in caplog.records if "trace-me-42" in rec.getMessage()]
+    assert logged and "poison" in logged[0], [rec.getMessage() for rec in caplog.records]
+
+
+def test_a_lone_surrogate_is_refused_at_validation_before_the_tokenizer() -> None:
+    class StrictTokenizer(FaultyExecutor):  # what a HF fast tokenizer does with one: TypeError
+        def tokenize(self, texts: list[str], truncate: bool = False) -> list[list[int]]:
+            for t in texts:
+                t.encode("utf-8")
+            return super().tokenize(texts, truncate)
+
+    with live_server(StrictTokenizer(), window(1)) as srv:
+        r = httpx.post(srv.url + "/v1/embeddings", content=b'{"input": ["ok", "a \\ud800 b"]}',
+                       headers={"content-type": "application/json"}, timeout=30)
+        err = assert_openai_error(r, 400)
+        assert err["code"] == "invalid_text" and err["param"] == "input"

@@ -16,12 +16,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import gc
-import hmac
-import json
 import logging
 import math
+import re
 import time
-from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any
@@ -39,10 +38,11 @@ from ..runtime.batcher import Batcher
 from ..runtime.errors import ExecutionError, RequestRejected
 from ..runtime.executor import Executor
 from .config import ServerConfig
-from .errors import APIError, error_body, install_error_handlers
+from .errors import APIError, install_error_handlers
 from .gc_pauses import GCPauses, freeze_heap
 from .metrics import ServerMetrics
-from .schemas import EmbeddingRequest, EmbeddingResponse, Health, ModelCard, ModelList
+from .middleware import RequestLifecycle
+from .schemas import PRIORITY_MAX, EmbeddingRequest, EmbeddingResponse, Health, ModelCard, ModelList
 
 log = logging.getLogger("batchpilot.server")
 
@@ -50,9 +50,7 @@ _REJECT_STATUS = {RejectReason.TOO_LONG: 400, RejectReason.INFEASIBLE_DEADLINE: 
                   RejectReason.RATE_LIMITED: 429, RejectReason.QUEUE_FULL: 503,
                   RejectReason.SHUTTING_DOWN: 503, RejectReason.DEADLINE_EXPIRED: 504,
                   RejectReason.CANCELLED: 499}
-_OPEN_PATHS = frozenset({"/health"})
-ASGIApp = Callable[[MutableMapping[str, Any], Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]],
-                   Awaitable[None]]
+_SURROGATE = re.compile("[\ud800-\udfff]")  # JSON can carry lone surrogates; no tokenizer takes them
 
 
 class ClientGone(Exception):
@@ -103,7 +101,7 @@ class EmbeddingService:
         if body.dimensions is not None and body.dimensions != self.dim:
             raise APIError(400, f"{self.model_name} returns {self.dim} dimensions and cannot shorten them; "
                                 "omit dimensions", code="unsupported_dimensions", param="dimensions")
-        texts, ids = split_input(body.input, self.settings.max_inputs)
+        texts, ids = split_input(body.input, self.settings)
         priority = body.priority if body.priority is not None else _header_num(request, "x-priority", int)
         budget_ms = body.deadline_ms if body.deadline_ms is not None else _header_num(
             request, "x-deadline-ms", float)
@@ -172,39 +170,52 @@ class EmbeddingService:
         self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
 
-def split_input(value: Any, max_inputs: int) -> tuple[list[str] | None, list[list[int]] | None]:
-    """Normalise the four OpenAI input shapes to texts or token-id lists; empty things are 400s."""
-    if isinstance(value, str):
+def split_input(value: Any, limits: ServerConfig) -> tuple[list[str] | None, list[list[int]] | None]:
+    """Normalise the four OpenAI input shapes to texts or token-id lists, within the limits
+    (``max_inputs`` per request, ``max_input_chars`` per text, ``max_input_tokens`` per token list);
+    empty things, lone surrogates and anything over a limit are 400s."""
+    if isinstance(value, str) or (value and isinstance(value[0], int)):
         value = [value]
     if not value:
         raise APIError(400, "input must not be empty", code="empty_input", param="input")
-    if len(value) > max_inputs:
-        raise APIError(400, f"input has {len(value)} items; at most {max_inputs} per request",
+    if len(value) > limits.max_inputs:
+        raise APIError(400, f"input has {len(value)} items; at most {limits.max_inputs} per request",
                        code="too_many_inputs", param="input")
-    if isinstance(value[0], int):
-        value = [value]
     if isinstance(value[0], str):
         for i, t in enumerate(value):
             if not t:
                 raise APIError(400, f"input[{i}] is an empty string", code="empty_input", param="input")
+            if len(t) > limits.max_input_chars:
+                raise APIError(400, f"input[{i}] has {len(t)} characters; at most {limits.max_input_chars}",
+                               code="input_too_long", param="input")
+            if _SURROGATE.search(t):
+                raise APIError(400, f"input[{i}] holds a lone UTF-16 surrogate, which is not text",
+                               code="invalid_text", param="input")
         return list(value), None
     for i, ids in enumerate(value):
         if not ids:
             raise APIError(400, f"input[{i}] is an empty token list", code="empty_input", param="input")
+        if len(ids) > limits.max_input_tokens:
+            raise APIError(400, f"input[{i}] has {len(ids)} token ids; at most {limits.max_input_tokens}",
+                           code="input_too_long", param="input")
     return None, [list(x) for x in value]
 
 
 def _header_num(request: Request, name: str, kind: type) -> Any:
+    """A numeric header: an int within the priority range, or a finite float; anything else is 400."""
     raw = request.headers.get(name)
     if raw is None:
         return None
+    value: Any = None
     try:
         value = kind(raw)
-    except ValueError:
-        value = None
-    if value is None or not math.isfinite(value):
-        raise APIError(400, f"header {name} must be a finite number, got {raw!r}", code="invalid_value",
-                       param=name)
+        ok = -PRIORITY_MAX <= value <= PRIORITY_MAX if kind is int else math.isfinite(value)
+    except (ValueError, OverflowError):
+        ok = False
+    if not ok:
+        shown = raw if len(raw) <= 40 else raw[:40] + "..."
+        what = f"an integer in [-{PRIORITY_MAX}, {PRIORITY_MAX}]" if kind is int else "a finite number"
+        raise APIError(400, f"header {name} must be {what}, got {shown!r}", code="invalid_value", param=name)
     return value
 
 
@@ -217,8 +228,10 @@ async def _disconnected(request: Request) -> None:
 def create_app(settings: ServerConfig, executor: Executor, config: SchedulerConfig | None = None,
                cost_model: CostModel | None = None,
                routers: Sequence[Callable[[CollectorRegistry], APIRouter]] = (),
-               extra_models: Sequence[str] = (), on_shutdown: Sequence[Callable[[], Any]] = ()) -> Guard:
-    """The ASGI app to hand to uvicorn (``.app`` is the FastAPI instance, ``.state.service`` the service).
+               extra_models: Sequence[str] = (),
+               on_shutdown: Sequence[Callable[[], Any]] = ()) -> RequestLifecycle:
+    """The ASGI app to hand to uvicorn: the request middleware (``middleware.RequestLifecycle``) around
+    the FastAPI app (``.app`` is the FastAPI instance, ``.state.service`` the service).
     ``routers`` are factories given the metrics registry (how the LLM routes are mounted with ``--llm``);
     ``extra_models`` are listed by /v1/models too; ``on_shutdown`` run (in a thread) after the drain.
     ``config`` is the resolved deployment's scheduler config (``core.deployment``): every admission
@@ -285,72 +298,5 @@ def create_app(settings: ServerConfig, executor: Executor, config: SchedulerConf
     async def metrics() -> Response:
         return Response(svc.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    return Guard(app, settings.api_key, settings.max_body_bytes)
+    return RequestLifecycle(app, settings)
 
-
-class Guard:
-    """ASGI wrapper: Bearer API key on every route but /health; bodies over the size limit get 413.
-
-    It sits outside FastAPI so a refused request costs no parsing; ``.app`` is the FastAPI app."""
-
-    def __init__(self, app: FastAPI, api_key: str | None, max_body_bytes: int) -> None:
-        self.app = app
-        self.state = app.state
-        self._expected = f"Bearer {api_key}".encode() if api_key else None
-        self.max_body_bytes = max_body_bytes
-
-    async def __call__(self, scope: MutableMapping[str, Any], receive: Callable[[], Awaitable[Any]],
-                       send: Callable[[Any], Awaitable[None]]) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = dict(scope["headers"])
-        if self._expected is not None and scope["path"] not in _OPEN_PATHS and not hmac.compare_digest(
-                headers.get(b"authorization", b""), self._expected):
-            await _send_error(send, 401, "missing or wrong API key: send Authorization: Bearer <key>",
-                              "invalid_api_key")
-            return
-        length = headers.get(b"content-length")
-        if length is not None:
-            if not length.isdigit():
-                await _send_error(send, 400, "invalid Content-Length", "invalid_request")
-                return
-            if int(length) > self.max_body_bytes:
-                await _send_error(send, 413, f"request body over {self.max_body_bytes} bytes",
-                                  "body_too_large")
-                return
-        elif scope["method"] in ("POST", "PUT", "PATCH"):  # chunked: read it here, bounded, then replay it
-            chunks, size, more = [], 0, True
-            while more:
-                message = await receive()
-                if message["type"] != "http.request":
-                    return
-                chunks.append(message.get("body", b""))
-                size += len(chunks[-1])
-                more = message.get("more_body", False)
-                if size > self.max_body_bytes:
-                    await _send_error(send, 413, f"request body over {self.max_body_bytes} bytes",
-                                      "body_too_large")
-                    return
-            receive = _replay(b"".join(chunks), receive)
-        await self.app(scope, receive, send)
-
-
-def _replay(body: bytes, receive: Callable[[], Awaitable[Any]]) -> Callable[[], Awaitable[Any]]:
-    sent = False
-
-    async def replayed() -> Any:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replayed
-
-
-async def _send_error(send: Callable[[Any], Awaitable[None]], status: int, message: str, code: str) -> None:
-    payload = json.dumps(error_body(status, message, code=code)).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": payload})

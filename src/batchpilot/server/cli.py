@@ -46,7 +46,28 @@ def register(subparsers: Any) -> None:
     p.add_argument("--api-key", default=os.environ.get("BATCHPILOT_API_KEY"),
                    help="require Authorization: Bearer KEY on every route but /health")
     p.add_argument("--drain-timeout-s", type=float, default=30.0)
-    p.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes)
+    limits = p.add_argument_group("request limits (docs/reliability.md)")
+    limits.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes,
+                        help="request bodies over this get 413 (default: %(default)s, 16 MiB)")
+    limits.add_argument("--body-timeout-s", type=float, default=ServerConfig.body_timeout_s,
+                        help="a body not fully arrived this long after its headers gets 408 and the "
+                             "connection closed (default: %(default)s)")
+    limits.add_argument("--send-timeout-s", type=float, default=ServerConfig.send_timeout_s,
+                        help="a client that reads none of its response for this long is dropped "
+                             "(default: %(default)s)")
+    limits.add_argument("--max-json-values", type=int, default=ServerConfig.max_json_values,
+                        help="JSON values per body, checked before parsing; over it: 413 "
+                             "(default: %(default)s)")
+    limits.add_argument("--max-json-containers", type=int, default=ServerConfig.max_json_containers,
+                        help="JSON objects and arrays per body, checked before parsing; over it: 413 "
+                             "(default: %(default)s)")
+    limits.add_argument("--max-inputs", type=int, default=ServerConfig.max_inputs,
+                        help="embedding inputs per request (default: %(default)s, as OpenAI)")
+    limits.add_argument("--max-input-chars", type=int, default=ServerConfig.max_input_chars,
+                        help="characters per embedding text, truncated or not (default: %(default)s)")
+    limits.add_argument("--max-input-tokens", type=int, default=ServerConfig.max_input_tokens,
+                        help="token ids per embedding token-id input, before truncation "
+                             "(default: %(default)s, as OpenAI)")
     p.add_argument("--noop", action="store_true", help="serve a no-op model (benchmarks of the serving path)")
     p.add_argument("--noop-delay-ms", type=float, default=0.0, help="--noop: fixed time per batch")
     p.add_argument("--no-warmup", action="store_true")
@@ -76,7 +97,11 @@ def run(args: argparse.Namespace) -> int:
         max_length=args.max_length, num_threads=args.threads, noop=args.noop,
         noop_delay_s=args.noop_delay_ms / 1000.0,
         profile_path=args.profile, startup_profile=not args.no_startup_profile, api_key=args.api_key,
-        max_body_bytes=args.max_body_bytes, request_timeout_s=spec.server.request_timeout_s,
+        max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout_s,
+        send_timeout_s=args.send_timeout_s, max_json_values=args.max_json_values,
+        max_json_containers=args.max_json_containers, max_inputs=args.max_inputs,
+        max_input_chars=args.max_input_chars, max_input_tokens=args.max_input_tokens,
+        request_timeout_s=spec.server.request_timeout_s,
         drain_timeout_s=args.drain_timeout_s, warmup=not args.no_warmup, llm=args.llm,
         llm_model=args.llm_model, llm_step_log=args.llm_step_log, batch_log=args.batch_log,
         log_level=args.log_level)

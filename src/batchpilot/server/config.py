@@ -26,6 +26,12 @@ class ServerConfig:
     api_key: str | None = None  # Bearer key on every route but /health
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_inputs: int = 2048  # per request, as OpenAI
+    max_input_chars: int = 65536  # per text input (tokenising is paid per character, truncated or not)
+    max_input_tokens: int = 8192  # per token-id input, as OpenAI's per-input limit
+    body_timeout_s: float = 30.0  # the whole body must arrive within this from its headers, else 408
+    send_timeout_s: float = 30.0  # a client that reads nothing of its response for this long is dropped
+    max_json_values: int = 2_097_152  # a body's JSON values (about twice 2048 lists of 512 token ids)
+    max_json_containers: int = 65_536  # a body's JSON objects and arrays (32x what 2048 token lists need)
     request_timeout_s: float = 60.0  # a request not answered by then gets 504 (and leaves the queue)
     drain_timeout_s: float = 30.0  # on shutdown, how long in-flight work may take
     warmup: bool = True
@@ -38,10 +44,11 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"server.port must be in [0, 65535], got {self.port}")
-        for name in ("max_body_bytes", "max_inputs"):
+        for name in ("max_body_bytes", "max_inputs", "max_input_chars", "max_input_tokens", "max_json_values",
+                     "max_json_containers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"server.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("request_timeout_s", "drain_timeout_s"):
+        for name in ("request_timeout_s", "drain_timeout_s", "body_timeout_s", "send_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"server.{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.noop_delay_s < 0:

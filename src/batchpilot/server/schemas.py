@@ -4,15 +4,25 @@
 ``[1, "a"]``, ``true`` or ``[[1], "a"]`` are 422s, never coerced. ``priority``, ``deadline_ms`` and
 ``truncate`` are batchpilot extensions (the OpenAI client passes them through ``extra_body``); the
 headers ``X-Priority`` / ``X-Deadline-Ms`` set the first two without touching the body.
+
+Validation stops at a list's first bad item (``fail_fast``): a body of a million bad items gives one
+error per shape of ``input``, not a million. The limits on sizes (inputs per request, characters per
+text, ids per token list) are the server's settings, checked after this (``app.split_input``); the
+request middleware bounds the body's bytes and JSON structure before anything parses it.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
-EmbeddingInput = StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+PRIORITY_MAX = 2**31 - 1  # priorities are compared as floats in the core: keep them exact and finite
+
+_Texts = Annotated[list[StrictStr], Field(fail_fast=True)]
+_Ids = Annotated[list[StrictInt], Field(fail_fast=True)]
+_IdLists = Annotated[list[_Ids], Field(fail_fast=True)]
+EmbeddingInput = StrictStr | _Texts | _Ids | _IdLists
 
 
 class EmbeddingRequest(BaseModel):
@@ -23,8 +33,9 @@ class EmbeddingRequest(BaseModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, description="only the model's own dimension is supported")
     user: str | None = None
-    priority: int | None = Field(default=None, description="lower is served first; 0 is the default class")
-    deadline_ms: float | None = Field(default=None, gt=0,
+    priority: int | None = Field(default=None, ge=-PRIORITY_MAX, le=PRIORITY_MAX,
+                                 description="lower is served first; 0 is the default class")
+    deadline_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False,
                                       description="latency budget from receipt; infeasible -> 429")
     truncate: bool = Field(default=False, description="cut inputs longer than the model's limit")
 

@@ -1,0 +1,240 @@
+"""The request lifecycle, one ASGI middleware around the FastAPI app, outermost, before any parsing:
+
+    request ─▶ draining? 503 shutting_down (/health: 503 "draining"; /metrics still answers)
+            ─▶ Bearer API key (every route but /health) ─▶ 401
+            ─▶ Content-Length over the limit ─▶ 413, before a byte of the body is read
+            ─▶ the body, bounded (413) and within ``body_timeout_s`` of the headers (else 408 and the
+               connection closed: a slow-loris upload holds nothing for long)
+               · the request counts as in flight from its first body byte: a connection that sent
+                 headers and stalls holds no slot, and the drain does not wait for it
+            ─▶ its JSON structure (``json_shape``): over ``max_json_values`` / ``max_json_containers``
+               ─▶ 413 too_many_values, before ``json.loads`` builds millions of objects
+            ─▶ the app, with every response send bounded by ``send_timeout_s`` (a client that stops
+               reading is dropped, and whatever its handler held is released)
+            ─▶ any exception that escapes: 500 with a fixed message and the request id; the detail
+               goes to the log under that id
+
+Every response carries ``X-Request-Id`` (the client's own, when it sent a sane one). This is the one
+owner of the shutdown state: ``drain()`` stops admission and waits for the in-flight count to reach
+zero (``lifecycle.GracefulServer`` calls it on SIGTERM). It decides nothing about load: the concurrency
+limit is the core's (``admission.max_concurrent_requests``), so the simulator applies it too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import re
+import secrets
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from .config import ServerConfig
+from .errors import ClientStalled, error_body, internal_error_body
+from .json_shape import json_shape
+
+log = logging.getLogger("batchpilot.server")
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Any]]
+Send = Callable[[Any], Awaitable[None]]
+
+DRAIN_RETRY_AFTER_S = 5
+OPEN_PATHS = frozenset({"/health"})
+_SCAN_INLINE_BYTES = 64 * 1024  # smaller bodies are scanned on the loop; larger ones in a thread
+_CLIENT_ID = re.compile(rb"[A-Za-z0-9._:-]{1,64}")
+
+
+class RequestLifecycle:
+    """ASGI middleware: auth, body limits with a read deadline, in-flight counting, drain, request ids,
+    the last-resort 500. ``.app`` is the FastAPI app; ``.state`` its state (``.state.service``)."""
+
+    def __init__(self, app: Any, settings: ServerConfig) -> None:
+        self.app = app
+        self.state = getattr(app, "state", None)
+        self.settings = settings
+        self._expected = f"Bearer {settings.api_key}".encode() if settings.api_key else None
+        self.in_flight = 0
+        self.draining = False
+        self.refused = 0  # requests refused while draining
+        self.timed_out = 0  # bodies that did not arrive in time (408)
+        self.stalled = 0  # clients dropped for not reading their response
+        self._idle: asyncio.Event | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = _request_id(scope)
+        scope.setdefault("state", {})["request_id"] = rid
+        sender = _Sender(send, rid.encode(), self.settings.send_timeout_s)
+        counted = False
+        try:
+            if self.draining and scope["path"] != "/metrics":
+                await self._refuse_draining(scope, sender)
+                return
+            refusal = self._check_headers(scope)
+            if refusal is not None:
+                await send_error(sender, *refusal)
+                return
+            body, counted = await self._read_body(scope, receive, sender)
+            if body is None:
+                return
+            await self.app(scope, _replay(body, receive), sender)
+        except ClientStalled:
+            self.stalled += 1
+            log.warning("request %s: the client read nothing for %.0f s; dropping the connection", rid,
+                        self.settings.send_timeout_s)
+        except Exception:
+            if not scope["state"].get("error_logged"):
+                log.exception("request %s: unhandled error", rid)
+            if not sender.started:
+                await _send_json(sender, 500, internal_error_body("internal_error", rid))
+        finally:
+            if counted:
+                self.in_flight -= 1
+                if self.in_flight == 0 and self._idle is not None:
+                    self._idle.set()
+
+    def _check_headers(self, scope: Scope) -> tuple[int, str, str] | None:
+        headers = dict(scope["headers"])
+        if self._expected is not None and scope["path"] not in OPEN_PATHS and not hmac.compare_digest(
+                headers.get(b"authorization", b""), self._expected):
+            return 401, "missing or wrong API key: send Authorization: Bearer <key>", "invalid_api_key"
+        length = headers.get(b"content-length")
+        if length is not None:
+            if not length.isdigit():
+                return 400, "invalid Content-Length", "invalid_request"
+            if len(length) > 18 or int(length) > self.settings.max_body_bytes:
+                return 413, f"request body over {self.settings.max_body_bytes} bytes", "body_too_large"
+        return None
+
+    async def _read_body(self, scope: Scope, receive: Receive, send: _Sender) -> tuple[bytes | None, bool]:
+        """The whole body, or None when it was refused (the answer is sent). The bool: counted in flight."""
+        limit = self.settings.max_body_bytes
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.body_timeout_s
+        body, counted, more = bytearray(), False, True
+        while more:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                self.timed_out += 1
+                await send_error(send, 408, f"the request body did not arrive within "
+                                 f"{self.settings.body_timeout_s:g} s", "body_timeout", close=True)
+                return None, counted
+            if message["type"] != "http.request":
+                return None, counted  # the client left before its body was complete
+            if not counted:
+                if self.draining:
+                    await self._refuse_draining(scope, send)
+                    return None, False
+                self.in_flight += 1
+                counted = True
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > limit:
+                await send_error(send, 413, f"request body over {limit} bytes", "body_too_large")
+                return None, counted
+        data = bytes(body)
+        del body
+        if data and not await self._shape_ok(data, send):
+            return None, counted
+        return data, counted
+
+    async def _shape_ok(self, body: bytes, send: _Sender) -> bool:
+        if len(body) <= _SCAN_INLINE_BYTES:
+            shape = json_shape(body)
+        else:
+            shape = await asyncio.to_thread(json_shape, body)
+        s = self.settings
+        if shape.containers > s.max_json_containers:
+            what = f"more than {s.max_json_containers} JSON objects and arrays"
+        elif shape.values > s.max_json_values:
+            what = f"more than {s.max_json_values} JSON values"
+        else:
+            return True
+        await send_error(send, 413, f"request body has {what}", "too_many_values")
+        return False
+
+    async def _refuse_draining(self, scope: Scope, send: Send) -> None:
+        if scope["path"] == "/health":
+            body: dict[str, Any] = {"status": "draining", "in_flight": self.in_flight}
+        else:
+            self.refused += 1
+            body = error_body(503, "the server is shutting down; retry on another instance",
+                              code="shutting_down")
+        await _send_json(send, 503, body, [(b"retry-after", str(DRAIN_RETRY_AFTER_S).encode()),
+                                           (b"connection", b"close")])
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Stop admitting; wait until nothing is in flight. True if it drained within ``timeout_s``."""
+        self.draining = True
+        if self.in_flight == 0:
+            return True
+        self._idle = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+
+class _Sender:
+    """``send`` with the request id on the response and a timeout on every write."""
+
+    def __init__(self, send: Send, rid: bytes, timeout_s: float) -> None:
+        self.send = send
+        self.rid = rid
+        self.timeout_s = timeout_s
+        self.started = False
+
+    async def __call__(self, message: Any) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+            message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", self.rid)]}
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await self.send(message)
+        except TimeoutError:
+            raise ClientStalled from None
+
+
+def _request_id(scope: Scope) -> str:
+    for name, value in scope["headers"]:
+        if name == b"x-request-id" and _CLIENT_ID.fullmatch(value):
+            return str(value.decode("ascii"))
+    return secrets.token_hex(8)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """The body, read already, as one message; then the connection's own messages (the disconnect)."""
+    sent = False
+
+    async def replayed() -> Any:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
+
+
+async def send_error(send: Send, status: int, message: str, code: str, close: bool = False) -> None:
+    extra = [(b"connection", b"close")] if close else []
+    if status == 401:
+        extra.append((b"www-authenticate", b"Bearer"))
+    await _send_json(send, status, error_body(status, message, code=code), extra)
+
+
+async def _send_json(send: Send, status: int, body: dict[str, Any],
+                     extra: list[tuple[bytes, bytes]] | None = None) -> None:
+    payload = json.dumps(body, ensure_ascii=True).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
+               *(extra or [])]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
