@@ -229,11 +229,13 @@ def create_app(settings: ServerConfig, executor: Executor, config: SchedulerConf
                cost_model: CostModel | None = None,
                routers: Sequence[Callable[[CollectorRegistry], APIRouter]] = (),
                extra_models: Sequence[str] = (),
-               on_shutdown: Sequence[Callable[[], Any]] = ()) -> RequestLifecycle:
+               on_shutdown: Sequence[Callable[[], Any]] = (),
+               health_checks: Sequence[Callable[[], bool]] = ()) -> RequestLifecycle:
     """The ASGI app to hand to uvicorn: the request middleware (``middleware.RequestLifecycle``) around
     the FastAPI app (``.app`` is the FastAPI instance, ``.state.service`` the service).
     ``routers`` are factories given the metrics registry (how the LLM routes are mounted with ``--llm``);
-    ``extra_models`` are listed by /v1/models too; ``on_shutdown`` run (in a thread) after the drain.
+    ``extra_models`` are listed by /v1/models too; ``on_shutdown`` run (in a thread) after the drain;
+    ``health_checks`` say whether the other engines (the LLM's) are alive: /health is 503 unless all are.
     ``config`` is the resolved deployment's scheduler config (``core.deployment``): every admission
     rule is in it."""
     svc = EmbeddingService(settings, executor, config or SchedulerConfig(),
@@ -290,9 +292,10 @@ def create_app(settings: ServerConfig, executor: Executor, config: SchedulerConf
     @app.get("/health", response_model=Health, responses={503: {"model": Health}})
     async def health() -> JSONResponse:
         b = svc.batcher
-        body = Health(status=b.health, model=svc.model_name, queued=b.scheduler.num_waiting,  # type: ignore[arg-type]
+        status = b.health if b.health != "ok" or all(alive() for alive in health_checks) else "degraded"
+        body = Health(status=status, model=svc.model_name, queued=b.scheduler.num_waiting,  # type: ignore[arg-type]
                       running=b.num_running, pending=b.num_pending)
-        return JSONResponse(body.model_dump(), status_code=200 if b.health == "ok" else 503)
+        return JSONResponse(body.model_dump(), status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -136,7 +136,8 @@ def build_app(settings: ServerConfig, spec: DeploymentSpec | SchedulerConfig | N
         return create_app(settings, executor, sched, cost_model)
     engine, router, hooks = _llm_router(settings, spec)
     return create_app(settings, executor, sched, cost_model, routers=[router],
-                      extra_models=[engine.model_name], on_shutdown=hooks)
+                      extra_models=[engine.model_name], on_shutdown=hooks,
+                      health_checks=[lambda: bool(engine.is_alive)])
 
 
 def device_memory_bytes(executor: Any) -> float:
