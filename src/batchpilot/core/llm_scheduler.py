@@ -35,7 +35,12 @@ LLMPolicy = Literal["fcfs", "priority"]
 
 @dataclass(frozen=True)
 class LLMSchedulerConfig:
-    """Limits of one engine. ``num_kv_blocks * block_size`` is the KV capacity in tokens."""
+    """Limits of one engine. ``num_kv_blocks * block_size`` is the KV capacity in tokens.
+
+    ``max_waiting_seqs`` and ``request_timeout_s`` bound the engine that drives this scheduler (the
+    scheduler itself never refuses for load and knows no time): it admits at most
+    ``max_num_seqs + max_waiting_seqs`` sequences at once, and aborts a sequence that has not finished
+    ``request_timeout_s`` after it arrived."""
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
@@ -46,12 +51,18 @@ class LLMSchedulerConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = False
     eos_token_ids: tuple[int, ...] = ()
+    max_waiting_seqs: int = 256
+    request_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         limits = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size", "max_model_len")
         for name in limits:
             if getattr(self, name) < 1:
                 raise ValueError(f"llm_scheduler.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_waiting_seqs < 0:
+            raise ValueError(f"llm_scheduler.max_waiting_seqs must be >= 0, got {self.max_waiting_seqs}")
+        if not self.request_timeout_s > 0:
+            raise ValueError(f"llm_scheduler.request_timeout_s must be > 0, got {self.request_timeout_s}")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"llm_scheduler.policy = {self.policy!r}; choose one of fcfs, priority")
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
