@@ -1,160 +1,50 @@
 """The live LLM driver: one engine thread loops ``schedule -> model step -> sample -> update``.
 
-asyncio callers use ``generate(prompt, params) -> AsyncIterator[GenerationOutput]``; requests and
-cancellations reach the thread through a queue, tokens come back with ``call_soon_threadsafe``.
-Leaving the iterator early (client disconnect, ``break``, task cancelled) aborts the sequence and
-frees its KV blocks. The thread owns the scheduler and the model: nothing else touches them, so the
-pure core needs no locks. An exception in a step fails exactly the sequences of that step.
+asyncio callers ``submit`` token ids (all prompts of one request at once: admitted together or not at
+all) and iterate the ``LLMRequest`` handles they get; ``generate`` wraps one prompt as an async
+iterator. Requests and cancellations reach the thread through a queue, tokens come back with
+``call_soon_threadsafe``. Closing a request early (client disconnect, ``break``, task cancelled)
+aborts the sequence and frees its KV blocks; so does its deadline passing (``RequestTimedOut``).
+The thread owns the scheduler and the model: nothing else touches them, so the pure core needs no locks.
 
-``build_llm_engine(model_path, **engine_config)`` assembles model, tokenizer, runner and scheduler.
+Failures: an exception in a model step fails exactly the sequences of that step (``GenerationFailed``);
+one anywhere else in the loop (scheduling, an observer, the stats) ends the loop, and every request
+still pending or running gets ``EngineStopped`` at once, as on shutdown. ``is_alive`` says which.
+Admission is bounded: at most ``max_num_seqs + max_waiting_seqs`` sequences at a time (``EngineBusy``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import dataclasses
-import json
 import logging
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from ..core.llm_scheduler import LLMScheduler, LLMSchedulerConfig, StepPlan
 from ..core.request import IdCounter
 from ..core.sequence import SamplingParams, Sequence
 from ..models.llm.detokenizer import IncrementalDetokenizer, make_decode
+from .llm_build import build_llm_engine
+from .llm_errors import EngineBusy, EngineStopped, GenerationFailed, RequestRejected, RequestTimedOut
+from .llm_prompts import PromptEncoder
+from .llm_records import EngineCounters, EngineStats, GenerationOutput, StepRecord, TokenEvent
+from .llm_request import LLMRequest
+from .llm_step_log import StepLog
+
+__all__ = ["EngineBusy", "EngineStats", "EngineStopped", "GenerationFailed", "GenerationOutput", "LLMEngine",
+           "LLMRequest", "RequestRejected", "RequestTimedOut", "StepLog", "StepRecord", "TokenEvent",
+           "build_llm_engine"]
 
 log = logging.getLogger("batchpilot.llm")
-
-
-class RequestRejected(ValueError):
-    """The request can never run here (context length, KV pool, bad token ids); the message says why.
-    ``code`` and ``param`` are for the OpenAI error body."""
-
-    def __init__(self, message: str, code: str = "context_length_exceeded",
-                 param: str = "max_tokens") -> None:
-        super().__init__(message)
-        self.code = code
-        self.param = param
-
-
-class EngineStopped(RuntimeError):
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class GenerationOutput:
-    """One streamed increment. ``text`` is the new text only; the last one has ``finish_reason``."""
-
-    seq_id: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int = 0
-    # engine clock (time.monotonic): when the sequence reached the engine, and when this token left its
-    # step; the server's Server-Timing header splits the first token's time with them
-    arrival: float = 0.0
-    emitted: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class TokenEvent:
-    """For metrics observers: a token came out at ``t`` (engine clock, ``time.monotonic``)."""
-
-    seq_id: int
-    t: float
-    ttft_s: float | None  # set on the first token
-    itl_s: float | None  # set on later tokens
-    finished: bool
-
-
-@dataclass(frozen=True, slots=True)
-class StepRecord:
-    """For step observers (``serve --llm-step-log``): one engine step, as the step cost model sees it.
-
-    ``start`` is ``time.perf_counter()`` when the step was scheduled; while the engine stays busy the
-    next step's ``start`` minus this one's is what the step really cost the streams, including the
-    time between steps (draining the inbox, the event loop sharing the cores) that ``wall_s`` leaves out.
-    """
-
-    step_id: int
-    start: float
-    wall_s: float  # schedule, forward, sample, detokenise, deliver
-    forward_s: float  # of which forward + sampling
-    num_seqs: int
-    features: dict[str, float]  # StepShape.features() of the plan
-    after_idle: bool  # the engine had nothing to do just before: the gap before this step is idle time
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_blocks: int
-    num_free_blocks: int
-    kv_usage: float
-    fragmentation: float
-    num_preemptions: int
-    num_rejected: int
-    num_steps: int
-    num_generated_tokens: int
-    tokens_per_s: float  # output tokens over the last ``window_s``
-    prefix_cache_hit_tokens: int
-    step_seconds: float = 0.0  # wall time of every step: schedule, forward, sample, detokenise, deliver
-    forward_seconds: float = 0.0  # of which forward + sampling (what the step profile times)
-    step_seqs: int = 0  # sequences summed over steps (step_seqs / num_steps = mean batch)
-    # every step's cost-model features (StepShape.features), summed: the step model is linear, so its
-    # prediction for all the steps run is its prediction on these sums, comparable with step_seconds
-    step_features: dict[str, float] = dataclasses.field(default_factory=dict)
-
-
-class StepLog:
-    """A step observer that appends one JSON line per step to ``path`` (``serve --llm-step-log``): what
-    ``bench fidelity`` reads to compare the live server's steps with the step profile
-    (``bench.llm_steps.speed_vs_profile``)."""
-
-    def __init__(self, path: str) -> None:
-        self._f = open(path, "a", buffering=1)  # noqa: SIM115 - line-buffered (read while serving); close()
-        self._lock = threading.Lock()
-
-    def __call__(self, rec: StepRecord) -> None:
-        line = json.dumps({"step": rec.step_id, "start": rec.start, "wall_s": rec.wall_s,
-                           "forward_s": rec.forward_s, "seqs": rec.num_seqs, "after_idle": rec.after_idle,
-                           "features": rec.features})
-        with self._lock:
-            if not self._f.closed:
-                self._f.write(line + "\n")
-
-    def close(self) -> None:
-        with self._lock:
-            self._f.close()
-
-
-class _Stream:
-    """Per-request state on the engine side: where to deliver, and its detokenizer (text, stops)."""
-
-    def __init__(self, seq: Sequence, loop: asyncio.AbstractEventLoop, q: asyncio.Queue[Any],
-                 detok: IncrementalDetokenizer) -> None:
-        self.seq = seq
-        self.loop = loop
-        self.q = q
-        self.detok = detok
-        self.last_t: float | None = None
-
-    def put(self, item: GenerationOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.q.put_nowait, item)
 
 
 class LLMEngine:
     def __init__(self, runner: Any, tokenizer: Any, config: LLMSchedulerConfig,
                  model_name: str = "batchpilot-llm", sampler: Any | None = None,
-                 window_s: float = 5.0) -> None:
+                 window_s: float = 5.0, tokenizer_threads: int = 0) -> None:
         from ..models.llm.sampler import Sampler
 
         self.runner = runner
@@ -163,25 +53,24 @@ class LLMEngine:
         self.config = config
         self.scheduler = LLMScheduler(config)
         self.sampler = sampler or Sampler()
+        vocab = getattr(getattr(runner, "w", None), "vocab_size", None)
+        self.prompts = PromptEncoder(tokenizer, vocab, tokenizer_threads)
         self._ids = IdCounter()
-        self._id_lock = threading.Lock()
+        self._lock = threading.Lock()  # ids, the admission count, and closing the inbox
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[int, _Stream] = {}
+        self._streams: dict[int, LLMRequest] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._closed = False  # the loop has ended: nothing may enter the inbox
+        self.failure: BaseException | None = None  # what ended the loop, if it died
+        self._admitted = 0  # requests submitted and not yet done (the queue bound counts these)
+        self.max_admitted = config.max_num_seqs + config.max_waiting_seqs
         self.observers: list[Callable[[TokenEvent], None]] = []
         self.step_observers: list[Callable[[StepRecord], None]] = []  # called on the engine thread
-        self.window_s = window_s
-        self._recent: collections.deque[tuple[float, int]] = collections.deque()
-        self.num_steps = 0
-        self.num_generated_tokens = 0
-        self.step_seconds = 0.0
-        self.forward_seconds = 0.0
+        self.counters = EngineCounters(window_s)
         self._last_forward_s = 0.0
         self._idled = True
-        self.step_seqs = 0
-        self.step_features: dict[str, float] = {}
         self._decode = make_decode(tokenizer)
         self._stats = self._snapshot()
 
@@ -198,62 +87,58 @@ class LLMEngine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
-            self._thread = None
+        self.prompts.close()
+
+    @property
+    def is_alive(self) -> bool:
+        """The loop is running and taking requests (not stopped, not dead)."""
+        t = self._thread
+        return t is not None and t.is_alive() and not self._stopping and not self._closed
 
     # -- public API --------------------------------------------------------------------------
-    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        """Token ids of a text prompt, or the given ids checked against the vocabulary."""
-        if isinstance(prompt, str):
-            ids = list(self.tokenizer(prompt)["input_ids"])
-            if not ids:
-                raise RequestRejected("the prompt encodes to no tokens; give a non-empty prompt",
-                                      "invalid_value", "prompt")
-            return ids
-        ids = [int(t) for t in prompt]
-        vocab = getattr(getattr(self.runner, "w", None), "vocab_size", None)
-        bad = [t for t in ids if t < 0 or (vocab is not None and t >= vocab)]
-        if bad or not ids:
-            raise RequestRejected(f"prompt token ids must be in [0, {vocab}); got {bad[:3] or 'no tokens'}",
-                                  "invalid_value", "prompt")
-        return ids
+    def check_room(self, n: int = 1) -> None:
+        """Raise ``EngineStopped`` or ``EngineBusy`` if ``n`` more requests would be refused now: the
+        cheap check a server makes before it spends time tokenising them."""
+        if not self.is_alive:
+            raise EngineStopped
+        if self._admitted + n > self.max_admitted:
+            raise EngineBusy
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+    def submit(self, prompts: list[list[int]], params: SamplingParams | None = None, priority: int = 0,
+               deadline: float | None = None) -> list[LLMRequest]:
+        """Admit the prompts together, or none of them: ``RequestRejected`` if one can never fit,
+        ``EngineBusy`` if the queue bound would be passed, ``EngineStopped`` if the loop is not running.
+        Call on the event loop the requests are iterated on. ``deadline`` is on ``time.monotonic``."""
+        params = params or SamplingParams()
+        loop = asyncio.get_running_loop()
+        now = time.monotonic()
+        with self._lock:
+            seqs = [Sequence(self._ids(), ids, params, arrival=now, priority=priority) for ids in prompts]
+        for seq in seqs:
+            reason = self.scheduler.check_fits(seq)  # pure and config-only: safe from this thread
+            if reason is not None:
+                raise RequestRejected(reason)
+        reqs = [LLMRequest(seq, IncrementalDetokenizer(self._decode, params.stop), loop, deadline,
+                           self.abort, self._release) for seq in seqs]
+        with self._lock:
+            if self._closed or self._stopping:
+                raise EngineStopped
+            if self._admitted + len(reqs) > self.max_admitted:
+                raise EngineBusy
+            self._admitted += len(reqs)
+            self._inbox.put(("add", reqs))
+        self._wake.set()
+        return reqs
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                       priority: int = 0) -> AsyncIterator[GenerationOutput]:
-        """Stream a completion. Raises ``RequestRejected`` before the first item if it can never fit."""
-        if self._thread is None or self._stopping:
-            raise EngineStopped("the LLM engine is not running")
-        params = params or SamplingParams()
-        token_ids = self.encode_prompt(prompt)
-        with self._id_lock:
-            seq_id = self._ids()
-        seq = Sequence(seq_id, token_ids, params, arrival=time.monotonic(), priority=priority)
-        reason = self.scheduler.check_fits(seq)  # pure and config-only: safe from this thread
-        if reason is not None:
-            raise RequestRejected(reason)
-        q: asyncio.Queue[Any] = asyncio.Queue()
-        detok = IncrementalDetokenizer(self._decode, params.stop)
-        stream = _Stream(seq, asyncio.get_running_loop(), q, detok)
-        self._inbox.put(("add", stream))
-        self._wake.set()
-        finished = False
+                       priority: int = 0, deadline: float | None = None) -> AsyncIterator[GenerationOutput]:
+        """Stream one completion (a text prompt is tokenised on this thread); raises what ``submit`` does."""
+        [req] = self.submit([self.prompts.encode(prompt)], params, priority, deadline)
         try:
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                if item.finish_reason is not None:
-                    finished = True
+            async for item in req:
                 yield item
-                if finished:
-                    return
         finally:
-            if not finished:
-                self.abort(seq_id)
+            req.close()
 
     def abort(self, seq_id: int) -> None:
         self._inbox.put(("abort", seq_id))
@@ -262,18 +147,22 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         return self._stats
 
+    @property
+    def num_pending(self) -> int:
+        """Requests admitted and not yet done (what the queue bound counts)."""
+        return self._admitted
+
+    def _release(self) -> None:
+        with self._lock:
+            self._admitted -= 1
+
     # -- engine thread -----------------------------------------------------------------------
     def _snapshot(self) -> EngineStats:
-        s = self.scheduler
-        b = s.block_stats()
-        now = time.monotonic()
-        while self._recent and self._recent[0][0] < now - self.window_s:
-            self._recent.popleft()
-        recent = sum(n for _, n in self._recent)
+        s, b, c = self.scheduler, self.scheduler.block_stats(), self.counters
         return EngineStats(s.num_running, s.num_waiting, b.num_blocks, b.num_free, b.usage, b.fragmentation,
-                           s.num_preemptions, s.num_rejected, self.num_steps, self.num_generated_tokens,
-                           recent / self.window_s, b.num_cache_hit_tokens, self.step_seconds,
-                           self.forward_seconds, self.step_seqs, dict(self.step_features))
+                           s.num_preemptions, s.num_rejected, c.num_steps, c.num_generated_tokens,
+                           c.tokens_per_s(time.monotonic()), b.num_cache_hit_tokens, c.step_seconds,
+                           c.forward_seconds, c.step_seqs, dict(c.step_features), c.num_timed_out)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -282,55 +171,84 @@ class LLMEngine:
             except queue.Empty:
                 return
             if kind == "add":
-                reason = self.scheduler.add(arg.seq)
-                if reason is not None:
-                    arg.put(RequestRejected(reason))
-                else:
-                    self._streams[arg.seq.seq_id] = arg
+                for req in arg:
+                    reason = self.scheduler.add(req.seq)
+                    if reason is not None:
+                        req.put(RequestRejected(reason))
+                    else:
+                        self._streams[req.seq_id] = req
             elif kind == "abort" and arg in self._streams:
-                self.scheduler.abort(arg)
-                self.sampler.forget(arg)
-                del self._streams[arg]
+                self._drop(arg)
+
+    def _drop(self, seq_id: int) -> LLMRequest | None:
+        self.scheduler.abort(seq_id)
+        self.sampler.forget(seq_id)
+        return self._streams.pop(seq_id, None)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        expired = [sid for sid, r in self._streams.items() if r.deadline is not None and r.deadline <= now]
+        for sid in expired:
+            req = self._drop(sid)
+            if req is not None:
+                self.counters.num_timed_out += 1
+                req.put(RequestTimedOut())
 
     def _loop(self) -> None:
-        while not self._stopping:
-            self._drain_inbox()
-            if not self.scheduler.has_unfinished():
-                self._stats = self._snapshot()
-                self._idled = True
-                self._wake.wait(0.5)
-                self._wake.clear()
-                continue
-            t0 = time.perf_counter()
-            plan = self.scheduler.schedule()
-            try:
-                self._step(plan)
-            except Exception as exc:  # fail only this step's sequences; keep serving the rest
-                log.exception("llm step %d failed", plan.step_id)
-                for chunk in plan.chunks:
-                    stream = self._streams.pop(chunk.seq_id, None)
-                    self.scheduler.abort(chunk.seq_id)
-                    self.sampler.forget(chunk.seq_id)
-                    if stream is not None:
-                        stream.put(RuntimeError(f"generation failed: {exc}"))
-            self.num_steps += 1
-            self.step_seqs += len(plan.chunks)
-            feats = self.step_features
-            shape = plan.shape.features()
-            for name, value in shape.items():
-                feats[name] = feats.get(name, 0.0) + value
-            wall = time.perf_counter() - t0
-            self.step_seconds += wall
-            if self.step_observers:
-                rec = StepRecord(plan.step_id, t0, wall, self._last_forward_s, len(plan.chunks), shape,
-                                 self._idled)
-                for step_obs in self.step_observers:
-                    step_obs(rec)
-            self._idled = False
-            self._stats = self._snapshot()
-        for stream in self._streams.values():
-            stream.put(EngineStopped("the LLM engine shut down"))
+        try:
+            while not self._stopping:
+                self._iterate()
+        except BaseException as exc:  # noqa: BLE001 - anything: the requests must hear of it
+            self.failure = exc
+            log.exception("the LLM engine loop died; failing every pending request")
+        finally:
+            self._fail_all()
+
+    def _fail_all(self) -> None:
+        with self._lock:
+            self._closed = True  # from here on submit refuses: nothing can be left in the inbox
+        pending = list(self._streams.values())
         self._streams.clear()
+        while True:
+            try:
+                kind, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                pending.extend(arg)
+        for req in pending:
+            req.put(EngineStopped())
+        self._stats = self._snapshot()
+
+    def _iterate(self) -> None:
+        self._drain_inbox()
+        self._expire()
+        if not self.scheduler.has_unfinished():
+            self._stats = self._snapshot()
+            self._idled = True
+            self._wake.wait(0.5)
+            self._wake.clear()
+            return
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        try:
+            self._step(plan)
+        except Exception:  # fail only this step's sequences; keep serving the rest
+            log.exception("llm step %d failed", plan.step_id)
+            for chunk in plan.chunks:
+                req = self._drop(chunk.seq_id)
+                if req is not None:
+                    req.put(GenerationFailed())
+        shape = plan.shape.features()
+        wall = time.perf_counter() - t0
+        self.counters.add_step(len(plan.chunks), shape, wall)
+        if self.step_observers:
+            rec = StepRecord(plan.step_id, t0, wall, self._last_forward_s, len(plan.chunks), shape,
+                             self._idled)
+            for step_obs in self.step_observers:
+                step_obs(rec)
+        self._idled = False
+        self._stats = self._snapshot()
 
     def _step(self, plan: StepPlan) -> None:
         self._last_forward_s = 0.0
@@ -342,95 +260,38 @@ class LLMEngine:
         seqs = self.scheduler.seqs
         tokens = self.sampler.sample(logits, sampling, [seqs[i].params for i in sampling])
         self._last_forward_s = time.perf_counter() - t0
-        self.forward_seconds += self._last_forward_s
+        self.counters.forward_seconds += self._last_forward_s
         sampled = dict(zip(sampling, tokens, strict=True))
         stopped: set[int] = set()
         deltas: dict[int, str] = {}
         for sid, tok in sampled.items():
-            stream = self._streams.get(sid)
-            if stream is None:
+            req = self._streams.get(sid)
+            if req is None:
                 continue
-            delta, hit = stream.detok.step(stream.seq.output_token_ids + [tok])
+            delta, hit = req.detok.step(req.seq.output_token_ids + [tok])
             deltas[sid] = delta
             if hit:
                 stopped.add(sid)
         outputs = self.scheduler.update(plan, sampled, stopped)
         now = time.monotonic()
-        self.num_generated_tokens += len(outputs)
-        self._recent.append((now, len(outputs)))
+        self.counters.add_tokens(now, len(outputs))
         for out in outputs:
-            stream = self._streams.get(out.seq_id)
-            if stream is None:
+            req = self._streams.get(out.seq_id)
+            if req is None:
                 continue
-            seq = stream.seq
+            seq = req.seq
             reason = None if out.finish_reason is None else out.finish_reason.value
             text = deltas.get(out.seq_id, "")
             if reason is not None and out.seq_id not in stopped:
-                text += stream.detok.flush(seq.output_token_ids)
-            stream.put(GenerationOutput(out.seq_id, text, [out.token_id], reason, seq.num_prompt_tokens,
-                                        seq.num_output_tokens, seq.num_cached_tokens, seq.arrival, now))
-            first = stream.last_t is None
+                text += req.detok.flush(seq.output_token_ids)
+            req.put(GenerationOutput(out.seq_id, text, [out.token_id], reason, seq.num_prompt_tokens,
+                                     seq.num_output_tokens, seq.num_cached_tokens, seq.arrival, now))
+            first = req.last_t is None
             event = TokenEvent(out.seq_id, now, now - seq.arrival if first else None,
-                               None if first else now - (stream.last_t or now), reason is not None)
-            stream.last_t = now
+                               None if first else now - (req.last_t or now), reason is not None)
+            req.last_t = now
             for obs in self.observers:
                 obs(event)
             if reason is not None:
                 del self._streams[out.seq_id]
                 self.sampler.forget(out.seq_id)
-
-
-_SCHED_FIELDS = {f.name for f in dataclasses.fields(LLMSchedulerConfig)}
-
-
-def build_llm_engine(model_path: str | None = None, **engine_config: Any) -> LLMEngine:
-    """Model, tokenizer, paged KV runner and scheduler, started and ready for ``generate``.
-
-    ``engine_config`` keys: any ``LLMSchedulerConfig`` field (``max_num_seqs``,
-    ``max_num_batched_tokens``, ``num_kv_blocks``, ``block_size``, ``max_model_len``, ``policy``,
-    ``enable_chunked_prefill``, ``enable_prefix_caching``), any ``LLMModelConfig`` field for the
-    random default model (``num_hidden_layers``, ``hidden_size``, ``seed``, ``initializer_range``, ...),
-    and ``device`` ("cpu", "cuda"), ``dtype`` ("float32", "bfloat16", "float16"), ``model_name``,
-    ``sampler_seed``, ``threads`` (torch intra-op threads, 0 = leave as is), ``start`` (default True).
-    Unknown keys are errors.
-    """
-    import torch
-
-    from ..models.llm.config import LLMModelConfig
-    from ..models.llm.model_runner import LLMModelRunner
-    from ..models.llm.sampler import Sampler
-    from ..models.llm.tokenizer import load_tokenizer
-    from ..models.llm.weights import LlamaWeights, load_hf_llama
-
-    cfg = dict(engine_config)
-    device = str(cfg.pop("device", "cpu"))
-    dtype = getattr(torch, str(cfg.pop("dtype", "float32")))
-    start = bool(cfg.pop("start", True))
-    sampler_seed = int(cfg.pop("sampler_seed", 0))
-    threads = int(cfg.pop("threads", 0))
-    if threads:  # process-wide; 1 is steadier than torch's default when other jobs share the cores
-        torch.set_num_threads(threads)
-    model_fields = {f.name for f in dataclasses.fields(LLMModelConfig)}
-    model_kw = {k: cfg.pop(k) for k in list(cfg) if k in model_fields}
-    sched_kw = {k: cfg.pop(k) for k in list(cfg) if k in _SCHED_FIELDS}
-    name = str(cfg.pop("model_name", model_path or "batchpilot-tiny-llama"))
-    if cfg:
-        raise ValueError(f"build_llm_engine: unknown option(s) {sorted(cfg)}; see the docstring for the keys")
-    model_cfg = LLMModelConfig(**model_kw)
-    if device == "cpu":
-        from ..models.llm.model_runner import keep_freed_memory
-
-        keep_freed_memory()
-    hf = load_hf_llama(model_path, model_cfg, dtype=dtype)
-    weights = LlamaWeights.from_hf(hf)
-    tokenizer = load_tokenizer(model_path, model_cfg.vocab_size)
-    del hf
-    eos = set(weights.eos_token_ids)
-    if tokenizer.eos_token_id is not None:
-        eos.add(int(tokenizer.eos_token_id))
-    sched_kw.setdefault("max_model_len", weights.max_position_embeddings)
-    sched_kw.setdefault("eos_token_ids", tuple(sorted(eos)))
-    config = LLMSchedulerConfig(**sched_kw)
-    runner = LLMModelRunner(weights, config.num_kv_blocks, config.block_size, device=device, dtype=dtype)
-    engine = LLMEngine(runner, tokenizer, config, model_name=name, sampler=Sampler(sampler_seed))
-    return engine.start() if start else engine

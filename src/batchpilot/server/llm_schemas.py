@@ -3,19 +3,26 @@
 Unknown OpenAI fields (``user``, ``logit_bias`` ...) are accepted and ignored, as most OpenAI-compatible
 servers do; fields that would change the answer and are not supported (``n > 1``, ``logprobs``,
 ``echo``, penalties) are rejected with a 400 that names the field. ``top_k``, ``ignore_eos``,
-``stop_token_ids`` and ``priority`` are extensions (the ``openai`` client sends them in ``extra_body``).
+``stop_token_ids``, ``priority`` and ``deadline_ms`` are extensions (the ``openai`` client sends them in
+``extra_body``). Every list has a hard cap far above the limits of ``llm_limits``, so that validation of
+a hostile body stops at its first items instead of building an error for each of millions; the limits
+themselves are checked after parsing, with 400s that name them.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..core.sequence import SamplingParams
 from .errors import APIError
+from .llm_limits import LLMLimits
 
 GREEDY_BELOW = 1e-5
+CAP = 1 << 16  # items in any list of a request
+TOKEN_CAP = 1 << 20  # token ids in one prompt
+_Tokens = Annotated[list[int], Field(max_length=TOKEN_CAP)]
 
 
 class StreamOptions(BaseModel):
@@ -32,7 +39,7 @@ class _SamplingFields(BaseModel):
     top_k: int = Field(default=0, ge=0)
     n: int = 1
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=CAP)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: Any = None
@@ -40,8 +47,9 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float = 0.0
     # extensions
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: Annotated[list[int], Field(max_length=CAP)] | None = None
     priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
+    deadline_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
     def check_supported(self) -> None:
         if self.n != 1:
@@ -52,11 +60,13 @@ class _SamplingFields(BaseModel):
             if getattr(self, name):
                 raise APIError(400, f"{name} is not supported", code="unsupported_value", param=name)
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def sampling_params(self, default_max_tokens: int, limits: LLMLimits | None = None,
+                        max_model_len: int | None = None) -> SamplingParams:
+        """The engine's params, after the limits (a 400 naming the field past its limit)."""
         self.check_supported()
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stop) > 4 or any(not s for s in stop):
-            raise APIError(400, "stop takes at most 4 non-empty strings", code="invalid_value", param="stop")
+        (limits or LLMLimits()).check_sampling(stop, self.stop_token_ids or (), self.requested_max_tokens(),
+                                               max_model_len or 2**62)
         try:
             return SamplingParams(
                 max_tokens=self.requested_max_tokens() or default_max_tokens,
@@ -83,7 +93,8 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: (str | Annotated[list[str], Field(max_length=CAP)] | _Tokens
+             | Annotated[list[_Tokens], Field(max_length=CAP)])
     echo: bool = False
 
     def prompts(self) -> list[str | list[int]]:
@@ -108,7 +119,7 @@ class ContentPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | Annotated[list[ContentPart], Field(max_length=CAP)] | None = None
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -120,7 +131,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=CAP)
     max_completion_tokens: int | None = Field(default=None, ge=1)
 
     def requested_max_tokens(self) -> int | None:

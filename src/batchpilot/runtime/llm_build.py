@@ -1,0 +1,70 @@
+"""``build_llm_engine(model_path, **engine_config)``: model, tokenizer, paged KV runner and scheduler."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from ..core.llm_scheduler import LLMSchedulerConfig
+
+if TYPE_CHECKING:
+    from .llm_engine import LLMEngine
+
+_SCHED_FIELDS = {f.name for f in dataclasses.fields(LLMSchedulerConfig)}
+
+
+def build_llm_engine(model_path: str | None = None, **engine_config: Any) -> LLMEngine:
+    """Model, tokenizer, paged KV runner and scheduler, started and ready for ``generate``.
+
+    ``engine_config`` keys: any ``LLMSchedulerConfig`` field (``max_num_seqs``,
+    ``max_num_batched_tokens``, ``num_kv_blocks``, ``block_size``, ``max_model_len``, ``policy``,
+    ``enable_chunked_prefill``, ``enable_prefix_caching``, ``max_waiting_seqs``, ``request_timeout_s``),
+    any ``LLMModelConfig`` field for the random default model (``num_hidden_layers``, ``hidden_size``,
+    ``seed``, ``initializer_range``, ...), and ``device`` ("cpu", "cuda"), ``dtype`` ("float32",
+    "bfloat16", "float16"), ``model_name``, ``sampler_seed``, ``threads`` (torch intra-op threads,
+    0 = leave as is), ``tokenizer_threads`` (the prompt tokenising pool, 0 = one per core), ``start``
+    (default True). Unknown keys are errors.
+    """
+    import torch
+
+    from ..models.llm.config import LLMModelConfig
+    from ..models.llm.model_runner import LLMModelRunner
+    from ..models.llm.sampler import Sampler
+    from ..models.llm.tokenizer import load_tokenizer
+    from ..models.llm.weights import LlamaWeights, load_hf_llama
+    from .llm_engine import LLMEngine
+
+    cfg = dict(engine_config)
+    device = str(cfg.pop("device", "cpu"))
+    dtype = getattr(torch, str(cfg.pop("dtype", "float32")))
+    start = bool(cfg.pop("start", True))
+    sampler_seed = int(cfg.pop("sampler_seed", 0))
+    threads = int(cfg.pop("threads", 0))
+    tokenizer_threads = int(cfg.pop("tokenizer_threads", 0))
+    if threads:  # process-wide; 1 is steadier than torch's default when other jobs share the cores
+        torch.set_num_threads(threads)
+    model_fields = {f.name for f in dataclasses.fields(LLMModelConfig)}
+    model_kw = {k: cfg.pop(k) for k in list(cfg) if k in model_fields}
+    sched_kw = {k: cfg.pop(k) for k in list(cfg) if k in _SCHED_FIELDS}
+    name = str(cfg.pop("model_name", model_path or "batchpilot-tiny-llama"))
+    if cfg:
+        raise ValueError(f"build_llm_engine: unknown option(s) {sorted(cfg)}; see the docstring for the keys")
+    model_cfg = LLMModelConfig(**model_kw)
+    if device == "cpu":
+        from ..models.llm.model_runner import keep_freed_memory
+
+        keep_freed_memory()
+    hf = load_hf_llama(model_path, model_cfg, dtype=dtype)
+    weights = LlamaWeights.from_hf(hf)
+    tokenizer = load_tokenizer(model_path, model_cfg.vocab_size)
+    del hf
+    eos = set(weights.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    sched_kw.setdefault("max_model_len", weights.max_position_embeddings)
+    sched_kw.setdefault("eos_token_ids", tuple(sorted(eos)))
+    config = LLMSchedulerConfig(**sched_kw)
+    runner = LLMModelRunner(weights, config.num_kv_blocks, config.block_size, device=device, dtype=dtype)
+    engine = LLMEngine(runner, tokenizer, config, model_name=name, sampler=Sampler(sampler_seed),
+                       tokenizer_threads=tokenizer_threads)
+    return engine.start() if start else engine
