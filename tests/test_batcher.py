@@ -27,9 +27,10 @@ def run(coro: Coroutine[Any, Any, Any]) -> Any:
     return asyncio.run(asyncio.wait_for(coro, 60))
 
 
-def config(max_batch_size: int = 8, max_wait_s: float = 0.0, policy: str = "window", **admission: Any
-           ) -> SchedulerConfig:
-    pol = PolicyConfig(name=policy, max_batch_size=max_batch_size, max_wait_s=max_wait_s)  # type: ignore[arg-type]
+def config(max_batch_size: int = 8, max_wait_s: float = 0.0, policy: str = "window", pays: bool = True,
+           **admission: Any) -> SchedulerConfig:
+    pol = PolicyConfig(name=policy, max_batch_size=max_batch_size, max_wait_s=max_wait_s,  # type: ignore[arg-type]
+                       wait_only_if_it_pays=pays)
     return SchedulerConfig(policy=pol, planner=PlannerConfig(grouping="fifo"),
                            admission=AdmissionConfig(**admission))
 
@@ -125,7 +126,7 @@ def test_requests_arriving_during_a_run_form_the_next_batch() -> None:
 
 def test_max_wait_window_dispatches_a_lone_request_without_another_event() -> None:
     async def main() -> None:
-        b = Batcher(CallableExecutor(lambda xs: xs), config(max_batch_size=8, max_wait_s=0.02))
+        b = Batcher(CallableExecutor(lambda xs: xs), config(max_batch_size=8, max_wait_s=0.02, pays=False))
         assert await b.submit("x", 3) == "x"  # only the wake_at timer can dispatch it
         await b.shutdown()
 
@@ -146,6 +147,54 @@ def test_next_batch_is_prepared_while_the_current_one_runs() -> None:
         ex.gate.set()
         assert (await first, await second) == (2, 4)
         assert ex.runs == [[1], [2]]
+        await b.shutdown()
+
+    run(main())
+
+
+def test_an_idle_slot_prepares_and_runs_in_one_hop_a_busy_one_pipelines() -> None:
+    class Threads(GatedExecutor):
+        def __init__(self) -> None:
+            super().__init__(gated=0)
+            self.where: list[tuple[str, str]] = []
+
+        def prepare(self, batch: Batch) -> list[int]:
+            self.where.append(("prepare", threading.current_thread().name.split("-")[1]))
+            return super().prepare(batch)
+
+        def run(self, payloads: list[int]) -> list[int]:
+            self.where.append(("run", threading.current_thread().name.split("-")[1]))
+            return super().run(payloads)
+
+    async def main() -> None:
+        ex = Threads()
+        b = Batcher(ex, config(), CostModel(latency_coef=(0.0, 0.0, 0.0, 0.0)), pipeline=True)
+        assert await b.submit(1, 4) == 2  # idle: collation on the run thread, no prepare hop
+        assert ex.where == [("prepare", "run"), ("run", "run")]
+        ex.where.clear()
+        ex.gated = 1
+        first = asyncio.ensure_future(b.submit(2, 4))
+        await wait_thread_event(ex.started)
+        second = asyncio.ensure_future(b.submit(3, 4))  # a batch runs: the next one is collated beside it
+        await wait_thread_event(ex.prepared_while_blocked)
+        ex.gate.set()
+        assert (await first, await second) == (4, 6)
+        assert ex.where[-2:] == [("prepare", "prepare"), ("run", "run")]
+        await b.shutdown()
+
+    run(main())
+
+
+def test_stage_times_follow_a_request_through_the_batcher() -> None:
+    from batchpilot.runtime.execution import StageTimes
+
+    async def main() -> None:
+        b = Batcher(CallableExecutor(lambda xs: xs), config())
+        times = StageTimes()
+        (fut,) = b.submit_group_nowait(["x"], [3], times=times)
+        assert await fut == "x"
+        assert times.admitted <= times.dispatched <= times.run_start <= times.run_end
+        assert times.queue_s >= 0 and times.prepare_s >= 0 and times.run_s >= 0
         await b.shutdown()
 
     run(main())

@@ -12,7 +12,8 @@ The core decides everything; this file only moves data between the core and the 
 Guarantees: every accepted request's future completes exactly once (result, ``RequestRejected`` or
 ``ExecutionError``); a cancelled caller is removed from the queue before execution (or its result is
 discarded if its batch is already running); an exception in a batch reaches only the request(s) that
-cause it (bisection); ``shutdown`` stops admission, drains, then fails what is left.
+cause it (bisection); ``shutdown`` stops admission, drains, then fails what is left. How a batch runs
+on its slot (prepare, run, bisect, recover) is ``runtime/execution.py``.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ from collections.abc import Callable
 from typing import Any
 
 from ..core.config import SchedulerConfig
-from ..core.costmodel import BatchShape, CostModel
+from ..core.costmodel import CostModel
 from ..core.request import IdCounter, Request
 from ..core.scheduler import Batch, BatchScheduler, RejectReason
-from .errors import ExecutionError, ExecutorCrashed, RequestRejected
+from .errors import ExecutionError, RequestRejected
+from .execution import BatchExecution, StageTimes
 from .executor import Executor
 from .observer import BatcherObserver
 from .pipeline import Slot
@@ -39,15 +41,16 @@ SHUTDOWN_RETRY_AFTER_S = 5.0
 
 
 class _Pending:
-    __slots__ = ("request", "future", "batch_id")
+    __slots__ = ("request", "future", "batch_id", "times")
 
-    def __init__(self, request: Request, future: asyncio.Future[Any]) -> None:
+    def __init__(self, request: Request, future: asyncio.Future[Any], times: StageTimes | None) -> None:
         self.request = request
         self.future = future
         self.batch_id: int | None = None  # None while queued
+        self.times = times
 
 
-class Batcher:
+class Batcher(BatchExecution):
     """``await batcher.submit(payload, length)`` returns the executor's result for that payload."""
 
     def __init__(self, executor: Executor, config: SchedulerConfig | None = None,
@@ -96,12 +99,13 @@ class Batcher:
         return self.submit_group_nowait([payload], [length], priority, deadline, sla)[0]
 
     def submit_group_nowait(self, payloads: list[Any], lengths: list[int], priority: int = 0,
-                            deadline: float | None = None,
-                            sla: float | None = None) -> list[asyncio.Future[Any]]:
+                            deadline: float | None = None, sla: float | None = None,
+                            times: StageTimes | None = None) -> list[asyncio.Future[Any]]:
         """One request of several inputs, admitted or refused as a whole by the core
         (``BatchScheduler.submit_group``): a future per input, or ``RequestRejected`` for all of them.
-        Cancelling a future withdraws its input. Must be called on the event loop thread."""
-        pairs = self._enqueue_group(payloads, lengths, priority, deadline, sla)
+        Cancelling a future withdraws its input. ``times``, if given, is filled in as the inputs go
+        through (``StageTimes``). Must be called on the event loop thread."""
+        pairs = self._enqueue_group(payloads, lengths, priority, deadline, sla, times)
         for rid, future in pairs:
             future.add_done_callback(lambda f, rid=rid: self._cancel(rid) if f.cancelled() else None)
         return [f for _, f in pairs]
@@ -145,7 +149,8 @@ class Batcher:
 
     # -- admission ---------------------------------------------------------------------------
     def _enqueue_group(self, payloads: list[Any], lengths: list[int], priority: int,
-                       deadline: float | None, sla: float | None) -> list[tuple[int, asyncio.Future[Any]]]:
+                       deadline: float | None, sla: float | None,
+                       times: StageTimes | None = None) -> list[tuple[int, asyncio.Future[Any]]]:
         if not self._accepting:
             self.observer.on_reject(RejectReason.SHUTTING_DOWN)
             raise RequestRejected(RejectReason.SHUTTING_DOWN, "the server is shutting down",
@@ -159,12 +164,14 @@ class Batcher:
         if rejection is not None:
             self.observer.on_reject(rejection.reason)
             raise RequestRejected.from_rejection(rejection)
+        if times is not None:
+            times.admitted = now
         out = []
         loop = self._loop
         assert loop is not None
         for req in reqs:
             future: asyncio.Future[Any] = loop.create_future()
-            self._pending[req.id] = _Pending(req, future)
+            self._pending[req.id] = _Pending(req, future, times)
             if self._observe_admit:
                 self.observer.on_admit(req)
             out.append((req.id, future))
@@ -229,123 +236,13 @@ class Batcher:
             p = self._pending.get(r.id)
             if p is not None:
                 p.batch_id = batch.id
+                if p.times is not None:
+                    p.times.dispatched = now
         self.observer.on_dispatch(batch, now)
         slot.next = batch
         task = asyncio.get_running_loop().create_task(self._execute(slot, batch))
         self._work.add(task)
         task.add_done_callback(self._work.discard)
-
-    # -- execution ---------------------------------------------------------------------------
-    async def _prepare(self, pool: Any, batch: Batch) -> tuple[Any, Exception | None]:
-        try:
-            return await asyncio.get_running_loop().run_in_executor(pool, self.executor.prepare, batch), None
-        except Exception as exc:
-            return None, exc
-
-    async def _execute(self, slot: Slot, batch: Batch) -> None:
-        reported = False  # the scheduler counts a dispatched batch as backlog until it hears of it once
-        try:
-            prepared, prep_exc = await self._prepare(slot.prepare_pool, batch)
-            async with slot.run_lock:
-                if not any(r.id in self._pending for r in batch.requests):  # everyone left
-                    slot.next = None
-                    self._wake.set()
-                    return
-                started = self.clock()
-                slot.on_run_start(batch, started, self.scheduler.next_batch_at(batch, started))
-                self.observer.on_slot_busy(slot.index, True)
-                self._wake.set()
-                try:
-                    await self._run_isolating(slot, batch, prepared, prep_exc, may_recover=True)
-                finally:
-                    now = self.clock()
-                    took = slot.on_run_end(batch, now)
-                    self.observer.on_slot_busy(slot.index, False)
-                    reported = True
-                    self.scheduler.on_batch_done(batch, now, took)
-                    self._wake.set()
-                    for observe in self.batch_observers:
-                        try:
-                            observe(batch, now - took, took)
-                        except Exception:  # a log that cannot be written must not stop the others
-                            log.exception("batch observer %r failed", observe)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # a runtime bug: answer the batch's callers, never leave them hanging
-            log.exception("batch %d failed outside the executor", batch.id)
-            for r in batch.requests:
-                self._finish(r.id, exc=ExecutionError(f"internal error: {exc}"))
-        finally:
-            if not reported:
-                self.scheduler.on_batch_done(batch, self.clock(), 0.0, ran=False)
-
-    async def _call_run(self, slot: Slot, prepared: Any) -> list[Any]:
-        if self._run_is_async:
-            return list(await self.executor.run(prepared))  # type: ignore[misc]
-        loop = asyncio.get_running_loop()
-        return list(await loop.run_in_executor(slot.run_pool, self.executor.run, prepared))
-
-    async def _run_isolating(self, slot: Slot, batch: Batch, prepared: Any, prep_exc: Exception | None,
-                             may_recover: bool) -> None:
-        """Run; on failure bisect until each failing request is alone, so only poison requests fail."""
-        t0 = self.clock()
-        try:
-            if prep_exc is not None:
-                raise prep_exc
-            results = await self._call_run(slot, prepared)
-            if len(results) != batch.size:
-                raise ValueError(f"executor returned {len(results)} results for a batch of {batch.size}")
-        except ExecutorCrashed as exc:
-            self.observer.on_batch_done(batch, self.clock() - t0, False)
-            if may_recover and await self._recover(slot, exc):
-                prepared, prep_exc = await self._prepare(slot.run_pool, batch)
-                await self._run_isolating(slot, batch, prepared, prep_exc, may_recover=False)
-                return
-            for r in batch.requests:
-                self._finish(r.id, exc=ExecutionError(f"the executor crashed: {exc}"))
-            return
-        except Exception as exc:
-            self.observer.on_batch_done(batch, self.clock() - t0, False)
-            if batch.size == 1:
-                log.warning("request %d failed in the executor: %r", batch.requests[0].id, exc)
-                err = ExecutionError(f"the model failed on this input: {type(exc).__name__}: {exc}")
-                err.__cause__ = exc
-                self._finish(batch.requests[0].id, exc=err)
-                return
-            live = [r for r in batch.requests if r.id in self._pending]  # cancelled ones need no answer
-            mid = len(live) // 2
-            for half in (live[:mid], live[mid:]) if mid else ([live] if live else []):
-                sub = self._sub_batch(batch, half)
-                sub_prepared, sub_exc = await self._prepare(slot.run_pool, sub)
-                await self._run_isolating(slot, sub, sub_prepared, sub_exc, may_recover)
-            return
-        self.observer.on_batch_done(batch, self.clock() - t0, True)
-        if self.health == "degraded":
-            self._set_health("ok")
-        self._deliver(batch, results)
-
-    def _sub_batch(self, batch: Batch, requests: list[Request]) -> Batch:
-        """A retry of part of ``batch``: same id and padded length (valid for every padding mode)."""
-        lengths = [r.length for r in requests]
-        if batch.padding == "none":
-            shape = BatchShape.ragged(lengths)
-        else:
-            shape = BatchShape.padded(lengths, batch.padded_len)
-        return Batch(batch.id, requests, shape.padded_len, shape, batch.padding, batch.formed_at,
-                     self.cost_model.latency(shape))
-
-    async def _recover(self, slot: Slot, exc: Exception) -> bool:
-        self._set_health("degraded")
-        recover = getattr(self.executor, "recover", None)
-        log.error("executor crashed (%r); %s", exc, "recovering" if recover else "it has no recover()")
-        if recover is None:
-            return False
-        try:
-            await asyncio.get_running_loop().run_in_executor(slot.run_pool, recover)
-        except Exception:
-            log.exception("executor recovery failed; health stays degraded")
-            return False
-        return True
 
     # -- completion --------------------------------------------------------------------------
     def _finish(self, rid: int, result: Any = None, exc: BaseException | None = None) -> None:
@@ -370,6 +267,8 @@ class Batcher:
             if pending is not None and not pending.future.done():
                 pending.future.set_result(res)
                 done_hook(r, now - r.arrival, True)
+                if pending.times is not None:
+                    pending.times.run_end = now
         self._check_drained()
 
     def _check_drained(self) -> None:
