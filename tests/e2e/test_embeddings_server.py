@@ -105,6 +105,25 @@ def test_token_id_inputs_embed_like_their_text(server_url: str, texts: list[str]
     assert many["usage"]["prompt_tokens"] == sum(LENGTHS[:3])
 
 
+def test_base64_carries_exactly_the_float_answer_and_server_timing_splits_the_stages(
+        server_url: str, texts: list[str]) -> None:
+    from batchpilot.bench.loadgen import parse_server_timing
+
+    body = {"input": texts[:2]}
+    as_float = httpx.post(server_url + "/v1/embeddings", json={**body, "encoding_format": "float"})
+    as_b64 = httpx.post(server_url + "/v1/embeddings", json={**body, "encoding_format": "base64"})
+    assert as_float.headers["content-type"] == "application/json"
+    floats = np.array([d["embedding"] for d in as_float.json()["data"]], dtype=np.float32)
+    decoded = np.stack([np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4")
+                        for d in as_b64.json()["data"]])
+    np.testing.assert_array_equal(floats, decoded)  # float32 both ways, bit for bit
+    st = parse_server_timing(as_b64.headers["server-timing"])
+    assert set(st) == {"tokenize", "batcher", "queue", "prepare", "run", "encode", "app"}
+    assert all(v >= 0 for v in st.values())
+    assert st["queue"] + st["prepare"] + st["run"] <= st["batcher"] + 1e-6
+    assert st["tokenize"] + st["batcher"] + st["encode"] <= st["app"] + 1e-6
+
+
 def test_too_long_is_400_unless_truncation_is_asked(server_url: str, st_model: Any) -> None:
     long_text = " ".join(["serving"] * 700)
     r = httpx.post(server_url + "/v1/embeddings", json={"input": long_text})

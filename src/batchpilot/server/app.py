@@ -18,6 +18,7 @@ import base64
 import gc
 import logging
 import math
+import os
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -26,6 +27,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import numpy as np
+import orjson
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
@@ -36,6 +38,7 @@ from ..core.scheduler import RejectReason
 from ..runtime.batch_log import BatchLog
 from ..runtime.batcher import Batcher
 from ..runtime.errors import ExecutionError, RequestRejected
+from ..runtime.execution import StageTimes
 from ..runtime.executor import Executor
 from .config import ServerConfig
 from .errors import APIError, install_error_handlers
@@ -79,8 +82,10 @@ class EmbeddingService:
         self.model_name = settings.model_name or getattr(executor, "model_name", "model")
         self.dim = int(getattr(executor, "dim", 0)) or None
         self.max_length = getattr(executor, "max_length", config.admission.max_length)
-        # one thread: HF fast tokenizers are not safe to share across threads, and one keeps FIFO order
-        self.tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="batchpilot-tokenize")
+        # a thread per core: the executors' tokenizers are called with fixed settings (a fast tokenizer
+        # is shared safely then) and release the GIL while they work
+        self.tokenizer_pool = ThreadPoolExecutor(settings.tokenizer_workers or len(os.sched_getaffinity(0)),
+                                                 thread_name_prefix="batchpilot-tokenize")
         self.created = int(time.time())
 
     def tokenize(self, texts: list[str] | None, ids: list[list[int]] | None,
@@ -93,7 +98,7 @@ class EmbeddingService:
             return [list(x) for x in ex.tokenize_ids(ids, truncate=truncate)]
         return [x[: self.max_length] if truncate else x for x in ids]
 
-    async def embed(self, body: EmbeddingRequest, request: Request) -> JSONResponse:
+    async def embed(self, body: EmbeddingRequest, request: Request) -> Response:
         received = self.batcher.clock()
         if body.model is not None and body.model != self.model_name:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
@@ -115,9 +120,10 @@ class EmbeddingService:
         except ValueError as exc:
             raise APIError(400, str(exc), code="context_length_exceeded", param="input") from None
         futures: list[asyncio.Future[Any]] = []
+        times = StageTimes()
         try:  # the core admits or refuses the request's inputs together
             futures = self.batcher.submit_group_nowait(tokens, [len(x) for x in tokens], priority or 0,
-                                                       deadline)
+                                                       deadline, times=times)
             results = await self._wait(futures, request)
             answered = self.batcher.clock()
         except RequestRejected as exc:
@@ -127,17 +133,21 @@ class EmbeddingService:
         finally:
             for f in futures:
                 f.cancel()  # no-op when done; withdraws the rest when one failed or the client left
-        response = JSONResponse(self._body(results, tokens, body.encoding_format))
+        content = self._body(results, tokens, body.encoding_format)
+        done = self.batcher.clock()
         # W3C Server-Timing: where this request's time went inside the server (`batchpilot profile`
-        # measures the simulator's serving path from it; browsers' dev tools show it too)
-        response.headers["server-timing"] = (
-            f"tokenize;dur={(tokenized - received) * 1e3:.3f}, "
-            f"batcher;dur={(answered - tokenized) * 1e3:.3f}, "
-            f"app;dur={(self.batcher.clock() - received) * 1e3:.3f}")
-        return response
+        # measures the simulator's serving path from tokenize/batcher/app; browsers' dev tools show it).
+        # queue, prepare (collation + hand-offs + waiting for the run stage) and run split the batcher's
+        # part; encode is the response body.
+        timing = (f"tokenize;dur={(tokenized - received) * 1e3:.3f}, "
+                  f"batcher;dur={(answered - tokenized) * 1e3:.3f}, "
+                  f"queue;dur={times.queue_s * 1e3:.3f}, prepare;dur={times.prepare_s * 1e3:.3f}, "
+                  f"run;dur={times.run_s * 1e3:.3f}, encode;dur={(done - answered) * 1e3:.3f}, "
+                  f"app;dur={(done - received) * 1e3:.3f}")
+        return Response(content, media_type="application/json", headers={"server-timing": timing})
 
     async def _wait(self, futures: list[asyncio.Future[Any]], request: Request) -> list[Any]:
-        work = asyncio.gather(*futures)
+        work = futures[0] if len(futures) == 1 else asyncio.gather(*futures)
         watch = asyncio.ensure_future(_disconnected(request))
         try:
             done, _ = await asyncio.wait({work, watch}, timeout=self.settings.request_timeout_s,
@@ -145,25 +155,30 @@ class EmbeddingService:
         finally:
             watch.cancel()
         if work in done:
-            return list(work.result())
+            return [work.result()] if len(futures) == 1 else list(work.result())
         work.cancel()  # withdraws every input still queued
         work.add_done_callback(lambda f: None if f.cancelled() else f.exception())  # mark it retrieved
         if watch in done:
             raise ClientGone
         raise APIError(504, f"not answered within {self.settings.request_timeout_s:.0f} s", code="timeout")
 
-    def _body(self, results: Sequence[Any], tokens: list[list[int]], fmt: str) -> dict[str, Any]:
+    def _body(self, results: Sequence[Any], tokens: list[list[int]], fmt: str) -> bytes:
+        """The response JSON (orjson writes float32 arrays directly). A non-finite value (a half
+        precision overflow) is a fixed 500, never a JSON ``null`` or NaN the client cannot parse."""
         data = []
         for i, vec in enumerate(results):
-            arr = np.asarray(vec, dtype=np.float32)
-            if fmt == "float":
-                emb: Any = arr.tolist()
-            else:  # OpenAI's base64: little-endian float32 bytes
-                emb = base64.b64encode(arr.astype("<f4").tobytes()).decode("ascii")
+            arr = np.ascontiguousarray(vec, dtype=np.float32)
+            if not np.isfinite(arr).all():
+                log.error("embedding %d of the request is not finite (model output overflow)", i)
+                raise APIError(500, "the model produced a non-finite embedding", code="model_error")
+            emb: Any = arr  # OpenAI's base64: little-endian float32 bytes
+            if fmt != "float":
+                emb = base64.b64encode(arr.astype("<f4", copy=False).tobytes()).decode()
             data.append({"object": "embedding", "embedding": emb, "index": i})
         n = sum(len(t) for t in tokens)
-        return {"object": "list", "data": data, "model": self.model_name,
+        body = {"object": "list", "data": data, "model": self.model_name,
                 "usage": {"prompt_tokens": n, "total_tokens": n}}
+        return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
 
     async def close(self) -> None:
         await self.batcher.shutdown(self.settings.drain_timeout_s)
@@ -301,5 +316,5 @@ def create_app(settings: ServerConfig, executor: Executor, config: SchedulerConf
     async def metrics() -> Response:
         return Response(svc.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    return RequestLifecycle(app, settings)
+    return RequestLifecycle(app, settings, svc.metrics.registry)
 

@@ -37,6 +37,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-length", type=int, default=None, help="max tokens per input (default: model limit)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: all cores; 1 is faster when oversubscribed)")
+    p.add_argument("--tokenizer-workers", type=int, default=None,
+                   help="threads tokenising embedding inputs off the event loop (default: one per core)")
     add_deployment_args(p)
     p.add_argument("--profile", default=None, help="cost-model profile JSON (`batchpilot profile -o`)")
     p.add_argument("--no-startup-profile", action="store_true",
@@ -94,8 +96,8 @@ def run(args: argparse.Namespace) -> int:
     spec = spec_from_args(args)
     settings = ServerConfig(
         host=args.host, port=args.port, model_path=args.model, model_name=args.model_name,
-        max_length=args.max_length, num_threads=args.threads, noop=args.noop,
-        noop_delay_s=args.noop_delay_ms / 1000.0,
+        max_length=args.max_length, num_threads=args.threads, tokenizer_workers=args.tokenizer_workers,
+        noop=args.noop, noop_delay_s=args.noop_delay_ms / 1000.0,
         profile_path=args.profile, startup_profile=not args.no_startup_profile, api_key=args.api_key,
         max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout_s,
         send_timeout_s=args.send_timeout_s, max_json_values=args.max_json_values,

@@ -19,6 +19,7 @@ class ServerConfig:
     model_name: str | None = None  # the name clients send (default: the folder's name)
     max_length: int | None = None  # None: the model's position limit
     num_threads: int | None = None  # torch intra-op threads; None: every core (1 when oversubscribed)
+    tokenizer_workers: int | None = None  # threads tokenising embedding inputs; None: one per core
     noop: bool = False  # a model that costs nothing (benchmarks of the serving path)
     noop_delay_s: float = 0.0
     profile_path: str | None = None
@@ -44,6 +45,9 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"server.port must be in [0, 65535], got {self.port}")
+        if self.tokenizer_workers is not None and self.tokenizer_workers < 1:
+            raise ValueError(f"server.tokenizer_workers must be >= 1 (or unset: one per core), "
+                             f"got {self.tokenizer_workers}")
         for name in ("max_body_bytes", "max_inputs", "max_input_chars", "max_input_tokens", "max_json_values",
                      "max_json_containers"):
             if getattr(self, name) < 1:
