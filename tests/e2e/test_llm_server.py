@@ -211,6 +211,7 @@ def test_step_counters(server: tuple[str, LLMEngine, CollectorRegistry]) -> None
                 for i in range(3)))
 
     asyncio.run(streams())
+    _idle(engine)  # the stats are a snapshot taken after each step: read them once the last is counted
     after = engine.stats()
     steps = after.num_steps - before.num_steps
     assert steps >= 12 and after.step_seqs - before.step_seqs >= steps  # >= 1 sequence per step
@@ -229,7 +230,9 @@ def test_step_log_records_every_step_with_its_shape(server: tuple[str, LLMEngine
     from batchpilot.runtime.llm_engine import StepLog
 
     url, engine, _ = server
-    time.sleep(0.6)  # let the engine go idle: the first logged step then follows an idle wait
+    _idle(engine)
+    while not engine._idled:  # the first logged step then follows an idle wait
+        time.sleep(0.01)
     log = StepLog(str(tmp_path / "steps.jsonl"))
     before = engine.stats()
     engine.step_observers.append(log)
@@ -240,6 +243,7 @@ def test_step_log_records_every_step_with_its_shape(server: tuple[str, LLMEngine
                     "model": "m", "prompt": [5 + i] * (8 + 8 * i), "max_tokens": 10, "ignore_eos": True})
                     for i in range(3)))
         asyncio.run(streams())
+        _idle(engine)  # the last step's record is written after its tokens are delivered
     finally:
         engine.step_observers.remove(log)
         log.close()
@@ -255,3 +259,36 @@ def test_step_log_records_every_step_with_its_shape(server: tuple[str, LLMEngine
         assert b.start >= a.start + a.wall_s  # steps never overlap: one engine thread
     profile = CostModel(LLM_FEATURES, (0.001, 1e-5, 1e-5, 0.0, 0.0, 0.002), (0.0,) * 6)
     assert math.isfinite(speed_vs_profile(profile, steps)) and speed_vs_profile(profile, steps) > -1.0
+
+
+def _idle(engine: LLMEngine) -> None:
+    deadline = time.monotonic() + 30
+    while (lambda s: s.num_running + s.num_waiting or s.num_free_blocks != s.num_blocks)(engine.stats()):
+        assert time.monotonic() < deadline, f"engine not idle: {engine.stats()}"
+        time.sleep(0.02)
+
+
+def test_a_refused_later_prompt_starts_none_of_the_request(server: Server) -> None:
+    url, engine, _ = server
+    _idle(engine)
+    before = engine.stats()
+    r = httpx.post(url + "/v1/completions", json={"prompt": ["fits", "word " * 2000], "max_tokens": 200,
+                                                  "ignore_eos": True}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    _idle(engine)
+    after = engine.stats()
+    assert (after.num_generated_tokens, after.num_steps) == (before.num_generated_tokens, before.num_steps)
+
+
+def test_the_prompts_of_one_request_enter_the_engine_together(server: Server) -> None:
+    url, engine, _ = server
+    _idle(engine)
+    steps: list[int] = []
+    engine.step_observers.append(obs := lambda rec: steps.append(rec.num_seqs))
+    try:
+        r = httpx.post(url + "/v1/completions", json={"prompt": ["one", "two", "three"], "max_tokens": 3},
+                       timeout=30)
+    finally:
+        engine.step_observers.remove(obs)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 3
+    assert steps[0] == 3  # all three prefilled in the first step

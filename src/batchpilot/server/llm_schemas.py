@@ -13,14 +13,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..core.sequence import SamplingParams
 from .errors import APIError
 from .llm_limits import LLMLimits
 
 GREEDY_BELOW = 1e-5
-CAP = 1 << 16  # items in any list of a request
+CAP = 4096  # items in any list of a request (the limits' defaults are far below)
 TOKEN_CAP = 1 << 20  # token ids in one prompt
 _Tokens = Annotated[list[int], Field(max_length=TOKEN_CAP)]
 
@@ -96,6 +96,20 @@ class CompletionRequest(_SamplingFields):
     prompt: (str | Annotated[list[str], Field(max_length=CAP)] | _Tokens
              | Annotated[list[_Tokens], Field(max_length=CAP)])
     echo: bool = False
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_shape(cls, value: Any) -> Any:
+        """One pass over the items before the union tries each shape on each of them: a list that is
+        none of the four shapes is one error, not one per item and shape."""
+        if isinstance(value, list) and len(value) <= TOKEN_CAP:
+            kinds = {type(x) for x in value}
+            ok = kinds <= {int} or kinds <= {str} or (
+                kinds <= {list} and all(type(t) is int for x in value for t in x))
+            if not ok:
+                raise ValueError("prompt must be a string, a list of strings, a list of token ids or a "
+                                 "list of token-id lists")
+        return value
 
     def prompts(self) -> list[str | list[int]]:
         if self.echo:
