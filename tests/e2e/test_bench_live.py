@@ -2,22 +2,29 @@
 
 Checks that what the generator sends is what the workload says (the server counts exactly the trace's
 token lengths), that records, summary and the server's own counters agree, and that a burst is sent
-on schedule rather than after earlier replies (open loop).
+on schedule rather than after earlier replies (open loop). Where a test needs the server slower than the
+load, the model is the no-op one with a fixed delay (its capacity is known on any machine) or held on a
+gate; nothing assumes how fast this machine runs MiniLM.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import threading
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+from inproc import FaultyExecutor, LiveServer, live_server, wait_for
 
 from batchpilot.bench.loadgen import LoadGenConfig, build_plan, replay
 from batchpilot.bench.records import summarize
 from batchpilot.bench.scrape import parse_metrics
 from batchpilot.bench.serverproc import serve
+from batchpilot.core.config import PolicyConfig, SchedulerConfig
 from batchpilot.core.costmodel import CostModel
 from batchpilot.sim.traces import Workload
 from batchpilot.sim.workloads import load_workload
@@ -75,30 +82,56 @@ def test_replay_of_a_conv_embed_slice_matches_the_server_counters(server: str) -
     assert math.isfinite(res.metrics.histogram_mean("batchpilot_batch_size"))
 
 
-def test_a_burst_is_sent_on_schedule_not_after_replies(server: str) -> None:
-    # 10 requests of 512 tokens due within 18 ms: more than the server's SLA backlog bound takes,
-    # so admission sheds some with 503 queue_full (fast replies). An open-loop client has sent all ten
-    # before the first *served* reply (one 512-token forward alone takes ~170 ms); a closed-loop one would
-    # send the second only after the first reply, which is served (the queue is empty then).
+def one_at_a_time() -> SchedulerConfig:
+    return SchedulerConfig(policy=PolicyConfig(name="window", max_batch_size=1, max_wait_s=0.0,
+                                               wait_only_if_it_pays=False))
+
+
+@pytest.fixture
+def held() -> Iterator[tuple[LiveServer, FaultyExecutor]]:
+    """The no-op model held on a gate: nothing is answered until the test opens it."""
+    ex = FaultyExecutor()
+    ex.gate.clear()
+    with live_server(ex, one_at_a_time()) as srv:
+        try:
+            yield srv, ex
+        finally:
+            ex.gate.set()
+
+
+def test_a_burst_is_sent_on_schedule_not_after_replies(held: tuple[LiveServer, FaultyExecutor]) -> None:
+    # 10 requests of 512 tokens due within 18 ms, against a model that answers nothing until all ten
+    # have reached the server. An open-loop client has sent them all before the first reply; a
+    # closed-loop one would wait for the first reply before sending the second, and never finish.
+    srv, ex = held
     n = 10
     wl = Workload.from_columns("burst", [0.002 * i for i in range(n)], [512] * n)
-    res = replay(build_plan(wl, seed=1), LoadGenConfig(server, progress=False, scrape_interval_s=0))
-    recs = res.records
-    served = [r for r in recs if r.ok]
-    assert served and recs[0].ok  # the first request meets an empty queue
-    assert all(r.status == 503 and "queue_full" in r.error for r in recs if not r.ok)
-    assert max(r.sent_s for r in recs) < min(r.done_s for r in served)
-    assert summarize(recs).errors == ({"503": n - len(served)} if len(served) < n else {})
+    plan = build_plan(wl, seed=1)
+    out: dict[str, Any] = {}
+    sender = threading.Thread(target=lambda: out.update(res=replay(
+        plan, LoadGenConfig(srv.url, progress=False, scrape_interval_s=0))), daemon=True)
+    sender.start()
+    wait_for(lambda: srv.service.batcher.num_pending == n, timeout_s=60, what="all ten at the server")
+    ex.gate.set()
+    sender.join(60)
+    recs = out["res"].records
+    assert len(recs) == n and all(r.ok for r in recs), [r.error for r in recs if not r.ok]
+    assert max(r.sent_s for r in recs) < min(r.done_s for r in recs)
+    assert summarize(recs).errors == {}
 
 
-def test_capacity_probe_fails_on_an_overload(server: str, tmp_path: Path) -> None:
+def test_capacity_probe_fails_on_an_overload() -> None:
+    """An overload relative to a capacity known on any machine: the no-op model takes a fixed 50 ms per
+    batch of one (at most 20 req/s), and conv-embed at 16x its rate offers about 90 req/s."""
     from batchpilot.bench.capacity import CapacityConfig, live_capacity
 
     wl = load_workload("conv-embed", start=200, count=40)
+    assert len(wl) / float(wl.arrival_s[-1] - wl.arrival_s[0]) * 16 > 2 * 20  # over twice the capacity
     cfg = CapacityConfig(sla_s=0.5, start=16.0, hi=16.0, lo=16.0, max_probes=1, probe_s=5.0, cooldown_s=5.0)
-    res = live_capacity(wl, LoadGenConfig(server, progress=False, scrape_interval_s=0), cfg)
+    with live_server(FaultyExecutor(delay_s=0.05), one_at_a_time()) as srv:
+        res = live_capacity(wl, LoadGenConfig(srv.url, progress=False, scrape_interval_s=0), cfg)
     (probe,) = res.probes
-    assert not probe.passed and res.rate_scale == 0.0  # ~90 req/s of conv-embed cannot hold 0.5 s here
+    assert not probe.passed and res.rate_scale == 0.0
 
 
 def test_server_timing_splits_each_request(server: str) -> None:
@@ -135,8 +168,9 @@ def test_fidelity_predicts_from_the_profile_alone_and_measures_each_point_once(
     res = json.loads((out / "fidelity.json").read_text())
     (point,) = res["points"]
     assert point["load"] == 0.5 and point["measured"]["num_requests"] == 120
-    # the no-op model sleeps 20 ms a batch: the logged batches take that plus the thread hand-off
-    assert -0.2 < point["speed_vs_profile"] < 1.0
+    # the no-op model sleeps 20 ms a batch: the logged batches take at least that (how much more
+    # depends on this machine's load, so it is not asserted)
+    assert point["speed_vs_profile"] > -0.2 and math.isfinite(point["speed_vs_profile"])
     assert "concurrency <= 64" in res["deployment"]
     text = capsys.readouterr().out
     assert "P99 ms" in text and "speed vs profile" in text and "rejected" in text

@@ -1,8 +1,9 @@
 """SIGTERM on a real ``batchpilot serve`` subprocess: admission stops (503 + Retry-After, /health 503
 "draining"), everything accepted before the signal is answered, the process exits 0.
 
-The no-op model takes 300 ms per batch of one, so four accepted requests keep the server busy for
-about 1.2 s after the signal; the test waits on the server's own metrics, never on sleeps.
+What holds the drain open is the test's own upload: a request whose body has begun (so it is in flight)
+and is finished only once the test has seen the draining server answer. The test waits on the server's
+own metrics, never on sleeps, and nothing depends on how fast the model is.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -45,12 +47,20 @@ def start(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[bytes], str, Pat
 
 
 def test_sigterm_stops_admission_drains_in_flight_work_and_exits_0(tmp_path: Path) -> None:
-    proc, url, log_path = start(tmp_path, "--noop-delay-ms", "300", "--drain-timeout-s", "30")
+    proc, url, log_path = start(tmp_path, "--noop-delay-ms", "300", "--drain-timeout-s", "60",
+                                "--body-timeout-s", "120")
+    body = b'{"input": "uploaded across the signal"}'
+    upload = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=60)
     try:
         with concurrent.futures.ThreadPoolExecutor(ACCEPTED) as pool:
             accepted = [pool.submit(httpx.post, url + "/v1/embeddings", json={"input": f"accepted {i}"},
                                     timeout=60) for i in range(ACCEPTED)]
             wait_for(lambda: scrape(url)["batchpilot_pending_requests"] == ACCEPTED, what="all accepted")
+            upload.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n" % len(body) + body[:5])
+            # in flight: the accepted ones, the upload (one body byte is enough), and this scrape
+            wait_for(lambda: scrape(url)["batchpilot_http_in_flight"] == ACCEPTED + 2,
+                     what="the upload in flight")
             proc.send_signal(signal.SIGTERM)
             wait_for(lambda: httpx.get(url + "/health", timeout=5).status_code == 503, what="draining")
             health = httpx.get(url + "/health", timeout=5)
@@ -59,11 +69,15 @@ def test_sigterm_stops_admission_drains_in_flight_work_and_exits_0(tmp_path: Pat
             assert late.status_code == 503, late.text
             err = late.json()["error"]
             assert err["code"] == "shutting_down" and int(late.headers["Retry-After"]) >= 1
-            assert proc.poll() is None  # still draining: the accepted ones are not done yet
+            assert proc.poll() is None  # still draining: the upload is not finished
+            upload.sendall(body[5:])
+            answer = upload.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 200"), answer[:300]  # begun before the signal: served
             results = [f.result() for f in accepted]
         assert [r.status_code for r in results] == [200] * ACCEPTED  # nothing accepted is lost
         assert proc.wait(timeout=60) == 0, log_path.read_text()[-3000:]
     finally:
+        upload.close()
         if proc.poll() is None:
             proc.kill()
             proc.wait()

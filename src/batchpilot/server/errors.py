@@ -27,7 +27,6 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_f
           429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
 FIXED_500 = {
     "model_error": "the model failed on this request; the server log has the detail under its request id",
-    "non_finite_output": "the model produced a value that is not a finite number (NaN or infinity)",
     "internal_error": "internal server error; the server log has the detail under its request id",
 }
 

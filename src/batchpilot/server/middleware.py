@@ -31,6 +31,8 @@ import secrets
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
 from .config import ServerConfig
 from .errors import ClientStalled, error_body, internal_error_body
 from .json_shape import json_shape
@@ -51,7 +53,7 @@ class RequestLifecycle:
     """ASGI middleware: auth, body limits with a read deadline, in-flight counting, drain, request ids,
     the last-resort 500. ``.app`` is the FastAPI app; ``.state`` its state (``.state.service``)."""
 
-    def __init__(self, app: Any, settings: ServerConfig) -> None:
+    def __init__(self, app: Any, settings: ServerConfig, registry: CollectorRegistry | None = None) -> None:
         self.app = app
         self.state = getattr(app, "state", None)
         self.settings = settings
@@ -62,6 +64,16 @@ class RequestLifecycle:
         self.timed_out = 0  # bodies that did not arrive in time (408)
         self.stalled = 0  # clients dropped for not reading their response
         self._idle: asyncio.Event | None = None
+        self._refusals: Counter | None = None
+        if registry is not None:
+            Gauge("batchpilot_http_in_flight", "HTTP requests in flight, counted from their first body byte",
+                  registry=registry).set_function(lambda: self.in_flight)
+            self._refusals = Counter("batchpilot_http_refusals", "requests the middleware answered itself, "
+                                     "by reason", ["reason"], registry=registry)
+
+    def _count(self, reason: str) -> None:
+        if self._refusals is not None:
+            self._refusals.labels(reason=reason).inc()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -77,6 +89,7 @@ class RequestLifecycle:
                 return
             refusal = self._check_headers(scope)
             if refusal is not None:
+                self._count(refusal[2])
                 await send_error(sender, *refusal)
                 return
             body, counted = await self._read_body(scope, receive, sender)
@@ -85,6 +98,7 @@ class RequestLifecycle:
             await self.app(scope, _replay(body, receive), sender)
         except ClientStalled:
             self.stalled += 1
+            self._count("client_stalled")
             log.warning("request %s: the client read nothing for %.0f s; dropping the connection", rid,
                         self.settings.send_timeout_s)
         except Exception:
@@ -123,6 +137,7 @@ class RequestLifecycle:
                     message = await receive()
             except TimeoutError:
                 self.timed_out += 1
+                self._count("body_timeout")
                 await send_error(send, 408, f"the request body did not arrive within "
                                  f"{self.settings.body_timeout_s:g} s", "body_timeout", close=True)
                 return None, counted
@@ -137,6 +152,7 @@ class RequestLifecycle:
             body += message.get("body", b"")
             more = message.get("more_body", False)
             if len(body) > limit:
+                self._count("body_too_large")
                 await send_error(send, 413, f"request body over {limit} bytes", "body_too_large")
                 return None, counted
         data = bytes(body)
@@ -157,6 +173,7 @@ class RequestLifecycle:
             what = f"more than {s.max_json_values} JSON values"
         else:
             return True
+        self._count("too_many_values")
         await send_error(send, 413, f"request body has {what}", "too_many_values")
         return False
 
@@ -165,6 +182,7 @@ class RequestLifecycle:
             body: dict[str, Any] = {"status": "draining", "in_flight": self.in_flight}
         else:
             self.refused += 1
+            self._count("shutting_down")
             body = error_body(503, "the server is shutting down; retry on another instance",
                               code="shutting_down")
         await _send_json(send, 503, body, [(b"retry-after", str(DRAIN_RETRY_AFTER_S).encode()),
