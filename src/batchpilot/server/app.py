@@ -56,6 +56,12 @@ _REJECT_STATUS = {RejectReason.TOO_LONG: 400, RejectReason.INFEASIBLE_DEADLINE: 
 _SURROGATE = re.compile("[\ud800-\udfff]")  # JSON can carry lone surrogates; no tokenizer takes them
 
 
+def tokenizer_workers(settings: ServerConfig) -> int:
+    """Threads tokenising embedding inputs: the setting, else one per core this process may use (the
+    simulator's serial stage has as many servers: ``FrontEnd.serial_servers``)."""
+    return settings.tokenizer_workers or len(os.sched_getaffinity(0))
+
+
 class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
 
@@ -84,7 +90,7 @@ class EmbeddingService:
         self.max_length = getattr(executor, "max_length", config.admission.max_length)
         # a thread per core: the executors' tokenizers are called with fixed settings (a fast tokenizer
         # is shared safely then) and release the GIL while they work
-        self.tokenizer_pool = ThreadPoolExecutor(settings.tokenizer_workers or len(os.sched_getaffinity(0)),
+        self.tokenizer_pool = ThreadPoolExecutor(tokenizer_workers(settings),
                                                  thread_name_prefix="batchpilot-tokenize")
         self.created = int(time.time())
 

@@ -58,7 +58,7 @@ from ..bench.loadgen import LoadGenConfig, PlannedRequest, one_by_one_async
 from ..core.config import Padding, PolicyConfig, SchedulerConfig
 from ..core.costmodel import BatchShape, CostModel
 from ..sim.frontend import RATE_WINDOW_S, FrontEnd
-from .app import create_app
+from .app import create_app, tokenizer_workers
 from .config import ServerConfig
 
 WARMUP_REQUESTS = 4
@@ -125,6 +125,7 @@ def measure_serving_path(executor: Any, cost_model: CostModel, *, requests: int 
     factor = max(busy_s / idle_s, 1.0) if idle_s > 0 else 1.0
     (alpha, rate_coef, const), load_details = _fit_loaded(loaded, cost_model)
     frontend = dataclasses.replace(fitted, batch_overhead_s=overhead_s, serial_busy_factor=factor,
+                                   serial_servers=tokenizer_workers(ServerConfig()),
                                    loaded_alpha=alpha, loaded_rate_coef=rate_coef, loaded_const_s=const,
                                    loaded_residuals=tuple(load_details.pop("residuals", ())))
     details = {

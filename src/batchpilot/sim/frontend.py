@@ -5,16 +5,18 @@ thread tokenises it, and the response is JSON-encoded and read back by the clien
 sees that time, so a simulator of the core alone predicts the *batcher's* latency, not the client's.
 ``FrontEnd`` adds it back with two stages, each ``const + per_token * L``:
 
-* ``serial``: one server in FIFO order before the batcher — the tokenizer thread. Request ``i``
-  reaches the batcher at ``d_i = max(a_i, d_{i-1}) + serial(L_i) * serial_busy_factor`` (Lindley's
-  recursion), so a burst queues here exactly as it does live, and the batcher sees the burst spread out.
+* ``serial``: ``serial_servers`` servers in FIFO order before the batcher — the tokenizer threads.
+  Request ``i`` reaches the batcher at ``d_i = max(a_i, f) + serial(L_i) * serial_busy_factor``, ``f``
+  the time the earliest server is free (Lindley's recursion for one server), so a burst queues here
+  as it does live, and the batcher sees the burst spread out.
 * ``delay``: time that overlaps across requests (HTTP parsing, response encoding, the client) added
   to every request's finish time.
 
 The fields:
 
-* ``serial_const_s``, ``serial_per_token_s``: the tokenizer thread's time per request (the
+* ``serial_const_s``, ``serial_per_token_s``: a tokenizer thread's time per request (the
   ``tokenize`` part of the server's ``Server-Timing`` header) on an idle server.
+* ``serial_servers``: how many tokenizer threads the profiled server had (``--tokenizer-workers``).
 * ``delay_const_s``, ``delay_per_token_s``: the client's latency minus the ``tokenize`` and ``batcher``
   parts: HTTP, validation, JSON both ways, the client itself.
 * ``batch_overhead_s``: what the live driver adds to every batch around the model (the scheduling call,
@@ -41,6 +43,7 @@ driver fields at their defaults).
 
 from __future__ import annotations
 
+import heapq
 import json
 import math
 from dataclasses import asdict, dataclass
@@ -64,6 +67,7 @@ class FrontEnd:
     loaded_rate_coef: float = 0.0
     loaded_const_s: float = 0.0
     loaded_residuals: tuple[float, ...] = ()
+    serial_servers: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "loaded_residuals", tuple(sorted(float(r) for r in self.loaded_residuals)))
@@ -74,6 +78,8 @@ class FrontEnd:
                 continue
             if not (math.isfinite(value) and value >= 0.0):
                 raise ValueError(f"frontend.{name} = {value!r}; must be a finite number >= 0")
+        if int(self.serial_servers) != self.serial_servers or self.serial_servers < 1:
+            raise ValueError(f"frontend.serial_servers = {self.serial_servers!r}; must be an integer >= 1")
         if self.serial_busy_factor < 1.0:
             raise ValueError(f"frontend.serial_busy_factor = {self.serial_busy_factor!r}; must be >= 1 "
                              "(the tokenizer is never faster with the model busy)")
@@ -85,10 +91,18 @@ class FrontEnd:
         service = (self.serial_busy_factor * (self.serial_const_s + self.serial_per_token_s
                                               * np.asarray(tokens, dtype=float))).tolist()
         out = np.empty(len(service))
-        free = -math.inf
-        for i, (a, c) in enumerate(zip(np.asarray(arrival_s, dtype=float).tolist(), service, strict=True)):
-            free = (a if a > free else free) + c
-            out[i] = free
+        arrivals = np.asarray(arrival_s, dtype=float).tolist()
+        if self.serial_servers == 1:
+            free = -math.inf
+            for i, (a, c) in enumerate(zip(arrivals, service, strict=True)):
+                free = (a if a > free else free) + c
+                out[i] = free
+            return out
+        frees = [-math.inf] * int(self.serial_servers)  # a heap of the servers' free times
+        for i, (a, c) in enumerate(zip(arrivals, service, strict=True)):
+            f = frees[0]
+            out[i] = (a if a > f else f) + c
+            heapq.heapreplace(frees, out[i])
         return out
 
     def batch_seconds(self, predicted_s: float, rate: float = 0.0) -> float:
@@ -129,8 +143,9 @@ class FrontEnd:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> FrontEnd:
         """The inverse of ``to_dict``; fields it lacks keep their defaults."""
-        return cls(**{k: (tuple(float(x) for x in v) if k == "loaded_residuals" else float(v))
-                      for k, v in d.items()})
+        conv: dict[str, Any] = {"loaded_residuals": lambda v: tuple(float(x) for x in v),
+                                "serial_servers": int}
+        return cls(**{k: conv.get(k, float)(v) for k, v in d.items()})
 
     @classmethod
     def from_profile(cls, path: str | Path) -> FrontEnd | None:
