@@ -38,7 +38,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: all cores; 1 is faster when oversubscribed)")
     p.add_argument("--tokenizer-workers", type=int, default=None,
-                   help="threads tokenising embedding inputs off the event loop (default: one per core)")
+                   help="threads tokenising inputs and prompts off the event loop, per model "
+                        "(default: one per core)")
     add_deployment_args(p)
     p.add_argument("--profile", default=None, help="cost-model profile JSON (`batchpilot profile -o`)")
     p.add_argument("--no-startup-profile", action="store_true",
@@ -216,7 +217,8 @@ def _llm_router(settings: ServerConfig, spec: DeploymentSpec) -> tuple[Any, Any,
     build = getattr(llm_routes, "build_llm_engine", None)
     if build is None:
         from ..runtime.llm_engine import build_llm_engine as build
-    engine = build(settings.llm_model, **llm_overrides(spec))
+    engine = build(settings.llm_model, tokenizer_threads=settings.tokenizer_workers or 0,
+                   **llm_overrides(spec))
     hooks: list[Callable[[], Any]] = [engine.shutdown]
     if settings.llm_step_log:
         from ..runtime.llm_engine import StepLog

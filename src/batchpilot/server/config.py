@@ -19,7 +19,7 @@ class ServerConfig:
     model_name: str | None = None  # the name clients send (default: the folder's name)
     max_length: int | None = None  # None: the model's position limit
     num_threads: int | None = None  # torch intra-op threads; None: every core (1 when oversubscribed)
-    tokenizer_workers: int | None = None  # threads tokenising embedding inputs; None: one per core
+    tokenizer_workers: int | None = None  # threads tokenising inputs/prompts, per model; None: one per core
     noop: bool = False  # a model that costs nothing (benchmarks of the serving path)
     noop_delay_s: float = 0.0
     profile_path: str | None = None
