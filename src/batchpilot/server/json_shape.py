@@ -24,7 +24,7 @@ class JSONShape:
     containers: int  # objects and arrays
 
 
-def json_shape(body: bytes) -> JSONShape:
+def json_shape(body: bytes | bytearray) -> JSONShape:
     """The counts for ``body`` (UTF-8 JSON; any bytes give some bound)."""
     values = containers = 0
     inside = 0  # 1 while the scan is inside a string, carried across pieces

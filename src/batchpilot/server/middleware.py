@@ -155,13 +155,11 @@ class RequestLifecycle:
                 self._count("body_too_large")
                 await send_error(send, 413, f"request body over {limit} bytes", "body_too_large")
                 return None, counted
-        data = bytes(body)
-        del body
-        if data and not await self._shape_ok(data, send):
+        if body and not await self._shape_ok(body, send):  # scanned in place: no copy of a refused body
             return None, counted
-        return data, counted
+        return bytes(body), counted
 
-    async def _shape_ok(self, body: bytes, send: _Sender) -> bool:
+    async def _shape_ok(self, body: bytearray, send: _Sender) -> bool:
         if len(body) <= _SCAN_INLINE_BYTES:
             shape = json_shape(body)
         else:
