@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import itertools
 import json
 import logging
 import re
@@ -47,6 +48,8 @@ DRAIN_RETRY_AFTER_S = 5
 OPEN_PATHS = frozenset({"/health"})
 _SCAN_INLINE_BYTES = 64 * 1024  # smaller bodies are scanned on the loop; larger ones in a thread
 _CLIENT_ID = re.compile(rb"[A-Za-z0-9._:-]{1,64}")
+_ID_PREFIX = secrets.token_hex(4)  # per process: ids from several replicas do not collide
+_ID_COUNTER = itertools.count(1)
 
 
 class RequestLifecycle:
@@ -131,40 +134,42 @@ class RequestLifecycle:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.body_timeout_s
         body, counted, more = bytearray(), False, True
-        while more:
-            try:
-                async with asyncio.timeout_at(deadline):
+        try:
+            async with asyncio.timeout_at(deadline):  # one timer for the whole body, not one per message
+                while more:
                     message = await receive()
-            except TimeoutError:
-                self.timed_out += 1
-                self._count("body_timeout")
-                await send_error(send, 408, f"the request body did not arrive within "
-                                 f"{self.settings.body_timeout_s:g} s", "body_timeout", close=True)
-                return None, counted
-            if message["type"] != "http.request":
-                return None, counted  # the client left before its body was complete
-            if not counted:
-                if self.draining:
-                    await self._refuse_draining(scope, send)
-                    return None, False
-                self.in_flight += 1
-                counted = True
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-            if len(body) > limit:
-                self._count("body_too_large")
-                await send_error(send, 413, f"request body over {limit} bytes", "body_too_large")
-                return None, counted
+                    if message["type"] != "http.request":
+                        return None, counted  # the client left before its body was complete
+                    if not counted:
+                        if self.draining:
+                            await self._refuse_draining(scope, send)
+                            return None, False
+                        self.in_flight += 1
+                        counted = True
+                    body += message.get("body", b"")
+                    more = message.get("more_body", False)
+                    if len(body) > limit:
+                        self._count("body_too_large")
+                        await send_error(send, 413, f"request body over {limit} bytes", "body_too_large")
+                        return None, counted
+        except TimeoutError:
+            self.timed_out += 1
+            self._count("body_timeout")
+            await send_error(send, 408, f"the request body did not arrive within "
+                             f"{self.settings.body_timeout_s:g} s", "body_timeout", close=True)
+            return None, counted
         if body and not await self._shape_ok(body, send):  # scanned in place: no copy of a refused body
             return None, counted
         return bytes(body), counted
 
     async def _shape_ok(self, body: bytearray, send: _Sender) -> bool:
+        s = self.settings
+        if len(body) < min(s.max_json_containers, s.max_json_values):
+            return True  # each container or value takes a byte at least: this body cannot be over
         if len(body) <= _SCAN_INLINE_BYTES:
             shape = json_shape(body)
         else:
             shape = await asyncio.to_thread(json_shape, body)
-        s = self.settings
         if shape.containers > s.max_json_containers:
             what = f"more than {s.max_json_containers} JSON objects and arrays"
         elif shape.values > s.max_json_values:
@@ -223,7 +228,7 @@ def _request_id(scope: Scope) -> str:
     for name, value in scope["headers"]:
         if name == b"x-request-id" and _CLIENT_ID.fullmatch(value):
             return str(value.decode("ascii"))
-    return secrets.token_hex(8)
+    return f"{_ID_PREFIX}{next(_ID_COUNTER):08x}"
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
