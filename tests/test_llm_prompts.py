@@ -59,3 +59,22 @@ def test_token_ids_outside_the_vocabulary_are_refused(encoder: PromptEncoder) ->
         with pytest.raises(RequestRejected):
             encoder.encode(ids)
     assert encoder.encode([1, 2, 4095]) == [1, 2, 4095]
+
+
+def test_all_or_none_raises_the_first_failure_while_siblings_still_run() -> None:
+    from batchpilot.server.llm_routes import _all_or_none
+
+    async def main() -> None:
+        never = asyncio.Event()
+
+        async def slow() -> int:
+            await never.wait()
+            return 1
+
+        async def bad() -> int:
+            raise ValueError("refused")
+
+        with pytest.raises(ValueError, match="refused"):
+            await _all_or_none([slow(), bad()])
+
+    asyncio.run(asyncio.wait_for(main(), 10))

@@ -181,7 +181,10 @@ async def _all_or_none(coros: list[Coroutine[Any, Any, Any]]) -> list[Any]:
     """Every result, or the first failure with the rest cancelled (the caller closes their requests)."""
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for t in tasks:  # in order: the first prompt that failed, even while later ones still run
+            if t in done and t.exception() is not None:
+                raise t.exception()  # type: ignore[misc]
         return [t.result() for t in tasks]
     finally:
         for t in tasks:
