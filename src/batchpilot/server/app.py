@@ -11,27 +11,24 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
-from pydantic import ValidationError
 
 from ..core.config import SchedulerConfig
 from ..core.costmodel import CostModel
 from ..runtime.batch_log import BatchLog
 from ..runtime.executor import Executor
 from .config import ServerConfig
-from .embeddings import EMBEDDING_BODY, ClientGone, EmbeddingService
-from .errors import APIError, install_error_handlers
+from .embeddings import EMBEDDING_BODY, EmbeddingService
+from .errors import install_error_handlers
 from .gc_pauses import GCPauses, freeze_heap
 from .middleware import RequestLifecycle
-from .schemas import EmbeddingRequest, EmbeddingResponse, Health, ModelCard, ModelList
+from .schemas import EmbeddingResponse, Health, ModelCard, ModelList
 
 log = logging.getLogger("batchpilot.server")
 
@@ -75,34 +72,12 @@ def create_app(settings: ServerConfig, executor: Executor, config: SchedulerConf
     for make_router in routers:
         app.include_router(make_router(svc.metrics.registry))
 
-    # The body is parsed here by pydantic-core straight from the bytes (``model_validate_json``), not by
-    # FastAPI's per-route machinery (stdlib json, then validation, then dependency solving): on short
-    # requests that machinery costs more than everything batchpilot does. The schema is declared for
-    # OpenAPI (and schemathesis) from the same model, so the docs and the validation cannot differ.
+    # POST /v1/embeddings is served by ``DirectRoutes`` below, before FastAPI's middleware and routing
+    # (on short requests they cost more than everything batchpilot does); this route declares it in
+    # the OpenAPI schema and is the same handler.
     @app.post("/v1/embeddings", response_model=EmbeddingResponse, openapi_extra=EMBEDDING_BODY)
     async def create_embeddings(request: Request) -> Response:
-        t0, status = time.perf_counter(), 200
-        try:
-            try:
-                body = EmbeddingRequest.model_validate_json(await request.body())
-            except ValidationError as exc:
-                raise RequestValidationError(exc.errors(include_url=False, include_context=False)) from None
-            return await svc.embed(body, request)
-        except RequestValidationError:
-            status = 422
-            raise
-        except APIError as exc:
-            status = exc.status
-            raise
-        except ClientGone:
-            status = 499
-            return Response(status_code=499)
-        except Exception:
-            status = 500
-            raise
-        finally:
-            svc.metrics.http_requests.labels(route="/v1/embeddings", status=str(status)).inc()
-            svc.metrics.http_latency.labels(route="/v1/embeddings").observe(time.perf_counter() - t0)
+        return await svc.handle(request)
 
     @app.get("/v1/models", response_model=ModelList)
     async def list_models() -> ModelList:
@@ -122,5 +97,29 @@ def create_app(settings: ServerConfig, executor: Executor, config: SchedulerConf
     async def metrics() -> Response:
         return Response(svc.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    return RequestLifecycle(app, settings, svc.metrics.registry)
+    return RequestLifecycle(DirectRoutes(app, {("POST", "/v1/embeddings"): svc.handle}), settings,
+                            svc.metrics.registry)
+
+
+class DirectRoutes:
+    """ASGI: the hot routes straight to their handlers (``handler(request) -> Response``, errors
+    included), the rest to FastAPI. Inside the request middleware, so auth, body limits, request ids
+    and the last-resort 500 apply to both alike."""
+
+    def __init__(self, app: FastAPI, routes: dict[tuple[str, str], Callable[[Request], Awaitable[Response]]]
+                 ) -> None:
+        self.app = app
+        self.state = app.state
+        self.routes = routes
+
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Callable[[], Awaitable[Any]],
+                       send: Callable[[Any], Awaitable[None]]) -> None:
+        handler = None
+        if scope["type"] == "http":
+            handler = self.routes.get((scope["method"], scope["path"]))
+        if handler is None:
+            await self.app(scope, receive, send)
+            return
+        response = await handler(Request(scope, receive))
+        await response(scope, receive, send)
 

@@ -26,6 +26,7 @@ import numpy as np
 import orjson
 from fastapi import Request
 from fastapi.responses import Response
+from pydantic import ValidationError
 
 from ..core.config import SchedulerConfig
 from ..core.costmodel import CostModel
@@ -35,7 +36,7 @@ from ..runtime.errors import ExecutionError, RequestRejected
 from ..runtime.execution import StageTimes
 from ..runtime.executor import Executor
 from .config import ServerConfig
-from .errors import APIError
+from .errors import APIError, error_response, request_id_of, validation_response
 from .metrics import ServerMetrics
 from .schemas import PRIORITY_MAX, EmbeddingRequest
 
@@ -89,6 +90,8 @@ class EmbeddingService:
         self.tokenizer_pool = ThreadPoolExecutor(tokenizer_workers(settings),
                                                  thread_name_prefix="batchpilot-tokenize")
         self.created = int(time.time())
+        self._latency = self.metrics.http_latency.labels(route="/v1/embeddings")
+        self._answered: dict[int, Any] = {}  # status -> its counter child (labels() is a lookup per call)
 
     def tokenize(self, texts: list[str] | None, ids: list[list[int]] | None,
                  truncate: bool) -> list[list[int]]:
@@ -99,6 +102,35 @@ class EmbeddingService:
         if hasattr(ex, "tokenize_ids"):
             return [list(x) for x in ex.tokenize_ids(ids, truncate=truncate)]
         return [x[: self.max_length] if truncate else x for x in ids]
+
+    async def handle(self, request: Request) -> Response:
+        """POST /v1/embeddings, from the raw request to the response, errors included (an unexpected
+        exception propagates to the request middleware's fixed 500). The body is parsed by
+        pydantic-core straight from the bytes."""
+        t0, status = time.perf_counter(), 200
+        try:
+            try:
+                body = EmbeddingRequest.model_validate_json(await request.body())
+            except ValidationError as exc:
+                status = 422
+                return validation_response(exc.errors(include_url=False, include_context=False))
+            return await self.embed(body, request)
+        except APIError as exc:
+            status = exc.status
+            return error_response(exc, request_id_of(request))
+        except ClientGone:
+            status = 499
+            return Response(status_code=499)
+        except Exception:
+            status = 500
+            raise
+        finally:
+            counter = self._answered.get(status)
+            if counter is None:
+                counter = self._answered[status] = self.metrics.http_requests.labels(
+                    route="/v1/embeddings", status=str(status))
+            counter.inc()
+            self._latency.observe(time.perf_counter() - t0)
 
     async def embed(self, body: EmbeddingRequest, request: Request) -> Response:
         received = self.batcher.clock()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -88,6 +89,15 @@ def error_response(err: APIError, request_id: str | None = None) -> JSONResponse
     return ErrorResponse(body, status_code=err.status, headers=headers)
 
 
+def validation_response(errors: Sequence[Any]) -> JSONResponse:
+    """A 422 naming the first validation error (pydantic's ``errors()``; ``body`` left out of the path)."""
+    first = errors[0] if errors else {}
+    loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+    text = str(first.get("msg", "invalid request"))
+    msg = f"{loc}: {text}" if loc else text
+    return ErrorResponse(error_body(422, msg, code="invalid_value", param=loc or None), status_code=422)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -95,12 +105,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errs = exc.errors()
-        first = errs[0] if errs else {}
-        loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        text = str(first.get("msg", "invalid request"))
-        msg = f"{loc}: {text}" if loc else text
-        return ErrorResponse(error_body(422, msg, code="invalid_value", param=loc or None), status_code=422)
+        return validation_response(exc.errors())
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
