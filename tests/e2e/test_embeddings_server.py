@@ -149,7 +149,7 @@ def test_too_long_is_400_unless_truncation_is_asked(server_url: str, st_model: A
     ({"input": "hi", "encoding_format": "hex"}, 422, "invalid_value"),
     ({"input": "hi", "model": "no-such-model"}, 404, "model_not_found"),
     ({"input": "hi", "dimensions": 64}, 400, "unsupported_dimensions"),
-    ({"input": [[999999]]}, 400, "context_length_exceeded"),  # id outside the vocabulary
+    ({"input": [[999999]]}, 400, "invalid_token_id"),  # id outside the vocabulary
 ])
 def test_bad_requests_get_openai_errors(server_url: str, body: dict[str, Any], status: int,
                                         code: str) -> None:
