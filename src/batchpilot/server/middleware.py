@@ -36,7 +36,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from .config import ServerConfig
 from .errors import ClientStalled, error_body, internal_error_body
-from .json_shape import json_shape
+from .json_shape import ShapeWatch, json_shape, over_limits
 
 log = logging.getLogger("batchpilot.server")
 
@@ -134,6 +134,7 @@ class RequestLifecycle:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.body_timeout_s
         body, counted, more = bytearray(), False, True
+        shape = ShapeWatch(self.settings.max_json_containers, self.settings.max_json_values)
         try:
             async with asyncio.timeout_at(deadline):  # one timer for the whole body, not one per message
                 while more:
@@ -146,11 +147,15 @@ class RequestLifecycle:
                             return None, False
                         self.in_flight += 1
                         counted = True
-                    body += message.get("body", b"")
+                    chunk = message.get("body", b"")
+                    body += chunk
                     more = message.get("more_body", False)
                     if len(body) > limit:
                         self._count("body_too_large")
                         await send_error(send, 413, f"request body over {limit} bytes", "body_too_large")
+                        return None, counted
+                    if not shape.feed(chunk, body):  # a structure bomb: refused as it arrives
+                        await self._refuse_shape(shape.over, send, close=more)
                         return None, counted
         except TimeoutError:
             self.timed_out += 1
@@ -158,27 +163,24 @@ class RequestLifecycle:
             await send_error(send, 408, f"the request body did not arrive within "
                              f"{self.settings.body_timeout_s:g} s", "body_timeout", close=True)
             return None, counted
-        if body and not await self._shape_ok(body, send):  # scanned in place: no copy of a refused body
+        if body and shape.suspect and not await self._shape_ok(body, send):  # scanned in place, no copy
             return None, counted
         return bytes(body), counted
 
     async def _shape_ok(self, body: bytearray, send: _Sender) -> bool:
-        s = self.settings
-        if len(body) < min(s.max_json_containers, s.max_json_values):
-            return True  # each container or value takes a byte at least: this body cannot be over
         if len(body) <= _SCAN_INLINE_BYTES:
-            shape = json_shape(body)
+            found = json_shape(body)
         else:
-            shape = await asyncio.to_thread(json_shape, body)
-        if shape.containers > s.max_json_containers:
-            what = f"more than {s.max_json_containers} JSON objects and arrays"
-        elif shape.values > s.max_json_values:
-            what = f"more than {s.max_json_values} JSON values"
-        else:
+            found = await asyncio.to_thread(json_shape, body)
+        over = over_limits(found, self.settings.max_json_containers, self.settings.max_json_values)
+        if over is None:
             return True
-        self._count("too_many_values")
-        await send_error(send, 413, f"request body has {what}", "too_many_values")
+        await self._refuse_shape(over, send)
         return False
+
+    async def _refuse_shape(self, what: str, send: _Sender, close: bool = False) -> None:
+        self._count("too_many_values")
+        await send_error(send, 413, f"request body has {what}", "too_many_values", close=close)
 
     async def _refuse_draining(self, scope: Scope, send: Send) -> None:
         if scope["path"] == "/health":
