@@ -104,3 +104,28 @@ def test_drain_timeout_bounds_the_shutdown_and_answers_the_rest(tmp_path: Path) 
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_an_llm_stream_past_the_drain_timeout_ends_with_an_error_event_not_a_cut(tmp_path: Path) -> None:
+    """The drain cannot wait for a long generation: when it times out the engine is stopped and the open
+    stream gets an SSE error event before its connection closes, and the exit status says so (1)."""
+    import json
+
+    proc, url, log_path = start(tmp_path, "--llm", "--drain-timeout-s", "1")
+    try:
+        body = {"prompt": "tell me a long story", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        events: list[str] = []
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[len("data: "):])
+                if len(events) == 1:  # it is generating: now ask the server to stop
+                    proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 1, log_path.read_text()[-3000:]
+        assert events[-1] != "[DONE]" and "error" in json.loads(events[-1]), events[-3:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

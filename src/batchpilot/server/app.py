@@ -68,6 +68,9 @@ def create_app(settings: ServerConfig, executor: Executor, config: SchedulerConf
 
     app = FastAPI(title="batchpilot", version="0.1.0", lifespan=lifespan)
     app.state.service = svc
+    # run when the shutdown drain times out: what is still queued or running gets an answer, not a cut
+    # connection (the LLM routes add their engine's stop: open streams end with an error event)
+    app.state.drain_timeout_hooks = [lambda: svc.batcher.shutdown(0.0)]
     install_error_handlers(app)
     for make_router in routers:
         app.include_router(make_router(svc.metrics.registry))

@@ -13,6 +13,7 @@ from ``$BATCHPILOT_API_KEY`` (keeps it out of the process list).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import logging
 import os
@@ -138,9 +139,15 @@ def build_app(settings: ServerConfig, spec: DeploymentSpec | SchedulerConfig | N
     if not settings.llm:
         return create_app(settings, executor, sched, cost_model)
     engine, router, hooks = _llm_router(settings, spec)
-    return create_app(settings, executor, sched, cost_model, routers=[router],
-                      extra_models=[engine.model_name], on_shutdown=hooks,
-                      health_checks=[lambda: bool(engine.is_alive)])
+    app = create_app(settings, executor, sched, cost_model, routers=[router],
+                     extra_models=[engine.model_name], on_shutdown=hooks,
+                     health_checks=[lambda: bool(engine.is_alive)])
+
+    async def stop_engine() -> None:  # its open streams end with an SSE error event
+        await asyncio.get_running_loop().run_in_executor(None, engine.shutdown, 5.0)
+
+    app.state.drain_timeout_hooks.append(stop_engine)
+    return app
 
 
 def device_memory_bytes(executor: Any) -> float:

@@ -99,8 +99,15 @@ def serve(app: RequestLifecycle, *, host: str, port: int, drain_timeout_s: float
     log_config = None if log_format == "json" else uvicorn.config.LOGGING_CONFIG
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
                             timeout_graceful_shutdown=1, log_config=log_config)
-    service = getattr(getattr(app, "state", None), "service", None)
-    on_timeout = (lambda: service.batcher.shutdown(0.0)) if service is not None else None
-    server = GracefulServer(config, app, drain_timeout_s, on_timeout)
+    hooks = list(getattr(getattr(app, "state", None), "drain_timeout_hooks", ()))
+
+    async def on_timeout() -> None:  # every engine answers what it still holds (503 / an SSE error event)
+        for hook in hooks:
+            try:
+                await hook()
+            except Exception:
+                log.exception("drain timeout: %r failed", hook)
+
+    server = GracefulServer(config, app, drain_timeout_s, on_timeout if hooks else None)
     server.run()
     return 0 if server.drained is not False else 1
