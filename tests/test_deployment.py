@@ -97,3 +97,27 @@ def test_the_same_flags_give_the_same_spec_everywhere(tmp_path: Path) -> None:
     assert again == spec
     assert spec_from_args(p.parse_args([])) == DeploymentSpec()
     assert PolicyConfig().name == DeploymentSpec().encoder.policy.name
+
+
+@pytest.mark.parametrize(("meta", "asked", "resolved"), [
+    ({"prepare_share": 0.002}, "auto", "off"),  # collation 0.2% of a batch: pipelining cannot pay
+    ({"prepare_share": 0.05}, "auto", "on"),
+    ({}, "auto", "on"),  # a profile that does not say keeps it on
+    ({"prepare_share": 0.002}, "on", "on"),  # the user's word wins either way
+    ({"prepare_share": 0.05}, "off", "off"),
+])
+def test_pipelining_is_kept_where_collation_is_a_measurable_share(meta: dict[str, float], asked: str,
+                                                                  resolved: str) -> None:
+    from batchpilot.core.scheduler import BatchScheduler
+
+    cm = CostModel(latency_coef=CM.latency_coef, memory_coef=CM.memory_coef, meta=meta)
+    spec = DeploymentSpec(encoder=SchedulerConfig(pipeline=asked))  # type: ignore[arg-type]
+    dep = resolve_deployment(spec, cm, ModelLimits(512, True, 2**30))
+    assert dep.scheduler.pipeline == resolved
+    assert any("pipelining off" in n for n in dep.notes) == (asked == "auto" and resolved == "off")
+    sched = BatchScheduler(dep.scheduler, cm)
+    from core_factories import make_request
+
+    sched.submit(make_request(10, 0.0), 0.0)
+    (batch,) = sched.schedule(0.0, 1).batches
+    assert (sched.next_batch_at(batch, 0.0) == float("inf")) == (resolved == "off")

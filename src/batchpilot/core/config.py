@@ -192,9 +192,12 @@ class SchedulerConfig:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     queue_order: QueueOrder = "fcfs"
     num_slots: int = 1  # executor slots (model instances / worker threads)
-    # A busy slot takes its next batch this long before its running batch is predicted to end, so the
-    # next batch is collated while this one runs (``BatchScheduler.next_batch_at``). 0: the deployment
-    # derives it from the profile's measured collation time (``core/deployment.py``).
+    # Pipelining: a busy slot takes its next batch ``pipeline_lead_s`` before its running batch is
+    # predicted to end, so the next batch is collated while this one runs (``next_batch_at``). "auto":
+    # the deployment turns it on only where collation is a measurable share of a batch (the profile's
+    # ``prepare_share``, ``core/deployment.py``); "off": a slot takes its next batch when it is free.
+    pipeline: Literal["auto", "on", "off"] = "auto"
+    # 0: the deployment derives the lead from the profile's measured collation time
     pipeline_lead_s: float = 0.0
 
     def __post_init__(self) -> None:
@@ -202,6 +205,7 @@ class SchedulerConfig:
         if self.num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {self.num_slots}")
         _positive("scheduler", "pipeline_lead_s", self.pipeline_lead_s, allow_zero=True)
+        _choice("scheduler", "pipeline", self.pipeline, ("auto", "on", "off"))
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -217,14 +221,15 @@ class SchedulerConfig:
         for key, value in data.items():
             if key in sections:
                 kwargs[key] = _build(sections[key], key, value or {})
-            elif key in ("queue_order", "num_slots", "pipeline_lead_s"):
+            elif key in _TOP_LEVEL:
                 kwargs[key] = value
             else:
-                allowed = ", ".join([*sections, "queue_order", "num_slots", "pipeline_lead_s"])
+                allowed = ", ".join([*sections, *_TOP_LEVEL])
                 raise ValueError(f"config: unknown key {key!r}; allowed top-level keys: {allowed}")
         return cls(**kwargs)
 
 
+_TOP_LEVEL = ("queue_order", "num_slots", "pipeline", "pipeline_lead_s")
 T = TypeVar("T")
 
 

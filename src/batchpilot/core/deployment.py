@@ -18,9 +18,11 @@ Rules, in order (each change is written into ``notes``, which the server logs an
    (refuse a request whose predicted completion misses it). A value set in ``encoder.admission``
    wins over the ``server:`` one. Without a declared SLA nothing is refused for latency: requests queue
    within the count bounds and the timeout, as TEI and Triton do by default.
-5. Pipelining: a slot takes its next batch ``pipeline_lead_s`` before the running one is predicted to
-   end; unless set, twice the profile's measured collation time (``cost_model.meta["prepare_s"]``),
-   at least ``MIN_PIPELINE_LEAD_S``.
+5. Pipelining: ``pipeline: auto`` is on only where the profile's collation is at least
+   ``MIN_PIPELINE_SHARE`` of a batch's run (``cost_model.meta["prepare_share"]``; on when a profile
+   does not say). On, a slot takes its next batch ``pipeline_lead_s`` before the running one is
+   predicted to end; unless set, twice the profile's measured collation time
+   (``cost_model.meta["prepare_s"]``), at least ``MIN_PIPELINE_LEAD_S``.
 
 Nothing here reads a clock, a file or the machine: the driver passes in what it measured.
 """
@@ -28,6 +30,7 @@ Nothing here reads a clock, a file or the machine: the driver passes in what it 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +39,9 @@ from .costmodel import CostModel
 from .llm_scheduler import LLMSchedulerConfig
 
 MIN_PIPELINE_LEAD_S = 0.0005  # covers the thread hand-off even when collation is nearly free
+# Pipelining saves at most the collation per batch and costs the requests that arrive while a batch
+# formed early waits: "auto" keeps it only where collation is at least this share of a batch's run.
+MIN_PIPELINE_SHARE = 0.02
 SECTIONS = ("encoder", "llm", "server")
 
 
@@ -132,7 +138,8 @@ class Deployment:
         sla = f"{a.latency_sla_s * 1e3:.0f} ms (shedding on)" if a.latency_sla_s else "none (no shedding)"
         return (f"policy={s.policy.name} max_batch_size={s.policy.max_batch_size} "
                 f"max_wait={s.policy.max_wait_s * 1e3:.1f} ms padding={p.padding} grouping={p.grouping} "
-                f"slots={s.num_slots} pipeline lead {s.pipeline_lead_s * 1e3:.2f} ms; admission: "
+                f"slots={s.num_slots} pipelining {s.pipeline}"
+                f"{f' (lead {s.pipeline_lead_s * 1e3:.2f} ms)' if s.pipeline == 'on' else ''}; admission: "
                 f"concurrency <= {a.max_concurrent_requests or 'inf'}, queue <= "
                 f"{a.max_queued_requests or 'inf'} inputs / {a.max_queued_tokens or 'inf'} tokens, timeout "
                 f"{a.timeout_s or 'inf'} s, latency SLA {sla}, rate {a.rate or 'inf'}/s; batch memory {mem}")
@@ -172,5 +179,14 @@ def resolve_deployment(spec: DeploymentSpec, cost_model: CostModel,
     if not lead:
         prepare = float(cost_model.meta.get("prepare_s", 0.0) or 0.0)
         lead = max(2.0 * prepare, MIN_PIPELINE_LEAD_S)
-    resolved = dataclasses.replace(cfg, planner=planner, admission=adm, pipeline_lead_s=lead)
+    pipeline = cfg.pipeline
+    if pipeline == "auto":
+        raw = cost_model.meta.get("prepare_share")
+        share = float(raw) if raw is not None else math.inf  # a profile that does not say: keep it on
+        pipeline = "on" if share >= MIN_PIPELINE_SHARE else "off"
+        if pipeline == "off":
+            notes.append(f"pipelining off: collation is {share:.2%} of a batch in the profile "
+                         f"(it pays from {MIN_PIPELINE_SHARE:.0%}); set pipeline: on to force it")
+    resolved = dataclasses.replace(cfg, planner=planner, admission=adm, pipeline=pipeline,
+                                   pipeline_lead_s=lead)
     return Deployment(resolved, spec, tuple(notes))

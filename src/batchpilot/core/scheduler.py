@@ -21,6 +21,7 @@ Inside, the pieces are composed in this order::
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -126,6 +127,7 @@ class BatchScheduler:
         self._reads_backlog = adm.max_backlog_s > 0 or adm.latency_sla_s > 0
         self._timeout_s = adm.timeout_s
         self._lead_s = config.pipeline_lead_s
+        self._pipeline = config.pipeline != "off"
         # requests in progress: singles count 1 until their input is done; a group's inputs share one
         # entry of ``_group_left`` (group id -> inputs not yet done)
         self._num_requests = 0
@@ -235,8 +237,11 @@ class BatchScheduler:
         """When the slot that started ``batch`` at ``started_at`` takes its next batch: its predicted end
         (``predicted_s`` times ``work_scale``) less ``pipeline_lead_s``, so the next batch is collated
         while this one runs. Not earlier: a batch formed early is cut off from the requests that arrive
-        meanwhile, and batching gains come from exactly those. The live slot and the simulator's slot
-        both ask this."""
+        meanwhile, and batching gains come from exactly those. With ``pipeline: off`` (as the deployment
+        resolves "auto" where collation is too cheap to pay), never: ``inf``. The live slot and the
+        simulator's slot both ask this."""
+        if not self._pipeline:
+            return math.inf  # the slot takes its next batch once it is free
         return started_at + batch.predicted_s * self._work_scale - self._lead_s
 
     def schedule(self, now: float, free_slots: int) -> SchedulerOutput:

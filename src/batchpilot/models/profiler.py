@@ -187,6 +187,8 @@ def profile_grid(executor: Any, batch_sizes: tuple[int, ...], lengths: tuple[int
     meta = {"source": "batchpilot profile", "model": executor.model_name, "padding": padding,
             "device": str(executor.device), "points": len(out),
             "prepare_s": statistics.median(m.prepare_s for m in out),  # the live pipeline's lead
+            # collation against the run, per shape: whether pipelining can pay (core.deployment)
+            "prepare_share": statistics.median(m.prepare_s / m.latency_s for m in out),
             **model_limits(executor)}
     return CostModel.fit([m.point() for m in out], meta=meta), out
 

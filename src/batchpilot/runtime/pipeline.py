@@ -14,6 +14,7 @@ prediction is late the slot simply becomes free when the run ends (no overlap, n
 from __future__ import annotations
 
 import asyncio
+import math
 from concurrent.futures import ThreadPoolExecutor
 
 from ..core.scheduler import Batch
@@ -53,7 +54,7 @@ class Slot:
 
     def accept_time(self) -> float | None:
         """When a busy slot will start accepting (a wake-up time for the driver), else None."""
-        if not self.pipeline or self.running is None or self.next is not None:
+        if not self.pipeline or self.running is None or self.next is not None or self.accept_at == math.inf:
             return None
         return self.accept_at
 
