@@ -120,8 +120,9 @@ def test_base64_carries_exactly_the_float_answer_and_server_timing_splits_the_st
     st = parse_server_timing(as_b64.headers["server-timing"])
     assert set(st) == {"tokenize", "batcher", "queue", "prepare", "run", "encode", "app"}
     assert all(v >= 0 for v in st.values())
-    assert st["queue"] + st["prepare"] + st["run"] <= st["batcher"] + 1e-6
-    assert st["tokenize"] + st["batcher"] + st["encode"] <= st["app"] + 1e-6
+    ulp = 4e-6  # each value is rounded to the microsecond: a sum of three may exceed its total by 1.5 us
+    assert st["queue"] + st["prepare"] + st["run"] <= st["batcher"] + ulp
+    assert st["tokenize"] + st["batcher"] + st["encode"] <= st["app"] + ulp
 
 
 def test_too_long_is_400_unless_truncation_is_asked(server_url: str, st_model: Any) -> None:
