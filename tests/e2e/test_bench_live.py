@@ -147,7 +147,7 @@ def test_server_timing_splits_each_request(server: str) -> None:
     assert len(recs) == 8 and all(r.ok for r in recs)
     for r in recs:  # the server's parts nest inside the client's latency
         assert r.server_tokenize_s > 0 and r.server_batcher_s > 0
-        assert r.server_tokenize_s + r.server_batcher_s <= r.server_app_s + 2e-6  # parts rounded to the microsecond
+        assert r.server_tokenize_s + r.server_batcher_s <= r.server_app_s + 2e-6  # rounded to the us
         assert r.server_app_s <= r.latency_s
 
 
