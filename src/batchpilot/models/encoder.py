@@ -132,7 +132,7 @@ class EncoderExecutor:
         # Always the same tokenizer settings, truncation done here: a fast tokenizer called from several
         # threads with changing truncation settings mutates shared state ("Already borrowed"). The Rust
         # backend is called directly (its settings are fixed at load): the transformers wrapper around it
-        # costs ~30 us a call, as much as tokenising a short query.
+        # costs per call about as much as tokenising a short query.
         if self._backend is not None:
             ids = [e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens=True)]
         else:

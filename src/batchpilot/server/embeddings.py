@@ -49,8 +49,8 @@ _REJECT_STATUS = {RejectReason.TOO_LONG: 400, RejectReason.INFEASIBLE_DEADLINE: 
 
 
 # A request whose texts total at most this many characters (or token-id lists this many ids) is
-# tokenised on the event loop: a fast tokenizer does that in less time than the hand-off to a thread and
-# back (~40 us), and the loop is never held longer than that.
+# tokenised on the event loop: a fast tokenizer does that in about the time of the hand-off to a thread
+# and back, so the loop is held no longer than a hand-off would hold it.
 INLINE_TOKENIZE_CHARS = 64
 INLINE_TOKENIZE_IDS = 512
 
