@@ -239,16 +239,20 @@ def test_probe_workload_is_bounded_in_time() -> None:
 
 def test_parse_metrics_andhistogram_mean() -> None:
     reg = CollectorRegistry()
-    g = Gauge("bp_queue_waiting_requests", "q", ["model"], registry=reg)
+    g = Gauge("bp_queue_waiting_requests", "q", ["model", "kind"], registry=reg)
     h = Histogram("bp_batch_size", "b", registry=reg, buckets=(1, 8, 32))
-    g.labels("m").set(3)
+    g.labels("m", "a").set(3)
+    g.labels("n", "a").set(2)
     first = parse_metrics(generate_latest(reg).decode())
     for v in (4, 8, 12):
         h.observe(v)
     last = parse_metrics(generate_latest(reg).decode())
-    assert first["bp_queue_waiting_requests{model=m}"] == 3.0
+    assert first["bp_queue_waiting_requests{kind=a}"] == 5.0  # the whole server: summed over models
+    per_model = parse_metrics(generate_latest(reg).decode(), by_model=True)
+    assert per_model["bp_queue_waiting_requests{kind=a,model=m}"] == 3.0
+    assert per_model["bp_queue_waiting_requests{kind=a,model=n}"] == 2.0
     series = MetricsSeries([0.0, 1.0], [first, last])
-    assert series.queue_names() == ["bp_queue_waiting_requests{model=m}"]
+    assert series.queue_names() == ["bp_queue_waiting_requests{kind=a}"]
     assert series.find("batch", "size") == "bp_batch_size"
     assert series.histogram_mean("bp_batch_size") == pytest.approx(8.0)
 

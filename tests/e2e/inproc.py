@@ -17,8 +17,8 @@ from typing import Any
 
 import httpx
 import uvicorn
-from prometheus_client.parser import text_string_to_metric_families
 
+from batchpilot.bench.scrape import parse_metrics
 from batchpilot.core.config import SchedulerConfig
 from batchpilot.core.costmodel import CostModel
 from batchpilot.core.scheduler import Batch
@@ -126,15 +126,11 @@ class LiveServer:
         return scrape(self.url, headers)
 
 
-def scrape(url: str, headers: dict[str, str] | None = None) -> dict[str, float]:
-    """``/metrics`` as ``{"name{label=value,...}": value}``, parsed with prometheus_client's parser."""
-    text = httpx.get(url + "/metrics", headers=headers, timeout=10).text
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-            out[s.name + ("{" + labels + "}" if labels else "")] = s.value
-    return out
+def scrape(url: str, headers: dict[str, str] | None = None, by_model: bool = False) -> dict[str, float]:
+    """``/metrics`` as ``{"name{label=value,...}": value}`` (``batchpilot.bench.scrape.parse_metrics``:
+    the ``model`` label summed away unless ``by_model``)."""
+    return parse_metrics(httpx.get(url + "/metrics", headers=headers, timeout=10).text, histograms=True,
+                         by_model=by_model)
 
 
 @contextmanager

@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+from inproc import scrape
 from openai import AsyncOpenAI, OpenAI
-from prometheus_client.parser import text_string_to_metric_families
 
 from batchpilot.models.encoder import default_model_path
 
@@ -50,14 +50,7 @@ def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def metrics(url: str, headers: dict[str, str] | None = None) -> dict[str, float]:
-    text = httpx.get(url + "/metrics", headers=headers).text
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}"
-                            if s.labels else "")
-            out[key] = s.value
-    return out
+    return scrape(url, headers)
 
 
 def test_openai_client_concurrent_mixed_lengths_match_sentence_transformers(
@@ -149,7 +142,9 @@ def test_too_long_is_400_unless_truncation_is_asked(server_url: str, st_model: A
     ({}, 422, "invalid_value"),
     ({"input": "hi", "encoding_format": "hex"}, 422, "invalid_value"),
     ({"input": "hi", "model": "no-such-model"}, 404, "model_not_found"),
-    ({"input": "hi", "dimensions": 64}, 400, "unsupported_dimensions"),
+    ({"input": "hi", "dimensions": 385}, 400, "unsupported_dimensions"),  # over the model's 384
+    ({"input": "hi", "dimensions": 0}, 422, "invalid_value"),
+    ({"input": "hi", "embedding_type": "int4"}, 422, "invalid_value"),
     ({"input": [[999999]]}, 400, "invalid_token_id"),  # id outside the vocabulary
 ])
 def test_bad_requests_get_openai_errors(server_url: str, body: dict[str, Any], status: int,

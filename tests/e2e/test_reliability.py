@@ -94,7 +94,8 @@ EMBED_CASES: list[tuple[str, Any, int, str | None]] = [
     ("body is a list", ["a"], 422, "invalid_value"),
     ("unknown model", {"input": "a", "model": "no-such-model"}, 404, "model_not_found"),
     ("bad encoding", {"input": "a", "encoding_format": "hex"}, 422, "invalid_value"),
-    ("dimensions", {"input": "a", "dimensions": -1}, 400, "unsupported_dimensions"),
+    ("dimensions", {"input": "a", "dimensions": -1}, 422, "invalid_value"),
+    ("dimensions over the model's", {"input": "a", "dimensions": 10**6}, 400, "unsupported_dimensions"),
     ("negative deadline", {"input": "a", "deadline_ms": -5}, 422, "invalid_value"),
     ("string priority", {"input": "a", "priority": "high"}, 422, "invalid_value"),
 ]

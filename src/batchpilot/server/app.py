@@ -1,9 +1,15 @@
-"""The HTTP app: OpenAI-compatible embeddings (``server/embeddings.py``) over a Batcher, plus
-/v1/models, /health and /metrics, behind the request middleware (``server/middleware.py``).
+"""The HTTP app: one or more served models, each behind its own Batcher, plus /v1/models, /health
+and /metrics, behind the request middleware (``server/middleware.py``).
 
-Errors are OpenAI-shaped (``server/errors.py``): an unknown model is 404, malformed bodies 422, the
-core's rejections as ``embeddings.rejection_error`` maps them. ``create_app`` takes a ready executor,
-so tests and benchmarks can serve any executor (the no-op one included) without the CLI.
+    embed models       POST /v1/embeddings                         (server/embeddings.py)
+    score models       POST /v1/rerank, /v1/score (and aliases)    (server/scoring.py)
+    classify models    POST /v1/classify                           (server/scoring.py)
+    every model        POST /tokenize, /detokenize                 (server/service.py)
+
+A request names its model in the body's ``model``; without it the first model of the route's task
+answers (``routing.Models``). Every per-model metric carries ``model=<name>`` (``metrics.ModelLabels``).
+Errors are OpenAI-shaped (``server/errors.py``). ``create_app`` takes ready executors, so tests and
+benchmarks can serve any executor (the no-op one included) without the CLI.
 """
 
 from __future__ import annotations
@@ -13,47 +19,106 @@ import gc
 import logging
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import BaseModel
 
 from ..core.config import SchedulerConfig
 from ..core.costmodel import CostModel
 from ..runtime.batch_log import BatchLog
 from ..runtime.executor import Executor
 from .config import ServerConfig
-from .embeddings import EMBEDDING_BODY, EmbeddingService
+from .embeddings import EmbeddingService
 from .errors import install_error_handlers
 from .gc_pauses import GCPauses, freeze_heap
+from .metrics import ModelLabels
 from .middleware import RequestLifecycle
-from .schemas import EmbeddingResponse, Health, ModelCard, ModelList
+from .routing import TASK_ROUTES, ModelRoute, Models
+from .schemas import EmbeddingRequest, EmbeddingResponse, Health, ModelCard, ModelList
+from .scoring import ScoringService
+from .scoring_schemas import (
+    ClassifyRequest,
+    ClassifyResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    RerankRequest,
+    RerankResponse,
+    ScoreRequest,
+    ScoreResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from .service import ModelService
 
 log = logging.getLogger("batchpilot.server")
 
-def create_app(settings: ServerConfig, executor: Executor, config: SchedulerConfig | None = None,
-               cost_model: CostModel | None = None,
+_ALL_TASKS = ("embed", "score", "classify")
+# path -> (body, response, tasks, service method)
+_ROUTES: dict[str, tuple[type[BaseModel], type[BaseModel], tuple[str, ...], str]] = {
+    "/v1/embeddings": (EmbeddingRequest, EmbeddingResponse, ("embed",), "answer"),
+    **{p: (RerankRequest, RerankResponse, ("score",), "rerank")
+       for p in ("/v1/rerank", "/rerank", "/v2/rerank")},
+    **{p: (ScoreRequest, ScoreResponse, ("score",), "score") for p in ("/v1/score", "/score")},
+    **{p: (ClassifyRequest, ClassifyResponse, ("classify",), "classify")
+       for p in ("/v1/classify", "/classify")},
+    "/tokenize": (TokenizeRequest, TokenizeResponse, _ALL_TASKS, "tokenize_text"),
+    "/detokenize": (DetokenizeRequest, DetokenizeResponse, _ALL_TASKS, "detokenize"),
+}
+assert {p for paths in TASK_ROUTES.values() for p in paths} <= set(_ROUTES)
+_HEALTH_ORDER = ("stopped", "draining", "degraded", "ok")  # the worst model's state is the server's
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """A model to serve: its executor, its resolved scheduler config (``core.deployment``), its cost
+    model and the name clients use (default: the executor's ``model_name``)."""
+
+    executor: Executor
+    config: SchedulerConfig | None = None
+    cost_model: CostModel | None = None
+    name: str | None = None
+
+
+def make_service(settings: ServerConfig, model: ServedModel) -> ModelService:
+    task = getattr(model.executor, "task", "embed")
+    kind = EmbeddingService if task == "embed" else ScoringService
+    return kind(settings, model.executor, model.config or SchedulerConfig(),
+                model.cost_model or CostModel.default_cpu_minilm(), model.name)
+
+
+def create_app(settings: ServerConfig, executor: Executor | None = None,
+               config: SchedulerConfig | None = None, cost_model: CostModel | None = None,
                routers: Sequence[Callable[[CollectorRegistry], APIRouter]] = (),
                extra_models: Sequence[str] = (),
                on_shutdown: Sequence[Callable[[], Any]] = (),
-               health_checks: Sequence[Callable[[], bool]] = ()) -> RequestLifecycle:
+               health_checks: Sequence[Callable[[], bool]] = (),
+               models: Sequence[ServedModel] = ()) -> RequestLifecycle:
     """The ASGI app to hand to uvicorn: the request middleware (``middleware.RequestLifecycle``) around
-    the FastAPI app (``.app`` is the FastAPI instance, ``.state.service`` the service).
+    the FastAPI app (``.app`` is the FastAPI instance, ``.state.service`` the first model's service,
+    ``.state.models`` all of them). Serves ``models``, or the one ``executor`` (named
+    ``settings.model_name``) with ``config`` and ``cost_model``.
     ``routers`` are factories given the metrics registry (how the LLM routes are mounted with ``--llm``);
     ``extra_models`` are listed by /v1/models too; ``on_shutdown`` run (in a thread) after the drain;
     ``health_checks`` say whether the other engines (the LLM's) are alive: /health is 503 unless all are.
-    ``config`` is the resolved deployment's scheduler config (``core.deployment``): every admission
-    rule is in it."""
-    svc = EmbeddingService(settings, executor, config or SchedulerConfig(),
-                           cost_model or CostModel.default_cpu_minilm())
+    A model's ``config`` is the resolved deployment's scheduler config: every admission rule is in it."""
+    served = list(models)
+    if executor is not None:
+        served.insert(0, ServedModel(executor, config, cost_model, settings.model_name))
+    served_models = Models([make_service(settings, m) for m in served])
+    svc = served_models.primary
+    registry = CollectorRegistry()
+    registry.register(ModelLabels({s.model_name: s.metrics.registry for s in served_models.services}))
     hooks = list(on_shutdown)
-    if settings.batch_log:
+    if settings.batch_log:  # the first model's batches (what `bench fidelity` reads)
         batch_log = BatchLog(settings.batch_log)
         svc.batcher.batch_observers.append(batch_log)
         hooks.append(batch_log.close)  # after the drain: no batch writes after it
 
-    pauses = GCPauses(svc.metrics.registry)
+    pauses = GCPauses(registry)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> Any:
@@ -62,46 +127,58 @@ def create_app(settings: ServerConfig, executor: Executor, config: SchedulerConf
         yield
         pauses.close()
         gc.unfreeze()  # back to normal for whatever outlives the server in this process (tests)
-        await svc.close()
+        await asyncio.gather(*(s.close() for s in served_models.services))
         for hook in hooks:
             await asyncio.get_running_loop().run_in_executor(None, hook)
 
     app = FastAPI(title="batchpilot", version="0.1.0", lifespan=lifespan)
     app.state.service = svc
+    app.state.models = served_models
     # run when the shutdown drain times out: what is still queued or running gets an answer, not a cut
     # connection (the LLM routes add their engine's stop: open streams end with an error event)
-    app.state.drain_timeout_hooks = [lambda: svc.batcher.shutdown(0.0)]
+    app.state.drain_timeout_hooks = [lambda s=s: s.batcher.shutdown(0.0) for s in served_models.services]
     install_error_handlers(app)
     for make_router in routers:
-        app.include_router(make_router(svc.metrics.registry))
+        app.include_router(make_router(registry))
 
-    # POST /v1/embeddings is served by ``DirectRoutes`` below, before FastAPI's middleware and routing
-    # (on short requests they cost more than everything batchpilot does); this route declares it in
-    # the OpenAPI schema and is the same handler.
-    @app.post("/v1/embeddings", response_model=EmbeddingResponse, openapi_extra=EMBEDDING_BODY)
-    async def create_embeddings(request: Request) -> Response:
-        return await svc.handle(request)
+    # The model routes are served by ``DirectRoutes`` below, before FastAPI's middleware and routing
+    # (on short requests they cost more than everything batchpilot does). The FastAPI routes of the
+    # tasks served declare them in the OpenAPI schema and are the same handlers.
+    direct: dict[tuple[str, str], Callable[[Request], Awaitable[Response]]] = {}
+    for path, (body, response, tasks, method) in _ROUTES.items():
+        handler = ModelRoute(served_models, path, body, tasks, method)
+        direct["POST", path] = handler
+        if served_models.of_task(tasks):
+            app.add_api_route(path, handler, methods=["POST"], response_model=response,
+                              openapi_extra={"requestBody": {"required": True, "content": {
+                                  "application/json": {"schema": body.model_json_schema()}}}})
 
     @app.get("/v1/models", response_model=ModelList)
     async def list_models() -> ModelList:
-        cards = [ModelCard(id=svc.model_name, created=svc.created, max_model_len=svc.max_length,
-                           dimensions=svc.dim)]
-        return ModelList(data=cards + [ModelCard(id=m, created=svc.created) for m in extra_models])
+        cards = [ModelCard(id=s.model_name, created=s.created, max_model_len=s.max_length,
+                           dimensions=getattr(s, "dim", None), task=s.task) for s in served_models.services]
+        return ModelList(data=cards + [ModelCard(id=m, created=svc.created, task="generate")
+                                       for m in extra_models])
 
     @app.get("/health", response_model=Health, responses={503: {"model": Health}})
     async def health() -> JSONResponse:
-        b = svc.batcher
-        status = b.health if b.health != "ok" or all(alive() for alive in health_checks) else "degraded"
-        body = Health(status=status, model=svc.model_name, queued=b.scheduler.num_waiting,  # type: ignore[arg-type]
-                      running=b.num_running, pending=b.num_pending)
+        states = [s.batcher.health for s in served_models.services]
+        status = min(states, key=_HEALTH_ORDER.index)
+        if status == "ok" and not all(alive() for alive in health_checks):
+            status = "degraded"
+        batchers = [s.batcher for s in served_models.services]
+        body = Health(status=status, model=svc.model_name,  # type: ignore[arg-type]
+                      models=[s.model_name for s in served_models.services],
+                      queued=sum(b.scheduler.num_waiting for b in batchers),
+                      running=sum(b.num_running for b in batchers),
+                      pending=sum(b.num_pending for b in batchers))
         return JSONResponse(body.model_dump(), status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(svc.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    return RequestLifecycle(DirectRoutes(app, {("POST", "/v1/embeddings"): svc.handle}), settings,
-                            svc.metrics.registry)
+    return RequestLifecycle(DirectRoutes(app, direct), settings, registry)
 
 
 class DirectRoutes:

@@ -2,12 +2,19 @@
 
     batchpilot serve                                   # embedded all-MiniLM-L6-v2 on 127.0.0.1:8000
     batchpilot serve --model PATH --config tuned.yaml --profile profile.json --port 8080
+    batchpilot serve --model EMBEDDER --model RERANKER # two models, each with its own scheduler
     batchpilot serve --noop                            # a model that costs nothing (serving-path benchmarks)
 
-Cost model, in order: ``--profile`` (``CostModel.load``); else a brief bounded start-up profile of the
-loaded model (``models.profiler.profile_encoder``) unless ``--no-startup-profile``; else the stated
-default ``CostModel.default_cpu_minilm()``. The log says which was used. The API key may also come
-from ``$BATCHPILOT_API_KEY`` (keeps it out of the process list).
+Each ``--model`` is served with its own scheduler, slots and metrics (label ``model``); its task
+(embed, score, classify) is read from the checkpoint (``models.tasks``) unless ``--task`` says.
+``--model-name``, ``--task`` and ``--profile`` are given once per ``--model``, in the same order (a
+single ``--task`` or ``--profile`` with several models is refused: say it for each).
+
+Cost model of each model, in order: its ``--profile`` (``CostModel.load``); else a brief bounded
+start-up profile of the loaded model (``models.profiler.profile_encoder``) unless
+``--no-startup-profile``; else the stated default ``CostModel.default_cpu_minilm()``. The log says
+which was used. The API key may also come from ``$BATCHPILOT_API_KEY`` (keeps it out of the process
+list).
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from ..config_file import add_deployment_args, spec_from_args
 from ..core.config import SchedulerConfig
 from ..core.costmodel import BatchShape, CostModel
 from ..core.deployment import DeploymentSpec, ModelLimits, resolve_deployment
-from .config import ServerConfig
+from .config import TASKS, ModelSpec, ServerConfig
 
 log = logging.getLogger("batchpilot.server")
 
@@ -33,8 +40,12 @@ log = logging.getLogger("batchpilot.server")
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("serve", help="serve a model behind the batching layer (OpenAI-compatible)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="local HF encoder folder (default: embedded MiniLM)")
-    p.add_argument("--model-name", default=None, help="name clients use (default: the folder's name)")
+    p.add_argument("--model", action="append", default=None, metavar="PATH",
+                   help="local HF model folder (default: the embedded MiniLM); repeat to serve several")
+    p.add_argument("--model-name", action="append", default=None, metavar="NAME",
+                   help="name clients use, one per --model (default: the folder's name)")
+    p.add_argument("--task", action="append", default=None, choices=TASKS,
+                   help="what a --model serves, one per --model (default auto: from its config)")
     p.add_argument("--max-length", type=int, default=None, help="max tokens per input (default: model limit)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: all cores; 1 is faster when oversubscribed)")
@@ -42,7 +53,8 @@ def register(subparsers: Any) -> None:
                    help="threads tokenising inputs and prompts off the event loop, per model "
                         "(default: one per core)")
     add_deployment_args(p)
-    p.add_argument("--profile", default=None, help="cost-model profile JSON (`batchpilot profile -o`)")
+    p.add_argument("--profile", action="append", default=None, metavar="PATH",
+                   help="cost-model profile JSON (`batchpilot profile -o`), one per --model")
     p.add_argument("--no-startup-profile", action="store_true",
                    help="without --profile, use the built-in default cost model instead of measuring")
     p.add_argument("--host", default="127.0.0.1")
@@ -97,10 +109,10 @@ def run(args: argparse.Namespace) -> int:
     logs.configure(args.log_level, args.log_format)
     spec = spec_from_args(args)
     settings = ServerConfig(
-        host=args.host, port=args.port, model_path=args.model, model_name=args.model_name,
+        host=args.host, port=args.port, models=model_specs(args),
         max_length=args.max_length, num_threads=args.threads, tokenizer_workers=args.tokenizer_workers,
         noop=args.noop, noop_delay_s=args.noop_delay_ms / 1000.0,
-        profile_path=args.profile, startup_profile=not args.no_startup_profile, api_key=args.api_key,
+        startup_profile=not args.no_startup_profile, api_key=args.api_key,
         max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout_s,
         send_timeout_s=args.send_timeout_s, max_json_values=args.max_json_values,
         max_json_containers=args.max_json_containers, max_inputs=args.max_inputs,
@@ -119,29 +131,45 @@ def run(args: argparse.Namespace) -> int:
                            access_log=args.access_log, log_format=args.log_format)
 
 
+def model_specs(args: argparse.Namespace) -> tuple[ModelSpec, ...]:
+    """One ``ModelSpec`` per ``--model`` (or the embedded model), with its name, task and profile."""
+    paths: list[str | None] = list(args.model or [None])
+    per_model = {"--model-name": args.model_name, "--task": args.task, "--profile": args.profile}
+    for flag, values in per_model.items():
+        if values is not None and len(values) != len(paths):
+            raise SystemExit(f"batchpilot serve: {flag} was given {len(values)} times for {len(paths)} "
+                             f"model(s); give it once per --model, in the same order")
+    return tuple(ModelSpec(path=path, name=(args.model_name or [None] * len(paths))[i],
+                           task=(args.task or ["auto"] * len(paths))[i],
+                           profile=(args.profile or [None] * len(paths))[i])
+                 for i, path in enumerate(paths))
+
+
 def build_app(settings: ServerConfig, spec: DeploymentSpec | SchedulerConfig | None = None) -> Any:
-    """Load the executor and cost model, resolve the deployment (``core.deployment``: the same function
-    ``simulate`` runs), mount the optional LLM routes."""
-    from .app import create_app
+    """Load each model's executor and cost model, resolve its deployment (``core.deployment``: the
+    same function ``simulate`` runs), mount the optional LLM routes."""
+    from .app import ServedModel, create_app
 
     if not isinstance(spec, DeploymentSpec):
         spec = DeploymentSpec(encoder=spec or SchedulerConfig())
-    executor = load_executor(settings)
-    supports = getattr(executor, "supports_padding_free", lambda: True)()
-    padding = spec.encoder.planner.padding if supports else "dynamic"
-    cost_model = choose_cost_model(settings, executor, padding)
-    limits = ModelLimits(int(executor.max_length), bool(supports), device_memory_bytes(executor))
-    deployment = resolve_deployment(spec, cost_model, limits)
-    for note in deployment.notes:
-        log.info("deployment: %s", note)
-    log.info("deployment: %s", deployment.describe())
-    sched = deployment.scheduler
+    served = []
+    for model in settings.models:
+        executor = load_executor(settings, model)
+        supports = getattr(executor, "supports_padding_free", lambda: True)()
+        padding = spec.encoder.planner.padding if supports else "dynamic"
+        cost_model = choose_cost_model(settings, model, executor, padding)
+        limits = ModelLimits(int(executor.max_length), bool(supports), device_memory_bytes(executor))
+        deployment = resolve_deployment(spec, cost_model, limits)
+        name = model.name or getattr(executor, "model_name", "model")
+        for note in deployment.notes:
+            log.info("deployment %s: %s", name, note)
+        log.info("deployment %s: %s", name, deployment.describe())
+        served.append(ServedModel(executor, deployment.scheduler, cost_model, name))
     if not settings.llm:
-        return create_app(settings, executor, sched, cost_model)
+        return create_app(settings, models=served)
     engine, router, hooks = _llm_router(settings, spec)
-    app = create_app(settings, executor, sched, cost_model, routers=[router],
-                     extra_models=[engine.model_name], on_shutdown=hooks,
-                     health_checks=[lambda: bool(engine.is_alive)])
+    app = create_app(settings, models=served, routers=[router], extra_models=[engine.model_name],
+                     on_shutdown=hooks, health_checks=[lambda: bool(engine.is_alive)])
 
     async def stop_engine() -> None:  # its open streams end with an SSE error event
         await asyncio.get_running_loop().run_in_executor(None, engine.shutdown, 5.0)
@@ -164,29 +192,29 @@ def device_memory_bytes(executor: Any) -> float:
         return 0.0
 
 
-def load_executor(settings: ServerConfig) -> Any:
+def load_executor(settings: ServerConfig, model: ModelSpec | None = None) -> Any:
+    model = model or settings.models[0]
     if settings.noop:
         from ..runtime.executor import NoopExecutor
 
         log.info("model: no-op (%.1f ms per batch)", settings.noop_delay_s * 1e3)
         return NoopExecutor(dim=384, delay_s=settings.noop_delay_s, max_length=settings.max_length or 512)
-    from ..models.encoder import EncoderConfig, EncoderExecutor
+    from ..models.tasks import load_model
 
-    executor = EncoderExecutor(EncoderConfig(model_path=settings.model_path, model_name=settings.model_name,
-                                             max_length=settings.max_length,
-                                             num_threads=settings.num_threads))
-    log.info("model: %s from %s (dim %d, max %d tokens, %s forward, %d threads)", executor.model_name,
-             executor.model_path, executor.dim, executor.max_length, getattr(executor, "forward_impl", "hf"),
-             executor.num_threads)
+    executor = load_model(model.path, model.name, model.task, settings.max_length, settings.num_threads)
+    log.info("model: %s from %s (%s, dim %d, max %d tokens, %s forward, %d threads)", executor.model_name,
+             executor.model_path, executor.task, executor.dim, executor.max_length,
+             getattr(executor, "forward_impl", "hf"), executor.num_threads)
     if settings.warmup:
         executor.warmup()
     return executor
 
 
-def choose_cost_model(settings: ServerConfig, executor: Any, padding: str = "dynamic") -> CostModel:
-    if settings.profile_path:
-        log.info("cost model: loaded from %s", settings.profile_path)
-        return CostModel.load(settings.profile_path)
+def choose_cost_model(settings: ServerConfig, model: ModelSpec, executor: Any,
+                      padding: str = "dynamic") -> CostModel:
+    if model.profile:
+        log.info("cost model: loaded from %s", model.profile)
+        return CostModel.load(model.profile)
     if settings.noop and settings.noop_delay_s > 0:  # its cost is exactly its delay: the limits follow it
         log.info("cost model: the no-op model's fixed %.1f ms per batch", settings.noop_delay_s * 1e3)
         return CostModel(latency_coef=(settings.noop_delay_s, 0.0, 0.0, 0.0), meta={"source": "noop"})

@@ -9,20 +9,35 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # 2048 inputs of a few KB of text each
+TASKS = ("auto", "embed", "score", "classify")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model to serve: a local HF folder (None: the embedded all-MiniLM-L6-v2), the name clients
+    send (default: the folder's name), its task (``auto``: from the checkpoint, ``models.tasks``) and
+    its cost-model profile (None: measured briefly at start-up)."""
+
+    path: str | None = None
+    name: str | None = None
+    task: str = "auto"
+    profile: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"task = {self.task!r}; choose one of {', '.join(TASKS)}")
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"  # loopback unless told otherwise
     port: int = 8000
-    model_path: str | None = None  # None: the embedded all-MiniLM-L6-v2
-    model_name: str | None = None  # the name clients send (default: the folder's name)
+    models: tuple[ModelSpec, ...] = (ModelSpec(),)  # each with its own scheduler; the first is the default
     max_length: int | None = None  # None: the model's position limit
     num_threads: int | None = None  # torch intra-op threads; None: every core (1 when oversubscribed)
     tokenizer_workers: int | None = None  # threads tokenising inputs/prompts, per model; None: one per core
     noop: bool = False  # a model that costs nothing (benchmarks of the serving path)
     noop_delay_s: float = 0.0
-    profile_path: str | None = None
     startup_profile: bool = True  # no profile given: measure briefly at start-up (else the stated default)
     api_key: str | None = None  # Bearer key on every route but /health
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
@@ -42,7 +57,14 @@ class ServerConfig:
     llm_step_log: str | None = None  # append one JSON line per LLM engine step here (fidelity checks)
     log_level: str = "info"
 
+    @property
+    def model_name(self) -> str | None:
+        """The first model's name (what ``create_app`` calls a single executor)."""
+        return self.models[0].name if self.models else None
+
     def __post_init__(self) -> None:
+        if not self.models:
+            raise ValueError("server.models is empty; serve at least one model")
         if not 0 <= self.port < 65536:
             raise ValueError(f"server.port must be in [0, 65535], got {self.port}")
         if self.tokenizer_workers is not None and self.tokenizer_workers < 1:

@@ -21,15 +21,20 @@ Names (all prefixed ``batchpilot_``):
 
 Utilisation is ``busy seconds / (uptime × slots)``; over a window use
 ``rate(batchpilot_executor_busy_seconds_total[1m]) / slots``.
+
+Each served model has its own ``ServerMetrics`` (its own registry); the server's /metrics shows them
+all through ``ModelLabels``, every sample labelled ``model=<name>``, beside the server-wide series
+(the request middleware's, GC pauses, the LLM's).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 
 from ..core.request import Request
 from ..core.scheduler import Batch, RejectReason
@@ -149,3 +154,24 @@ class ServerMetrics(BatcherObserver):
 
     def on_health(self, state: str) -> None:
         self.health.set(_HEALTH.get(state, 0.0))
+
+
+class ModelLabels:
+    """A collector showing several models' registries as one set of families, each sample labelled
+    ``model=<name>`` (registered on the server's registry)."""
+
+    def __init__(self, registries: dict[str, CollectorRegistry]) -> None:
+        self.registries = registries
+
+    def describe(self) -> list[Metric]:
+        return []  # names are checked per model registry; the families are built at scrape time
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        for model, registry in self.registries.items():
+            for fam in registry.collect():
+                out = families.get(fam.name)
+                if out is None:
+                    out = families[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+                out.samples += [s._replace(labels={"model": model, **s.labels}) for s in fam.samples]
+        yield from families.values()

@@ -31,7 +31,12 @@ class EmbeddingRequest(BaseModel):
     input: EmbeddingInput = Field(description="text, texts, token ids, or lists of token ids")
     model: str | None = Field(default=None, description="the served model's name (GET /v1/models)")
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(default=None, description="only the model's own dimension is supported")
+    dimensions: int | None = Field(default=None, ge=1, description=(
+        "keep the first N coordinates, re-normalised when the model normalises (matryoshka); at most "
+        "the model's size (GET /v1/models)"))
+    embedding_type: Literal["float", "int8", "uint8", "binary", "ubinary"] = Field(
+        default="float", description="scalar int8/uint8 on the fixed range [-1, 1], or sign bits packed "
+                                     "8 per byte (binary: as int8, ubinary: as uint8); docs/server.md")
     user: str | None = None
     priority: int | None = Field(default=None, ge=-PRIORITY_MAX, le=PRIORITY_MAX,
                                  description="lower is served first; 0 is the default class")
@@ -42,7 +47,7 @@ class EmbeddingRequest(BaseModel):
 
 class Embedding(BaseModel):
     object: Literal["embedding"] = "embedding"
-    embedding: list[float] | str  # base64 of little-endian float32 when encoding_format is base64
+    embedding: list[float] | list[int] | str  # base64 of the raw bytes when encoding_format is base64
     index: int
 
 
@@ -65,6 +70,7 @@ class ModelCard(BaseModel):
     owned_by: str = "batchpilot"
     max_model_len: int | None = None
     dimensions: int | None = None
+    task: str | None = Field(default=None, description="embed, score, classify or generate")
 
 
 class ModelList(BaseModel):
@@ -74,7 +80,8 @@ class ModelList(BaseModel):
 
 class Health(BaseModel):
     status: Literal["ok", "degraded", "draining", "stopped"]
-    model: str
+    model: str = Field(description="the first served model")
+    models: list[str] = Field(default_factory=list, description="every served model, in order")
     queued: int
     running: int
     pending: int

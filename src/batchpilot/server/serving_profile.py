@@ -60,7 +60,7 @@ from ..core.costmodel import BatchShape, CostModel
 from ..sim.frontend import RATE_WINDOW_S, FrontEnd
 from .app import create_app
 from .config import ServerConfig
-from .embeddings import tokenizer_workers
+from .service import tokenizer_workers
 
 WARMUP_REQUESTS = 4
 LOADED_REQUESTS = 240  # ~10-20 s of traffic for MiniLM on one CPU core

@@ -1,0 +1,136 @@
+"""Offline sequence-classification models for tests and benchmarks: seeded random weights, real layout.
+
+``build_cross_encoder`` makes a ``BertForSequenceClassification`` with one output (a reranker's relevance
+score) and ``build_classifier`` one with a label per class, both from the embedded MiniLM folder's config
+(all-MiniLM-L6-v2: vocab 30522, hidden 384, 6 layers unless ``layers`` says fewer) after
+``torch.manual_seed(seed)``, saved with ``save_pretrained`` next to MiniLM's tokenizer. Nothing is
+downloaded; the folder loads with HF ``AutoModelForSequenceClassification`` and sentence-transformers
+``CrossEncoder``. The weights are random, so scores mean nothing, but the compute is that of a real
+MiniLM-sized cross-encoder (ms-marco-MiniLM-L-6-v2 has this shape).
+
+A build writes ``seeded_build.json`` (its arguments) last, into a temporary sibling folder that is then
+renamed into place: a folder holding that marker with the same arguments is complete and is returned as
+is; one built with other arguments is rebuilt. A non-empty folder without the marker is never touched.
+
+    python -m batchpilot.models.seeded {cross-encoder,classifier} OUT [--seed N] [--layers N]
+                                       [--labels a,b,c] [--multi-label]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+MARKER = "seeded_build.json"
+_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
+def build_cross_encoder(out_dir: str | os.PathLike[str], seed: int = 0, layers: int | None = None) -> str:
+    """A one-output (score) cross-encoder in ``out_dir``; returns its path."""
+    return _build(out_dir, {"kind": "cross-encoder", "seed": seed, "layers": layers, "labels": None,
+                            "multi_label": False})
+
+
+def build_classifier(out_dir: str | os.PathLike[str],
+                     labels: Sequence[str] = ("negative", "neutral", "positive"), seed: int = 0,
+                     multi_label: bool = False, layers: int | None = None) -> str:
+    """A ``len(labels)``-way classifier (``id2label`` in label order) in ``out_dir``; returns its path."""
+    labels = [str(x) for x in labels]
+    if not labels or len(set(labels)) != len(labels):
+        raise ValueError(f"classifier labels must be non-empty and distinct, got {labels}")
+    return _build(out_dir, {"kind": "classifier", "seed": seed, "layers": layers, "labels": labels,
+                            "multi_label": bool(multi_label)})
+
+
+def _build(out_dir: str | os.PathLike[str], spec: dict[str, Any]) -> str:
+    out = Path(out_dir)
+    if spec["layers"] is not None and spec["layers"] < 1:
+        raise ValueError(f"layers must be >= 1 (or None for MiniLM's 6), got {spec['layers']}")
+    if _complete(out, spec):
+        return str(out)
+    if out.exists() and any(out.iterdir()) and not (out / MARKER).exists():
+        raise ValueError(f"{out} exists and is not a seeded checkpoint; choose an empty or new folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        tmp.chmod(0o755)  # mkdtemp's 0700 would keep the checkpoint from other users
+        _save(tmp, spec)
+        if out.exists():
+            shutil.rmtree(out)  # empty, or an earlier seeded build with other arguments
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            if not _complete(out, spec):  # not a concurrent build of the same model
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)
+
+
+def _complete(out: Path, spec: dict[str, Any]) -> bool:
+    try:
+        saved = json.loads((out / MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(saved == spec and all((out / f).is_file() for f in _FILES))
+
+
+def _save(out: Path, spec: dict[str, Any]) -> None:
+    import torch
+    from transformers import AutoConfig, AutoTokenizer, BertForSequenceClassification
+
+    from .encoder import default_model_path
+
+    base = default_model_path()
+    labels = spec["labels"] or ["LABEL_0"]
+    extra: dict[str, Any] = {
+        "num_labels": len(labels),
+        "id2label": dict(enumerate(labels)),
+        "label2id": {name: i for i, name in enumerate(labels)},
+    }
+    if spec["layers"] is not None:
+        extra["num_hidden_layers"] = spec["layers"]
+    if spec["multi_label"]:
+        extra["problem_type"] = "multi_label_classification"
+    elif spec["kind"] == "classifier":
+        extra["problem_type"] = "single_label_classification"
+    config = AutoConfig.from_pretrained(base, local_files_only=True, **extra)
+    config.architectures = ["BertForSequenceClassification"]
+    torch.manual_seed(spec["seed"])
+    BertForSequenceClassification(config).save_pretrained(out)
+    AutoTokenizer.from_pretrained(base, local_files_only=True).save_pretrained(out)
+    (out / MARKER).write_text(json.dumps(spec, indent=1) + "\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m batchpilot.models.seeded",
+                                     description="Build a seeded random sequence-classification model.")
+    parser.add_argument("kind", choices=("cross-encoder", "classifier"))
+    parser.add_argument("out", help="folder to write the HF checkpoint into")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layers", type=int, default=None, help="encoder layers (default: MiniLM's 6)")
+    parser.add_argument("--labels", default="negative,neutral,positive",
+                        help="comma-separated class names (classifier only)")
+    parser.add_argument("--multi-label", action="store_true", help="independent sigmoid per label")
+    args = parser.parse_args(argv)
+    try:
+        if args.kind == "cross-encoder":
+            path = build_cross_encoder(args.out, seed=args.seed, layers=args.layers)
+        else:
+            labels = [x.strip() for x in args.labels.split(",") if x.strip()]
+            path = build_classifier(args.out, labels=labels, seed=args.seed, multi_label=args.multi_label,
+                                    layers=args.layers)
+    except ValueError as exc:
+        parser.error(str(exc))
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,84 @@
+"""What a checkpoint is, and the executor that serves it.
+
+    detect_task(path) -> "embed" | "score" | "classify"
+    load_model(path, name, task, max_length, num_threads) -> an executor with ``.task``
+
+From the folder's ``config.json``: an architecture ending in ``ForSequenceClassification`` is a
+cross-encoder (``score``: one output, served by /v1/rerank and /v1/score) or a classifier
+(``classify``: one output per label, /v1/classify); anything else (a sentence-transformers folder, a
+bare ``BertModel``...) is an embedding model (``embed``, /v1/embeddings). ``task`` overrides the
+detection where the checkpoint allows it: a classification checkpoint can be served as ``embed`` (its
+encoder, pooled as its folder says) and a one-output model as ``classify``; ``score`` needs exactly
+one output, and ``score`` / ``classify`` need a classification head.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+TASKS = ("embed", "score", "classify")
+
+
+def _config(path: str | None) -> dict[str, Any]:
+    if path is None:
+        return {}
+    cfg = Path(path) / "config.json"
+    if not cfg.is_file():
+        raise ValueError(f"{path} has no config.json: give a local Hugging Face model folder")
+    data = json.loads(cfg.read_text())
+    return data if isinstance(data, dict) else {}
+
+
+def num_outputs(cfg: dict[str, Any]) -> int:
+    labels = cfg.get("id2label")
+    return int(cfg.get("num_labels") or (len(labels) if isinstance(labels, dict) else 2))
+
+
+def is_classifier(cfg: dict[str, Any]) -> bool:
+    return any(str(a).endswith("ForSequenceClassification") for a in cfg.get("architectures") or ())
+
+
+def detect_task(path: str | None) -> str:
+    """The task the checkpoint at ``path`` was made for (None: the embedded embedding model)."""
+    cfg = _config(path)
+    if not is_classifier(cfg):
+        return "embed"
+    return "score" if num_outputs(cfg) == 1 else "classify"
+
+
+def resolve_task(path: str | None, task: str = "auto") -> str:
+    """``task`` checked against the checkpoint (``auto``: detected); a clear ValueError when the
+    checkpoint cannot serve it."""
+    detected = detect_task(path)
+    if task == "auto":
+        return detected
+    if task not in TASKS:
+        raise ValueError(f"task = {task!r}; choose auto or one of {', '.join(TASKS)}")
+    cfg = _config(path)
+    if task in ("score", "classify") and not is_classifier(cfg):
+        raise ValueError(f"{path or 'the embedded model'} has no classification head "
+                         f"(architectures: {cfg.get('architectures')}); it can only be served as embed")
+    if task == "score" and num_outputs(cfg) != 1:
+        raise ValueError(f"{path} has {num_outputs(cfg)} outputs; score (rerank) needs a one-output "
+                         "cross-encoder: serve it as classify")
+    return task
+
+
+def load_model(path: str | None, name: str | None = None, task: str = "auto",
+               max_length: int | None = None, num_threads: int | None = None) -> Any:
+    """The executor for the checkpoint at ``path`` serving ``task`` (see ``resolve_task``)."""
+    task = resolve_task(path, task)
+    if task == "embed":
+        from .encoder import EncoderConfig, EncoderExecutor
+
+        return EncoderExecutor(EncoderConfig(model_path=path, model_name=name, max_length=max_length,
+                                             num_threads=num_threads))
+    from .cross_encoder import ClassifierConfig, SequenceClassifierExecutor
+
+    assert path is not None
+    executor = SequenceClassifierExecutor(ClassifierConfig(model_path=path, model_name=name,
+                                                           max_length=max_length, num_threads=num_threads))
+    executor.task = task
+    return executor

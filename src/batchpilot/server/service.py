@@ -1,0 +1,217 @@
+"""What every model route shares: one served model's executor, Batcher, metrics and tokenizer pool,
+and the path of a request through them.
+
+    count(route, status, seconds)          the route's HTTP metrics, on this model's series
+    tokenize_off_loop(fn, *args, cheap)    on the loop when cheap, else on the pool of
+                                           ``tokenizer_workers`` threads; InvalidInput -> 400
+    run_group(payloads, lengths, ...)      Batcher.submit_group (the core admits all inputs or none)
+                                           ─▶ wait for all, the client's disconnect, or the request
+                                           timeout; the core's rejection mapped by reason
+
+A model serves one task (``models.tasks``): ``embed`` (``server/embeddings.py``), ``score`` or
+``classify`` (``server/scoring.py``). Core rejections map by reason: too long 400, infeasible deadline
+and rate limit 429, queue full and shutting down 503 with Retry-After, expired deadline 504. A client
+that disconnects while its inputs wait has them withdrawn from the queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import orjson
+from fastapi import Request
+from fastapi.responses import Response
+
+from ..core.config import SchedulerConfig
+from ..core.costmodel import CostModel
+from ..core.scheduler import RejectReason
+from ..runtime.batcher import Batcher
+from ..runtime.errors import ExecutionError, InvalidInput, RequestRejected
+from ..runtime.execution import StageTimes
+from ..runtime.executor import Executor
+from .config import ServerConfig
+from .errors import APIError, request_id_of
+from .metrics import ServerMetrics
+from .schemas import PRIORITY_MAX
+
+log = logging.getLogger("batchpilot.server")
+
+_REJECT_STATUS = {RejectReason.TOO_LONG: 400, RejectReason.INFEASIBLE_DEADLINE: 429,
+                  RejectReason.RATE_LIMITED: 429, RejectReason.QUEUE_FULL: 503,
+                  RejectReason.SHUTTING_DOWN: 503, RejectReason.DEADLINE_EXPIRED: 504,
+                  RejectReason.CANCELLED: 499}
+
+
+def tokenizer_workers(settings: ServerConfig) -> int:
+    """Threads tokenising inputs, per model: the setting, else one per core this process may use (the
+    simulator's serial stage has as many servers: ``FrontEnd.serial_servers``)."""
+    return settings.tokenizer_workers or len(os.sched_getaffinity(0))
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+def rejection_error(exc: RequestRejected) -> APIError:
+    status = _REJECT_STATUS.get(exc.reason, 503)
+    code = "context_length_exceeded" if exc.reason is RejectReason.TOO_LONG else exc.reason.value
+    retry = exc.retry_after_s if status in (429, 503) else None
+    if status in (429, 503) and retry is None and exc.reason is not RejectReason.INFEASIBLE_DEADLINE:
+        retry = 1.0  # overload: always tell the client when to come back
+    return APIError(status, exc.message, code=code, retry_after_s=retry)
+
+
+class ModelService:
+    """One served model: its executor (tokenizer + model), its Batcher (its own scheduler and slots),
+    its metrics (labelled ``model=<name>`` on the server's /metrics) and its tokenizer threads."""
+
+    task = "embed"
+
+    def __init__(self, settings: ServerConfig, executor: Executor, config: SchedulerConfig,
+                 cost_model: CostModel, name: str | None = None) -> None:
+        self.settings = settings
+        self.executor = executor
+        self.metrics = ServerMetrics(config.num_slots)
+        self.batcher = Batcher(executor, config, cost_model, observer=self.metrics)
+        self.metrics.bind(self.batcher.scheduler, lambda: self.batcher.num_pending)
+        self.model_name = name or getattr(executor, "model_name", "model")
+        self.max_length = getattr(executor, "max_length", config.admission.max_length)
+        # a thread per core: the executors' tokenizers are called with fixed settings (a fast tokenizer
+        # is shared safely then) and release the GIL while they work
+        self.tokenizer_pool = ThreadPoolExecutor(tokenizer_workers(settings),
+                                                 thread_name_prefix="batchpilot-tokenize")
+        self.created = int(time.time())
+        self._answered: dict[tuple[str, int], Any] = {}  # (route, status) -> its counter child
+        self._latency: dict[str, Any] = {}
+
+    def count(self, route: str, status: int, seconds: float) -> None:
+        counter = self._answered.get((route, status))
+        if counter is None:
+            counter = self._answered[route, status] = self.metrics.http_requests.labels(
+                route=route, status=str(status))
+        counter.inc()
+        latency = self._latency.get(route)
+        if latency is None:
+            latency = self._latency[route] = self.metrics.http_latency.labels(route=route)
+        latency.observe(seconds)
+
+    async def tokenize_off_loop(self, fn: Callable[..., Any], *args: Any, cheap: bool = False,
+                                request: Request | None = None) -> Any:
+        """``fn(*args)``: on the event loop when ``cheap`` (less work than the hand-off to a thread),
+        else on the tokenizer pool. The executor's typed refusals are 400s with their code; any other
+        tokenizer error is a fixed 400 (its text only in the log)."""
+        try:
+            if cheap:
+                return fn(*args)
+            return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
+        except InvalidInput as exc:
+            raise APIError(400, str(exc), code=exc.code, param="input") from None
+        except ValueError as exc:
+            rid = request_id_of(request) if request is not None else None
+            log.warning("request %s: the tokenizer refused the input: %s", rid, exc)
+            raise APIError(400, "the input could not be tokenised", code="invalid_input",
+                           param="input") from None
+
+    async def run_group(self, payloads: list[Any], lengths: list[int], request: Request,
+                        priority: int | None, deadline: float | None,
+                        times: StageTimes | None = None) -> list[Any]:
+        """The inputs of one request through the core and the executor: a result per input, in order."""
+        futures: list[asyncio.Future[Any]] = []
+        try:  # the core admits or refuses the request's inputs together
+            futures = self.batcher.submit_group_nowait(payloads, lengths, priority or 0, deadline,
+                                                       times=times)
+            return await self._wait(futures, request)
+        except RequestRejected as exc:
+            raise rejection_error(exc) from None
+        except ExecutionError as exc:
+            raise APIError(500, str(exc), code="model_error") from None
+        finally:
+            for f in futures:
+                f.cancel()  # no-op when done; withdraws the rest when one failed or the client left
+
+    def deadline(self, request: Request, priority: int | None, deadline_ms: float | None,
+                 received: float) -> tuple[int | None, float | None]:
+        """The request's priority and absolute deadline: the body's fields, else the ``X-Priority`` /
+        ``X-Deadline-Ms`` headers."""
+        if priority is None:
+            priority = _header_num(request, "x-priority", int)
+        budget_ms = deadline_ms if deadline_ms is not None else _header_num(request, "x-deadline-ms", float)
+        if budget_ms is not None and budget_ms <= 0:
+            raise APIError(400, "deadline_ms must be > 0", param="deadline_ms")
+        return priority, received + budget_ms / 1000.0 if budget_ms is not None else None
+
+    async def _wait(self, futures: list[asyncio.Future[Any]], request: Request) -> list[Any]:
+        work = futures[0] if len(futures) == 1 else asyncio.gather(*futures)
+        watch = asyncio.ensure_future(_disconnected(request))
+        try:
+            done, _ = await asyncio.wait({work, watch}, timeout=self.settings.request_timeout_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+        if work in done:
+            return [work.result()] if len(futures) == 1 else list(work.result())
+        work.cancel()  # withdraws every input still queued
+        work.add_done_callback(lambda f: None if f.cancelled() else f.exception())  # mark it retrieved
+        if watch in done:
+            raise ClientGone
+        raise APIError(504, f"not answered within {self.settings.request_timeout_s:.0f} s", code="timeout")
+
+    async def tokenize_text(self, body: Any, request: Request) -> Response:
+        """``POST /tokenize``: the ids the model would see for ``prompt`` (vLLM's body)."""
+        ex = self.executor
+        if not hasattr(ex, "token_ids"):
+            raise APIError(400, f"{self.model_name} has no tokenizer", code="unsupported_task", param="model")
+        if len(body.prompt) > self.settings.max_input_chars:
+            raise APIError(400, f"prompt has {len(body.prompt)} characters; at most "
+                                f"{self.settings.max_input_chars}", code="input_too_long", param="prompt")
+        ids = await self.tokenize_off_loop(ex.token_ids, body.prompt, body.add_special_tokens,
+                                           cheap=len(body.prompt) <= 64, request=request)
+        out = {"count": len(ids), "max_model_len": self.max_length, "tokens": ids}
+        return Response(orjson.dumps(out), media_type="application/json")
+
+    async def detokenize(self, body: Any, request: Request) -> Response:
+        """``POST /detokenize``: the text of ``tokens`` (ids outside the vocabulary are a 400)."""
+        ex = self.executor
+        if not hasattr(ex, "detokenize"):
+            raise APIError(400, f"{self.model_name} has no tokenizer", code="unsupported_task", param="model")
+        if len(body.tokens) > self.settings.max_input_tokens:
+            raise APIError(400, f"tokens has {len(body.tokens)} ids; at most "
+                                f"{self.settings.max_input_tokens}", code="input_too_long", param="tokens")
+        text = await self.tokenize_off_loop(ex.detokenize, body.tokens, cheap=len(body.tokens) <= 512,
+                                            request=request)
+        return Response(orjson.dumps({"prompt": text}), media_type="application/json")
+
+    async def close(self) -> None:
+        await self.batcher.shutdown(self.settings.drain_timeout_s)
+        self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _header_num(request: Request, name: str, kind: type) -> Any:
+    """A numeric header: an int within the priority range, or a finite float; anything else is 400."""
+    raw = request.headers.get(name)
+    if raw is None:
+        return None
+    value: Any = None
+    try:
+        value = kind(raw)
+        ok = -PRIORITY_MAX <= value <= PRIORITY_MAX if kind is int else math.isfinite(value)
+    except (ValueError, OverflowError):
+        ok = False
+    if not ok:
+        shown = raw if len(raw) <= 40 else raw[:40] + "..."
+        what = f"an integer in [-{PRIORITY_MAX}, {PRIORITY_MAX}]" if kind is int else "a finite number"
+        raise APIError(400, f"header {name} must be {what}, got {shown!r}", code="invalid_value", param=name)
+    return value
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client goes away (the body is already read, so the next message is a disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
