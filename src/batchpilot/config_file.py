@@ -9,6 +9,9 @@
       max_concurrency: 512
       request_timeout_s: 60
       latency_sla_s: 1.0   # declare an SLA: refuse what would miss it (default: none, no shedding)
+    model:              # core.deployment.ModelOptions (serve and profile: the encoder's precision)
+      dtype: auto          # auto | float32 | bfloat16 | float16 | int8
+      min_cosine: 0.999    # the accuracy guard against float32
 
 Every section is optional. ``add_deployment_args`` adds the flags that override the file, with the
 same names and meanings in every command, and ``spec_from_args`` reads them back, so ``simulate`` and
@@ -25,7 +28,7 @@ from typing import Any
 import yaml
 
 from .core.config import PADDINGS, POLICIES
-from .core.deployment import DeploymentSpec
+from .core.deployment import PRECISIONS, DeploymentSpec, ModelOptions
 
 
 def load_spec(path: str | Path | None) -> DeploymentSpec:
@@ -90,7 +93,11 @@ def spec_from_args(args: argparse.Namespace) -> DeploymentSpec:
         enc = dataclasses.replace(enc, planner=dataclasses.replace(enc.planner, padding=args.padding))
     if getattr(args, "num_slots", None) is not None:
         enc = dataclasses.replace(enc, num_slots=args.num_slots)
-    return spec.replace(encoder=enc, max_concurrency=getattr(args, "max_concurrency", None),
+    model = spec.model
+    if getattr(args, "dtype", None) is not None or getattr(args, "min_cosine", None) is not None:
+        model = ModelOptions(args.dtype or model.dtype,
+                             args.min_cosine if args.min_cosine is not None else model.min_cosine)
+    return spec.replace(encoder=enc, model=model, max_concurrency=getattr(args, "max_concurrency", None),
                         request_timeout_s=getattr(args, "request_timeout_s", None),
                         latency_sla_s=getattr(args, "latency_sla", None))
 
@@ -99,6 +106,16 @@ _FLAGS = (("config", "--config"), ("policy", "--policy"), ("max_batch_size", "--
           ("max_wait_ms", "--max-wait-ms"), ("padding", "--padding"), ("num_slots", "--num-slots"),
           ("max_concurrency", "--max-concurrency"), ("request_timeout_s", "--request-timeout-s"),
           ("latency_sla", "--latency-sla"))
+
+
+def add_precision_args(p: argparse.ArgumentParser) -> None:
+    """``--dtype`` and ``--min-cosine`` (serve and profile): override the file's ``model:`` section."""
+    g = p.add_argument_group("precision (models/precision.py)")
+    g.add_argument("--dtype", choices=PRECISIONS, default=None,
+                   help="encoder precision (default auto: the fastest this machine supports that passes "
+                        "the accuracy guard; a --profile's measured choice when given one)")
+    g.add_argument("--min-cosine", type=float, default=None,
+                   help="accuracy guard: least cosine to float32 embeddings on the probe set (default 0.999)")
 
 
 def deployment_flags(args: argparse.Namespace) -> list[str]:

@@ -29,8 +29,10 @@ def running_server(args: Sequence[str], log_dir: Path, ready_timeout_s: float = 
 @pytest.fixture(scope="session")
 def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The default server: embedded MiniLM, default scheduler config, built-in cost model (fast start).
-    One torch thread: test runs share the machine, and OpenMP pools stall when oversubscribed."""
-    with running_server(["--no-startup-profile", "--request-timeout-s", "60", "--threads", "1"],
+    float32: the parity tests compare with sentence-transformers' float32. One torch thread: test runs
+    share the machine, and OpenMP pools stall when oversubscribed."""
+    with running_server(["--no-startup-profile", "--request-timeout-s", "60", "--threads", "1",
+                         "--dtype", "float32"],
                         tmp_path_factory.mktemp("serve")) as url:
         yield url
 

@@ -12,6 +12,8 @@ What is sent, per workload row (the simulator replays the same rows, from ``sim.
 * ``embeddings``: ``POST /v1/embeddings {"model", "input": text}`` where ``text`` is real English that
   tokenises to exactly the row's ``input_tokens`` (``sim.texts.texts_for_lengths`` with the model's
   tokenizer);
+* ``rerank``: ``POST /v1/rerank`` with the plan's own bodies (``query``, ``documents``): a request is
+  one query and its documents; it is a success when every document has a result (``top_n`` unset);
 * ``completions``: ``POST /v1/completions`` streamed, ``max_tokens`` from the row, ``ignore_eos: true``;
   the prompt is a list of token ids of exactly the row's length (the OpenAI API accepts token-id
   prompts, so the length is exact whatever the server's tokenizer), or real text with ``prompt="text"``.
@@ -36,9 +38,9 @@ from ..sim.traces import Workload
 from .records import RequestRecord
 from .scrape import MetricsScraper, MetricsSeries
 
-Endpoint = Literal["embeddings", "completions"]
+Endpoint = Literal["embeddings", "rerank", "completions"]
 LIVE_LAG_WARN_S = 0.05
-PATHS = {"embeddings": "/v1/embeddings", "completions": "/v1/completions"}
+PATHS = {"embeddings": "/v1/embeddings", "rerank": "/v1/rerank", "completions": "/v1/completions"}
 
 
 @dataclass(frozen=True)
@@ -146,11 +148,15 @@ def build_plan(
 async def _discover_model(client: httpx.AsyncClient, endpoint: Endpoint = "embeddings") -> str:
     """The first model of ``GET /v1/models`` that fits ``endpoint``: a server that serves an embedding
     model and an LLM side by side (``batchpilot serve --llm``) lists both, and only the embedding card
-    carries ``dimensions``. Other servers list no such field: their first model is taken."""
+    carries ``dimensions``; a batchpilot card also names its ``task``. Other servers list no such
+    field: their first model is taken."""
     try:
         resp = await client.get("/v1/models")
         data = resp.json().get("data") or []
-        fits = [m for m in data if (m.get("dimensions") is not None) == (endpoint == "embeddings")]
+        if endpoint == "rerank":
+            fits = [m for m in data if m.get("task") == "score"]
+        else:
+            fits = [m for m in data if (m.get("dimensions") is not None) == (endpoint == "embeddings")]
         return str((fits or data)[0]["id"]) if data else "default"
     except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
         return "default"
@@ -171,6 +177,19 @@ async def _send_embedding(client: httpx.AsyncClient, path: str, body: dict[str, 
     rec.server_tokenize_s = timing.get("tokenize", math.nan)
     rec.server_batcher_s = timing.get("batcher", math.nan)
     rec.server_app_s = timing.get("app", math.nan)
+
+
+async def _send_rerank(client: httpx.AsyncClient, path: str, body: dict[str, Any], rec: RequestRecord,
+                       clock: Callable[[], float]) -> None:
+    resp = await client.post(path, json=body)
+    rec.done_s = clock()
+    rec.status = resp.status_code
+    if resp.status_code != 200:
+        rec.error = error_text(resp.text)
+        return
+    results = resp.json().get("results") or []
+    if len(results) != len(body.get("documents") or ()):
+        rec.error = f"bad response: {len(results)} results for {len(body.get('documents') or ())} documents"
 
 
 def error_text(body: str, limit: int = 200) -> str:
@@ -236,6 +255,9 @@ async def _send_stream(client: httpx.AsyncClient, path: str, body: dict[str, Any
     rec.tokens_received = usage_tokens or len(stamps)
 
 
+SENDERS = {"embeddings": _send_embedding, "rerank": _send_rerank, "completions": _send_stream}
+
+
 async def replay_async(
     plan: Sequence[PlannedRequest],
     config: LoadGenConfig,
@@ -247,7 +269,7 @@ async def replay_async(
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(config.timeout_s, connect=min(config.timeout_s, 10.0))
     path = PATHS[config.endpoint]
-    send = _send_embedding if config.endpoint == "embeddings" else _send_stream
+    send = SENDERS[config.endpoint]
     async with httpx.AsyncClient(base_url=config.base_url, timeout=timeout, limits=limits) as client:
         model = config.model or await _discover_model(client, config.endpoint)
         loop = asyncio.get_running_loop()
@@ -334,7 +356,7 @@ async def one_by_one_async(plan: Sequence[PlannedRequest], config: LoadGenConfig
     serving-path measurement), never a load test."""
     timeout = httpx.Timeout(config.timeout_s, connect=min(config.timeout_s, 10.0))
     path = PATHS[config.endpoint]
-    send = _send_embedding if config.endpoint == "embeddings" else _send_stream
+    send = SENDERS[config.endpoint]
     records = []
     async with httpx.AsyncClient(base_url=config.base_url, timeout=timeout) as client:
         model = config.model or await _discover_model(client, config.endpoint)

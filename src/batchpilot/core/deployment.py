@@ -42,7 +42,8 @@ MIN_PIPELINE_LEAD_S = 0.0005  # covers the thread hand-off even when collation i
 # Pipelining saves at most the collation per batch and costs the requests that arrive while a batch
 # formed early waits: "auto" keeps it only where collation is at least this share of a batch's run.
 MIN_PIPELINE_SHARE = 0.02
-SECTIONS = ("encoder", "llm", "server")
+SECTIONS = ("encoder", "llm", "server", "model")
+PRECISIONS = ("auto", "float32", "bfloat16", "float16", "int8")
 
 
 @dataclass(frozen=True)
@@ -67,13 +68,31 @@ class ServingOptions:
 
 
 @dataclass(frozen=True)
+class ModelOptions:
+    """The ``model:`` section: how the encoder runs. ``dtype`` ``auto`` takes the fastest precision
+    this machine supports whose embeddings keep a cosine of at least ``min_cosine`` to float32 on a
+    fixed probe set (``models/precision.py``; a profile's measured choice when serving with one)."""
+
+    dtype: str = "auto"
+    min_cosine: float = 0.999
+
+    def __post_init__(self) -> None:
+        if self.dtype not in PRECISIONS:
+            raise ValueError(f"model.dtype = {self.dtype!r}; choose one of {', '.join(PRECISIONS)}")
+        if not 0.0 < self.min_cosine <= 1.0:
+            raise ValueError(f"model.min_cosine must be in (0, 1], got {self.min_cosine}")
+
+
+@dataclass(frozen=True)
 class DeploymentSpec:
-    """One config file, three sections: ``encoder`` (``SchedulerConfig``), ``llm``
-    (``LLMSchedulerConfig``) and ``server`` (``ServingOptions``). Unknown keys are errors."""
+    """One config file, four sections: ``encoder`` (``SchedulerConfig``), ``llm``
+    (``LLMSchedulerConfig``), ``server`` (``ServingOptions``) and ``model`` (``ModelOptions``).
+    Unknown keys are errors."""
 
     encoder: SchedulerConfig = field(default_factory=SchedulerConfig)
     llm: LLMSchedulerConfig = field(default_factory=LLMSchedulerConfig)
     server: ServingOptions = field(default_factory=ServingOptions)
+    model: ModelOptions = field(default_factory=ModelOptions)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> DeploymentSpec:
@@ -90,20 +109,23 @@ class DeploymentSpec:
             llm["eos_token_ids"] = tuple(llm["eos_token_ids"])
         return cls(encoder=SchedulerConfig.from_dict(data.get("encoder")),
                    llm=_build(LLMSchedulerConfig, "llm", llm),
-                   server=_build(ServingOptions, "server", dict(data.get("server") or {})))
+                   server=_build(ServingOptions, "server", dict(data.get("server") or {})),
+                   model=_build(ModelOptions, "model", dict(data.get("model") or {})))
 
     def to_dict(self) -> dict[str, Any]:
         llm = dataclasses.asdict(self.llm)
         llm["eos_token_ids"] = list(self.llm.eos_token_ids)
-        return {"encoder": self.encoder.to_dict(), "llm": llm, "server": dataclasses.asdict(self.server)}
+        return {"encoder": self.encoder.to_dict(), "llm": llm, "server": dataclasses.asdict(self.server),
+                "model": dataclasses.asdict(self.model)}
 
     def replace(self, *, encoder: SchedulerConfig | None = None, llm: LLMSchedulerConfig | None = None,
-                **server: Any) -> DeploymentSpec:
+                model: ModelOptions | None = None, **server: Any) -> DeploymentSpec:
         """A copy with some sections replaced and some ``server`` options changed (flags on top of a file;
         ``None`` values are ignored, so unset flags keep the file's)."""
         changed = {k: v for k, v in server.items() if v is not None}
         return DeploymentSpec(encoder or self.encoder, llm or self.llm,
-                              dataclasses.replace(self.server, **changed) if changed else self.server)
+                              dataclasses.replace(self.server, **changed) if changed else self.server,
+                              model or self.model)
 
 
 @dataclass(frozen=True)

@@ -142,6 +142,12 @@ class SequenceClassifierExecutor:
     def token_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokens.token_ids(text, add_special_tokens)
 
+    @property
+    def num_special_tokens(self) -> int:
+        """Tokens ``tokenize`` adds around a single text (the profiler's inputs are single texts: a
+        pair of the same total length costs the same)."""
+        return self.tokens.num_special_tokens
+
     def detokenize(self, ids: list[int]) -> str:
         return self.tokens.detokenize(ids)
 

@@ -40,6 +40,7 @@ from .pooling import PoolingConfig, pool
 from .tokens import TextTokenizer
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+PRECISIONS = (*DTYPES, "int8")  # int8: fp32 weights with dynamic int8 linear layers (CPU)
 # Models whose positions start at padding_idx + 1 (fairseq lineage); BERT-likes start at 0.
 _FAIRSEQ_POSITIONS = ("roberta", "xlm-roberta", "camembert", "longformer", "data2vec-text", "xmod")
 
@@ -58,7 +59,7 @@ class EncoderConfig:
     model_path: str | None = None
     model_name: str | None = None
     device: str = "auto"
-    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    dtype: Literal["float32", "float16", "bfloat16", "int8"] = "float32"  # models/precision.py chooses
     max_length: int | None = None
     num_threads: int | None = None  # CPU intra-op threads; None = every core this process may use
     padding_side: Literal["right", "left"] = "right"
@@ -66,8 +67,8 @@ class EncoderConfig:
     lean_forward: bool = True
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"encoder.dtype = {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        if self.dtype not in PRECISIONS:
+            raise ValueError(f"encoder.dtype = {self.dtype!r}; choose one of {', '.join(PRECISIONS)}")
         if self.padding_side not in ("right", "left"):
             raise ValueError(f"encoder.padding_side = {self.padding_side!r}; choose 'right' or 'left'")
         if self.max_length is not None and self.max_length < 2:
@@ -102,7 +103,10 @@ class EncoderExecutor:
         self.device = resolve_device(cfg.device)
         self.pooling = PoolingConfig.from_model_dir(path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModel.from_pretrained(path, dtype=DTYPES[cfg.dtype]).to(self.device).eval()
+        self.model = AutoModel.from_pretrained(path, dtype=DTYPES.get(cfg.dtype, torch.float32)).to(
+            self.device).eval()
+        if cfg.dtype == "int8":
+            self.model = quantize_int8(self.model, self.device)
         mcfg = self.model.config
         fairseq = mcfg.model_type in _FAIRSEQ_POSITIONS
         self._position_offset = (mcfg.pad_token_id + 1) if fairseq else 0
@@ -122,7 +126,7 @@ class EncoderExecutor:
         self._ragged: Any = None
         self._lean_takes_positions = False
         self.lean: Any = None
-        self.lean = self._load_lean() if cfg.lean_forward else None
+        self.lean = self._load_lean() if cfg.lean_forward and cfg.dtype != "int8" else None
         self.forward_impl = "lean" if self.lean is not None else "hf"
 
     # -- tokenisation (request handler side: models/tokens.py, thread-safe) ----------------------
@@ -282,6 +286,9 @@ class EncoderExecutor:
         return True
 
     def _ragged_encoder(self) -> Any:
+        if self.config.dtype == "int8":
+            raise RuntimeError("padding 'none' needs the padding-free torch forward, which int8 (quantised "
+                               "HF linear layers) does not have; use padding 'dynamic' or 'bucket'")
         if self._ragged is None:
             if self.lean is not None and hasattr(self.lean, "hidden_ragged"):
                 self._ragged = self.lean  # one weight copy serves the padded and the padding-free forward
@@ -309,6 +316,19 @@ class EncoderExecutor:
         for i, n in enumerate(lengths):
             mask[i, :n] = 1
         return pool(padded, mask, self.pooling)
+
+
+def quantize_int8(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """Dynamic int8 quantisation of the linear layers (weights int8, activations quantised per call);
+    torch's x86 kernels use VNNI/AMX where the CPU has them."""
+    if device.type != "cpu":
+        raise ValueError("encoder.dtype int8 (dynamic quantisation) runs on CPU only; use float16 or "
+                         "bfloat16 on CUDA")
+    from torch.ao.quantization import quantize_dynamic
+
+    with warnings.catch_warnings():  # torch marks its quantised-tensor API deprecated; it still works
+        warnings.simplefilter("ignore")
+        return quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
 
 
 def make_batch(ids: list[list[int]], padding: str, max_length: int, batch_id: int = 0) -> Batch:

@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from ..core.costmodel import BatchShape, CostModel, ProfilePoint
+from ..core.deployment import PRECISIONS as PRECISION_CHOICES
+from ..core.deployment import ModelOptions
 
 QUICK_BATCH_SIZES = (1, 4, 16)
 QUICK_LENGTHS = (16, 64, 256, 512)
@@ -253,6 +255,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=4096,
                    help="leave out shapes with more than n x L tokens (0 = keep all)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda[:i]")
+    p.add_argument("--dtype", choices=PRECISION_CHOICES, default="auto",
+                   help="precision to profile (auto: the fastest this machine supports that passes the "
+                        "accuracy guard, measured here; `serve --profile` then serves the same one)")
+    p.add_argument("--min-cosine", type=float, default=ModelOptions.min_cosine,
+                   help="accuracy guard: least cosine to float32 embeddings on the probe set")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: every available core)")
     p.add_argument("--max-length", type=int, default=None, help="serve up to this many tokens (default: "
                    "the model's position limit)")
@@ -270,15 +277,21 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from .device import resolve_device
     from .encoder import EncoderConfig, EncoderExecutor
+    from .precision import choose_precision
 
     console = Console(stderr=True)
     t0 = time.perf_counter()
-    ex = EncoderExecutor(EncoderConfig(model_path=args.model, device=args.device, num_threads=args.threads,
-                                       max_length=args.max_length))
+    def load(dtype: str) -> EncoderExecutor:
+        return EncoderExecutor(EncoderConfig(model_path=args.model, device=args.device, dtype=dtype,  # type: ignore[arg-type]
+                                             num_threads=args.threads, max_length=args.max_length))
+
+    ex, precision = choose_precision(load, args.dtype, resolve_device(args.device), args.min_cosine)
     ex.warmup()
     console.print(f"{ex.model_name} on {ex.device} ({ex.forward_impl} forward, {ex.num_threads} threads), "
-                  f"padding {args.padding}, loaded in {time.perf_counter() - t0:.1f} s")
+                  f"padding {args.padding}, loaded in {time.perf_counter() - t0:.1f} s; "
+                  f"precision: {precision.describe()}")
     t1 = time.perf_counter()
     model, points = profile_grid(ex, tuple(args.batch_sizes), tuple(args.lengths), args.repeats,
                                  args.budget_s, args.padding, not args.no_memory, True, args.seed,
@@ -300,6 +313,10 @@ def run(args: argparse.Namespace) -> int:
     print("prediction error: " + ", ".join(f"{k} {v:.1%}" for k, v in summary.items()))
     meta = _meta(ex, args, wall, summary)
     model.meta.update({k: meta[k] for k in ("model", "device", "torch", "threads", "date")})
+    model.meta.update(dtype=precision.chosen, precision_min_cosine=precision.min_cosine)
+    meta["precision"] = {"requested": precision.requested, "chosen": precision.chosen,
+                         "min_cosine": precision.min_cosine, "threshold": precision.threshold,
+                         "measured": precision.measured, "reason": precision.reason}
     doc = {
         "cost_model": model.to_dict(),
         "points": [m.to_dict() for m in points],

@@ -67,14 +67,25 @@ def resolve_task(path: str | None, task: str = "auto") -> str:
 
 
 def load_model(path: str | None, name: str | None = None, task: str = "auto",
-               max_length: int | None = None, num_threads: int | None = None) -> Any:
-    """The executor for the checkpoint at ``path`` serving ``task`` (see ``resolve_task``)."""
+               max_length: int | None = None, num_threads: int | None = None, dtype: str = "float32",
+               min_cosine: float = 0.999) -> Any:
+    """The executor for the checkpoint at ``path`` serving ``task`` (see ``resolve_task``). An
+    embedding model runs at ``dtype`` as ``models.precision.choose_precision`` decides (``auto``:
+    measured here, under the accuracy guard); its report is the executor's ``precision``.
+    Cross-encoders and classifiers run float32."""
     task = resolve_task(path, task)
     if task == "embed":
+        from .device import resolve_device
         from .encoder import EncoderConfig, EncoderExecutor
+        from .precision import choose_precision
 
-        return EncoderExecutor(EncoderConfig(model_path=path, model_name=name, max_length=max_length,
-                                             num_threads=num_threads))
+        def load(d: str) -> Any:
+            return EncoderExecutor(EncoderConfig(model_path=path, model_name=name, max_length=max_length,
+                                                 num_threads=num_threads, dtype=d))  # type: ignore[arg-type]
+
+        executor, report = choose_precision(load, dtype, resolve_device("auto"), min_cosine)
+        executor.precision = report
+        return executor
     from .cross_encoder import ClassifierConfig, SequenceClassifierExecutor
 
     assert path is not None

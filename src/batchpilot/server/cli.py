@@ -28,7 +28,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ..config_file import add_deployment_args, spec_from_args
+from ..config_file import add_deployment_args, add_precision_args, spec_from_args
 from ..core.config import SchedulerConfig
 from ..core.costmodel import BatchShape, CostModel
 from ..core.deployment import DeploymentSpec, ModelLimits, resolve_deployment
@@ -53,6 +53,7 @@ def register(subparsers: Any) -> None:
                    help="threads tokenising inputs and prompts off the event loop, per model "
                         "(default: one per core)")
     add_deployment_args(p)
+    add_precision_args(p)
     p.add_argument("--profile", action="append", default=None, metavar="PATH",
                    help="cost-model profile JSON (`batchpilot profile -o`), one per --model")
     p.add_argument("--no-startup-profile", action="store_true",
@@ -154,10 +155,15 @@ def build_app(settings: ServerConfig, spec: DeploymentSpec | SchedulerConfig | N
         spec = DeploymentSpec(encoder=spec or SchedulerConfig())
     served = []
     for model in settings.models:
-        executor = load_executor(settings, model)
+        profiled = CostModel.load(model.profile) if model.profile else None
+        dtype = spec.model.dtype
+        if dtype == "auto" and profiled is not None and profiled.meta.get("dtype"):
+            dtype = str(profiled.meta["dtype"])  # measured by `batchpilot profile`: what it predicts
+            log.info("precision: %s, chosen by the profile %s", dtype, model.profile)
+        executor = load_executor(settings, model, dtype, spec.model.min_cosine)
         supports = getattr(executor, "supports_padding_free", lambda: True)()
         padding = spec.encoder.planner.padding if supports else "dynamic"
-        cost_model = choose_cost_model(settings, model, executor, padding)
+        cost_model = choose_cost_model(settings, model, executor, padding, profiled)
         limits = ModelLimits(int(executor.max_length), bool(supports), device_memory_bytes(executor))
         deployment = resolve_deployment(spec, cost_model, limits)
         name = model.name or getattr(executor, "model_name", "model")
@@ -192,7 +198,8 @@ def device_memory_bytes(executor: Any) -> float:
         return 0.0
 
 
-def load_executor(settings: ServerConfig, model: ModelSpec | None = None) -> Any:
+def load_executor(settings: ServerConfig, model: ModelSpec | None = None, dtype: str = "float32",
+                  min_cosine: float = 0.999) -> Any:
     model = model or settings.models[0]
     if settings.noop:
         from ..runtime.executor import NoopExecutor
@@ -201,7 +208,11 @@ def load_executor(settings: ServerConfig, model: ModelSpec | None = None) -> Any
         return NoopExecutor(dim=384, delay_s=settings.noop_delay_s, max_length=settings.max_length or 512)
     from ..models.tasks import load_model
 
-    executor = load_model(model.path, model.name, model.task, settings.max_length, settings.num_threads)
+    executor = load_model(model.path, model.name, model.task, settings.max_length, settings.num_threads,
+                          dtype, min_cosine)
+    report = getattr(executor, "precision", None)
+    if report is not None:
+        log.info("precision: %s", report.describe())
     log.info("model: %s from %s (%s, dim %d, max %d tokens, %s forward, %d threads)", executor.model_name,
              executor.model_path, executor.task, executor.dim, executor.max_length,
              getattr(executor, "forward_impl", "hf"), executor.num_threads)
@@ -211,10 +222,15 @@ def load_executor(settings: ServerConfig, model: ModelSpec | None = None) -> Any
 
 
 def choose_cost_model(settings: ServerConfig, model: ModelSpec, executor: Any,
-                      padding: str = "dynamic") -> CostModel:
-    if model.profile:
+                      padding: str = "dynamic", profiled: CostModel | None = None) -> CostModel:
+    if profiled is not None:
         log.info("cost model: loaded from %s", model.profile)
-        return CostModel.load(model.profile)
+        served = getattr(getattr(executor, "precision", None), "chosen", None)
+        if served and profiled.meta.get("dtype", "float32") != served:
+            log.warning("cost model: %s was profiled at %s but the model runs at %s: its predictions "
+                        "(batch budgets, admission) are for another speed; profile at --dtype %s",
+                        model.profile, profiled.meta.get("dtype", "float32"), served, served)
+        return profiled
     if settings.noop and settings.noop_delay_s > 0:  # its cost is exactly its delay: the limits follow it
         log.info("cost model: the no-op model's fixed %.1f ms per batch", settings.noop_delay_s * 1e3)
         return CostModel(latency_coef=(settings.noop_delay_s, 0.0, 0.0, 0.0), meta={"source": "noop"})

@@ -18,6 +18,8 @@ Names (all prefixed ``batchpilot_``):
     cancellations_total{stage}                       counter: queued | running
     batch_failures_total                             counter: executor calls that raised
     health                                           gauge: 1 ok, 0.5 degraded, 0 draining/stopped
+    precision_info{dtype} / precision_min_cosine     gauges: the precision served, and its accuracy
+                                                     guard's minimum cosine to float32 (models/precision.py)
 
 Utilisation is ``busy seconds / (uptime × slots)``; over a window use
 ``rate(batchpilot_executor_busy_seconds_total[1m]) / slots``.
@@ -95,6 +97,11 @@ class ServerMetrics(BatcherObserver):
         self.batch_failures = Counter("batchpilot_batch_failures", "Executor calls that raised", registry=r)
         self.health = Gauge("batchpilot_health", "1 ok, 0.5 degraded, 0 draining or stopped", registry=r)
         self.health.set(1.0)
+        self.precision = Gauge("batchpilot_precision_info", "1 for the precision the model runs at",
+                               ["dtype"], registry=r)
+        self.precision_cosine = Gauge(
+            "batchpilot_precision_min_cosine", "Accuracy guard: minimum cosine of the served precision's "
+            "embeddings to float32 on the probe set (1 for float32)", registry=r)
         for reason in RejectReason:  # export zeros so dashboards see every reason before it happens
             self.rejections.labels(reason=reason.value)
 
@@ -105,6 +112,10 @@ class ServerMetrics(BatcherObserver):
         self.backlog.set_function(lambda: scheduler.predicted_backlog_s(time.monotonic()))
         self.pending.set_function(num_pending)
         self.in_progress.set_function(lambda: scheduler.num_requests)
+
+    def set_precision(self, dtype: str, min_cosine: float) -> None:
+        self.precision.labels(dtype=dtype).set(1.0)
+        self.precision_cosine.set(min_cosine)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -81,6 +81,9 @@ class ModelService:
         self.metrics = ServerMetrics(config.num_slots)
         self.batcher = Batcher(executor, config, cost_model, observer=self.metrics)
         self.metrics.bind(self.batcher.scheduler, lambda: self.batcher.num_pending)
+        precision = getattr(executor, "precision", None)  # models/precision.py's report
+        if precision is not None:
+            self.metrics.set_precision(precision.chosen, precision.min_cosine)
         self.model_name = name or getattr(executor, "model_name", "model")
         self.max_length = getattr(executor, "max_length", config.admission.max_length)
         # a thread per core: the executors' tokenizers are called with fixed settings (a fast tokenizer
