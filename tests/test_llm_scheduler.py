@@ -1,11 +1,15 @@
-"""LLMScheduler: budgets, chunked prefill, preemption by recompute, policies, rejection.
+"""LLMScheduler: budgets, chunked prefill, preemption by recompute, policies, aging, rejection.
 
 A fake driver stands in for the model: it "samples" a deterministic token for every chunk that asks
-for one. No clock anywhere: steps are the only time.
+for one. Time is a fake clock the test passes to ``schedule(now)`` (or none: no time passes).
 """
 
 from __future__ import annotations
 
+import functools
+import math
+
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -142,6 +146,124 @@ def test_fcfs_ignores_priority() -> None:
     assert [c.seq_id for c in s.schedule().chunks] == [0]
 
 
+# -- priorities and aging, on a fake clock ---------------------------------------------------------
+URGENT, LOW = -10, 10
+
+
+def stream_of_urgent_arrivals(wait: float, steps: int, dt: float = 0.1,
+                              max_tokens: int = 3) -> tuple[Sequence, list[float]]:
+    """One slot; at t=0 an urgent and a low-priority sequence arrive, then one more urgent sequence per
+    step, faster than the slot serves them (each takes ``max_tokens`` steps): the urgent queue only
+    grows. Returns the low sequence and the times (step starts) it was scheduled at."""
+    s = make_scheduler(policy="priority", max_num_seqs=1, num_kv_blocks=512, max_priority_wait_s=wait)
+    low = make_seq(1, max_tokens=max_tokens, arrival=0.0, priority=LOW)
+    s.add(make_seq(0, max_tokens=max_tokens, arrival=0.0, priority=URGENT))
+    s.add(low)
+    served: list[float] = []
+    for k in range(steps):
+        now = k * dt
+        if k:
+            s.add(make_seq(k + 1, max_tokens=max_tokens, arrival=now, priority=URGENT))
+        plan = s.schedule(now)
+        check_step(s, plan)
+        if any(c.seq_id == low.seq_id for c in plan.chunks):
+            served.append(now)
+        s.update(plan, fake_tokens(plan))
+    return low, served
+
+
+def test_priority_serves_the_most_urgent_waiting_sequence_first() -> None:
+    s = make_scheduler(policy="priority", max_num_seqs=1, max_priority_wait_s=10.0)
+    for i, prio in enumerate([LOW, 0, URGENT, 0]):
+        s.add(make_seq(i, max_tokens=1, arrival=0.1 * i, priority=prio))
+    order = []
+    for k in range(4):
+        plan = s.schedule(1.0 + 0.1 * k)  # all younger than the aging bound
+        order += [c.seq_id for c in plan.chunks]
+        s.update(plan, fake_tokens(plan))
+    assert order == [2, 1, 3, 0]  # by priority, then arrival
+
+
+def test_strict_priority_starves_a_low_sequence_under_a_stream_of_urgent_arrivals() -> None:
+    low, served = stream_of_urgent_arrivals(wait=0.0, steps=300)
+    assert not served and low.status is SeqStatus.WAITING  # what aging is for
+
+
+def test_a_low_sequence_under_a_stream_of_urgent_arrivals_starts_within_the_aging_bound() -> None:
+    """The bound: max_priority_wait_s after its arrival, plus what it then waits on: the sequence already
+    running (3 steps at most here); every urgent sequence that arrives later stays behind it."""
+    wait, dt, max_tokens = 1.0, 0.1, 3
+    low, served = stream_of_urgent_arrivals(wait, steps=300, dt=dt, max_tokens=max_tokens)
+    assert served, "starved"
+    assert wait <= served[0] <= wait + max_tokens * dt + 1e-9
+    assert low.finish_reason is FinishReason.LENGTH and len(served) == max_tokens  # and it runs through
+
+
+def test_aged_sequences_go_first_in_arrival_order_whatever_their_priority() -> None:
+    s = make_scheduler(policy="priority", max_num_seqs=1, max_priority_wait_s=2.0)
+    s.add(make_seq(0, max_tokens=1, arrival=0.0, priority=LOW))
+    s.add(make_seq(1, max_tokens=1, arrival=0.5, priority=LOW + 5))
+    s.add(make_seq(2, max_tokens=1, arrival=2.9, priority=URGENT))
+    s.add(make_seq(3, max_tokens=1, arrival=1.0, priority=0))
+    order = []
+    for now in (3.0, 3.1, 3.2, 3.3):  # 0, 1 and 3 have waited 2 s; 2 has not (until 4.9)
+        plan = s.schedule(now)
+        order += [c.seq_id for c in plan.chunks]
+        s.update(plan, fake_tokens(plan))
+    assert order == [0, 1, 3, 2]
+
+
+def test_preemption_victims_follow_the_aged_order() -> None:
+    """Two sequences outgrow 6 blocks of 4. Under strict priority the low one is the victim; once it has
+    waited the aging bound it ranks ahead of the younger urgent one, which is preempted instead."""
+    first_victim = {}
+    for wait in (0.0, 2.0):
+        s = make_scheduler(policy="priority", num_kv_blocks=6, max_priority_wait_s=wait)
+        s.add(make_seq(0, prompt_len=8, max_tokens=8, arrival=0.0, priority=LOW))
+        s.update(plan := s.schedule(0.0), fake_tokens(plan))
+        s.add(make_seq(1, prompt_len=8, max_tokens=8, arrival=1.0, priority=URGENT))
+        for step in range(1, 20):
+            plan = s.schedule(float(step))
+            check_step(s, plan)  # victims rank below everything still running, by the aged order
+            if plan.preempted:
+                first_victim[wait] = (plan.preempted[0], float(step))
+                break
+            s.update(plan, fake_tokens(plan))
+    assert first_victim[0.0][0] == 0  # the low one, as ever
+    victim, at = first_victim[2.0]
+    assert victim == 1 and at >= 2.0  # the low one has aged by then: the urgent newcomer goes
+
+
+def test_fcfs_is_unchanged_by_the_aging_setting() -> None:
+    orders = []
+    for wait in (0.0, 1.0):
+        s = make_scheduler(policy="fcfs", max_num_seqs=1, max_priority_wait_s=wait)
+        for i, prio in enumerate([9, -9, 0]):
+            s.add(make_seq(i, max_tokens=1, arrival=0.5 * i, priority=prio))
+        order = []
+        for k in range(3):
+            plan = s.schedule(5.0 + k)
+            order += [c.seq_id for c in plan.chunks]
+            s.update(plan, fake_tokens(plan))
+        orders.append(order)
+    assert orders == [[0, 1, 2], [0, 1, 2]]
+
+
+def test_without_a_clock_nothing_ages() -> None:
+    s = make_scheduler(policy="priority", max_num_seqs=1, max_priority_wait_s=1.0)
+    s.add(make_seq(0, max_tokens=1, arrival=0.0, priority=LOW))
+    s.add(make_seq(1, max_tokens=1, arrival=0.0, priority=URGENT))
+    assert [c.seq_id for c in s.schedule().chunks] == [1]
+
+
+def test_max_priority_wait_s_is_validated() -> None:
+    for bad in (-1.0, math.nan):
+        with pytest.raises(ValueError, match="max_priority_wait_s must be >= 0"):
+            LLMSchedulerConfig(max_priority_wait_s=bad)
+    assert LLMSchedulerConfig(max_priority_wait_s=0).max_priority_wait_s == 0
+    assert LLMSchedulerConfig().max_priority_wait_s == 10.0
+
+
 def test_never_fit_requests_are_rejected_with_a_reason() -> None:
     s = make_scheduler(num_kv_blocks=4, max_model_len=64)
     too_long = make_seq(0, prompt_len=60, max_tokens=10)
@@ -208,14 +330,28 @@ workload = st.lists(
 )
 
 
+def rule_key(q: Sequence, now: float, policy: str, wait: float) -> tuple[float, ...]:
+    """The order the docs state, written independently of the scheduler: FCFS; or priority, except that
+    a sequence that has waited ``wait`` seconds (> 0) goes ahead of every younger one, oldest first."""
+    if policy == "fcfs":
+        return (q.arrival, q.seq_id)
+    if wait > 0 and now - q.arrival >= wait:
+        return (0, 0, q.arrival, q.seq_id)
+    return (1, q.priority, q.arrival, q.seq_id)
+
+
 @settings(max_examples=120, deadline=None)
 @given(workload=workload, blocks=st.integers(12, 40), budget=st.integers(1, 48), seqs=st.integers(1, 6),
-       policy=st.sampled_from(["fcfs", "priority"]), chunked=st.booleans(), prefix=st.booleans())
+       policy=st.sampled_from(["fcfs", "priority"]), chunked=st.booleans(), prefix=st.booleans(),
+       wait=st.sampled_from([0.0, 1.0, 3.0]))
 def test_random_workloads_finish_with_every_block_free(workload: list[tuple[int, int, int, int, bool]],
                                                        blocks: int, budget: int, seqs: int, policy: str,
-                                                       chunked: bool, prefix: bool) -> None:
+                                                       chunked: bool, prefix: bool, wait: float) -> None:
+    """Also: every admission follows the stated order at the step's time (nothing waiting was ahead of a
+    sequence admitted), and the running queue is in that order, so victims are chosen by it too."""
     s = make_scheduler(num_kv_blocks=blocks, max_num_batched_tokens=budget, max_num_seqs=seqs,
-                       policy=policy, enable_chunked_prefill=chunked, enable_prefix_caching=prefix)
+                       policy=policy, enable_chunked_prefill=chunked, enable_prefix_caching=prefix,
+                       max_priority_wait_s=wait)
     pending = sorted(enumerate(workload), key=lambda x: x[1][3])  # arrive by step number
     admitted: list[Sequence] = []
     step = 0
@@ -228,8 +364,14 @@ def test_random_workloads_finish_with_every_block_free(workload: list[tuple[int,
                 admitted.append(q)
                 if abort and i % 3 == 0:
                     s.abort(i)
-        plan = s.schedule()
+        now = float(step)  # one second per step
+        was_waiting = {q.seq_id for q in s.waiting}
+        plan = s.schedule(now)
         check_step(s, plan)
+        key = functools.partial(rule_key, now=now, policy=policy, wait=wait)
+        for x in (s.seqs[c.seq_id] for c in plan.chunks if c.seq_id in was_waiting):
+            assert all(key(x) < key(w) for w in s.waiting), "a waiting sequence was overtaken"
+        assert [q.seq_id for q in s.running] == [q.seq_id for q in sorted(s.running, key=key)]
         if s.has_unfinished():
             assert not plan.is_empty, "no progress"
         for out in s.update(plan, fake_tokens(plan)):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,31 @@ def test_grid_respects_allowed_paddings_and_baseline_semantics() -> None:
     assert ray.config.planner.grouping == "fifo" and ray.config.planner.padding == "dynamic"
     with pytest.raises(ValueError, match="rel_tol"):
         TuneConfig(rungs=4)
+
+
+def test_variants_are_searched_one_profile_each_and_the_winner_names_its_backend_and_dtype(
+        tmp_path: Path) -> None:
+    import dataclasses
+
+    from batchpilot.config_file import load_spec
+    from batchpilot.core.deployment import DeploymentSpec
+    from batchpilot.sim.tune_variants import tune_variants, write_variant_yaml
+
+    base = CostModel.default_cpu_minilm()
+    fast = dataclasses.replace(base, latency_coef=tuple(c / 3 for c in base.latency_coef),
+                               meta={"backend": "torch", "dtype": "bfloat16"})
+    slow = dataclasses.replace(base, meta={"backend": "torch", "dtype": "float32"})
+    paths = []
+    for name, cm in (("fp32", slow), ("bf16", fast)):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"cost_model": cm.to_dict()}))
+        paths.append(str(tmp_path / f"{name}.json"))
+    wl = conv_embed().slice(0, 600)
+    tc = TuneConfig(sla_p99_s=1.0, candidates=4, rungs=1, rel_tol=(0.1,), min_rows=300, seed=2)
+    results = tune_variants(wl, paths, tc, DeploymentSpec())
+    assert [v.label for v in results] == ["torch/bfloat16", "torch/float32"]  # 3x cheaper carries more
+    assert results[0].result.best.rps > results[1].result.best.rps
+    out = write_variant_yaml(results[0], tmp_path / "best.yaml", DeploymentSpec())
+    spec = load_spec(out)
+    assert (spec.model.backend, spec.model.dtype) == ("torch", "bfloat16")
+    assert spec.encoder == results[0].result.best.config
+    assert f"--profile {paths[1]}" in out.read_text()

@@ -12,6 +12,7 @@
     model:              # core.deployment.ModelOptions (serve and profile: the encoder's precision)
       dtype: auto          # auto | float32 | bfloat16 | float16 | int8
       min_cosine: 0.999    # the accuracy guard against float32
+      backend: torch       # torch | onnx (ONNX Runtime, padded batches)
 
 Every section is optional. ``add_deployment_args`` adds the flags that override the file, with the
 same names and meanings in every command, and ``spec_from_args`` reads them back, so ``simulate`` and
@@ -28,7 +29,7 @@ from typing import Any
 import yaml
 
 from .core.config import PADDINGS, POLICIES
-from .core.deployment import PRECISIONS, DeploymentSpec, ModelOptions
+from .core.deployment import BACKENDS, PRECISIONS, DeploymentSpec
 
 
 def load_spec(path: str | Path | None) -> DeploymentSpec:
@@ -94,9 +95,9 @@ def spec_from_args(args: argparse.Namespace) -> DeploymentSpec:
     if getattr(args, "num_slots", None) is not None:
         enc = dataclasses.replace(enc, num_slots=args.num_slots)
     model = spec.model
-    if getattr(args, "dtype", None) is not None or getattr(args, "min_cosine", None) is not None:
-        model = ModelOptions(args.dtype or model.dtype,
-                             args.min_cosine if args.min_cosine is not None else model.min_cosine)
+    given = {k: getattr(args, k, None) for k in ("dtype", "min_cosine", "backend")}
+    if any(v is not None for v in given.values()):
+        model = dataclasses.replace(model, **{k: v for k, v in given.items() if v is not None})
     return spec.replace(encoder=enc, model=model, max_concurrency=getattr(args, "max_concurrency", None),
                         request_timeout_s=getattr(args, "request_timeout_s", None),
                         latency_sla_s=getattr(args, "latency_sla", None))
@@ -109,13 +110,15 @@ _FLAGS = (("config", "--config"), ("policy", "--policy"), ("max_batch_size", "--
 
 
 def add_precision_args(p: argparse.ArgumentParser) -> None:
-    """``--dtype`` and ``--min-cosine`` (serve and profile): override the file's ``model:`` section."""
+    """``--dtype``, ``--min-cosine`` and ``--backend`` (serve): override the file's ``model:`` section."""
     g = p.add_argument_group("precision (models/precision.py)")
     g.add_argument("--dtype", choices=PRECISIONS, default=None,
                    help="encoder precision (default auto: the fastest this machine supports that passes "
                         "the accuracy guard; a --profile's measured choice when given one)")
     g.add_argument("--min-cosine", type=float, default=None,
                    help="accuracy guard: least cosine to float32 embeddings on the probe set (default 0.999)")
+    g.add_argument("--backend", choices=BACKENDS, default=None,
+                   help="encoder backend: torch (default) or onnx (ONNX Runtime, padded batches)")
 
 
 def deployment_flags(args: argparse.Namespace) -> list[str]:

@@ -44,6 +44,7 @@ MIN_PIPELINE_LEAD_S = 0.0005  # covers the thread hand-off even when collation i
 MIN_PIPELINE_SHARE = 0.02
 SECTIONS = ("encoder", "llm", "server", "model")
 PRECISIONS = ("auto", "float32", "bfloat16", "float16", "int8")
+BACKENDS = ("torch", "onnx")
 
 
 @dataclass(frozen=True)
@@ -69,14 +70,19 @@ class ServingOptions:
 
 @dataclass(frozen=True)
 class ModelOptions:
-    """The ``model:`` section: how the encoder runs. ``dtype`` ``auto`` takes the fastest precision
-    this machine supports whose embeddings keep a cosine of at least ``min_cosine`` to float32 on a
-    fixed probe set (``models/precision.py``; a profile's measured choice when serving with one)."""
+    """The ``model:`` section: how the encoder runs. ``backend`` torch (padded and padding-free
+    forwards) or onnx (ONNX Runtime, padded). ``dtype`` ``auto`` takes the fastest precision the
+    backend supports on this machine whose embeddings keep a cosine of at least ``min_cosine`` to
+    float32 on a fixed probe set (``models/precision.py``; a profile's measured choice when serving
+    with one)."""
 
     dtype: str = "auto"
     min_cosine: float = 0.999
+    backend: str = "torch"
 
     def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"model.backend = {self.backend!r}; choose one of {', '.join(BACKENDS)}")
         if self.dtype not in PRECISIONS:
             raise ValueError(f"model.dtype = {self.dtype!r}; choose one of {', '.join(PRECISIONS)}")
         if not 0.0 < self.min_cosine <= 1.0:

@@ -1,13 +1,17 @@
-"""Iteration-level (continuous) batching over a paged KV cache: ``schedule() -> StepPlan``, ``update``.
+"""Iteration-level (continuous) batching over a paged KV cache: ``schedule(now) -> StepPlan``, ``update``.
 
 Each step packs, under a token budget (``max_num_batched_tokens``) and a sequence cap
 (``max_num_seqs``), one token for every decoding sequence plus prefill chunks of waiting or
 partially prefilled ones (chunked prefill, as in vLLM v1: a sequence is simply "behind" by
 ``num_pending_tokens`` and the step lets it catch up by as many as the budget allows).
 
-Order is a key: FCFS ``(arrival, seq_id)`` or priority ``(priority, arrival, seq_id)``. Running
-sequences are served in key order; when one needs a block and none is free, the *worst* running
-sequence not yet served this step (last in key order: lowest priority, then latest arrival — possibly
+Order is a key: FCFS ``(arrival, seq_id)`` or priority ``(priority, arrival, seq_id)``. Under priority
+a sequence that has waited ``max_priority_wait_s`` since its arrival is *aged*: it is ordered ahead of
+every sequence that is not, and aged sequences among themselves by ``(arrival, seq_id)``, i.e. FCFS.
+Nothing that arrives after an aged sequence can go ahead of it, so it is admitted within
+``max_priority_wait_s`` plus the time to serve what arrived before it and what was already running when
+it aged, whatever the later traffic. Running sequences are served in key order; when one needs a block
+and none is free, the *worst* running sequence not yet served this step (last in key order — possibly
 the one asking) is preempted by recompute: its blocks are freed and it returns to the waiting queue
 with its original key, so it resumes ahead of everything that arrived after it. The best running
 sequence can always evict all others and alone it always fits (``add`` rejects any sequence whose
@@ -15,13 +19,14 @@ worst case exceeds the pool), so every step makes progress and nothing deadlocks
 later arrivals. Waiting sequences are admitted in key order with no overtaking (head-of-line), and
 none while this step had to preempt.
 
-Time never enters: the driver (engine thread, simulator, test) calls ``schedule``, runs the plan,
-and hands the sampled tokens to ``update``.
+Time enters only as an argument: the driver (engine thread, simulator, test) calls ``schedule(now)`` on
+the clock its arrivals are stamped with, runs the plan, and hands the sampled tokens to ``update``.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
@@ -38,9 +43,13 @@ class LLMSchedulerConfig:
     """Limits of one engine. ``num_kv_blocks * block_size`` is the KV capacity in tokens.
 
     ``max_waiting_seqs`` and ``request_timeout_s`` bound the engine that drives this scheduler (the
-    scheduler itself never refuses for load and knows no time): it admits at most
+    scheduler itself never refuses for load, and reads time only to age priorities): it admits at most
     ``max_num_seqs + max_waiting_seqs`` sequences at once, and aborts a sequence that has not finished
-    ``request_timeout_s`` after it arrived."""
+    ``request_timeout_s`` after it arrived.
+
+    ``max_priority_wait_s`` (policy ``priority`` only; 0 = strict priority, no aging): a sequence that
+    has waited this long since its arrival goes ahead of every younger one, in arrival order (see the
+    module docstring for the bound it gives)."""
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
@@ -53,6 +62,7 @@ class LLMSchedulerConfig:
     eos_token_ids: tuple[int, ...] = ()
     max_waiting_seqs: int = 256
     request_timeout_s: float = 600.0
+    max_priority_wait_s: float = 10.0
 
     def __post_init__(self) -> None:
         limits = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size", "max_model_len")
@@ -63,6 +73,9 @@ class LLMSchedulerConfig:
             raise ValueError(f"llm_scheduler.max_waiting_seqs must be >= 0, got {self.max_waiting_seqs}")
         if not self.request_timeout_s > 0:
             raise ValueError(f"llm_scheduler.request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if not self.max_priority_wait_s >= 0:
+            raise ValueError(f"llm_scheduler.max_priority_wait_s must be >= 0 seconds (0 = no aging), "
+                             f"got {self.max_priority_wait_s}")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"llm_scheduler.policy = {self.policy!r}; choose one of fcfs, priority")
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
@@ -160,12 +173,25 @@ class LLMScheduler:
         self.num_preemptions = 0
         self.num_rejected = 0
         self._step_id = 0
+        self._aged_upto = -math.inf  # under priority, a sequence that arrived at or before this is aged
 
     # -- ordering ----------------------------------------------------------------------------
     def _key(self, seq: Sequence) -> tuple[float, ...]:
         if self.config.policy == "priority":
-            return (seq.priority, seq.arrival, seq.seq_id)
+            if seq.arrival <= self._aged_upto:
+                return (0, 0, seq.arrival, seq.seq_id)  # waited max_priority_wait_s: FCFS, ahead of the rest
+            return (1, seq.priority, seq.arrival, seq.seq_id)
         return (seq.arrival, seq.seq_id)
+
+    def _age(self, now: float) -> None:
+        """Move the aging line to ``now - max_priority_wait_s``; re-sort a queue a sequence crossed it in."""
+        wait = self.config.max_priority_wait_s
+        if self.config.policy != "priority" or wait <= 0 or now - wait <= self._aged_upto:
+            return
+        before, self._aged_upto = self._aged_upto, now - wait
+        for queue in (self.waiting, self.running):
+            if any(before < q.arrival <= self._aged_upto for q in queue):
+                queue.sort(key=self._key)
 
     def _insert(self, queue: list[Sequence], seq: Sequence) -> None:
         bisect.insort(queue, seq, key=self._key)
@@ -249,8 +275,12 @@ class LLMScheduler:
         self._insert(self.waiting, seq)
 
     # -- the two calls -----------------------------------------------------------------------
-    def schedule(self) -> StepPlan:
-        """Choose this step's work. Mutates block tables and queues; the plan is plain data."""
+    def schedule(self, now: float | None = None) -> StepPlan:
+        """Choose this step's work at ``now`` (the clock of ``Sequence.arrival``; None: no time has
+        passed since the last call, so nothing ages). Mutates block tables and queues; the plan is
+        plain data."""
+        if now is not None:
+            self._age(now)
         c = self.config
         bm = self.block_manager
         plan = StepPlan(step_id=self._step_id)

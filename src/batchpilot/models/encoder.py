@@ -93,6 +93,7 @@ class EncoderExecutor:
     """Runs an HF encoder for the runtime (prepare/run) and for users (``encode``)."""
 
     task = "embed"
+    backend = "torch"
 
     def __init__(self, config: EncoderConfig | None = None) -> None:
         self.config = cfg = config or EncoderConfig()

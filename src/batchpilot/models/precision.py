@@ -8,7 +8,8 @@
     bfloat16    CPU with AVX512-BF16 or AMX (``torch.cpu``'s feature checks); CUDA with bf16 support
     float16     CUDA
     int8        dynamic int8 linear layers (torch's quantised kernels; VNNI/AMX where present); CPU
-                only, never chosen by ``auto``: asked for by name
+                only, never chosen by ``auto`` on torch: asked for by name
+    onnx        float32 and int8 (ONNX Runtime's dynamic quantisation), both tried by ``auto``
 
 ``auto`` measures every candidate the hardware supports on a short probe (three batch shapes, the
 median of three runs each after a warm-up) and keeps the fastest that passes the guard. A named
@@ -63,8 +64,11 @@ class PrecisionReport:
         return f"dtype {self.chosen} ({self.reason}); measured {rows or 'nothing'}"
 
 
-def candidates(device: torch.device) -> list[str]:
-    """The precisions ``auto`` tries on ``device``, fp32 first."""
+def candidates(device: torch.device, backend: str = "torch") -> list[str]:
+    """The precisions ``auto`` tries on ``device`` with ``backend``, fp32 first (onnx: float32 and
+    ONNX Runtime's dynamic int8)."""
+    if backend == "onnx":
+        return ["float32", "int8"]
     if device.type == "cuda":
         out = ["float32", "float16"]
         if torch.cuda.is_bf16_supported():
@@ -110,7 +114,8 @@ def probe_ms(executor: Any, repeats: int = 3) -> float:
 
 
 def choose_precision(load: Callable[[str], Any], requested: str, device: torch.device,
-                     threshold: float = DEFAULT_MIN_COSINE) -> tuple[Any, PrecisionReport]:
+                     threshold: float = DEFAULT_MIN_COSINE,
+                     backend: str = "torch") -> tuple[Any, PrecisionReport]:
     """The executor at the precision to serve, and what was measured (see the module docstring)."""
     if requested not in DTYPE_CHOICES:
         raise ValueError(f"dtype = {requested!r}; choose one of {', '.join(DTYPE_CHOICES)}")
@@ -119,7 +124,7 @@ def choose_precision(load: Callable[[str], Any], requested: str, device: torch.d
     if requested == "float32":
         return load("float32"), PrecisionReport("float32", "float32", 1.0, threshold,
                                                 reason="asked for; the reference, no guard")
-    tried = candidates(device) if requested == "auto" else ["float32", requested]
+    tried = candidates(device, backend) if requested == "auto" else ["float32", requested]
     if requested == "auto" and tried == ["float32"]:
         return load("float32"), PrecisionReport(
             "auto", "float32", 1.0, threshold,

@@ -68,11 +68,12 @@ def resolve_task(path: str | None, task: str = "auto") -> str:
 
 def load_model(path: str | None, name: str | None = None, task: str = "auto",
                max_length: int | None = None, num_threads: int | None = None, dtype: str = "float32",
-               min_cosine: float = 0.999) -> Any:
+               min_cosine: float = 0.999, backend: str = "torch", cache_dir: str | None = None) -> Any:
     """The executor for the checkpoint at ``path`` serving ``task`` (see ``resolve_task``). An
     embedding model runs at ``dtype`` as ``models.precision.choose_precision`` decides (``auto``:
-    measured here, under the accuracy guard); its report is the executor's ``precision``.
-    Cross-encoders and classifiers run float32."""
+    measured here, under the accuracy guard) on ``backend`` (torch, or onnx: ``models/onnx_encoder``,
+    its export cached in ``cache_dir``); the report is the executor's ``precision``. Cross-encoders
+    and classifiers run float32 on torch."""
     task = resolve_task(path, task)
     if task == "embed":
         from .device import resolve_device
@@ -80,15 +81,23 @@ def load_model(path: str | None, name: str | None = None, task: str = "auto",
         from .precision import choose_precision
 
         def load(d: str) -> Any:
-            return EncoderExecutor(EncoderConfig(model_path=path, model_name=name, max_length=max_length,
-                                                 num_threads=num_threads, dtype=d))  # type: ignore[arg-type]
+            cfg = EncoderConfig(model_path=path, model_name=name, max_length=max_length,
+                                num_threads=num_threads, dtype=d)  # type: ignore[arg-type]
+            if backend == "onnx":
+                from .onnx_encoder import OnnxEncoderExecutor
 
-        executor, report = choose_precision(load, dtype, resolve_device("auto"), min_cosine)
+                return OnnxEncoderExecutor(cfg, cache_dir)
+            return EncoderExecutor(cfg)
+
+        device = resolve_device("cpu" if backend == "onnx" else "auto")
+        executor, report = choose_precision(load, dtype, device, min_cosine, backend)
         executor.precision = report
         return executor
     from .cross_encoder import ClassifierConfig, SequenceClassifierExecutor
 
     assert path is not None
+    if backend != "torch":
+        raise ValueError(f"{task} models run on the torch backend; --backend {backend} serves embeddings")
     executor = SequenceClassifierExecutor(ClassifierConfig(model_path=path, model_name=name,
                                                            max_length=max_length, num_threads=num_threads))
     executor.task = task

@@ -230,7 +230,7 @@ class LLMEngine:
             self._wake.clear()
             return
         t0 = time.perf_counter()
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule(time.monotonic())  # the clock of Sequence.arrival (submit)
         try:
             self._step(plan)
         except Exception:  # fail only this step's sequences; keep serving the rest

@@ -26,6 +26,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from ..config_file import add_deployment_args, add_precision_args, spec_from_args
@@ -160,7 +161,8 @@ def build_app(settings: ServerConfig, spec: DeploymentSpec | SchedulerConfig | N
         if dtype == "auto" and profiled is not None and profiled.meta.get("dtype"):
             dtype = str(profiled.meta["dtype"])  # measured by `batchpilot profile`: what it predicts
             log.info("precision: %s, chosen by the profile %s", dtype, model.profile)
-        executor = load_executor(settings, model, dtype, spec.model.min_cosine)
+        cache = str(Path(model.profile).resolve().parent) if model.profile else None  # onnx exports
+        executor = load_executor(settings, model, dtype, spec.model.min_cosine, spec.model.backend, cache)
         supports = getattr(executor, "supports_padding_free", lambda: True)()
         padding = spec.encoder.planner.padding if supports else "dynamic"
         cost_model = choose_cost_model(settings, model, executor, padding, profiled)
@@ -199,7 +201,7 @@ def device_memory_bytes(executor: Any) -> float:
 
 
 def load_executor(settings: ServerConfig, model: ModelSpec | None = None, dtype: str = "float32",
-                  min_cosine: float = 0.999) -> Any:
+                  min_cosine: float = 0.999, backend: str = "torch", cache_dir: str | None = None) -> Any:
     model = model or settings.models[0]
     if settings.noop:
         from ..runtime.executor import NoopExecutor
@@ -209,7 +211,7 @@ def load_executor(settings: ServerConfig, model: ModelSpec | None = None, dtype:
     from ..models.tasks import load_model
 
     executor = load_model(model.path, model.name, model.task, settings.max_length, settings.num_threads,
-                          dtype, min_cosine)
+                          dtype, min_cosine, backend, cache_dir)
     report = getattr(executor, "precision", None)
     if report is not None:
         log.info("precision: %s", report.describe())
@@ -226,6 +228,11 @@ def choose_cost_model(settings: ServerConfig, model: ModelSpec, executor: Any,
     if profiled is not None:
         log.info("cost model: loaded from %s", model.profile)
         served = getattr(getattr(executor, "precision", None), "chosen", None)
+        backend = getattr(executor, "backend", "torch")
+        if profiled.meta.get("backend", "torch") != backend:
+            log.warning("cost model: %s was profiled on the %s backend but the model runs on %s: profile "
+                        "with --backend %s", model.profile, profiled.meta.get("backend", "torch"), backend,
+                        backend)
         if served and profiled.meta.get("dtype", "float32") != served:
             log.warning("cost model: %s was profiled at %s but the model runs at %s: its predictions "
                         "(batch budgets, admission) are for another speed; profile at --dtype %s",

@@ -9,8 +9,10 @@ Streaming is SSE (``data: {chunk}`` lines, then ``data: [DONE]``); the first tok
 response starts, so a request that cannot run gets a normal error body instead of a broken stream. A
 stream that fails later ends with an SSE error event (``data: {"error": {...}}``). Every request has a
 deadline: the engine's ``request_timeout_s``, or sooner with ``deadline_ms`` (body) or ``X-Deadline-Ms``;
-past it the answer is 504 (or the error event) and the sequences are aborted. A request whose client
-leaves, or one of whose prompts fails, has all its sequences aborted and their KV blocks freed.
+past it the answer is 504 (or the error event) and the sequences are aborted. Its priority is ``priority``
+(body) or else ``X-Priority`` (an integer; lower is served first under the engine's ``priority`` policy;
+a header that is not one is a 400). A request whose client leaves, or one of whose prompts fails, has
+all its sequences aborted and their KV blocks freed.
 """
 
 from __future__ import annotations
@@ -33,13 +35,15 @@ from .llm_limits import LLMLimits, header_deadline_ms
 from .llm_metrics import LLMMetrics
 from .llm_schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from .llm_sse import chat_events, completion_events, first_token_timing, usage_of
+from .service import _header_num
 
 __all__ = ["build_llm_engine", "make_llm_router"]
 
 # when the client gives no max_tokens: OpenAI's legacy completions default, and a bounded chat answer
 # (OpenAI lets chat run to the context limit; a bound keeps one request from holding the engine)
 DEFAULT_MAX_TOKENS = {"/v1/completions": 16, "/v1/chat/completions": 256}
-Work = Callable[[list[LLMRequest], float, float], Awaitable[Any]]  # (requests, received, deadline)
+# a route's work: (requests, received, deadline, priority)
+Work = Callable[[list[LLMRequest], float, float, int], Awaitable[Any]]
 
 
 def make_llm_router(engine: LLMEngine, registry: CollectorRegistry, limits: LLMLimits | None = None,
@@ -63,11 +67,17 @@ def make_llm_router(engine: LLMEngine, registry: CollectorRegistry, limits: LLML
             request.headers.get("x-deadline-ms"))
         return received + (budget_s if ms is None else min(budget_s, ms / 1000.0))
 
+    def priority_of(body: _SamplingFields, request: Request) -> int:
+        if body.priority is not None:
+            return body.priority
+        return int(_header_num(request, "x-priority", int) or 0)  # the embeddings routes' header rule
+
     async def answer(route: str, body: _SamplingFields, request: Request, work: Work) -> Any:
         received = time.monotonic()
         try:
             deadline = deadline_of(body, request, received)
-            return await _guarded(request, deadline, lambda reqs: work(reqs, received, deadline))
+            priority = priority_of(body, request)
+            return await _guarded(request, deadline, lambda reqs: work(reqs, received, deadline, priority))
         except Exception as exc:
             err = to_api_error(exc)
             reason = "rejected" if err.status < 500 else err.code or "error"
@@ -87,7 +97,7 @@ def make_llm_router(engine: LLMEngine, registry: CollectorRegistry, limits: LLML
         return await answer("/v1/completions", body, request, functools.partial(_completions, body))
 
     async def _completions(body: CompletionRequest, reqs: list[LLMRequest], received: float,
-                           deadline: float) -> Any:
+                           deadline: float, priority: int) -> Any:
         route, rid, created = "/v1/completions", f"cmpl-{ids()}", int(time.time())
         model = served_model(body.model)
         prompts = body.prompts()
@@ -97,7 +107,7 @@ def make_llm_router(engine: LLMEngine, registry: CollectorRegistry, limits: LLML
             raise APIError(400, "streaming takes a single prompt", code="unsupported_value", param="prompt")
         engine.check_room(len(prompts))  # before the tokenising it would waste
         token_ids = await _all_or_none([engine.prompts.encode_async(p) for p in prompts])
-        reqs.extend(engine.submit(token_ids, params, body.priority, deadline))
+        reqs.extend(engine.submit(token_ids, params, priority, deadline))
         if body.stream:
             first = await anext(reqs[0])
             head = {"id": rid, "object": "text_completion", "created": created, "model": model}
@@ -120,7 +130,7 @@ def make_llm_router(engine: LLMEngine, registry: CollectorRegistry, limits: LLML
         return await answer("/v1/chat/completions", body, request, functools.partial(_chat_completions, body))
 
     async def _chat_completions(body: ChatCompletionRequest, reqs: list[LLMRequest], received: float,
-                                deadline: float) -> Any:
+                                deadline: float, priority: int) -> Any:
         route, rid, created = "/v1/chat/completions", f"chatcmpl-{ids()}", int(time.time())
         model = served_model(body.model)
         messages = body.chat()
@@ -128,7 +138,7 @@ def make_llm_router(engine: LLMEngine, registry: CollectorRegistry, limits: LLML
         params = params_of(body, route)
         engine.check_room(1)
         prompt = await engine.prompts.encode_chat_async(messages)
-        reqs.extend(engine.submit([prompt], params, body.priority, deadline))
+        reqs.extend(engine.submit([prompt], params, priority, deadline))
         first = await anext(reqs[0])
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
         if body.stream:

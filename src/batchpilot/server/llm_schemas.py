@@ -48,7 +48,7 @@ class _SamplingFields(BaseModel):
     # extensions
     ignore_eos: bool = False
     stop_token_ids: Annotated[list[int], Field(max_length=CAP)] | None = None
-    priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
+    priority: int | None = Field(default=None, ge=-(2**31), le=2**31 - 1)  # None: X-Priority, else 0
     deadline_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
     def check_supported(self) -> None:

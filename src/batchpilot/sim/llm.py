@@ -100,7 +100,7 @@ class LLMTarget:
     def schedule(self, now: float, free_slots: int) -> tuple[list[Job], float | None]:
         if free_slots == 0 or not self.scheduler.has_unfinished():
             return [], None
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule(now)  # the same clock as the arrivals: priorities age as live
         if plan.is_empty:
             return [], None
         shape = plan.shape

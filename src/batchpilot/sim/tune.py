@@ -319,6 +319,9 @@ def register(subparsers: Any) -> None:
                    help="padding modes the serving executor supports (comma-separated)")
     p.add_argument("--noise", action="store_true", help="draw batch times from the profile's residuals")
     p.add_argument("--plot", metavar="DIR", help="write goodput_vs_rate.png for the top configs here")
+    p.add_argument("--profile-variants", nargs="+", metavar="PROFILE", default=None,
+                   help="one profile per backend/precision (`batchpilot profile --all-backends`): search "
+                        "each and write the best variant's model: section too (sim/tune_variants.py)")
     p.set_defaults(func=run_tune)
 
 
@@ -335,6 +338,10 @@ def run_tune(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         console.print(f"[red]batchpilot tune: {exc}[/]")
         return 2
+    if args.profile_variants:
+        from .tune_variants import run_variants
+
+        return run_variants(args, workload, tc, spec, console)
     cost_model = load_cost_model(args, console)
     console.print(f"tuning on {workload.name}: {len(workload)} rows, {workload.mean_rate:.2f} req/s at "
                   f"scale 1; {tc.candidates} sampled configs + baselines, {tc.rungs} rungs of successive "
