@@ -206,3 +206,11 @@ def test_the_models_metrics_are_labelled(url: str) -> None:
     text = httpx.get(url + "/metrics").text
     for model in ("embedder", "reranker", "classifier"):
         assert f'batchpilot_queue_length{{model="{model}"}}' in text
+
+
+def test_the_load_generator_replays_reranks_and_checks_every_document_got_a_result(url: str) -> None:
+    from batchpilot.bench.loadgen import LoadGenConfig, PlannedRequest, replay
+
+    plan = [PlannedRequest(i, 0.05 * i, 0, 0, {"query": QUERY, "documents": DOCS[: 3 + i]}) for i in range(4)]
+    recs = replay(plan, LoadGenConfig(url, endpoint="rerank", progress=False, scrape_interval_s=0)).records
+    assert [r.status for r in recs] == [200] * 4 and not any(r.error for r in recs)

@@ -162,13 +162,22 @@ async def _discover_model(client: httpx.AsyncClient, endpoint: Endpoint = "embed
         return "default"
 
 
-async def _send_embedding(client: httpx.AsyncClient, path: str, body: dict[str, Any], rec: RequestRecord,
-                          clock: Callable[[], float]) -> None:
+async def _post(client: httpx.AsyncClient, path: str, body: dict[str, Any], rec: RequestRecord,
+                clock: Callable[[], float]) -> httpx.Response | None:
+    """POST and record when and how it was answered; the response when it is a 200, else None."""
     resp = await client.post(path, json=body)
     rec.done_s = clock()
     rec.status = resp.status_code
     if resp.status_code != 200:
         rec.error = error_text(resp.text)
+        return None
+    return resp
+
+
+async def _send_embedding(client: httpx.AsyncClient, path: str, body: dict[str, Any], rec: RequestRecord,
+                          clock: Callable[[], float]) -> None:
+    resp = await _post(client, path, body, rec, clock)
+    if resp is None:
         return
     data = resp.json().get("data") or []
     if len(data) != 1 or not data[0].get("embedding"):
@@ -181,15 +190,12 @@ async def _send_embedding(client: httpx.AsyncClient, path: str, body: dict[str, 
 
 async def _send_rerank(client: httpx.AsyncClient, path: str, body: dict[str, Any], rec: RequestRecord,
                        clock: Callable[[], float]) -> None:
-    resp = await client.post(path, json=body)
-    rec.done_s = clock()
-    rec.status = resp.status_code
-    if resp.status_code != 200:
-        rec.error = error_text(resp.text)
+    resp = await _post(client, path, body, rec, clock)
+    if resp is None:
         return
-    results = resp.json().get("results") or []
-    if len(results) != len(body.get("documents") or ()):
-        rec.error = f"bad response: {len(results)} results for {len(body.get('documents') or ())} documents"
+    results, docs = resp.json().get("results") or [], len(body.get("documents") or ())
+    if len(results) != docs:
+        rec.error = f"bad response: {len(results)} results for {docs} documents"
 
 
 def error_text(body: str, limit: int = 200) -> str:
