@@ -5,9 +5,11 @@ and per-sequence cost curves per precision (a plot), in-process, one run.
                                              [--lengths 16 64 128 256 512]
                                              [--plot docs/img/precision_cost.png]
 
-Precisions: float32, every one ``models.precision.candidates`` finds on this CPU (bfloat16 with AMX or
-AVX512-BF16), and int8 (dynamic int8 linear layers). The auto choice the server would make is run
-first (``choose_precision(..., "auto")``, its measurements printed as the log prints them).
+Variants: torch at float32, every precision ``models.precision.candidates`` finds on this CPU
+(bfloat16 with AMX or AVX512-BF16) and int8 (dynamic int8 linear layers); and, where onnxruntime is
+installed, the ONNX Runtime backend at float32 and int8 (``models/onnx_encoder.py``, its export cached
+in a temporary folder). The auto choice the server would make is run first (``choose_precision(...,
+"auto")``, its measurements printed as the log prints them).
 
 1. Parity: ``--texts`` real texts of conv-embed lengths, embedded in batches of 16 with each padding
    mode the precision runs (``max``: padded to the model's 512; ``dynamic``: to the batch's longest;
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -34,9 +37,23 @@ from batchpilot.models.profiler import measure
 from batchpilot.sim.texts import texts_for_lengths
 from batchpilot.sim.workloads import load_workload
 
+BASE = "torch/float32"
+
 
 def load(dtype: str) -> EncoderExecutor:
     return EncoderExecutor(EncoderConfig(device="cpu", dtype=dtype))  # type: ignore[arg-type]
+
+
+def variants() -> dict[str, EncoderExecutor]:
+    out = {f"torch/{d}": load(d) for d in [*candidates(torch.device("cpu")), "int8"]}
+    try:
+        from batchpilot.models.onnx_encoder import OnnxEncoderExecutor
+    except ImportError:
+        return out
+    cache = tempfile.mkdtemp()
+    for d in ("float32", "int8"):
+        out[f"onnx/{d}"] = OnnxEncoderExecutor(EncoderConfig(device="cpu", dtype=d), cache)  # type: ignore[arg-type]
+    return out
 
 
 def embed(ex: EncoderExecutor, texts: list[str], padding: str, batch: int = 16) -> np.ndarray:
@@ -57,15 +74,14 @@ def main() -> int:
 
     _, report = choose_precision(load, "auto", torch.device("cpu"))
     print(f"auto: {report.describe()}")
-    dtypes = [*candidates(torch.device("cpu")), "int8"]
-    execs = {d: load(d) for d in dtypes}
+    execs = variants()
     lengths = [max(3, int(x) - 2) for x in load_workload("conv-embed").input_tokens[: args.texts]]
     texts = texts_for_lengths(load_tokenizer(), lengths, seed=3)
     st = SentenceTransformer(default_model_path(), device="cpu")
     st.max_seq_length = 512  # the model's limit, what the server runs (its folder says 256)
     ref = np.asarray(st.encode(texts, normalize_embeddings=True), dtype=np.float32)
     print(f"\nparity vs sentence-transformers fp32: {len(texts)} texts of conv-embed lengths, batches of 16")
-    print("| precision | forward | padding | min cosine | mean cosine |")
+    print("| variant | forward | padding | min cosine | mean cosine |")
     print("|---|---|---|---|---|")
     for d, ex in execs.items():
         for padding in ("max", "dynamic", "none"):
@@ -83,13 +99,12 @@ def main() -> int:
                 cost[d][n, length] = measure(ex, [length] * n, "dynamic", 3, rng, memory=False).latency_s / n
     print("\nms per sequence (batch x tokens, padded, uniform lengths; median of 3):")
     print("| batch x tokens | " + " | ".join(execs) + " | " + " | ".join(
-        f"fp32/{d}" for d in execs if d != "float32") + " |")
+        f"fp32/{d}" for d in execs if d != BASE) + " |")
     print("|---|" + "---|" * (2 * len(execs) - 1))
     for n in args.batch_sizes:
         for length in args.lengths:
             row = [f"{cost[d][n, length] * 1e3:.2f}" for d in execs]
-            ratios = [f"{cost['float32'][n, length] / cost[d][n, length]:.2f}x"
-                      for d in execs if d != "float32"]
+            ratios = [f"{cost[BASE][n, length] / cost[d][n, length]:.2f}x" for d in execs if d != BASE]
             print(f"| {n} x {length} | " + " | ".join(row + ratios) + " |")
     if args.plot:
         import matplotlib
@@ -106,7 +121,7 @@ def main() -> int:
             ax.set_xlabel("batch size")
         np.atleast_1d(axes)[0].set_ylabel("ms per sequence")
         np.atleast_1d(axes)[0].legend()
-        fig.suptitle("all-MiniLM-L6-v2, per-sequence cost by precision (benchmarks/precision.py)")
+        fig.suptitle("all-MiniLM-L6-v2, per-sequence cost by backend/precision (benchmarks/precision.py)")
         fig.tight_layout()
         Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(args.plot, dpi=110)

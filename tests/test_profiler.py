@@ -108,6 +108,11 @@ def test_cli_writes_a_profile_the_server_can_load(tmp_path: Path, capsys: pytest
     assert meta["model"] == "all-MiniLM-L6-v2" and meta["torch"] == torch.__version__
     assert meta["threads"] >= 1 and meta["date"].startswith("20")
     assert {"leave-one-out max |err|", "held-out max |err|"} <= set(meta["error"])
+    # the precision profiled is the one `serve --profile` will serve (docs/profiler.md)
+    assert meta["precision"]["requested"] == "auto"
+    assert doc["cost_model"]["meta"]["dtype"] == meta["precision"]["chosen"]
+    assert doc["cost_model"]["meta"]["backend"] == "torch"
+    assert meta["precision"]["min_cosine"] >= meta["precision"]["threshold"]
     model = CostModel.load(out)
     assert model.latency(BatchShape.padded([8], 8)) > 0
     printed = capsys.readouterr().out
