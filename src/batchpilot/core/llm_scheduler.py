@@ -28,14 +28,16 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from .block_manager import BlockManager, BlockStats
-from .costmodel import StepShape
+from .llm_plan import DECODE_MAX_GROUPS, DECODE_MIN_GROUP, ScheduledChunk, StepPlan, decode_groups
 from .sequence import FinishReason, SeqStatus, Sequence
 
 LLMPolicy = Literal["fcfs", "priority"]
+__all__ = ["DECODE_MAX_GROUPS", "DECODE_MIN_GROUP", "LLMPolicy", "LLMScheduler", "LLMSchedulerConfig",
+           "ScheduledChunk", "SeqOutput", "StepPlan", "decode_groups"]
 
 
 @dataclass(frozen=True)
@@ -79,76 +81,6 @@ class LLMSchedulerConfig:
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"llm_scheduler.policy = {self.policy!r}; choose one of fcfs, priority")
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
-
-
-@dataclass(frozen=True, slots=True)
-class ScheduledChunk:
-    """Compute KV for ``token_ids`` at positions ``start .. start+len-1`` of one sequence."""
-
-    seq_id: int
-    start: int
-    token_ids: list[int]
-    block_table: list[int]
-    sample: bool  # this chunk reaches the sequence's last token: sample the next one
-    is_decode: bool  # a generated token (one per step), as opposed to prompt or recompute prefill
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def context_len(self) -> int:
-        return self.start + len(self.token_ids)
-
-
-@dataclass(slots=True)
-class StepPlan:
-    step_id: int
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    preempted: list[int] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.chunks
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
-
-    @property
-    def shape(self) -> StepShape:
-        """What the cost model needs: prefill tokens, decoding sequences, KV read, prefill attention.
-
-        The KV read of the decodes is what the runner gathers: decodes sorted by context, split by
-        ``decode_groups``, each group padded to its longest context. Three decodes at 120/250/380
-        tokens read 3 x 380, not 750: they cost more than three at 250, which a sum of contexts
-        cannot see."""
-        prefill = [c for c in self.chunks if not c.is_decode]
-        ctx = sorted(c.context_len for c in self.chunks if c.is_decode)
-        padded = sum((b - a) * ctx[b - 1] for a, b in decode_groups(len(ctx)))
-        return StepShape(
-            prefill_tokens=sum(c.num_tokens for c in prefill),
-            decode_seqs=len(ctx),
-            kv_tokens=padded + sum(c.context_len for c in prefill),
-            prefill_attn=sum(c.num_tokens * c.context_len for c in prefill),
-        )
-
-
-DECODE_MAX_GROUPS = 4
-DECODE_MIN_GROUP = 8
-
-
-def decode_groups(n: int, max_groups: int = DECODE_MAX_GROUPS,
-                  min_group: int = DECODE_MIN_GROUP) -> list[tuple[int, int]]:
-    """How a runner splits ``n`` decodes sorted by context into ``[start, end)`` runs of equal count (at
-    most ``max_groups``, each at least ``min_group`` when there are more than one), each run padded to
-    its own longest context: far fewer keys gathered than padding all to the step's longest. Shared
-    with the cost model's KV feature, so the two agree on what a step reads."""
-    if n <= 0:
-        return []
-    k = max(1, min(max_groups, n // min_group))
-    bounds = [round(i * n / k) for i in range(k + 1)]
-    return [(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
 
 
 @dataclass(frozen=True, slots=True)

@@ -276,6 +276,7 @@ def _llm_router(settings: ServerConfig, spec: DeploymentSpec) -> tuple[Any, Any,
     if build is None:
         from ..runtime.llm_engine import build_llm_engine as build
     engine = build(settings.llm_model, tokenizer_threads=settings.tokenizer_workers or 0,
+                   threads=settings.num_threads or 0,
                    **llm_overrides(spec))
     hooks: list[Callable[[], Any]] = [engine.shutdown]
     if settings.llm_step_log:
