@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -24,34 +23,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from batchpilot.models.seeded import build_word_encoder
 from batchpilot.sim.workloads import load_workload
 
 WORDS = [f"w{i}" for i in range(3000)]
 
 
-def encoder_folder(folder: Path) -> str:
-    from transformers import BertConfig, BertModel, BertTokenizerFast
-
-    folder.mkdir(parents=True, exist_ok=True)
-    vocab = folder / "vocab.txt"
-    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]) + "\n")
-    BertTokenizerFast(vocab_file=str(vocab)).save_pretrained(folder)
-    torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=len(WORDS) + 5, hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
-                     intermediate_size=1536, max_position_embeddings=512)
-    BertModel(cfg).save_pretrained(folder)
-    (folder / "1_Pooling").mkdir(exist_ok=True)
-    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": "mean"}))
-    (folder / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
-    return str(folder)
-
-
 def encoder_throughput(device: str, dtype: str, n_texts: int) -> None:
     from batchpilot.models.encoder import EncoderConfig, EncoderExecutor, make_batch
 
-    path = encoder_folder(Path(tempfile.mkdtemp()) / "bert")
+    path = build_word_encoder(Path(tempfile.mkdtemp()) / "bert", words=len(WORDS), hidden=384, layers=6,
+                              heads=12, max_positions=512, normalize=False)
     ex = EncoderExecutor(EncoderConfig(model_path=path, device=device, dtype=dtype))  # type: ignore[arg-type]
     lengths = sorted(min(512, max(3, int(x))) for x in load_workload("conv-embed").input_tokens[:n_texts])
     rng = np.random.default_rng(0)

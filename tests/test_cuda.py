@@ -12,14 +12,14 @@ transformers, tokenizers and numpy are needed: no server stack.
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+
+from batchpilot.models.seeded import build_word_encoder
 
 # BATCHPILOT_CUDA_TESTS_ON=cpu runs the same tests on the CPU (a dry run of their logic, not of CUDA)
 DEVICE = os.environ.get("BATCHPILOT_CUDA_TESTS_ON", "cuda")
@@ -27,28 +27,6 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(DEVICE == "cuda" and not torc
                                                    reason="needs a CUDA device")]
 
 WORDS = [f"w{i}" for i in range(400)]
-
-
-def tiny_encoder(folder: Path) -> str:
-    """A seeded 2-layer BERT with a word-level vocabulary and mean pooling + normalisation."""
-    from transformers import BertConfig, BertModel, BertTokenizerFast
-
-    folder.mkdir(parents=True, exist_ok=True)
-    vocab = folder / "vocab.txt"
-    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]) + "\n")
-    BertTokenizerFast(vocab_file=str(vocab)).save_pretrained(folder)
-    torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=len(WORDS) + 5, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
-                     intermediate_size=256, max_position_embeddings=256)
-    BertModel(cfg).eval().save_pretrained(folder)
-    (folder / "1_Pooling").mkdir(exist_ok=True)
-    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": "mean"}))
-    (folder / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
-    ]))
-    return str(folder)
 
 
 def texts() -> list[str]:
@@ -62,7 +40,7 @@ def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return tiny_encoder(tmp_path_factory.mktemp("cuda") / "bert")
+    return build_word_encoder(tmp_path_factory.mktemp("cuda") / "bert", words=len(WORDS))
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,7 @@
-"""Offline sequence-classification models for tests and benchmarks: seeded random weights, real layout.
+"""Offline models for tests and benchmarks: seeded random weights, real layout.
+
+``build_word_encoder`` makes a small BERT embedding model with a word-level vocabulary of its own (no
+downloaded tokenizer at all: what the GPU check runs on).
 
 ``build_cross_encoder`` makes a ``BertForSequenceClassification`` with one output (a reranker's relevance
 score) and ``build_classifier`` one with a label per class, both from the embedded MiniLM folder's config
@@ -46,6 +49,37 @@ def build_classifier(out_dir: str | os.PathLike[str],
         raise ValueError(f"classifier labels must be non-empty and distinct, got {labels}")
     return _build(out_dir, {"kind": "classifier", "seed": seed, "layers": layers, "labels": labels,
                             "multi_label": bool(multi_label)})
+
+
+def build_word_encoder(out_dir: str | os.PathLike[str], words: int = 400, hidden: int = 128,
+                       layers: int = 2, heads: int = 4, max_positions: int = 256, normalize: bool = True,
+                       seed: int = 0) -> str:
+    """A seeded BERT embedding model that needs no downloaded tokenizer: a word-level vocabulary
+    ``w0 .. w{words-1}`` (texts are those words joined by spaces), mean pooling, optionally
+    normalised, as a sentence-transformers folder. For machines with no weights at all (the GPU check)."""
+    import torch
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = out / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]",
+                                *(f"w{i}" for i in range(words))]) + "\n")
+    BertTokenizerFast(vocab_file=str(vocab)).save_pretrained(out)
+    torch.manual_seed(seed)
+    cfg = BertConfig(vocab_size=words + 5, hidden_size=hidden, num_hidden_layers=layers,
+                     num_attention_heads=heads, intermediate_size=4 * hidden,
+                     max_position_embeddings=max_positions)
+    BertModel(cfg).eval().save_pretrained(out)
+    (out / "1_Pooling").mkdir(exist_ok=True)
+    (out / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": "mean"}))
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})
+    (out / "modules.json").write_text(json.dumps(modules))
+    return str(out)
 
 
 def _build(out_dir: str | os.PathLike[str], spec: dict[str, Any]) -> str:
