@@ -71,3 +71,27 @@ def test_task_detection_and_override_from_the_checkpoint(tmp_path: Path) -> None
         resolve_task(emb, "classify")
     with pytest.raises(ValueError, match="has no config.json"):
         detect_task(str(tmp_path))
+
+
+def test_llm_engine_flags_override_the_config_files_llm_section(tmp_path: Path) -> None:
+    from batchpilot.cli import build_parser
+    from batchpilot.config_file import spec_from_args
+    from batchpilot.server.cli import llm_overrides
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("llm: {max_num_seqs: 8, policy: priority, block_size: 32}\n")
+    parse = build_parser().parse_args
+    spec = spec_from_args(parse(["serve", "--llm", "--config", str(cfg), "--max-num-seqs", "16",
+                                 "--num-kv-blocks", "512", "--no-enable-chunked-prefill",
+                                 "--enable-prefix-caching", "--max-priority-wait-s", "2.5"]))
+    llm = spec.llm
+    assert (llm.max_num_seqs, llm.num_kv_blocks, llm.block_size, llm.policy) == (16, 512, 32, "priority")
+    assert (llm.enable_chunked_prefill, llm.enable_prefix_caching) == (False, True)
+    assert llm.max_priority_wait_s == 2.5
+    assert llm_overrides(spec)["max_num_seqs"] == 16  # what build_llm_engine is given
+    same = spec_from_args(parse(["simulate", "--target", "llm", "--config", str(cfg), "--max-num-seqs", "16",
+                                 "--num-kv-blocks", "512", "--no-enable-chunked-prefill",
+                                 "--enable-prefix-caching", "--max-priority-wait-s", "2.5"]))
+    assert same.llm == llm  # the same flags are the same engine in the simulator
+    with pytest.raises(ValueError, match="max_num_seqs must be >= 1"):
+        spec_from_args(parse(["serve", "--max-num-seqs", "0"]))

@@ -98,6 +98,7 @@ def spec_from_args(args: argparse.Namespace) -> DeploymentSpec:
     given = {k: getattr(args, k, None) for k in ("dtype", "min_cosine", "backend")}
     if any(v is not None for v in given.values()):
         model = dataclasses.replace(model, **{k: v for k, v in given.items() if v is not None})
+    spec = llm_from_args(spec, args)
     return spec.replace(encoder=enc, model=model, max_concurrency=getattr(args, "max_concurrency", None),
                         request_timeout_s=getattr(args, "request_timeout_s", None),
                         latency_sla_s=getattr(args, "latency_sla", None))
@@ -107,6 +108,40 @@ _FLAGS = (("config", "--config"), ("policy", "--policy"), ("max_batch_size", "--
           ("max_wait_ms", "--max-wait-ms"), ("padding", "--padding"), ("num_slots", "--num-slots"),
           ("max_concurrency", "--max-concurrency"), ("request_timeout_s", "--request-timeout-s"),
           ("latency_sla", "--latency-sla"))
+
+
+# LLM engine flags: the llm: section's field names, as vLLM spells its flags
+LLM_FLAGS: dict[str, type] = {"max_num_seqs": int, "max_num_batched_tokens": int, "max_model_len": int,
+                              "block_size": int, "num_kv_blocks": int, "max_waiting_seqs": int,
+                              "max_priority_wait_s": float}
+
+
+def add_llm_args(p: argparse.ArgumentParser) -> None:
+    """The LLM engine's settings as flags (serve --llm, simulate --target llm): override ``llm:``."""
+    from .core.llm_scheduler import LLMSchedulerConfig
+
+    g = p.add_argument_group("LLM engine (override the config file's llm: section; docs/llm.md)")
+    d = LLMSchedulerConfig()
+    for name, kind in LLM_FLAGS.items():
+        g.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
+                       help=f"llm.{name} (default {getattr(d, name)})")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help=f"llm.enable_chunked_prefill (default {d.enable_chunked_prefill})")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help=f"llm.enable_prefix_caching (default {d.enable_prefix_caching})")
+    g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=None,
+                   help=f"llm.policy (default {d.policy})")
+
+
+def llm_from_args(spec: DeploymentSpec, args: argparse.Namespace) -> DeploymentSpec:
+    """``spec`` with the LLM flags given on this command line applied to its ``llm:`` section (the
+    section's own validation names what to change)."""
+    names = (*LLM_FLAGS, "enable_chunked_prefill", "enable_prefix_caching")
+    given = {k: getattr(args, k, None) for k in names}
+    if getattr(args, "scheduling_policy", None) is not None:
+        given["policy"] = args.scheduling_policy
+    changed = {k: v for k, v in given.items() if v is not None}
+    return spec.replace(llm=dataclasses.replace(spec.llm, **changed)) if changed else spec
 
 
 def add_precision_args(p: argparse.ArgumentParser) -> None:

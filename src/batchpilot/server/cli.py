@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..config_file import add_deployment_args, add_precision_args, spec_from_args
+from ..config_file import add_deployment_args, add_llm_args, add_precision_args, spec_from_args
 from ..core.config import SchedulerConfig
 from ..core.costmodel import BatchShape, CostModel
 from ..core.deployment import DeploymentSpec, ModelLimits, resolve_deployment
@@ -55,6 +55,7 @@ def register(subparsers: Any) -> None:
                         "(default: one per core)")
     add_deployment_args(p)
     add_precision_args(p)
+    add_llm_args(p)
     p.add_argument("--profile", action="append", default=None, metavar="PATH",
                    help="cost-model profile JSON (`batchpilot profile -o`), one per --model")
     p.add_argument("--no-startup-profile", action="store_true",

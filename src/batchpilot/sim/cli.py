@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..config_file import add_deployment_args, spec_from_args
+from ..config_file import add_deployment_args, add_llm_args, spec_from_args
 from ..core.costmodel import CostModel
 from ..core.deployment import Deployment, DeploymentSpec, ModelLimits, resolve_deployment
 from .frontend import FrontEnd
@@ -34,6 +34,7 @@ def register(subparsers: Any) -> None:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(p)
     add_deployment_args(p)
+    add_llm_args(p)
     p.add_argument("--sla", type=float, default=1.0,
                    help="latency target in seconds for the report's attainment and goodput (reporting "
                         "only; --latency-sla declares one that the server sheds load for)")
