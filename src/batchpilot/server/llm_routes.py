@@ -35,7 +35,7 @@ from .llm_limits import LLMLimits, header_deadline_ms
 from .llm_metrics import LLMMetrics
 from .llm_schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from .llm_sse import chat_events, completion_events, first_token_timing, usage_of
-from .service import _header_num
+from .service import header_num
 
 __all__ = ["build_llm_engine", "make_llm_router"]
 
@@ -70,7 +70,7 @@ def make_llm_router(engine: LLMEngine, registry: CollectorRegistry, limits: LLML
     def priority_of(body: _SamplingFields, request: Request) -> int:
         if body.priority is not None:
             return body.priority
-        return int(_header_num(request, "x-priority", int) or 0)  # the embeddings routes' header rule
+        return int(header_num(request, "x-priority", int) or 0)  # the embeddings routes' header rule
 
     async def answer(route: str, body: _SamplingFields, request: Request, work: Work) -> Any:
         received = time.monotonic()

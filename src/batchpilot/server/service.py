@@ -144,8 +144,8 @@ class ModelService:
         """The request's priority and absolute deadline: the body's fields, else the ``X-Priority`` /
         ``X-Deadline-Ms`` headers."""
         if priority is None:
-            priority = _header_num(request, "x-priority", int)
-        budget_ms = deadline_ms if deadline_ms is not None else _header_num(request, "x-deadline-ms", float)
+            priority = header_num(request, "x-priority", int)
+        budget_ms = deadline_ms if deadline_ms is not None else header_num(request, "x-deadline-ms", float)
         if budget_ms is not None and budget_ms <= 0:
             raise APIError(400, "deadline_ms must be > 0", param="deadline_ms")
         return priority, received + budget_ms / 1000.0 if budget_ms is not None else None
@@ -196,7 +196,7 @@ class ModelService:
         self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _header_num(request: Request, name: str, kind: type) -> Any:
+def header_num(request: Request, name: str, kind: type) -> Any:
     """A numeric header: an int within the priority range, or a finite float; anything else is 400."""
     raw = request.headers.get(name)
     if raw is None:
