@@ -43,6 +43,7 @@ from pydantic import BaseModel
 
 from batchpilot.bench.loadgen import LoadGenConfig, PlannedRequest, load_tokenizer, replay
 from batchpilot.bench.records import summarize
+from batchpilot.bench.scrape import parse_metrics
 from batchpilot.bench.serverproc import free_port
 from batchpilot.sim.texts import texts_for_lengths
 from batchpilot.sim.workloads import load_workload
@@ -170,10 +171,16 @@ def main() -> int:
         print(f"\nparity: max |score difference| on request 0 ({pairs[0]} pairs): {diff:.2e}")
 
         tput: dict[str, list[float]] = {n: [] for n in urls}
+        before = parse_metrics(httpx.get(urls["batchpilot"] + "/metrics").text)
         for _ in range(args.rounds):
             for name, url in urls.items():
                 rps = asyncio.run(closed_loop(url, bodies, args.concurrency, args.closed_seconds))
                 tput[name].append(rps)
+        after = parse_metrics(httpx.get(urls["batchpilot"] + "/metrics").text)
+        useful, computed = (after[k] - before[k] for k in ("batchpilot_useful_tokens_total",
+                                                           "batchpilot_computed_tokens_total"))
+        print(f"\nbatchpilot's batches in the closed loop: {computed:,.0f} tokens computed for "
+              f"{useful:,.0f} real ones ({useful / computed:.0%} useful)")
         print(f"\nthroughput, closed loop ({args.concurrency} clients, {args.closed_seconds:.0f} s per "
               f"server and round, {args.rounds} rounds):")
         print("| server | requests/s (rounds) | pairs/s | ratio |")

@@ -27,16 +27,9 @@ from . import vectors
 from .config import ServerConfig
 from .errors import APIError
 from .schemas import EmbeddingRequest
-from .service import ModelService
+from .service import INLINE_TOKENIZE_CHARS, INLINE_TOKENIZE_IDS, ModelService
 
 log = logging.getLogger("batchpilot.server")
-
-
-# A request whose texts total at most this many characters (or token-id lists this many ids) is
-# tokenised on the event loop: a fast tokenizer does that in about the time of the hand-off to a thread
-# and back, so the loop is held no longer than a hand-off would hold it.
-INLINE_TOKENIZE_CHARS = 64
-INLINE_TOKENIZE_IDS = 512
 
 
 def _cheap_to_tokenize(texts: list[str] | None, ids: list[list[int]] | None) -> bool:

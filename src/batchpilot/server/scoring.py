@@ -26,7 +26,6 @@ from ..core.config import SchedulerConfig
 from ..core.costmodel import CostModel
 from ..runtime.executor import Executor
 from .config import ServerConfig
-from .embeddings import INLINE_TOKENIZE_CHARS
 from .errors import APIError, request_id_of
 from .scoring_schemas import (
     ClassifyData,
@@ -41,7 +40,7 @@ from .scoring_schemas import (
     ScoreRequest,
     ScoreResponse,
 )
-from .service import ModelService
+from .service import INLINE_TOKENIZE_CHARS, ModelService
 
 
 class ScoringService(ModelService):

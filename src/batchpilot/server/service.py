@@ -49,6 +49,13 @@ _REJECT_STATUS = {RejectReason.TOO_LONG: 400, RejectReason.INFEASIBLE_DEADLINE: 
                   RejectReason.CANCELLED: 499}
 
 
+# A request whose texts total at most this many characters (or token-id lists this many ids) is
+# tokenised on the event loop: a fast tokenizer does that in about the time of the hand-off to a thread
+# and back, so the loop is held no longer than a hand-off would hold it.
+INLINE_TOKENIZE_CHARS = 64
+INLINE_TOKENIZE_IDS = 512
+
+
 def tokenizer_workers(settings: ServerConfig) -> int:
     """Threads tokenising inputs, per model: the setting, else one per core this process may use (the
     simulator's serial stage has as many servers: ``FrontEnd.serial_servers``)."""
@@ -168,28 +175,30 @@ class ModelService:
 
     async def tokenize_text(self, body: Any, request: Request) -> Response:
         """``POST /tokenize``: the ids the model would see for ``prompt`` (vLLM's body)."""
-        ex = self.executor
-        if not hasattr(ex, "token_ids"):
-            raise APIError(400, f"{self.model_name} has no tokenizer", code="unsupported_task", param="model")
-        if len(body.prompt) > self.settings.max_input_chars:
-            raise APIError(400, f"prompt has {len(body.prompt)} characters; at most "
-                                f"{self.settings.max_input_chars}", code="input_too_long", param="prompt")
-        ids = await self.tokenize_off_loop(ex.token_ids, body.prompt, body.add_special_tokens,
-                                           cheap=len(body.prompt) <= 64, request=request)
+        ids = await self._tokenizer_call("token_ids", request, "prompt", len(body.prompt),
+                                         self.settings.max_input_chars, "characters", INLINE_TOKENIZE_CHARS,
+                                         body.prompt, body.add_special_tokens)
         out = {"count": len(ids), "max_model_len": self.max_length, "tokens": ids}
         return Response(orjson.dumps(out), media_type="application/json")
 
     async def detokenize(self, body: Any, request: Request) -> Response:
         """``POST /detokenize``: the text of ``tokens`` (ids outside the vocabulary are a 400)."""
-        ex = self.executor
-        if not hasattr(ex, "detokenize"):
-            raise APIError(400, f"{self.model_name} has no tokenizer", code="unsupported_task", param="model")
-        if len(body.tokens) > self.settings.max_input_tokens:
-            raise APIError(400, f"tokens has {len(body.tokens)} ids; at most "
-                                f"{self.settings.max_input_tokens}", code="input_too_long", param="tokens")
-        text = await self.tokenize_off_loop(ex.detokenize, body.tokens, cheap=len(body.tokens) <= 512,
-                                            request=request)
+        text = await self._tokenizer_call("detokenize", request, "tokens", len(body.tokens),
+                                          self.settings.max_input_tokens, "ids", INLINE_TOKENIZE_IDS,
+                                          body.tokens)
         return Response(orjson.dumps({"prompt": text}), media_type="application/json")
+
+    async def _tokenizer_call(self, method: str, request: Request, param: str, size: int, limit: int,
+                              unit: str, inline: int, *args: Any) -> Any:
+        """The executor's tokenizer ``method(*args)``, refused when the model has none or the input is
+        over ``limit``; on the loop when ``size`` is at most ``inline``."""
+        fn = getattr(self.executor, method, None)
+        if fn is None:
+            raise APIError(400, f"{self.model_name} has no tokenizer", code="unsupported_task", param="model")
+        if size > limit:
+            raise APIError(400, f"{param} has {size} {unit}; at most {limit}", code="input_too_long",
+                           param=param)
+        return await self.tokenize_off_loop(fn, *args, cheap=size <= inline, request=request)
 
     async def close(self) -> None:
         await self.batcher.shutdown(self.settings.drain_timeout_s)
