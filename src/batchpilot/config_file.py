@@ -13,6 +13,12 @@
       dtype: auto          # auto | float32 | bfloat16 | float16 | int8
       min_cosine: 0.999    # the accuracy guard against float32
       backend: torch       # torch | onnx (ONNX Runtime, padded batches)
+    arms:               # core.rollout.RolloutSpec (serve): candidates beside this deployment
+      assign: client       # client (stable hash of X-Client-Id, else the connection) | random
+      candidates:
+        - {name: canary, share: 0.1, config: b.yaml}   # a config file (relative to this one), or
+        - {name: wide, share: 0.1, encoder: {policy: {max_batch_size: 64}}}  # sections over this file's
+      rollback: {max_p99_ratio: 1.5, window_s: 60}      # core.rollout.RollbackRules
 
 Every section is optional. ``add_deployment_args`` adds the flags that override the file, with the
 same names and meanings in every command, and ``spec_from_args`` reads them back, so ``simulate`` and
@@ -28,21 +34,68 @@ from typing import Any
 
 import yaml
 
-from .core.config import PADDINGS, POLICIES
+from .core.config import PADDINGS, POLICIES, _build
 from .core.deployment import BACKENDS, PRECISIONS, DeploymentSpec
+from .core.rollout import ASSIGNMENTS, ArmSpec, RollbackRules, RolloutSpec
 
 
-def load_spec(path: str | Path | None) -> DeploymentSpec:
-    """The file's ``DeploymentSpec`` (the defaults for None); errors name the file and the key."""
-    if path is None:
-        return DeploymentSpec()
-    text = Path(path).read_text()
-    data = yaml.safe_load(text)
+def _read(path: str | Path) -> dict[str, Any]:
+    data = yaml.safe_load(Path(path).read_text())
     if data is not None and not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping with encoder/llm/server sections, "
                          f"got {type(data).__name__}")
+    return dict(data or {})
+
+
+def load_spec(path: str | Path | None) -> DeploymentSpec:
+    """The file's ``DeploymentSpec`` (the defaults for None); errors name the file and the key. Its
+    ``arms:`` section is ``load_rollout``'s."""
+    if path is None:
+        return DeploymentSpec()
+    data = _read(path)
+    data.pop("arms", None)
     try:
         return DeploymentSpec.from_dict(data)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{path}: {exc}") from None
+
+
+_ARM_KEYS = {"name", "share", "config"}
+
+
+def load_rollout(path: str | Path | None, primary: DeploymentSpec | None = None) -> RolloutSpec:
+    """The file's ``arms:`` section (none: one arm). A candidate's deployment is its ``config:`` file as
+    that file says, or ``primary`` (the file's own deployment, flags applied) with the sections the
+    candidate gives in place of the primary's."""
+    if path is None:
+        return RolloutSpec()
+    section = _read(path).get("arms")
+    if section is None:
+        return RolloutSpec()
+    try:
+        if not isinstance(section, dict):
+            raise ValueError("arms: expected a mapping with candidates (and assign, rollback)")
+        unknown = sorted(set(section) - {"assign", "candidates", "rollback"})
+        if unknown:
+            raise ValueError(f"arms: unknown key(s) {unknown}; the keys are assign, candidates, rollback")
+        base = (primary or load_spec(path)).to_dict()
+        arms = []
+        for item in section.get("candidates") or []:
+            if not isinstance(item, dict) or "name" not in item or "share" not in item:
+                raise ValueError(f"arms.candidates: each needs a name and a share, got {item!r}")
+            sections = {k: v for k, v in item.items() if k not in _ARM_KEYS}
+            if "config" in item:
+                if sections:
+                    raise ValueError(f"arm {item['name']}: give a config file or sections, not both")
+                sub = Path(path).parent / str(item["config"])
+                if "arms" in _read(sub):
+                    raise ValueError(f"arm {item['name']}: {sub} has arms of its own")
+                spec = load_spec(sub)
+            else:
+                spec = DeploymentSpec.from_dict({**base, **sections})
+            arms.append(ArmSpec(str(item["name"]), float(item["share"]), spec))
+        rules = _build(RollbackRules, "arms.rollback", dict(section.get("rollback") or {}))
+        return RolloutSpec(tuple(arms), str(section.get("assign", "client")), rules)
     except (ValueError, TypeError) as exc:
         raise ValueError(f"{path}: {exc}") from None
 
@@ -164,3 +217,44 @@ def deployment_flags(args: argparse.Namespace) -> list[str]:
         if value is not None:
             out += [flag, str(Path(value).resolve()) if attr == "config" else str(value)]
     return out
+
+
+def add_rollout_args(p: argparse.ArgumentParser) -> None:
+    """``--canary`` and the rollout flags (serve): a second arm beside the deployment, over ``arms:``."""
+    g = p.add_argument_group("canary and A/B arms (docs/rollout.md)")
+    g.add_argument("--canary", default=None, metavar="CONFIG",
+                   help="serve this config file as a candidate arm beside --config's deployment")
+    g.add_argument("--canary-share", type=float, default=None,
+                   help="--canary: its share of the traffic (default 0.1)")
+    g.add_argument("--arm-assign", choices=ASSIGNMENTS, default=None,
+                   help="client: a stable hash of X-Client-Id, else the connection (default); random")
+    g.add_argument("--rollback-p99-ratio", type=float, default=None,
+                   help=f"roll a candidate back when its P99 exceeds this times the primary's "
+                        f"(default {RollbackRules.max_p99_ratio})")
+    g.add_argument("--rollback-window-s", type=float, default=None,
+                   help=f"the rules' sliding window (default {RollbackRules.window_s:.0f} s)")
+    g.add_argument("--rollback-min-samples", type=int, default=None,
+                   help=f"answers per arm in the window before a rate or P99 rule applies "
+                        f"(default {RollbackRules.min_samples})")
+    g.add_argument("--no-rollback", action="store_true", help="compare the arms but never roll one back")
+
+
+def rollout_from_args(args: argparse.Namespace, primary: DeploymentSpec) -> RolloutSpec:
+    """The config file's ``arms:`` with ``--canary`` added and the rollout flags applied."""
+    rollout = load_rollout(getattr(args, "config", None), primary)
+    arms = rollout.arms
+    if getattr(args, "canary", None):
+        arms = (*arms, ArmSpec("canary", 0.1 if args.canary_share is None else args.canary_share,
+                               load_spec(args.canary)))
+    elif getattr(args, "canary_share", None) is not None:
+        raise SystemExit("--canary-share needs --canary CONFIG")
+    rules = rollout.rules
+    flags = {"max_p99_ratio": "rollback_p99_ratio", "window_s": "rollback_window_s",
+             "min_samples": "rollback_min_samples"}
+    changed: dict[str, Any] = {k: getattr(args, a) for k, a in flags.items()
+                               if getattr(args, a, None) is not None}
+    if getattr(args, "no_rollback", False):
+        changed["enabled"] = False
+    if changed:
+        rules = dataclasses.replace(rules, **changed)
+    return RolloutSpec(arms, getattr(args, "arm_assign", None) or rollout.assign, rules)

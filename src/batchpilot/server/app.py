@@ -29,8 +29,11 @@ from pydantic import BaseModel
 
 from ..core.config import SchedulerConfig
 from ..core.costmodel import CostModel
+from ..core.rollout import RolloutSpec
 from ..runtime.batch_log import BatchLog
 from ..runtime.executor import Executor
+from .arms import ArmedModel
+from .arms_routes import arms_router
 from .config import ServerConfig
 from .embeddings import EmbeddingService
 from .errors import install_error_handlers
@@ -73,21 +76,45 @@ _HEALTH_ORDER = ("stopped", "draining", "degraded", "ok")  # the worst model's s
 
 
 @dataclass(frozen=True)
+class ServedArm:
+    """A candidate arm of a served model: its executor (the primary's where the precision is the
+    same) and its resolved scheduler config."""
+
+    executor: Executor
+    config: SchedulerConfig
+
+
+@dataclass(frozen=True)
 class ServedModel:
     """A model to serve: its executor, its resolved scheduler config (``core.deployment``), its cost
-    model and the name clients use (default: the executor's ``model_name``)."""
+    model and the name clients use (default: the executor's ``model_name``); with ``rollout``
+    candidates, one ``ServedArm`` per candidate, in the same order."""
 
     executor: Executor
     config: SchedulerConfig | None = None
     cost_model: CostModel | None = None
     name: str | None = None
+    rollout: RolloutSpec | None = None
+    arms: tuple[ServedArm, ...] = ()
 
 
-def make_service(settings: ServerConfig, model: ServedModel) -> ModelService:
-    task = getattr(model.executor, "task", "embed")
+def make_service(settings: ServerConfig, model: ServedModel, executor: Executor | None = None,
+                 config: SchedulerConfig | None = None) -> ModelService:
+    executor = executor or model.executor
+    task = getattr(executor, "task", "embed")
     kind = EmbeddingService if task == "embed" else ScoringService
-    return kind(settings, model.executor, model.config or SchedulerConfig(),
+    return kind(settings, executor, config or model.config or SchedulerConfig(),
                 model.cost_model or CostModel.default_cpu_minilm(), model.name)
+
+
+def make_arms(settings: ServerConfig, model: ServedModel, primary: ModelService) -> ArmedModel | None:
+    """The model's arms (``server/arms.py``), or None when it has no candidates."""
+    if model.rollout is None or not model.rollout.arms:
+        return None
+    if len(model.arms) != len(model.rollout.arms):
+        raise ValueError(f"{len(model.arms)} served arms for {len(model.rollout.arms)} candidates")
+    services = [primary, *(make_service(settings, model, a.executor, a.config) for a in model.arms)]
+    return ArmedModel(services, model.rollout)
 
 
 def create_app(settings: ServerConfig, executor: Executor | None = None,
@@ -108,10 +135,12 @@ def create_app(settings: ServerConfig, executor: Executor | None = None,
     served = list(models)
     if executor is not None:
         served.insert(0, ServedModel(executor, config, cost_model, settings.model_name))
-    served_models = Models([make_service(settings, m) for m in served])
+    primaries = [make_service(settings, m) for m in served]
+    armed = [a for m, p in zip(served, primaries, strict=True) if (a := make_arms(settings, m, p))]
+    served_models = Models(primaries, armed)
     svc = served_models.primary
     registry = CollectorRegistry()
-    registry.register(ModelLabels({s.model_name: s.metrics.registry for s in served_models.services}))
+    registry.register(ModelLabels(metric_sources(served_models)))
     hooks = list(on_shutdown)
     if settings.batch_log:  # the first model's batches (what `bench fidelity` reads)
         batch_log = BatchLog(settings.batch_log)
@@ -127,7 +156,7 @@ def create_app(settings: ServerConfig, executor: Executor | None = None,
         yield
         pauses.close()
         gc.unfreeze()  # back to normal for whatever outlives the server in this process (tests)
-        await asyncio.gather(*(s.close() for s in served_models.services))
+        await asyncio.gather(*(s.close() for s in served_models.all_services))
         for hook in hooks:
             await asyncio.get_running_loop().run_in_executor(None, hook)
 
@@ -136,7 +165,7 @@ def create_app(settings: ServerConfig, executor: Executor | None = None,
     app.state.models = served_models
     # run when the shutdown drain times out: what is still queued or running gets an answer, not a cut
     # connection (the LLM routes add their engine's stop: open streams end with an error event)
-    app.state.drain_timeout_hooks = [lambda s=s: s.batcher.shutdown(0.0) for s in served_models.services]
+    app.state.drain_timeout_hooks = [lambda s=s: s.batcher.shutdown(0.0) for s in served_models.all_services]
     install_error_handlers(app)
     for make_router in routers:
         app.include_router(make_router(registry))
@@ -162,23 +191,42 @@ def create_app(settings: ServerConfig, executor: Executor | None = None,
 
     @app.get("/health", response_model=Health, responses={503: {"model": Health}})
     async def health() -> JSONResponse:
-        states = [s.batcher.health for s in served_models.services]
+        states = [s.batcher.health for s in served_models.all_services]
         status = min(states, key=_HEALTH_ORDER.index)
         if status == "ok" and not all(alive() for alive in health_checks):
             status = "degraded"
-        batchers = [s.batcher for s in served_models.services]
+        batchers = [s.batcher for s in served_models.all_services]
         body = Health(status=status, model=svc.model_name,  # type: ignore[arg-type]
                       models=[s.model_name for s in served_models.services],
                       queued=sum(b.scheduler.num_waiting for b in batchers),
                       running=sum(b.num_running for b in batchers),
-                      pending=sum(b.num_pending for b in batchers))
-        return JSONResponse(body.model_dump(), status_code=200 if status == "ok" else 503)
+                      pending=sum(b.num_pending for b in batchers),
+                      arms={n: a.states() for n, a in served_models.arms.items()} or None)
+        return JSONResponse(body.model_dump(exclude_none=True), status_code=200 if status == "ok" else 503)
+
+    if served_models.arms:
+        app.include_router(arms_router(served_models))
 
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return RequestLifecycle(DirectRoutes(app, direct), settings, registry)
+
+
+def metric_sources(models: Models) -> list[tuple[dict[str, str], CollectorRegistry]]:
+    """Each service's registry with its labels: ``model``, and ``arm`` for a model served in arms (whose
+    arm gauges come labelled ``model`` only)."""
+    out: list[tuple[dict[str, str], CollectorRegistry]] = []
+    for s in models.services:
+        armed = models.arms.get(s.model_name)
+        if armed is None:
+            out.append(({"model": s.model_name}, s.metrics.registry))
+            continue
+        out += [({"model": s.model_name, "arm": arm}, a.metrics.registry)
+                for arm, a in armed.services.items()]
+        out.append(({"model": s.model_name}, armed.registry))
+    return out
 
 
 class DirectRoutes:

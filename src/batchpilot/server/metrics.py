@@ -169,20 +169,23 @@ class ServerMetrics(BatcherObserver):
 
 class ModelLabels:
     """A collector showing several models' registries as one set of families, each sample labelled
-    ``model=<name>`` (registered on the server's registry)."""
+    with its registry's labels (``model=<name>``, and ``arm=<arm>`` for a model served in arms;
+    registered on the server's registry)."""
 
-    def __init__(self, registries: dict[str, CollectorRegistry]) -> None:
-        self.registries = registries
+    def __init__(self, registries: dict[str, CollectorRegistry]
+                 | list[tuple[dict[str, str], CollectorRegistry]]) -> None:
+        self.registries = ([({"model": m}, r) for m, r in registries.items()]
+                           if isinstance(registries, dict) else list(registries))
 
     def describe(self) -> list[Metric]:
         return []  # names are checked per model registry; the families are built at scrape time
 
     def collect(self) -> Iterator[Metric]:
         families: dict[str, Metric] = {}
-        for model, registry in self.registries.items():
+        for labels, registry in self.registries:
             for fam in registry.collect():
                 out = families.get(fam.name)
                 if out is None:
                     out = families[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
-                out.samples += [s._replace(labels={"model": model, **s.labels}) for s in fam.samples]
+                out.samples += [s._replace(labels={**labels, **s.labels}) for s in fam.samples]
         yield from families.values()

@@ -6,8 +6,11 @@ task; and the one place a route's errors and HTTP metrics are handled.
 parses the body from the bytes (pydantic-core), picks the service (``Models.pick``: an unknown model
 is 404, a model of another task 400, both naming what this server serves), awaits its method, and
 counts the answer on that model's ``http_requests_total{route,status}`` and latency histogram (on the
-route's default model when none was picked). An unexpected exception propagates to the request
-middleware's fixed 500.
+route's default model when none was picked). A model served in arms (``server/arms.py``) has the
+request assigned to one of them, which answers it, names itself in the ``X-Batchpilot-Arm`` response
+header and records the outcome for the arms' comparison and rollback; when a candidate's executor
+fails (500), the fault is recorded on it and the primary answers the request. An unexpected exception
+propagates to the request middleware's fixed 500.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
+from ..core.rollout import PRIMARY
+from .arms import ARM_HEADER, ArmedModel
 from .errors import APIError, error_response, request_id_of, validation_response
 from .service import ClientGone, ModelService
 
@@ -28,16 +33,22 @@ TASK_ROUTES = {
     "score": ("/v1/rerank", "/rerank", "/v2/rerank", "/v1/score", "/score"),
     "classify": ("/v1/classify", "/classify"),
 }
+_UNARMED = ("tokenize_text", "detokenize")  # answered by the primary, not compared across arms
 _ROUTE_NAMES = {"embed": "embeddings", "score": "rerank and score", "classify": "classify"}
 
 
 class Models:
-    """The served models, in the order given (the first of a task is that task's default)."""
+    """The served models, in the order given (the first of a task is that task's default); ``services``
+    are their primaries, ``arms`` the models served in arms, ``all_services`` every arm's service."""
 
-    def __init__(self, services: Sequence[ModelService]) -> None:
+    def __init__(self, services: Sequence[ModelService], arms: Sequence[ArmedModel] = ()) -> None:
         if not services:
             raise ValueError("a server needs at least one model")
         self.services = list(services)
+        self.arms = {a.model_name: a for a in arms}
+        self.all_services = [a for s in services for a in
+                             (self.arms[s.model_name].services.values() if s.model_name in self.arms
+                              else [s])]
         self.by_name: dict[str, ModelService] = {}
         for svc in services:
             if svc.model_name in self.by_name:
@@ -89,6 +100,8 @@ class ModelRoute:
 
     async def __call__(self, request: Request) -> Response:
         t0, status, svc = time.perf_counter(), 200, self.default
+        armed: ArmedModel | None = None
+        arm = ""
         try:
             try:
                 body = self.body_type.model_validate_json(await request.body())
@@ -96,11 +109,26 @@ class ModelRoute:
                 status = 422
                 return validation_response(exc.errors(include_url=False, include_context=False))
             svc = self.models.pick(self.tasks, getattr(body, "model", None))
-            response: Response = await getattr(svc, self.method)(body, request)
+            armed = self.models.arms.get(svc.model_name) if self.method not in _UNARMED else None
+            if armed is not None:
+                arm, svc = armed.pick(request)
+            try:
+                response: Response = await getattr(svc, self.method)(body, request)
+            except APIError as exc:  # a candidate's executor failed: the primary answers instead
+                if armed is None or arm == PRIMARY or exc.status != 500:
+                    raise
+                armed.record(arm, 500, time.perf_counter() - t0)
+                arm, svc = PRIMARY, armed.services[PRIMARY]
+                response = await getattr(svc, self.method)(body, request)
+            if armed is not None:
+                response.headers[ARM_HEADER] = arm
             return response
         except APIError as exc:
             status = exc.status
-            return error_response(exc, request_id_of(request))
+            out = error_response(exc, request_id_of(request))
+            if armed is not None:
+                out.headers[ARM_HEADER] = arm
+            return out
         except ClientGone:
             status = 499
             return Response(status_code=499)
@@ -108,4 +136,7 @@ class ModelRoute:
             status = 500
             raise
         finally:
-            svc.count(self.route, status, time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
+            svc.count(self.route, status, seconds)
+            if armed is not None:
+                armed.record(arm, status, seconds)

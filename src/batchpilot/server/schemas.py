@@ -85,3 +85,5 @@ class Health(BaseModel):
     queued: int
     running: int
     pending: int
+    arms: dict[str, dict[str, str]] | None = Field(
+        default=None, description="models served in arms: each arm's state (serving, rolled_back)")

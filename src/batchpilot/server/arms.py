@@ -1,0 +1,178 @@
+"""The arms of one served model: a primary and its candidates, each its own ``ModelService`` (its own
+scheduler, slots and metrics) over the same weights, with the core's assignment and rollback
+(``core.rollout``) and comparison (``core.abtest``).
+
+    armed = ArmedModel([primary_svc, canary_svc], rollout)
+    name, svc = armed.pick(request)          # X-Client-Id, else the connection (or random)
+    armed.record(name, status, seconds)      # every answer; rolls a candidate back when a rule says
+    armed.status()                           # GET /v1/arms: windows, comparisons, rollbacks
+
+An answer counts by its status: 200 ok; 429 and 503 rejected (admission); 500 a fault (the executor
+failed); 504 and other 5xx errors; client errors (4xx) are not the arm's doing and are not counted.
+A rollback is logged (warning, with the rule and the numbers), counted in
+``batchpilot_arm_rollbacks_total{arm,rule}``, shown by ``batchpilot_arm_share`` dropping to 0 and by
+``/health``'s ``arms``; ``POST /v1/arms/{arm}/enable`` takes the arm back (``/disable`` rolls it back
+by hand).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from fastapi import Request
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from ..core.abtest import ArmSample, compare_arms
+from ..core.rollout import PRIMARY, ArmWindow, Outcome, Rollback, RolloutGuard, RolloutSpec, arm_for
+from .service import ModelService
+
+log = logging.getLogger("batchpilot.server")
+
+CHECK_INTERVAL_S = 0.25  # the rules are evaluated at most this often (each check sorts the windows)
+ARM_HEADER = "x-batchpilot-arm"
+
+
+def outcome_of(status: int) -> Outcome | None:
+    if status == 200:
+        return Outcome.OK
+    if status in (429, 503):
+        return Outcome.REJECTED
+    if status == 500:
+        return Outcome.FAULT
+    if status >= 500:
+        return Outcome.ERROR
+    return None
+
+
+class ArmedModel:
+    def __init__(self, services: Sequence[ModelService], rollout: RolloutSpec, seed: int = 0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        names = rollout.names()
+        if len(services) != len(names):
+            raise ValueError(f"{len(services)} services for the arms {names}")
+        self.model_name = services[0].model_name
+        self.services = dict(zip(names, services, strict=True))
+        self.rollout = rollout
+        self.base_shares = rollout.shares()
+        self.guard = RolloutGuard(names, rollout.rules)
+        self.clock = clock
+        self._rng = random.Random(seed)
+        self._shares = list(self.base_shares)
+        self._last_check = -float("inf")
+        self.registry = r = CollectorRegistry()
+        self._share_gauge = Gauge("batchpilot_arm_share", "Share of new requests assigned to the arm",
+                                  ["arm"], registry=r)
+        self._rolled = Gauge("batchpilot_arm_rolled_back", "1 while the arm is rolled back", ["arm"],
+                             registry=r)
+        self._rollbacks = Counter("batchpilot_arm_rollbacks", "Rollbacks of the arm, by rule",
+                                  ["arm", "rule"], registry=r)
+        for name, svc in self.services.items():
+            svc.batcher.batch_observers.append(self._batch_recorder(name))
+        self._publish()
+
+    def _batch_recorder(self, name: str) -> Callable[[Any, float, float], None]:
+        def record(batch: Any, start: float, slot_s: float) -> None:
+            self.guard.record_batch(name, start, batch.size, batch.shape.useful_tokens, batch.shape.tokens)
+        return record
+
+    def pick(self, request: Request) -> tuple[str, ModelService]:
+        key = request.headers.get("x-client-id")
+        if key is None and self.rollout.assign == "client":
+            client = request.scope.get("client")
+            key = f"{client[0]}:{client[1]}" if client else None
+        if self.rollout.assign == "random":
+            key = None
+        i = self.guard.route(arm_for(key, self.base_shares, self._rng.random()))
+        name = self.guard.names[i]
+        return name, self.services[name]
+
+    def record(self, arm: str, status: int, seconds: float) -> None:
+        outcome = outcome_of(status)
+        if outcome is None:
+            return
+        now = self.clock()
+        self.guard.record(arm, now, seconds, outcome)
+        if now - self._last_check >= CHECK_INTERVAL_S or outcome is Outcome.FAULT:
+            self._last_check = now
+            for rb in self.guard.check(now):
+                self._rolled_back(rb)
+
+    def _rolled_back(self, rb: Rollback) -> None:
+        log.warning("arm %s of %s rolled back (%s): %s; its traffic goes to the primary until "
+                    "POST /v1/arms/%s/enable", rb.arm, self.model_name, rb.rule, rb.detail, rb.arm)
+        self._rollbacks.labels(arm=rb.arm, rule=rb.rule).inc()
+        self._publish()
+
+    def _publish(self) -> None:
+        self._shares = self.guard.shares(self.base_shares)
+        for name, share in zip(self.guard.names, self._shares, strict=True):
+            self._share_gauge.labels(arm=name).set(share)
+            self._rolled.labels(arm=name).set(1.0 if name in self.guard.rolled_back else 0.0)
+
+    def enable(self, arm: str) -> bool:
+        """Take a rolled-back candidate back (its window starts empty); False if it was serving."""
+        self._known(arm)
+        done = self.guard.enable(arm)
+        if done:
+            log.info("arm %s of %s enabled again", arm, self.model_name)
+            self._publish()
+        return done
+
+    def disable(self, arm: str) -> bool:
+        """Roll a candidate back by hand; False if it already was."""
+        self._known(arm)
+        if arm == PRIMARY:
+            raise ValueError("the primary arm cannot be rolled back: it is where traffic returns to")
+        if arm in self.guard.rolled_back:
+            return False
+        rb = Rollback(arm, self.clock(), "manual", "rolled back by POST /v1/arms/{arm}/disable")
+        self.guard.rolled_back[arm] = rb
+        self._rolled_back(rb)
+        return True
+
+    def _known(self, arm: str) -> None:
+        if arm not in self.services:
+            raise KeyError(f"{self.model_name} has no arm {arm!r}; its arms are {', '.join(self.services)}")
+
+    def states(self) -> dict[str, str]:
+        return {n: "rolled_back" if n in self.guard.rolled_back else "serving" for n in self.guard.names}
+
+    def windows(self) -> dict[str, ArmWindow]:
+        """Every arm's window now (on the event loop, where the answers are recorded)."""
+        now = self.clock()
+        return {n: self.guard.window(n, now) for n in self.guard.names}
+
+    def status(self, windows: dict[str, ArmWindow], resamples: int = 500) -> dict[str, Any]:
+        """The windows and each candidate against the primary (a bootstrap: may run off the loop)."""
+        now = self.clock()
+        arms = []
+        for (name, w), share, base in zip(windows.items(), self._shares, self.base_shares, strict=True):
+            rb = self.guard.rolled_back.get(name)
+            cfg = self.services[name].batcher.config
+            arms.append({
+                "arm": name, "state": "rolled_back" if rb else "serving", "share": share, "base_share": base,
+                "config": {"policy": cfg.policy.name, "max_batch_size": cfg.policy.max_batch_size,
+                           "max_wait_s": cfg.policy.max_wait_s, "padding": cfg.planner.padding,
+                           "num_slots": cfg.num_slots},
+                "window_s": self.guard.rules.window_s, "answers": w.total, "ok": len(w.latencies),
+                "p50_s": _num(w.p(0.5)), "p99_s": _num(w.p(0.99)), "error_rate": w.error_rate,
+                "rejection_rate": w.rejection_rate, "faults": w.faults, "batches": w.batches,
+                "mean_batch_size": _num(w.mean_batch_size), "padding_efficiency": _num(w.padding_efficiency),
+                "rollback": None if rb is None else {"rule": rb.rule, "detail": rb.detail,
+                                                     "seconds_ago": now - rb.at}})
+        primary = windows[PRIMARY]
+        comparisons = [compare_arms(ArmSample(PRIMARY, primary.latencies, primary.errors + primary.faults,
+                                              primary.rejected),
+                                    ArmSample(n, w.latencies, w.errors + w.faults, w.rejected),
+                                    resamples=resamples).to_dict()
+                       for n, w in windows.items() if n != PRIMARY]
+        return {"model": self.model_name, "assign": self.rollout.assign,
+                "rules": dict(vars(self.guard.rules)), "arms": arms, "comparisons": comparisons}
+
+
+def _num(x: float) -> float | None:
+    return None if x != x else x  # NaN -> null in JSON

@@ -1,0 +1,106 @@
+"""A model served in arms on a real server: assignment by client, arm labels on every metric, /v1/arms,
+rollback of a failing candidate with nobody answered twice or lost, and taking it back by the admin route."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from typing import Any
+
+import httpx
+import pytest
+from inproc import live_server, scrape
+
+from batchpilot.core.config import SchedulerConfig
+from batchpilot.core.deployment import DeploymentSpec
+from batchpilot.core.rollout import ArmSpec, RollbackRules, RolloutSpec
+from batchpilot.runtime.executor import NoopExecutor
+from batchpilot.server.app import ServedArm, ServedModel
+
+KEY = "arms-admin"
+
+
+class OutOfMemoryExecutor(NoopExecutor):
+    """A candidate whose every batch fails the way a device out of memory does."""
+
+    def run(self, prepared: list[Any]) -> list[Any]:
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+def armed(candidate: NoopExecutor, share: float = 0.5, **rules: Any) -> ServedModel:
+    rollout = RolloutSpec((ArmSpec("canary", share, DeploymentSpec()),), rules=RollbackRules(**rules))
+    return ServedModel(NoopExecutor(), SchedulerConfig(), name="noop", rollout=rollout,
+                       arms=(ServedArm(candidate, SchedulerConfig()),))
+
+
+async def fire(url: str, clients: int, rounds: int) -> list[tuple[str, int, str]]:
+    async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+        async def one(i: int) -> tuple[str, int, str]:
+            r = await c.post("/v1/embeddings", json={"input": "hello world"},
+                             headers={"x-client-id": f"client-{i}", "authorization": f"Bearer {KEY}"})
+            return f"client-{i}", r.status_code, r.headers.get("x-batchpilot-arm", "")
+        out: list[tuple[str, int, str]] = []
+        for _ in range(rounds):
+            out += await asyncio.gather(*(one(i) for i in range(clients)))
+        return out
+
+
+def test_each_client_stays_on_its_arm_and_every_metric_names_the_arm() -> None:
+    with live_server(None, models=[armed(NoopExecutor())], api_key=KEY) as srv:
+        answers = asyncio.run(fire(srv.url, 40, 5))
+        arms_of = collections.defaultdict(set)
+        for client, status, arm in answers:
+            assert status == 200
+            arms_of[client].add(arm)
+        assert all(len(a) == 1 for a in arms_of.values())
+        split = collections.Counter(next(iter(a)) for a in arms_of.values())
+        assert set(split) == {"primary", "canary"}
+        metrics = scrape(srv.url, {"authorization": f"Bearer {KEY}"}, by_model=True)
+        for arm in ("primary", "canary"):
+            served = metrics[f'batchpilot_http_requests_total{{arm={arm},model=noop,route=/v1/embeddings,'
+                             'status=200}']
+            assert served == 5 * split[arm]
+            assert f"batchpilot_arm_share{{arm={arm},model=noop}}" in metrics
+        status = httpx.get(srv.url + "/v1/arms", headers={"authorization": f"Bearer {KEY}"}).json()
+        [model] = status["data"]
+        assert [a["arm"] for a in model["arms"]] == ["primary", "canary"]
+        assert sum(a["answers"] for a in model["arms"]) == 200
+        assert model["comparisons"][0]["candidate"] == "canary"
+        assert httpx.get(srv.url + "/health").json()["arms"] == {"noop": {"primary": "serving",
+                                                                         "canary": "serving"}}
+
+
+def test_a_failing_candidate_is_rolled_back_and_its_requests_answered_by_the_primary() -> None:
+    with live_server(None, models=[armed(OutOfMemoryExecutor(), share=0.5, max_faults=3)],
+                     api_key=KEY) as srv:
+        headers = {"authorization": f"Bearer {KEY}"}
+        answers = asyncio.run(fire(srv.url, 20, 1))
+        failures = "batchpilot_batch_failures_total{arm=canary,model=noop}"
+        failed = scrape(srv.url, headers, by_model=True)[failures]
+        assert failed >= 3  # the faults that decided it ran on the candidate
+        answers += asyncio.run(fire(srv.url, 20, 4))
+        assert len(answers) == 100 and all(status == 200 for _, status, _ in answers)  # none lost
+        assert all(arm == "primary" for _, _, arm in answers)  # the candidate answered nobody
+        health = httpx.get(srv.url + "/health").json()
+        assert health["status"] == "ok" and health["arms"]["noop"]["canary"] == "rolled_back"
+        metrics = scrape(srv.url, headers, by_model=True)
+        assert metrics["batchpilot_arm_share{arm=canary,model=noop}"] == 0.0
+        assert metrics["batchpilot_arm_rolled_back{arm=canary,model=noop}"] == 1.0
+        assert metrics["batchpilot_arm_rollbacks_total{arm=canary,model=noop,rule=faults}"] == 1.0
+        # nothing was sent to it after the rollback
+        assert metrics[failures] == failed
+        canary = httpx.get(srv.url + "/v1/arms", headers=headers).json()["data"][0]["arms"][1]
+        assert canary["state"] == "rolled_back" and canary["rollback"]["rule"] == "faults"
+        # the admin route is behind the API key, and takes the arm back
+        assert httpx.post(srv.url + "/v1/arms/canary/enable").status_code == 401
+        back = httpx.post(srv.url + "/v1/arms/canary/enable", headers=headers).json()
+        assert back["changed"] and back["states"]["canary"] == "serving"
+        assert httpx.post(srv.url + "/v1/arms/primary/disable", headers=headers).status_code == 400
+        assert httpx.post(srv.url + "/v1/arms/nope/disable", headers=headers).status_code == 404
+
+
+@pytest.mark.parametrize("share", [0.0, 1.0])
+def test_shares_at_the_edges_send_everyone_to_one_arm(share: float) -> None:
+    with live_server(None, models=[armed(NoopExecutor(), share=share)], api_key=KEY) as srv:
+        arms = {arm for _, _, arm in asyncio.run(fire(srv.url, 30, 1))}
+        assert arms == ({"canary"} if share == 1.0 else {"primary"})
