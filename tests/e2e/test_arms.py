@@ -16,6 +16,7 @@ from batchpilot.core.deployment import DeploymentSpec
 from batchpilot.core.rollout import ArmSpec, RollbackRules, RolloutSpec
 from batchpilot.runtime.executor import NoopExecutor
 from batchpilot.server.app import ServedArm, ServedModel
+from batchpilot.sim.arms import assign
 
 KEY = "arms-admin"
 
@@ -55,6 +56,10 @@ def test_each_client_stays_on_its_arm_and_every_metric_names_the_arm() -> None:
         assert all(len(a) == 1 for a in arms_of.values())
         split = collections.Counter(next(iter(a)) for a in arms_of.values())
         assert set(split) == {"primary", "canary"}
+        # the simulator assigns the same clients to the same arms (sim.arms)
+        clients = sorted(arms_of)
+        predicted = assign(clients, RolloutSpec((ArmSpec("canary", 0.5),)))
+        assert [next(iter(arms_of[c])) for c in clients] == [["primary", "canary"][i] for i in predicted]
         metrics = scrape(srv.url, {"authorization": f"Bearer {KEY}"}, by_model=True)
         for arm in ("primary", "canary"):
             served = metrics[f'batchpilot_http_requests_total{{arm={arm},model=noop,route=/v1/embeddings,'

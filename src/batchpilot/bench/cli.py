@@ -6,6 +6,7 @@ the simulator's fidelity, or run the padding benchmark.
     batchpilot bench capacity --url http://127.0.0.1:8000 --workload conv-embed --probe-s 30
     batchpilot bench fidelity --workload conv-embed --config cfg.yaml [--profile profile.json]
     batchpilot bench tuner --workload conv-embed --requests 400 [--profile profile.json]
+    batchpilot bench ab --url http://127.0.0.1:8000 --requests 2000   (a server with arms: which is better)
     batchpilot bench padding ...            (the padding modes benchmark, batchpilot.bench.padding)
 
 ``--compare`` takes server URLs and/or scheduler YAML files; a YAML starts ``batchpilot serve --config``
@@ -24,7 +25,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-SUBS = ("run", "capacity", "fidelity", "tuner", "padding")
+SUBS = ("run", "capacity", "fidelity", "tuner", "ab", "padding")
 
 
 def _workload_args(p: argparse.ArgumentParser) -> None:
@@ -63,7 +64,7 @@ def register(subparsers: Any) -> None:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     _run_args(p)
     p.set_defaults(func=main_run, bench_command="run")
-    sub = p.add_subparsers(dest="bench_command", metavar="{run,capacity,fidelity,tuner,padding}")
+    sub = p.add_subparsers(dest="bench_command", metavar="{run,capacity,fidelity,tuner,ab,padding}")
     r = sub.add_parser("run", help="replay a workload (the default)")
     _run_args(r)
     r.set_defaults(func=main_run)
@@ -89,6 +90,12 @@ def register(subparsers: Any) -> None:
     add_tuner_arguments(t)
     _workload_args(t)
     t.set_defaults(func=_tuner)
+    ab = sub.add_parser("ab", help="the arms of a server compared: which is better, and is it significant")
+    from .ab import add_arguments as add_ab_arguments
+
+    add_ab_arguments(ab)
+    _workload_args(ab)
+    ab.set_defaults(func=_ab)
     # prefix_chars="+": every "-..." token after "padding" (--help included) is the padding benchmark's
     pad = sub.add_parser("padding", help="padding modes benchmark (batchpilot.bench.padding)", add_help=False,
                          prefix_chars="+")
@@ -110,6 +117,12 @@ def _fidelity(args: argparse.Namespace) -> int:
 
 def _tuner(args: argparse.Namespace) -> int:
     from .tuner_check import main
+
+    return main(args)
+
+
+def _ab(args: argparse.Namespace) -> int:
+    from .ab import main
 
     return main(args)
 

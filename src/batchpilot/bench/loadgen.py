@@ -39,6 +39,7 @@ from .records import RequestRecord
 from .scrape import MetricsScraper, MetricsSeries
 
 Endpoint = Literal["embeddings", "rerank", "completions"]
+ARM_HEADER = "x-batchpilot-arm"  # the arm that answered, on a server with arms (server/arms.py)
 LIVE_LAG_WARN_S = 0.05
 PATHS = {"embeddings": "/v1/embeddings", "rerank": "/v1/rerank", "completions": "/v1/completions"}
 
@@ -80,6 +81,7 @@ class PlannedRequest:
     output_tokens: int
     body: dict[str, Any]
     warmup: bool = False
+    headers: dict[str, str] | None = None  # e.g. X-Client-Id (``bench ab``)
 
 
 @dataclass
@@ -163,11 +165,13 @@ async def _discover_model(client: httpx.AsyncClient, endpoint: Endpoint = "embed
 
 
 async def _post(client: httpx.AsyncClient, path: str, body: dict[str, Any], rec: RequestRecord,
-                clock: Callable[[], float]) -> httpx.Response | None:
-    """POST and record when and how it was answered; the response when it is a 200, else None."""
-    resp = await client.post(path, json=body)
+                clock: Callable[[], float], headers: dict[str, str] | None = None) -> httpx.Response | None:
+    """POST and record when and how it was answered (and by which arm, where the server says); the
+    response when it is a 200, else None."""
+    resp = await client.post(path, json=body, headers=headers)
     rec.done_s = clock()
     rec.status = resp.status_code
+    rec.arm = resp.headers.get(ARM_HEADER, "")
     if resp.status_code != 200:
         rec.error = error_text(resp.text)
         return None
@@ -175,8 +179,8 @@ async def _post(client: httpx.AsyncClient, path: str, body: dict[str, Any], rec:
 
 
 async def _send_embedding(client: httpx.AsyncClient, path: str, body: dict[str, Any], rec: RequestRecord,
-                          clock: Callable[[], float]) -> None:
-    resp = await _post(client, path, body, rec, clock)
+                          clock: Callable[[], float], headers: dict[str, str] | None = None) -> None:
+    resp = await _post(client, path, body, rec, clock, headers)
     if resp is None:
         return
     data = resp.json().get("data") or []
@@ -189,8 +193,8 @@ async def _send_embedding(client: httpx.AsyncClient, path: str, body: dict[str, 
 
 
 async def _send_rerank(client: httpx.AsyncClient, path: str, body: dict[str, Any], rec: RequestRecord,
-                       clock: Callable[[], float]) -> None:
-    resp = await _post(client, path, body, rec, clock)
+                       clock: Callable[[], float], headers: dict[str, str] | None = None) -> None:
+    resp = await _post(client, path, body, rec, clock, headers)
     if resp is None:
         return
     results, docs = resp.json().get("results") or [], len(body.get("documents") or ())
@@ -222,15 +226,16 @@ def parse_server_timing(header: str) -> dict[str, float]:
 
 
 async def _send_stream(client: httpx.AsyncClient, path: str, body: dict[str, Any], rec: RequestRecord,
-                       clock: Callable[[], float]) -> None:
+                       clock: Callable[[], float], headers: dict[str, str] | None = None) -> None:
     """SSE stream: every chunk with a choice is a token, TTFT = the first one. Its text may be empty (a
     token the server's detokenizer holds back, half a UTF-8 character): the token still left the server,
     and counting only chunks with text would move TTFT past it and merge its inter-token gap with the
     next (a random-weights model streams such tokens often). The usage chunk has no choices."""
     stamps: list[float] = []
     usage_tokens = 0
-    async with client.stream("POST", path, json=body) as resp:
+    async with client.stream("POST", path, json=body, headers=headers) as resp:
         rec.status = resp.status_code
+        rec.arm = resp.headers.get(ARM_HEADER, "")
         if resp.status_code != 200:
             rec.error = error_text((await resp.aread()).decode(errors="replace"))
             rec.done_s = clock()
@@ -304,7 +309,7 @@ async def replay_async(
                 print(f"loadgen: request {p.index} sent {late_ms:.0f} ms late: the load generator is falling "
                       "behind its schedule (CPU-bound?)", file=sys.stderr)
             try:
-                await send(client, path, body, rec, clock)
+                await send(client, path, body, rec, clock, p.headers)
             except asyncio.CancelledError:
                 rec.error = "cancelled: stopped early"
                 rec.done_s = clock()

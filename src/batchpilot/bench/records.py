@@ -48,6 +48,7 @@ class RequestRecord:
     # submitted to the Batcher -> every input's result back; streams: the engine's TTFT
     server_batcher_s: float = math.nan
     server_app_s: float = math.nan  # handler start -> response body ready; streams: first token on the loop
+    arm: str = ""  # the server's X-Batchpilot-Arm: which arm answered (servers with arms)
 
     @property
     def ok(self) -> bool:
@@ -94,7 +95,7 @@ def read_csv(path: str | Path) -> list[RequestRecord]:
                 status=int(row["status"]), latency_s=num("latency_s"), ttft_s=num("ttft_s"),
                 tokens_received=int(row["tokens_received"]), warmup=bool(int(row["warmup"])),
                 error=row["error"], itl_s=[float(x) for x in row["itl_s"].split(";") if x],
-                **{k: num(k) for k in _SERVER_TIMING if row.get(k)},
+                **{k: num(k) for k in _SERVER_TIMING if row.get(k)}, arm=row.get("arm") or "",
             ))
     return out
 
