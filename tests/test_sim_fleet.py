@@ -15,6 +15,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -219,3 +222,65 @@ def test_more_replicas_carry_a_load_one_cannot() -> None:
     assert p99[0] > p99[1] > p99[2]
     with pytest.raises(ValueError, match="replicas"):
         simulate_fleet(wl, SchedulerConfig(), cm, replicas=0)
+
+
+def test_simulate_replicas_prints_the_fleet_and_each_replica(capsys: pytest.CaptureFixture[str]) -> None:
+    from batchpilot.cli import main
+
+    args = ["simulate", "--workload", "conv-embed", "--rate-scale", "8", "--requests", "600"]
+    assert main([*args, "--replicas", "3", "--router", "least_loaded"]) == 0
+    out = capsys.readouterr().out
+    assert "3 replicas behind least_loaded: each replica's share" in out
+    assert main([*args, "--replicas", "0"]) == 2
+    assert main(["simulate", "--workload", "conv-llm", "--requests", "10", "--replicas", "2"]) == 2
+
+
+def test_tune_max_replicas_finds_the_fewest_that_hold_and_writes_the_per_replica_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from batchpilot.cli import main
+    from batchpilot.config_file import load_spec
+
+    out = tmp_path / "best.yaml"
+    rc = main(["tune", "--workload", "conv-embed", "--rate-scale", "12", "--requests", "500",
+               "--candidates", "2", "--sla-p99", "1.0", "--max-replicas", "4", "--router", "round_robin",
+               "-o", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    found = re.search(r"replicas: (\d+)", text)
+    assert found is not None and 1 < int(found.group(1)) <= 4  # one replica cannot carry x12
+    n = int(found.group(1))
+    assert f"# replicas: {n} (router round_robin), holds" in out.read_text()
+    assert load_spec(out).encoder.policy.max_batch_size >= 1  # serve and simulate read it unchanged
+    for line in text.splitlines():  # the table's "holds" column: no below the answer, yes at it
+        cells = [c.strip() for c in line.split("│") if c.strip()]
+        if cells and cells[0].isdigit() and cells[-1] in ("yes", "no"):
+            assert (cells[-1] == "yes") == (int(cells[0]) == n)
+    assert main(["tune", "--workload", "conv-embed", "--requests", "400", "--max-replicas", "0",
+                 "-o", str(out)]) == 2
+
+
+def test_tune_without_max_replicas_is_the_plain_tuner(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from batchpilot.cli import main
+
+    out = tmp_path / "best.yaml"
+    assert main(["tune", "--workload", "conv-embed", "--requests", "400", "--candidates", "2",
+                 "-o", str(out)]) == 0
+    assert "replicas" not in out.read_text() and "sizing a fleet" not in capsys.readouterr().out
+
+
+def test_a_fleet_tuner_of_one_replica_finds_the_plain_tuners_capacity() -> None:
+    from batchpilot.sim.fleet_tune import FleetTuner
+    from batchpilot.sim.tune import Candidate, TuneConfig, Tuner
+
+    wl = conv_embed().slice(0, 600)
+    tc = TuneConfig(sla_p99_s=1.0)
+    cm = CostModel.default_cpu_minilm()
+    caps = []
+    for tuner in (Tuner(wl, cm, tc), FleetTuner(wl, cm, tc, replicas=1, router="round_robin")):
+        cand = Candidate("default", SchedulerConfig())
+        tuner.capacity(cand, wl, 0.02, 1.0)
+        caps.append((cand.capacity, cand.probes))
+    assert caps[0] == caps[1]

@@ -49,10 +49,23 @@ def register(subparsers: Any) -> None:
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     p.add_argument("--target", choices=("encoder", "llm"), default=None,
                    help="which scheduler to drive (default: llm for conv-llm, else encoder)")
+    add_fleet_args(p)
     p.set_defaults(func=run_simulate)
+    from .fleet_tune import add_fleet_tune_args
     from .tune import register as register_tune
 
     register_tune(subparsers)
+    add_fleet_tune_args(subparsers.choices["tune"])
+
+
+def add_fleet_args(p: argparse.ArgumentParser) -> None:
+    from .router import ROUTERS
+
+    p.add_argument("--replicas", type=int, default=1,
+                   help="run this many replicas of the deployment, each its own scheduler and slots "
+                        "(sim/fleet.py; encoder target)")
+    p.add_argument("--router", choices=ROUTERS, default="power_of_two",
+                   help="how requests are spread over the replicas (default power_of_two, Ray Serve's)")
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -127,6 +140,10 @@ def run_simulate(args: argparse.Namespace) -> int:
         console.print(f"[red]batchpilot simulate: {exc}[/]")
         return 2
     target = args.target or ("llm" if args.workload == "conv-llm" else "encoder")
+    if args.replicas < 1 or (args.replicas > 1 and target == "llm"):
+        console.print("[red]batchpilot simulate: --replicas must be >= 1, and fleets run the encoder "
+                      "target only[/]")
+        return 2
     if target == "llm":
         try:
             from . import llm
@@ -148,12 +165,26 @@ def run_simulate(args: argparse.Namespace) -> int:
     if frontend is None and not args.batcher_only:
         console.print("[yellow]the profile has no serving-path section ('frontend'): predicting the batcher "
                       "alone; re-run `batchpilot profile` to include HTTP, JSON and tokenisation[/]")
+    fleet = None
     with _progress(console, len(workload)) as progress:
-        run = simulate_encoder(workload, config, cost_model, noise=args.noise, seed=args.seed,
-                               request_sla_s=args.request_sla, progress=progress, frontend=frontend)
+        if args.replicas == 1:
+            run = simulate_encoder(workload, config, cost_model, noise=args.noise, seed=args.seed,
+                                   request_sla_s=args.request_sla, progress=progress, frontend=frontend)
+        else:
+            from .fleet import simulate_fleet
+
+            fleet = simulate_fleet(workload, config, cost_model, replicas=args.replicas, router=args.router,
+                                   noise=args.noise, seed=args.seed, request_sla_s=args.request_sla,
+                                   progress=progress, frontend=frontend)
+            run = fleet.run
     report = summarize(run, sla_s=args.sla, warmup_s=args.warmup_s)
+    where = "" if fleet is None else f" over {fleet.replicas} replicas ({fleet.router})"
     console.print(report_table(report, f"{workload.name}: {len(workload)} requests, "
-                                       f"{workload.mean_rate:.2f} req/s offered"))
+                                       f"{workload.mean_rate:.2f} req/s offered{where}"))
+    if fleet is not None:
+        from .fleet_report import replicas_table
+
+        console.print(replicas_table(fleet))
     if args.json:
         import dataclasses
         import json
