@@ -1,0 +1,187 @@
+"""``batchpilot serve --ray`` on a real local Ray: two replicas of the no-op model (20 ms per batch)
+behind Serve's ingress, spoken to over HTTP with httpx.
+
+One module-scoped Ray instance (2 CPUs, replicas of 0.5 CPU each) serves every test here; the ingress
+is the one ``batchpilot serve --ray`` picks (HAProxy where its binary runs). Which replica answered is
+the ``x-batchpilot-replica`` header (its PID). Skipped only where Ray is not installed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from inproc import free_port, wait_for
+
+from batchpilot.bench.scrape import parse_metrics
+from batchpilot.core.config import AdmissionConfig, PolicyConfig, SchedulerConfig
+from batchpilot.server.ray_limits import check_max_ongoing, required_max_ongoing
+
+FLAGS = ["--noop", "--noop-delay-ms", "20", "--no-warmup", "--replica-cpus", "0.5", "--drain-timeout-s", "20"]
+HEADER = "x-batchpilot-replica"
+BODY = {"model": "noop", "input": "a few words to embed"}
+
+
+def _config(batch: int, slots: int = 1, concurrency: int = 0, queued: int = 0) -> SchedulerConfig:
+    return SchedulerConfig(policy=PolicyConfig(max_batch_size=batch), num_slots=slots,
+                           admission=AdmissionConfig(max_concurrent_requests=concurrency,
+                                                     max_queued_requests=queued))
+
+
+def test_max_ongoing_requests_is_every_batch_plus_the_queue_the_core_allows() -> None:
+    assert required_max_ongoing([("a", _config(16, slots=2, concurrency=512))]) == 16 * 2 + 512
+    assert required_max_ongoing([("a", _config(8, queued=100))]) == 8 + 100
+    assert required_max_ongoing([("a", _config(8, concurrency=64)), ("b", _config(4, concurrency=32))]) \
+        == (8 + 64) + (4 + 32)
+
+
+def test_a_max_ongoing_requests_that_would_cap_batches_is_refused_with_the_numbers() -> None:
+    with pytest.raises(ValueError, match=r"--max-ongoing-requests 5 would cap model a's batches.*16"):
+        check_max_ongoing(5, [("a", _config(16, concurrency=512))])
+    value, warning = check_max_ongoing(64, [("a", _config(16, concurrency=512))])
+    assert value == 64 and warning is not None and "below the derived 528" in warning
+    assert check_max_ongoing(None, [("a", _config(16, concurrency=512))]) == (528, None)
+
+
+@pytest.fixture(scope="module")
+def ray_url() -> Iterator[str]:
+    """A local Ray (2 CPUs) and Serve on 127.0.0.1, the app deployed with 2 replicas."""
+    if importlib.util.find_spec("ray") is None:  # not imported here: Serve reads its ingress at import
+        pytest.skip("Ray is not installed (pip install '.[ray]')")
+    from batchpilot.config_file import spec_from_args
+    from batchpilot.server.cli import server_config
+    from batchpilot.server.ray_app import APP_NAME, bind_app, parse_serve_flags
+    from batchpilot.server.ray_cluster import choose_ingress, start_cluster, stop_cluster
+
+    port = free_port()
+    for var in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):  # fixed by default
+        os.environ.setdefault(var, str(free_port()))
+    args = parse_serve_flags([*FLAGS, "--ray", "--replicas", "2", "--port", str(port)])
+    spec = spec_from_args(args)
+    ingress, _ = choose_ingress("haproxy")
+    start_cluster("127.0.0.1", port, ingress, num_cpus=2)
+    from ray import serve
+
+    try:
+        serve.run(bind_app(args, server_config(args, spec), spec), name=APP_NAME, route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop_cluster(APP_NAME, 30.0)
+
+
+def redeploy(url: str, *flags: str) -> None:
+    """The app deployed again with these replica flags (``serve.run``: new replicas replace the old)."""
+    from ray import serve
+
+    from batchpilot.config_file import spec_from_args
+    from batchpilot.server.cli import server_config
+    from batchpilot.server.ray_app import APP_NAME, bind_app, parse_serve_flags
+
+    port = url.rsplit(":", 1)[1]
+    args = parse_serve_flags([*FLAGS, "--ray", *flags, "--port", port])
+    spec = spec_from_args(args)
+    serve.run(bind_app(args, server_config(args, spec), spec), name=APP_NAME, route_prefix="/")
+
+
+async def load(url: str, n: int, concurrency: int, until: asyncio.Event | None = None
+               ) -> list[tuple[int, str]]:
+    """``n`` embedding requests ``concurrency`` at a time (with ``until``: each of the ``concurrency``
+    clients goes on past ``n`` until it is set): (status, replica PID) of each."""
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    results: list[tuple[int, str]] = []
+    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
+        async def worker() -> None:
+            while len(results) < n or (until is not None and not until.is_set()):
+                r = await client.post("/v1/embeddings", json=BODY)
+                results.append((r.status_code, r.headers.get(HEADER, "")))
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return results
+
+
+def per_replica_metrics(url: str, replicas: int) -> dict[str, dict[str, float]]:
+    """/metrics of each replica (the ingress picks one per scrape), by PID."""
+    seen: dict[str, dict[str, float]] = {}
+
+    def scrape() -> bool:
+        r = httpx.get(url + "/metrics", timeout=10)
+        seen[r.headers[HEADER]] = parse_metrics(r.text, histograms=True)
+        return len(seen) >= replicas
+
+    wait_for(scrape, 30.0, f"/metrics from {replicas} replicas")
+    return seen
+
+
+def batches_over(metrics: dict[str, Any], size: int) -> float:
+    """Batches of more than ``size`` requests (``size`` a bucket bound of batchpilot_batch_size)."""
+    total = metrics["batchpilot_batch_size_bucket{le=+Inf}"]
+    return total - metrics[f"batchpilot_batch_size_bucket{{le={float(size)}}}"]
+
+
+def test_two_replicas_both_serve_and_batch_past_serves_default_of_five(ray_url: str) -> None:
+    results = asyncio.run(load(ray_url, 300, 32))
+    assert [s for s, _ in results] == [200] * len(results) and len(results) >= 300
+    pids = {pid for _, pid in results}
+    assert len(pids) == 2, pids
+    metrics = per_replica_metrics(ray_url, 2)
+    assert set(metrics) == pids
+    for pid, m in metrics.items():
+        assert m["batchpilot_batch_size_count"] > 0, pid
+        assert batches_over(m, 8) > 0, (pid, {k: v for k, v in m.items() if "batch_size" in k})
+
+
+def test_health_answers_through_the_ingress(ray_url: str) -> None:
+    r = httpx.get(ray_url + "/health", timeout=10)
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+    assert r.headers[HEADER].isdigit()
+
+
+def test_replicas_replaced_under_load_lose_no_request(ray_url: str) -> None:
+    async def scenario() -> list[tuple[int, str]]:
+        done = asyncio.Event()
+        traffic = asyncio.create_task(load(ray_url, 100, 32, until=done))
+        await asyncio.sleep(0.5)  # load is flowing to both replicas
+        await asyncio.to_thread(redeploy, ray_url, "--replicas", "1")  # returns once the new one serves
+        await asyncio.sleep(1.0)  # and the load goes on against it
+        done.set()
+        return await traffic
+
+    results = asyncio.run(scenario())
+    assert [s for s, _ in results] == [200] * len(results)
+    after = asyncio.run(load(ray_url, 40, 8))
+    assert [s for s, _ in after] == [200] * len(after)
+    assert len({pid for _, pid in after}) == 1
+
+
+def test_the_queue_wait_policy_scales_up_under_load_and_down_without_losing_a_request(ray_url: str) -> None:
+    """Predicted wait per replica: 64 clients on one replica ~ 4 batches of 20 ms queued (> the 30 ms
+    target: 2 replicas); one client ~ at most one batch (< 30 ms: back to 1), while it keeps sending."""
+    redeploy(ray_url, "--autoscale", "1:2", "--target-queue-wait-ms", "30", "--upscale-delay-s", "0",
+             "--downscale-delay-s", "1")
+
+    def replicas_seen(concurrency: int, want: int) -> list[tuple[int, str]]:
+        async def until_seen() -> list[tuple[int, str]]:
+            done = asyncio.Event()
+            traffic = asyncio.create_task(load(ray_url, 1, concurrency, until=done))
+            seen: list[tuple[int, str]] = []
+            for _ in range(300):  # at most 30 s
+                await asyncio.sleep(0.1)
+                r = await asyncio.to_thread(httpx.get, ray_url + "/health", timeout=10)
+                seen.append((r.status_code, r.headers.get(HEADER, "")))
+                if len({pid for _, pid in seen[-20:]}) == want and len(seen) >= 20:
+                    break
+            done.set()
+            return [*await traffic, *seen]
+        return asyncio.run(until_seen())
+
+    up = replicas_seen(64, 2)
+    assert [s for s, _ in up] == [200] * len(up)
+    assert len({pid for _, pid in up[-20:]}) == 2
+    down = replicas_seen(1, 1)
+    assert [s for s, _ in down] == [200] * len(down)
+    assert len({pid for _, pid in down[-20:]}) == 1
