@@ -103,15 +103,35 @@ def register(subparsers: Any) -> None:
     p.add_argument("--log-format", default="text", choices=("text", "json"),
                    help="json: one JSON object per line (time, level, logger, message, exc_info)")
     p.add_argument("--access-log", action="store_true", help="log every request (off: it costs throughput)")
+    from .ray_app import add_ray_args  # --ray: flags only; ray itself loads with --ray
+
+    add_ray_args(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from . import lifecycle, logs
 
+    if getattr(args, "ray", False):  # the same app, as a Ray Serve deployment (server/ray_app.py)
+        from .ray_app import run_ray
+
+        return run_ray(args)
     logs.configure(args.log_level, args.log_format)
     spec = spec_from_args(args)
-    settings = ServerConfig(
+    settings = server_config(args, spec)
+    app = build_app(settings, spec)
+    if settings.host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
+        log.warning("binding %s without --api-key: anyone who can reach this port can use the model",
+                    settings.host)
+    # SIGTERM: 503 to new requests while in-flight work drains, then exit 0 (lifecycle.py)
+    return lifecycle.serve(app, host=settings.host, port=settings.port,
+                           drain_timeout_s=settings.drain_timeout_s, log_level=settings.log_level,
+                           access_log=args.access_log, log_format=args.log_format)
+
+
+def server_config(args: argparse.Namespace, spec: DeploymentSpec) -> ServerConfig:
+    """The server settings the parsed `serve` flags ask for (shared by `serve` and `serve --ray`)."""
+    return ServerConfig(
         host=args.host, port=args.port, models=model_specs(args),
         max_length=args.max_length, num_threads=args.threads, tokenizer_workers=args.tokenizer_workers,
         noop=args.noop, noop_delay_s=args.noop_delay_ms / 1000.0,
@@ -124,14 +144,6 @@ def run(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout_s, warmup=not args.no_warmup, llm=args.llm,
         llm_model=args.llm_model, llm_step_log=args.llm_step_log, batch_log=args.batch_log,
         log_level=args.log_level)
-    app = build_app(settings, spec)
-    if settings.host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
-        log.warning("binding %s without --api-key: anyone who can reach this port can use the model",
-                    settings.host)
-    # SIGTERM: 503 to new requests while in-flight work drains, then exit 0 (lifecycle.py)
-    return lifecycle.serve(app, host=settings.host, port=settings.port,
-                           drain_timeout_s=settings.drain_timeout_s, log_level=settings.log_level,
-                           access_log=args.access_log, log_format=args.log_format)
 
 
 def model_specs(args: argparse.Namespace) -> tuple[ModelSpec, ...]:
