@@ -1,4 +1,6 @@
-"""``build_llm_engine(model_path, **engine_config)``: model, tokenizer, paged KV runner and scheduler."""
+"""``build_llm_engine(model_path, **engine_config)``: model, tokenizer, paged KV runner and scheduler;
+``build_fallback(engine)``: the static-batching fallback on the same weights; ``build_failover(engine)``:
+the engine behind its watchdog and circuit breaker, with that fallback or none."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ from ..core.llm_scheduler import LLMSchedulerConfig
 
 if TYPE_CHECKING:
     from .llm_engine import LLMEngine
+    from .llm_failover import LLMFailover
+    from .llm_fallback import StaticFallback
 
 _SCHED_FIELDS = {f.name for f in dataclasses.fields(LLMSchedulerConfig)}
 
@@ -33,6 +37,7 @@ def build_llm_engine(model_path: str | None = None, **engine_config: Any) -> LLM
     from ..models.llm.tokenizer import load_tokenizer
     from ..models.llm.weights import LlamaWeights, load_hf_llama
     from .llm_engine import LLMEngine
+    from .llm_fallback import share_runner_weights
 
     cfg = dict(engine_config)
     device = str(cfg.pop("device", "cpu"))
@@ -57,7 +62,6 @@ def build_llm_engine(model_path: str | None = None, **engine_config: Any) -> LLM
     hf = load_hf_llama(model_path, model_cfg, dtype=dtype)
     weights = LlamaWeights.from_hf(hf)
     tokenizer = load_tokenizer(model_path, model_cfg.vocab_size)
-    del hf
     eos = set(weights.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
@@ -67,4 +71,35 @@ def build_llm_engine(model_path: str | None = None, **engine_config: Any) -> LLM
     runner = LLMModelRunner(weights, config.num_kv_blocks, config.block_size, device=device, dtype=dtype)
     engine = LLMEngine(runner, tokenizer, config, model_name=name, sampler=Sampler(sampler_seed),
                        tokenizer_threads=tokenizer_threads)
+    # the fallback engine's model (runtime/llm_fallback.py): the HF module over the runner's tensors
+    engine.hf_model = share_runner_weights(hf, runner.w)  # type: ignore[attr-defined]
     return engine.start() if start else engine
+
+
+def build_fallback(engine: LLMEngine, max_batch_size: int = 8, sampler_seed: int = 0) -> StaticFallback:
+    """The static-batching fallback of an engine ``build_llm_engine`` made, on the same weights (started)."""
+    from ..models.llm.sampler import Sampler
+    from .llm_fallback import StaticFallback
+
+    model = getattr(engine, "hf_model", None)
+    if model is None:
+        raise ValueError("this engine keeps no HF model to fall back on; build it with build_llm_engine")
+    return StaticFallback(model, engine.tokenizer, engine.config, engine.model_name, max_batch_size,
+                          Sampler(sampler_seed)).start()
+
+
+FALLBACKS = ("static", "off")
+
+
+def build_failover(engine: LLMEngine, fallback: str = "static", stall_timeout_s: float | None = None,
+                   fallback_batch_size: int = 8) -> LLMFailover:
+    """The engine behind its watchdog and circuit breaker (``runtime/llm_failover.py``), with the static
+    fallback on its weights (``fallback="static"``) or none (``"off"``: 503 while it is failed).
+    ``stall_timeout_s``: a fixed stall bound; None measures it from the engine's step times."""
+    from ..core.stall import StallRule
+    from .llm_failover import LLMFailover
+
+    if fallback not in FALLBACKS:
+        raise ValueError(f"llm fallback {fallback!r}: choose one of {', '.join(FALLBACKS)}")
+    backup = build_fallback(engine, fallback_batch_size) if fallback == "static" else None
+    return LLMFailover(engine, backup, StallRule(timeout_s=stall_timeout_s))

@@ -71,6 +71,7 @@ class LLMEngine:
         self.counters = EngineCounters(window_s)
         self._last_forward_s = 0.0
         self._idled = True
+        self.busy_since: float | None = None  # the step under way began (monotonic); None between steps
         self._decode = make_decode(tokenizer)
         self._stats = self._snapshot()
 
@@ -229,16 +230,16 @@ class LLMEngine:
             self._wake.wait(0.5)
             self._wake.clear()
             return
-        t0 = time.perf_counter()
-        plan = self.scheduler.schedule(time.monotonic())  # the clock of Sequence.arrival (submit)
+        t0, self.busy_since = time.perf_counter(), time.monotonic()
+        plan = self.scheduler.schedule(self.busy_since)  # the clock of Sequence.arrival (submit)
         try:
             self._step(plan)
-        except Exception:  # fail only this step's sequences; keep serving the rest
+        except Exception as exc:  # fail only this step's sequences; keep serving the rest
             log.exception("llm step %d failed", plan.step_id)
             for chunk in plan.chunks:
                 req = self._drop(chunk.seq_id)
                 if req is not None:
-                    req.put(GenerationFailed())
+                    req.put(GenerationFailed(cause=exc))
         shape = plan.shape.features()
         wall = time.perf_counter() - t0
         self.counters.add_step(len(plan.chunks), shape, wall)
@@ -247,7 +248,7 @@ class LLMEngine:
                              self._idled)
             for step_obs in self.step_observers:
                 step_obs(rec)
-        self._idled = False
+        self._idled, self.busy_since = False, None
         self._stats = self._snapshot()
 
     def _step(self, plan: StepPlan) -> None:

@@ -44,10 +44,37 @@ class RequestTimedOut(TimeoutError):
         super().__init__(message)
 
 
+class EngineUnavailable(EngineStopped):
+    """The engine failed (died, stalled, ran out of memory) and no fallback can take the request; a
+    probe of the engine may bring it back (``runtime/llm_failover.py``): retry after ``retry_after_s``."""
+
+    code = "engine_unavailable"
+
+    def __init__(self, message: str = "the LLM engine is unavailable", retry_after_s: float = 5.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class GenerationFailed(RuntimeError):
-    """A model step failed for this sequence; the exception itself is in the engine's log."""
+    """A model step failed for this sequence; the exception itself is in the engine's log, and in
+    ``cause`` for the failover to read (never for the client)."""
 
     code = "generation_failed"
 
-    def __init__(self, message: str = "generation failed") -> None:
+    def __init__(self, message: str = "generation failed", cause: BaseException | None = None) -> None:
         super().__init__(message)
+        self.cause = cause
+
+    @property
+    def out_of_memory(self) -> bool:
+        """The step ran out of memory (``torch.OutOfMemoryError`` or a RuntimeError saying so)."""
+        return is_out_of_memory(self.cause)
+
+
+def is_out_of_memory(exc: BaseException | None) -> bool:
+    """An out-of-memory error of torch (CUDA, MPS, CPU allocator) or of Python itself."""
+    if exc is None:
+        return False
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        return True
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()

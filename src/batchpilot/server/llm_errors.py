@@ -8,13 +8,20 @@ from __future__ import annotations
 import json
 import logging
 
-from ..runtime.llm_errors import EngineBusy, EngineStopped, GenerationFailed, RequestRejected
+from ..runtime.llm_errors import (
+    EngineBusy,
+    EngineStopped,
+    EngineUnavailable,
+    GenerationFailed,
+    RequestRejected,
+)
 from .errors import APIError, error_body
 
 log = logging.getLogger("batchpilot.server")
 
 MESSAGES = {
     "engine_stopped": (503, "the LLM engine is not running"),
+    "engine_unavailable": (503, "the LLM engine is unavailable; retry later"),
     "queue_full": (503, "the LLM engine's queue is full; retry later"),
     "timeout": (504, "the request was not answered within its time limit"),
     "generation_failed": (500, "generation failed"),
@@ -34,6 +41,8 @@ def to_api_error(exc: BaseException) -> APIError:
         return APIError(400, str(exc), code=exc.code, param=exc.param)
     if isinstance(exc, EngineBusy):
         return fixed("queue_full", exc.retry_after_s)
+    if isinstance(exc, EngineUnavailable):
+        return fixed("engine_unavailable", exc.retry_after_s)
     if isinstance(exc, EngineStopped):
         return fixed("engine_stopped")
     if isinstance(exc, TimeoutError):

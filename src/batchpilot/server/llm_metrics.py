@@ -2,7 +2,11 @@
 
 Gauges and counters are read from ``engine.stats()`` at scrape time (a collector: no polling thread,
 never stale); latencies are histograms fed by the engine thread through ``engine.observers``
-(prometheus_client is thread-safe). Every name starts with ``batchpilot_llm_``.
+(prometheus_client is thread-safe). Every engine metric starts with ``batchpilot_llm_``. Behind a
+failover (``runtime/llm_failover.py``) the engine's health is read the same way, labelled
+``engine="llm"``: ``batchpilot_engine_up``, ``batchpilot_engine_fallback_active``,
+``batchpilot_engine_faults_total{kind}``, ``batchpilot_engine_recoveries_total``,
+``batchpilot_engine_stall_timeout_seconds`` and ``batchpilot_fallback_requests_total``.
 """
 
 from __future__ import annotations
@@ -57,9 +61,42 @@ class _EngineCollector(Collector):
         yield feats
 
 
+class _FailoverCollector(Collector):
+    def __init__(self, failover: Any) -> None:
+        self.failover = failover
+
+    def collect(self) -> Iterator[Metric]:
+        f, labels = self.failover, ["engine"]
+        gauges = {
+            "engine_up": ("1 while the continuous-batching engine serves, 0 after a fault until a probe "
+                          "brings it back", float(f.is_alive)),
+            "engine_fallback_active": ("1 while the fallback engine takes the traffic",
+                                       float(f.fallback_active)),
+            "engine_stall_timeout_seconds": ("How long a step may run before it counts as stalled",
+                                             f.watchdog.timeout_s()),
+        }
+        for name, (doc, value) in gauges.items():
+            g = GaugeMetricFamily(f"batchpilot_{name}", doc, labels=labels)
+            g.add_metric(["llm"], value)
+            yield g
+        faults = CounterMetricFamily("batchpilot_engine_faults", "Engine faults (died, stalled, oom)",
+                                     labels=["engine", "kind"])
+        for kind in ("died", "stalled", "oom"):
+            faults.add_metric(["llm", kind], float(f.faults[kind]))
+        yield faults
+        for name, doc, value in (
+                ("engine_recoveries", "Returns to the engine after a successful probe", f.breaker.num_closed),
+                ("fallback_requests", "Requests the fallback engine took", f.fallback_requests)):
+            c = CounterMetricFamily(f"batchpilot_{name}", doc, labels=labels)
+            c.add_metric(["llm"], float(value))
+            yield c
+
+
 class LLMMetrics:
     def __init__(self, engine: Any, registry: CollectorRegistry) -> None:
         registry.register(_EngineCollector(engine))
+        if hasattr(engine, "breaker"):  # behind a failover: its health too
+            registry.register(_FailoverCollector(engine))
         self.ttft = Histogram("batchpilot_llm_time_to_first_token_seconds", "Arrival to first token",
                               buckets=LATENCY_BUCKETS, registry=registry)
         self.itl = Histogram("batchpilot_llm_inter_token_latency_seconds", "Time between output tokens",

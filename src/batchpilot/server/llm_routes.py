@@ -1,6 +1,7 @@
 """OpenAI-compatible ``POST /v1/completions`` and ``POST /v1/chat/completions`` over the LLM engine.
 
-``make_llm_router(engine, registry, limits)`` returns a router the app includes (``serve --llm``).
+``make_llm_router(engine, registry, limits)`` returns a router the app includes (``serve --llm``);
+``engine`` is an ``LLMEngine`` or the failover in front of one (``runtime/llm_failover.py``).
 
     body ─▶ size limits (llm_limits, 400) ─▶ room in the engine? (503 + Retry-After) ─▶ tokenise in the
     engine's pool, off the event loop ─▶ submit every prompt of the request together ─▶ answer
@@ -29,6 +30,7 @@ from prometheus_client import CollectorRegistry
 
 from ..core.request import IdCounter
 from ..runtime.llm_engine import GenerationOutput, LLMEngine, LLMRequest, RequestTimedOut, build_llm_engine
+from ..runtime.llm_failover import LLMFailover
 from .errors import APIError
 from .llm_errors import sse_error, to_api_error
 from .llm_limits import LLMLimits, header_deadline_ms
@@ -46,8 +48,8 @@ DEFAULT_MAX_TOKENS = {"/v1/completions": 16, "/v1/chat/completions": 256}
 Work = Callable[[list[LLMRequest], float, float, int], Awaitable[Any]]
 
 
-def make_llm_router(engine: LLMEngine, registry: CollectorRegistry, limits: LLMLimits | None = None,
-                    ) -> APIRouter:
+def make_llm_router(engine: LLMEngine | LLMFailover, registry: CollectorRegistry,
+                    limits: LLMLimits | None = None) -> APIRouter:
     limits = limits or LLMLimits()
     metrics = LLMMetrics(engine, registry)
     router = APIRouter(tags=["llm"])
@@ -89,6 +91,11 @@ def make_llm_router(engine: LLMEngine, registry: CollectorRegistry, limits: LLML
         metrics.requests.labels(route=route, finish_reason=last.finish_reason or "none").inc()
         metrics.prompt_tokens.inc(last.num_prompt_tokens)
 
+    def submit(prompts: list[list[int]], params: Any, priority: int, deadline: float, stream: bool) -> Any:
+        if isinstance(engine, LLMFailover):  # an answer not streamed can restart on the fallback
+            return engine.submit(prompts, params, priority, deadline, replayable=not stream)
+        return engine.submit(prompts, params, priority, deadline)
+
     def params_of(body: _SamplingFields, route: str) -> Any:
         return body.sampling_params(DEFAULT_MAX_TOKENS[route], limits, max_len)
 
@@ -107,7 +114,7 @@ def make_llm_router(engine: LLMEngine, registry: CollectorRegistry, limits: LLML
             raise APIError(400, "streaming takes a single prompt", code="unsupported_value", param="prompt")
         engine.check_room(len(prompts))  # before the tokenising it would waste
         token_ids = await _all_or_none([engine.prompts.encode_async(p) for p in prompts])
-        reqs.extend(engine.submit(token_ids, params, priority, deadline))
+        reqs.extend(submit(token_ids, params, priority, deadline, body.stream))
         if body.stream:
             first = await anext(reqs[0])
             head = {"id": rid, "object": "text_completion", "created": created, "model": model}
@@ -138,7 +145,7 @@ def make_llm_router(engine: LLMEngine, registry: CollectorRegistry, limits: LLML
         params = params_of(body, route)
         engine.check_room(1)
         prompt = await engine.prompts.encode_chat_async(messages)
-        reqs.extend(engine.submit([prompt], params, priority, deadline))
+        reqs.extend(submit([prompt], params, priority, deadline, body.stream))
         first = await anext(reqs[0])
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
         if body.stream:

@@ -1,0 +1,264 @@
+"""The engine the LLM routes talk to: the continuous-batching engine while it is healthy, a fallback
+engine while it is not, and a watchdog thread that decides which, with a circuit breaker (``core.breaker``).
+
+Faults, and what happens on each:
+
+* ``died``: the engine loop ended by itself (an exception outside a step);
+* ``stalled``: a step has run past the stall bound (``core.stall``, from the engine's own step times,
+  or a fixed ``--llm-stall-timeout-s``), seen by the watchdog within ``poll_s``;
+* ``oom``: a step raised an out-of-memory error (reported by the requests of that step).
+
+On a fault the breaker opens, and the engine is retired: it takes nothing more, and every request it
+holds is answered at once (``EngineStopped``, from this thread even when the engine thread is stuck in
+a step). A request that has shown its client nothing moves to the fallback (``llm_failover_request``);
+a stream under way ends with an error event. While open, new requests go to the fallback, or are
+refused with ``EngineUnavailable`` (503 ``engine_unavailable`` + Retry-After) when there is none.
+
+When the probe is due (``BreakerConfig.probe_interval_s``, backing off while probes fail) and the
+retired engine's thread has ended (a stuck step must return first: two threads never share the
+runner), a new engine is built on the same runner, tokenizer, config, counters and observers, with a
+fresh scheduler (every KV block free: nothing of the old state is trusted), and given one probe
+request (one token). If it answers, the breaker closes and traffic returns to it; if not, it is
+retired too and the breaker opens again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from typing import Any
+
+from ..core.breaker import BreakerConfig, CircuitBreaker
+from ..core.sequence import SamplingParams
+from ..core.stall import StallRule
+from .llm_errors import EngineStopped, EngineUnavailable
+from .llm_failover_request import FailoverRequest
+from .llm_records import EngineStats
+from .llm_watchdog import DIED, EngineWatchdog
+
+log = logging.getLogger("batchpilot.llm")
+
+
+class LLMFailover:
+    def __init__(self, engine: Any, fallback: Any | None = None, stall: StallRule | None = None,
+                 breaker: BreakerConfig | None = None, poll_s: float = 0.05, start: bool = True) -> None:
+        self.main = engine
+        self.fallback = fallback
+        self.model_name, self.config, self.prompts = engine.model_name, engine.config, engine.prompts
+        self.observers, self.step_observers = engine.observers, engine.step_observers  # kept on rebuilds
+        self.max_admitted = engine.max_admitted
+        self.watchdog = EngineWatchdog(stall)
+        self.step_observers.insert(0, self.watchdog.on_step)
+        self.breaker = CircuitBreaker(breaker or BreakerConfig())
+        self.poll_s = poll_s
+        self.faults: collections.Counter[str] = collections.Counter()
+        self.fallback_requests = 0  # requests the fallback took: sent there, or moved there
+        self.closing = False
+        self._failed: set[int] = set()  # ids of engines that faulted (their faults count once)
+        self._retired: list[Any] = []  # faulted engines whose thread may still be running
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="llm-watchdog", daemon=True)
+        if start:
+            self._thread.start()
+
+    # -- what the routes, metrics and /health read -------------------------------------------------
+    @property
+    def is_alive(self) -> bool:
+        """The continuous-batching engine is serving (what /health reports)."""
+        with self._lock:
+            return self._main_ok()
+
+    @property
+    def fallback_active(self) -> bool:
+        with self._lock:
+            return not self._main_ok() and self.fallback is not None and bool(self.fallback.is_alive)
+
+    @property
+    def num_pending(self) -> int:
+        return int(self.main.num_pending) + (int(self.fallback.num_pending) if self.fallback else 0)
+
+    def stats(self) -> EngineStats:
+        return self.main.stats()  # type: ignore[no-any-return]
+
+    def retry_after_s(self) -> float:
+        return float(self.breaker.interval_s)
+
+    def check_room(self, n: int = 1) -> None:
+        target = self._target()
+        if target is None:
+            raise EngineUnavailable(retry_after_s=self.retry_after_s())
+        target.check_room(n)
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams | None = None, priority: int = 0,
+               deadline: float | None = None, replayable: bool = False) -> list[FailoverRequest]:
+        """As ``LLMEngine.submit``, on whichever engine serves now. ``replayable``: the caller shows the
+        client nothing before the end (not streamed), so a fault at any point can restart it."""
+        params = params or SamplingParams()
+        for _ in range(2):  # the main engine may fail between the choice and the submit: then once more
+            target = self._target()
+            if target is None:
+                raise EngineUnavailable(retry_after_s=self.retry_after_s())
+            try:
+                inner = target.submit(prompts, params, priority, deadline)
+            except EngineStopped:
+                if target is self.fallback or self.closing:
+                    raise EngineUnavailable(retry_after_s=self.retry_after_s()) from None
+                self.report(target, DIED)
+                continue
+            if target is self.fallback:
+                self.fallback_requests += len(inner)
+            return [FailoverRequest(self, p, params, priority, deadline, r, target, replayable)
+                    for p, r in zip(prompts, inner, strict=True)]
+        raise EngineUnavailable(retry_after_s=self.retry_after_s())
+
+    def resubmit(self, req: FailoverRequest) -> Any | None:
+        """The request's prompt on the fallback (None: no fallback, or it refused)."""
+        if self.fallback is None or not self.fallback.is_alive or self.closing:
+            return None
+        try:
+            [inner] = self.fallback.submit([req.prompt], req.params, req.priority, req.deadline)
+        except Exception as exc:  # full or stopped: the client hears the main engine's failure
+            log.warning("llm fallback refused a request moved from the failed engine: %r", exc)
+            return None
+        self.fallback_requests += 1
+        return inner
+
+    # -- faults -------------------------------------------------------------------------------------
+    def report(self, engine: Any, kind: str) -> None:
+        """A fault of ``engine`` (counted once per engine): open the breaker and retire it."""
+        with self._lock:
+            if engine is not self.main or id(engine) in self._failed or self.closing:
+                return
+            self._failed.add(id(engine))
+            self.faults[kind] += 1
+            self.breaker.record_failure(time.monotonic())
+            self._retired.append(engine)
+        log.error("llm engine fault: %s; %s until a probe finds it healthy (next in %.1f s)", kind,
+                  "the fallback engine serves" if self.fallback is not None else "requests get 503",
+                  self.breaker.interval_s)
+        retire(engine)
+
+    def _main_ok(self) -> bool:
+        return self.breaker.allows and id(self.main) not in self._failed and bool(self.main.is_alive)
+
+    def _target(self) -> Any | None:
+        with self._lock:
+            if self._main_ok():
+                return self.main
+        if self.fallback is not None and self.fallback.is_alive:
+            return self.fallback
+        return None
+
+    # -- the watchdog thread ------------------------------------------------------------------------
+    def _watch(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                self._tick(time.monotonic())
+            except Exception:  # the watchdog must outlive whatever it watches
+                log.exception("llm watchdog check failed")
+
+    def _tick(self, now: float) -> None:
+        main = self.main
+        if id(main) not in self._failed:
+            kind = self.watchdog.check(main, now)
+            if kind is not None and not self.closing:
+                self.report(main, kind)
+        with self._lock:
+            due = self.breaker.take_probe(now)
+        if due:
+            self._probe()
+
+    def _probe(self) -> None:
+        busy = [e for e in self._retired if e._thread is not None and e._thread.is_alive()]
+        self._retired = busy
+        if busy:  # a step is still under way on the runner: no second thread may use it
+            self._probe_failed(None, "the failed engine's step has not returned yet")
+            return
+        engine = rebuild(self.main, self.prompts)
+        ok = False
+        try:
+            timeout = self.watchdog.timeout_s()
+            ok = asyncio.run(asyncio.wait_for(_one_token(engine), timeout))
+        except Exception as exc:
+            log.warning("llm engine probe failed: %r", exc)
+        if not ok:
+            self._probe_failed(engine, "the probe request failed")
+            return
+        with self._lock:
+            self.main = engine
+            self.breaker.record_success(time.monotonic())
+        log.info("llm engine probe succeeded: traffic returns to the continuous-batching engine")
+
+    def _probe_failed(self, engine: Any | None, why: str) -> None:
+        if engine is not None:
+            retire(engine)
+            self._retired.append(engine)
+        with self._lock:
+            self.breaker.record_failure(time.monotonic())
+        log.warning("llm engine probe: %s; next probe in %.1f s", why, self.breaker.interval_s)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the watchdog and every engine; what they still hold is answered ``EngineStopped``."""
+        self.closing = True
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        for engine in self._retired:
+            engine.shutdown(0.0)
+        self.main.shutdown(timeout)
+        if self.fallback is not None:
+            self.fallback.shutdown(timeout)
+
+
+def retire(engine: Any) -> None:
+    """Stop an engine from any thread, even one stuck in a step: it admits nothing more, and every
+    request it holds or has queued is answered ``EngineStopped`` now (what its own loop does on the
+    way out, done from outside; a late duplicate reaches a request that has already ended, unread).
+    Its tokenising pool stays open: the failover shares it with the next engine."""
+    with engine._lock:
+        engine._closed = True
+        engine._stopping = True
+    engine._wake.set()
+    pending = list(engine._streams.values())
+    while True:
+        try:
+            kind, arg = engine._inbox.get_nowait()
+        except Exception:  # queue.Empty
+            break
+        if kind == "add":
+            pending.extend(arg)
+    for req in pending:
+        req.put(EngineStopped())
+
+
+def rebuild(old: Any, prompts: Any) -> Any:
+    """A new engine on ``old``'s runner, tokenizer, config, counters and observers, with a fresh
+    scheduler and sampler (started). ``old``'s thread must have ended."""
+    from ..models.llm.sampler import Sampler
+    from .llm_engine import LLMEngine
+
+    engine = LLMEngine(old.runner, old.tokenizer, old.config, old.model_name,
+                       Sampler(getattr(old.sampler, "base_seed", 0)), tokenizer_threads=1)
+    engine.prompts.close()
+    engine.prompts = prompts
+    engine.counters = old.counters
+    engine.observers, engine.step_observers = old.observers, old.step_observers
+    engine.hf_model = getattr(old, "hf_model", None)  # type: ignore[attr-defined]
+    return engine.start()
+
+
+async def _one_token(engine: Any) -> bool:
+    bos = getattr(engine.tokenizer, "bos_token_id", None)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    [req] = engine.submit([[int(bos or 0)]], params, priority=-(2**31))
+    try:
+        async for out in req:
+            if out.finish_reason is not None:
+                return True
+        return False
+    finally:
+        req.close()

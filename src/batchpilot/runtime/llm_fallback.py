@@ -1,0 +1,282 @@
+"""The fallback LLM engine: static batches of HF ``generate`` on one thread, on the main engine's weights.
+
+What serves completions while the continuous-batching engine cannot (``runtime/llm_failover.py``): no
+paged KV cache, no scheduler, nothing shared with the failed engine but the weights (the HF model's
+parameters are views of the runner's tensors, ``share_runner_weights``: no second copy). Requests are
+taken first come, first served, up to ``max_batch_size`` per batch; a batch is left-padded, run by
+``model.generate`` to its longest ``max_tokens``, and the next batch waits for it to end.
+
+Per request, inside the one ``generate`` call: tokens are chosen by the main engine's ``Sampler``
+(greedy is argmax, so greedy output is token-identical to the main engine's; sampled rows use their
+own seeded generators) through a logits processor that leaves HF only that token, and a stopping
+criterion ends each row on EOS, a stop token id, a stop string (the same incremental detokenizer),
+``max_tokens`` or the context length, on its deadline, or when its client leaves. Streaming is one
+``GenerationOutput`` per token, as the main engine streams. Same surface as ``LLMEngine`` for the
+failover: ``submit``, ``check_room``, ``abort``, ``is_alive``, ``num_pending``, ``start``, ``shutdown``.
+A failing ``generate`` fails its batch (``GenerationFailed``) and the thread goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import torch
+
+from ..core.llm_scheduler import LLMScheduler, LLMSchedulerConfig
+from ..core.request import IdCounter
+from ..core.sequence import SamplingParams, Sequence
+from ..models.llm.detokenizer import IncrementalDetokenizer, make_decode
+from ..models.llm.sampler import Sampler
+from .llm_errors import EngineBusy, EngineStopped, GenerationFailed, RequestRejected, RequestTimedOut
+from .llm_records import GenerationOutput
+from .llm_request import LLMRequest
+
+log = logging.getLogger("batchpilot.llm")
+
+
+def share_runner_weights(model: Any, weights: Any) -> Any:
+    """Point the HF model's parameters at the runner's (fused, device-resident) tensors: views, no copy."""
+    H, KV, hd = weights.num_heads, weights.num_kv_heads, weights.head_dim
+    with torch.no_grad():
+        for layer, w in zip(model.model.layers, weights.layers, strict=True):
+            a, m = layer.self_attn, layer.mlp
+            a.q_proj.weight.data = w.qkv[: H * hd]
+            a.k_proj.weight.data = w.qkv[H * hd : (H + KV) * hd]
+            a.v_proj.weight.data = w.qkv[(H + KV) * hd :]
+            a.o_proj.weight.data = w.o
+            inter = w.gate_up.shape[0] // 2
+            m.gate_proj.weight.data, m.up_proj.weight.data = w.gate_up[:inter], w.gate_up[inter:]
+            m.down_proj.weight.data = w.down
+            layer.input_layernorm.weight.data = w.input_norm
+            layer.post_attention_layernorm.weight.data = w.post_norm
+        model.model.embed_tokens.weight.data = weights.embed
+        model.model.norm.weight.data = weights.norm
+        model.lm_head.weight.data = weights.lm_head
+    return model.to(weights.embed.device).eval()  # the rest (RoPE buffers) follows the weights
+
+
+class StaticFallback:
+    def __init__(self, model: Any, tokenizer: Any, config: LLMSchedulerConfig,
+                 model_name: str = "batchpilot-llm", max_batch_size: int = 8,
+                 sampler: Sampler | None = None) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"fallback max_batch_size must be >= 1, got {max_batch_size}")
+        self.model = model
+        model.generation_config.eos_token_id = None  # rows end by the rules below, never by HF's EOS
+        self.config = config
+        self.model_name = model_name
+        self.max_batch_size = max_batch_size
+        self.sampler = sampler or Sampler()
+        self._fits = LLMScheduler(config)  # check_fits only: the same refusals as the main engine
+        self._decode = make_decode(tokenizer)
+        pad = getattr(tokenizer, "pad_token_id", None)
+        self._pad = int(pad if pad is not None else (config.eos_token_ids or (0,))[0])
+        self._ids = IdCounter(1)
+        self._lock = threading.Lock()
+        self._inbox: queue.SimpleQueue[list[LLMRequest] | None] = queue.SimpleQueue()
+        self._waiting: deque[LLMRequest] = deque()
+        self._aborted: set[int] = set()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._closed = False
+        self._admitted = 0
+        self.max_admitted = config.max_num_seqs + config.max_waiting_seqs
+        self.num_batches = 0
+        self.num_requests = 0  # sequences admitted
+
+    # -- lifecycle and admission (any thread / the event loop) -------------------------------------
+    def start(self) -> StaticFallback:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="llm-fallback", daemon=True)
+            self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._inbox.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        t = self._thread
+        return t is not None and t.is_alive() and not self._stopping and not self._closed
+
+    @property
+    def num_pending(self) -> int:
+        return self._admitted
+
+    def check_room(self, n: int = 1) -> None:
+        if not self.is_alive:
+            raise EngineStopped
+        if self._admitted + n > self.max_admitted:
+            raise EngineBusy
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams | None = None, priority: int = 0,
+               deadline: float | None = None) -> list[LLMRequest]:
+        """As ``LLMEngine.submit``: all the prompts together or none; call on the requests' event loop."""
+        params = params or SamplingParams()
+        loop, now = asyncio.get_running_loop(), time.monotonic()
+        with self._lock:
+            seqs = [Sequence(self._ids(), ids, params, arrival=now, priority=priority) for ids in prompts]
+        for seq in seqs:
+            reason = self._fits.check_fits(seq)  # pure and config-only
+            if reason is not None:
+                raise RequestRejected(reason)
+        reqs = [LLMRequest(seq, IncrementalDetokenizer(self._decode, params.stop), loop, deadline, self.abort,
+                           self._release) for seq in seqs]
+        with self._lock:
+            if self._closed or self._stopping:
+                raise EngineStopped
+            if self._admitted + len(reqs) > self.max_admitted:
+                raise EngineBusy
+            self._admitted += len(reqs)
+            self.num_requests += len(reqs)
+            self._inbox.put(reqs)
+        return reqs
+
+    def abort(self, seq_id: int) -> None:
+        with self._lock:
+            self._aborted.add(seq_id)
+
+    def _release(self) -> None:
+        with self._lock:
+            self._admitted -= 1
+
+    # -- the fallback thread -----------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stopping:
+                batch = self._next_batch()
+                if batch:
+                    self._run(batch)
+        except BaseException:  # noqa: BLE001 - the requests must hear of it
+            log.exception("the LLM fallback loop died; failing every pending request")
+        finally:
+            with self._lock:
+                self._closed = True
+            while True:
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                self._waiting.extend(item or [])
+            for req in self._waiting:
+                req.put(EngineStopped())
+
+    def _next_batch(self) -> list[LLMRequest]:
+        block = not self._waiting
+        while True:
+            try:
+                item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                break
+            self._waiting.extend(item)
+            block = False
+        batch: list[LLMRequest] = []
+        while self._waiting and len(batch) < self.max_batch_size:
+            req = self._waiting.popleft()
+            if not self._ended(req, time.monotonic()):
+                batch.append(req)
+        return batch
+
+    def _ended(self, req: LLMRequest, now: float) -> bool:
+        """Aborted (nothing to say) or past its deadline (told so): either way, done here."""
+        with self._lock:
+            aborted = req.seq_id in self._aborted
+            self._aborted.discard(req.seq_id)
+        if not aborted and req.deadline is not None and req.deadline <= now:
+            req.put(RequestTimedOut())
+            return True
+        return aborted
+
+    def _run(self, batch: list[LLMRequest]) -> None:
+        from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+
+        self.num_batches += 1
+        width = max(r.seq.num_prompt_tokens for r in batch)
+        ids = torch.full((len(batch), width), self._pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, r in enumerate(batch):  # left padding: every row's next token is at the same column
+            ids[i, width - r.seq.num_prompt_tokens :] = torch.tensor(r.seq.prompt_token_ids)
+            mask[i, width - r.seq.num_prompt_tokens :] = 1
+        rows = _Rows(self, batch)
+        gen = GenerationConfig(max_new_tokens=max(r.seq.params.max_tokens for r in batch), do_sample=False,
+                               pad_token_id=self._pad, eos_token_id=None, bos_token_id=None)
+        dev = self.model.device
+        try:
+            self.model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), generation_config=gen,
+                                logits_processor=LogitsProcessorList([rows.choose]),
+                                stopping_criteria=StoppingCriteriaList([rows.deliver]))
+        except Exception as exc:
+            log.exception("llm fallback batch %d failed", self.num_batches)
+            for i in rows.live():
+                rows.end(i, GenerationFailed(cause=exc))
+        for i in rows.live():  # generate ended early (shutdown): nothing more will come
+            rows.end(i, EngineStopped())
+
+
+class _Rows:
+    """One batch's rows inside ``generate``: which are live, the token each takes, what each is told."""
+
+    def __init__(self, owner: StaticFallback, batch: list[LLMRequest]) -> None:
+        self.owner, self.batch = owner, batch
+        self.done = [False] * len(batch)
+
+    def live(self) -> list[int]:
+        return [i for i, d in enumerate(self.done) if not d]
+
+    def end(self, i: int, item: BaseException | None = None) -> None:
+        self.done[i] = True
+        self.owner.sampler.forget(self.batch[i].seq_id)
+        if item is not None:
+            self.batch[i].put(item)
+
+    def choose(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """A logits processor: each live row's token from the main engine's sampler, the pad for the rest."""
+        live = self.live()
+        picked = torch.full((scores.shape[0],), self.owner._pad, dtype=torch.long)
+        if live:
+            seqs = [self.batch[i].seq for i in live]
+            tokens = self.owner.sampler.sample(scores[live].float(), [s.seq_id for s in seqs],
+                                               [s.params for s in seqs])
+            picked[live] = torch.tensor(tokens, dtype=torch.long)
+        out = torch.full_like(scores, float("-inf"))
+        out[torch.arange(scores.shape[0]), picked.to(scores.device)] = 0.0
+        return out
+
+    def deliver(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        """A stopping criterion: hand each live row its new token and say which rows are done."""
+        cfg, now = self.owner.config, time.monotonic()
+        last = input_ids[:, -1].tolist()
+        for i in self.live():
+            req, seq, tok = self.batch[i], self.batch[i].seq, int(last[i])
+            if self.owner._stopping:
+                self.end(i, EngineStopped())
+                continue
+            if self.owner._ended(req, now):
+                self.end(i)
+                continue
+            seq.output_token_ids.append(tok)
+            p = seq.params
+            text, hit = req.detok.step(seq.output_token_ids)
+            reason = None
+            if hit or tok in p.stop_token_ids or (not p.ignore_eos and tok in cfg.eos_token_ids):
+                reason = "stop"
+            elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= cfg.max_model_len:
+                reason = "length"
+            if reason is not None and not hit:
+                text += req.detok.flush(seq.output_token_ids)
+            req.put(GenerationOutput(seq.seq_id, text, [tok], reason, seq.num_prompt_tokens,
+                                     seq.num_output_tokens, 0, seq.arrival, now))
+            if reason is not None:
+                self.end(i)
+        return torch.tensor(self.done, dtype=torch.bool, device=input_ids.device)
