@@ -99,6 +99,14 @@ def register(subparsers: Any) -> None:
     p.add_argument("--llm-step-log", default=None, metavar="PATH",
                    help="--llm: append one JSON line per engine step (shape features, wall and forward "
                         "seconds) to PATH")
+    failover = p.add_argument_group("LLM fallback and watchdog (docs/reliability.md)")
+    failover.add_argument("--llm-fallback", choices=("static", "off"), default="static",
+                          help="--llm: what serves while the engine is failed (died, stalled, out of "
+                               "memory): static = HF generate in static batches on the same weights "
+                               "(default); off = 503 engine_unavailable")
+    failover.add_argument("--llm-stall-timeout-s", type=float, default=None, metavar="S",
+                          help="--llm: a step running longer than S counts as stalled (default: measured, "
+                               "10x the p99 step time, at least 5 s)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.add_argument("--log-format", default="text", choices=("text", "json"),
                    help="json: one JSON object per line (time, level, logger, message, exc_info)")
@@ -281,8 +289,8 @@ def startup_profile(profile_encoder: Any, executor: Any, padding: str) -> CostMo
 
 
 def _llm_router(settings: ServerConfig, spec: DeploymentSpec) -> tuple[Any, Any, list[Callable[[], Any]]]:
-    """The started engine, a factory the app calls with its registry (``make_llm_router``), and what to
-    run at shutdown, in order."""
+    """The started engine behind its failover (``runtime/llm_failover.py``), a factory the app calls with
+    its registry (``make_llm_router``), and what to run at shutdown, in order."""
     from . import llm_routes  # lazy: the LLM stack loads only with --llm
 
     build = getattr(llm_routes, "build_llm_engine", None)
@@ -291,6 +299,13 @@ def _llm_router(settings: ServerConfig, spec: DeploymentSpec) -> tuple[Any, Any,
     engine = build(settings.llm_model, tokenizer_threads=settings.tokenizer_workers or 0,
                    threads=settings.num_threads or 0,
                    **llm_overrides(spec))
+    from ..runtime.llm_build import build_failover
+
+    fallback = getattr(settings, "llm_fallback", "static")  # the flags, where ServerConfig carries them
+    stall_s = getattr(settings, "llm_stall_timeout_s", None)
+    engine = build_failover(engine, fallback, stall_s)
+    log.info("llm: watchdog on (stall bound: %s), fallback: %s",
+             "measured" if stall_s is None else f"{stall_s} s", fallback)
     hooks: list[Callable[[], Any]] = [engine.shutdown]
     if settings.llm_step_log:
         from ..runtime.llm_engine import StepLog
