@@ -66,6 +66,11 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
                         "(sim/fleet.py; encoder target)")
     p.add_argument("--router", choices=ROUTERS, default="power_of_two",
                    help="how requests are spread over the replicas (default power_of_two, Ray Serve's)")
+    p.add_argument("--autoscale", metavar="MIN:MAX", default=None,
+                   help="scale the fleet between MIN and MAX replicas with core.autoscale "
+                        "(sim/fleet_scaling.py); replaces --replicas")
+    p.add_argument("--start-delay-s", type=float, default=30.0,
+                   help="with --autoscale: seconds a new replica takes before it takes traffic")
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -140,7 +145,12 @@ def run_simulate(args: argparse.Namespace) -> int:
         console.print(f"[red]batchpilot simulate: {exc}[/]")
         return 2
     target = args.target or ("llm" if args.workload == "conv-llm" else "encoder")
-    if args.replicas < 1 or (args.replicas > 1 and target == "llm"):
+    try:
+        scaling = _scaling(args)
+    except ValueError as exc:
+        console.print(f"[red]batchpilot simulate: {exc}[/]")
+        return 2
+    if args.replicas < 1 or ((args.replicas > 1 or scaling) and target == "llm"):
         console.print("[red]batchpilot simulate: --replicas must be >= 1, and fleets run the encoder "
                       "target only[/]")
         return 2
@@ -167,7 +177,7 @@ def run_simulate(args: argparse.Namespace) -> int:
                       "alone; re-run `batchpilot profile` to include HTTP, JSON and tokenisation[/]")
     fleet = None
     with _progress(console, len(workload)) as progress:
-        if args.replicas == 1:
+        if args.replicas == 1 and scaling is None:
             run = simulate_encoder(workload, config, cost_model, noise=args.noise, seed=args.seed,
                                    request_sla_s=args.request_sla, progress=progress, frontend=frontend)
         else:
@@ -175,7 +185,7 @@ def run_simulate(args: argparse.Namespace) -> int:
 
             fleet = simulate_fleet(workload, config, cost_model, replicas=args.replicas, router=args.router,
                                    noise=args.noise, seed=args.seed, request_sla_s=args.request_sla,
-                                   progress=progress, frontend=frontend)
+                                   progress=progress, frontend=frontend, autoscale=scaling)
             run = fleet.run
     report = summarize(run, sla_s=args.sla, warmup_s=args.warmup_s)
     where = "" if fleet is None else f" over {fleet.replicas} replicas ({fleet.router})"
@@ -185,6 +195,10 @@ def run_simulate(args: argparse.Namespace) -> int:
         from .fleet_report import replicas_table
 
         console.print(replicas_table(fleet))
+        if scaling is not None:
+            from .fleet_report import scaling_table
+
+            console.print(scaling_table(scaling, run.stats.end_s))
     if args.json:
         import dataclasses
         import json
@@ -199,6 +213,22 @@ def run_simulate(args: argparse.Namespace) -> int:
         for path in plot_run(run, args.plot, sla_s=args.sla, title=workload.name):
             console.print(f"wrote {path}")
     return 0
+
+
+def _scaling(args: argparse.Namespace) -> Any:
+    """``--autoscale MIN:MAX`` as a ``FleetScaling`` (None without it)."""
+    if not getattr(args, "autoscale", None):
+        return None
+    from ..core.autoscale import AutoscaleConfig
+    from .fleet_scaling import FleetScaling
+
+    try:
+        lo, hi = (int(x) for x in str(args.autoscale).split(":"))
+    except ValueError:
+        raise ValueError(f"--autoscale wants MIN:MAX (two integers), got {args.autoscale!r}") from None
+    if args.replicas != 1:
+        raise ValueError("--autoscale sets the replica count: leave out --replicas")
+    return FleetScaling(AutoscaleConfig(min_replicas=lo, max_replicas=hi), start_delay_s=args.start_delay_s)
 
 
 class _progress:

@@ -30,6 +30,7 @@ from ..core.config import SchedulerConfig
 from ..core.costmodel import CostModel
 from ..core.scheduler import BatchScheduler
 from .engine import Engine, EngineStats, Job, StopSimulation
+from .fleet_scaling import FleetScaling, Scaler
 from .frontend import FrontEnd
 from .replica import Replica
 from .router import Router, make_router
@@ -41,11 +42,14 @@ class FleetTarget:
     """``SimTarget`` for the engine: routes arrivals, steps each replica at its own instants."""
 
     def __init__(self, replicas: list[Replica], router: Router,
-                 stop_after_misses: tuple[float, int, float] | None = None) -> None:
+                 stop_after_misses: tuple[float, int, float] | None = None,
+                 scaler: Scaler | None = None) -> None:
         self.replicas = replicas
         self.router = router
         self.routed = [-1] * len(replicas[0].target.workload)  # per row, the replica it went to
         self._stop = stop_after_misses
+        self.scaler = scaler
+        self._left = len(self.routed)  # rows still to arrive
 
     @property
     def has_pending(self) -> bool:
@@ -53,7 +57,12 @@ class FleetTarget:
 
     def on_arrival(self, index: int, now: float) -> None:
         reps = self.replicas
-        k = self.router.choose([r.outstanding for r in reps]) if len(reps) > 1 else 0
+        self._left -= 1
+        if self.scaler is not None:
+            up = self.scaler.routable
+            k = up[self.router.choose([reps[j].outstanding for j in up]) if len(up) > 1 else 0]
+        else:
+            k = self.router.choose([r.outstanding for r in reps]) if len(reps) > 1 else 0
         self.routed[index] = k
         reps[k].route(index, now)
 
@@ -70,6 +79,12 @@ class FleetTarget:
             t = r.next_event
             if t < wake:
                 wake = t
+        scaler = self.scaler
+        if scaler is not None:
+            busy = self._left > 0 or any(r.outstanding for r in self.replicas)
+            if scaler.due(now):
+                scaler.update(now, busy)
+            wake = min(wake, scaler.next_event(busy))
         if self._stop is not None and sum(r.target.num_misses for r in self.replicas) > self._stop[1]:
             raise StopSimulation("the fleet's requests missed the SLA")
         return jobs, (None if wake == math.inf else wake)
@@ -114,10 +129,15 @@ def simulate_fleet(
     progress: Callable[[int], None] | None = None,
     stop_after_misses: tuple[float, int, float] | None = None,
     frontend: FrontEnd | None = None,
+    autoscale: FleetScaling | None = None,
 ) -> FleetRun:
     """Replay ``workload`` through ``replicas`` copies of ``BatchScheduler(config, cost_model)`` behind
     ``router``, with the arguments of ``sim.target.simulate_encoder`` meaning what they mean there
-    (``stop_after_misses`` counts the fleet's misses together)."""
+    (``stop_after_misses`` counts the fleet's misses together). With ``autoscale``
+    (``sim/fleet_scaling.py``) the fleet has ``max_replicas`` replicas, ``min_replicas`` of them running
+    at first, and ``replicas`` is not read."""
+    if autoscale is not None:
+        replicas = autoscale.config.max_replicas
     if replicas < 1:
         raise ValueError(f"fleet: replicas must be >= 1, got {replicas}")
     config = config or SchedulerConfig()
@@ -138,7 +158,8 @@ def simulate_fleet(
             (fe.loaded_alpha, fe.loaded_rate_coef, fe.loaded_const_s) if fe is not None else (1.0, 0.0, 0.0),
             fe.loaded_residuals if fe is not None else ())
         reps.append(Replica(target, config.num_slots, serial, fe.serial_servers if fe is not None else 1))
-    fleet = FleetTarget(reps, make_router(router, seed), stop_after_misses)
+    scaler = Scaler(autoscale, reps) if autoscale is not None else None
+    fleet = FleetTarget(reps, make_router(router, seed), stop_after_misses, scaler)
     stats = Engine(fleet, replicas * config.num_slots, progress=progress).run(workload.arrival_s)
     stats.num_pipelined = sum(r.num_pipelined for r in reps)
     routed = np.asarray(fleet.routed, dtype=np.int64)
