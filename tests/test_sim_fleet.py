@@ -23,17 +23,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchpilot.core.autoscale import AutoscaleConfig
 from batchpilot.core.config import AdmissionConfig, PlannerConfig, PolicyConfig, SchedulerConfig
 from batchpilot.core.costmodel import CostModel
 from batchpilot.sim.fleet import simulate_fleet
-from batchpilot.sim.fleet_scaling import FleetScaling
 from batchpilot.sim.frontend import FrontEnd
 from batchpilot.sim.metrics import summarize
 from batchpilot.sim.router import ROUTERS, LeastLoaded, PowerOfTwo, RoundRobin, make_router
 from batchpilot.sim.synthetic import synthetic_workload
 from batchpilot.sim.target import DONE, PENDING, simulate_encoder
-from batchpilot.sim.traces import Workload
 from batchpilot.sim.workloads import conv_embed
 
 FIELDS = ("dispatch_s", "finish_s", "status", "reasons", "b_start", "b_duration", "b_size", "b_padded_len",
@@ -287,55 +284,3 @@ def test_a_fleet_tuner_of_one_replica_finds_the_plain_tuners_capacity() -> None:
         tuner.capacity(cand, wl, 0.02, 1.0)
         caps.append((cand.capacity, cand.probes))
     assert caps[0] == caps[1]
-
-
-def bursty(n: int = 6000, seed: int = 0) -> Workload:
-    return synthetic_workload("mmpp:rate_on=80,rate_off=5,on_s=120,off_s=120", n,
-                              "lognormal:median=128,sigma=0.8", seed=seed)
-
-
-def burst_then_quiet() -> Workload:
-    """60 s at 70 req/s (about three replicas' worth), then 200 s at 1 req/s."""
-    burst = synthetic_workload("poisson:rate=70", 4200, "lognormal:median=128,sigma=0.8", seed=4)
-    quiet = synthetic_workload("poisson:rate=1", 200, "lognormal:median=128,sigma=0.8", seed=5)
-    start = float(burst.arrival_s[-1]) + 1.0
-    arrivals = np.concatenate([burst.arrival_s, quiet.arrival_s + start])
-    return Workload.from_columns("burst-then-quiet", arrivals, np.concatenate([burst.input_tokens,
-                                                                               quiet.input_tokens]))
-
-
-def test_an_autoscaled_fleet_grows_under_a_burst_shrinks_when_idle_and_stays_in_bounds() -> None:
-    wl = burst_then_quiet()
-    scaling = FleetScaling(AutoscaleConfig(min_replicas=1, max_replicas=5), start_delay_s=10.0)
-    out = simulate_fleet(wl, SchedulerConfig(), CostModel.default_cpu_minilm(), autoscale=scaling)
-    assert PENDING not in out.run.record.status and (out.routed >= 0).all()
-    targets = [t for _, t, _ in scaling.timeline]
-    assert all(1 <= t <= 5 for t in targets) and all(0 < r <= t for _, t, r in scaling.timeline)
-    assert max(targets) >= 3 and targets[-1] == 1  # grew under the burst, back to one when quiet
-    first_up = next(when for when, t, _ in scaling.timeline if t > 1)
-    later = wl.arrival_s[out.routed > 0]
-    assert later.size and later.min() >= first_up + 10.0  # no request reaches a replica still starting
-    assert 0 < scaling.replica_seconds <= 5 * out.run.stats.end_s
-
-
-def test_autoscale_ticks_do_not_disturb_the_replicas() -> None:
-    """min = max: the fixed fleet's run exactly, though the autoscaler reads every replica each second."""
-    wl = bursty(2000)
-    cm = CostModel.default_cpu_minilm()
-    fixed = simulate_fleet(wl, SchedulerConfig(), cm, replicas=2)
-    scaled = simulate_fleet(wl, SchedulerConfig(), cm,
-                            autoscale=FleetScaling(AutoscaleConfig(min_replicas=2, max_replicas=2)))
-    assert fixed.routed.tolist() == scaled.routed.tolist()
-    for name in FIELDS:
-        assert getattr(fixed.run.record, name) == getattr(scaled.run.record, name), name
-
-
-def test_simulate_autoscale_prints_the_replica_count_over_time(capsys: pytest.CaptureFixture[str]) -> None:
-    from batchpilot.cli import main
-
-    args = ["simulate", "--workload", "mmpp:rate_on=80,rate_off=5,on_s=60,off_s=60", "--requests", "3000"]
-    assert main([*args, "--autoscale", "1:4", "--start-delay-s", "5"]) == 0
-    out = capsys.readouterr().out
-    assert "autoscaling 1..4" in out and "replicas set" in out
-    assert main([*args, "--autoscale", "4"]) == 2
-    assert main([*args, "--autoscale", "2:1"]) == 2
