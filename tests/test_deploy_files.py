@@ -1,0 +1,131 @@
+"""deploy/: the Prometheus alert rules pass ``promtool check rules``, the Grafana dashboard is the one
+its builder writes, and every batchpilot metric either names is one the server exports.
+
+What the server exports is read from a real app: ``create_app`` over the no-op model, its /metrics
+fetched in-process, plus the LLM engine's collectors (``server/llm_metrics.py``) over a stand-in
+engine that reports zeros. A metric family counts with the sample names its type exposes
+(``_total`` for counters; ``_bucket``, ``_sum``, ``_count`` for histograms).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RULES = ROOT / "deploy" / "prometheus" / "alerts.yml"
+DASHBOARD = ROOT / "deploy" / "grafana" / "batchpilot.json"
+BUILDER = ROOT / "deploy" / "grafana" / "build_dashboard.py"
+NAME = re.compile(r"\bbatchpilot_[a-z0-9_]+")
+SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "summary": ("_sum", "_count")}
+
+
+class Zeros:
+    """A stand-in for the LLM engine (and its failover) whose every reading is 0."""
+
+    observers: list[Any] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return Zeros()
+
+    def __call__(self, *args: Any) -> Any:
+        return Zeros()
+
+    def __getitem__(self, key: Any) -> int:
+        return 0
+
+    def __float__(self) -> float:
+        return 0.0
+
+    def __int__(self) -> int:
+        return 0
+
+
+def exported_names() -> set[str]:
+    pytest.importorskip("fastapi")
+    import httpx
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from batchpilot.runtime.executor import NoopExecutor
+    from batchpilot.runtime.llm_records import EngineStats
+    from batchpilot.server.app import create_app
+    from batchpilot.server.config import ServerConfig
+    from batchpilot.server.llm_metrics import LLMMetrics
+
+    async def scrape() -> str:
+        app = create_app(ServerConfig(noop=True), NoopExecutor())
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://server") as client:
+            return (await client.get("/metrics")).text
+
+    engine = Zeros()
+    stats = EngineStats(0, 0, 0, 0, 0.0, 0.0, 0, 0, 0, 0, 0.0, 0)
+    object.__setattr__(engine, "stats", lambda: stats)
+    registry = CollectorRegistry()
+    LLMMetrics(engine, registry)
+    text = asyncio.run(scrape()) + generate_latest(registry).decode()
+    names = set()
+    for family in text_string_to_metric_families(text):
+        names.add(family.name)
+        names.update(family.name + s for s in SUFFIXES.get(family.type, ()))
+        names.update(s.name for s in family.samples)
+    return names
+
+
+@pytest.fixture(scope="module")
+def exported() -> set[str]:
+    return exported_names()
+
+
+def rule_exprs() -> list[str]:
+    yaml = pytest.importorskip("yaml")
+    groups = yaml.safe_load(RULES.read_text())["groups"]
+    return [r["expr"] for g in groups for r in g["rules"]]
+
+
+def dashboard_exprs() -> list[str]:
+    board = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in board["panels"] for t in p.get("targets", ())]
+    exprs += [v["definition"] for v in board["templating"]["list"] if "definition" in v]
+    return exprs
+
+
+def test_promtool_accepts_the_alert_rules() -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (Debian: apt-get install prometheus)")
+    out = subprocess.run([promtool, "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_the_rules_cover_p99_rejections_engine_down_kv_and_a_growing_queue() -> None:
+    used = {n for e in rule_exprs() for n in NAME.findall(e)}
+    assert {"batchpilot_request_latency_seconds_bucket", "batchpilot_rejections_total", "batchpilot_health",
+            "batchpilot_engine_up", "batchpilot_llm_kv_usage_ratio", "batchpilot_backlog_seconds"} <= used
+    assert any(e.strip().startswith("up{") for e in rule_exprs())
+
+
+def test_every_metric_the_rules_use_is_exported(exported: set[str]) -> None:
+    used = {n for e in rule_exprs() for n in NAME.findall(e)}
+    assert used and used <= exported, sorted(used - exported)
+
+
+def test_every_metric_the_dashboard_uses_is_exported(exported: set[str]) -> None:
+    used = {n for e in dashboard_exprs() for n in NAME.findall(e)}
+    assert used and used <= exported, sorted(used - exported)
+
+
+def test_the_dashboard_is_what_its_builder_writes() -> None:
+    out = subprocess.run([sys.executable, str(BUILDER)], capture_output=True, text=True, timeout=60,
+                         check=True)
+    assert out.stdout == DASHBOARD.read_text(), \
+        "stale: python deploy/grafana/build_dashboard.py > deploy/grafana/batchpilot.json"
