@@ -57,6 +57,19 @@ def test_the_rule_is_the_fleets_backlog_over_the_target_wait() -> None:
     assert a.raw_desire(2, waits(100.0, 100.0)) == 10  # never above the maximum
 
 
+def test_the_load_count_is_the_averaged_busy_slots_over_the_target_utilisation() -> None:
+    busy = [ReplicaSignal(0, 0.01, running=2, slots=2)] * 3  # three replicas' worth of busy executors
+    now = Autoscaler(AutoscaleConfig(max_replicas=10, busy_window_s=0.0, upscale_delay_s=0.0))
+    assert now.decide(0.0, 3, busy) == 4 and now.busy == 3.0  # ceil(3 / 0.8)
+    half = [ReplicaSignal(0, 0.01, running=3, slots=2)] * 2  # pipelined: at most all slots busy
+    assert Autoscaler(AutoscaleConfig(max_replicas=10, busy_window_s=0.0)).raw_desire(2, []) == 2
+    avg = Autoscaler(AutoscaleConfig(max_replicas=10, busy_window_s=10.0))
+    avg.decide(0.0, 2, half)
+    assert avg.busy == 2.0
+    avg.decide(10.0, 2, [ReplicaSignal(0, 0.0, 0, 2)] * 2)  # idle for one time constant
+    assert avg.busy == pytest.approx(2.0 * math.exp(-1.0))
+
+
 def test_scales_up_only_after_the_wish_held_for_the_upscale_delay() -> None:
     a = Autoscaler(AutoscaleConfig(max_replicas=8, upscale_delay_s=5.0, downscale_delay_s=30.0))
     assert a.decide(0.0, 1, waits(1.0)) == 1  # wants 4, starts waiting
@@ -105,28 +118,34 @@ def test_zero_delays_act_at_once() -> None:
     assert a.decide(0.0, 4, waits(0, 0, 0, 0)) == 1
 
 
+signal = st.tuples(st.floats(0, 3), st.integers(0, 4), st.integers(1, 4)).map(
+    lambda t: ReplicaSignal(int(t[0] * 10), t[0], min(t[1], t[2]), t[2]))
+
+
 @settings(max_examples=200, deadline=None)
 @given(lo=st.integers(1, 4), extra=st.integers(0, 5), up=st.floats(0, 10), down=st.floats(0, 40),
-       steps=st.lists(st.tuples(st.floats(0, 5), st.lists(st.floats(0, 3), max_size=8)), max_size=40))
+       window=st.sampled_from((0.0, 3.0)),
+       steps=st.lists(st.tuples(st.floats(0, 5), st.lists(signal, max_size=8)), max_size=40))
 def test_the_answer_never_leaves_the_bounds_and_never_moves_before_its_delay(
-    lo: int, extra: int, up: float, down: float, steps: list[tuple[float, list[float]]]
+    lo: int, extra: int, up: float, down: float, window: float,
+    steps: list[tuple[float, list[ReplicaSignal]]]
 ) -> None:
     cfg = AutoscaleConfig(min_replicas=lo, max_replicas=lo + extra, upscale_delay_s=up,
-                          downscale_delay_s=down)
+                          downscale_delay_s=down, busy_window_s=window)
     a = Autoscaler(cfg)
     now, current = 0.0, lo
     since: dict[int, float] = {}  # direction -> when raw started being on that side, continuously
-    for dt, ws in steps:
+    for dt, signals in steps:
         now += dt
-        signals = waits(*ws)
-        raw = a.raw_desire(current, signals)
+        out = a.decide(now, current, signals)
+        raw = a.raw_desire(current, signals)  # what decide saw (the busy average is updated by decide)
         side = 0 if not signals or raw == current else (1 if raw > current else -1)
-        for d in (1, -1):
-            if side != d:
-                since.pop(d, None) if signals else None
+        if signals:
+            for d in (1, -1):
+                if side != d:
+                    since.pop(d, None)
         if side:
             since.setdefault(side, now)
-        out = a.decide(now, current, signals)
         assert cfg.min_replicas <= out <= cfg.max_replicas
         if out > current:
             assert now - since[1] >= up
