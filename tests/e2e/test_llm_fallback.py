@@ -138,6 +138,8 @@ def test_an_out_of_memory_step_moves_its_requests_to_the_fallback_with_the_same_
         after = in_threads(url, PROMPTS)
         assert [r.json()["choices"][0]["text"] for r in after] == reference
         assert failover.fallback_requests == len(PROMPTS) + 1  # served by the main engine again
+        answered = sum(v for k, v in scrape(url).items() if k.startswith("batchpilot_llm_requests_total"))
+        assert answered == 3 * len(PROMPTS) + 1  # every request finished exactly once
 
 
 def test_a_dead_engine_thread_ends_open_streams_with_an_error_event_and_the_waiting_go_to_fallback() -> None:
