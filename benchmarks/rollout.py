@@ -5,7 +5,8 @@ rollback of a much worse candidate under replayed conv-embed load.
 
 Part ab (the no-op model with a fixed 20 ms per batch: a stand-in for a device-bound model, whose
 batches wait on the device rather than on these two cores, so two arms do not slow each other):
-  * primary: hybrid, max_batch_size 32; candidate "wait": window, max_wait 60 ms, share 0.5.
+  * primary: hybrid, max_batch_size 32; candidate "wait": window, max_wait 60 ms (the window held
+    open whatever the load: wait_only_if_it_pays off), share 0.5.
   * The known difference: ``sim.arms.simulate_arms`` gives each arm the rows whose X-Client-Id the
     server's own ``core.rollout.arm_for`` sends to it and runs them through that arm's resolved
     deployment at the no-op model's exact cost (its delay); nothing is fitted on the live run.
@@ -52,7 +53,8 @@ from batchpilot.sim.workloads import load_workload  # noqa: E402
 
 DELAY_S = 0.020
 PRIMARY_YAML = "encoder:\n  policy: {name: hybrid, max_batch_size: 32}\n"
-WAIT_YAML = "encoder:\n  policy: {name: window, max_batch_size: 32, max_wait_s: 0.060}\n"
+WAIT_YAML = ("encoder:\n  policy: {name: window, max_batch_size: 32, max_wait_s: 0.060, "
+             "wait_only_if_it_pays: false}\n")
 BAD_YAML = ("encoder:\n  policy: {name: window, max_batch_size: 1, max_wait_s: 0.0}\n"
             "  planner: {padding: max}\n")
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from conftest import running_server
 from inproc import live_server, scrape
 
 from batchpilot.core.config import SchedulerConfig
@@ -109,3 +111,21 @@ def test_shares_at_the_edges_send_everyone_to_one_arm(share: float) -> None:
     with live_server(None, models=[armed(NoopExecutor(), share=share)], api_key=KEY) as srv:
         arms = {arm for _, _, arm in asyncio.run(fire(srv.url, 30, 1))}
         assert arms == ({"canary"} if share == 1.0 else {"primary"})
+
+
+def test_serve_canary_from_the_command_line(tmp_path: Path) -> None:
+    (tmp_path / "b.yaml").write_text("encoder:\n  policy: {name: window, max_batch_size: 2}\n")
+    (tmp_path / "a.yaml").write_text("encoder:\n  policy: {name: hybrid, max_batch_size: 8}\n"
+                                     "arms:\n  candidates:\n    - {name: wide, share: 0.2, "
+                                     "encoder: {policy: {name: hybrid, max_batch_size: 16}}}\n")
+    args = ["--noop", "--no-warmup", "--config", str(tmp_path / "a.yaml"), "--canary",
+            str(tmp_path / "b.yaml"), "--canary-share", "0.3", "--rollback-min-samples", "50"]
+    with running_server(args, tmp_path) as url:
+        assert httpx.get(url + "/health").json()["arms"]["noop"] == {"primary": "serving", "wide": "serving",
+                                                                    "canary": "serving"}
+        answers = asyncio.run(fire(url, 60, 1))
+        assert {arm for _, _, arm in answers} == {"primary", "wide", "canary"}
+        [model] = httpx.get(url + "/v1/arms").json()["data"]
+        sizes = {a["arm"]: a["config"]["max_batch_size"] for a in model["arms"]}
+        assert sizes == {"primary": 8, "wide": 16, "canary": 2}
+        assert model["rules"]["min_samples"] == 50
