@@ -29,10 +29,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..config_file import add_deployment_args, add_llm_args, add_precision_args, spec_from_args
+from ..config_file import (
+    add_deployment_args,
+    add_llm_args,
+    add_precision_args,
+    add_rollout_args,
+    rollout_from_args,
+    spec_from_args,
+)
 from ..core.config import SchedulerConfig
 from ..core.costmodel import BatchShape, CostModel
 from ..core.deployment import DeploymentSpec, ModelLimits, resolve_deployment
+from ..core.rollout import RolloutSpec
 from .config import TASKS, ModelSpec, ServerConfig
 
 log = logging.getLogger("batchpilot.server")
@@ -55,6 +63,7 @@ def register(subparsers: Any) -> None:
                         "(default: one per core)")
     add_deployment_args(p)
     add_precision_args(p)
+    add_rollout_args(p)
     add_llm_args(p)
     p.add_argument("--profile", action="append", default=None, metavar="PATH",
                    help="cost-model profile JSON (`batchpilot profile -o`), one per --model")
@@ -127,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     logs.configure(args.log_level, args.log_format)
     spec = spec_from_args(args)
     settings = server_config(args, spec)
-    app = build_app(settings, spec)
+    app = build_app(settings, spec, rollout_from_args(args, spec))
     if settings.host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
         log.warning("binding %s without --api-key: anyone who can reach this port can use the model",
                     settings.host)
@@ -168,9 +177,10 @@ def model_specs(args: argparse.Namespace) -> tuple[ModelSpec, ...]:
                  for i, path in enumerate(paths))
 
 
-def build_app(settings: ServerConfig, spec: DeploymentSpec | SchedulerConfig | None = None) -> Any:
+def build_app(settings: ServerConfig, spec: DeploymentSpec | SchedulerConfig | None = None,
+              rollout: RolloutSpec | None = None) -> Any:
     """Load each model's executor and cost model, resolve its deployment (``core.deployment``: the
-    same function ``simulate`` runs), mount the optional LLM routes."""
+    same function ``simulate`` runs) and its arms' (``rollout``), mount the optional LLM routes."""
     from .app import ServedModel, create_app
 
     if not isinstance(spec, DeploymentSpec):
@@ -193,7 +203,9 @@ def build_app(settings: ServerConfig, spec: DeploymentSpec | SchedulerConfig | N
         for note in deployment.notes:
             log.info("deployment %s: %s", name, note)
         log.info("deployment %s: %s", name, deployment.describe())
-        served.append(ServedModel(executor, deployment.scheduler, cost_model, name))
+        arms = tuple(served_arm(settings, model, arm.spec, spec, executor, cost_model, limits, cache, name,
+                                arm.name) for arm in (rollout.arms if rollout else ()))
+        served.append(ServedModel(executor, deployment.scheduler, cost_model, name, rollout, arms))
     if not settings.llm:
         return create_app(settings, models=served)
     engine, router, hooks = _llm_router(settings, spec)
@@ -205,6 +217,24 @@ def build_app(settings: ServerConfig, spec: DeploymentSpec | SchedulerConfig | N
 
     app.state.drain_timeout_hooks.append(stop_engine)
     return app
+
+
+def served_arm(settings: ServerConfig, model: ModelSpec, arm: DeploymentSpec, primary: DeploymentSpec,
+               executor: Any, cost_model: CostModel, limits: ModelLimits, cache: str | None, name: str,
+               arm_name: str) -> Any:
+    """A candidate arm of ``model``: the primary's executor (the same weights) unless the arm asks for
+    another precision or backend, and its deployment resolved by the same function as the primary's."""
+    from .app import ServedArm
+
+    if arm.model != primary.model:
+        executor = load_executor(settings, model, arm.model.dtype, arm.model.min_cosine, arm.model.backend,
+                                 cache)
+        log.info("arm %s of %s: its own executor (model: %s)", arm_name, name, arm.model)
+    deployment = resolve_deployment(arm, cost_model, limits)
+    for note in deployment.notes:
+        log.info("deployment %s arm %s: %s", name, arm_name, note)
+    log.info("deployment %s arm %s: %s", name, arm_name, deployment.describe())
+    return ServedArm(executor, deployment.scheduler)
 
 
 def device_memory_bytes(executor: Any) -> float:
