@@ -64,6 +64,7 @@ class FleetTuneResult:
     searches: list[tuple[int, TuneResult]]  # (replicas, that count's search), in the order run
     replicas: int | None  # the fewest that hold the SLA at the target rate (None: none up to the max)
     router: str
+    tuner: FleetTuner | None = None  # the chosen count's tuner (for its goodput curves)
 
     @property
     def chosen(self) -> tuple[int, TuneResult]:
@@ -80,17 +81,19 @@ def tune_fleet(workload: Workload, cost_model: CostModel, tc: TuneConfig, *, max
     if max_replicas < 1:
         raise ValueError(f"tune: --max-replicas must be >= 1, got {max_replicas}")
     searches = []
+    tuner = None
     for n in range(1, max_replicas + 1):
-        result = FleetTuner(workload, cost_model, tc, replicas=n, router=router, log=log, spec=spec,
-                            frontend=frontend).run()
+        tuner = FleetTuner(workload, cost_model, tc, replicas=n, router=router, log=log, spec=spec,
+                           frontend=frontend)
+        result = tuner.run()
         searches.append((n, result))
         holds = result.best.capacity >= 1.0
         best = result.best
         log(f"{n} replica{'s' if n > 1 else ''}: best {best.label}, capacity x{best.capacity:.3f} "
             f"= {best.rps:.2f} req/s ({'holds' if holds else 'misses'} the SLA at the target rate)")
         if holds:
-            return FleetTuneResult(searches, n, router)
-    return FleetTuneResult(searches, None, router)
+            return FleetTuneResult(searches, n, router, tuner)
+    return FleetTuneResult(searches, None, router, tuner)
 
 
 def fleet_table(res: FleetTuneResult) -> Any:
@@ -170,6 +173,11 @@ def run_fleet_tune(args: argparse.Namespace) -> int:
     console.print(explain(chosen))
     console.print(fleet_table(res))
     path = write_fleet_yaml(res, args.output, spec)
+    if args.plot and res.tuner is not None:
+        from .plots import plot_goodput
+
+        png = plot_goodput(res.tuner.curves(chosen), Path(args.plot) / "goodput_vs_rate.png", tc.sla_p99_s)
+        console.print(f"wrote {png} ({n} replicas)")
     sims = sum(r.num_simulations for _, r in res.searches)
     secs = sum(r.seconds for _, r in res.searches)
     if res.replicas is None:
