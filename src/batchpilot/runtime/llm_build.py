@@ -101,5 +101,6 @@ def build_failover(engine: LLMEngine, fallback: str = "static", stall_timeout_s:
 
     if fallback not in FALLBACKS:
         raise ValueError(f"llm fallback {fallback!r}: choose one of {', '.join(FALLBACKS)}")
-    backup = build_fallback(engine, fallback_batch_size) if fallback == "static" else None
+    seed = int(getattr(engine.sampler, "base_seed", 0))
+    backup = build_fallback(engine, fallback_batch_size, seed) if fallback == "static" else None
     return LLMFailover(engine, backup, StallRule(timeout_s=stall_timeout_s))

@@ -173,8 +173,9 @@ class LLMFailover:
             self._probe()
 
     def _probe(self) -> None:
-        busy = [e for e in self._retired if e._thread is not None and e._thread.is_alive()]
-        self._retired = busy
+        with self._lock:
+            self._retired = [e for e in self._retired if e._thread is not None and e._thread.is_alive()]
+            busy = bool(self._retired)
         if busy:  # a step is still under way on the runner: no second thread may use it
             self._probe_failed(None, "the failed engine's step has not returned yet")
             return
@@ -196,8 +197,9 @@ class LLMFailover:
     def _probe_failed(self, engine: Any | None, why: str) -> None:
         if engine is not None:
             retire(engine)
-            self._retired.append(engine)
         with self._lock:
+            if engine is not None:
+                self._retired.append(engine)
             self.breaker.record_failure(time.monotonic())
         log.warning("llm engine probe: %s; next probe in %.1f s", why, self.breaker.interval_s)
 
@@ -207,7 +209,9 @@ class LLMFailover:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout)
-        for engine in self._retired:
+        with self._lock:
+            retired = list(self._retired)
+        for engine in retired:
             engine.shutdown(0.0)
         self.main.shutdown(timeout)
         if self.fallback is not None:
