@@ -209,7 +209,8 @@ class StaticFallback:
             ids[i, width - r.seq.num_prompt_tokens :] = torch.tensor(r.seq.prompt_token_ids)
             mask[i, width - r.seq.num_prompt_tokens :] = 1
         rows = _Rows(self, batch)
-        gen = GenerationConfig(max_new_tokens=max(r.seq.params.max_tokens for r in batch), do_sample=False,
+        longest = max(r.seq.params.max_tokens for r in batch)
+        gen = GenerationConfig(max_new_tokens=longest, do_sample=False,  # type: ignore[no-untyped-call]
                                pad_token_id=self._pad, eos_token_id=None, bos_token_id=None)
         dev = self.model.device
         try:
