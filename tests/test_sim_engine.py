@@ -154,9 +154,11 @@ def test_until_stops_the_clock_and_a_target_can_abort() -> None:
     assert stats.aborted and stats.end_s == 1.0 and stats.num_jobs == 1
 
 
-def test_unsorted_arrivals_are_refused() -> None:
-    with pytest.raises(ValueError, match="sorted"):
-        Engine(ToyTarget(1.0)).run([1.0, 0.0])
+def test_arrivals_out_of_row_order_are_heard_in_time_order_with_their_rows() -> None:
+    target = ToyTarget(0.5)
+    Engine(target).run([1.0, 0.0, 1.0])
+    assert [e for e in target.log if e[0] == "arrive"] == [("arrive", 0.0, 1), ("arrive", 1.0, 0),
+                                                           ("arrive", 1.0, 2)]
 
 
 def test_runs_replay_exactly_with_noise_and_seed() -> None:

@@ -174,3 +174,15 @@ def test_two_tokenizer_threads_halve_a_burst_s_queue() -> None:
     np.testing.assert_allclose(two, [0.01, 0.01, 0.02, 0.02])
     with pytest.raises(ValueError, match="serial_servers"):
         FrontEnd(serial_servers=0)
+
+
+def test_several_tokenizer_servers_may_hand_rows_to_the_batcher_out_of_order() -> None:
+    # a long row then a short one, two servers: the short one reaches the batcher first
+    wl = Workload.from_columns("two", [0.0, 0.001], [512, 4])
+    fe = FrontEnd(serial_servers=2, serial_per_token_s=1e-4)
+    at = fe.batcher_arrivals(wl.arrival_s, wl.input_tokens)
+    assert at[1] < at[0]
+    run = simulate_encoder(wl, SchedulerConfig(policy=PolicyConfig(max_batch_size=1)),
+                           CostModel(latency_coef=(0.01, 0.0, 0.0, 0.0)), frontend=fe)
+    assert list(run.record.status) == [DONE, DONE]
+    assert run.record.dispatch_s[1] < run.record.dispatch_s[0]  # the batcher saw the short one first

@@ -79,7 +79,10 @@ class StopSimulation(Exception):
 
 
 class Engine:
-    """Run ``target`` over sorted ``arrivals`` (seconds) with ``num_slots`` executor slots.
+    """Run ``target`` over ``arrivals`` (seconds; row ``i`` arrives at ``arrivals[i]``) with ``num_slots``
+    executor slots. The target hears arrivals in time order (rows in order at equal times), each
+    with its row index: after a front end with several tokenizer servers, rows can reach the batcher
+    out of row order.
 
     ``progress`` is called every ``progress_every`` arrivals with the number processed so far (the CLI
     drives a rich progress bar with it). ``until_s`` stops the clock early (jobs in flight are left).
@@ -102,16 +105,18 @@ class Engine:
 
     def run(self, arrivals: np.ndarray | Sequence[float], until_s: float = math.inf) -> EngineStats:
         times = np.asarray(arrivals, dtype=float)
+        rows = None
         if times.size and (np.diff(times) < 0).any():
-            raise ValueError("engine: arrival times must be sorted ascending")
+            order = np.argsort(times, kind="stable")
+            times, rows = times[order], order.tolist()
         stats = EngineStats(busy_s=[0.0] * self.num_slots)
         try:
-            self._loop(times.tolist(), until_s, stats)
+            self._loop(times.tolist(), until_s, stats, rows)
         except StopSimulation:
             stats.aborted = True
         return stats
 
-    def _loop(self, arr: list[float], until_s: float, stats: EngineStats) -> None:
+    def _loop(self, arr: list[float], until_s: float, stats: EngineStats, rows: list[int] | None) -> None:
         # arr holds python floats (faster to index than numpy scalars); counters are locals written
         # back in ``finally`` so an aborted run still reports them.
         n = len(arr)
@@ -160,7 +165,7 @@ class Engine:
                         push(running, (now + queued.duration_s, seq, queued))
                         accept[slot] = next_at(queued) if next_at is not None else inf
                 while i < n and arr[i] == now:
-                    on_arrival(i, now)
+                    on_arrival(i if rows is None else rows[i], now)
                     i += 1
                 if wake <= now:
                     wake = inf
