@@ -159,3 +159,30 @@ def test_shutdown_answers_what_the_fallback_still_holds(engines: tuple[LLMEngine
     assert asyncio.run(run()) == ["EngineStopped", "EngineStopped"]
     fallback.shutdown()
     assert not fallback.is_alive
+
+
+def test_serve_llm_builds_the_failover_its_settings_ask_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    from batchpilot.core.deployment import DeploymentSpec
+    from batchpilot.server import llm_routes
+    from batchpilot.server.cli import _llm_router
+    from batchpilot.server.config import ServerConfig
+
+    class Settings:  # ServerConfig plus the two failover settings serve's flags give
+        def __init__(self, **extra: Any) -> None:
+            self.base, self.extra = ServerConfig(llm=True), extra
+
+        def __getattr__(self, name: str) -> Any:
+            return self.extra[name] if name in self.extra else getattr(self.base, name)
+
+    small = dict(num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                 num_key_value_heads=1, num_kv_blocks=16, max_model_len=128, model_name="m")
+    monkeypatch.setattr(llm_routes, "build_llm_engine", lambda path, **kw: build_llm_engine(path, **small))
+    for extra, has_fallback, bound in (({}, True, 60.0),
+                                       ({"llm_fallback": "off", "llm_stall_timeout_s": 3.0}, False, 3.0)):
+        failover, _, hooks = _llm_router(Settings(**extra), DeploymentSpec())  # type: ignore[arg-type]
+        try:
+            assert (failover.fallback is not None) == has_fallback
+            assert failover.watchdog.timeout_s() == bound and failover.is_alive
+        finally:
+            for hook in hooks:
+                hook()
