@@ -106,3 +106,14 @@ def test_one_config_file_for_encoder_llm_and_server(tmp_path: Path,
     flat.write_text(yaml.safe_dump({"policy": {"name": "window"}}))
     assert main(["simulate", "--requests", "10", "--config", str(flat)]) == 2
     assert "go under 'encoder:'" in " ".join(capsys.readouterr().out.split())
+
+
+def test_simulate_with_a_canary_reports_each_arm(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "wait.yaml").write_text("encoder:\n  policy: {name: window, max_batch_size: 32, "
+                                        "max_wait_s: 0.2, wait_only_if_it_pays: false}\n")
+    rc = main(["simulate", "--workload", "conv-embed", "--rate-scale", "4", "--requests", "600",
+               "--canary", str(tmp_path / "wait.yaml"), "--canary-share", "0.5", "--clients", "50"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "over 2 arms" in out
+    rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.count("│") > 5}
+    assert set(rows) >= {"primary", "canary"} and "1.00x" in rows["primary"]

@@ -5,6 +5,11 @@ deployment, as each arm runs its own scheduler and slots live.
     keys = client_keys(len(workload), clients=200, seed=0)      # what `bench ab` sends as X-Client-Id
     runs = simulate_arms(workload, keys, primary, rollout, cost_model, limits)   # {arm: SimRun}
 
+    batchpilot simulate --config a.yaml --canary b.yaml --canary-share 0.5 --clients 200
+
+(``simulate`` with a config whose ``arms:`` section has candidates, or with ``--canary``, reports each
+arm and its P50/P99 ratios to the primary.)
+
 What it does not model: arms sharing one machine's cores. Where batches wait on a device (or on a
 fixed delay, as the no-op model's do) the arms are independent and this is the prediction; on a
 CPU-bound model every arm's batches also slow the others'.
@@ -12,13 +17,16 @@ CPU-bound model every arm's batches also slow the others'.
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from ..core.costmodel import CostModel
 from ..core.deployment import DeploymentSpec, ModelLimits, resolve_deployment
 from ..core.rollout import RolloutSpec, arm_for
+from .frontend import FrontEnd
 from .target import SimRun, simulate_encoder
 from .traces import Workload
 
@@ -37,7 +45,8 @@ def assign(keys: Sequence[str], rollout: RolloutSpec) -> np.ndarray:
 
 
 def simulate_arms(workload: Workload, keys: Sequence[str], primary: DeploymentSpec, rollout: RolloutSpec,
-                  cost_model: CostModel, limits: ModelLimits | None = None) -> dict[str, SimRun]:
+                  cost_model: CostModel, limits: ModelLimits | None = None,
+                  frontend: FrontEnd | None = None) -> dict[str, SimRun]:
     """Each arm's rows through its own deployment (arms with no rows are left out)."""
     if len(keys) != len(workload):
         raise ValueError(f"{len(keys)} client keys for {len(workload)} workload rows")
@@ -52,5 +61,48 @@ def simulate_arms(workload: Workload, keys: Sequence[str], primary: DeploymentSp
                                     workload.input_tokens[rows], workload.output_tokens[rows],
                                     workload.priority[rows])
         scheduler = resolve_deployment(spec, cost_model, limits).scheduler
-        out[name] = simulate_encoder(sub, scheduler, cost_model)
+        out[name] = simulate_encoder(sub, scheduler, cost_model, frontend=frontend)
     return out
+
+
+def add_arms_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("arms (the config's arms: section, or --canary; docs/rollout.md)")
+    g.add_argument("--canary", default=None, metavar="CONFIG", help="simulate this config as a candidate arm")
+    g.add_argument("--canary-share", type=float, default=None, help="--canary: its share (default 0.1)")
+    g.add_argument("--clients", type=int, default=200,
+                   help="with arms: clients the rows come from (their keys pick the arms, as bench ab sends)")
+
+
+def run_arms(args: argparse.Namespace, console: Any, workload: Workload, primary: DeploymentSpec,
+             cost_model: CostModel, frontend: FrontEnd | None) -> int | None:
+    """``simulate`` of a deployment with candidate arms: a table of the arms; None without candidates."""
+    from rich.table import Table
+
+    from ..config_file import rollout_from_args
+    from .metrics import summarize
+
+    rollout = rollout_from_args(args, primary)
+    if not rollout.arms:
+        return None
+    keys = client_keys(len(workload), args.clients, args.seed)
+    runs = simulate_arms(workload, keys, primary, rollout, cost_model,
+                         ModelLimits.from_meta(cost_model.meta), frontend)
+    reports = {arm: summarize(run, sla_s=args.sla, warmup_s=args.warmup_s) for arm, run in runs.items()}
+    t = Table(title=f"{workload.name}: {len(workload)} requests from {args.clients} clients over "
+                    f"{len(rollout.names())} arms", header_style="bold")
+    for col in ("arm", "share", "requests", "P50 ms", "P99 ms", "P99 vs primary", "goodput req/s",
+                "mean batch", "padding"):
+        t.add_column(col, justify="right")
+    base = reports.get("primary")
+    for arm, share in zip(rollout.names(), rollout.shares(), strict=True):
+        r = reports.get(arm)
+        if r is None:
+            t.add_row(arm, f"{share:.2f}", "0", *["-"] * 6)
+            continue
+        ratio = f"{r.latency['p99'] / base.latency['p99']:.2f}x" if base and base.latency["p99"] else "-"
+        t.add_row(arm, f"{share:.2f}", f"{r.num_measured:,}", f"{r.latency['p50'] * 1e3:.1f}",
+                  f"{r.latency['p99'] * 1e3:.1f}", ratio, f"{r.goodput_rps:.2f}", f"{r.mean_batch_size:.2f}",
+                  f"{r.padding_efficiency:.1%}")
+    console.print(t)
+    console.print("arms share no cores here: where a CPU-bound model serves them, each slows the others")
+    return 0

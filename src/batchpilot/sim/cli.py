@@ -21,6 +21,8 @@ from typing import Any
 from ..config_file import add_deployment_args, add_llm_args, spec_from_args
 from ..core.costmodel import CostModel
 from ..core.deployment import Deployment, DeploymentSpec, ModelLimits, resolve_deployment
+from .arms import add_arms_args, run_arms
+from .fleet_scaling import scaling_from_args
 from .frontend import FrontEnd
 from .synthetic import ARRIVALS, parse_spec, synthetic_workload
 from .traces import Workload
@@ -50,6 +52,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--target", choices=("encoder", "llm"), default=None,
                    help="which scheduler to drive (default: llm for conv-llm, else encoder)")
     add_fleet_args(p)
+    add_arms_args(p)
     p.set_defaults(func=run_simulate)
     from .fleet_tune import add_fleet_tune_args
     from .tune import register as register_tune
@@ -146,7 +149,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         return 2
     target = args.target or ("llm" if args.workload == "conv-llm" else "encoder")
     try:
-        scaling = _scaling(args)
+        scaling = scaling_from_args(args)
     except ValueError as exc:
         console.print(f"[red]batchpilot simulate: {exc}[/]")
         return 2
@@ -175,6 +178,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     if frontend is None and not args.batcher_only:
         console.print("[yellow]the profile has no serving-path section ('frontend'): predicting the batcher "
                       "alone; re-run `batchpilot profile` to include HTTP, JSON and tokenisation[/]")
+    if (armed := run_arms(args, console, workload, spec, cost_model, frontend)) is not None:
+        return armed
     fleet = None
     with _progress(console, len(workload)) as progress:
         if args.replicas == 1 and scaling is None:
@@ -213,22 +218,6 @@ def run_simulate(args: argparse.Namespace) -> int:
         for path in plot_run(run, args.plot, sla_s=args.sla, title=workload.name):
             console.print(f"wrote {path}")
     return 0
-
-
-def _scaling(args: argparse.Namespace) -> Any:
-    """``--autoscale MIN:MAX`` as a ``FleetScaling`` (None without it)."""
-    if not getattr(args, "autoscale", None):
-        return None
-    from ..core.autoscale import AutoscaleConfig
-    from .fleet_scaling import FleetScaling
-
-    try:
-        lo, hi = (int(x) for x in str(args.autoscale).split(":"))
-    except ValueError:
-        raise ValueError(f"--autoscale wants MIN:MAX (two integers), got {args.autoscale!r}") from None
-    if args.replicas != 1:
-        raise ValueError("--autoscale sets the replica count: leave out --replicas")
-    return FleetScaling(AutoscaleConfig(min_replicas=lo, max_replicas=hi), start_delay_s=args.start_delay_s)
 
 
 class _progress:
