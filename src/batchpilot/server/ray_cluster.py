@@ -12,9 +12,9 @@ instance and Serve's HTTP listener, bound to the host the user asked for.
                                    HAProxy is on this node (RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S;
                                    a value the user set wins)
     stop_cluster(app_name, s)  ->  serve.delete (replicas drain their ongoing requests), then
-                                   ray.shutdown(); serve.shutdown() is not called: with HAProxy it
-                                   can wait ~30 s on the proxies, ray.shutdown() takes ~1.5 s but
-                                   leaves this node's HAProxy running (its manager actor is killed,
+                                   ray.shutdown(); serve.shutdown() is not called: it also drains
+                                   the proxies, each kept up for RAY_SERVE_PROXY_MIN_DRAINING_PERIOD_S
+                                   (30 s by default). ray.shutdown() leaves this node's HAProxy running (its manager actor is killed,
                                    not the process it spawned), so that process is then stopped by
                                    its config path, which names this Ray node
 
