@@ -8,15 +8,17 @@ instance and Serve's HTTP listener, bound to the host the user asked for.
                                    = the host for a specific address), serve.start(http_options
                                    host/port = --host/--port)
                                    a local Ray: replicas behind HAProxy stay reachable for
-                                   DEREGISTER_S (not Serve's 30 s) before they drain, since the only
-                                   HAProxy is on this node (RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S;
-                                   a value the user set wins)
+                                   DEREGISTER_S (not Serve's 30 s) before they drain, since the
+                                   only HAProxy is on this node
+                                   (RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S; a value the user
+                                   set wins)
     stop_cluster(app_name, s)  ->  serve.delete (replicas drain their ongoing requests), then
                                    ray.shutdown(); serve.shutdown() is not called: it also drains
                                    the proxies, each kept up for RAY_SERVE_PROXY_MIN_DRAINING_PERIOD_S
-                                   (30 s by default). ray.shutdown() leaves this node's HAProxy running (its manager actor is killed,
-                                   not the process it spawned), so that process is then stopped by
-                                   its config path, which names this Ray node
+                                   (30 s by default). ray.shutdown() leaves this node's HAProxy
+                                   running (its manager actor is killed, not the process it
+                                   spawned), so that process is then stopped by its config path,
+                                   which names this Ray node
 
 What cannot follow ``--host`` in Ray 2.60 is listed by ``unbound_listeners`` (and logged): Ray's own
 gRPC control plane binds every interface (guarded by Ray's token authentication, on by default), and
