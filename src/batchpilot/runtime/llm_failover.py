@@ -57,7 +57,7 @@ class LLMFailover:
         self.faults: collections.Counter[str] = collections.Counter()
         self.fallback_requests = 0  # requests the fallback took: sent there, or moved there
         self.closing = False
-        self._failed: set[int] = set()  # ids of engines that faulted (their faults count once)
+        self._main_failed = False  # the engine in ``main`` has faulted (its faults count once)
         self._retired: list[Any] = []  # faulted engines whose thread may still be running
         self._lock = threading.RLock()
         self._stop = threading.Event()
@@ -131,9 +131,9 @@ class LLMFailover:
     def report(self, engine: Any, kind: str) -> None:
         """A fault of ``engine`` (counted once per engine): open the breaker and retire it."""
         with self._lock:
-            if engine is not self.main or id(engine) in self._failed or self.closing:
+            if engine is not self.main or self._main_failed or self.closing:
                 return
-            self._failed.add(id(engine))
+            self._main_failed = True
             self.faults[kind] += 1
             self.breaker.record_failure(time.monotonic())
             self._retired.append(engine)
@@ -143,7 +143,7 @@ class LLMFailover:
         retire(engine)
 
     def _main_ok(self) -> bool:
-        return self.breaker.allows and id(self.main) not in self._failed and bool(self.main.is_alive)
+        return self.breaker.allows and not self._main_failed and bool(self.main.is_alive)
 
     def _target(self) -> Any | None:
         with self._lock:
@@ -162,8 +162,9 @@ class LLMFailover:
                 log.exception("llm watchdog check failed")
 
     def _tick(self, now: float) -> None:
-        main = self.main
-        if id(main) not in self._failed:
+        with self._lock:
+            main, failed = self.main, self._main_failed
+        if not failed:
             kind = self.watchdog.check(main, now)
             if kind is not None and not self.closing:
                 self.report(main, kind)
@@ -190,7 +191,7 @@ class LLMFailover:
             self._probe_failed(engine, "the probe request failed")
             return
         with self._lock:
-            self.main = engine
+            self.main, self._main_failed = engine, False
             self.breaker.record_success(time.monotonic())
         log.info("llm engine probe succeeded: traffic returns to the continuous-batching engine")
 

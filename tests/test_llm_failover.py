@@ -1,0 +1,102 @@
+"""runtime/llm_failover.py without HTTP: faults, moves and returns, repeated, on a real small engine."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import torch
+
+from batchpilot.core.breaker import BreakerConfig
+from batchpilot.core.sequence import SamplingParams
+from batchpilot.core.stall import StallRule
+from batchpilot.runtime.llm_build import build_fallback
+from batchpilot.runtime.llm_engine import build_llm_engine
+from batchpilot.runtime.llm_errors import EngineUnavailable
+from batchpilot.runtime.llm_failover import LLMFailover
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+def wait_for(predicate: Any, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def failover(fallback: bool = True) -> LLMFailover:
+    engine = build_llm_engine(None, num_hidden_layers=1, hidden_size=64, intermediate_size=128,
+                              num_attention_heads=2, num_key_value_heads=1, num_kv_blocks=32,
+                              max_model_len=128, max_num_seqs=4, max_waiting_seqs=4, model_name="m",
+                              tokenizer_threads=1, initializer_range=0.06)
+    return LLMFailover(engine, build_fallback(engine) if fallback else None, StallRule(timeout_s=60.0),
+                       BreakerConfig(probe_interval_s=0.05, backoff=1.0))
+
+
+async def _texts(f: LLMFailover, prompts: list[list[int]], replayable: bool) -> list[list[int]]:
+    out = []
+    for req in f.submit(prompts, GREEDY, replayable=replayable):
+        out.append([t async for item in req for t in item.token_ids])
+    return out
+
+
+def texts(f: LLMFailover, prompts: list[list[int]], replayable: bool = False) -> list[list[int]]:
+    return asyncio.run(_texts(f, prompts, replayable))
+
+
+def oom_next_step(runner: Any) -> None:
+    original = runner.forward
+
+    def forward(chunks: Any) -> Any:
+        runner.forward = original  # once
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    runner.forward = forward
+
+
+def test_faults_and_returns_repeat_and_every_answer_is_the_engines() -> None:
+    f = failover()
+    prompts = [[5, 6, 7], [8, 9], [10]]
+    try:
+        reference = texts(f, prompts)
+        first = f.main
+        for cycle in (1, 2, 3):
+            oom_next_step(f.main.runner)
+            assert texts(f, prompts, replayable=cycle % 2 == 0) == reference  # moved to the fallback
+            assert f.faults["oom"] == cycle
+            wait_for(lambda: f.is_alive)  # the probe rebuilt the engine on the same runner
+            assert f.breaker.num_closed == cycle
+            assert texts(f, prompts) == reference
+        assert f.main is not first and f.main.runner is first.runner
+        assert f.fallback_requests == 3 * len(prompts)
+        assert f.num_pending == 0
+    finally:
+        f.shutdown(5.0)
+
+
+def test_without_a_fallback_a_fault_is_engine_unavailable_until_the_probe() -> None:
+    f = failover(fallback=False)
+    try:
+        oom_next_step(f.main.runner)
+        try:
+            texts(f, [[5, 6]])
+            raise AssertionError("expected EngineUnavailable")
+        except EngineUnavailable as exc:
+            assert exc.retry_after_s == f.breaker.interval_s
+        wait_for(lambda: f.is_alive)
+        assert len(texts(f, [[5, 6]])[0]) == GREEDY.max_tokens
+    finally:
+        f.shutdown(5.0)
+
+
+def test_shutdown_is_not_a_fault() -> None:
+    f = failover()
+    f.shutdown(5.0)
+    assert f.faults == {} and not f.is_alive
+    try:
+        texts(f, [[5]])
+        raise AssertionError("expected EngineUnavailable")
+    except EngineUnavailable:
+        pass
