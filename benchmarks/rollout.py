@@ -16,7 +16,7 @@ batches wait on the device rather than on these two cores, so two arms do not sl
     times (different client seeds); each verdict should be "no significant difference".
 
 Part rollback (the embedded MiniLM, default deployment; the candidate "bad": batches of one padded
-to 512 tokens, share 0.1, rules: window 30 s, at least 20 answers per arm, P99 over 1.5x):
+to 512 tokens, share 0.2; the default rules but a 30 s window and 30 answers per arm):
   * two servers on the same model and cores, one without arms and one with the candidate, replaying
     the same conv-embed rows alternately (``--rounds`` each; the candidate is re-enabled before each
     armed replay): when the candidate was rolled back (seconds into the replay, requests it had
@@ -119,8 +119,8 @@ def part_rollback(args: argparse.Namespace, out: Path) -> None:
     texts = [p.body["input"] for p in build_plan(wl, tokenizer=load_tokenizer(None), seed=0)]
     plan = with_clients(build_plan(wl, texts=texts), args.clients, seed=0)
     common = ["--no-startup-profile", "--threads", "1"]
-    armed_args = [*common, "--canary", str(out / "bad.yaml"), "--canary-share", "0.1", "--rollback-window-s",
-                  "30", "--rollback-min-samples", "20", "--rollback-p99-ratio", "1.5"]
+    armed_args = [*common, "--canary", str(out / "bad.yaml"), "--canary-share", "0.2", "--rollback-window-s",
+                  "30", "--rollback-min-samples", "30"]
     print(f"conv-embed rows {args.start}..{args.start + len(wl)} at x{args.rollback_rate_scale} "
           f"({wl.mean_rate:.1f} req/s, {wl.duration_s:.0f} s), MiniLM, one torch thread per server")
     live = LoadGenConfig("http://127.0.0.1", progress=False, scrape_interval_s=0)

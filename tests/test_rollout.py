@@ -108,6 +108,19 @@ def test_a_candidate_much_slower_than_the_primary_is_rolled_back_once_both_have_
     assert guard.shares([0.9, 0.1]) == [1.0, 0.0]
 
 
+def test_a_candidate_slower_for_the_typical_request_is_rolled_back_on_its_p50() -> None:
+    guard = RolloutGuard([PRIMARY, "canary"], RollbackRules(min_samples=50, max_p99_ratio=1.5,
+                                                            max_p50_ratio=2.0))
+    t = feed(guard, PRIMARY, 0.0, 98, 0.010)
+    t = feed(guard, PRIMARY, t, 2, 0.500)  # a burst: the primary's tail is long
+    t = feed(guard, "canary", t, 100, 0.030)  # three times slower, but no tail
+    [rb] = guard.check(t)
+    assert rb.rule == "p50_ratio" and "3.00x" in rb.detail
+    off = RolloutGuard([PRIMARY, "canary"], RollbackRules(min_samples=50, max_p50_ratio=0.0))
+    t = feed(off, PRIMARY, feed(off, PRIMARY, 0.0, 98, 0.010), 2, 0.500)
+    assert off.check(feed(off, "canary", t, 100, 0.030)) == []
+
+
 def test_a_candidate_as_fast_as_the_primary_is_kept() -> None:
     guard = RolloutGuard([PRIMARY, "canary"], RollbackRules(min_samples=50))
     t = feed(guard, PRIMARY, 0.0, 500, 0.010)

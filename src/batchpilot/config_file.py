@@ -18,7 +18,7 @@
       candidates:
         - {name: canary, share: 0.1, config: b.yaml}   # a config file (relative to this one), or
         - {name: wide, share: 0.1, encoder: {policy: {max_batch_size: 64}}}  # sections over this file's
-      rollback: {max_p99_ratio: 1.5, window_s: 60}      # core.rollout.RollbackRules
+      rollback: {max_p99_ratio: 1.5, max_p50_ratio: 2.0, window_s: 60}  # core.rollout.RollbackRules
 
 Every section is optional. ``add_deployment_args`` adds the flags that override the file, with the
 same names and meanings in every command, and ``spec_from_args`` reads them back, so ``simulate`` and

@@ -17,11 +17,13 @@ so every other client keeps its arm.
 
 **Rollback.** Per arm, a sliding window of ``rules.window_s`` seconds of outcomes (``Outcome``) and
 of ok latencies. A candidate is rolled back when, with at least ``rules.min_samples`` answers in the
-window on it and on the primary, its P99 is over ``max_p99_ratio`` times the primary's, or its
-error rate or its rejection rate exceeds the primary's by more than ``max_error_rate`` /
-``max_rejection_rate``; or, whatever the sample, when it had ``max_faults`` executor faults (model
-errors, out of memory) in the window. The primary is never rolled back: it is what traffic returns
-to. A rolled-back arm stays so until ``enable``.
+window on it and on the primary, its P99 is over ``max_p99_ratio`` times the primary's, its P50 over
+``max_p50_ratio`` times (a config much slower for the typical request: at a small share and light
+load its tail can stay short while every answer is slow), or its error rate or its rejection rate
+exceeds the primary's by more than ``max_error_rate`` / ``max_rejection_rate``; or, whatever the
+sample, when it had ``max_faults`` executor faults (model errors, out of memory) in the window. The
+primary is never rolled back: it is what traffic returns to. A rolled-back arm stays so until
+``enable``.
 
 Pure: no clock, no I/O; ``now`` is always an argument.
 """
@@ -54,8 +56,9 @@ class RollbackRules:
     """When a candidate arm is rolled back (module docstring). ``enabled: false`` only reports."""
 
     window_s: float = 60.0
-    min_samples: int = 100
+    min_samples: int = 50
     max_p99_ratio: float = 1.5
+    max_p50_ratio: float = 2.0  # 0 = no P50 rule
     max_error_rate: float = 0.01
     max_rejection_rate: float = 0.05
     max_faults: int = 3
@@ -68,6 +71,8 @@ class RollbackRules:
             raise ValueError("rollback.min_samples and rollback.max_faults must be >= 1")
         if self.max_p99_ratio <= 1.0:
             raise ValueError(f"rollback.max_p99_ratio must be > 1, got {self.max_p99_ratio}")
+        if self.max_p50_ratio and self.max_p50_ratio <= 1.0:
+            raise ValueError(f"rollback.max_p50_ratio must be > 1 (or 0: off), got {self.max_p50_ratio}")
         for name in ("max_error_rate", "max_rejection_rate"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"rollback.{name} must be in [0, 1], got {getattr(self, name)}")
@@ -247,6 +252,10 @@ class RolloutGuard:
             if ratio > r.max_p99_ratio:
                 return "p99_ratio", (f"P99 {cand.p(0.99) * 1e3:.0f} ms is {ratio:.2f}x the primary's "
                                      f"{primary.p(0.99) * 1e3:.0f} ms (limit {r.max_p99_ratio}x)")
+            ratio = cand.p(0.5) / max(primary.p(0.5), 1e-9)
+            if r.max_p50_ratio and ratio > r.max_p50_ratio:
+                return "p50_ratio", (f"P50 {cand.p(0.5) * 1e3:.0f} ms is {ratio:.2f}x the primary's "
+                                     f"{primary.p(0.5) * 1e3:.0f} ms (limit {r.max_p50_ratio}x)")
         if cand.error_rate - primary.error_rate > r.max_error_rate:
             return "error_rate", (f"error rate {cand.error_rate:.1%} vs the primary's "
                                   f"{primary.error_rate:.1%} (limit +{r.max_error_rate:.1%})")
