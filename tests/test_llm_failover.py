@@ -26,11 +26,15 @@ def wait_for(predicate: Any, timeout_s: float = 30.0) -> None:
         time.sleep(0.01)
 
 
-def failover(fallback: bool = True) -> LLMFailover:
-    engine = build_llm_engine(None, num_hidden_layers=1, hidden_size=64, intermediate_size=128,
+def small_engine() -> Any:
+    return build_llm_engine(None, num_hidden_layers=1, hidden_size=64, intermediate_size=128,
                               num_attention_heads=2, num_key_value_heads=1, num_kv_blocks=32,
                               max_model_len=128, max_num_seqs=4, max_waiting_seqs=4, model_name="m",
                               tokenizer_threads=1, initializer_range=0.06)
+
+
+def failover(fallback: bool = True) -> LLMFailover:
+    engine = small_engine()
     return LLMFailover(engine, build_fallback(engine) if fallback else None, StallRule(timeout_s=60.0),
                        BreakerConfig(probe_interval_s=0.05, backoff=1.0))
 
@@ -100,3 +104,37 @@ def test_shutdown_is_not_a_fault() -> None:
         raise AssertionError("expected EngineUnavailable")
     except EngineUnavailable:
         pass
+
+
+def test_a_stalled_fallback_is_abandoned_with_503_and_rebuilt_once_its_step_returns() -> None:
+    import threading
+
+    engine = small_engine()
+    f = LLMFailover(engine, build_fallback(engine), StallRule(timeout_s=60.0),
+                    BreakerConfig(probe_interval_s=60.0), fallback_stall=StallRule(timeout_s=0.3))
+    stuck = f.fallback
+    gate, entered = threading.Event(), threading.Event()
+    original = stuck.model.generate
+
+    def held(**kw: Any) -> Any:
+        entered.set()
+        assert gate.wait(30), "the test never opened the gate"
+        return original(**kw)
+
+    stuck.model.generate = held
+    try:
+        oom_next_step(f.main.runner)  # the engine fails: the request moves to the fallback, which hangs
+        try:
+            texts(f, [[5, 6]])
+            raise AssertionError("expected EngineUnavailable")
+        except EngineUnavailable:
+            pass
+        assert entered.is_set() and f.fallback_faults["stalled"] == 1 and f.fallback is stuck
+        assert not f.fallback_active
+    finally:
+        stuck.model.generate = original
+        gate.set()
+    wait_for(lambda: f.fallback is not stuck and f.fallback.is_alive)
+    assert len(texts(f, [[5, 6]])[0]) == GREEDY.max_tokens  # the rebuilt fallback answers
+    assert f.fallback_requests == 2
+    f.shutdown(5.0)

@@ -37,7 +37,6 @@ def build_llm_engine(model_path: str | None = None, **engine_config: Any) -> LLM
     from ..models.llm.tokenizer import load_tokenizer
     from ..models.llm.weights import LlamaWeights, load_hf_llama
     from .llm_engine import LLMEngine
-    from .llm_fallback import share_runner_weights
 
     cfg = dict(engine_config)
     device = str(cfg.pop("device", "cpu"))
@@ -74,6 +73,29 @@ def build_llm_engine(model_path: str | None = None, **engine_config: Any) -> LLM
     # the fallback engine's model (runtime/llm_fallback.py): the HF module over the runner's tensors
     engine.hf_model = share_runner_weights(hf, runner.w)  # type: ignore[attr-defined]
     return engine.start() if start else engine
+
+
+def share_runner_weights(model: Any, weights: Any) -> Any:
+    """Point the HF model's parameters at the runner's (fused, device-resident) tensors: views, no copy."""
+    import torch
+
+    H, KV, hd = weights.num_heads, weights.num_kv_heads, weights.head_dim
+    with torch.no_grad():
+        for layer, w in zip(model.model.layers, weights.layers, strict=True):
+            a, m = layer.self_attn, layer.mlp
+            a.q_proj.weight.data = w.qkv[: H * hd]
+            a.k_proj.weight.data = w.qkv[H * hd : (H + KV) * hd]
+            a.v_proj.weight.data = w.qkv[(H + KV) * hd :]
+            a.o_proj.weight.data = w.o
+            inter = w.gate_up.shape[0] // 2
+            m.gate_proj.weight.data, m.up_proj.weight.data = w.gate_up[:inter], w.gate_up[inter:]
+            m.down_proj.weight.data = w.down
+            layer.input_layernorm.weight.data = w.input_norm
+            layer.post_attention_layernorm.weight.data = w.post_norm
+        model.model.embed_tokens.weight.data = weights.embed
+        model.model.norm.weight.data = weights.norm
+        model.lm_head.weight.data = weights.lm_head
+    return model.to(weights.embed.device).eval()  # the rest (RoPE buffers) follows the weights
 
 
 def build_fallback(engine: LLMEngine, max_batch_size: int = 8, sampler_seed: int = 0) -> StaticFallback:

@@ -44,7 +44,8 @@ log = logging.getLogger("batchpilot.llm")
 
 class LLMFailover:
     def __init__(self, engine: Any, fallback: Any | None = None, stall: StallRule | None = None,
-                 breaker: BreakerConfig | None = None, poll_s: float = 0.05, start: bool = True) -> None:
+                 breaker: BreakerConfig | None = None, poll_s: float = 0.05, start: bool = True,
+                 fallback_stall: StallRule | None = None) -> None:
         self.main = engine
         self.fallback = fallback
         self.model_name, self.config, self.prompts = engine.model_name, engine.config, engine.prompts
@@ -55,6 +56,11 @@ class LLMFailover:
         self.breaker = CircuitBreaker(breaker or BreakerConfig())
         self.poll_s = poll_s
         self.faults: collections.Counter[str] = collections.Counter()
+        self.fallback_watchdog = EngineWatchdog(fallback_stall or stall)  # its decoding steps
+        self.fallback_faults: collections.Counter[str] = collections.Counter()
+        self.fallback_failed = False  # abandoned; rebuilt once its thread has ended
+        if fallback is not None:
+            fallback.step_observers.append(self.fallback_watchdog.on_step)
         self.fallback_requests = 0  # requests the fallback took: sent there, or moved there
         self.closing = False
         self._main_failed = False  # the engine in ``main`` has faulted (its faults count once)
@@ -168,10 +174,26 @@ class LLMFailover:
             kind = self.watchdog.check(main, now)
             if kind is not None and not self.closing:
                 self.report(main, kind)
+        if self.fallback is not None and not self.closing:
+            self._watch_fallback(self.fallback, now)
         with self._lock:
             due = self.breaker.take_probe(now)
         if due:
             self._probe()
+
+    def _watch_fallback(self, fallback: Any, now: float) -> None:
+        """A fallback that died or stalls is abandoned (what it holds gets 503 ``engine_unavailable``)
+        and, once its thread has ended, replaced by a new one on the same model."""
+        if not self.fallback_failed:
+            kind = self.fallback_watchdog.check(fallback, now)
+            if kind is not None:
+                self.fallback_failed = True
+                self.fallback_faults[kind] += 1
+                log.error("llm fallback fault: %s; its requests get 503 until it is rebuilt", kind)
+                fallback.abandon()
+        elif fallback._thread is None or not fallback._thread.is_alive():
+            self.fallback, self.fallback_failed = fallback.restarted(), False
+            log.info("llm fallback rebuilt after its fault")
 
     def _probe(self) -> None:
         with self._lock:

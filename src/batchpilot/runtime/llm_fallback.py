@@ -2,9 +2,9 @@
 
 What serves completions while the continuous-batching engine cannot (``runtime/llm_failover.py``): no
 paged KV cache, no scheduler, nothing shared with the failed engine but the weights (the HF model's
-parameters are views of the runner's tensors, ``share_runner_weights``: no second copy). Requests are
-taken first come, first served, up to ``max_batch_size`` per batch; a batch is left-padded, run by
-``model.generate`` to its longest ``max_tokens``, and the next batch waits for it to end.
+parameters are views of the runner's tensors, ``llm_build.share_runner_weights``: no second copy).
+Requests are taken first come, first served, up to ``max_batch_size`` per batch; a batch is
+left-padded, run by ``model.generate`` to its longest ``max_tokens``, and the next waits for it to end.
 
 Per request, inside the one ``generate`` call: tokens are chosen by the main engine's ``Sampler``
 (greedy is argmax, so greedy output is token-identical to the main engine's; sampled rows use their
@@ -12,8 +12,10 @@ own seeded generators) through a logits processor that leaves HF only that token
 criterion ends each row on EOS, a stop token id, a stop string (the same incremental detokenizer),
 ``max_tokens`` or the context length, on its deadline, or when its client leaves. Streaming is one
 ``GenerationOutput`` per token, as the main engine streams. Same surface as ``LLMEngine`` for the
-failover: ``submit``, ``check_room``, ``abort``, ``is_alive``, ``num_pending``, ``start``, ``shutdown``.
-A failing ``generate`` fails its batch (``GenerationFailed``) and the thread goes on.
+failover: ``submit``, ``check_room``, ``abort``, ``is_alive``, ``num_pending``, ``start``, ``shutdown``,
+and for its watchdog ``busy_since`` (when the decoding step under way began), ``failure``,
+``step_observers`` (a ``StepRecord`` per decoding step) and ``abandon``. A failing ``generate`` fails
+its batch (``GenerationFailed``) and the thread goes on.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,31 +37,10 @@ from ..core.sequence import SamplingParams, Sequence
 from ..models.llm.detokenizer import IncrementalDetokenizer, make_decode
 from ..models.llm.sampler import Sampler
 from .llm_errors import EngineBusy, EngineStopped, GenerationFailed, RequestRejected, RequestTimedOut
-from .llm_records import GenerationOutput
+from .llm_records import GenerationOutput, StepRecord
 from .llm_request import LLMRequest
 
 log = logging.getLogger("batchpilot.llm")
-
-
-def share_runner_weights(model: Any, weights: Any) -> Any:
-    """Point the HF model's parameters at the runner's (fused, device-resident) tensors: views, no copy."""
-    H, KV, hd = weights.num_heads, weights.num_kv_heads, weights.head_dim
-    with torch.no_grad():
-        for layer, w in zip(model.model.layers, weights.layers, strict=True):
-            a, m = layer.self_attn, layer.mlp
-            a.q_proj.weight.data = w.qkv[: H * hd]
-            a.k_proj.weight.data = w.qkv[H * hd : (H + KV) * hd]
-            a.v_proj.weight.data = w.qkv[(H + KV) * hd :]
-            a.o_proj.weight.data = w.o
-            inter = w.gate_up.shape[0] // 2
-            m.gate_proj.weight.data, m.up_proj.weight.data = w.gate_up[:inter], w.gate_up[inter:]
-            m.down_proj.weight.data = w.down
-            layer.input_layernorm.weight.data = w.input_norm
-            layer.post_attention_layernorm.weight.data = w.post_norm
-        model.model.embed_tokens.weight.data = weights.embed
-        model.model.norm.weight.data = weights.norm
-        model.lm_head.weight.data = weights.lm_head
-    return model.to(weights.embed.device).eval()  # the rest (RoPE buffers) follows the weights
 
 
 class StaticFallback:
@@ -67,7 +49,7 @@ class StaticFallback:
                  sampler: Sampler | None = None) -> None:
         if max_batch_size < 1:
             raise ValueError(f"fallback max_batch_size must be >= 1, got {max_batch_size}")
-        self.model = model
+        self.model, self.tokenizer = model, tokenizer
         model.generation_config.eos_token_id = None  # rows end by the rules below, never by HF's EOS
         self.config = config
         self.model_name = model_name
@@ -89,6 +71,10 @@ class StaticFallback:
         self.max_admitted = config.max_num_seqs + config.max_waiting_seqs
         self.num_batches = 0
         self.num_requests = 0  # sequences admitted
+        self.busy_since: float | None = None  # the decoding step under way began (monotonic)
+        self.failure: BaseException | None = None  # what ended the loop, if it died
+        self.step_observers: list[Callable[[StepRecord], None]] = []
+        self._batch: list[LLMRequest] = []  # the batch in ``generate``
 
     # -- lifecycle and admission (any thread / the event loop) -------------------------------------
     def start(self) -> StaticFallback:
@@ -141,6 +127,28 @@ class StaticFallback:
             self._inbox.put(reqs)
         return reqs
 
+    def restarted(self) -> StaticFallback:
+        """A new fallback on the same model and settings, with the same step observers (started)."""
+        new = StaticFallback(self.model, self.tokenizer, self.config, self.model_name, self.max_batch_size,
+                             Sampler(self.sampler.base_seed))
+        new.step_observers = self.step_observers
+        return new.start()
+
+    def abandon(self) -> None:
+        """Stop from any thread, even while ``generate`` is stuck: it admits nothing more, and every
+        request it holds is answered ``EngineStopped`` now (a late duplicate reaches an ended request)."""
+        with self._lock:
+            self._closed = self._stopping = True
+        pending = [*self._batch, *self._waiting]
+        while True:
+            try:
+                pending.extend(self._inbox.get_nowait() or [])
+            except queue.Empty:
+                break
+        self._inbox.put(None)
+        for req in pending:
+            req.put(EngineStopped())
+
     def abort(self, seq_id: int) -> None:
         with self._lock:
             self._aborted.add(seq_id)
@@ -156,7 +164,8 @@ class StaticFallback:
                 batch = self._next_batch()
                 if batch:
                     self._run(batch)
-        except BaseException:  # noqa: BLE001 - the requests must hear of it
+        except BaseException as exc:  # noqa: BLE001 - the requests must hear of it
+            self.failure = exc
             log.exception("the LLM fallback loop died; failing every pending request")
         finally:
             with self._lock:
@@ -213,6 +222,7 @@ class StaticFallback:
         gen = GenerationConfig(max_new_tokens=longest, do_sample=False,  # type: ignore[no-untyped-call]
                                pad_token_id=self._pad, eos_token_id=None, bos_token_id=None)
         dev = self.model.device
+        self._batch, self.busy_since = batch, time.monotonic()
         try:
             self.model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), generation_config=gen,
                                 logits_processor=LogitsProcessorList([rows.choose]),
@@ -221,6 +231,8 @@ class StaticFallback:
             log.exception("llm fallback batch %d failed", self.num_batches)
             for i in rows.live():
                 rows.end(i, GenerationFailed(cause=exc))
+        finally:
+            self._batch, self.busy_since = [], None
         for i in rows.live():  # generate ended early (shutdown): nothing more will come
             rows.end(i, EngineStopped())
 
@@ -256,7 +268,12 @@ class _Rows:
 
     def deliver(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
         """A stopping criterion: hand each live row its new token and say which rows are done."""
-        cfg, now = self.owner.config, time.monotonic()
+        owner, now = self.owner, time.monotonic()
+        cfg, began = owner.config, owner.busy_since or now
+        owner.busy_since = now  # the next decoding step begins
+        rec = StepRecord(owner.num_batches, began, now - began, now - began, len(self.live()), {}, False)
+        for observe in owner.step_observers:
+            observe(rec)
         last = input_ids[:, -1].tolist()
         for i in self.live():
             req, seq, tok = self.batch[i], self.batch[i].seq, int(last[i])

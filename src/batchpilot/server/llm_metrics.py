@@ -67,9 +67,15 @@ class _FailoverCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         f, labels = self.failover, ["engine"]
+        engines = {"llm": float(f.is_alive)}
+        if f.fallback is not None:  # the fallback has a watchdog of its own
+            engines["llm_fallback"] = float(bool(f.fallback.is_alive) and not f.fallback_failed)
+        up = GaugeMetricFamily("batchpilot_engine_up", "1 while the engine serves, 0 from a fault until it "
+                               "is back (the LLM engine: a probe; its fallback: rebuilt)", labels=labels)
+        for engine, value in engines.items():
+            up.add_metric([engine], value)
+        yield up
         gauges = {
-            "engine_up": ("1 while the continuous-batching engine serves, 0 after a fault until a probe "
-                          "brings it back", float(f.is_alive)),
             "engine_fallback_active": ("1 while the fallback engine takes the traffic",
                                        float(f.fallback_active)),
             "engine_stall_timeout_seconds": ("How long a step may run before it counts as stalled",
@@ -83,6 +89,8 @@ class _FailoverCollector(Collector):
                                      labels=["engine", "kind"])
         for kind in ("died", "stalled", "oom"):
             faults.add_metric(["llm", kind], float(f.faults[kind]))
+            if f.fallback is not None:
+                faults.add_metric(["llm_fallback", kind], float(f.fallback_faults[kind]))
         yield faults
         for name, doc, value in (
                 ("engine_recoveries", "Returns to the engine after a successful probe", f.breaker.num_closed),
