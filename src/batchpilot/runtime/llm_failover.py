@@ -19,7 +19,8 @@ retired engine's thread has ended (a stuck step must return first: two threads n
 runner), a new engine is built on the same runner, tokenizer, config, counters and observers, with a
 fresh scheduler (every KV block free: nothing of the old state is trusted), and given one probe
 request (one token). If it answers, the breaker closes and traffic returns to it; if not, it is
-retired too and the breaker opens again.
+retired too and the breaker opens again. The fallback is watched too (``fallback_watchdog``, over its
+decoding steps): a dead or stalled fallback is abandoned and rebuilt on its model once its call returns.
 """
 
 from __future__ import annotations
