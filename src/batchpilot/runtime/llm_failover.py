@@ -214,6 +214,9 @@ class LLMFailover:
             self._probe_failed(engine, "the probe request failed")
             return
         with self._lock:
+            if self.closing:  # shut down during the probe: nobody will stop this engine but us
+                engine.shutdown(0.0)
+                return
             self.main, self._main_failed = engine, False
             self.breaker.record_success(time.monotonic())
         log.info("llm engine probe succeeded: traffic returns to the continuous-batching engine")

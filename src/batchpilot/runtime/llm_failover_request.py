@@ -36,7 +36,7 @@ class FailoverRequest:
         self.replayable = replayable
         self._ready: deque[GenerationOutput] | None = None  # replayable: the whole answer, once complete
         self._handed_out = False
-        self.moves = 0  # times moved to the fallback (0 or 1)
+        self.moves = 0  # times moved to a fallback
 
     @property
     def seq_id(self) -> int:
