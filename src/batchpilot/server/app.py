@@ -153,6 +153,8 @@ def create_app(settings: ServerConfig, executor: Executor | None = None,
     async def lifespan(_: FastAPI) -> Any:
         log.info("gc: %d objects frozen out of collections (startup's heap)", freeze_heap())
         pauses.start()
+        for s in served_models.all_services:
+            s.watchdog.start()
         yield
         pauses.close()
         gc.unfreeze()  # back to normal for whatever outlives the server in this process (tests)

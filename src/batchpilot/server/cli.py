@@ -108,7 +108,14 @@ def register(subparsers: Any) -> None:
     p.add_argument("--llm-step-log", default=None, metavar="PATH",
                    help="--llm: append one JSON line per engine step (shape features, wall and forward "
                         "seconds) to PATH")
-    failover = p.add_argument_group("LLM fallback and watchdog (docs/reliability.md)")
+    failover = p.add_argument_group("fallback and watchdog (docs/reliability.md)")
+    failover.add_argument("--no-encoder-fallback", action="store_true",
+                          help="an embedding model served padding-free or below float32 gets no padded "
+                               "float32 copy to fall back to when that path fails repeatedly (saves its "
+                               "memory)")
+    failover.add_argument("--encoder-stall-timeout-s", type=float, default=None, metavar="S",
+                          help="an encoder batch running longer than S makes /health 503 until it ends "
+                               "(default: measured, 10x the p99 batch time, at least 5 s)")
     failover.add_argument("--llm-fallback", choices=("static", "off"), default="static",
                           help="--llm: what serves while the engine is failed (died, stalled, out of "
                                "memory): static = HF generate in static batches on the same weights "
@@ -160,6 +167,8 @@ def server_config(args: argparse.Namespace, spec: DeploymentSpec) -> ServerConfi
         request_timeout_s=spec.server.request_timeout_s,
         drain_timeout_s=args.drain_timeout_s, warmup=not args.no_warmup, llm=args.llm,
         llm_model=args.llm_model, llm_step_log=args.llm_step_log, batch_log=args.batch_log,
+        llm_fallback=args.llm_fallback, llm_stall_timeout_s=args.llm_stall_timeout_s,
+        encoder_fallback=not args.no_encoder_fallback, encoder_stall_timeout_s=args.encoder_stall_timeout_s,
         log_level=args.log_level)
 
 
@@ -266,12 +275,33 @@ def load_executor(settings: ServerConfig, model: ModelSpec | None = None, dtype:
     report = getattr(executor, "precision", None)
     if report is not None:
         log.info("precision: %s", report.describe())
+    if settings.encoder_fallback:
+        executor = with_fallback(executor)
     log.info("model: %s from %s (%s, dim %d, max %d tokens, %s forward, %d threads)", executor.model_name,
              executor.model_path, executor.task, executor.dim, executor.max_length,
              getattr(executor, "forward_impl", "hf"), executor.num_threads)
     if settings.warmup:
         executor.warmup()
     return executor
+
+
+def with_fallback(executor: Any) -> Any:
+    """A torch embedding executor whose path is not padded float32 (lean or padding-free forward, a lower
+    precision) behind ``FallbackExecutor``, with the padded float32 path of the same checkpoint to fall
+    back to; any other executor as it is."""
+    from ..models.encoder import EncoderExecutor
+
+    if type(executor) is not EncoderExecutor:
+        return executor
+    cfg = executor.config
+    if cfg.dtype == "float32" and not cfg.lean_forward:
+        return executor
+    from ..runtime.fallback_executor import FallbackExecutor
+
+    plain = EncoderExecutor(dataclasses.replace(cfg, dtype="float32", lean_forward=False))
+    log.info("encoder fallback: the padded float32 path of %s stands by (--no-encoder-fallback: none)",
+             executor.model_name)
+    return FallbackExecutor(executor, plain)
 
 
 def choose_cost_model(settings: ServerConfig, model: ModelSpec, executor: Any,
@@ -331,8 +361,7 @@ def _llm_router(settings: ServerConfig, spec: DeploymentSpec) -> tuple[Any, Any,
                    **llm_overrides(spec))
     from ..runtime.llm_build import build_failover
 
-    fallback = getattr(settings, "llm_fallback", "static")  # the flags, where ServerConfig carries them
-    stall_s = getattr(settings, "llm_stall_timeout_s", None)
+    fallback, stall_s = settings.llm_fallback, settings.llm_stall_timeout_s
     engine = build_failover(engine, fallback, stall_s)
     log.info("llm: watchdog on (stall bound: %s), fallback: %s",
              "measured" if stall_s is None else f"{stall_s} s", fallback)

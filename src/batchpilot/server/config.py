@@ -55,6 +55,12 @@ class ServerConfig:
     llm_model: str | None = None
     batch_log: str | None = None  # append one JSON line per executed encoder batch here (fidelity checks)
     llm_step_log: str | None = None  # append one JSON line per LLM engine step here (fidelity checks)
+    llm_fallback: str = "static"  # what serves while the LLM engine is failed: static (HF generate) | off
+    llm_stall_timeout_s: float | None = None  # an LLM step past this is a stall (None: from step times)
+    # an embedding model whose served path is not padded float32 gets the padded float32 path as a
+    # fallback (a second copy of the weights) for when that path fails repeatedly
+    encoder_fallback: bool = True
+    encoder_stall_timeout_s: float | None = None  # an encoder batch past this is a stall (None: measured)
     log_level: str = "info"
 
     @property
@@ -79,5 +85,13 @@ class ServerConfig:
                 raise ValueError(f"server.{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.noop_delay_s < 0:
             raise ValueError(f"server.noop_delay_s must be >= 0, got {self.noop_delay_s}")
+        if self.llm_fallback not in ("static", "off"):
+            raise ValueError(f"server.llm_fallback = {self.llm_fallback!r}; choose static or off")
+        if self.llm_stall_timeout_s is not None and not self.llm_stall_timeout_s > 0:
+            raise ValueError(f"server.llm_stall_timeout_s must be > 0 seconds, "
+                             f"got {self.llm_stall_timeout_s}")
+        if self.encoder_stall_timeout_s is not None and not self.encoder_stall_timeout_s > 0:
+            raise ValueError(f"server.encoder_stall_timeout_s must be > 0 seconds, "
+                             f"got {self.encoder_stall_timeout_s}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("server.api_key is empty; omit --api-key or give a non-empty key")

@@ -20,6 +20,8 @@ Names (all prefixed ``batchpilot_``):
     health                                           gauge: 1 ok, 0.5 degraded, 0 draining/stopped
     precision_info{dtype} / precision_min_cosine     gauges: the precision served, and its accuracy
                                                      guard's minimum cosine to float32 (models/precision.py)
+    executor_fallback_active / _fallback_batches     gauges: batches on the padded float32 fallback path
+    executor_stalls                                  gauge: batches past the watchdog's stall bound
 
 Utilisation is ``busy seconds / (uptime × slots)``; over a window use
 ``rate(batchpilot_executor_busy_seconds_total[1m]) / slots``.
@@ -112,6 +114,18 @@ class ServerMetrics(BatcherObserver):
         self.backlog.set_function(lambda: scheduler.predicted_backlog_s(time.monotonic()))
         self.pending.set_function(num_pending)
         self.in_progress.set_function(lambda: scheduler.num_requests)
+
+    def bind_fallback(self, executor: Any) -> None:
+        """The fallback executor's state (``runtime/fallback_executor.py``), read at scrape time."""
+        Gauge("batchpilot_executor_fallback_active", "1 while batches run on the padded float32 fallback",
+              registry=self.registry).set_function(lambda: float(executor.fallback_active))
+        Gauge("batchpilot_executor_fallback_batches", "Batches the fallback path ran since start",
+              registry=self.registry).set_function(lambda: executor.num_fallback_batches)
+
+    def bind_watchdog(self, watchdog: Any) -> None:
+        """The Batcher watchdog's stalls (``runtime/batcher_watchdog.py``), read at scrape time."""
+        Gauge("batchpilot_executor_stalls", "Batches that ran past the stall bound since start",
+              registry=self.registry).set_function(lambda: watchdog.num_stalls)
 
     def set_precision(self, dtype: str, min_cosine: float) -> None:
         self.precision.labels(dtype=dtype).set(1.0)

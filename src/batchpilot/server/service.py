@@ -32,7 +32,9 @@ from fastapi.responses import Response
 from ..core.config import SchedulerConfig
 from ..core.costmodel import CostModel
 from ..core.scheduler import RejectReason
+from ..core.stall import StallRule
 from ..runtime.batcher import Batcher
+from ..runtime.batcher_watchdog import BatcherWatchdog
 from ..runtime.errors import ExecutionError, InvalidInput, RequestRejected
 from ..runtime.execution import StageTimes
 from ..runtime.executor import Executor
@@ -91,6 +93,11 @@ class ModelService:
         precision = getattr(executor, "precision", None)  # models/precision.py's report
         if precision is not None:
             self.metrics.set_precision(precision.chosen, precision.min_cosine)
+        if hasattr(executor, "fallback_active"):  # runtime/fallback_executor.py
+            self.metrics.bind_fallback(executor)
+        stall = StallRule(timeout_s=settings.encoder_stall_timeout_s)
+        self.watchdog = BatcherWatchdog(self.batcher, stall)  # started with the app (its event loop)
+        self.metrics.bind_watchdog(self.watchdog)
         self.model_name = name or getattr(executor, "model_name", "model")
         self.max_length = getattr(executor, "max_length", config.admission.max_length)
         # a thread per core: the executors' tokenizers are called with fixed settings (a fast tokenizer
@@ -201,6 +208,7 @@ class ModelService:
         return await self.tokenize_off_loop(fn, *args, cheap=size <= inline, request=request)
 
     async def close(self) -> None:
+        await self.watchdog.stop()
         await self.batcher.shutdown(self.settings.drain_timeout_s)
         self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
