@@ -164,7 +164,7 @@ def test_shutdown_answers_what_the_fallback_still_holds(engines: tuple[LLMEngine
 def test_serve_llm_builds_the_failover_its_settings_ask_for(monkeypatch: pytest.MonkeyPatch) -> None:
     from batchpilot.core.deployment import DeploymentSpec
     from batchpilot.server import llm_routes
-    from batchpilot.server.cli import _llm_router
+    from batchpilot.server.build import _llm_router
     from batchpilot.server.config import ServerConfig
 
     class Settings:  # ServerConfig plus the two failover settings serve's flags give

@@ -24,7 +24,7 @@ from inproc import FaultyExecutor, StepGate, live_server, llm_router, wait_for
 
 from batchpilot.config_file import load_spec
 from batchpilot.runtime.llm_engine import LLMEngine, TokenEvent, build_llm_engine
-from batchpilot.server.cli import llm_overrides
+from batchpilot.server.build import llm_overrides
 
 URGENT, LOW = -10, 10
 AGING_S = 0.5  # the aging engine's max_priority_wait_s

@@ -6,7 +6,7 @@
    server builds, pinned to ``--cpus`` like the server. Both come before the server starts: the
    prediction uses the profile and nothing measured afterwards.
 2. Engine config: the config file's ``llm:`` section, applied as ``serve`` applies it
-   (``build_llm_engine(model, **server.cli.llm_overrides(spec))``, not started); ``serve --llm`` gets
+   (``build_llm_engine(model, **server.build.llm_overrides(spec))``, not started); ``serve --llm`` gets
    the same deployment flags (``--config`` included).
 3. Capacity from the simulator (``sim.llm.simulate_llm``): the highest rate scale of the ``--requests``
    rows whose simulated TTFT P99 meets ``--sla``.
@@ -62,7 +62,7 @@ def engine_config_and_profile(out: Path, spec: Any, profile: str | None, cpus: s
     and the serving path's first-token delay (``server.llm_serving_profile``; 0 when the profile lacks it).
     """
     from ..runtime.llm_engine import build_llm_engine
-    from ..server.cli import llm_overrides
+    from ..server.build import llm_overrides
 
     saved = os.sched_getaffinity(0) if cpus and hasattr(os, "sched_getaffinity") else None
     if saved is not None:

@@ -1,0 +1,229 @@
+"""The app ``batchpilot serve`` runs, built from its settings: each model's executor loaded (with its
+padded float32 fallback where its path is another), its cost model chosen, its deployment and its
+arms' resolved by ``core.deployment.resolve_deployment``, and the LLM routes behind the engine's
+failover when ``--llm``.
+
+Cost model of each model, in order: its ``--profile`` (``CostModel.load``); else a brief bounded
+start-up profile of the loaded model (``models.profiler.profile_encoder``) unless
+``--no-startup-profile``; else the stated default ``CostModel.default_cpu_minilm()``. The log says
+which was used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..core.config import SchedulerConfig
+from ..core.costmodel import BatchShape, CostModel
+from ..core.deployment import DeploymentSpec, ModelLimits, resolve_deployment
+from ..core.rollout import RolloutSpec
+from .config import ModelSpec, ServerConfig
+
+log = logging.getLogger("batchpilot.server")
+
+
+def build_app(settings: ServerConfig, spec: DeploymentSpec | SchedulerConfig | None = None,
+              rollout: RolloutSpec | None = None) -> Any:
+    """Load each model's executor and cost model, resolve its deployment (``core.deployment``: the
+    same function ``simulate`` runs) and its arms' (``rollout``), mount the optional LLM routes."""
+    from .app import ServedModel, create_app
+
+    if not isinstance(spec, DeploymentSpec):
+        spec = DeploymentSpec(encoder=spec or SchedulerConfig())
+    served = []
+    for model in settings.models:
+        profiled = CostModel.load(model.profile) if model.profile else None
+        dtype = spec.model.dtype
+        if dtype == "auto" and profiled is not None and profiled.meta.get("dtype"):
+            dtype = str(profiled.meta["dtype"])  # measured by `batchpilot profile`: what it predicts
+            log.info("precision: %s, chosen by the profile %s", dtype, model.profile)
+        cache = str(Path(model.profile).resolve().parent) if model.profile else None  # onnx exports
+        executor = load_executor(settings, model, dtype, spec.model.min_cosine, spec.model.backend, cache)
+        supports = getattr(executor, "supports_padding_free", lambda: True)()
+        padding = spec.encoder.planner.padding if supports else "dynamic"
+        cost_model = choose_cost_model(settings, model, executor, padding, profiled)
+        limits = ModelLimits(int(executor.max_length), bool(supports), device_memory_bytes(executor))
+        deployment = resolve_deployment(spec, cost_model, limits)
+        name = model.name or getattr(executor, "model_name", "model")
+        for note in deployment.notes:
+            log.info("deployment %s: %s", name, note)
+        log.info("deployment %s: %s", name, deployment.describe())
+        arms = tuple(served_arm(settings, model, arm.spec, spec, executor, cost_model, limits, cache, name,
+                                arm.name) for arm in (rollout.arms if rollout else ()))
+        served.append(ServedModel(executor, deployment.scheduler, cost_model, name, rollout, arms))
+    if not settings.llm:
+        return create_app(settings, models=served)
+    engine, router, hooks = _llm_router(settings, spec)
+    app = create_app(settings, models=served, routers=[router], extra_models=[engine.model_name],
+                     on_shutdown=hooks, health_checks=[lambda: bool(engine.is_alive)])
+
+    async def stop_engine() -> None:  # its open streams end with an SSE error event
+        await asyncio.get_running_loop().run_in_executor(None, engine.shutdown, 5.0)
+
+    app.state.drain_timeout_hooks.append(stop_engine)
+    return app
+
+
+def served_arm(settings: ServerConfig, model: ModelSpec, arm: DeploymentSpec, primary: DeploymentSpec,
+               executor: Any, cost_model: CostModel, limits: ModelLimits, cache: str | None, name: str,
+               arm_name: str) -> Any:
+    """A candidate arm of ``model``: the primary's executor (the same weights) unless the arm asks for
+    another precision or backend, and its deployment resolved by the same function as the primary's."""
+    from .app import ServedArm
+
+    if arm.model != primary.model:
+        executor = load_executor(settings, model, arm.model.dtype, arm.model.min_cosine, arm.model.backend,
+                                 cache)
+        log.info("arm %s of %s: its own executor (model: %s)", arm_name, name, arm.model)
+    deployment = resolve_deployment(arm, cost_model, limits)
+    for note in deployment.notes:
+        log.info("deployment %s arm %s: %s", name, arm_name, note)
+    log.info("deployment %s arm %s: %s", name, arm_name, deployment.describe())
+    return ServedArm(executor, deployment.scheduler)
+
+
+def device_memory_bytes(executor: Any) -> float:
+    """The memory a batch budget is a share of: the executor's device's (``models.device.memory_bytes``),
+    or this machine's for an executor without torch (the no-op model); 0 where it cannot be read."""
+    device = getattr(executor, "device", None)
+    if device is not None:
+        from ..models.device import memory_bytes
+
+        return memory_bytes(device)
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0.0
+
+
+def load_executor(settings: ServerConfig, model: ModelSpec | None = None, dtype: str = "float32",
+                  min_cosine: float = 0.999, backend: str = "torch", cache_dir: str | None = None) -> Any:
+    model = model or settings.models[0]
+    if settings.noop:
+        from ..runtime.executor import NoopExecutor
+
+        log.info("model: no-op (%.1f ms per batch)", settings.noop_delay_s * 1e3)
+        return NoopExecutor(dim=384, delay_s=settings.noop_delay_s, max_length=settings.max_length or 512)
+    from ..models.tasks import load_model
+
+    executor = load_model(model.path, model.name, model.task, settings.max_length, settings.num_threads,
+                          dtype, min_cosine, backend, cache_dir)
+    report = getattr(executor, "precision", None)
+    if report is not None:
+        log.info("precision: %s", report.describe())
+    if settings.encoder_fallback:
+        executor = with_fallback(executor)
+    log.info("model: %s from %s (%s, dim %d, max %d tokens, %s forward, %d threads)", executor.model_name,
+             executor.model_path, executor.task, executor.dim, executor.max_length,
+             getattr(executor, "forward_impl", "hf"), executor.num_threads)
+    if settings.warmup:
+        executor.warmup()
+    return executor
+
+
+def with_fallback(executor: Any) -> Any:
+    """A torch embedding executor whose path is not padded float32 (lean or padding-free forward, a lower
+    precision) behind ``FallbackExecutor``, with the padded float32 path of the same checkpoint to fall
+    back to; any other executor as it is."""
+    from ..models.encoder import EncoderExecutor
+
+    if type(executor) is not EncoderExecutor:
+        return executor
+    cfg = executor.config
+    if cfg.dtype == "float32" and not cfg.lean_forward:
+        return executor
+    from ..runtime.fallback_executor import FallbackExecutor
+
+    plain = EncoderExecutor(dataclasses.replace(cfg, dtype="float32", lean_forward=False))
+    log.info("encoder fallback: the padded float32 path of %s stands by (--no-encoder-fallback: none)",
+             executor.model_name)
+    return FallbackExecutor(executor, plain)
+
+
+def choose_cost_model(settings: ServerConfig, model: ModelSpec, executor: Any,
+                      padding: str = "dynamic", profiled: CostModel | None = None) -> CostModel:
+    if profiled is not None:
+        log.info("cost model: loaded from %s", model.profile)
+        served = getattr(getattr(executor, "precision", None), "chosen", None)
+        backend = getattr(executor, "backend", "torch")
+        if profiled.meta.get("backend", "torch") != backend:
+            log.warning("cost model: %s was profiled on the %s backend but the model runs on %s: profile "
+                        "with --backend %s", model.profile, profiled.meta.get("backend", "torch"), backend,
+                        backend)
+        if served and profiled.meta.get("dtype", "float32") != served:
+            log.warning("cost model: %s was profiled at %s but the model runs at %s: its predictions "
+                        "(batch budgets, admission) are for another speed; profile at --dtype %s",
+                        model.profile, profiled.meta.get("dtype", "float32"), served, served)
+        return profiled
+    if settings.noop and settings.noop_delay_s > 0:  # its cost is exactly its delay: the limits follow it
+        log.info("cost model: the no-op model's fixed %.1f ms per batch", settings.noop_delay_s * 1e3)
+        return CostModel(latency_coef=(settings.noop_delay_s, 0.0, 0.0, 0.0), meta={"source": "noop"})
+    if settings.startup_profile and not settings.noop:
+        try:
+            from ..models.profiler import profile_encoder
+        except ImportError as exc:
+            log.warning("cost model: start-up profiling unavailable (%s)", exc)
+        else:
+            log.info("cost model: no --profile; measuring a brief start-up profile "
+                     "(--no-startup-profile skips it)")
+            return startup_profile(profile_encoder, executor, padding)
+    log.info("cost model: the built-in default (CostModel.default_cpu_minilm: MiniLM on 2 CPU cores); "
+             "run `batchpilot profile` and pass --profile for this machine's numbers")
+    return CostModel.default_cpu_minilm()
+
+
+STARTUP_PROFILE = {"batch_sizes": (1, 8), "lengths": (16, 128, 512), "repeats": 2, "budget_s": 15.0}
+
+
+def startup_profile(profile_encoder: Any, executor: Any, padding: str) -> CostModel:
+    """The encoder profile (`models.profiler.profile_encoder`) bounded to ~15 s, padded as served."""
+    model, points = profile_encoder(executor, padding="none" if padding == "none" else "dynamic",
+                                    **STARTUP_PROFILE)
+    log.info("cost model: start-up profile of %d shapes; batch 1 x 128 tokens predicted %.1f ms", len(points),
+             1e3 * model.latency(BatchShape.padded([128], 128)))
+    return model
+
+
+def _llm_router(settings: ServerConfig, spec: DeploymentSpec) -> tuple[Any, Any, list[Callable[[], Any]]]:
+    """The started engine behind its failover (``runtime/llm_failover.py``), a factory the app calls with
+    its registry (``make_llm_router``), and what to run at shutdown, in order."""
+    from . import llm_routes  # lazy: the LLM stack loads only with --llm
+
+    build = getattr(llm_routes, "build_llm_engine", None)
+    if build is None:
+        from ..runtime.llm_engine import build_llm_engine as build
+    engine = build(settings.llm_model, tokenizer_threads=settings.tokenizer_workers or 0,
+                   threads=settings.num_threads or 0,
+                   **llm_overrides(spec))
+    from ..runtime.llm_build import build_failover
+
+    fallback, stall_s = settings.llm_fallback, settings.llm_stall_timeout_s
+    engine = build_failover(engine, fallback, stall_s)
+    log.info("llm: watchdog on (stall bound: %s), fallback: %s",
+             "measured" if stall_s is None else f"{stall_s} s", fallback)
+    hooks: list[Callable[[], Any]] = [engine.shutdown]
+    if settings.llm_step_log:
+        from ..runtime.llm_engine import StepLog
+
+        step_log = StepLog(settings.llm_step_log)
+        engine.step_observers.append(step_log)
+        hooks.append(step_log.close)  # after the engine has stopped: no step writes after it
+        log.info("llm: logging every engine step to %s", settings.llm_step_log)
+    log.info("llm: mounted the LLM routes (%s)", getattr(engine, "model_name", settings.llm_model))
+    return engine, lambda registry: llm_routes.make_llm_router(engine, registry), hooks
+
+
+def llm_overrides(spec: DeploymentSpec) -> dict[str, Any]:
+    """The ``llm:`` settings that differ from ``LLMSchedulerConfig``'s defaults: the engine's own
+    defaults (the model's position limit and EOS tokens) stand for the rest."""
+    from ..core.llm_scheduler import LLMSchedulerConfig
+
+    default = LLMSchedulerConfig()
+    return {f.name: getattr(spec.llm, f.name) for f in dataclasses.fields(spec.llm)
+            if getattr(spec.llm, f.name) != getattr(default, f.name)}
