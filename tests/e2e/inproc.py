@@ -137,7 +137,8 @@ def scrape(url: str, headers: dict[str, str] | None = None, by_model: bool = Fal
 def live_server(executor: Any, config: SchedulerConfig | None = None, *,
                 cost_model: CostModel | None = None,
                 routers: Sequence[Callable[[Any], Any]] = (), extra_models: Sequence[str] = (),
-                models: Sequence[Any] = (), **settings: Any) -> Iterator[LiveServer]:
+                models: Sequence[Any] = (), extra_arms: Sequence[Any] = (), **settings: Any
+                ) -> Iterator[LiveServer]:
     """The real app on a free port in a thread. ``config`` is used as given (tests that want the
     server's deployment pass ``resolve_deployment(...).scheduler``); ``models`` are ``ServedModel``s
     (with ``executor=None``, the only ones served)."""
@@ -145,7 +146,7 @@ def live_server(executor: Any, config: SchedulerConfig | None = None, *,
     settings.setdefault("drain_timeout_s", 5.0)
     cfg = ServerConfig(port=free_port(), **settings)
     app: Any = create_app(cfg, executor, config or SchedulerConfig(), cost_model, routers=routers,
-                          extra_models=extra_models, models=models)
+                          extra_models=extra_models, models=models, extra_arms=extra_arms)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=cfg.port, log_level="warning",
                                            lifespan="on"))
     thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)

@@ -75,6 +75,27 @@ def build_llm_engine(model_path: str | None = None, **engine_config: Any) -> LLM
     return engine.start() if start else engine
 
 
+def build_llm_arm(engine: LLMEngine, start: bool = True, sampler_seed: int = 0,
+                  **scheduler: Any) -> LLMEngine:
+    """Another engine over ``engine``'s weights, tokenizer and HF module (no copy): ``engine``'s
+    scheduler config with the ``scheduler`` fields replaced, its own paged KV cache and thread (an arm
+    of ``server/llm_arms.py``)."""
+    from ..models.llm.model_runner import LLMModelRunner
+    from ..models.llm.sampler import Sampler
+    from .llm_engine import LLMEngine
+
+    unknown = sorted(set(scheduler) - _SCHED_FIELDS)
+    if unknown:
+        raise ValueError(f"build_llm_arm: unknown scheduler option(s) {unknown}")
+    config = dataclasses.replace(engine.config, **scheduler)
+    r = engine.runner
+    runner = LLMModelRunner(r.w, config.num_kv_blocks, config.block_size, device=str(r.device), dtype=r.dtype)
+    arm = LLMEngine(runner, engine.tokenizer, config, model_name=engine.model_name,
+                    sampler=Sampler(sampler_seed), tokenizer_threads=1)  # the routes tokenise on engine's
+    arm.hf_model = getattr(engine, "hf_model", None)  # type: ignore[attr-defined]
+    return arm.start() if start else arm
+
+
 def share_runner_weights(model: Any, weights: Any) -> Any:
     """Point the HF model's parameters at the runner's (fused, device-resident) tensors: views, no copy."""
     import torch

@@ -114,7 +114,7 @@ def make_arms(settings: ServerConfig, model: ServedModel, primary: ModelService)
     if len(model.arms) != len(model.rollout.arms):
         raise ValueError(f"{len(model.arms)} served arms for {len(model.rollout.arms)} candidates")
     services = [primary, *(make_service(settings, model, a.executor, a.config) for a in model.arms)]
-    return ArmedModel(services, model.rollout)
+    return ArmedModel.of_services(services, model.rollout)
 
 
 def create_app(settings: ServerConfig, executor: Executor | None = None,
@@ -123,14 +123,15 @@ def create_app(settings: ServerConfig, executor: Executor | None = None,
                extra_models: Sequence[str] = (),
                on_shutdown: Sequence[Callable[[], Any]] = (),
                health_checks: Sequence[Callable[[], bool]] = (),
-               models: Sequence[ServedModel] = ()) -> RequestLifecycle:
+               models: Sequence[ServedModel] = (), extra_arms: Sequence[ArmedModel] = ()) -> RequestLifecycle:
     """The ASGI app to hand to uvicorn: the request middleware (``middleware.RequestLifecycle``) around
     the FastAPI app (``.app`` is the FastAPI instance, ``.state.service`` the first model's service,
     ``.state.models`` all of them). Serves ``models``, or the one ``executor`` (named
     ``settings.model_name``) with ``config`` and ``cost_model``.
     ``routers`` are factories given the metrics registry (how the LLM routes are mounted with ``--llm``);
     ``extra_models`` are listed by /v1/models too; ``on_shutdown`` run (in a thread) after the drain;
-    ``health_checks`` say whether the other engines (the LLM's) are alive: /health is 503 unless all are.
+    ``health_checks`` say whether the other engines (the LLM's) are alive: /health is 503 unless all are;
+    ``extra_arms`` are the other engines' arms (the LLM's), for /v1/arms and /health.
     A model's ``config`` is the resolved deployment's scheduler config: every admission rule is in it."""
     served = list(models)
     if executor is not None:
@@ -203,11 +204,12 @@ def create_app(settings: ServerConfig, executor: Executor | None = None,
                       queued=sum(b.scheduler.num_waiting for b in batchers),
                       running=sum(b.num_running for b in batchers),
                       pending=sum(b.num_pending for b in batchers),
-                      arms={n: a.states() for n, a in served_models.arms.items()} or None)
+                      arms={a.model_name: a.states() for a in armed_views} or None)
         return JSONResponse(body.model_dump(exclude_none=True), status_code=200 if status == "ok" else 503)
 
-    if served_models.arms:
-        app.include_router(arms_router(served_models))
+    armed_views = [*served_models.arms.values(), *extra_arms]
+    if armed_views:
+        app.include_router(arms_router(armed_views))
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -226,7 +228,7 @@ def metric_sources(models: Models) -> list[tuple[dict[str, str], CollectorRegist
             out.append(({"model": s.model_name}, s.metrics.registry))
             continue
         out += [({"model": s.model_name, "arm": arm}, a.metrics.registry)
-                for arm, a in armed.services.items()]
+                for arm, a in armed.backends.items()]
         out.append(({"model": s.model_name}, armed.registry))
     return out
 

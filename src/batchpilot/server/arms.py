@@ -2,7 +2,7 @@
 scheduler, slots and metrics) over the same weights, with the core's assignment and rollback
 (``core.rollout``) and comparison (``core.abtest``).
 
-    armed = ArmedModel([primary_svc, canary_svc], rollout)
+    armed = ArmedModel.of_services([primary_svc, canary_svc], rollout)   # an LLM's: ArmedModel(engines)
     name, svc = armed.pick(request)          # X-Client-Id, else the connection (or random)
     armed.record(name, status, seconds)      # every answer; rolls a candidate back when a rule says
     armed.status()                           # GET /v1/arms: windows, comparisons, rollbacks
@@ -48,14 +48,26 @@ def outcome_of(status: int) -> Outcome | None:
     return None
 
 
+def describe_service(svc: ModelService) -> dict[str, Any]:
+    """An encoder arm's config as ``/v1/arms`` shows it."""
+    cfg = svc.batcher.config
+    return {"policy": cfg.policy.name, "max_batch_size": cfg.policy.max_batch_size,
+            "max_wait_s": cfg.policy.max_wait_s, "padding": cfg.planner.padding, "num_slots": cfg.num_slots}
+
+
 class ArmedModel:
-    def __init__(self, services: Sequence[ModelService], rollout: RolloutSpec, seed: int = 0,
+    """The arms of one model over ``backends`` (primary first: an encoder's ``ModelService`` per arm,
+    or an LLM's engine per arm); ``describe(backend)`` is what ``/v1/arms`` shows of each."""
+
+    def __init__(self, model_name: str, backends: Sequence[Any], rollout: RolloutSpec,
+                 describe: Callable[[Any], dict[str, Any]], seed: int = 0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         names = rollout.names()
-        if len(services) != len(names):
-            raise ValueError(f"{len(services)} services for the arms {names}")
-        self.model_name = services[0].model_name
-        self.services = dict(zip(names, services, strict=True))
+        if len(backends) != len(names):
+            raise ValueError(f"{len(backends)} backends for the arms {names}")
+        self.model_name = model_name
+        self.backends = dict(zip(names, backends, strict=True))
+        self.describe = describe
         self.rollout = rollout
         self.base_shares = rollout.shares()
         self.guard = RolloutGuard(names, rollout.rules)
@@ -70,16 +82,22 @@ class ArmedModel:
                              registry=r)
         self._rollbacks = Counter("batchpilot_arm_rollbacks", "Rollbacks of the arm, by rule",
                                   ["arm", "rule"], registry=r)
-        for name, svc in self.services.items():
-            svc.batcher.batch_observers.append(self._batch_recorder(name))
         self._publish()
+
+    @classmethod
+    def of_services(cls, services: Sequence[ModelService], rollout: RolloutSpec) -> ArmedModel:
+        """An encoder's arms: one ``ModelService`` each, their batches in the windows."""
+        armed = cls(services[0].model_name, services, rollout, describe_service)
+        for name, svc in armed.backends.items():
+            svc.batcher.batch_observers.append(armed._batch_recorder(name))
+        return armed
 
     def _batch_recorder(self, name: str) -> Callable[[Any, float, float], None]:
         def record(batch: Any, start: float, slot_s: float) -> None:
             self.guard.record_batch(name, start, batch.size, batch.shape.useful_tokens, batch.shape.tokens)
         return record
 
-    def pick(self, request: Request) -> tuple[str, ModelService]:
+    def pick(self, request: Request) -> tuple[str, Any]:
         key = request.headers.get("x-client-id")
         if key is None and self.rollout.assign == "client":
             client = request.scope.get("client")
@@ -88,7 +106,7 @@ class ArmedModel:
             key = None
         i = self.guard.route(arm_for(key, self.base_shares, self._rng.random()))
         name = self.guard.names[i]
-        return name, self.services[name]
+        return name, self.backends[name]
 
     def record(self, arm: str, status: int, seconds: float) -> None:
         outcome = outcome_of(status)
@@ -135,8 +153,8 @@ class ArmedModel:
         return True
 
     def _known(self, arm: str) -> None:
-        if arm not in self.services:
-            raise KeyError(f"{self.model_name} has no arm {arm!r}; its arms are {', '.join(self.services)}")
+        if arm not in self.backends:
+            raise KeyError(f"{self.model_name} has no arm {arm!r}; its arms are {', '.join(self.backends)}")
 
     def states(self) -> dict[str, str]:
         return {n: "rolled_back" if n in self.guard.rolled_back else "serving" for n in self.guard.names}
@@ -152,12 +170,9 @@ class ArmedModel:
         arms = []
         for (name, w), share, base in zip(windows.items(), self._shares, self.base_shares, strict=True):
             rb = self.guard.rolled_back.get(name)
-            cfg = self.services[name].batcher.config
             arms.append({
                 "arm": name, "state": "rolled_back" if rb else "serving", "share": share, "base_share": base,
-                "config": {"policy": cfg.policy.name, "max_batch_size": cfg.policy.max_batch_size,
-                           "max_wait_s": cfg.policy.max_wait_s, "padding": cfg.planner.padding,
-                           "num_slots": cfg.num_slots},
+                "config": self.describe(self.backends[name]),
                 "window_s": self.guard.rules.window_s, "answers": w.total, "ok": len(w.latencies),
                 "p50_s": _num(w.p(0.5)), "p99_s": _num(w.p(0.99)), "error_rate": w.error_rate,
                 "rejection_rate": w.rejection_rate, "faults": w.faults, "batches": w.batches,

@@ -13,33 +13,35 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import APIRouter
 
 from .arms import ArmedModel
 from .errors import APIError
-from .routing import Models
 
 
-def arms_router(models: Models) -> APIRouter:
+def arms_router(models: Sequence[ArmedModel]) -> APIRouter:
+    """The routes over every model served in arms (the encoders' and the LLM's)."""
     router = APIRouter()
+    by_name = {a.model_name: a for a in models}
 
     def armed(model: str | None) -> ArmedModel:
         if model is None:
-            if len(models.arms) == 1:
-                return next(iter(models.arms.values()))
-            raise APIError(400, f"give ?model=, one of {', '.join(models.arms)}", param="model")
-        found = models.arms.get(model)
+            if len(by_name) == 1:
+                return next(iter(by_name.values()))
+            raise APIError(400, f"give ?model=, one of {', '.join(by_name)}", param="model")
+        found = by_name.get(model)
         if found is None:
-            raise APIError(404, f"{model!r} is not served in arms; these are: {', '.join(models.arms)}",
+            raise APIError(404, f"{model!r} is not served in arms; these are: {', '.join(by_name)}",
                            code="model_not_found", param="model")
         return found
 
     @router.get("/v1/arms")
     async def arms_status() -> dict[str, Any]:
         loop = asyncio.get_running_loop()  # the bootstrap takes a while: off the event loop
-        status = [await loop.run_in_executor(None, a.status, a.windows()) for a in models.arms.values()]
+        status = [await loop.run_in_executor(None, a.status, a.windows()) for a in models]
         return {"object": "list", "data": status}
 
     async def change(arm: str, model: str | None, enable: bool) -> dict[str, Any]:

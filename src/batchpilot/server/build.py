@@ -59,12 +59,14 @@ def build_app(settings: ServerConfig, spec: DeploymentSpec | SchedulerConfig | N
         served.append(ServedModel(executor, deployment.scheduler, cost_model, name, rollout, arms))
     if not settings.llm:
         return create_app(settings, models=served)
-    engine, router, hooks = _llm_router(settings, spec)
+    engine, router, hooks = _llm_router(settings, spec, rollout)
     app = create_app(settings, models=served, routers=[router], extra_models=[engine.model_name],
-                     on_shutdown=hooks, health_checks=[lambda: bool(engine.is_alive)])
+                     on_shutdown=hooks, health_checks=[lambda: bool(engine.is_alive)],
+                     extra_arms=router.armed)
+    stop_all = hooks[0]  # the engine's shutdown, or every arm's
 
     async def stop_engine() -> None:  # its open streams end with an SSE error event
-        await asyncio.get_running_loop().run_in_executor(None, engine.shutdown, 5.0)
+        await asyncio.get_running_loop().run_in_executor(None, stop_all, 5.0)
 
     app.state.drain_timeout_hooks.append(stop_engine)
     return app
@@ -190,9 +192,12 @@ def startup_profile(profile_encoder: Any, executor: Any, padding: str) -> CostMo
     return model
 
 
-def _llm_router(settings: ServerConfig, spec: DeploymentSpec) -> tuple[Any, Any, list[Callable[[], Any]]]:
+def _llm_router(settings: ServerConfig, spec: DeploymentSpec, rollout: RolloutSpec | None = None
+                ) -> tuple[Any, Any, list[Callable[[], Any]]]:
     """The started engine behind its failover (``runtime/llm_failover.py``), a factory the app calls with
-    its registry (``make_llm_router``), and what to run at shutdown, in order."""
+    its registry (``make_llm_router``), and what to run at shutdown, in order. With ``rollout``
+    candidates, each is an engine of its own over the same weights (``llm_arms``), behind its own
+    failover, its ``llm:`` settings where they differ from the primary's."""
     from . import llm_routes  # lazy: the LLM stack loads only with --llm
 
     build = getattr(llm_routes, "build_llm_engine", None)
@@ -201,9 +206,11 @@ def _llm_router(settings: ServerConfig, spec: DeploymentSpec) -> tuple[Any, Any,
     engine = build(settings.llm_model, tokenizer_threads=settings.tokenizer_workers or 0,
                    threads=settings.num_threads or 0,
                    **llm_overrides(spec))
-    from ..runtime.llm_build import build_failover
+    from ..runtime.llm_build import build_failover, build_llm_arm
 
     fallback, stall_s = settings.llm_fallback, settings.llm_stall_timeout_s
+    candidates = [build_failover(build_llm_arm(engine, **arm_overrides(spec, a.spec)), fallback, stall_s)
+                  for a in (rollout.arms if rollout else ())]
     engine = build_failover(engine, fallback, stall_s)
     log.info("llm: watchdog on (stall bound: %s), fallback: %s",
              "measured" if stall_s is None else f"{stall_s} s", fallback)
@@ -216,7 +223,37 @@ def _llm_router(settings: ServerConfig, spec: DeploymentSpec) -> tuple[Any, Any,
         hooks.append(step_log.close)  # after the engine has stopped: no step writes after it
         log.info("llm: logging every engine step to %s", settings.llm_step_log)
     log.info("llm: mounted the LLM routes (%s)", getattr(engine, "model_name", settings.llm_model))
-    return engine, lambda registry: llm_routes.make_llm_router(engine, registry), hooks
+    if not candidates:
+        return engine, LLMRouter(engine), hooks
+    from .llm_arms import LLMArms
+
+    assert rollout is not None
+    arms = LLMArms([engine, *candidates], rollout)
+    for a in rollout.arms:
+        log.info("llm arm %s (share %.2f): %s", a.name, a.share,
+                 arm_overrides(spec, a.spec) or "the primary's settings")
+    hooks[:1] = [arms.shutdown]
+    return engine, LLMRouter(engine, arms), hooks
+
+
+class LLMRouter:
+    """What the app calls with its registry to mount the LLM routes (``make_llm_router``); ``armed``,
+    the LLM's arms for ``/v1/arms`` and ``/health``, when it has candidates."""
+
+    def __init__(self, engine: Any, arms: Any | None = None) -> None:
+        self.engine, self.arms = engine, arms
+        self.armed = [arms.armed] if arms is not None else []
+
+    def __call__(self, registry: Any) -> Any:
+        from .llm_routes import make_llm_router
+
+        return make_llm_router(self.engine, registry, arms=self.arms)
+
+
+def arm_overrides(primary: DeploymentSpec, arm: DeploymentSpec) -> dict[str, Any]:
+    """The ``llm:`` settings of an arm that differ from the primary's."""
+    return {f.name: getattr(arm.llm, f.name) for f in dataclasses.fields(arm.llm)
+            if getattr(arm.llm, f.name) != getattr(primary.llm, f.name)}
 
 
 def llm_overrides(spec: DeploymentSpec) -> dict[str, Any]:

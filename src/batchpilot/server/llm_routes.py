@@ -22,6 +22,7 @@ import asyncio
 import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from contextvars import ContextVar
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -29,9 +30,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry
 
 from ..core.request import IdCounter
+from ..core.rollout import PRIMARY
 from ..runtime.llm_engine import GenerationOutput, LLMEngine, LLMRequest, RequestTimedOut, build_llm_engine
 from ..runtime.llm_failover import LLMFailover
+from .arms import ARM_HEADER
 from .errors import APIError
+from .llm_arms import LLMArms
 from .llm_errors import sse_error, to_api_error
 from .llm_limits import LLMLimits, header_deadline_ms
 from .llm_metrics import LLMMetrics
@@ -41,6 +45,11 @@ from .service import header_num
 
 __all__ = ["build_llm_engine", "make_llm_router"]
 
+# an engine's own failures: on a candidate arm, faults that the primary answers instead
+_ENGINE_FAULTS = ("generation_failed", "internal_error", "engine_unavailable", "engine_stopped")
+# the engine answering this request and its metrics (an arm's, with arms), set by the route's attempt
+_served: ContextVar[tuple[Any, LLMMetrics]] = ContextVar("batchpilot_llm_served")
+
 # when the client gives no max_tokens: OpenAI's legacy completions default, and a bounded chat answer
 # (OpenAI lets chat run to the context limit; a bound keeps one request from holding the engine)
 DEFAULT_MAX_TOKENS = {"/v1/completions": 16, "/v1/chat/completions": 256}
@@ -49,9 +58,16 @@ Work = Callable[[list[LLMRequest], float, float, int], Awaitable[Any]]
 
 
 def make_llm_router(engine: LLMEngine | LLMFailover, registry: CollectorRegistry,
-                    limits: LLMLimits | None = None) -> APIRouter:
+                    limits: LLMLimits | None = None, arms: LLMArms | None = None) -> APIRouter:
+    """The routes over ``engine``, or over ``arms`` (``server/llm_arms.py``: each request assigned an
+    arm's engine, its outcome recorded for the comparison and rollback; a candidate that fails before
+    its response starts is retried on the primary)."""
     limits = limits or LLMLimits()
-    metrics = LLMMetrics(engine, registry)
+    if arms is None:
+        per_arm = {"": LLMMetrics(engine, registry)}
+    else:
+        regs = arms.register(registry)
+        per_arm = {name: LLMMetrics(e, regs[name]) for name, e in arms.engines.items()}
     router = APIRouter(tags=["llm"])
     ids = IdCounter(1)
     max_len = int(engine.config.max_model_len)
@@ -76,25 +92,49 @@ def make_llm_router(engine: LLMEngine | LLMFailover, registry: CollectorRegistry
 
     async def answer(route: str, body: _SamplingFields, request: Request, work: Work) -> Any:
         received = time.monotonic()
+        if arms is None:
+            return await attempt(route, body, request, work, received, "", engine)
+        arm, chosen = arms.armed.pick(request)
+        try:
+            return await attempt(route, body, request, work, received, arm, chosen)
+        except APIError as exc:  # a candidate failed before its response started: the primary answers
+            if arm == PRIMARY or exc.code not in _ENGINE_FAULTS:
+                raise
+            return await attempt(route, body, request, work, received, PRIMARY, arms.engines[PRIMARY])
+
+    async def attempt(route: str, body: _SamplingFields, request: Request, work: Work, received: float,
+                      arm: str, chosen: Any) -> Any:
+        token = _served.set((chosen, per_arm[arm]))
         try:
             deadline = deadline_of(body, request, received)
             priority = priority_of(body, request)
-            return await _guarded(request, deadline, lambda reqs: work(reqs, received, deadline, priority))
+            out = await _guarded(request, deadline, lambda reqs: work(reqs, received, deadline, priority))
+            if arms is not None:
+                arms.armed.record(arm, getattr(out, "status_code", 200), time.monotonic() - received)
+                if isinstance(out, Response):
+                    out.headers[ARM_HEADER] = arm
+            return out
         except Exception as exc:
             err = to_api_error(exc)
             reason = "rejected" if err.status < 500 else err.code or "error"
             if err.status not in (404, 422):
-                metrics.requests.labels(route=route, finish_reason=reason).inc()
+                per_arm[arm].requests.labels(route=route, finish_reason=reason).inc()
+            if arms is not None:  # the engine's own failures are the arm's faults (500)
+                status = 500 if err.code in _ENGINE_FAULTS else err.status
+                arms.armed.record(arm, status, time.monotonic() - received)
             raise err from None
+        finally:
+            _served.reset(token)
 
-    def finished(route: str, last: GenerationOutput) -> None:
+    def finished(route: str, last: GenerationOutput, metrics: LLMMetrics) -> None:
         metrics.requests.labels(route=route, finish_reason=last.finish_reason or "none").inc()
         metrics.prompt_tokens.inc(last.num_prompt_tokens)
 
     def submit(prompts: list[list[int]], params: Any, priority: int, deadline: float, stream: bool) -> Any:
-        if isinstance(engine, LLMFailover):  # an answer not streamed can restart on the fallback
-            return engine.submit(prompts, params, priority, deadline, replayable=not stream)
-        return engine.submit(prompts, params, priority, deadline)
+        target = _served.get()[0]
+        if isinstance(target, LLMFailover):  # an answer not streamed can restart on the fallback
+            return target.submit(prompts, params, priority, deadline, replayable=not stream)
+        return target.submit(prompts, params, priority, deadline)
 
     def params_of(body: _SamplingFields, route: str) -> Any:
         return body.sampling_params(DEFAULT_MAX_TOKENS[route], limits, max_len)
@@ -106,25 +146,26 @@ def make_llm_router(engine: LLMEngine | LLMFailover, registry: CollectorRegistry
     async def _completions(body: CompletionRequest, reqs: list[LLMRequest], received: float,
                            deadline: float, priority: int) -> Any:
         route, rid, created = "/v1/completions", f"cmpl-{ids()}", int(time.time())
+        target, metrics = _served.get()
         model = served_model(body.model)
         prompts = body.prompts()
         limits.check_prompts(prompts, max_len)
         params = params_of(body, route)
         if body.stream and len(prompts) != 1:
             raise APIError(400, "streaming takes a single prompt", code="unsupported_value", param="prompt")
-        engine.check_room(len(prompts))  # before the tokenising it would waste
+        target.check_room(len(prompts))  # before the tokenising it would waste
         token_ids = await _all_or_none([engine.prompts.encode_async(p) for p in prompts])
         reqs.extend(submit(token_ids, params, priority, deadline, body.stream))
         if body.stream:
             first = await anext(reqs[0])
             head = {"id": rid, "object": "text_completion", "created": created, "model": model}
             events = completion_events(head, first, reqs[0], body.include_usage,
-                                       lambda last: finished(route, last))
+                                       lambda last: finished(route, last, metrics))
             return _stream(events, reqs[0], first_token_timing(received, first))
         results = await _all_or_none([_collect(r) for r in reqs])
         choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
         for i, (text, last) in enumerate(results):
-            finished(route, last)
+            finished(route, last, metrics)
             choices.append({"index": i, "text": text, "logprobs": None, "finish_reason": last.finish_reason})
             for k, v in usage_of(last).items():
                 if k in usage:
@@ -139,20 +180,22 @@ def make_llm_router(engine: LLMEngine | LLMFailover, registry: CollectorRegistry
     async def _chat_completions(body: ChatCompletionRequest, reqs: list[LLMRequest], received: float,
                                 deadline: float, priority: int) -> Any:
         route, rid, created = "/v1/chat/completions", f"chatcmpl-{ids()}", int(time.time())
+        target, metrics = _served.get()
         model = served_model(body.model)
         messages = body.chat()
         limits.check_messages([m["content"] for m in messages])
         params = params_of(body, route)
-        engine.check_room(1)
+        target.check_room(1)
         prompt = await engine.prompts.encode_chat_async(messages)
         reqs.extend(submit([prompt], params, priority, deadline, body.stream))
         first = await anext(reqs[0])
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
         if body.stream:
-            events = chat_events(head, first, reqs[0], body.include_usage, lambda last: finished(route, last))
+            events = chat_events(head, first, reqs[0], body.include_usage,
+                                 lambda last: finished(route, last, metrics))
             return _stream(events, reqs[0], first_token_timing(received, first))
         text, last = await _collect(reqs[0], first)
-        finished(route, last)
+        finished(route, last, metrics)
         return JSONResponse({
             "id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,

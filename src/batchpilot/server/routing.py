@@ -47,7 +47,7 @@ class Models:
         self.services = list(services)
         self.arms = {a.model_name: a for a in arms}
         self.all_services = [a for s in services for a in
-                             (self.arms[s.model_name].services.values() if s.model_name in self.arms
+                             (self.arms[s.model_name].backends.values() if s.model_name in self.arms
                               else [s])]
         self.by_name: dict[str, ModelService] = {}
         for svc in services:
@@ -118,7 +118,7 @@ class ModelRoute:
                 if armed is None or arm == PRIMARY or exc.status != 500:
                     raise
                 armed.record(arm, 500, time.perf_counter() - t0)
-                arm, svc = PRIMARY, armed.services[PRIMARY]
+                arm, svc = PRIMARY, armed.backends[PRIMARY]
                 response = await getattr(svc, self.method)(body, request)
             if armed is not None:
                 response.headers[ARM_HEADER] = arm
