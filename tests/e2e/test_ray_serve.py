@@ -9,8 +9,10 @@ the ``x-batchpilot-replica`` header (its PID). Skipped only where Ray is not ins
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.util
 import os
+import shlex
 from collections.abc import Iterator
 from typing import Any
 
@@ -48,6 +50,34 @@ def test_a_max_ongoing_requests_that_would_cap_batches_is_refused_with_the_numbe
     assert check_max_ongoing(None, [("a", _config(16, concurrency=512))]) == (528, None)
 
 
+def test_an_haproxy_binary_that_does_not_run_falls_back_to_the_python_proxy_with_the_reason(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from batchpilot.server.ray_cluster import choose_ingress
+
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", "/bin/false")
+    ingress, why = choose_ingress("haproxy")
+    assert ingress == "python" and "/bin/false exited 1" in why
+    assert choose_ingress("python") == ("python", "--ingress python")
+
+
+def test_the_policy_asks_the_core_autoscaler_with_one_signal_per_replica_that_reported() -> None:
+    from types import SimpleNamespace
+
+    from batchpilot.server.ray_autoscale import PREDICTED_WAIT, QUEUE_DEPTH, BatchpilotAutoscalingPolicy
+
+    policy = BatchpilotAutoscalingPolicy(min_replicas=1, max_replicas=4, target_queue_wait_s=0.1,
+                                         upscale_delay_s=0.0, downscale_delay_s=0.0)
+
+    def ctx(waits: dict[str, float], replicas: list[str], target: int) -> SimpleNamespace:
+        metrics = {PREDICTED_WAIT: waits, QUEUE_DEPTH: dict.fromkeys(waits, 3)}
+        return SimpleNamespace(aggregated_metrics=metrics, running_replicas=replicas,
+                               target_num_replicas=target, policy_state={})
+
+    assert policy(ctx({"a": 0.25}, ["a"], 1))[0] == 3  # ceil(0.25 / 0.1)
+    assert policy(ctx({"a": 0.05, "b": 0.02}, ["a", "b", "c"], 3))[0] == 1  # c has not reported: no work
+    assert policy(ctx({}, ["a", "b"], 2))[0] == 2  # nobody reported: no information
+
+
 @pytest.fixture(scope="module")
 def ray_url() -> Iterator[str]:
     """A local Ray (2 CPUs) and Serve on 127.0.0.1, the app deployed with 2 replicas."""
@@ -75,17 +105,15 @@ def ray_url() -> Iterator[str]:
 
 
 def redeploy(url: str, *flags: str) -> None:
-    """The app deployed again with these replica flags (``serve.run``: new replicas replace the old)."""
+    """The app deployed again with these replica flags, built by the app builder ``serve run`` calls
+    (``serve.run``: new replicas replace the old)."""
     from ray import serve
 
-    from batchpilot.config_file import spec_from_args
-    from batchpilot.server.cli import server_config
-    from batchpilot.server.ray_app import APP_NAME, bind_app, parse_serve_flags
+    from batchpilot.server.ray_app import APP_NAME, app_builder
 
     port = url.rsplit(":", 1)[1]
-    args = parse_serve_flags([*FLAGS, "--ray", *flags, "--port", port])
-    spec = spec_from_args(args)
-    serve.run(bind_app(args, server_config(args, spec), spec), name=APP_NAME, route_prefix="/")
+    app = app_builder({"flags": shlex.join([*FLAGS, *flags, "--port", port])})
+    serve.run(app, name=APP_NAME, route_prefix="/")
 
 
 async def load(url: str, n: int, concurrency: int, until: asyncio.Event | None = None
@@ -158,11 +186,18 @@ def test_replicas_replaced_under_load_lose_no_request(ray_url: str) -> None:
     assert len({pid for _, pid in after}) == 1
 
 
-def test_the_queue_wait_policy_scales_up_under_load_and_down_without_losing_a_request(ray_url: str) -> None:
-    """Predicted wait per replica: 64 clients on one replica ~ 4 batches of 20 ms queued (> the 30 ms
-    target: 2 replicas); one client ~ at most one batch (< 30 ms: back to 1), while it keeps sending."""
-    redeploy(ray_url, "--autoscale", "1:2", "--target-queue-wait-ms", "30", "--upscale-delay-s", "0",
-             "--downscale-delay-s", "1")
+def test_the_queue_wait_policy_scales_up_under_load_and_down_without_losing_a_request(
+        ray_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model of 100 ms per batch of 8, so the model and not the shared CPU bounds a replica: 64
+    clients on one replica ~ 8 batches predicted ahead (800 ms, over the 300 ms target: 2 replicas);
+    one client ~ at most one batch (100 ms: back to 1), while it keeps sending. Serve's metrics window
+    is shortened (reports every 0.25 s, a 1 s look-back) to keep the test short."""
+    from batchpilot.server import ray_autoscale
+
+    monkeypatch.setattr(ray_autoscale, "autoscaling_config", functools.partial(
+        ray_autoscale.autoscaling_config, metrics_interval_s=0.25, look_back_period_s=1.0))
+    redeploy(ray_url, "--noop-delay-ms", "100", "--max-batch-size", "8", "--autoscale", "1:2",
+             "--target-queue-wait-ms", "300", "--upscale-delay-s", "0", "--downscale-delay-s", "1")
 
     def replicas_seen(concurrency: int, want: int) -> list[tuple[int, str]]:
         async def until_seen() -> list[tuple[int, str]]:
