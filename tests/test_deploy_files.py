@@ -49,7 +49,8 @@ class Zeros:
         return 0
 
 
-def exported_names() -> set[str]:
+def exported_families() -> dict[str, set[str]]:
+    """Every metric family the server exports, with the sample names it can expose."""
     pytest.importorskip("fastapi")
     import httpx
     from prometheus_client import CollectorRegistry, generate_latest
@@ -73,17 +74,23 @@ def exported_names() -> set[str]:
     registry = CollectorRegistry()
     LLMMetrics(engine, registry)
     text = asyncio.run(scrape()) + generate_latest(registry).decode()
-    names = set()
+    families: dict[str, set[str]] = {}
     for family in text_string_to_metric_families(text):
+        names = families.setdefault(family.name, set())
         names.add(family.name)
         names.update(family.name + s for s in SUFFIXES.get(family.type, ()))
         names.update(s.name for s in family.samples)
-    return names
+    return families
 
 
 @pytest.fixture(scope="module")
-def exported() -> set[str]:
-    return exported_names()
+def families() -> dict[str, set[str]]:
+    return exported_families()
+
+
+@pytest.fixture(scope="module")
+def exported(families: dict[str, set[str]]) -> set[str]:
+    return set().union(*families.values())
 
 
 def rule_exprs() -> list[str]:
@@ -122,6 +129,18 @@ def test_every_metric_the_rules_use_is_exported(exported: set[str]) -> None:
 def test_every_metric_the_dashboard_uses_is_exported(exported: set[str]) -> None:
     used = {n for e in dashboard_exprs() for n in NAME.findall(e)}
     assert used and used <= exported, sorted(used - exported)
+
+
+# the step cost-model features are for `bench fidelity`'s reports, not a dashboard
+NOT_ON_THE_DASHBOARD = {"batchpilot_llm_step_feature"}
+
+
+def test_the_dashboard_shows_every_metric_the_server_exports(families: dict[str, set[str]]) -> None:
+    used = {n for e in dashboard_exprs() for n in NAME.findall(e)}
+    missing = sorted(f for f, names in families.items()
+                     if f.startswith("batchpilot_") and not f.endswith("_created")
+                     and f not in NOT_ON_THE_DASHBOARD and not names & used)
+    assert not missing, f"add a panel to deploy/grafana/build_dashboard.py for {missing}"
 
 
 def test_the_dashboard_is_what_its_builder_writes() -> None:
