@@ -135,7 +135,9 @@ def bind_app(args: argparse.Namespace, settings: ServerConfig, spec: DeploymentS
     log.info("ray: deployment %s", {k: v for k, v in options.items() if k not in ("autoscaling_config",
                                                                                       "logging_config")}
              | ({"autoscale": args.autoscale} if args.autoscale else {}))
-    return deployment.bind(settings, spec, options["max_ongoing_requests"])
+    from ..config_file import rollout_from_args
+
+    return deployment.bind(settings, spec, options["max_ongoing_requests"], rollout_from_args(args, spec))
 
 
 def parse_serve_flags(flags: Sequence[str]) -> argparse.Namespace:

@@ -1,8 +1,9 @@
 """The Ray Serve deployment: one replica = one ``build_app`` app, its own Batchers inside.
 
-    BatchpilotReplica(settings, spec, max_ongoing)
-        __init__                   build_app(settings, spec): load the models, resolve each deployment
-                                   (``core.deployment``), the same app ``batchpilot serve`` runs; then
+    BatchpilotReplica(settings, spec, max_ongoing, rollout)
+        __init__                   build_app(settings, spec, rollout): load the models, resolve each
+                                   deployment (``core.deployment``) and arm, the app ``batchpilot
+                                   serve`` runs; then
                                    check ``max_ongoing`` against the resolved configs (``ray_limits``)
         __serve_build_asgi_app__   that app (late-bound ``@serve.ingress()``), every response carrying
                                    ``x-batchpilot-replica: <pid>`` (which replica answered)
@@ -29,6 +30,7 @@ from typing import Any
 from ray import serve
 
 from ..core.deployment import DeploymentSpec
+from ..core.rollout import RolloutSpec
 from .config import ServerConfig
 from .ray_autoscale import replica_stats
 from .ray_limits import check_max_ongoing
@@ -71,12 +73,13 @@ def served_configs(app: Any) -> list[tuple[str, Any]]:
 
 @serve.ingress()
 class BatchpilotReplica:
-    def __init__(self, settings: ServerConfig, spec: DeploymentSpec, max_ongoing: int) -> None:
+    def __init__(self, settings: ServerConfig, spec: DeploymentSpec, max_ongoing: int,
+                 rollout: RolloutSpec | None = None) -> None:
         from . import logs
-        from .cli import build_app
+        from .build import build_app
 
         logs.configure(settings.log_level, "text")
-        self.served = build_app(settings, spec)  # (``app`` is Serve's)
+        self.served = build_app(settings, spec, rollout)  # (``app`` is Serve's)
         self.settings = settings
         configs = served_configs(self.served)
         check_max_ongoing(max_ongoing, configs)  # the authority: the configs this replica resolved
