@@ -1,7 +1,8 @@
 """deploy/: the Prometheus alert rules pass ``promtool check rules``, the Grafana dashboard is the one
 its builder writes, and every batchpilot metric either names is one the server exports.
 
-What the server exports is read from a real app: ``create_app`` over the no-op model, its /metrics
+What the server exports is read from a real app: ``create_app`` over the no-op model (served in arms,
+behind a fallback executor), its /metrics
 fetched in-process, plus the LLM engine's collectors (``server/llm_metrics.py``) over a stand-in
 engine that reports zeros. A metric family counts with the sample names its type exposes
 (``_total`` for counters; ``_bucket``, ``_sum``, ``_count`` for histograms).
@@ -56,14 +57,21 @@ def exported_families() -> dict[str, set[str]]:
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
+    from batchpilot.core.config import SchedulerConfig
+    from batchpilot.core.rollout import ArmSpec, RolloutSpec
     from batchpilot.runtime.executor import NoopExecutor
+    from batchpilot.runtime.fallback_executor import FallbackExecutor
     from batchpilot.runtime.llm_records import EngineStats
-    from batchpilot.server.app import create_app
+    from batchpilot.server.app import ServedArm, ServedModel, create_app
     from batchpilot.server.config import ServerConfig
     from batchpilot.server.llm_metrics import LLMMetrics
 
-    async def scrape() -> str:
-        app = create_app(ServerConfig(noop=True), NoopExecutor())
+    async def scrape() -> str:  # a model in arms, on an executor with a fallback: every family shows
+        executor = FallbackExecutor(NoopExecutor(), NoopExecutor())
+        model = ServedModel(executor, SchedulerConfig(), name="noop",
+                            rollout=RolloutSpec((ArmSpec("canary", 0.1),)),
+                            arms=(ServedArm(executor, SchedulerConfig()),))
+        app = create_app(ServerConfig(noop=True), models=[model])
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://server") as client:
             return (await client.get("/metrics")).text

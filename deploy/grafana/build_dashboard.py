@@ -2,7 +2,7 @@
 
     python deploy/grafana/build_dashboard.py > deploy/grafana/batchpilot.json
 
-Panels are grouped in rows (serving, batching, admission, latency, executor, LLM, process); every
+Panels are grouped in rows (serving, batching, admission, latency, executor, LLM, arms, process); every
 query is per ``instance`` (a server, or a Ray replica's scrape target) and ``model`` where the series
 carries it, filtered by the dashboard's ``$instance`` and ``$model`` variables. The data source is
 the ``$datasource`` variable (any Prometheus). ``tests/test_deploy_files.py`` checks that every metric
@@ -97,7 +97,12 @@ ROWS: list[tuple[str, list[tuple[str, str, list[dict[str, Any]]]]]] = [
             "busy slot-seconds/s {{instance}} {{model}}")]),
         ("Busy slots, and batches past the watchdog's stall bound since start", "short",
          [q(f"batchpilot_executor_busy_slots{{{SEL}}}", "busy {{instance}} {{model}}"),
-          q(f"batchpilot_executor_stalls{{{SEL}}}", "stalled {{instance}} {{model}}")]),
+          q(f"batchpilot_executor_stalls{{{SEL}}}", "stalled {{instance}} {{model}}"),
+          q(f"batchpilot_executor_stalled{{{SEL}}}", "stalled now {{instance}} {{model}}")]),
+        ("Encoder fallback (padded float32 path) active, and its batches", "short",
+         [q(f"batchpilot_executor_fallback_active{{{SEL}}}", "active {{instance}} {{model}}"),
+          q(f"rate(batchpilot_executor_fallback_batches{{{SEL}}}{W})",
+            "batches/s {{instance}} {{model}}")]),
         ("Health (1 ok, 0.5 degraded, 0 draining/stopped) and scrape up", "short",
          [q(f"batchpilot_health{{{SEL}}}", "{{instance}} {{model}}"),
           q(f"up{{{INST}}}", "scrape up {{instance}}")]),
@@ -143,6 +148,16 @@ ROWS: list[tuple[str, list[tuple[str, str, list[dict[str, Any]]]]]] = [
           q(f"increase(batchpilot_engine_recoveries_total{{{INST}}}[1h])", "recoveries/h {{instance}}"),
           q(f"rate(batchpilot_fallback_requests_total{{{INST}}}{W})", "fallback req/s {{instance}}"),
           q(f"batchpilot_engine_stall_timeout_seconds{{{INST}}}", "stall timeout s {{instance}}")]),
+    ]),
+    ("Canary and A/B arms (docs/rollout.md)", [
+        ("Share of new requests per arm", "percentunit",
+         [q(f"batchpilot_arm_share{{{SEL}}}", "{{instance}} {{model}} {{arm}}")]),
+        ("Rolled back (1) and rollbacks by rule", "short",
+         [q(f"batchpilot_arm_rolled_back{{{SEL}}}", "rolled back {{instance}} {{model}} {{arm}}"),
+          q(f"increase(batchpilot_arm_rollbacks_total{{{SEL}}}{W})", "{{arm}} {{rule}}")]),
+        ("P99 latency per arm", "s",
+         [q(p99("batchpilot_request_latency_seconds", "instance, model, arm"),
+            "{{instance}} {{model}} {{arm}}")]),
     ]),
     ("Process", [
         ("GC pauses P99 and per second", "s",

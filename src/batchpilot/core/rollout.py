@@ -15,9 +15,10 @@ restarts; without a key, where ``draw`` (uniform in [0, 1), the caller's seeded 
 slices never move: a rolled-back candidate's slice is served by the primary (``RolloutGuard.route``),
 so every other client keeps its arm.
 
-**Rollback.** Per arm, a sliding window of ``rules.window_s`` seconds of outcomes (``Outcome``) and
-of ok latencies. A candidate is rolled back when, with at least ``rules.min_samples`` answers in the
-window on it and on the primary, its P99 is over ``max_p99_ratio`` times the primary's, its P50 over
+**Rollback.** Per arm, a sliding window of ``rules.window_s`` seconds (and at most ``MAX_WINDOW``
+answers) of outcomes (``Outcome``) and of ok latencies. A candidate is rolled back when, with at
+least ``rules.min_samples`` answers in the window on it and on the primary (ok answers, for the
+latency rules), its P99 is over ``max_p99_ratio`` times the primary's, its P50 over
 ``max_p50_ratio`` times (a config much slower for the typical request: at a small share and light
 load its tail can stay short while every answer is slow), or its error rate or its rejection rate
 exceeds the primary's by more than ``max_error_rate`` / ``max_rejection_rate``; or, whatever the
@@ -143,7 +144,7 @@ def arm_for(key: str | None, shares: Sequence[float], draw: float) -> int:
 class Rollback:
     arm: str
     at: float
-    rule: str  # p99_ratio | error_rate | rejection_rate | faults
+    rule: str  # faults | p99_ratio | p50_ratio | error_rate | rejection_rate | manual
     detail: str
 
 
@@ -172,10 +173,16 @@ class ArmWindow:
         return float(np.quantile(self.latencies, q)) if len(self.latencies) else float("nan")
 
 
+# a window keeps at most this many answers (and batches) per arm, the newest: a check sorts them,
+# and at 1000 answers/s a 60 s window would be 60 000
+MAX_WINDOW = 10_000
+
+
 class _Window:
     def __init__(self) -> None:
-        self.answers: deque[tuple[float, float, Outcome]] = deque()
-        self.batches: deque[tuple[float, int, int, int]] = deque()  # at, size, useful, computed
+        self.answers: deque[tuple[float, float, Outcome]] = deque(maxlen=MAX_WINDOW)
+        # at, size, useful tokens, computed tokens
+        self.batches: deque[tuple[float, int, int, int]] = deque(maxlen=MAX_WINDOW)
 
     def trim(self, since: float) -> None:
         while self.answers and self.answers[0][0] < since:
@@ -247,7 +254,7 @@ class RolloutGuard:
             return "faults", f"{cand.faults} executor faults (limit {r.max_faults})"
         if min(cand.total, primary.total) < r.min_samples:
             return None
-        if len(cand.latencies) and len(primary.latencies):
+        if min(len(cand.latencies), len(primary.latencies)) >= r.min_samples:  # latency: ok answers
             ratio = cand.p(0.99) / max(primary.p(0.99), 1e-9)
             if ratio > r.max_p99_ratio:
                 return "p99_ratio", (f"P99 {cand.p(0.99) * 1e3:.0f} ms is {ratio:.2f}x the primary's "

@@ -1,10 +1,12 @@
-"""The encoder Batcher's watchdog: a slot whose batch has run past the stall bound makes health degraded.
+"""The encoder Batcher's watchdog: a slot whose batch has run past the stall bound is a stall.
 
 The bound is the stall rule of ``core.stall`` over the Batcher's own measured batch times (each
 batch's slot seconds, from ``batch_observers``), or a fixed ``timeout_s``. ``check`` runs on the event
-loop (slot state is the loop's): a slot still running a batch past the bound turns the Batcher's
-health ``degraded`` (so ``/health`` answers 503 and ``batchpilot_health`` reads 0.5) and counts one
-stall per batch (``num_stalls``); when no slot is stuck any more, health returns to ``ok``. The
+loop (slot state is the loop's): while a slot runs a batch past the bound ``stuck`` is true (the
+server's ``/health`` answers 503 ``degraded``; ``batchpilot_executor_stalled`` reads 1), and each
+stuck batch counts one stall (``num_stalls``); ``stuck`` clears when no slot is past the bound. It
+is its own flag, apart from the Batcher's health (a crash's ``degraded``): a batch finishing on
+another slot does not clear a stall, and a stall ending does not clear a crash. The
 requests of a stuck batch wait for it (their deadline still ends them): a thread cannot be taken back
 from a model call, so nothing is re-run behind its back. ``start`` checks every ``poll_s``.
 """
@@ -27,7 +29,7 @@ class BatcherWatchdog:
         self.poll_s = poll_s
         self._watch = StallWatch(rule)
         self._counted: set[int] = set()  # stuck batches already counted
-        self._degraded = False  # health is degraded because of us
+        self.stuck = False  # a slot is past the bound now
         self._task: asyncio.Task[None] | None = None
         self.num_stalls = 0
         batcher.batch_observers.append(self._on_batch)
@@ -39,7 +41,7 @@ class BatcherWatchdog:
         return self._watch.timeout_s()
 
     def check(self, now: float | None = None) -> list[int]:
-        """The slots whose batch is past the bound (``now`` on the Batcher's clock); sets health."""
+        """The slots whose batch is past the bound (``now`` on the Batcher's clock); sets ``stuck``."""
         b = self.batcher
         now = b.clock() if now is None else now
         stuck = [s for s in b.slots if s.running is not None and self._watch.overdue_s(s.run_started, now)]
@@ -49,15 +51,10 @@ class BatcherWatchdog:
                 self.num_stalls += 1
                 log.error("encoder slot %d: batch %d has run %.1f s, past the stall bound of %.1f s",
                           slot.index, slot.running.id, now - slot.run_started, self._watch.timeout_s())
-        if stuck and b.health == "ok":
-            self._degraded = True
-            b._set_health("degraded")
-        elif not stuck and self._degraded:
-            self._degraded = False
+        if not stuck and self.stuck:
             self._counted.clear()
-            if b.health == "degraded":
-                b._set_health("ok")
-                log.info("encoder slots: no batch past the stall bound any more; health ok")
+            log.info("encoder slots: no batch past the stall bound any more")
+        self.stuck = bool(stuck)
         return [s.index for s in stuck]
 
     def start(self) -> BatcherWatchdog:

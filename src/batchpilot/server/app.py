@@ -194,9 +194,11 @@ def create_app(settings: ServerConfig, executor: Executor | None = None,
 
     @app.get("/health", response_model=Health, responses={503: {"model": Health}})
     async def health() -> JSONResponse:
-        states = [s.batcher.health for s in served_models.all_services]
+        # the primaries' (a candidate arm's trouble shows under ``arms`` and is what rollback is for)
+        states = [s.batcher.health for s in served_models.services]
         status = min(states, key=_HEALTH_ORDER.index)
-        if status == "ok" and not all(alive() for alive in health_checks):
+        stalled = any(s.watchdog.stuck for s in served_models.services)
+        if status == "ok" and (stalled or not all(alive() for alive in health_checks)):
             status = "degraded"
         batchers = [s.batcher for s in served_models.all_services]
         body = Health(status=status, model=svc.model_name,  # type: ignore[arg-type]

@@ -114,7 +114,7 @@ class ArmedModel:
             return
         now = self.clock()
         self.guard.record(arm, now, seconds, outcome)
-        if now - self._last_check >= CHECK_INTERVAL_S or outcome is Outcome.FAULT:
+        if now - self._last_check >= CHECK_INTERVAL_S or (outcome is Outcome.FAULT and arm != PRIMARY):
             self._last_check = now
             for rb in self.guard.check(now):
                 self._rolled_back(rb)

@@ -26,6 +26,7 @@ def arms_router(models: Sequence[ArmedModel]) -> APIRouter:
     """The routes over every model served in arms (the encoders' and the LLM's)."""
     router = APIRouter()
     by_name = {a.model_name: a for a in models}
+    one_at_a_time = asyncio.Lock()  # each status runs bootstraps: concurrent GETs queue, not pile up
 
     def armed(model: str | None) -> ArmedModel:
         if model is None:
@@ -41,7 +42,8 @@ def arms_router(models: Sequence[ArmedModel]) -> APIRouter:
     @router.get("/v1/arms")
     async def arms_status() -> dict[str, Any]:
         loop = asyncio.get_running_loop()  # the bootstrap takes a while: off the event loop
-        status = [await loop.run_in_executor(None, a.status, a.windows()) for a in models]
+        async with one_at_a_time:
+            status = [await loop.run_in_executor(None, a.status, a.windows()) for a in models]
         return {"object": "list", "data": status}
 
     async def change(arm: str, model: str | None, enable: bool) -> dict[str, Any]:

@@ -46,7 +46,7 @@ from .service import header_num
 __all__ = ["build_llm_engine", "make_llm_router"]
 
 # an engine's own failures: on a candidate arm, faults that the primary answers instead
-_ENGINE_FAULTS = ("generation_failed", "internal_error", "engine_unavailable", "engine_stopped")
+_ENGINE_FAULTS = ("generation_failed", "engine_unavailable")
 # the engine answering this request and its metrics (an arm's, with arms), set by the route's attempt
 _served: ContextVar[tuple[Any, LLMMetrics]] = ContextVar("batchpilot_llm_served")
 
@@ -100,17 +100,22 @@ def make_llm_router(engine: LLMEngine | LLMFailover, registry: CollectorRegistry
         except APIError as exc:  # a candidate failed before its response started: the primary answers
             if arm == PRIMARY or exc.code not in _ENGINE_FAULTS:
                 raise
-            return await attempt(route, body, request, work, received, PRIMARY, arms.engines[PRIMARY])
+            failed_s = time.monotonic() - received
+            out = await attempt(route, body, request, work, received, PRIMARY, arms.engines[PRIMARY],
+                                record=False)  # its time includes the candidate's attempt
+            arms.armed.record(arm, 500, failed_s)  # the primary answered it: the candidate's fault
+            return out
 
     async def attempt(route: str, body: _SamplingFields, request: Request, work: Work, received: float,
-                      arm: str, chosen: Any) -> Any:
+                      arm: str, chosen: Any, record: bool = True) -> Any:
         token = _served.set((chosen, per_arm[arm]))
         try:
             deadline = deadline_of(body, request, received)
             priority = priority_of(body, request)
             out = await _guarded(request, deadline, lambda reqs: work(reqs, received, deadline, priority))
             if arms is not None:
-                arms.armed.record(arm, getattr(out, "status_code", 200), time.monotonic() - received)
+                if record:
+                    arms.armed.record(arm, getattr(out, "status_code", 200), time.monotonic() - received)
                 if isinstance(out, Response):
                     out.headers[ARM_HEADER] = arm
             return out
@@ -119,9 +124,9 @@ def make_llm_router(engine: LLMEngine | LLMFailover, registry: CollectorRegistry
             reason = "rejected" if err.status < 500 else err.code or "error"
             if err.status not in (404, 422):
                 per_arm[arm].requests.labels(route=route, finish_reason=reason).inc()
-            if arms is not None:  # the engine's own failures are the arm's faults (500)
-                status = 500 if err.code in _ENGINE_FAULTS else err.status
-                arms.armed.record(arm, status, time.monotonic() - received)
+            # a candidate's engine failure is charged by ``answer`` once the primary has answered it
+            if arms is not None and record and not (arm != PRIMARY and err.code in _ENGINE_FAULTS):
+                arms.armed.record(arm, err.status, time.monotonic() - received)
             raise err from None
         finally:
             _served.reset(token)

@@ -21,7 +21,8 @@ Names (all prefixed ``batchpilot_``):
     precision_info{dtype} / precision_min_cosine     gauges: the precision served, and its accuracy
                                                      guard's minimum cosine to float32 (models/precision.py)
     executor_fallback_active / _fallback_batches     gauges: batches on the padded float32 fallback path
-    executor_stalls                                  gauge: batches past the watchdog's stall bound
+    executor_stalls / executor_stalled               gauges: batches past the watchdog's stall bound, and
+                                                     1 while one is
 
 Utilisation is ``busy seconds / (uptime × slots)``; over a window use
 ``rate(batchpilot_executor_busy_seconds_total[1m]) / slots``.
@@ -126,6 +127,8 @@ class ServerMetrics(BatcherObserver):
         """The Batcher watchdog's stalls (``runtime/batcher_watchdog.py``), read at scrape time."""
         Gauge("batchpilot_executor_stalls", "Batches that ran past the stall bound since start",
               registry=self.registry).set_function(lambda: watchdog.num_stalls)
+        Gauge("batchpilot_executor_stalled", "1 while a batch is past the stall bound",
+              registry=self.registry).set_function(lambda: float(watchdog.stuck))
 
     def set_precision(self, dtype: str, min_cosine: float) -> None:
         self.precision.labels(dtype=dtype).set(1.0)

@@ -9,7 +9,9 @@ counts the answer on that model's ``http_requests_total{route,status}`` and late
 route's default model when none was picked). A model served in arms (``server/arms.py``) has the
 request assigned to one of them, which answers it, names itself in the ``X-Batchpilot-Arm`` response
 header and records the outcome for the arms' comparison and rollback; when a candidate's executor
-fails (500), the fault is recorded on it and the primary answers the request. An unexpected exception
+fails (500), the primary answers the request, and the candidate is charged a fault only if the
+primary succeeded (else the input was at fault); a retried answer stays out of the primary's window
+(its time includes the candidate's attempt). An unexpected exception
 propagates to the request middleware's fixed 500.
 """
 
@@ -101,7 +103,7 @@ class ModelRoute:
     async def __call__(self, request: Request) -> Response:
         t0, status, svc = time.perf_counter(), 200, self.default
         armed: ArmedModel | None = None
-        arm = ""
+        arm, retried = "", False
         try:
             try:
                 body = self.body_type.model_validate_json(await request.body())
@@ -117,9 +119,13 @@ class ModelRoute:
             except APIError as exc:  # a candidate's executor failed: the primary answers instead
                 if armed is None or arm == PRIMARY or exc.status != 500:
                     raise
-                armed.record(arm, 500, time.perf_counter() - t0)
-                arm, svc = PRIMARY, armed.backends[PRIMARY]
+                failed, failed_s = arm, time.perf_counter() - t0
+                svc.count(self.route, 500, failed_s)  # the candidate's own series shows its failure
+                arm, svc, retried = PRIMARY, armed.backends[PRIMARY], True
                 response = await getattr(svc, self.method)(body, request)
+                # the primary answered what the candidate could not: the candidate's fault (had the
+                # primary failed too, the input was at fault and the candidate is not charged)
+                armed.record(failed, 500, failed_s)
             if armed is not None:
                 response.headers[ARM_HEADER] = arm
             return response
@@ -138,5 +144,5 @@ class ModelRoute:
         finally:
             seconds = time.perf_counter() - t0
             svc.count(self.route, status, seconds)
-            if armed is not None:
+            if armed is not None and not retried:  # a retried answer stays out of the primary's window
                 armed.record(arm, status, seconds)
