@@ -87,6 +87,12 @@ def test_arm_specs_are_validated() -> None:
         RolloutSpec(assign="sticky")
     with pytest.raises(ValueError, match="max_p99_ratio"):
         RollbackRules(max_p99_ratio=0.9)
+    with pytest.raises(ValueError, match="true or false"):
+        RollbackRules(enabled="flase")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="integer"):
+        RollbackRules(min_samples=2.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="share"):
+        ArmSpec("x", True)
 
 
 def feed(guard: RolloutGuard, arm: str, t0: float, n: int, latency: float, outcome: Outcome = Outcome.OK,
@@ -208,7 +214,7 @@ arms:
     assert rollout.assign == "random" and rollout.names() == [PRIMARY, "slow", "wide"]
     assert rollout.shares() == pytest.approx([0.7, 0.1, 0.2])
     slow, wide = (arm.spec for arm in rollout.arms)
-    assert slow.encoder.policy.max_batch_size == 1 and slow.server.max_concurrency == 512  # the file's own
+    assert slow.encoder.policy.max_batch_size == 1 and slow.server.max_concurrency == 64  # the primary's
     assert wide.encoder.policy.max_batch_size == 64 and wide.server.max_concurrency == 64  # inherits
     assert rollout.rules.max_p99_ratio == 2.0 and rollout.rules.min_samples == 20
 

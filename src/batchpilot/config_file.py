@@ -16,8 +16,9 @@
     arms:               # core.rollout.RolloutSpec (serve): candidates beside this deployment
       assign: client       # client (stable hash of X-Client-Id, else the connection) | random
       candidates:
-        - {name: canary, share: 0.1, config: b.yaml}   # a config file (relative to this one), or
-        - {name: wide, share: 0.1, encoder: {policy: {max_batch_size: 64}}}  # sections over this file's
+        - {name: canary, share: 0.1, config: b.yaml}   # the sections of a file (relative to this one)
+        - {name: wide, share: 0.1, encoder: {policy: {max_batch_size: 64}}}  # or given here, each in
+                                                       # place of this deployment's (flags applied)
       rollback: {max_p99_ratio: 1.5, max_p50_ratio: 2.0, window_s: 60}  # core.rollout.RollbackRules
 
 Every section is optional. ``add_deployment_args`` adds the flags that override the file, with the
@@ -63,10 +64,17 @@ def load_spec(path: str | Path | None) -> DeploymentSpec:
 _ARM_KEYS = {"name", "share", "config"}
 
 
+def candidate_spec(primary: DeploymentSpec, sections: dict[str, Any], where: str) -> DeploymentSpec:
+    """``primary`` (flags applied) with the sections a candidate gives in place of the primary's."""
+    if "arms" in sections:
+        raise ValueError(f"{where} has arms of its own")
+    return DeploymentSpec.from_dict({**primary.to_dict(), **sections})
+
+
 def load_rollout(path: str | Path | None, primary: DeploymentSpec | None = None) -> RolloutSpec:
-    """The file's ``arms:`` section (none: one arm). A candidate's deployment is its ``config:`` file as
-    that file says, or ``primary`` (the file's own deployment, flags applied) with the sections the
-    candidate gives in place of the primary's."""
+    """The file's ``arms:`` section (none: one arm). A candidate's deployment is ``primary`` (the
+    file's own deployment, flags applied) with the sections the candidate gives in place of the
+    primary's: inline, or the sections of its ``config:`` file."""
     if path is None:
         return RolloutSpec()
     section = _read(path).get("arms")
@@ -78,7 +86,7 @@ def load_rollout(path: str | Path | None, primary: DeploymentSpec | None = None)
         unknown = sorted(set(section) - {"assign", "candidates", "rollback"})
         if unknown:
             raise ValueError(f"arms: unknown key(s) {unknown}; the keys are assign, candidates, rollback")
-        base = (primary or load_spec(path)).to_dict()
+        base = primary or load_spec(path)
         arms = []
         for item in section.get("candidates") or []:
             if not isinstance(item, dict) or "name" not in item or "share" not in item:
@@ -88,12 +96,10 @@ def load_rollout(path: str | Path | None, primary: DeploymentSpec | None = None)
                 if sections:
                     raise ValueError(f"arm {item['name']}: give a config file or sections, not both")
                 sub = Path(path).parent / str(item["config"])
-                if "arms" in _read(sub):
-                    raise ValueError(f"arm {item['name']}: {sub} has arms of its own")
-                spec = load_spec(sub)
+                spec = candidate_spec(base, _read(sub), f"arm {item['name']}: {sub}")
             else:
-                spec = DeploymentSpec.from_dict({**base, **sections})
-            arms.append(ArmSpec(str(item["name"]), float(item["share"]), spec))
+                spec = candidate_spec(base, sections, f"arm {item['name']}")
+            arms.append(ArmSpec(str(item["name"]), item["share"], spec))
         rules = _build(RollbackRules, "arms.rollback", dict(section.get("rollback") or {}))
         return RolloutSpec(tuple(arms), str(section.get("assign", "client")), rules)
     except (ValueError, TypeError) as exc:
@@ -244,8 +250,8 @@ def rollout_from_args(args: argparse.Namespace, primary: DeploymentSpec) -> Roll
     rollout = load_rollout(getattr(args, "config", None), primary)
     arms = rollout.arms
     if getattr(args, "canary", None):
-        arms = (*arms, ArmSpec("canary", 0.1 if args.canary_share is None else args.canary_share,
-                               load_spec(args.canary)))
+        spec = candidate_spec(primary, _read(args.canary), f"--canary {args.canary}")
+        arms = (*arms, ArmSpec("canary", 0.1 if args.canary_share is None else args.canary_share, spec))
     elif getattr(args, "canary_share", None) is not None:
         raise SystemExit("--canary-share needs --canary CONFIG")
     rules = rollout.rules

@@ -68,7 +68,7 @@ def verdicts(arms: dict[str, ArmSample], confidence: float = 0.95, seed: int = 0
         raise ValueError(f"no answer came from the {PRIMARY!r} arm (arms seen: {sorted(arms) or 'none'}): "
                          "is the model served in arms (serve --canary)?")
     return [compare_arms(arms[PRIMARY], s, confidence, seed=seed) for name, s in sorted(arms.items())
-            if name != PRIMARY]
+            if name not in (PRIMARY, "")]  # "": answers no arm named (transport errors, timeouts)
 
 
 def server_view(url: str, headers: dict[str, str]) -> list[dict[str, Any]]:

@@ -66,6 +66,14 @@ class RollbackRules:
     enabled: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ValueError(f"rollback.enabled must be true or false, got {self.enabled!r}")
+        for name in ("min_samples", "max_faults"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
+                raise ValueError(f"rollback.{name} must be an integer, got {getattr(self, name)!r}")
+        for name in ("window_s", "max_p99_ratio", "max_p50_ratio", "max_error_rate", "max_rejection_rate"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int | float):
+                raise ValueError(f"rollback.{name} must be a number, got {getattr(self, name)!r}")
         if self.window_s <= 0:
             raise ValueError(f"rollback.window_s must be > 0, got {self.window_s}")
         if self.min_samples < 1 or self.max_faults < 1:
@@ -90,8 +98,9 @@ class ArmSpec:
     def __post_init__(self) -> None:
         if not self.name or self.name == PRIMARY or not self.name.replace("-", "").replace("_", "").isalnum():
             raise ValueError(f"arm name {self.name!r}: use letters, digits, '-' or '_' (not {PRIMARY!r})")
-        if not 0.0 <= self.share <= 1.0:
-            raise ValueError(f"arm {self.name}: share must be in [0, 1], got {self.share}")
+        if isinstance(self.share, bool) or not isinstance(self.share, int | float) \
+                or not 0.0 <= self.share <= 1.0:
+            raise ValueError(f"arm {self.name}: share must be a number in [0, 1], got {self.share!r}")
 
 
 @dataclass(frozen=True)

@@ -120,7 +120,7 @@ def load_executor(settings: ServerConfig, model: ModelSpec | None = None, dtype:
     if report is not None:
         log.info("precision: %s", report.describe())
     if settings.encoder_fallback:
-        executor = with_fallback(executor)
+        executor = with_fallback(executor, settings.warmup)
     log.info("model: %s from %s (%s, dim %d, max %d tokens, %s forward, %d threads)", executor.model_name,
              executor.model_path, executor.task, executor.dim, executor.max_length,
              getattr(executor, "forward_impl", "hf"), executor.num_threads)
@@ -129,7 +129,7 @@ def load_executor(settings: ServerConfig, model: ModelSpec | None = None, dtype:
     return executor
 
 
-def with_fallback(executor: Any) -> Any:
+def with_fallback(executor: Any, warmup: bool = True) -> Any:
     """A torch embedding executor whose path is not padded float32 (lean or padding-free forward, a lower
     precision) behind ``FallbackExecutor``, with the padded float32 path of the same checkpoint to fall
     back to; any other executor as it is."""
@@ -138,11 +138,13 @@ def with_fallback(executor: Any) -> Any:
     if type(executor) is not EncoderExecutor:
         return executor
     cfg = executor.config
-    if cfg.dtype == "float32" and not cfg.lean_forward:
-        return executor
+    if cfg.dtype == "float32" and getattr(executor, "forward_impl", "hf") != "lean":
+        return executor  # it is the padded float32 path already (the lean forward off or not loaded)
     from ..runtime.fallback_executor import FallbackExecutor
 
     plain = EncoderExecutor(dataclasses.replace(cfg, dtype="float32", lean_forward=False))
+    if warmup:  # its first batch would otherwise pay the cold start in the middle of an incident
+        plain.warmup()
     log.info("encoder fallback: the padded float32 path of %s stands by (--no-encoder-fallback: none)",
              executor.model_name)
     return FallbackExecutor(executor, plain)
