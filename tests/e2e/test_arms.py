@@ -129,3 +129,23 @@ def test_serve_canary_from_the_command_line(tmp_path: Path) -> None:
         sizes = {a["arm"]: a["config"]["max_batch_size"] for a in model["arms"]}
         assert sizes == {"primary": 8, "wide": 16, "canary": 2}
         assert model["rules"]["min_samples"] == 50
+
+
+class SlowFailure(NoopExecutor):
+    """A candidate that fails each batch after 150 ms."""
+
+    def run(self, prepared: list[Any]) -> list[Any]:
+        import time
+
+        time.sleep(0.15)
+        raise RuntimeError("device lost")
+
+
+def test_a_retry_on_the_primary_keeps_the_requests_deadline() -> None:
+    with live_server(None, models=[armed(SlowFailure(), share=1.0)], api_key=KEY) as srv:
+        headers = {"authorization": f"Bearer {KEY}", "x-client-id": "c1"}
+        late = httpx.post(srv.url + "/v1/embeddings", json={"input": "hi"},
+                          headers={**headers, "x-deadline-ms": "100"}, timeout=30)
+        assert late.status_code in (429, 504)  # its 100 ms were spent on the candidate
+        ok = httpx.post(srv.url + "/v1/embeddings", json={"input": "hi"}, headers=headers, timeout=30)
+        assert ok.status_code == 200 and ok.headers["x-batchpilot-arm"] == "primary"

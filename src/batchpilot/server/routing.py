@@ -27,7 +27,7 @@ from pydantic import BaseModel, ValidationError
 from ..core.rollout import PRIMARY
 from .arms import ARM_HEADER, ArmedModel
 from .errors import APIError, error_response, request_id_of, validation_response
-from .service import ClientGone, ModelService
+from .service import RECEIVED_KEY, ClientGone, ModelService
 
 # the routes of each task (several paths where the APIs users come from differ)
 TASK_ROUTES = {
@@ -114,6 +114,8 @@ class ModelRoute:
             armed = self.models.arms.get(svc.model_name) if self.method not in _UNARMED else None
             if armed is not None:
                 arm, svc = armed.pick(request)
+                # a retry on the primary keeps the request's deadline (ModelService.deadline reads it)
+                request.scope[RECEIVED_KEY] = time.monotonic()
             try:
                 response: Response = await getattr(svc, self.method)(body, request)
             except APIError as exc:  # a candidate's executor failed: the primary answers instead

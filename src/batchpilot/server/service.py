@@ -55,6 +55,7 @@ _REJECT_STATUS = {RejectReason.TOO_LONG: 400, RejectReason.INFEASIBLE_DEADLINE: 
 # tokenised on the event loop: a fast tokenizer does that in about the time of the hand-off to a thread
 # and back, so the loop is held no longer than a hand-off would hold it.
 INLINE_TOKENIZE_CHARS = 64
+RECEIVED_KEY = "batchpilot.received"  # scope key: when an armed request first reached a model (monotonic)
 INLINE_TOKENIZE_IDS = 512
 
 
@@ -156,7 +157,9 @@ class ModelService:
     def deadline(self, request: Request, priority: int | None, deadline_ms: float | None,
                  received: float) -> tuple[int | None, float | None]:
         """The request's priority and absolute deadline: the body's fields, else the ``X-Priority`` /
-        ``X-Deadline-Ms`` headers."""
+        ``X-Deadline-Ms`` headers; measured from when the request first reached a model (a request
+        retried on the primary arm keeps its deadline)."""
+        received = request.scope.get(RECEIVED_KEY, received)
         if priority is None:
             priority = header_num(request, "x-priority", int)
         budget_ms = deadline_ms if deadline_ms is not None else header_num(request, "x-deadline-ms", float)
