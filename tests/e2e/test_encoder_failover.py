@@ -21,6 +21,11 @@ class BrokenFastPath(NoopExecutor):
         raise RuntimeError("ragged kernel failed")
 
 
+async def embed_one_by_one(url: str, n: int) -> list[int]:
+    async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+        return [(await c.post("/v1/embeddings", json={"input": f"text {i}"})).status_code for i in range(n)]
+
+
 async def embed_all(url: str, n: int) -> list[int]:
     async with httpx.AsyncClient(base_url=url, timeout=30) as c:
         rs = await asyncio.gather(*(c.post("/v1/embeddings", json={"input": f"text number {i}"})
@@ -31,6 +36,8 @@ async def embed_all(url: str, n: int) -> list[int]:
 def test_a_failing_primary_path_falls_back_and_nobody_sees_it() -> None:
     executor = FallbackExecutor(BrokenFastPath(), NoopExecutor())
     with live_server(executor) as srv:
+        # one at a time: each its own batch, so the breaker's 3 failures come whatever the machine's speed
+        assert asyncio.run(embed_one_by_one(srv.url, 4)) == [200] * 4
         assert asyncio.run(embed_all(srv.url, 30)) == [200] * 30
         m = scrape(srv.url)
         assert m["batchpilot_executor_fallback_active"] == 1.0

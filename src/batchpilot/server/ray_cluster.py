@@ -102,6 +102,9 @@ def unbound_listeners(ingress: str) -> list[str]:
     return out
 
 
+PROXY_CHECK_TIMEOUT_S = 30.0
+
+
 def start_cluster(host: str, port: int, ingress: str, num_cpus: float | None = None,
                   address: str | None = None) -> None:
     """Start (or join, with ``address``) Ray and Serve's HTTP listener on ``host:port``."""
@@ -110,6 +113,10 @@ def start_cluster(host: str, port: int, ingress: str, num_cpus: float | None = N
         raise RuntimeError("ray.serve was imported before the ingress was chosen; Serve reads "
                            "RAY_SERVE_ENABLE_HA_PROXY at import")
     os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = want  # inherited by the raylet and every actor
+    # Serve gives a new proxy 5 s to answer its readiness check and kills it after three misses: on a
+    # loaded host the proxy takes longer to start, and Serve then never starts. A user's value wins.
+    for var in ("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S"):
+        os.environ.setdefault(var, str(PROXY_CHECK_TIMEOUT_S))
     if not address:
         os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", DEREGISTER_S)
     import ray
