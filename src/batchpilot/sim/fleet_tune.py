@@ -16,7 +16,6 @@ command exits 1.
 from __future__ import annotations
 
 import argparse
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,12 +46,10 @@ class FleetTuner(Tuner):
     ) -> SimReport | None:
         tc = self.tc
         scaled = wl.scale_rate(k)
-        n = int((scaled.arrival_s >= tc.warmup_s).sum())
-        allowed = n - int(math.floor(0.99 * (n - 1))) - 1  # more misses than this: P99 > SLA for sure
         self.num_simulations += 1
         fleet = simulate_fleet(scaled, self.deployed(cfg), self.cost_model, replicas=self.replicas,
                                router=self.router, noise=tc.noise, seed=tc.seed,
-                               stop_after_misses=(tc.sla_p99_s, allowed, tc.warmup_s) if stop_early else None,
+                               stop_after_misses=self.stop_rule(scaled) if stop_early else None,
                                frontend=self.frontend)
         if fleet.run.stats.aborted:
             return None

@@ -155,15 +155,19 @@ class Tuner:
         return resolve_deployment(self.spec.replace(encoder=cfg), self.cost_model, self.limits).scheduler
 
     # -- one probe and one capacity search ---------------------------------------------------
+    def stop_rule(self, scaled: Workload) -> tuple[float, int, float]:
+        """``stop_after_misses`` for a probe of ``scaled``: more misses than this, the P99 is lost."""
+        tc = self.tc
+        n = int((scaled.arrival_s >= tc.warmup_s).sum())
+        return tc.sla_p99_s, n - int(math.floor(0.99 * (n - 1))) - 1, tc.warmup_s
+
     def probe(
         self, cfg: SchedulerConfig, wl: Workload, k: float, stop_early: bool = True
     ) -> SimReport | None:
         """Simulate ``wl`` at rate scale ``k``; None when it stopped early (the SLA was lost for certain)."""
         tc = self.tc
         scaled = wl.scale_rate(k)
-        n = int((scaled.arrival_s >= tc.warmup_s).sum())
-        allowed = n - int(math.floor(0.99 * (n - 1))) - 1  # more misses than this: P99 > SLA for sure
-        stop = (tc.sla_p99_s, allowed, tc.warmup_s) if stop_early else None
+        stop = self.stop_rule(scaled) if stop_early else None
         self.num_simulations += 1
         run = simulate_encoder(scaled, self.deployed(cfg), self.cost_model, noise=tc.noise, seed=tc.seed,
                                stop_after_misses=stop, frontend=self.frontend)
