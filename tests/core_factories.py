@@ -10,6 +10,8 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from batchpilot.core.config import (
     AdmissionConfig,
     BucketingConfig,
@@ -122,3 +124,15 @@ def drive(sched: BatchScheduler, arrivals: list[Request], slots: int = 1,
             heapq.heappush(events, (out.wake_at, 2, seq, None))
             seq += 1
     return log
+
+
+def lindley_waits(arrivals: np.ndarray, service: float) -> np.ndarray:
+    """Waits of a single FIFO server with a fixed service time (the Lindley recursion): the reference
+    the simulator's queues are checked against."""
+    waits = np.zeros(len(arrivals))
+    free = 0.0
+    for i, a in enumerate(arrivals.tolist()):
+        start = max(a, free)
+        waits[i] = start - a
+        free = start + service
+    return waits

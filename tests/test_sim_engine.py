@@ -24,6 +24,7 @@ from batchpilot.core.sequence import SamplingParams, Sequence
 from batchpilot.sim.engine import Engine, Job, StopSimulation
 from batchpilot.sim.synthetic import synthetic_workload
 from batchpilot.sim.target import DONE, simulate_encoder
+from core_factories import lindley_waits
 
 
 def linear_cost(c0: float, c1: float = 0.0) -> CostModel:
@@ -34,16 +35,6 @@ def window_config(batch: int, wait_s: float) -> SchedulerConfig:
     return SchedulerConfig(policy=PolicyConfig(name="window", max_batch_size=batch, max_wait_s=wait_s,
                                                  wait_only_if_it_pays=False),
                            planner=PlannerConfig(grouping="fifo", padding="dynamic"))
-
-
-def lindley_waits(arrivals: np.ndarray, service: float) -> np.ndarray:
-    waits = np.zeros(len(arrivals))
-    free = 0.0
-    for i, a in enumerate(arrivals.tolist()):
-        start = max(a, free)
-        waits[i] = start - a
-        free = start + service
-    return waits
 
 
 def test_md1_mean_wait_matches_pollaczek_khinchine() -> None:

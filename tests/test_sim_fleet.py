@@ -32,6 +32,7 @@ from batchpilot.sim.router import ROUTERS, LeastLoaded, PowerOfTwo, RoundRobin, 
 from batchpilot.sim.synthetic import synthetic_workload
 from batchpilot.sim.target import DONE, PENDING, simulate_encoder
 from batchpilot.sim.workloads import conv_embed
+from core_factories import lindley_waits
 
 FIELDS = ("dispatch_s", "finish_s", "status", "reasons", "b_start", "b_duration", "b_size", "b_padded_len",
           "b_tokens", "b_useful", "b_attn")
@@ -174,16 +175,6 @@ def test_power_of_two_is_deterministic_per_seed_and_compares_two_distinct_replic
 
 def waits_of(run: object, wl_arrival: np.ndarray) -> np.ndarray:
     return np.asarray(run.record.dispatch_s) - wl_arrival  # type: ignore[attr-defined]
-
-
-def lindley_waits(arrivals: np.ndarray, service: float) -> np.ndarray:
-    waits = np.zeros(len(arrivals))
-    free = 0.0
-    for i, a in enumerate(arrivals.tolist()):
-        start = max(a, free)
-        waits[i] = start - a
-        free = start + service
-    return waits
 
 
 def test_round_robin_replicas_are_each_a_lindley_queue_and_beat_one_replica_at_half_the_rate() -> None:
