@@ -29,58 +29,14 @@ import bisect
 import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import Literal
 
 from .block_manager import BlockManager, BlockStats
+from .llm_config import LLMPolicy, LLMSchedulerConfig, PreemptionMode
 from .llm_plan import DECODE_MAX_GROUPS, DECODE_MIN_GROUP, ScheduledChunk, StepPlan, decode_groups
 from .sequence import FinishReason, SeqStatus, Sequence
 
-LLMPolicy = Literal["fcfs", "priority"]
 __all__ = ["DECODE_MAX_GROUPS", "DECODE_MIN_GROUP", "LLMPolicy", "LLMScheduler", "LLMSchedulerConfig",
-           "ScheduledChunk", "SeqOutput", "StepPlan", "decode_groups"]
-
-
-@dataclass(frozen=True)
-class LLMSchedulerConfig:
-    """Limits of one engine. ``num_kv_blocks * block_size`` is the KV capacity in tokens.
-
-    ``max_waiting_seqs`` and ``request_timeout_s`` bound the engine that drives this scheduler (the
-    scheduler itself never refuses for load, and reads time only to age priorities): it admits at most
-    ``max_num_seqs + max_waiting_seqs`` sequences at once, and aborts a sequence that has not finished
-    ``request_timeout_s`` after it arrived.
-
-    ``max_priority_wait_s`` (policy ``priority`` only; 0 = strict priority, no aging): a sequence that
-    has waited this long since its arrival goes ahead of every younger one, in arrival order (see the
-    module docstring for the bound it gives)."""
-
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    num_kv_blocks: int = 2048
-    block_size: int = 16
-    max_model_len: int = 2048
-    policy: LLMPolicy = "fcfs"
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = False
-    eos_token_ids: tuple[int, ...] = ()
-    max_waiting_seqs: int = 256
-    request_timeout_s: float = 600.0
-    max_priority_wait_s: float = 10.0
-
-    def __post_init__(self) -> None:
-        limits = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size", "max_model_len")
-        for name in limits:
-            if getattr(self, name) < 1:
-                raise ValueError(f"llm_scheduler.{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_waiting_seqs < 0:
-            raise ValueError(f"llm_scheduler.max_waiting_seqs must be >= 0, got {self.max_waiting_seqs}")
-        if not self.request_timeout_s > 0:
-            raise ValueError(f"llm_scheduler.request_timeout_s must be > 0, got {self.request_timeout_s}")
-        if not self.max_priority_wait_s >= 0:
-            raise ValueError(f"llm_scheduler.max_priority_wait_s must be >= 0 seconds (0 = no aging), "
-                             f"got {self.max_priority_wait_s}")
-        if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"llm_scheduler.policy = {self.policy!r}; choose one of fcfs, priority")
-        object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+           "PreemptionMode", "ScheduledChunk", "SeqOutput", "StepPlan", "decode_groups"]
 
 
 @dataclass(frozen=True, slots=True)
