@@ -106,6 +106,25 @@ def memory_bytes(device: torch.device | str) -> float:
         return 0.0
 
 
+def free_memory_bytes(device: torch.device | str) -> float | None:
+    """Memory free for a new allocation now: CUDA's ``mem_get_info`` free bytes, or the kernel's
+    ``MemAvailable`` estimate on CPU (what can be allocated without swapping); None where unknown."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return float(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def peak_memory_bytes(fn: Callable[[], object], device: torch.device) -> float:
     """Peak bytes allocated by torch *while* ``fn`` runs, above what was allocated when it started.
 

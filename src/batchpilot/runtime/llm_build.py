@@ -27,7 +27,13 @@ def build_llm_engine(model_path: str | None = None, **engine_config: Any) -> LLM
     ``seed``, ``initializer_range``, ...), and ``device`` ("cpu", "cuda"), ``dtype`` ("float32",
     "bfloat16", "float16"), ``model_name``, ``sampler_seed``, ``threads`` (torch intra-op threads,
     0 = leave as is), ``tokenizer_threads`` (the prompt tokenising pool, 0 = one per core), ``start``
-    (default True). Unknown keys are errors.
+    (default True), ``memory_profile`` (an LLM profile file or ``MemoryProfile`` the KV pool is planned
+    from: ``runtime/llm_memory.py``). Unknown keys are errors.
+
+    The KV pool is sized by ``core.kv_plan.plan_kv`` (``kv_cache_memory``, ``memory_utilization`` of the
+    free memory read before the model loads, or ``num_kv_blocks``) and checked there; a pool too small
+    for the model's positions lowers ``max_model_len`` when it was not given, and is an error when it
+    was (``KVPlanError`` says what to change).
     """
     import torch
 
@@ -45,6 +51,7 @@ def build_llm_engine(model_path: str | None = None, **engine_config: Any) -> LLM
     sampler_seed = int(cfg.pop("sampler_seed", 0))
     threads = int(cfg.pop("threads", 0))
     tokenizer_threads = int(cfg.pop("tokenizer_threads", 0))
+    memory_profile = cfg.pop("memory_profile", None)
     if threads:  # process-wide; 1 is steadier than torch's default when other jobs share the cores
         torch.set_num_threads(threads)
     model_fields = {f.name for f in dataclasses.fields(LLMModelConfig)}
@@ -54,6 +61,9 @@ def build_llm_engine(model_path: str | None = None, **engine_config: Any) -> LLM
     if cfg:
         raise ValueError(f"build_llm_engine: unknown option(s) {sorted(cfg)}; see the docstring for the keys")
     model_cfg = LLMModelConfig(**model_kw)
+    from ..models.device import free_memory_bytes
+
+    free_bytes = free_memory_bytes(device)  # before the model loads: the plan's budget is a share of it
     if device == "cpu":
         from ..models.llm.model_runner import keep_freed_memory
 
@@ -64,15 +74,28 @@ def build_llm_engine(model_path: str | None = None, **engine_config: Any) -> LLM
     eos = set(weights.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
+    max_len_given = "max_model_len" in sched_kw
     sched_kw.setdefault("max_model_len", weights.max_position_embeddings)
     sched_kw.setdefault("eos_token_ids", tuple(sorted(eos)))
-    config = LLMSchedulerConfig(**sched_kw)
+    from .llm_memory import plan_engine_memory
+
+    plan, memory = plan_engine_memory(weights, LLMSchedulerConfig(**sched_kw), device, dtype, free_bytes,
+                                      memory_profile, max_len_given)
+    config = plan.resolve(LLMSchedulerConfig(**sched_kw))
     runner = LLMModelRunner(weights, config.num_kv_blocks, config.block_size, device=device, dtype=dtype)
+    runner.max_gather_tokens = gather_tokens(config)
     engine = LLMEngine(runner, tokenizer, config, model_name=name, sampler=Sampler(sampler_seed),
                        tokenizer_threads=tokenizer_threads)
+    engine.memory_plan, engine.memory_profile = plan, memory  # type: ignore[attr-defined]
     # the fallback engine's model (runtime/llm_fallback.py): the HF module over the runner's tensors
     engine.hf_model = share_runner_weights(hf, runner.w)  # type: ignore[attr-defined]
     return engine.start() if start else engine
+
+
+def gather_tokens(config: LLMSchedulerConfig) -> int:
+    """The most context tokens one decode gather can hold: every running sequence padded to
+    ``max_model_len`` in whole blocks (``core.kv_plan`` plans the activation peak with it)."""
+    return config.max_num_seqs * -(-config.max_model_len // config.block_size) * config.block_size
 
 
 def build_llm_arm(engine: LLMEngine, start: bool = True, sampler_seed: int = 0,
@@ -87,12 +110,23 @@ def build_llm_arm(engine: LLMEngine, start: bool = True, sampler_seed: int = 0,
     unknown = sorted(set(scheduler) - _SCHED_FIELDS)
     if unknown:
         raise ValueError(f"build_llm_arm: unknown scheduler option(s) {unknown}")
+    from ..core.kv_plan import plan_kv
+    from ..models.device import free_memory_bytes
+
     config = dataclasses.replace(engine.config, **scheduler)
     r = engine.runner
+    # the arm's own pool, planned against what is free now; the weights are the primary's (no copy)
+    from ..models.llm.memory_profile import model_memory
+
+    memory = dataclasses.replace(getattr(engine, "memory_profile", None) or model_memory(r), weights_bytes=0)
+    plan = plan_kv(config, memory, free_memory_bytes(r.device), swap_on_device=r.device.type == "cpu")
+    config = plan.resolve(config)
     runner = LLMModelRunner(r.w, config.num_kv_blocks, config.block_size, device=str(r.device), dtype=r.dtype)
+    runner.max_gather_tokens = gather_tokens(config)
     arm = LLMEngine(runner, engine.tokenizer, config, model_name=engine.model_name,
                     sampler=Sampler(sampler_seed), tokenizer_threads=1)  # the routes tokenise on engine's
     arm.hf_model = getattr(engine, "hf_model", None)  # type: ignore[attr-defined]
+    arm.memory_plan, arm.memory_profile = plan, memory  # type: ignore[attr-defined]
     return arm.start() if start else arm
 
 

@@ -69,6 +69,7 @@ class LLMModelRunner:
                  max_decode_groups: int = DECODE_MAX_GROUPS,
                  min_decode_group: int = DECODE_MIN_GROUP) -> None:
         self.max_decode_groups = max_decode_groups
+        self.max_gather_tokens = 0  # the most context tokens one gather holds (0: unbounded doubling)
         self._buffers = [torch.empty(0, dtype=dtype, device=device) for _ in range(2)]
         self.min_decode_group = min_decode_group
         self.device = torch.device(device)
@@ -98,6 +99,10 @@ class LLMModelRunner:
     def kv_cache_bytes(self) -> int:
         return 2 * self.k_cache.numel() * self.k_cache.element_size()
 
+    def release_buffers(self) -> None:
+        """Drop the reused gather buffers (the memory profiler measures each step's gather from zero)."""
+        self._buffers = [torch.empty(0, dtype=self.dtype, device=self.device) for _ in range(2)]
+
     def _slots(self, block_table: Sequence[int], start: int, stop: int) -> torch.Tensor:
         bs = self.block_size
         pos = torch.arange(start, stop)
@@ -112,7 +117,11 @@ class LLMModelRunner:
         numel = shape[0] * blocks_view[0].numel()
         buf = self._buffers[slot]
         if buf.numel() < numel:
-            buf = torch.empty(max(numel, 2 * buf.numel()), dtype=blocks_view.dtype, device=blocks_view.device)
+            # grow by doubling, but never past the largest gather a step can make (the memory plan's)
+            grow = max(numel, 2 * buf.numel())
+            if self.max_gather_tokens:
+                grow = max(numel, min(grow, self.max_gather_tokens * blocks_view[0, 0].numel()))
+            buf = torch.empty(grow, dtype=blocks_view.dtype, device=blocks_view.device)
             self._buffers[slot] = buf
         out = buf[:numel].view(shape)
         torch.index_select(blocks_view, 0, index, out=out)

@@ -1,0 +1,192 @@
+"""The LLM engine's memory plan: how many KV blocks (and host swap blocks) a memory budget holds.
+
+``plan_kv(config, memory, free_bytes)`` is the one place the pool is sized: the live engine calls it
+at start-up with the device's free memory, the simulator with the profile's, so both run the same
+``num_kv_blocks``. It is pure arithmetic over a ``MemoryProfile`` (what the profiler measured, or what
+the builder computed from the model's tensors):
+
+```
+ budget  = kv_cache_memory                      (given in bytes)          -> kv = budget
+         | memory_utilization x free_bytes       (a share of free memory)  -> kv = budget - fixed
+ fixed   = weights + activation peak of the largest step (+ swap space, where it is the same memory)
+ activation peak = fixed_bytes + per_token x max_num_batched_tokens + per_read_token x kv_read_max
+ kv_read_max     = max_num_seqs x max_model_len   (the decode gather: a group of up to every running
+                                                   sequence, padded to the longest context)
+ num_kv_blocks   = kv // (kv_bytes_per_token x block_size)
+```
+
+Without a budget the config's ``num_kv_blocks`` is kept. Either way the plan is then checked, and
+``KVPlanError`` says what to change: the pool must hold one ``max_model_len`` sequence, and (when the
+free memory is known) weights + activation + KV (+ swap space, where it is the same memory) must fit in
+it. ``swap_space`` bytes become ``num_swap_blocks`` host blocks of the same size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from .llm_config import LLMSchedulerConfig
+
+MIB = 1 << 20
+
+
+def _mib(x: float) -> str:
+    return f"{x / MIB:.1f} MiB"
+
+
+class KVPlanError(ValueError):
+    """The requested memory cannot hold the engine; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """What one engine's memory is made of, in bytes.
+
+    ``weights_bytes``: the model's tensors on the device; ``kv_bytes_per_token``: K and V of one token
+    over every layer; the activation peak of one step above weights and KV, linear in the step's
+    batched tokens and in the context tokens its largest decode gather holds: ``activation_fixed_bytes +
+    activation_bytes_per_token x tokens + activation_bytes_per_read_token x read tokens``.
+    ``source`` says where the activation terms came from ("measured" by the profiler, or "none")."""
+
+    weights_bytes: int
+    kv_bytes_per_token: int
+    activation_fixed_bytes: float = 0.0
+    activation_bytes_per_token: float = 0.0
+    activation_bytes_per_read_token: float = 0.0
+    source: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.kv_bytes_per_token < 1:
+            raise ValueError(f"memory profile: kv_bytes_per_token must be >= 1, "
+                             f"got {self.kv_bytes_per_token}")
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name != "source" and v < 0:
+                raise ValueError(f"memory profile: {f.name} must be >= 0, got {v}")
+
+    def activation_bytes(self, tokens: int, read_tokens: int) -> float:
+        return (self.activation_fixed_bytes + self.activation_bytes_per_token * tokens
+                + self.activation_bytes_per_read_token * read_tokens)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MemoryProfile:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"memory profile: unknown field(s) {unknown}")
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    """The sized pool and what it was sized from (bytes; ``free_bytes`` None = not known)."""
+
+    num_kv_blocks: int
+    num_swap_blocks: int
+    block_size: int
+    block_bytes: int
+    weights_bytes: int
+    activation_bytes: float
+    free_bytes: float | None
+    budget_bytes: float | None  # what the user's budget gave (None: num_kv_blocks was given)
+    source: str  # "num_kv_blocks" | "kv_cache_memory" | "memory_utilization"
+    max_model_len: int  # the config's, or the pool's capacity where the plan was allowed to cap it
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.num_kv_blocks * self.block_bytes
+
+    @property
+    def swap_bytes(self) -> int:
+        return self.num_swap_blocks * self.block_bytes
+
+    @property
+    def planned_bytes(self) -> float:
+        """Device memory the engine is planned to use: weights, the activation peak and the KV pool."""
+        return self.weights_bytes + self.activation_bytes + self.kv_bytes
+
+    @property
+    def num_kv_tokens(self) -> int:
+        return self.num_kv_blocks * self.block_size
+
+    def describe(self) -> str:
+        free = "unknown" if self.free_bytes is None else f"{self.free_bytes / MIB:.0f} MiB"
+        return (f"KV pool {self.num_kv_blocks} blocks x {self.block_size} tokens = {self.num_kv_tokens} "
+                f"tokens ({_mib(self.kv_bytes)}, from {self.source}); weights {_mib(self.weights_bytes)}, "
+                f"activation peak {_mib(self.activation_bytes)}; planned {_mib(self.planned_bytes)} of "
+                f"{free} free; swap {self.num_swap_blocks} blocks ({_mib(self.swap_bytes)})")
+
+    def resolve(self, config: LLMSchedulerConfig) -> LLMSchedulerConfig:
+        """``config`` with the planned block counts: what the scheduler and the runner are built with."""
+        return dataclasses.replace(config, num_kv_blocks=self.num_kv_blocks,
+                                   num_swap_blocks=self.num_swap_blocks, max_model_len=self.max_model_len)
+
+
+
+def plan_kv(config: LLMSchedulerConfig, memory: MemoryProfile, free_bytes: float | None = None,
+            swap_on_device: bool = True, cap_max_model_len: bool = False) -> KVPlan:
+    """Size the KV pool for ``config`` (see the module docstring); raise ``KVPlanError`` if it cannot hold
+    the engine. ``free_bytes``: the device's free memory before the model loaded (None: unknown, the fit
+    check is skipped and a ``memory_utilization`` budget is an error). ``swap_on_device``: the host swap
+    space is the same memory as the pool (CPU), so it counts against ``free_bytes``.
+    ``cap_max_model_len``: ``max_model_len`` was not given but taken from the model, so a pool too
+    small for it lowers it to the pool's capacity (``KVPlan.max_model_len``) instead of failing."""
+    c = config
+    block_bytes = memory.kv_bytes_per_token * c.block_size
+    activation = memory.activation_bytes(c.max_num_batched_tokens, c.max_num_seqs * c.max_model_len)
+    num_swap = int(c.swap_space // block_bytes) if c.swap_space else c.num_swap_blocks
+    fixed = memory.weights_bytes + activation + (num_swap * block_bytes if swap_on_device else 0)
+    budget: float | None = None
+    if c.kv_cache_memory is not None:
+        source, budget = "kv_cache_memory", float(c.kv_cache_memory)
+        kv = budget
+    elif c.memory_utilization is not None:
+        source = "memory_utilization"
+        if free_bytes is None:
+            raise KVPlanError("memory_utilization needs the device's free memory, which is not known here; "
+                              "give kv_cache_memory (bytes) or num_kv_blocks instead")
+        budget = c.memory_utilization * free_bytes
+        kv = budget - fixed
+        if kv < block_bytes:
+            raise KVPlanError(
+                f"memory_utilization {c.memory_utilization} of {_mib(free_bytes)} free is {_mib(budget)}, "
+                f"which the weights ({_mib(memory.weights_bytes)}), the activation peak ({_mib(activation)}, "
+                f"{c.max_num_batched_tokens} batched tokens, {c.max_num_seqs} seqs x {c.max_model_len}) and "
+                f"the swap space ({_mib(num_swap * block_bytes if swap_on_device else 0)}) leave no room for "
+                f"KV; raise memory_utilization, or lower max_num_batched_tokens, max_num_seqs, max_model_len "
+                f"or swap_space")
+    else:
+        source, kv = "num_kv_blocks", float(c.num_kv_blocks * block_bytes)
+    num_blocks = int(kv // block_bytes)
+    need = -(-c.max_model_len // c.block_size)
+    max_model_len = c.max_model_len
+    if num_blocks < need and cap_max_model_len and num_blocks >= 1:
+        max_model_len = num_blocks * c.block_size
+    plan = KVPlan(num_blocks, num_swap, c.block_size, block_bytes, memory.weights_bytes, activation,
+                  free_bytes, budget, source, max_model_len)
+    if num_blocks < need and max_model_len == c.max_model_len:
+        raise KVPlanError(
+            f"the KV pool ({num_blocks} blocks of {c.block_size} tokens = {plan.num_kv_tokens} tokens, "
+            f"{_mib(plan.kv_bytes)}, from {source}) cannot hold one sequence of max_model_len = "
+            f"{c.max_model_len} tokens ({need} blocks, {_mib(need * block_bytes)}); give more KV memory "
+            f"(kv_cache_memory, "
+            f"memory_utilization or num_kv_blocks) or lower max_model_len")
+    if c.preemption == "swap" and num_swap < 1:
+        raise KVPlanError(f"preemption = swap needs host swap space for at least one block "
+                          f"({_mib(block_bytes)}); set swap_space (bytes), or choose preemption auto or "
+                          f"recompute")
+    if free_bytes is not None:
+        total = plan.planned_bytes + (plan.swap_bytes if swap_on_device else 0)
+        if total > free_bytes:
+            swap = f" + swap {_mib(plan.swap_bytes)}" if swap_on_device and num_swap else ""
+            raise KVPlanError(
+                f"the plan needs {_mib(total)} (weights {_mib(memory.weights_bytes)} + activation peak "
+                f"{_mib(activation)} + KV {_mib(plan.kv_bytes)}{swap}) but only {_mib(free_bytes)} is free; "
+                f"lower num_kv_blocks / kv_cache_memory / swap_space, or use memory_utilization to size the "
+                f"pool from the free memory")
+    return plan

@@ -1,0 +1,119 @@
+"""What an LLM engine's memory is made of, measured on its runner: the input of ``core/kv_plan.py``.
+
+* weights: the bytes of the runner's tensors (fused weights, embeddings, RoPE tables), counted once;
+* KV bytes per token: K and V over every layer, from the cache's own shape and dtype;
+* the activation peak of a step (``measure_memory``): every tensor a step allocates above what was
+  live when it started, measured by ``models.device.peak_memory_bytes`` (CUDA: the caching
+  allocator's high-water mark; CPU: the allocator's events under ``torch.profiler``) on synthetic
+  steps: prefills of several lengths (linear in batched tokens) and decode batches at several
+  contexts (the gather of their keys and values: linear in the context tokens of the largest
+  decode group, which the runner's reused buffers hold). A least-squares
+  fit ``fixed + per_token x tokens + per_read_token x read`` is shifted up by its largest miss, so it
+  is at or above every measured step.
+
+The runner's gather buffers outlive a step (they are reused); each shape is measured with them
+released, so the gather it needs is counted, not hidden by a buffer an earlier shape grew.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from ...core.kv_plan import MemoryProfile
+from ...core.llm_plan import ScheduledChunk, StepPlan, decode_groups
+from ..device import peak_memory_bytes
+from .model_runner import LLMModelRunner
+
+
+def _tensor_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        key = t.untyped_storage().data_ptr()
+        if key in seen:
+            continue
+        seen.add(key)
+        total += t.untyped_storage().nbytes()
+    return total
+
+
+def weights_bytes(runner: LLMModelRunner) -> int:
+    """Bytes of the runner's model tensors (shared storages once), RoPE tables included."""
+    w = runner.w
+    tensors = [w.embed, w.norm, w.lm_head, runner.cos, runner.sin]
+    for layer in w.layers:
+        tensors += [layer.input_norm, layer.qkv, layer.o, layer.post_norm, layer.gate_up, layer.down]
+    return _tensor_bytes(tensors)
+
+
+def kv_bytes_per_token(runner: LLMModelRunner) -> int:
+    """K and V of one token over every layer."""
+    k = runner.k_cache
+    return 2 * k.shape[0] * k.shape[2] * k.shape[3] * k.element_size()
+
+
+def model_memory(runner: LLMModelRunner) -> MemoryProfile:
+    """Weights and KV bytes per token, exact from the tensors; no activation terms (``source="none"``)."""
+    return MemoryProfile(weights_bytes(runner), kv_bytes_per_token(runner))
+
+
+def read_tokens(plan: StepPlan) -> int:
+    """Context tokens the step's largest decode gather holds: decodes sorted by context are split into
+    groups (the runner's ``decode_groups``), each padded to its longest and gathered in turn into the
+    same reused buffers, so the largest group is what occupies memory."""
+    ctx = sorted(c.context_len for c in plan.chunks if c.is_decode)
+    return max(((b - a) * ctx[b - 1] for a, b in decode_groups(len(ctx))), default=0)
+
+
+def _plan(runner: LLMModelRunner, prefill: int, decodes: int, ctx: int) -> StepPlan:
+    bs, nb = runner.block_size, runner.num_kv_blocks
+    chunks, nxt = [], 0
+    for i in range(decodes):
+        blocks = -(-ctx // bs)
+        chunks.append(ScheduledChunk(i, ctx - 1, [5], [(nxt + j) % nb for j in range(blocks)], True, True))
+        nxt += blocks
+    if prefill:
+        blocks = -(-prefill // bs)
+        chunks.append(ScheduledChunk(decodes, 0, [7] * prefill, [(nxt + j) % nb for j in range(blocks)],
+                                     True, False))
+    return StepPlan(step_id=0, chunks=chunks)
+
+
+def _measure(runner: LLMModelRunner, plan: StepPlan) -> float:
+    def step() -> None:
+        runner.forward(plan.chunks).argmax(-1)
+
+    with torch.inference_mode():
+        step()  # warm-up: first calls of a shape allocate caches of their own
+        runner.release_buffers()
+        return peak_memory_bytes(step, runner.device)
+
+
+def measure_memory(runner: LLMModelRunner, prefill_tokens: Sequence[int] = (32, 64, 128, 256, 512),
+                   decode_shapes: Sequence[tuple[int, int]] = ((8, 64), (8, 256), (4, 1024), (16, 128),
+                                                               (8, 512)),
+                   ) -> tuple[MemoryProfile, list[dict[str, float]]]:
+    """The runner's ``MemoryProfile`` with measured activation terms, and the measured points
+    (``tokens``, ``read``, ``peak_bytes``, ``fit_bytes``). Decode shapes are ``(sequences, context)``;
+    shapes that do not fit the runner's pool are left out."""
+    pool = runner.num_kv_blocks * runner.block_size
+    plans = [_plan(runner, n, 0, 0) for n in prefill_tokens if n <= pool]
+    plans += [_plan(runner, 0, b, c) for b, c in decode_shapes if b * c <= pool and c > 1]
+    rows, peaks = [], []
+    for plan in plans:
+        rows.append((1.0, float(plan.num_batched_tokens), float(read_tokens(plan))))
+        peaks.append(_measure(runner, plan))
+    runner.release_buffers()
+    x, y = np.array(rows), np.array(peaks)
+    coef = np.clip(np.linalg.lstsq(x, y, rcond=None)[0], 0.0, None)
+    coef[0] += max(0.0, float((y - x @ coef).max()))  # at or above every measured step
+    fit = x @ coef
+    points = [{"tokens": r[1], "read": r[2], "peak_bytes": float(p), "fit_bytes": float(f)}
+              for r, p, f in zip(rows, peaks, fit, strict=True)]
+    base = model_memory(runner)
+    profile = MemoryProfile(base.weights_bytes, base.kv_bytes_per_token, float(coef[0]), float(coef[1]),
+                            float(coef[2]), source="measured")
+    return profile, points

@@ -1,0 +1,78 @@
+"""The engine's memory plan at start-up: which ``MemoryProfile`` feeds ``core.kv_plan.plan_kv``.
+
+* a profile file from ``batchpilot profile --llm`` (its ``"memory"`` section): measured before the
+  run, checked to be of this model and precision (same KV bytes per token);
+* else, when the pool is sized from a budget (``kv_cache_memory`` / ``memory_utilization``), the
+  activation peak is measured here, on a probe runner over the same weights with a small pool
+  (``models/llm/memory_profile.measure_memory``, a second or two);
+* else the model's tensors alone (weights and KV bytes exact, no activation term): ``num_kv_blocks``
+  is kept and only checked.
+
+The plan is logged and kept on the engine (``engine.memory_plan``) for ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from ..core.kv_plan import KVPlan, MemoryProfile, plan_kv
+from ..core.llm_config import LLMSchedulerConfig
+
+log = logging.getLogger("batchpilot.llm")
+
+PROBE_TOKENS = 4096  # the probe runner's KV pool: enough for the measured shapes, small for big models
+
+
+def load_memory_profile(path: str | Path) -> MemoryProfile:
+    """The ``"memory"`` section of an LLM profile file."""
+    data = json.loads(Path(path).read_text())
+    if "memory" not in data:
+        raise ValueError(f"{path}: no 'memory' section; write the profile with `batchpilot profile --llm`")
+    return MemoryProfile.from_dict(data["memory"])
+
+
+def engine_memory(weights: Any, config: LLMSchedulerConfig, device: str, dtype: Any,
+                  profile: MemoryProfile | str | Path | None = None) -> MemoryProfile:
+    """The ``MemoryProfile`` the plan is made from (see the module docstring)."""
+    from ..models.llm.memory_profile import measure_memory, model_memory
+    from ..models.llm.model_runner import LLMModelRunner
+
+    probe = LLMModelRunner(weights, max(1, PROBE_TOKENS // config.block_size), config.block_size,
+                           device=device, dtype=dtype)
+    try:
+        exact = model_memory(probe)
+        if profile is not None:
+            mem = profile if isinstance(profile, MemoryProfile) else load_memory_profile(profile)
+            if mem.kv_bytes_per_token != exact.kv_bytes_per_token:
+                raise ValueError(f"the memory profile has {mem.kv_bytes_per_token} KV bytes per token, this "
+                                 f"model in {dtype} has {exact.kv_bytes_per_token}: it was profiled for "
+                                 f"another model or precision; profile this one with "
+                                 f"`batchpilot profile --llm`")
+            return mem
+        if config.kv_cache_memory is None and config.memory_utilization is None:
+            return exact
+        mem, _ = measure_memory(probe)
+        log.info("llm memory: measured the activation peak at start-up: %.0f B + %.0f B per batched token "
+                 "+ %.0f B per gathered context token", mem.activation_fixed_bytes,
+                 mem.activation_bytes_per_token, mem.activation_bytes_per_read_token)
+        return mem
+    finally:
+        del probe
+
+
+def plan_engine_memory(weights: Any, config: LLMSchedulerConfig, device: str, dtype: Any,
+                       free_bytes: float | None, profile: MemoryProfile | str | Path | None = None,
+                       max_model_len_given: bool = True) -> tuple[KVPlan, MemoryProfile]:
+    """The engine's plan, logged; raises ``core.kv_plan.KVPlanError`` with what to change."""
+    mem = engine_memory(weights, config, device, dtype, profile)
+    plan = plan_kv(config, mem, free_bytes, swap_on_device=str(device).startswith("cpu"),
+                   cap_max_model_len=not max_model_len_given)
+    if plan.max_model_len != config.max_model_len:
+        log.warning("llm memory: the KV pool holds %d tokens, fewer than the model's %d positions: "
+                    "max_model_len lowered to %d (set it, or give more KV memory)", plan.num_kv_tokens,
+                    config.max_model_len, plan.max_model_len)
+    log.info("llm memory: %s", plan.describe())
+    return plan, mem
