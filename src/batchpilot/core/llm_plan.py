@@ -1,8 +1,8 @@
 """One engine step's work, as the LLM scheduler plans it and the model runner executes it.
 
     ScheduledChunk   compute KV for some tokens of one sequence (a prefill chunk or one decode)
-    StepPlan         the chunks of one step and the sequences it preempted; ``shape`` is what the
-                     cost model prices
+    StepPlan         the chunks of one step, the sequences it preempted and the KV block copies of
+                     swapping (made before the forward); ``shape`` is what the cost model prices
     decode_groups    how the runner splits a step's decodes into runs padded to their own longest
                      context (shared with the cost model's KV feature, so both agree on a step's reads)
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .costmodel import StepShape
+from .sequence import Sequence
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,16 +34,37 @@ class ScheduledChunk:
     def context_len(self) -> int:
         return self.start + len(self.token_ids)
 
+    @classmethod
+    def next_of(cls, seq: Sequence, n: int, block_table: list[int]) -> ScheduledChunk:
+        """The sequence's next ``n`` tokens after its computed ones (samples if they reach its end)."""
+        start = seq.num_computed_tokens
+        return cls(seq.seq_id, start, seq.token_ids(start, start + n), block_table,
+                   sample=start + n == seq.num_tokens, is_decode=start >= seq.num_prompt_tokens)
+
 
 @dataclass(slots=True)
 class StepPlan:
+    """One step: the chunks to compute and, to make *before* the forward, the KV block copies of
+    sequences swapped out (device -> host) or back in (host -> device) this step.
+
+    ``swap_out`` pairs are ``(device_block, host_block)``, ``swap_in`` pairs ``(host_block, device_block)``;
+    a step has one kind or the other, never both. A device block a swap-out frees may appear in this
+    step's chunks (another sequence's new block), so the copies must come first. ``preempted`` lists
+    every sequence preempted this step, ``swapped_out`` those of them whose KV went to host blocks (the
+    rest recompute), ``swapped_in`` the sequences whose KV comes back (each has a chunk in this step)."""
+
     step_id: int
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[int] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    swapped_out: list[int] = field(default_factory=list)
+    swapped_in: list[int] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not self.chunks
+        """Nothing to compute and nothing to copy."""
+        return not self.chunks and not self.swap_out and not self.swap_in
 
     @property
     def num_batched_tokens(self) -> int:

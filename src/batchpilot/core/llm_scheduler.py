@@ -12,12 +12,17 @@ Nothing that arrives after an aged sequence can go ahead of it, so it is admitte
 ``max_priority_wait_s`` plus the time to serve what arrived before it and what was already running when
 it aged, whatever the later traffic. Running sequences are served in key order; when one needs a block
 and none is free, the *worst* running sequence not yet served this step (last in key order — possibly
-the one asking) is preempted by recompute: its blocks are freed and it returns to the waiting queue
-with its original key, so it resumes ahead of everything that arrived after it. The best running
-sequence can always evict all others and alone it always fits (``add`` rejects any sequence whose
-worst case exceeds the pool), so every step makes progress and nothing deadlocks or starves behind
-later arrivals. Waiting sequences are admitted in key order with no overtaking (head-of-line), and
-none while this step had to preempt.
+the one asking) is preempted. ``core/preemption.py`` picks how: *recompute* (its blocks are freed and it
+returns to the waiting queue with its original key, so it resumes ahead of everything that arrived
+after it) or *swap* (its blocks are copied to host blocks, ``core/swap_space.py``, and it goes to the
+swapped queue keeping its computed tokens). The best running sequence can always evict all others and
+alone it always fits (``add`` rejects any sequence whose worst case exceeds the pool), so every step
+makes progress and nothing deadlocks or starves behind later arrivals. After the running sequences,
+in a step that did not preempt: swapped sequences are swapped back in key order (head-of-line), then,
+once none is left swapped, waiting sequences are admitted in key order with no overtaking. A swapped
+sequence was running, so resuming it first adds no work the bounds above do not already count. The
+plan lists the block copies (``swap_out`` before ``swap_in``, never both in one step) the driver makes
+before the step's forward.
 
 Time enters only as an argument: the driver (engine thread, simulator, test) calls ``schedule(now)`` on
 the clock its arrivals are stamped with, runs the plan, and hands the sampled tokens to ``update``.
@@ -32,11 +37,14 @@ from dataclasses import dataclass
 
 from .block_manager import BlockManager, BlockStats
 from .llm_config import LLMPolicy, LLMSchedulerConfig, PreemptionMode
+from .llm_fits import never_fits
 from .llm_plan import DECODE_MAX_GROUPS, DECODE_MIN_GROUP, ScheduledChunk, StepPlan, decode_groups
+from .preemption import PreemptionCosts, PreemptionCounters, choose
 from .sequence import FinishReason, SeqStatus, Sequence
+from .swap_space import SwapSpace
 
 __all__ = ["DECODE_MAX_GROUPS", "DECODE_MIN_GROUP", "LLMPolicy", "LLMScheduler", "LLMSchedulerConfig",
-           "PreemptionMode", "ScheduledChunk", "SeqOutput", "StepPlan", "decode_groups"]
+           "PreemptionCosts", "PreemptionMode", "ScheduledChunk", "SeqOutput", "StepPlan", "decode_groups"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,16 +57,24 @@ class SeqOutput:
 
 
 class LLMScheduler:
-    """Owns the sequences and the block manager; see the module docstring for the policy."""
+    """Owns the sequences, the block manager and the swap space; see the module docstring for the policy.
 
-    def __init__(self, config: LLMSchedulerConfig | None = None) -> None:
+    ``preemption_costs`` prices swap against recompute for ``preemption="auto"`` (``core/preemption.py``;
+    None: auto recomputes). A swapped sequence has status ``WAITING`` and sits in ``swapped``."""
+
+    def __init__(self, config: LLMSchedulerConfig | None = None,
+                 preemption_costs: PreemptionCosts | None = None) -> None:
         self.config = config or LLMSchedulerConfig()
         c = self.config
         self.block_manager = BlockManager(c.num_kv_blocks, c.block_size, c.enable_prefix_caching)
+        self.swap_space = SwapSpace(c.num_swap_blocks)
+        self.preemption_costs = preemption_costs
         self.waiting: list[Sequence] = []  # sorted by _key
         self.running: list[Sequence] = []  # sorted by _key
+        self.swapped: list[Sequence] = []  # sorted by _key
         self.seqs: dict[int, Sequence] = {}
-        self.num_preemptions = 0
+        self.num_preemptions = 0  # swapped out + recomputed (see ``preemption`` for each)
+        self.preemption = PreemptionCounters()
         self.num_rejected = 0
         self._step_id = 0
         self._aged_upto = -math.inf  # under priority, a sequence that arrived at or before this is aged
@@ -77,7 +93,7 @@ class LLMScheduler:
         if self.config.policy != "priority" or wait <= 0 or now - wait <= self._aged_upto:
             return
         before, self._aged_upto = self._aged_upto, now - wait
-        for queue in (self.waiting, self.running):
+        for queue in (self.waiting, self.running, self.swapped):
             if any(before < q.arrival <= self._aged_upto for q in queue):
                 queue.sort(key=self._key)
 
@@ -92,35 +108,20 @@ class LLMScheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def block_stats(self) -> BlockStats:
         return self.block_manager.stats()
 
     # -- requests in and out -----------------------------------------------------------------
     def check_fits(self, seq: Sequence) -> str | None:
-        """Why this sequence can never run to completion here (None if it can)."""
-        c = self.config
-        worst = seq.num_prompt_tokens + seq.params.max_tokens
-        if worst > c.max_model_len:
-            return (
-                f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.params.max_tokens}) = {worst} "
-                f"exceeds the model's context length of {c.max_model_len} tokens; shorten the prompt or "
-                f"lower max_tokens"
-            )
-        blocks = self.block_manager.blocks_for(seq.max_total_tokens)
-        if blocks > c.num_kv_blocks:
-            return (
-                f"prompt + max_tokens needs {blocks} KV blocks of {c.block_size} tokens but the pool has "
-                f"only {c.num_kv_blocks}; lower max_tokens or raise num_kv_blocks"
-            )
-        if not c.enable_chunked_prefill and seq.num_prompt_tokens > c.max_num_batched_tokens:
-            return (
-                f"prompt ({seq.num_prompt_tokens} tokens) exceeds max_num_batched_tokens "
-                f"({c.max_num_batched_tokens}) with chunked prefill off; enable it or raise the budget"
-            )
-        return None
+        """Why this sequence can never run to completion here (None if it can): ``core/llm_fits.py``."""
+        return never_fits(self.config, seq)
 
     def add(self, seq: Sequence) -> str | None:
         """Queue a sequence; return a reason (and finish it as REJECTED) if it can never fit."""
@@ -139,28 +140,66 @@ class LLMScheduler:
         return None
 
     def abort(self, seq_id: int) -> bool:
-        """Cancel a sequence wherever it is and free its blocks. False if unknown or finished."""
+        """Cancel a sequence wherever it is and free its blocks (device or host). False if unknown or
+        finished."""
         seq = self.seqs.get(seq_id)
         if seq is None:
             return False
-        (self.running if seq.status is SeqStatus.RUNNING else self.waiting).remove(seq)
+        swapped = self.swap_space.has(seq_id)
+        queue = self.running if seq.status is SeqStatus.RUNNING else self.swapped if swapped else self.waiting
+        queue.remove(seq)
         self._finish(seq, FinishReason.ABORT)
         return True
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self.block_manager.free(seq.seq_id)
+        self.swap_space.free(seq.seq_id)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         del self.seqs[seq.seq_id]
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        """Take a running sequence's device blocks: swap it out or free them for recompute."""
+        bm, count = self.block_manager, self.preemption
         self.running.remove(seq)
-        self.block_manager.free(seq.seq_id)
-        seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self.num_preemptions += 1
+        plan.preempted.append(seq.seq_id)
+        blocks = bm.blocks_for(seq.num_computed_tokens)
+        shared = any(bm.ref_count(b) > 1 for b in bm.block_table(seq.seq_id))
+        how = choose(self.config.preemption, self.preemption_costs, blocks, seq.num_computed_tokens,
+                     self.swap_space.num_free_blocks, shared)
+        if how == "swap":
+            plan.swap_out += self.swap_space.swap_out(bm, seq.seq_id, blocks)
+            plan.swapped_out.append(seq.seq_id)
+            count.swapped_out(blocks)
+            self._insert(self.swapped, seq)
+            return
+        bm.free(seq.seq_id)
+        count.recomputed(seq.num_computed_tokens)
+        seq.num_computed_tokens = 0
         self._insert(self.waiting, seq)
+
+    def _swap_in(self, plan: StepPlan, budget: int, served: list[tuple[Sequence, int]]) -> int:
+        """Swapped sequences back to the device in key order (head-of-line), each with a chunk in this
+        step; returns the token budget left."""
+        bm, count = self.block_manager, self.preemption
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.swapped[0]
+            n = min(seq.num_pending_tokens, budget)
+            if not bm.can_allocate(seq.seq_id, seq.num_computed_tokens + n):
+                break
+            pairs = self.swap_space.swap_in(bm, seq.seq_id, seq.num_computed_tokens + n)
+            plan.swap_in += pairs
+            plan.swapped_in.append(seq.seq_id)
+            count.swapped_in(len(pairs))
+            self.swapped.pop(0)
+            seq.status = SeqStatus.RUNNING
+            self._insert(self.running, seq)
+            served.append((seq, n))
+            budget -= n
+        return budget
 
     # -- the two calls -----------------------------------------------------------------------
     def schedule(self, now: float | None = None) -> StepPlan:
@@ -183,8 +222,7 @@ class LLMScheduler:
             target = seq.num_computed_tokens + n
             while not bm.can_allocate(seq.seq_id, target):
                 victim = self.running[-1]  # key order: everything after i is worse than seq
-                self._preempt(victim)
-                plan.preempted.append(victim.seq_id)
+                self._preempt(victim, plan)
                 if victim is seq:
                     break
             if seq.status is not SeqStatus.RUNNING:
@@ -195,6 +233,8 @@ class LLMScheduler:
             i += 1
 
         if not plan.preempted:
+            budget = self._swap_in(plan, budget, served)
+        if not plan.preempted and not self.swapped:
             while self.waiting and budget > 0 and len(self.running) < c.max_num_seqs:
                 seq = self.waiting[0]
                 tokens = seq.all_token_ids
@@ -218,17 +258,7 @@ class LLMScheduler:
                 budget -= n
 
         for seq, n in served:
-            start = seq.num_computed_tokens
-            plan.chunks.append(
-                ScheduledChunk(
-                    seq_id=seq.seq_id,
-                    start=start,
-                    token_ids=seq.token_ids(start, start + n),
-                    block_table=bm.block_table(seq.seq_id),
-                    sample=start + n == seq.num_tokens,
-                    is_decode=start >= seq.num_prompt_tokens,
-                )
-            )
+            plan.chunks.append(ScheduledChunk.next_of(seq, n, bm.block_table(seq.seq_id)))
         return plan
 
     def update(
