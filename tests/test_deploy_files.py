@@ -79,6 +79,15 @@ def exported_families() -> dict[str, set[str]]:
     engine = Zeros()
     stats = EngineStats(0, 0, 0, 0, 0.0, 0.0, 0, 0, 0, 0, 0.0, 0)
     object.__setattr__(engine, "stats", lambda: stats)
+    from types import SimpleNamespace
+
+    from batchpilot.core.kv_plan import MemoryProfile, plan_kv
+    from batchpilot.core.llm_config import LLMSchedulerConfig
+
+    memory = MemoryProfile(weights_bytes=1, kv_bytes_per_token=1, source="measured")
+    for name, value in (("main", engine), ("memory_plan", plan_kv(LLMSchedulerConfig(), memory)),
+                        ("memory_profile", memory), ("runner", SimpleNamespace(device="cpu"))):
+        object.__setattr__(engine, name, value)
     registry = CollectorRegistry()
     LLMMetrics(engine, registry)
     text = asyncio.run(scrape()) + generate_latest(registry).decode()

@@ -121,6 +121,13 @@ ROWS: list[tuple[str, list[tuple[str, str, list[dict[str, Any]]]]]] = [
          [q(f"batchpilot_llm_running_seqs{{{INST}}}", "running {{instance}}"),
           q(f"batchpilot_llm_waiting_seqs{{{INST}}}", "waiting {{instance}}"),
           q(f"rate(batchpilot_llm_preemptions_total{{{INST}}}{W})", "preemptions/s {{instance}}")]),
+        ("Memory: planned by part vs used (KV blocks, the process on its device) and free", "bytes",
+         [q(f"batchpilot_llm_memory_planned_bytes{{{INST}}}", "planned {{part}} {{instance}}"),
+          q(f"batchpilot_llm_memory_used_bytes{{{INST}}}", "used {{part}} {{instance}}"),
+          q(f"batchpilot_llm_memory_free_bytes{{{INST}}}", "free {{instance}}")]),
+        ("Prefix-cache hit rate (hit tokens / prompt tokens)", "percentunit",
+         [q(f"rate(batchpilot_llm_prefix_cache_hit_tokens_total{{{INST}}}{W}) / "
+            f"rate(batchpilot_llm_prompt_tokens_total{{{INST}}}{W})", "hit rate {{instance}}")]),
         ("TTFT and inter-token latency P99", "s",
          [q(p99("batchpilot_llm_time_to_first_token_seconds", "instance", INST), "TTFT {{instance}}"),
           q(p99("batchpilot_llm_inter_token_latency_seconds", "instance", INST), "ITL {{instance}}")]),

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ import yaml
 
 from .core.config import PADDINGS, POLICIES, _build
 from .core.deployment import BACKENDS, PRECISIONS, DeploymentSpec
+from .core.llm_config import PREEMPTION_MODES
 from .core.rollout import ASSIGNMENTS, ArmSpec, RollbackRules, RolloutSpec
 
 
@@ -190,16 +192,44 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
                    help=f"llm.enable_prefix_caching (default {d.enable_prefix_caching})")
     g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=None,
                    help=f"llm.policy (default {d.policy})")
+    m = p.add_argument_group("LLM memory (docs/llm.md, \"Memory planning\")")
+    m.add_argument("--kv-cache-memory", type=_size(""), default=None, metavar="SIZE",
+                   help="llm.kv_cache_memory: bytes of KV cache (4GiB, 512MiB, 2e9); sizes the pool")
+    m.add_argument("--memory-utilization", "--gpu-memory-utilization", type=float, default=None,
+                   dest="memory_utilization", metavar="SHARE",
+                   help="llm.memory_utilization: the share in (0, 1] of the device's free memory at start-up "
+                        "the engine may use; the KV pool is what weights and the activation peak leave")
+    m.add_argument("--swap-space", type=_size("gib"), default=None, metavar="SIZE",
+                   help="llm.swap_space: host memory for swapped-out KV blocks (a bare number is GiB; "
+                        f"default {d.swap_space}: no swap)")
+    m.add_argument("--preemption", choices=PREEMPTION_MODES, default=None,
+                   help=f"llm.preemption: recompute, swap, or auto (swap when copying is cheaper than "
+                        f"recomputing; default {d.preemption})")
+
+
+def _size(default_unit: str) -> Callable[[str], int]:
+    from .core.sizes import parse_bytes
+
+    def parse(text: str) -> int:
+        try:
+            return parse_bytes(text, default_unit)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+    return parse
 
 
 def llm_from_args(spec: DeploymentSpec, args: argparse.Namespace) -> DeploymentSpec:
     """``spec`` with the LLM flags given on this command line applied to its ``llm:`` section (the
     section's own validation names what to change)."""
-    names = (*LLM_FLAGS, "enable_chunked_prefill", "enable_prefix_caching")
+    names = (*LLM_FLAGS, "enable_chunked_prefill", "enable_prefix_caching", "kv_cache_memory",
+             "memory_utilization", "swap_space", "preemption")
     given = {k: getattr(args, k, None) for k in names}
     if getattr(args, "scheduling_policy", None) is not None:
         given["policy"] = args.scheduling_policy
     changed = {k: v for k, v in given.items() if v is not None}
+    if "kv_cache_memory" in changed or "memory_utilization" in changed:  # a budget flag replaces the file's
+        changed.setdefault("kv_cache_memory", None)
+        changed.setdefault("memory_utilization", None)
     return spec.replace(llm=dataclasses.replace(spec.llm, **changed)) if changed else spec
 
 

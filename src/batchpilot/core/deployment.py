@@ -37,6 +37,7 @@ from typing import Any
 from .config import SchedulerConfig, _build, _positive
 from .costmodel import CostModel
 from .llm_scheduler import LLMSchedulerConfig
+from .sizes import parse_bytes
 
 MIN_PIPELINE_LEAD_S = 0.0005  # covers the thread hand-off even when collation is nearly free
 # Pipelining saves at most the collation per batch and costs the requests that arrive while a batch
@@ -113,6 +114,12 @@ class DeploymentSpec:
         llm = dict(data.get("llm") or {})
         if "eos_token_ids" in llm:
             llm["eos_token_ids"] = tuple(llm["eos_token_ids"])
+        for key in ("kv_cache_memory", "swap_space"):  # sizes may be written with a unit: 4GiB
+            if isinstance(llm.get(key), str):
+                try:
+                    llm[key] = parse_bytes(llm[key])
+                except ValueError as exc:
+                    raise ValueError(f"config: llm.{key}: {exc}") from exc
         return cls(encoder=SchedulerConfig.from_dict(data.get("encoder")),
                    llm=_build(LLMSchedulerConfig, "llm", llm),
                    server=_build(ServingOptions, "server", dict(data.get("server") or {})),

@@ -125,6 +125,19 @@ def free_memory_bytes(device: torch.device | str) -> float | None:
         return None
 
 
+def used_memory_bytes(device: torch.device | str) -> float:
+    """Device memory this process holds now: tensors allocated by torch on CUDA, the resident set on CPU
+    (everything: weights, KV pool pages written so far, the allocator's cached pages, Python)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return float(torch.cuda.memory_allocated(device))
+    try:
+        with open("/proc/self/statm") as f:
+            return float(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 def peak_memory_bytes(fn: Callable[[], object], device: torch.device) -> float:
     """Peak bytes allocated by torch *while* ``fn`` runs, above what was allocated when it started.
 

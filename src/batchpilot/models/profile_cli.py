@@ -67,6 +67,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--all-backends", action="store_true",
                    help="profile every backend and precision that passes the guard, one file each "
                         "(-o p.json -> p.torch-float32.json, ...), for `batchpilot tune --profile-variants`")
+    p.add_argument("--llm", action="store_true",
+                   help="profile the LLM engine instead (--model: a local HF causal-LM folder, default the "
+                        "seeded tiny Llama): its step cost model and memory (models/llm/profile_cli.py)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: every available core)")
     p.add_argument("--max-length", type=int, default=None, help="serve up to this many tokens (default: "
                    "the model's position limit)")
@@ -82,6 +85,10 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.llm:
+        from .llm.profile_cli import run_llm
+
+        return run_llm(args)
     if not args.all_backends:
         return profile_one(args, args.backend, args.dtype, args.output)
     from .device import resolve_device

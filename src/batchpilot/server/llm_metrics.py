@@ -59,6 +59,36 @@ class _EngineCollector(Collector):
         for name, value in sorted(s.step_features.items()):
             feats.add_metric([name], float(value))
         yield feats
+        yield from _memory(self.engine, s)
+
+
+def _memory(engine: Any, s: Any) -> Iterator[Metric]:
+    """The memory plan (``core/kv_plan.py``) beside what is used: planned bytes by part, the KV bytes the
+    blocks in use hold, and what the process holds on the device now."""
+    engine = getattr(engine, "main", engine)  # behind a failover: the engine it runs now
+    plan = getattr(engine, "memory_plan", None)
+    if plan is None:
+        return
+    from ..models.device import free_memory_bytes, used_memory_bytes
+
+    planned = GaugeMetricFamily("batchpilot_llm_memory_planned_bytes", "The engine's memory plan by part "
+                                "(weights, activation peak, kv pool, host swap space)", labels=["part"])
+    parts = [("weights", plan.weights_bytes), ("kv", plan.kv_bytes), ("swap", plan.swap_bytes)]
+    if getattr(getattr(engine, "memory_profile", None), "source", "none") != "none":  # measured, so planned
+        parts.append(("activation", plan.activation_bytes))
+    for part, value in parts:
+        planned.add_metric([part], float(value))
+    yield planned
+    device = engine.runner.device
+    used = GaugeMetricFamily("batchpilot_llm_memory_used_bytes", "Memory in use: kv = KV blocks in use x "
+                             "block bytes; device = what this process holds on the device (CUDA: torch's "
+                             "allocations; CPU: the resident set)", labels=["part"])
+    used.add_metric(["kv"], float((s.num_blocks - s.num_free_blocks) * plan.block_bytes))
+    used.add_metric(["device"], used_memory_bytes(device))
+    yield used
+    free = free_memory_bytes(device)
+    if free is not None:
+        yield GaugeMetricFamily("batchpilot_llm_memory_free_bytes", "Device memory free now", value=free)
 
 
 class _FailoverCollector(Collector):

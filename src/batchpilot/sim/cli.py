@@ -163,7 +163,16 @@ def run_simulate(args: argparse.Namespace) -> int:
         except ImportError as exc:
             console.print(f"[red]the LLM simulator target is not available: {exc}[/]")
             return 2
-        return int(llm.simulate_cli(args, workload, console, spec.llm))
+        from .llm_memory import planned_llm_config
+
+        try:
+            config, plan = planned_llm_config(spec.llm, args.profile)
+        except ValueError as exc:
+            console.print(f"[red]batchpilot simulate: {exc}[/]")
+            return 2
+        if plan is not None:
+            console.print(f"llm memory: {plan.describe()}")
+        return int(llm.simulate_cli(args, workload, console, config))
     cost_model = load_cost_model(args, console)
     try:
         deployment = resolve(spec, cost_model)

@@ -1,0 +1,79 @@
+"""``batchpilot profile --llm``: the LLM engine's step cost model and memory, written as one profile file.
+
+The engine is built as ``serve --llm`` builds it (``runtime/llm_build.build_llm_engine``: the same
+model, precision and threads), not started. Measured on its runner:
+
+* ``cost_model``: the step time model (``models/llm/profile.profile_llm_steps``), what ``simulate
+  --target llm --profile`` prices steps with;
+* ``memory``: weights, KV bytes per token and the activation peak (``models/llm/memory_profile``),
+  what ``serve --llm --llm-profile`` and ``simulate --target llm --profile`` plan the KV pool from
+  (``core/kv_plan.py``);
+* ``free_bytes``: the device's free memory before the model loaded, so a ``memory_utilization``
+  budget can be planned in the simulator as it would be on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+
+def run_llm(args: argparse.Namespace) -> int:
+    import torch
+
+    from ...core.kv_plan import MIB
+    from ...runtime.llm_build import build_llm_engine
+    from ..device import free_memory_bytes, resolve_device
+    from .memory_profile import measure_memory
+    from .profile import profile_llm_steps
+
+    device = resolve_device(args.device)
+    dtype = "float32" if args.dtype in ("auto", "float32") else args.dtype
+    if dtype not in ("float32", "bfloat16", "float16"):
+        print(f"batchpilot profile --llm: --dtype {dtype} is not an LLM precision; use float32, bfloat16 or "
+              f"float16")
+        return 2
+    free = free_memory_bytes(device)
+    t0 = time.perf_counter()
+    engine = build_llm_engine(args.model, device=str(device), dtype=dtype, threads=args.threads or 0,
+                              start=False)
+    runner = engine.runner
+    print(f"{engine.model_name} on {device} ({dtype}, {torch.get_num_threads()} threads), loaded in "
+          f"{time.perf_counter() - t0:.1f} s; KV pool {runner.num_kv_blocks} blocks x {runner.block_size}")
+    t1 = time.perf_counter()
+    memory, mem_points = measure_memory(runner)
+    print(f"memory: weights {memory.weights_bytes / MIB:.1f} MiB, KV {memory.kv_bytes_per_token} B per "
+          f"token, activation {memory.activation_fixed_bytes / MIB:.2f} MiB + "
+          f"{memory.activation_bytes_per_token:.0f} B per batched token + "
+          f"{memory.activation_bytes_per_read_token:.0f} B per gathered context token "
+          f"({len(mem_points)} steps measured)")
+    model = profile_llm_steps(runner, repeats=args.repeats)
+    coef = ", ".join(f"{n}={c:.3g}" for n, c in zip(model.feature_names, model.latency_coef, strict=True))
+    print(f"step model: {coef}  (seconds per feature unit)")
+    model.meta.update(device=str(device), dtype=dtype, model=engine.model_name,
+                      date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"))
+    doc: dict[str, Any] = {
+        "kind": "llm",
+        "cost_model": model.to_dict(),
+        "memory": memory.to_dict(),
+        "memory_points": mem_points,
+        "free_bytes": free,
+        "device": device.type,
+        "meta": {"model": engine.model_name, "device": str(device), "dtype": dtype,
+                 "threads": torch.get_num_threads(), "torch": torch.__version__,
+                 "seconds": time.perf_counter() - t1},
+    }
+    doc.update(_preemption_costs(runner, model))
+    Path(args.output).write_text(json.dumps(doc, indent=2))
+    print(f"wrote {args.output} in {time.perf_counter() - t1:.1f} s")
+    engine.prompts.close()
+    return 0
+
+
+def _preemption_costs(runner: Any, model: Any) -> dict[str, Any]:
+    """The swap copy times, where the runner measures them (``{}`` where it does not)."""
+    return {}
