@@ -226,7 +226,7 @@ def _llm_router(settings: ServerConfig, spec: DeploymentSpec, rollout: RolloutSp
         log.info("llm: logging every engine step to %s", settings.llm_step_log)
     log.info("llm: mounted the LLM routes (%s)", getattr(engine, "model_name", settings.llm_model))
     if not candidates:
-        return engine, LLMRouter(engine), hooks
+        return engine, LLMRouter(engine, limits=settings.llm_limits), hooks
     from .llm_arms import LLMArms
 
     assert rollout is not None
@@ -235,21 +235,22 @@ def _llm_router(settings: ServerConfig, spec: DeploymentSpec, rollout: RolloutSp
         log.info("llm arm %s (share %.2f): %s", a.name, a.share,
                  arm_overrides(spec, a.spec) or "the primary's settings")
     hooks[:1] = [arms.shutdown]
-    return engine, LLMRouter(engine, arms), hooks
+    return engine, LLMRouter(engine, arms, settings.llm_limits), hooks
 
 
 class LLMRouter:
-    """What the app calls with its registry to mount the LLM routes (``make_llm_router``); ``armed``,
-    the LLM's arms for ``/v1/arms`` and ``/health``, when it has candidates."""
+    """What the app calls with its registry to mount the LLM routes (``make_llm_router``, with the
+    request-size ``limits``, default ``LLMLimits()``); ``armed``, the LLM's arms for ``/v1/arms`` and
+    ``/health``, when it has candidates."""
 
-    def __init__(self, engine: Any, arms: Any | None = None) -> None:
-        self.engine, self.arms = engine, arms
+    def __init__(self, engine: Any, arms: Any | None = None, limits: Any | None = None) -> None:
+        self.engine, self.arms, self.limits = engine, arms, limits
         self.armed = [arms.armed] if arms is not None else []
 
     def __call__(self, registry: Any) -> Any:
         from .llm_routes import make_llm_router
 
-        return make_llm_router(self.engine, registry, arms=self.arms)
+        return make_llm_router(self.engine, registry, limits=self.limits, arms=self.arms)
 
 
 def arm_overrides(primary: DeploymentSpec, arm: DeploymentSpec) -> dict[str, Any]:

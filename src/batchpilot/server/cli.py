@@ -36,6 +36,7 @@ from ..config_file import (
 from ..core.deployment import DeploymentSpec
 from .build import build_app
 from .config import TASKS, ModelSpec, ServerConfig
+from .llm_limit_flags import add_llm_limit_args, llm_limits_from_args
 
 log = logging.getLogger("batchpilot.server")
 
@@ -59,6 +60,7 @@ def register(subparsers: Any) -> None:
     add_precision_args(p)
     add_rollout_args(p)
     add_llm_args(p)
+    add_llm_limit_args(p)
     p.add_argument("--profile", action="append", default=None, metavar="PATH",
                    help="cost-model profile JSON (`batchpilot profile -o`), one per --model")
     p.add_argument("--no-startup-profile", action="store_true",
@@ -160,7 +162,8 @@ def server_config(args: argparse.Namespace, spec: DeploymentSpec) -> ServerConfi
         max_input_chars=args.max_input_chars, max_input_tokens=args.max_input_tokens,
         request_timeout_s=spec.server.request_timeout_s,
         drain_timeout_s=args.drain_timeout_s, warmup=not args.no_warmup, llm=args.llm,
-        llm_model=args.llm_model, llm_step_log=args.llm_step_log, batch_log=args.batch_log,
+        llm_model=args.llm_model, llm_limits=llm_limits_from_args(args), llm_step_log=args.llm_step_log,
+        batch_log=args.batch_log,
         llm_fallback=args.llm_fallback, llm_stall_timeout_s=args.llm_stall_timeout_s,
         encoder_fallback=not args.no_encoder_fallback, encoder_stall_timeout_s=args.encoder_stall_timeout_s,
         log_level=args.log_level)

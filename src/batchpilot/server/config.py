@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .llm_limits import LLMLimits
+
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # 2048 inputs of a few KB of text each
 TASKS = ("auto", "embed", "score", "classify")
 
@@ -53,6 +55,7 @@ class ServerConfig:
     warmup: bool = True
     llm: bool = False
     llm_model: str | None = None
+    llm_limits: LLMLimits = LLMLimits()  # sizes of one LLM request (llm_limits.py; serve's --llm-max-* flags)
     batch_log: str | None = None  # append one JSON line per executed encoder batch here (fidelity checks)
     llm_step_log: str | None = None  # append one JSON line per LLM engine step here (fidelity checks)
     llm_fallback: str = "static"  # what serves while the LLM engine is failed: static (HF generate) | off

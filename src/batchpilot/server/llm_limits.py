@@ -6,7 +6,8 @@ runs 64 sequences at once), 1 MiB of characters per prompt and per conversation 
 context of thousands of tokens; TEI's payload limit is 2 MB), 512 messages, OpenAI's 4 stop sequences
 of at most 256 characters each, 64 ``stop_token_ids``, and ``max_tokens`` below the model's context
 length. Token-id prompts longer than the context are refused before they reach the engine. ``serve``
-uses the defaults; ``make_llm_router(..., limits=LLMLimits(...))`` takes others.
+takes each as a flag, ``--llm-max-prompts`` and the like (``llm_limit_flags.py``);
+``make_llm_router(..., limits=LLMLimits(...))`` takes them in code.
 """
 
 from __future__ import annotations
