@@ -1,6 +1,6 @@
-"""``serve``'s ``--llm-max-*`` flags: parsed into the server settings the app is built from, their
-defaults those of ``LLMLimits``, and values outside their bounds refused at start-up with the flag
-named."""
+"""``serve``'s ``--llm-max-*`` and ``--header-timeout-s`` flags: parsed into the server settings the
+app is built from, their defaults those of ``LLMLimits`` / ``ServerConfig``, and values outside their
+bounds refused at start-up with the flag named."""
 
 from __future__ import annotations
 
@@ -20,14 +20,16 @@ def settings(*argv: str) -> ServerConfig:
     return server_config(args, spec_from_args(args))
 
 
-def test_the_defaults_are_llm_limits() -> None:
-    assert settings().llm_limits == LLMLimits()
+def test_the_defaults_are_llm_limits_and_the_header_deadline_defaults() -> None:
+    s = settings()
+    assert s.llm_limits == LLMLimits() and s.header_timeout_s == ServerConfig.header_timeout_s == 10.0
 
 
 def test_every_limit_has_a_flag_that_reaches_the_server_settings() -> None:
     values = {name: 3 + i for i, name in enumerate(LIMITS)}
     argv = [part for name, v in values.items() for part in (flag(name), str(v))]
-    assert settings(*argv).llm_limits == LLMLimits(**values)
+    assert settings(*argv, "--header-timeout-s", "2.5").llm_limits == LLMLimits(**values)
+    assert settings("--header-timeout-s", "2.5").header_timeout_s == 2.5
 
 
 @pytest.mark.parametrize("name", sorted(LIMITS))
@@ -55,3 +57,7 @@ def test_a_limit_that_is_not_a_whole_number_is_refused(capsys: pytest.CaptureFix
         settings("--llm-max-stop", "2.5")
     assert "argument --llm-max-stop: expected a whole number, got '2.5'" in capsys.readouterr().err
 
+
+def test_a_header_timeout_that_is_not_positive_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"server.header_timeout_s must be > 0 seconds, got 0.0"):
+        settings("--header-timeout-s", "0")

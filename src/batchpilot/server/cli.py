@@ -73,6 +73,10 @@ def register(subparsers: Any) -> None:
     limits = p.add_argument_group("request limits (docs/reliability.md)")
     limits.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes,
                         help="request bodies over this get 413 (default: %(default)s, 16 MiB)")
+    limits.add_argument("--header-timeout-s", type=float, default=ServerConfig.header_timeout_s,
+                        help="a request line and headers not complete this long after the connection "
+                             "opened (or its previous response ended) get 408 and the connection closed "
+                             "(default: %(default)s)")
     limits.add_argument("--body-timeout-s", type=float, default=ServerConfig.body_timeout_s,
                         help="a body not fully arrived this long after its headers gets 408 and the "
                              "connection closed (default: %(default)s)")
@@ -146,7 +150,8 @@ def run(args: argparse.Namespace) -> int:
     # SIGTERM: 503 to new requests while in-flight work drains, then exit 0 (lifecycle.py)
     return lifecycle.serve(app, host=settings.host, port=settings.port,
                            drain_timeout_s=settings.drain_timeout_s, log_level=settings.log_level,
-                           access_log=args.access_log, log_format=args.log_format)
+                           access_log=args.access_log, log_format=args.log_format,
+                           header_timeout_s=settings.header_timeout_s)
 
 
 def server_config(args: argparse.Namespace, spec: DeploymentSpec) -> ServerConfig:
@@ -156,7 +161,8 @@ def server_config(args: argparse.Namespace, spec: DeploymentSpec) -> ServerConfi
         max_length=args.max_length, num_threads=args.threads, tokenizer_workers=args.tokenizer_workers,
         noop=args.noop, noop_delay_s=args.noop_delay_ms / 1000.0,
         startup_profile=not args.no_startup_profile, api_key=args.api_key,
-        max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout_s,
+        max_body_bytes=args.max_body_bytes, header_timeout_s=args.header_timeout_s,
+        body_timeout_s=args.body_timeout_s,
         send_timeout_s=args.send_timeout_s, max_json_values=args.max_json_values,
         max_json_containers=args.max_json_containers, max_inputs=args.max_inputs,
         max_input_chars=args.max_input_chars, max_input_tokens=args.max_input_tokens,

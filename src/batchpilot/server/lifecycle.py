@@ -12,7 +12,8 @@ uvicorn alone closes the listening socket at the first signal (late clients see 
 and re-raises the signal after shutting down, so the process dies *by* SIGTERM (status -15). The
 request middleware (``middleware.RequestLifecycle``, the app ``create_app`` returns) owns the shutdown
 state: it counts in-flight requests (from their first body byte) and answers during the drain;
-``GracefulServer`` turns the first signal into its drain and exits normally.
+``GracefulServer`` turns the first signal into its drain and exits normally. ``serve`` runs uvicorn with
+the header deadline's protocol (``header_timeout.py``), the one timer uvicorn lacks.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 
 import uvicorn
 
+from .header_timeout import deadline_protocol
 from .middleware import RequestLifecycle
 
 log = logging.getLogger("batchpilot.server")
@@ -92,13 +94,15 @@ class GracefulServer(uvicorn.Server):
 
 
 def serve(app: RequestLifecycle, *, host: str, port: int, drain_timeout_s: float, log_level: str = "info",
-          access_log: bool = False, log_format: str = "text") -> int:
+          access_log: bool = False, log_format: str = "text", header_timeout_s: float = 10.0) -> int:
     """Run until SIGTERM/SIGINT, drain, shut down. Returns the exit status: 0, or 1 if the drain timed out
-    and in-flight requests had to be failed."""
+    and in-flight requests had to be failed. Every request's head must arrive within ``header_timeout_s``
+    (``header_timeout.py``; each 408 counted by the app's ``count_header_timeout``)."""
     # json: keep the handlers logs.configure installed (uvicorn's own config would print plain text)
     log_config = None if log_format == "json" else uvicorn.config.LOGGING_CONFIG
+    http = deadline_protocol(header_timeout_s, getattr(app, "count_header_timeout", None))
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
-                            timeout_graceful_shutdown=1, log_config=log_config)
+                            timeout_graceful_shutdown=1, log_config=log_config, http=http)
     hooks = list(getattr(getattr(app, "state", None), "drain_timeout_hooks", ()))
 
     async def on_timeout() -> None:  # every engine answers what it still holds (503 / an SSE error event)

@@ -1,5 +1,7 @@
 """The request lifecycle, one ASGI middleware around the FastAPI app, outermost, before any parsing:
 
+    request head ─▶ not complete within ``header_timeout_s``: 408, closed by the HTTP protocol before
+                    this middleware runs (``header_timeout.py``; counted here, ``count_header_timeout``)
     request ─▶ draining? 503 shutting_down (/health: 503 "draining"; /metrics still answers)
             ─▶ Bearer API key (every route but /health) ─▶ 401
             ─▶ Content-Length over the limit ─▶ 413, before a byte of the body is read
@@ -65,18 +67,26 @@ class RequestLifecycle:
         self.draining = False
         self.refused = 0  # requests refused while draining
         self.timed_out = 0  # bodies that did not arrive in time (408)
+        self.header_timeouts = 0  # request heads that did not arrive in time (408, header_timeout.py)
         self.stalled = 0  # clients dropped for not reading their response
         self._idle: asyncio.Event | None = None
         self._refusals: Counter | None = None
         if registry is not None:
             Gauge("batchpilot_http_in_flight", "HTTP requests in flight, counted from their first body byte",
                   registry=registry).set_function(lambda: self.in_flight)
-            self._refusals = Counter("batchpilot_http_refusals", "requests the middleware answered itself, "
-                                     "by reason", ["reason"], registry=registry)
+            self._refusals = Counter("batchpilot_http_refusals", "requests answered before any route "
+                                     "ran (by the middleware, or the header deadline), by reason", ["reason"],
+                                     registry=registry)
 
     def _count(self, reason: str) -> None:
         if self._refusals is not None:
             self._refusals.labels(reason=reason).inc()
+
+    def count_header_timeout(self) -> None:
+        """A request whose headers did not arrive in time, answered 408 by the HTTP protocol before
+        any app saw it (``header_timeout.HeaderDeadlineProtocol``): counted with the refusals."""
+        self.header_timeouts += 1
+        self._count("header_timeout")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
