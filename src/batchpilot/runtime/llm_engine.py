@@ -6,8 +6,9 @@ iterator. Requests and cancellations reach the thread through a queue, tokens co
 ``call_soon_threadsafe``. Closing a request early (client disconnect, ``break``, task cancelled)
 aborts the sequence and frees its KV blocks; so does its deadline passing (``RequestTimedOut``).
 The thread owns the scheduler and the model: nothing else touches them, so the pure core needs no locks.
-
-Failures: an exception in a model step fails exactly the sequences of that step (``GenerationFailed``);
+A plan's KV block copies (swap preemption) run before its forward, priced at start-up for ``auto``
+(``models/llm/profile.engine_preemption_costs``). Failures: an exception in a model step fails exactly
+the sequences of that step (``GenerationFailed``; with those it swapped out when the copies failed);
 one anywhere else in the loop (scheduling, an observer, the stats) ends the loop, and every request
 still pending or running gets ``EngineStopped`` at once, as on shutdown. ``is_alive`` says which.
 Admission is bounded: at most ``max_num_seqs + max_waiting_seqs`` sequences at a time (``EngineBusy``).
@@ -23,14 +24,15 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from ..core.llm_scheduler import LLMScheduler, LLMSchedulerConfig, StepPlan
+from ..core.llm_scheduler import LLMScheduler, LLMSchedulerConfig, PreemptionCosts, StepPlan
 from ..core.request import IdCounter
 from ..core.sequence import SamplingParams, Sequence
 from ..models.llm.detokenizer import IncrementalDetokenizer, make_decode
+from ..models.llm.profile import engine_preemption_costs
 from .llm_build import build_llm_engine
 from .llm_errors import EngineBusy, EngineStopped, GenerationFailed, RequestRejected, RequestTimedOut
 from .llm_prompts import PromptEncoder
-from .llm_records import EngineCounters, EngineStats, GenerationOutput, StepRecord, TokenEvent
+from .llm_records import EngineCounters, EngineStats, GenerationOutput, StepRecord, TokenEvent, token_records
 from .llm_request import LLMRequest
 from .llm_step_log import StepLog
 
@@ -44,14 +46,15 @@ log = logging.getLogger("batchpilot.llm")
 class LLMEngine:
     def __init__(self, runner: Any, tokenizer: Any, config: LLMSchedulerConfig,
                  model_name: str = "batchpilot-llm", sampler: Any | None = None,
-                 window_s: float = 5.0, tokenizer_threads: int = 0) -> None:
+                 window_s: float = 5.0, tokenizer_threads: int = 0,
+                 preemption_costs: PreemptionCosts | None = None) -> None:
         from ..models.llm.sampler import Sampler
 
         self.runner = runner
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.config = config
-        self.scheduler = LLMScheduler(config)
+        self.scheduler = LLMScheduler(config, engine_preemption_costs(runner, config, preemption_costs))
         self.sampler = sampler or Sampler()
         vocab = getattr(getattr(runner, "w", None), "vocab_size", None)
         self.prompts = PromptEncoder(tokenizer, vocab, tokenizer_threads)
@@ -159,11 +162,7 @@ class LLMEngine:
 
     # -- engine thread -----------------------------------------------------------------------
     def _snapshot(self) -> EngineStats:
-        s, b, c = self.scheduler, self.scheduler.block_stats(), self.counters
-        return EngineStats(s.num_running, s.num_waiting, b.num_blocks, b.num_free, b.usage, b.fragmentation,
-                           s.num_preemptions, s.num_rejected, c.num_steps, c.num_generated_tokens,
-                           c.tokens_per_s(time.monotonic()), b.num_cache_hit_tokens, c.step_seconds,
-                           c.forward_seconds, c.step_seqs, dict(c.step_features), c.num_timed_out)
+        return self.counters.snapshot(self.scheduler, time.monotonic())
 
     def _drain_inbox(self) -> None:
         while True:
@@ -232,12 +231,18 @@ class LLMEngine:
             return
         t0, self.busy_since = time.perf_counter(), time.monotonic()
         plan = self.scheduler.schedule(self.busy_since)  # the clock of Sequence.arrival (submit)
+        copied = False
         try:
+            if plan.swap_out or plan.swap_in:  # before the forward, which may overwrite swapped-out blocks
+                t_swap = time.perf_counter()
+                self.runner.swap(plan.swap_out, plan.swap_in)
+                self.counters.swap_seconds += time.perf_counter() - t_swap
+            copied = True
             self._step(plan)
-        except Exception as exc:  # fail only this step's sequences; keep serving the rest
+        except Exception as exc:  # fail this step's sequences (and those whose KV missed the host)
             log.exception("llm step %d failed", plan.step_id)
-            for chunk in plan.chunks:
-                req = self._drop(chunk.seq_id)
+            for seq_id in [c.seq_id for c in plan.chunks] + ([] if copied else plan.swapped_out):
+                req = self._drop(seq_id)
                 if req is not None:
                     req.put(GenerationFailed(cause=exc))
         shape = plan.shape.features()
@@ -253,7 +258,7 @@ class LLMEngine:
 
     def _step(self, plan: StepPlan) -> None:
         self._last_forward_s = 0.0
-        if plan.is_empty:
+        if not plan.chunks:
             return
         t0 = time.perf_counter()
         logits = self.runner.forward(plan.chunks)
@@ -285,11 +290,8 @@ class LLMEngine:
             text = deltas.get(out.seq_id, "")
             if reason is not None and out.seq_id not in stopped:
                 text += req.detok.flush(seq.output_token_ids)
-            req.put(GenerationOutput(out.seq_id, text, [out.token_id], reason, seq.num_prompt_tokens,
-                                     seq.num_output_tokens, seq.num_cached_tokens, seq.arrival, now))
-            first = req.last_t is None
-            event = TokenEvent(out.seq_id, now, now - seq.arrival if first else None,
-                               None if first else now - (req.last_t or now), reason is not None)
+            output, event = token_records(seq, out.token_id, reason, text, now, req.last_t)
+            req.put(output)
             req.last_t = now
             for obs in self.observers:
                 obs(event)

@@ -5,6 +5,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..core.llm_scheduler import LLMScheduler
+    from ..core.sequence import Sequence
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +40,18 @@ class TokenEvent:
     finished: bool
 
 
+def token_records(seq: Sequence, token_id: int, finish_reason: str | None, text: str, now: float,
+                  last_t: float | None) -> tuple[GenerationOutput, TokenEvent]:
+    """One token of ``seq`` leaving its step at ``now``: the stream's increment and the observers' event
+    (TTFT when ``last_t``, the previous token's time, is None; else the gap since it)."""
+    output = GenerationOutput(seq.seq_id, text, [token_id], finish_reason, seq.num_prompt_tokens,
+                              seq.num_output_tokens, seq.num_cached_tokens, seq.arrival, now)
+    first = last_t is None
+    event = TokenEvent(seq.seq_id, now, now - seq.arrival if first else None,
+                       None if first else now - (last_t or now), finish_reason is not None)
+    return output, event
+
+
 @dataclass(frozen=True, slots=True)
 class StepRecord:
     """For step observers (``serve --llm-step-log``): one engine step, as the step cost model sees it.
@@ -55,6 +72,9 @@ class StepRecord:
 
 @dataclass(frozen=True, slots=True)
 class EngineStats:
+    """A snapshot of the engine. Preemption (docs/llm.md, "Preemption: recompute and swap"):
+    ``num_preemptions`` = ``num_swapped_out + num_recompute_preemptions`` (sequences, since start-up)."""
+
     num_running: int
     num_waiting: int
     num_blocks: int
@@ -74,6 +94,16 @@ class EngineStats:
     # prediction for all the steps run is its prediction on these sums, comparable with step_seconds
     step_features: dict[str, float] = dataclasses.field(default_factory=dict)
     num_timed_out: int = 0  # sequences the engine aborted at their deadline
+    num_swapped: int = 0  # sequences swapped out now (their KV in host blocks), waiting to be swapped in
+    num_swap_blocks: int = 0  # host swap space, in KV blocks
+    num_free_swap_blocks: int = 0
+    num_swapped_out: int = 0  # preemptions that copied the sequence's KV to host blocks
+    num_swapped_in: int = 0  # swapped sequences copied back to device blocks
+    num_recompute_preemptions: int = 0  # preemptions that freed the sequence's KV, to be prefilled again
+    num_recomputed_tokens: int = 0  # computed tokens those recomputes threw away (before prefix-cache hits)
+    num_blocks_swapped_out: int = 0  # KV blocks copied device -> host
+    num_blocks_swapped_in: int = 0  # KV blocks copied host -> device
+    swap_seconds: float = 0.0  # wall time of the block copies (part of step_seconds, not of forward_seconds)
 
 
 @dataclass
@@ -87,6 +117,7 @@ class EngineCounters:
     forward_seconds: float = 0.0
     step_seqs: int = 0
     num_timed_out: int = 0
+    swap_seconds: float = 0.0
     step_features: dict[str, float] = dataclasses.field(default_factory=dict)
     recent: collections.deque[tuple[float, int]] = dataclasses.field(default_factory=collections.deque)
 
@@ -100,6 +131,20 @@ class EngineCounters:
         self.step_seconds += wall_s
         for name, value in features.items():
             self.step_features[name] = self.step_features.get(name, 0.0) + value
+
+    def snapshot(self, s: LLMScheduler, now: float) -> EngineStats:
+        """These totals with the scheduler's queues, blocks and preemption counters, at ``now``."""
+        b, p, sw = s.block_stats(), s.preemption, s.swap_space
+        return EngineStats(
+            s.num_running, s.num_waiting, b.num_blocks, b.num_free, b.usage, b.fragmentation,
+            s.num_preemptions, s.num_rejected, self.num_steps, self.num_generated_tokens,
+            self.tokens_per_s(now), b.num_cache_hit_tokens, self.step_seconds, self.forward_seconds,
+            self.step_seqs, dict(self.step_features), self.num_timed_out, num_swapped=s.num_swapped,
+            num_swap_blocks=sw.num_blocks, num_free_swap_blocks=sw.num_free_blocks,
+            num_swapped_out=p.num_swapped_out, num_swapped_in=p.num_swapped_in,
+            num_recompute_preemptions=p.num_recompute_preemptions,
+            num_recomputed_tokens=p.num_recomputed_tokens, num_blocks_swapped_out=p.num_blocks_swapped_out,
+            num_blocks_swapped_in=p.num_blocks_swapped_in, swap_seconds=self.swap_seconds)
 
     def tokens_per_s(self, now: float) -> float:
         while self.recent and self.recent[0][0] < now - self.window_s:

@@ -6,6 +6,11 @@ feeds ``update`` a dummy token for every sampling chunk (EOS is ignored, as in c
 lengths matter), and records first-token and finish times. The scheduler, block manager, budgets and
 preemption are the ones the live engine runs, so TTFT and TPOT predicted here follow the same policy.
 
+Preemption by swap: the scheduler gets the same ``PreemptionCosts`` the step is priced with, and a step
+that swaps costs ``cost_model.latency(plan.shape)`` plus its block copies
+(``PreemptionCosts.swap_s(len(plan.swap_out), len(plan.swap_in))``). The copy figures come from the
+profile's ``meta`` (``profile_llm_steps`` on a runner with swap space), else the stated default below.
+
 Prompts are made of distinct token ids per request so the prefix cache (when enabled) never hits by
 accident.
 """
@@ -20,6 +25,7 @@ import numpy as np
 
 from ..core.costmodel import LLM_FEATURES, CostModel
 from ..core.llm_scheduler import LLMScheduler, LLMSchedulerConfig, StepPlan
+from ..core.preemption import SWAP_META_KEYS, PreemptionCosts, PreemptionCounters
 from ..core.sequence import SamplingParams, Sequence
 from .engine import Engine, EngineStats, Job
 from .traces import Workload
@@ -29,7 +35,8 @@ def default_llm_cost_model() -> CostModel:
     """A stated default for the tiny Llama (6 x 512, GQA 8:4) on 2 shared CPU cores, fp32.
 
     Per step: ~12 ms fixed (Python + 6 layers of small ops), 0.25 ms per prefill token, 0.6 ms per
-    decoding sequence, 0.2 us per KV token read, 2 ns per prefill attention unit. Replace it with
+    decoding sequence, 0.2 us per KV token read, 2 ns per prefill attention unit; copying one KV block of
+    16 tokens (6 layers, K and V: 192 KiB) 50 us each way between device and host memory. Replace it with
     ``batchpilot.models.llm.profile.profile_llm_steps`` for this machine.
     """
     return CostModel(
@@ -37,8 +44,15 @@ def default_llm_cost_model() -> CostModel:
         latency_coef=(0.012, 2.5e-4, 6.0e-4, 2.0e-7, 2.0e-9, 0.0),
         memory_coef=(0.0,) * 6,
         rel_residuals=(-0.1, 0.0, 0.1, 0.3),
-        meta={"source": "default_llm_cost_model"},
+        meta={"source": "default_llm_cost_model", "swap_out_s_per_block": 5e-5, "swap_in_s_per_block": 5e-5},
     )
+
+
+def sim_preemption_costs(cost_model: CostModel) -> PreemptionCosts:
+    """The model's ``PreemptionCosts``; copy figures a profile lacks are ``default_llm_cost_model``'s."""
+    default = default_llm_cost_model().meta
+    out, back = (cost_model.meta.get(k, default[k]) for k in SWAP_META_KEYS)
+    return PreemptionCosts.from_cost_model(cost_model, float(out), float(back))
 
 
 @dataclass
@@ -66,13 +80,14 @@ class LLMTarget:
     """``SimTarget`` driving an ``LLMScheduler``. Sequence id = workload row index."""
 
     def __init__(self, scheduler: LLMScheduler, workload: Workload, cost_model: CostModel,
-                 noise: bool = False, seed: int = 0) -> None:
+                 noise: bool = False, seed: int = 0, preemption_costs: PreemptionCosts | None = None) -> None:
         if not {"const", "decode_seqs"} <= set(cost_model.feature_names) <= set(LLM_FEATURES):
             raise ValueError(f"LLM target: the cost model has features {cost_model.feature_names}, an LLM "
                              f"step model needs {LLM_FEATURES}; profile the LLM (not the encoder)")
         self.scheduler = scheduler
         self.workload = workload
         self.cost_model = cost_model
+        self.preemption_costs = preemption_costs or sim_preemption_costs(cost_model)
         self.noise = noise
         self._rng = np.random.default_rng(seed)
         self.record = LLMRecord(len(workload))
@@ -106,6 +121,7 @@ class LLMTarget:
         shape = plan.shape
         duration = (self.cost_model.sample_latency(shape, float(self._rng.random())) if self.noise
                     else self.cost_model.latency(shape))
+        duration += self.preemption_costs.swap_s(len(plan.swap_out), len(plan.swap_in))
         rec = self.record
         rec.step_start.append(now)
         rec.step_duration.append(duration)
@@ -144,6 +160,8 @@ class LLMSimReport:
     mean_step_tokens: float
     mean_step_s: float = math.nan
     mean_step_seqs: float = math.nan
+    num_swapped_out: int = 0  # preemptions that swapped (the rest of num_preemptions recomputed)
+    num_recomputed_tokens: int = 0  # computed tokens recompute preemptions threw away
 
     def rows(self) -> list[tuple[str, str]]:
         ms = lambda x: f"{x * 1e3:.1f} ms"  # noqa: E731
@@ -155,7 +173,9 @@ class LLMSimReport:
             ("TPOT p50 / p99", f"{ms(self.tpot_p50)} / {ms(self.tpot_p99)}"),
             ("end-to-end p50 / p99", f"{self.e2e_p50:.2f} s / {self.e2e_p99:.2f} s"),
             ("steps (mean tokens per step)", f"{self.num_steps} ({self.mean_step_tokens:.1f})"),
-            ("preemptions", str(self.num_preemptions)),
+            ("preemptions (swapped / recomputed)", f"{self.num_preemptions} ({self.num_swapped_out} / "
+                                                   f"{self.num_preemptions - self.num_swapped_out})"),
+            ("recomputed tokens", str(self.num_recomputed_tokens)),
         ]
 
 
@@ -167,6 +187,8 @@ class LLMSimRun:
     stats: EngineStats
     record: LLMRecord
     num_preemptions: int
+    preemption: PreemptionCounters = field(default_factory=PreemptionCounters)
+    preemption_costs: PreemptionCosts | None = None
 
     def report(self, warmup_s: float = 0.0) -> LLMSimReport:
         rec = self.record
@@ -193,25 +215,32 @@ class LLMSimRun:
             mean_step_tokens=float(np.mean(rec.step_tokens)) if rec.step_tokens else 0.0,
             mean_step_s=float(np.mean(rec.step_duration)) if rec.step_duration else math.nan,
             mean_step_seqs=float(np.mean(rec.step_seqs)) if rec.step_seqs else math.nan,
+            num_swapped_out=self.preemption.num_swapped_out,
+            num_recomputed_tokens=self.preemption.num_recomputed_tokens,
         )
 
 
 def simulate_llm(workload: Workload, config: LLMSchedulerConfig | None = None,
                  cost_model: CostModel | None = None, *, noise: bool = False, seed: int = 0,
-                 first_token_delay_s: float = 0.0) -> LLMSimRun:
+                 first_token_delay_s: float = 0.0,
+                 preemption_costs: PreemptionCosts | None = None) -> LLMSimRun:
     """Replay ``workload`` (prompt = input_tokens, output = output_tokens) through a fresh LLMScheduler.
     ``first_token_delay_s``: the serving path around the engine (the profile's
-    ``frontend.first_token_delay_s``), added to every token's time as the client sees it."""
+    ``frontend.first_token_delay_s``), added to every token's time as the client sees it.
+    ``preemption_costs``: what the scheduler weighs swap against recompute with and a step's copies cost
+    (default: ``sim_preemption_costs(cost_model)``)."""
     config = config or LLMSchedulerConfig()
     cost_model = cost_model or default_llm_cost_model()
-    scheduler = LLMScheduler(config)
-    target = LLMTarget(scheduler, workload, cost_model, noise, seed)
+    costs = preemption_costs or sim_preemption_costs(cost_model)
+    scheduler = LLMScheduler(config, costs)
+    target = LLMTarget(scheduler, workload, cost_model, noise, seed, costs)
     stats = Engine(target, num_slots=1).run(workload.arrival_s)  # type: ignore[arg-type]
     if first_token_delay_s:
         rec = target.record
         rec.first_token_s = [t + first_token_delay_s for t in rec.first_token_s]
         rec.finish_s = [t + first_token_delay_s for t in rec.finish_s]
-    return LLMSimRun(workload, config, cost_model, stats, target.record, scheduler.num_preemptions)
+    return LLMSimRun(workload, config, cost_model, stats, target.record, scheduler.num_preemptions,
+                     scheduler.preemption, costs)
 
 
 def simulate_cli(args: Any, workload: Workload, console: Any,

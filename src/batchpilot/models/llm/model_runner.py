@@ -15,6 +15,11 @@ Only attention differs by chunk kind, and it reads keys/values through block tab
 Each layer writes the step's K/V into the cache (``index_copy_`` on slot numbers
 ``block_table[pos // bs] * bs + pos % bs``) before attention reads it. Logits are computed only for
 chunks that sample (the last token of a finished prefill, every decode).
+
+Swap space: ``num_swap_blocks`` host blocks of K and V (``[layers, blocks, block_size, kv_heads,
+head_dim]``, pinned memory beside a CUDA cache, plain ``torch.empty`` on CPU so swap space never used
+costs no resident memory). ``swap(out_pairs, in_pairs)`` makes a plan's block copies, whole blocks per
+layer; the driver calls it before the step's ``forward``.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ...core.llm_scheduler import DECODE_MAX_GROUPS, DECODE_MIN_GROUP, ScheduledChunk, decode_groups
+from ...core.preemption import PreemptionCosts
 from .weights import LlamaWeights
 
 
@@ -67,7 +73,7 @@ class LLMModelRunner:
     def __init__(self, weights: LlamaWeights, num_kv_blocks: int, block_size: int,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  max_decode_groups: int = DECODE_MAX_GROUPS,
-                 min_decode_group: int = DECODE_MIN_GROUP) -> None:
+                 min_decode_group: int = DECODE_MIN_GROUP, num_swap_blocks: int = 0) -> None:
         self.max_decode_groups = max_decode_groups
         self.max_gather_tokens = 0  # the most context tokens one gather holds (0: unbounded doubling)
         self._buffers = [torch.empty(0, dtype=dtype, device=device) for _ in range(2)]
@@ -88,6 +94,12 @@ class LLMModelRunner:
         shape = (len(w.layers), num_kv_blocks * block_size, self.num_kv_heads, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.num_swap_blocks = num_swap_blocks
+        self.preemption_costs: PreemptionCosts | None = None  # measured on this runner by its first engine
+        host = (len(w.layers), num_swap_blocks, block_size, self.num_kv_heads, self.head_dim)
+        pin = self.device.type == "cuda"
+        self.k_swap = torch.empty(host, dtype=dtype, pin_memory=pin)
+        self.v_swap = torch.empty(host, dtype=dtype, pin_memory=pin)
         pos = torch.arange(w.max_position_embeddings, dtype=torch.float32)
         freqs = pos[:, None] * w.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -98,6 +110,32 @@ class LLMModelRunner:
     @property
     def kv_cache_bytes(self) -> int:
         return 2 * self.k_cache.numel() * self.k_cache.element_size()
+
+    @property
+    def swap_space_bytes(self) -> int:
+        return 2 * self.k_swap.numel() * self.k_swap.element_size()
+
+    @torch.inference_mode()
+    def swap(self, out_pairs: Sequence[tuple[int, int]], in_pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy whole KV blocks, K and V of every layer: ``out_pairs`` ``(device_block, host_block)``
+        first, then ``in_pairs`` ``(host_block, device_block)`` (``StepPlan.swap_out`` / ``swap_in``).
+        Returns when the copies are done; the next ``forward`` may overwrite the swapped-out blocks."""
+        bs, kv, hd = self.block_size, self.num_kv_heads, self.head_dim
+        caches = ((self.k_cache, self.k_swap), (self.v_cache, self.v_swap))
+        if out_pairs:
+            src = torch.tensor([d for d, _ in out_pairs], device=self.device)
+            dst = torch.tensor([h for _, h in out_pairs])
+            for cache, host in caches:
+                for li in range(cache.shape[0]):
+                    blocks = cache[li].view(-1, bs, kv, hd).index_select(0, src)
+                    host[li].index_copy_(0, dst, blocks.to("cpu"))
+        if in_pairs:
+            src = torch.tensor([h for h, _ in in_pairs])
+            dst = torch.tensor([d for _, d in in_pairs], device=self.device)
+            for cache, host in caches:
+                for li in range(cache.shape[0]):
+                    blocks = host[li].index_select(0, src).to(self.device)
+                    cache[li].view(-1, bs, kv, hd).index_copy_(0, dst, blocks)
 
     def release_buffers(self) -> None:
         """Drop the reused gather buffers (the memory profiler measures each step's gather from zero)."""

@@ -4,18 +4,29 @@ Synthetic steps over the runner's own KV cache: pure prefills of several lengths
 at several context lengths, and mixes of both. Each point is timed (forward + greedy sampling, the
 engine's hot path) and ``CostModel.fit(points, LLM_FEATURES)`` turns them into
 ``const + prefill_tokens + decode_seqs + kv_tokens + prefill_attn`` coefficients, JSON-serialisable,
-loadable by ``batchpilot simulate --workload conv-llm --profile``.
+loadable by ``batchpilot simulate --workload conv-llm --profile``. A runner with swap space also gets
+its block copies timed (``measure_swap``), recorded in the profile's ``meta``
+(``core.preemption.SWAP_META_KEYS``).
+
+``probe_preemption_costs(runner)`` is the engine's start-up probe for ``preemption: auto`` (through
+``engine_preemption_costs``): the swap copies and a few short prefills into ``PreemptionCosts``, a
+fraction of a second on the tiny Llama on 2 CPU cores.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
+from typing import Any
 
+import numpy as np
 import torch
 
-from ...core.costmodel import LLM_FEATURES, CostModel, ProfilePoint
+from ...core.costmodel import LLM_FEATURES, CostModel, ProfilePoint, nonneg_lstsq
+from ...core.llm_config import LLMSchedulerConfig
 from ...core.llm_scheduler import ScheduledChunk, StepPlan
+from ...core.preemption import SWAP_META_KEYS, PreemptionCosts
 from .model_runner import LLMModelRunner
 
 
@@ -90,7 +101,91 @@ def profile_llm_steps(runner: LLMModelRunner, *,
                 t.append(time.perf_counter() - t0)
         points += [ProfilePoint(plan.shape.features(), sorted(t)[len(t) // 2])
                    for plan, t in zip(plans, times, strict=True)]
-    return CostModel.fit(points, LLM_FEATURES, meta={"source": "profile_llm_steps",
-                                                     "block_size": runner.block_size,
-                                                     "points": len(points), "repeats": repeats,
-                                                     "threads": torch.get_num_threads()})
+    meta = {"source": "profile_llm_steps", "block_size": runner.block_size, "points": len(points),
+            "repeats": repeats, "threads": torch.get_num_threads()}
+    if runner.num_swap_blocks:
+        meta.update(zip(SWAP_META_KEYS, measure_swap(runner), strict=True))
+    return CostModel.fit(points, LLM_FEATURES, meta=meta)
+
+
+def _sync(runner: LLMModelRunner) -> None:
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+
+
+def measure_swap(runner: LLMModelRunner, num_blocks: int = 16, repeats: int = 5) -> tuple[float, float]:
+    """Median seconds per block of ``runner.swap`` copying ``num_blocks`` blocks (capped by both pools)
+    device -> host and host -> device: ``(out_s_per_block, in_s_per_block)``. Overwrites the first
+    blocks of both pools: call it with no sequence in the cache (start-up, profiling)."""
+    k = min(num_blocks, runner.num_kv_blocks, runner.num_swap_blocks)
+    if k < 1:
+        raise ValueError("measure_swap: the runner has no swap blocks to copy to")
+    pairs = [(b, b) for b in range(k)]
+    runner.swap(pairs, pairs)  # warm-up: first touch of the host pages, allocator
+    outs, ins = [], []
+    for _ in range(repeats):
+        _sync(runner)
+        t0 = time.perf_counter()
+        runner.swap(pairs, [])
+        _sync(runner)
+        t1 = time.perf_counter()
+        runner.swap([], pairs)
+        _sync(runner)
+        outs.append(t1 - t0)
+        ins.append(time.perf_counter() - t1)
+    return sorted(outs)[repeats // 2] / k, sorted(ins)[repeats // 2] / k
+
+
+def measure_prefill(runner: LLMModelRunner, max_len: int = 128, repeats: int = 5) -> tuple[float, float]:
+    """Seconds per prefill token and per unit of prefill attention (``T * T`` for a prompt of ``T``):
+    ``(a, b)`` of ``const + a T + b T^2`` fitted (least squares, non-negative) on single prefills of 1,
+    1/4, 1/2 and all of ``max_len`` tokens (capped by the pool and the positions), the step's fixed
+    cost left out. Timed round-robin, the fastest of ``repeats`` per length: on shared cores a step's
+    time only ever gains from other work, so the minimum is the runner's own cost."""
+    top = max(4, min(max_len, runner.num_kv_blocks * runner.block_size, runner.w.max_position_embeddings))
+    sizes = sorted({1, top // 4, top // 2, top})
+    plans = [_plan(runner, [n], 0, 0) for n in sizes]
+    best = [math.inf] * len(plans)
+    with torch.inference_mode():
+        for plan in plans:
+            runner.forward(plan.chunks).argmax(-1).tolist()  # warm-up
+        for _ in range(repeats):
+            for k, plan in enumerate(plans):
+                t0 = time.perf_counter()
+                runner.forward(plan.chunks).argmax(-1).tolist()
+                best[k] = min(best[k], time.perf_counter() - t0)
+    x = np.array([[1.0, n, n * n] for n in sizes])
+    _, per_token, per_attn = nonneg_lstsq(x, np.array(best))
+    if per_token == 0.0 and per_attn == 0.0:  # noise flattened the curve: the mean cost of a token
+        per_token = max(best[-1] - best[0], best[-1] / 2) / (sizes[-1] - sizes[0])
+    return float(per_token), float(per_attn)
+
+
+def probe_preemption_costs(runner: LLMModelRunner, cost_model: CostModel | None = None) -> PreemptionCosts:
+    """What swapping and recomputing cost on this runner: ``measure_swap`` for the copies, and the
+    recompute price from ``cost_model`` (an LLM step profile) when given, else ``measure_prefill``."""
+    out_s, in_s = measure_swap(runner)
+    if cost_model is not None:
+        return PreemptionCosts.from_cost_model(cost_model, out_s, in_s)
+    per_token, per_attn = measure_prefill(runner)
+    return PreemptionCosts(out_s, in_s, per_token, per_attn)
+
+
+def engine_preemption_costs(runner: Any, config: LLMSchedulerConfig, given: PreemptionCosts | None = None,
+                            cost_model: CostModel | None = None) -> PreemptionCosts | None:
+    """The costs an engine's scheduler weighs swap against recompute with: ``given`` (e.g.
+    ``probe_preemption_costs(runner, profile)`` to price recompute from a step profile); else what this
+    runner measured for an earlier engine (``runner.preemption_costs``: a rebuilt engine does not probe
+    again); else, for ``preemption: auto`` with swap blocks, ``probe_preemption_costs(runner,
+    cost_model)`` (kept on the runner); else None (no comparison to make). Raises ``ValueError`` when
+    the config has more swap blocks than the runner holds."""
+    have = getattr(runner, "num_swap_blocks", 0)
+    if config.num_swap_blocks > have:
+        raise ValueError(f"llm engine: the scheduler has {config.num_swap_blocks} swap blocks, the runner "
+                         f"{have}; build the runner with num_swap_blocks")
+    costs = given or getattr(runner, "preemption_costs", None)
+    if costs is None and config.preemption == "auto" and config.num_swap_blocks:
+        costs = probe_preemption_costs(runner, cost_model)
+    if costs is not None and hasattr(runner, "preemption_costs"):
+        runner.preemption_costs = costs
+    return costs
