@@ -13,7 +13,7 @@ Every config gets a short warm-up run (4 other prompts of 8-512 tokens, 4 tokens
 its timed run. A round's ratio is batchpilot's best-of-grid tok/s over each baseline's best-of-grid.
 
 * batchpilot: ``LLMEngine`` (engine thread, paged KV, chunked prefill, fcfs) through its async API.
-  Limits: ``max_num_batched_tokens`` in the grid (``--grid-tokens``, default 256/512/1024),
+  Limits: ``max_num_batched_tokens`` in the grid (``--grid-tokens``, default 128/256/512/1024),
   ``max_num_seqs`` 64, ``num_kv_blocks`` 2048 x ``block_size`` 16, ``max_model_len`` 2048, no prefix
   caching. Token times are taken as each streamed item reaches the client's event loop.
 * HF continuous batching: transformers' ``ContinuousBatchingManager`` (what ``generate_batch`` wraps,
@@ -24,18 +24,19 @@ its timed run. A round's ratio is batchpilot's best-of-grid tok/s over each base
   it built has exactly that many blocks and that token budget), ``allow_block_sharing=False`` (prefix
   caching off, as for batchpilot), scheduler ``fifo`` (decoding requests first, prefills split to the
   token budget). Left at its defaults: ``safety_margin`` 0.15 (no new prefill while < 15% of the
-  blocks are free) where batchpilot has none, and no ``max_model_len``; on this slice the KV cache
-  never fills (peak need < 14k of 32k token slots), so neither binds. On CPU it runs without CUDA
-  graphs, async batching or the flash decode path (they need CUDA), with sdpa and a mask.
+  blocks are free) where batchpilot has none, and no ``max_model_len``; the default slice's prompts
+  and outputs together are under 10k of the 32k token slots, so neither binds. On CPU it runs
+  without CUDA graphs, async batching or the flash decode path (they need CUDA): sdpa over the whole
+  step packed as one sequence, with a block mask of shape (step tokens, KV of the step's requests).
   ``record_timestamps=True`` stamps each token (``time.perf_counter``) on the generation thread as it
   is appended after its forward step (``RequestState.update_and_check_completion``), so these are
   true per-token times (they match streamed arrival times to ~1 ms); a request soft-reset by the
   offloading manager would restart its stamps, which the token-count check would show.
 * HF static: ``model.generate`` on fixed-size left-padded batches (``--batch-sizes``, default
-  8/16/32) in arrival order, one after another, each running until its longest member is done; a
-  request's tokens count only up to its own length. A token's time is when its step's logits are
-  ready (a logits processor stamps each step), so a request's first token is when its batch's
-  prefill finishes (later batches wait for earlier ones).
+  8/16/32/48; 48 = all the default requests at once) in arrival order, one after another, each
+  running until its longest member is done; a request's tokens count only up to its own length. A
+  token's time is when its step's logits are ready (a logits processor stamps each step), so a
+  request's first token is when its batch's prefill finishes (later batches wait for earlier ones).
 
 Per run: output tok/s (tokens counted as produced / makespan), TTFT (t=0 to the request's first
 token) and TPOT ((last - first token time) / (n - 1)) P50/P99, and produced == requested tokens.
@@ -299,12 +300,14 @@ def report(rows: list[dict[str, Any]], systems: list[str], rounds: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--num-requests", type=int, default=48)
+    ap.add_argument("--num-requests", type=int, default=48, help="48 keeps the default run near 20 "
+                    "minutes on 2 cores")
     ap.add_argument("--start", type=int, default=0, help="first trace row of the slice")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--grid-tokens", type=int, nargs="+", default=[256, 512, 1024],
+    ap.add_argument("--grid-tokens", type=int, nargs="+", default=[128, 256, 512, 1024],
                     help="max batched tokens per step, for batchpilot and HF continuous batching alike")
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 16, 32], help="HF static batch sizes")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 16, 32, 48],
+                    help="HF static batch sizes")
     ap.add_argument("--max-num-seqs", type=int, default=64, help="max sequences per step, both CB systems")
     ap.add_argument("--kv-blocks", type=int, default=2048, help=f"KV blocks of {BLOCK_SIZE} tokens, both")
     ap.add_argument("--seed", type=int, default=0)
