@@ -128,3 +128,16 @@ def test_engine_costs_need_the_runner_to_hold_the_swap_blocks(runner: LLMModelRu
         engine_preemption_costs(runner, Config(num_swap_blocks=7))
     assert engine_preemption_costs(runner, Config(preemption="recompute", num_swap_blocks=6)) is None
     assert engine_preemption_costs(runner, Config(num_swap_blocks=0)) is None  # auto without swap space
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_runner_swap_on_cuda_goes_through_pinned_host_blocks() -> None:
+    weights = LlamaWeights.from_hf(load_hf_llama(None, LLMModelConfig(**TINY)))  # type: ignore[arg-type]
+    r = LLMModelRunner(weights, num_kv_blocks=8, block_size=4, device="cuda", num_swap_blocks=4)
+    assert r.k_swap.is_pinned() and r.v_swap.is_pinned()
+    r.k_cache.normal_()
+    before = r.k_cache.view(2, -1, 4, *r.k_cache.shape[2:])[:, [5, 6]].clone()
+    r.swap([(5, 3), (6, 0)], [])
+    r.k_cache.zero_()
+    r.swap([], [(3, 1), (0, 2)])
+    assert torch.equal(r.k_cache.view(2, -1, 4, *r.k_cache.shape[2:])[:, [1, 2]], before)
