@@ -8,7 +8,8 @@ the builder computed from the model's tensors):
 ```
  budget  = kv_cache_memory                      (given in bytes)          -> kv = budget
          | memory_utilization x free_bytes       (a share of free memory)  -> kv = budget - fixed
- fixed   = weights + activation peak of the largest step (+ swap space, where it is the same memory)
+ fixed   = weights + overhead + activation peak of the largest step (+ swap space, where it is the
+           same memory)
  activation peak = fixed_bytes + per_token x max_num_batched_tokens + per_read_token x kv_read_max
  kv_read_max     = max_num_seqs x max_model_len   (the decode gather: a group of up to every running
                                                    sequence, padded to the longest context)
@@ -48,7 +49,10 @@ class MemoryProfile:
     over every layer; the activation peak of one step above weights and KV, linear in the step's
     batched tokens and in the context tokens its largest decode gather holds: ``activation_fixed_bytes +
     activation_bytes_per_token x tokens + activation_bytes_per_read_token x read tokens``.
-    ``source`` says where the activation terms came from ("measured" by the profiler, or "none")."""
+    ``source`` says where the activation terms came from ("measured" by the profiler, or "none").
+    ``overhead_bytes``: what the engine's process holds beyond its tensors (the tokenizer, the loader's
+    freed-but-kept pages, Python objects), measured as the resident growth while the model loaded minus
+    the weights (0 on CUDA, where torch's allocations are the device memory)."""
 
     weights_bytes: int
     kv_bytes_per_token: int
@@ -56,6 +60,7 @@ class MemoryProfile:
     activation_bytes_per_token: float = 0.0
     activation_bytes_per_read_token: float = 0.0
     source: str = "none"
+    overhead_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kv_bytes_per_token < 1:
@@ -96,6 +101,7 @@ class KVPlan:
     budget_bytes: float | None  # what the user's budget gave (None: num_kv_blocks was given)
     source: str  # "num_kv_blocks" | "kv_cache_memory" | "memory_utilization"
     max_model_len: int  # the config's, or the pool's capacity where the plan was allowed to cap it
+    overhead_bytes: float = 0.0
 
     @property
     def kv_bytes(self) -> int:
@@ -107,8 +113,8 @@ class KVPlan:
 
     @property
     def planned_bytes(self) -> float:
-        """Device memory the engine is planned to use: weights, the activation peak and the KV pool."""
-        return self.weights_bytes + self.activation_bytes + self.kv_bytes
+        """Device memory the engine is planned to use: weights, overhead, the activation peak, the KV pool."""
+        return self.weights_bytes + self.overhead_bytes + self.activation_bytes + self.kv_bytes
 
     @property
     def num_kv_tokens(self) -> int:
@@ -118,8 +124,9 @@ class KVPlan:
         free = "unknown" if self.free_bytes is None else f"{self.free_bytes / MIB:.0f} MiB"
         return (f"KV pool {self.num_kv_blocks} blocks x {self.block_size} tokens = {self.num_kv_tokens} "
                 f"tokens ({_mib(self.kv_bytes)}, from {self.source}); weights {_mib(self.weights_bytes)}, "
-                f"activation peak {_mib(self.activation_bytes)}; planned {_mib(self.planned_bytes)} of "
-                f"{free} free; swap {self.num_swap_blocks} blocks ({_mib(self.swap_bytes)})")
+                f"overhead {_mib(self.overhead_bytes)}, activation peak {_mib(self.activation_bytes)}; "
+                f"planned {_mib(self.planned_bytes)} of {free} free; swap {self.num_swap_blocks} blocks "
+                f"({_mib(self.swap_bytes)})")
 
     def resolve(self, config: LLMSchedulerConfig) -> LLMSchedulerConfig:
         """``config`` with the planned block counts: what the scheduler and the runner are built with."""
@@ -140,7 +147,8 @@ def plan_kv(config: LLMSchedulerConfig, memory: MemoryProfile, free_bytes: float
     block_bytes = memory.kv_bytes_per_token * c.block_size
     activation = memory.activation_bytes(c.max_num_batched_tokens, c.max_num_seqs * c.max_model_len)
     num_swap = int(c.swap_space // block_bytes) if c.swap_space else c.num_swap_blocks
-    fixed = memory.weights_bytes + activation + (num_swap * block_bytes if swap_on_device else 0)
+    fixed = (memory.weights_bytes + memory.overhead_bytes + activation
+             + (num_swap * block_bytes if swap_on_device else 0))
     budget: float | None = None
     if c.kv_cache_memory is not None:
         source, budget = "kv_cache_memory", float(c.kv_cache_memory)
@@ -168,7 +176,7 @@ def plan_kv(config: LLMSchedulerConfig, memory: MemoryProfile, free_bytes: float
     if num_blocks < need and cap_max_model_len and num_blocks >= 1:
         max_model_len = num_blocks * c.block_size
     plan = KVPlan(num_blocks, num_swap, c.block_size, block_bytes, memory.weights_bytes, activation,
-                  free_bytes, budget, source, max_model_len)
+                  free_bytes, budget, source, max_model_len, memory.overhead_bytes)
     if num_blocks < need and max_model_len == c.max_model_len:
         raise KVPlanError(
             f"the KV pool ({num_blocks} blocks of {c.block_size} tokens = {plan.num_kv_tokens} tokens, "

@@ -61,9 +61,10 @@ def build_llm_engine(model_path: str | None = None, **engine_config: Any) -> LLM
     if cfg:
         raise ValueError(f"build_llm_engine: unknown option(s) {sorted(cfg)}; see the docstring for the keys")
     model_cfg = LLMModelConfig(**model_kw)
-    from ..models.device import free_memory_bytes
+    from ..models.device import free_memory_bytes, used_memory_bytes
 
     free_bytes = free_memory_bytes(device)  # before the model loads: the plan's budget is a share of it
+    held_before = used_memory_bytes(device)
     if device == "cpu":
         from ..models.llm.model_runner import keep_freed_memory
 
@@ -77,10 +78,14 @@ def build_llm_engine(model_path: str | None = None, **engine_config: Any) -> LLM
     max_len_given = "max_model_len" in sched_kw
     sched_kw.setdefault("max_model_len", weights.max_position_embeddings)
     sched_kw.setdefault("eos_token_ids", tuple(sorted(eos)))
+    from ..models.llm.memory_profile import weights_memory
     from .llm_memory import plan_engine_memory
 
+    # on CPU the process's growth while loading, beyond the weights, is memory the plan must leave room for
+    overhead = 0.0 if device.startswith("cuda") else max(
+        0.0, used_memory_bytes(device) - held_before - weights_memory(weights, dtype).weights_bytes)
     plan, memory = plan_engine_memory(weights, LLMSchedulerConfig(**sched_kw), device, dtype, free_bytes,
-                                      memory_profile, max_len_given)
+                                      memory_profile, max_len_given, overhead)
     config = plan.resolve(LLMSchedulerConfig(**sched_kw))
     runner = LLMModelRunner(weights, config.num_kv_blocks, config.block_size, device=device, dtype=dtype,
                             num_swap_blocks=config.num_swap_blocks)

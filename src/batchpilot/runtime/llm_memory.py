@@ -35,39 +35,42 @@ def load_memory_profile(path: str | Path) -> MemoryProfile:
 
 
 def engine_memory(weights: Any, config: LLMSchedulerConfig, device: str, dtype: Any,
-                  profile: MemoryProfile | str | Path | None = None) -> MemoryProfile:
-    """The ``MemoryProfile`` the plan is made from (see the module docstring)."""
-    from ..models.llm.memory_profile import measure_memory, model_memory
+                  profile: MemoryProfile | str | Path | None = None, overhead_bytes: float = 0.0
+                  ) -> MemoryProfile:
+    """The ``MemoryProfile`` the plan is made from (see the module docstring); ``overhead_bytes``: what
+    loading this model cost beyond its weights, measured by the builder (a profile brings its own)."""
+    import dataclasses
+
+    from ..models.llm.memory_profile import measure_memory, weights_memory
     from ..models.llm.model_runner import LLMModelRunner
 
-    probe = LLMModelRunner(weights, max(1, PROBE_TOKENS // config.block_size), config.block_size,
-                           device=device, dtype=dtype)
-    try:
-        exact = model_memory(probe)
-        if profile is not None:
-            mem = profile if isinstance(profile, MemoryProfile) else load_memory_profile(profile)
-            if mem.kv_bytes_per_token != exact.kv_bytes_per_token:
+    exact = dataclasses.replace(weights_memory(weights, dtype), overhead_bytes=overhead_bytes)
+    if profile is not None:
+        mem = profile if isinstance(profile, MemoryProfile) else load_memory_profile(profile)
+        if mem.kv_bytes_per_token != exact.kv_bytes_per_token:
                 raise ValueError(f"the memory profile has {mem.kv_bytes_per_token} KV bytes per token, this "
                                  f"model in {dtype} has {exact.kv_bytes_per_token}: it was profiled for "
                                  f"another model or precision; profile this one with "
                                  f"`batchpilot profile --llm`")
-            return mem
-        if config.kv_cache_memory is None and config.memory_utilization is None:
-            return exact
-        mem, _ = measure_memory(probe)
-        log.info("llm memory: measured the activation peak at start-up: %.0f B + %.0f B per batched token "
-                 "+ %.0f B per gathered context token", mem.activation_fixed_bytes,
-                 mem.activation_bytes_per_token, mem.activation_bytes_per_read_token)
         return mem
-    finally:
-        del probe
+    if config.kv_cache_memory is None and config.memory_utilization is None:
+        return exact
+    probe = LLMModelRunner(weights, max(1, PROBE_TOKENS // config.block_size), config.block_size,
+                           device=device, dtype=dtype)
+    mem, _ = measure_memory(probe)
+    del probe
+    log.info("llm memory: measured the activation peak at start-up: %.0f B + %.0f B per batched token "
+             "+ %.0f B per gathered context token", mem.activation_fixed_bytes,
+             mem.activation_bytes_per_token, mem.activation_bytes_per_read_token)
+    return dataclasses.replace(mem, overhead_bytes=overhead_bytes)
 
 
 def plan_engine_memory(weights: Any, config: LLMSchedulerConfig, device: str, dtype: Any,
                        free_bytes: float | None, profile: MemoryProfile | str | Path | None = None,
-                       max_model_len_given: bool = True) -> tuple[KVPlan, MemoryProfile]:
+                       max_model_len_given: bool = True, overhead_bytes: float = 0.0
+                       ) -> tuple[KVPlan, MemoryProfile]:
     """The engine's plan, logged; raises ``core.kv_plan.KVPlanError`` with what to change."""
-    mem = engine_memory(weights, config, device, dtype, profile)
+    mem = engine_memory(weights, config, device, dtype, profile, overhead_bytes)
     plan = plan_kv(config, mem, free_bytes, swap_on_device=str(device).startswith("cpu"),
                    cap_max_model_len=not max_model_len_given)
     if plan.max_model_len != config.max_model_len:

@@ -9,7 +9,9 @@
   contexts (the gather of their keys and values: linear in the context tokens of the largest
   decode group, which the runner's reused buffers hold). A least-squares
   fit ``fixed + per_token x tokens + per_read_token x read`` is shifted up by its largest miss, so it
-  is at or above every measured step.
+  is at or above every measured step; on CPU the fixed term also takes what running the same steps on
+  a fresh thread leaves resident beyond the tensors (``thread_residual``: the allocator arena the
+  engine's own thread will hold).
 
 The runner's gather buffers outlive a step (they are reused); each shape is measured with them
 released, so the gather it needs is counted, not hidden by a buffer an earlier shape grew.
@@ -18,6 +20,7 @@ released, so the gather it needs is counted, not hidden by a buffer an earlier s
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -60,6 +63,26 @@ def model_memory(runner: LLMModelRunner) -> MemoryProfile:
     return MemoryProfile(weights_bytes(runner), kv_bytes_per_token(runner))
 
 
+def weights_memory(weights: Any, dtype: torch.dtype) -> MemoryProfile:
+    """``model_memory`` before any runner exists: the loaded weights (in ``dtype`` on the device, as the
+    runner keeps them) and the RoPE tables the runner will build, KV bytes from the model's shape."""
+    w = weights
+    size = torch.empty(0, dtype=dtype).element_size()
+    tensors = [w.embed, w.norm, w.lm_head]
+    for layer in w.layers:
+        tensors += [layer.input_norm, layer.qkv, layer.o, layer.post_norm, layer.gate_up, layer.down]
+    seen: set[int] = set()
+    elems = 0
+    for t in tensors:
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            elems += t.untyped_storage().nbytes() // t.element_size()
+    rope = 2 * w.max_position_embeddings * w.head_dim
+    kv = 2 * len(w.layers) * w.num_kv_heads * w.head_dim * size
+    return MemoryProfile((elems + rope) * size, kv)
+
+
 def read_tokens(plan: StepPlan) -> int:
     """Context tokens the step's largest decode gather holds: decodes sorted by context are split into
     groups (the runner's ``decode_groups``), each padded to its longest and gathered in turn into the
@@ -92,6 +115,30 @@ def _measure(runner: LLMModelRunner, plan: StepPlan) -> float:
         return peak_memory_bytes(step, runner.device)
 
 
+def thread_residual(runner: LLMModelRunner, plans: Sequence[StepPlan], tensor_peak: float) -> float:
+    """CPU only: the resident growth of running ``plans`` on a fresh thread (as the engine's own thread
+    does) beyond the largest tensor peak. A new thread allocates from a malloc arena of its own, whose
+    pages stay resident (``keep_freed_memory``) and which the tensor accounting cannot see; 0 on CUDA."""
+    if runner.device.type != "cpu":
+        return 0.0
+    import threading
+
+    from ..device import used_memory_bytes
+
+    before = used_memory_bytes(runner.device)
+
+    def run() -> None:
+        with torch.inference_mode():
+            for plan in plans:
+                runner.forward(plan.chunks).argmax(-1)
+
+    t = threading.Thread(target=run, name="memory-probe")
+    t.start()
+    t.join()
+    runner.release_buffers()
+    return max(0.0, used_memory_bytes(runner.device) - before - tensor_peak)
+
+
 def measure_memory(runner: LLMModelRunner, prefill_tokens: Sequence[int] = (32, 64, 128, 256, 512),
                    decode_shapes: Sequence[tuple[int, int]] = ((8, 64), (8, 256), (4, 1024), (16, 128),
                                                                (8, 512)),
@@ -110,6 +157,7 @@ def measure_memory(runner: LLMModelRunner, prefill_tokens: Sequence[int] = (32, 
     x, y = np.array(rows), np.array(peaks)
     coef = np.clip(np.linalg.lstsq(x, y, rcond=None)[0], 0.0, None)
     coef[0] += max(0.0, float((y - x @ coef).max()))  # at or above every measured step
+    coef[0] += thread_residual(runner, plans, float(y.max()))
     fit = x @ coef
     points = [{"tokens": r[1], "read": r[2], "peak_bytes": float(p), "fit_bytes": float(f)}
               for r, p, f in zip(rows, peaks, fit, strict=True)]

@@ -69,22 +69,31 @@ class LlamaWeights:
                 a, m = layer.self_attn, layer.mlp
                 if any(getattr(p, "bias", None) is not None for p in (a.q_proj, a.o_proj, m.gate_proj)):
                     raise ValueError("llm weights: attention/MLP biases are not supported")
-                layers.append(LayerWeights(
-                    input_norm=layer.input_layernorm.weight.detach().clone(),
-                    qkv=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach().contiguous(),
-                    o=a.o_proj.weight.detach().clone(),
-                    post_norm=layer.post_attention_layernorm.weight.detach().clone(),
-                    gate_up=torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach().contiguous(),
-                    down=m.down_proj.weight.detach().clone(),
+                # fused tensors are new; the HF module's projections become views of them at once, so
+                # loading holds one layer's projections twice at most, never the whole model
+                qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach().contiguous()
+                gate_up = torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach().contiguous()
+                nq, nk = a.q_proj.weight.shape[0], a.k_proj.weight.shape[0]
+                a.q_proj.weight.data, a.k_proj.weight.data = qkv[:nq], qkv[nq : nq + nk]
+                a.v_proj.weight.data = qkv[nq + nk :]
+                ni = m.gate_proj.weight.shape[0]
+                m.gate_proj.weight.data, m.up_proj.weight.data = gate_up[:ni], gate_up[ni:]
+                layers.append(LayerWeights(  # the rest is shared with the HF module, not copied
+                    input_norm=layer.input_layernorm.weight.detach(),
+                    qkv=qkv,
+                    o=a.o_proj.weight.detach(),
+                    post_norm=layer.post_attention_layernorm.weight.detach(),
+                    gate_up=gate_up,
+                    down=m.down_proj.weight.detach(),
                 ))
             rotary = model.model.rotary_emb
             eos = cfg.eos_token_id
             eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, list | tuple) else (int(eos),))
             return cls(
-                embed=model.model.embed_tokens.weight.detach().clone(),
+                embed=model.model.embed_tokens.weight.detach(),
                 layers=layers,
-                norm=model.model.norm.weight.detach().clone(),
-                lm_head=model.lm_head.weight.detach().clone(),
+                norm=model.model.norm.weight.detach(),
+                lm_head=model.lm_head.weight.detach(),
                 inv_freq=rotary.inv_freq.detach().float().clone(),
                 attention_scaling=float(getattr(rotary, "attention_scaling", 1.0)),
                 num_heads=cfg.num_attention_heads,
