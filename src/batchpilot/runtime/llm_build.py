@@ -5,9 +5,12 @@ the engine behind its watchdog and circuit breaker, with that fallback or none."
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import TYPE_CHECKING, Any
 
 from ..core.llm_scheduler import LLMSchedulerConfig
+
+log = logging.getLogger("batchpilot.llm")
 
 if TYPE_CHECKING:
     from .llm_engine import LLMEngine
@@ -95,7 +98,28 @@ def build_llm_engine(model_path: str | None = None, **engine_config: Any) -> LLM
     engine.memory_plan, engine.memory_profile = plan, memory  # type: ignore[attr-defined]
     # the fallback engine's model (runtime/llm_fallback.py): the HF module over the runner's tensors
     engine.hf_model = share_runner_weights(hf, runner.w)  # type: ignore[attr-defined]
+    engine.memory_held_before = held_before  # type: ignore[attr-defined]
+    built = built_overhead(engine)
+    if built > plan.overhead_bytes + (1 << 20):
+        log.warning("llm memory: the built engine holds %.1f MiB beyond its weights and KV pool, the plan "
+                    "left %.1f MiB for it; profile with `batchpilot profile --llm` and serve with "
+                    "--llm-profile to plan with the built figure", built / (1 << 20),
+                    plan.overhead_bytes / (1 << 20))
     return engine.start() if start else engine
+
+
+def built_overhead(engine: LLMEngine) -> float:
+    """CPU: what the built engine's process holds beyond its weights and KV pool, measured from before
+    its model loaded (the tokenizer, the loader's kept pages, the runner's tables, the engine's pool);
+    ``batchpilot profile --llm`` records it as the profile's overhead. 0 on CUDA."""
+    from ..models.device import used_memory_bytes
+
+    r = engine.runner
+    if r.device.type != "cpu":
+        return 0.0
+    plan = engine.memory_plan  # type: ignore[attr-defined]
+    held = used_memory_bytes(r.device) - engine.memory_held_before  # type: ignore[attr-defined]
+    return float(max(0.0, held - plan.weights_bytes - r.kv_cache_bytes))
 
 
 def gather_tokens(config: LLMSchedulerConfig) -> int:

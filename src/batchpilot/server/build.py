@@ -205,9 +205,9 @@ def _llm_router(settings: ServerConfig, spec: DeploymentSpec, rollout: RolloutSp
     build = getattr(llm_routes, "build_llm_engine", None)
     if build is None:
         from ..runtime.llm_engine import build_llm_engine as build
+    extra = {"memory_profile": settings.llm_profile} if settings.llm_profile else {}
     engine = build(settings.llm_model, tokenizer_threads=settings.tokenizer_workers or 0,
-                   threads=settings.num_threads or 0,
-                   **llm_overrides(spec))
+                   threads=settings.num_threads or 0, **extra, **llm_overrides(spec))
     from ..runtime.llm_build import build_failover, build_llm_arm
 
     fallback, stall_s = settings.llm_fallback, settings.llm_stall_timeout_s

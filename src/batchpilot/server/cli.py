@@ -101,6 +101,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--llm", action="store_true", help="also mount the LLM completion routes")
     p.add_argument("--llm-model", default=None, help="--llm: local HF causal-LM folder")
+    p.add_argument("--llm-profile", default=None, metavar="PATH",
+                   help="--llm: the `batchpilot profile --llm` file the KV pool is planned from (its "
+                        "measured memory); without it a memory budget is measured at start-up")
     p.add_argument("--batch-log", default=None, metavar="PATH",
                    help="append one JSON line per executed encoder batch (start, slot seconds, size, "
                         "cost-model features) to PATH: how `bench fidelity` reports the run's speed "
@@ -168,7 +171,8 @@ def server_config(args: argparse.Namespace, spec: DeploymentSpec) -> ServerConfi
         max_input_chars=args.max_input_chars, max_input_tokens=args.max_input_tokens,
         request_timeout_s=spec.server.request_timeout_s,
         drain_timeout_s=args.drain_timeout_s, warmup=not args.no_warmup, llm=args.llm,
-        llm_model=args.llm_model, llm_limits=llm_limits_from_args(args), llm_step_log=args.llm_step_log,
+        llm_model=args.llm_model, llm_profile=args.llm_profile, llm_limits=llm_limits_from_args(args),
+        llm_step_log=args.llm_step_log,
         batch_log=args.batch_log,
         llm_fallback=args.llm_fallback, llm_stall_timeout_s=args.llm_stall_timeout_s,
         encoder_fallback=not args.no_encoder_fallback, encoder_stall_timeout_s=args.encoder_stall_timeout_s,

@@ -58,6 +58,7 @@ class ServerConfig:
     warmup: bool = True
     llm: bool = False
     llm_model: str | None = None
+    llm_profile: str | None = None  # the `profile --llm` file the KV pool is planned from (llm_memory.py)
     llm_limits: LLMLimits = LLMLimits()  # sizes of one LLM request (llm_limits.py; serve's --llm-max-* flags)
     batch_log: str | None = None  # append one JSON line per executed encoder batch here (fidelity checks)
     llm_step_log: str | None = None  # append one JSON line per LLM engine step here (fidelity checks)

@@ -36,11 +36,22 @@ class _EngineCollector(Collector):
             "kv_fragmentation_ratio": ("Share of allocated KV slots holding no token", s.fragmentation),
             "generation_tokens_per_second": ("Output tokens per second over the recent window",
                                              s.tokens_per_s),
+            "swapped_seqs": ("Sequences swapped out now (KV in host blocks)", s.num_swapped),
+            "swap_blocks_used": ("Host swap blocks in use", s.num_swap_blocks - s.num_free_swap_blocks),
+            "swap_blocks_free": ("Host swap blocks free", s.num_free_swap_blocks),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"batchpilot_llm_{name}", doc, value=float(value))
         counters = {
-            "preemptions": ("Sequences preempted (recompute)", s.num_preemptions),
+            "preemptions": ("Sequences preempted for KV memory (swapped out or recomputed)",
+                            s.num_preemptions),
+            "recompute_preemptions": ("Preemptions that freed the KV, to prefill again",
+                                      s.num_recompute_preemptions),
+            "recomputed_tokens": ("Computed tokens recompute preemptions threw away",
+                                  s.num_recomputed_tokens),
+            "swapped_out": ("Preemptions that copied the KV to host blocks", s.num_swapped_out),
+            "swapped_in": ("Swapped sequences copied back to device blocks", s.num_swapped_in),
+            "swap_seconds": ("Wall time of KV block copies between device and host", s.swap_seconds),
             "steps": ("Engine steps run", s.num_steps),
             "generation_tokens": ("Output tokens generated", s.num_generated_tokens),
             "prefix_cache_hit_tokens": ("Prompt tokens served from the prefix cache",

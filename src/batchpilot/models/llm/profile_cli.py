@@ -9,12 +9,15 @@ model, precision and threads), not started. Measured on its runner:
   what ``serve --llm --llm-profile`` and ``simulate --target llm --profile`` plan the KV pool from
   (``core/kv_plan.py``);
 * ``free_bytes``: the device's free memory before the model loaded, so a ``memory_utilization``
-  budget can be planned in the simulator as it would be on this machine.
+  budget can be planned in the simulator as it would be on this machine;
+* the swap copy times (``cost_model.meta``, from ``profile_llm_steps``), what swap preemption is
+  priced with in the simulator.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import time
@@ -26,7 +29,7 @@ def run_llm(args: argparse.Namespace) -> int:
     import torch
 
     from ...core.kv_plan import MIB
-    from ...runtime.llm_build import build_llm_engine
+    from ...runtime.llm_build import build_llm_engine, built_overhead
     from ..device import free_memory_bytes, resolve_device
     from .memory_profile import measure_memory
     from .profile import profile_llm_steps
@@ -45,8 +48,11 @@ def run_llm(args: argparse.Namespace) -> int:
     print(f"{engine.model_name} on {device} ({dtype}, {torch.get_num_threads()} threads), loaded in "
           f"{time.perf_counter() - t0:.1f} s; KV pool {runner.num_kv_blocks} blocks x {runner.block_size}")
     t1 = time.perf_counter()
+    overhead = built_overhead(engine)  # before measuring: the measurement's own pages stay resident
     memory, mem_points = measure_memory(runner)
-    print(f"memory: weights {memory.weights_bytes / MIB:.1f} MiB, KV {memory.kv_bytes_per_token} B per "
+    memory = dataclasses.replace(memory, overhead_bytes=overhead)
+    print(f"memory: weights {memory.weights_bytes / MIB:.1f} MiB, overhead "
+          f"{memory.overhead_bytes / MIB:.1f} MiB, KV {memory.kv_bytes_per_token} B per "
           f"token, activation {memory.activation_fixed_bytes / MIB:.2f} MiB + "
           f"{memory.activation_bytes_per_token:.0f} B per batched token + "
           f"{memory.activation_bytes_per_read_token:.0f} B per gathered context token "
@@ -67,13 +73,8 @@ def run_llm(args: argparse.Namespace) -> int:
                  "threads": torch.get_num_threads(), "torch": torch.__version__,
                  "seconds": time.perf_counter() - t1},
     }
-    doc.update(_preemption_costs(runner, model))
     Path(args.output).write_text(json.dumps(doc, indent=2))
     print(f"wrote {args.output} in {time.perf_counter() - t1:.1f} s")
     engine.prompts.close()
     return 0
 
-
-def _preemption_costs(runner: Any, model: Any) -> dict[str, Any]:
-    """The swap copy times, where the runner measures them (``{}`` where it does not)."""
-    return {}
