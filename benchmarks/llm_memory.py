@@ -5,14 +5,15 @@ memory; the model is the default tiny Llama (seeded weights, float32), every seq
 ``--prompt`` + ``--output`` tokens (``max_model_len`` is exactly that). For each share ``s``:
 
 * **planned**: ``core.kv_plan.plan_kv`` with ``memory_utilization = s`` over the memory profile measured
-  here first, as ``batchpilot profile --llm`` measures it (``models/llm/memory_profile.measure_memory``
-  on a built engine, its overhead from ``runtime/llm_build.built_overhead``); the largest batch
+  here first, as ``batchpilot profile --llm`` measures it (``runtime/llm_memory.profile_engine_memory``
+  on a default engine, not on the sequences below); the largest batch
   ``B_plan`` is the most sequences whose KV the plan's pool holds at once, with ``max_num_seqs = B``
   (the activation peak depends on it);
 * **observed**: a fresh process per batch size ``B`` (a grid around ``B_plan``) builds the engine with a
   pool of exactly ``B`` sequences and ``max_num_seqs = B``, runs ``B`` requests at once to their full
-  length (greedy, EOS ignored) and reports its peak resident memory (``VmHWM``) above its resident
-  memory before the model loaded (torch and batchpilot imported). It *fits* if that is at most
+  length (greedy, EOS ignored) and reports its peak resident memory (``VmHWM``) above what it held
+  when the builder read the free memory, before the model loaded (the instant the plan's budget is a
+  share of). It *fits* if that is at most
   ``s x device``; ``B_obs`` is the largest ``B`` of the grid that fits and ran with no preemption.
 
 "OOM when the plan says it fits" counts the batch sizes ``B <= B_plan`` whose observed peak passed the
@@ -24,7 +25,6 @@ budget: the target is zero.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import subprocess
 import sys
@@ -45,12 +45,9 @@ def child(batch: int, prompt: int, output: int, block_size: int) -> None:
     """Run ``batch`` sequences at once on a pool that holds exactly them; print the peak as JSON."""
     import asyncio
 
-    import torch  # noqa: F401  (imported before the baseline: it is not the engine's memory)
-
     from batchpilot.core.sequence import SamplingParams
     from batchpilot.runtime.llm_build import build_llm_engine
 
-    base = _status("VmRSS")
     length = prompt + output
     blocks = batch * -(-length // block_size)
     engine = build_llm_engine(num_kv_blocks=blocks, block_size=block_size, max_num_seqs=batch,
@@ -70,6 +67,7 @@ def child(batch: int, prompt: int, output: int, block_size: int) -> None:
         stats = engine.stats()
     finally:
         engine.shutdown()
+    base = engine.memory_held_before  # what the process held when the builder read the free memory
     print(json.dumps({"batch": batch, "peak_bytes": _status("VmHWM") - base,
                       "tokens_ok": outs == [output] * batch, "preemptions": stats.num_preemptions}))
 
@@ -118,16 +116,13 @@ def main() -> None:
     import torch
 
     from batchpilot.core.sizes import parse_bytes
-    from batchpilot.models.llm.memory_profile import measure_memory
-    from batchpilot.runtime.llm_build import build_llm_engine, built_overhead
+    from batchpilot.runtime.llm_build import build_llm_engine
+    from batchpilot.runtime.llm_memory import profile_engine_memory
 
     torch.set_num_threads(1)
     device = float(parse_bytes(args.device_memory))
-    engine = build_llm_engine(start=False, num_kv_blocks=512, max_model_len=args.prompt + args.output)
-    overhead = built_overhead(engine)  # before measuring: the measurement's own pages stay resident
-    memory, _ = measure_memory(engine.runner)
-    memory = dataclasses.replace(memory, overhead_bytes=overhead)
-    engine.prompts.close()
+    engine = build_llm_engine(start=False, num_kv_blocks=512, threads=1)
+    memory, _ = profile_engine_memory(engine)  # what `batchpilot profile --llm` records
     del engine
     print(f"memory profile (measured): weights {memory.weights_bytes / MIB:.1f} MiB, overhead "
           f"{memory.overhead_bytes / MIB:.1f} MiB, KV {memory.kv_bytes_per_token} B/token, activation "

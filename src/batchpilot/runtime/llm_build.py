@@ -100,7 +100,9 @@ def build_llm_engine(model_path: str | None = None, **engine_config: Any) -> LLM
     engine.hf_model = share_runner_weights(hf, runner.w)  # type: ignore[attr-defined]
     engine.memory_held_before = held_before  # type: ignore[attr-defined]
     built = built_overhead(engine)
-    if built > plan.overhead_bytes + (1 << 20):
+    log.info("llm memory: built, the engine holds %.1f MiB beyond its weights and KV pool (the plan left "
+             "%.1f MiB)", built / (1 << 20), plan.overhead_bytes / (1 << 20))
+    if plan.source != "num_kv_blocks" and built > plan.overhead_bytes + (16 << 20):
         log.warning("llm memory: the built engine holds %.1f MiB beyond its weights and KV pool, the plan "
                     "left %.1f MiB for it; profile with `batchpilot profile --llm` and serve with "
                     "--llm-profile to plan with the built figure", built / (1 << 20),

@@ -79,3 +79,48 @@ def plan_engine_memory(weights: Any, config: LLMSchedulerConfig, device: str, dt
                     config.max_model_len, plan.max_model_len)
     log.info("llm memory: %s", plan.describe())
     return plan, mem
+
+
+def profile_engine_memory(engine: Any, burst_seqs: int = 32, burst_prompt: int = 128,
+                          burst_output: int = 16) -> tuple[MemoryProfile, list[dict[str, float]]]:
+    """What ``batchpilot profile --llm`` records of a built (not started) engine, in this order, each
+    before the next leaves pages of its own resident:
+
+    1. the built engine's overhead beyond weights and KV (``llm_build.built_overhead``);
+    2. a burst of ``burst_seqs`` requests (token-id prompts, greedy, EOS ignored) through the started
+       engine: on CPU, what it leaves resident beyond the activation peak the plan counts for such a
+       burst (the engine thread's arena, the requests' Python state) joins the overhead;
+    3. the activation terms (``models/llm/memory_profile.measure_memory``) on its runner.
+
+    The engine is shut down at the end; its runner stays usable (the step profile runs on it next)."""
+    import asyncio
+    import dataclasses
+
+    from ..core.sequence import SamplingParams
+    from ..models.device import used_memory_bytes
+    from ..models.llm.memory_profile import measure_memory
+    from .llm_build import built_overhead
+
+    overhead = built_overhead(engine)
+    device = engine.runner.device
+    params = SamplingParams(max_tokens=burst_output, temperature=0.0, ignore_eos=True)
+
+    async def burst() -> None:
+        async def one(i: int) -> None:
+            async for _ in engine.generate([7 + (i * 31 + j) % 256 for j in range(burst_prompt)], params):
+                pass
+        await asyncio.gather(*(one(i) for i in range(burst_seqs)))
+
+    before = used_memory_bytes(device)
+    engine.start()
+    try:
+        asyncio.run(burst())
+    finally:
+        engine.shutdown()
+    grown = used_memory_bytes(device) - before
+    memory, points = measure_memory(engine.runner)
+    if device.type == "cpu":
+        burst_activation = memory.activation_bytes(engine.config.max_num_batched_tokens,
+                                                   burst_seqs * (burst_prompt + burst_output))
+        overhead += max(0.0, grown - burst_activation)
+    return dataclasses.replace(memory, overhead_bytes=overhead), points

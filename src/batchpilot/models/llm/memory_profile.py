@@ -145,10 +145,11 @@ def measure_memory(runner: LLMModelRunner, prefill_tokens: Sequence[int] = (32, 
                    ) -> tuple[MemoryProfile, list[dict[str, float]]]:
     """The runner's ``MemoryProfile`` with measured activation terms, and the measured points
     (``tokens``, ``read``, ``peak_bytes``, ``fit_bytes``). Decode shapes are ``(sequences, context)``;
-    shapes that do not fit the runner's pool are left out."""
+    shapes that do not fit the runner's pool or the model's positions are left out."""
     pool = runner.num_kv_blocks * runner.block_size
-    plans = [_plan(runner, n, 0, 0) for n in prefill_tokens if n <= pool]
-    plans += [_plan(runner, 0, b, c) for b, c in decode_shapes if b * c <= pool and c > 1]
+    positions = runner.cos.shape[0]  # the model's position limit
+    plans = [_plan(runner, n, 0, 0) for n in prefill_tokens if n <= min(pool, positions)]
+    plans += [_plan(runner, 0, b, c) for b, c in decode_shapes if b * c <= pool and 1 < c <= positions]
     rows, peaks = [], []
     for plan in plans:
         rows.append((1.0, float(plan.num_batched_tokens), float(read_tokens(plan))))

@@ -5,7 +5,8 @@ model, precision and threads), not started. Measured on its runner:
 
 * ``cost_model``: the step time model (``models/llm/profile.profile_llm_steps``), what ``simulate
   --target llm --profile`` prices steps with;
-* ``memory``: weights, KV bytes per token and the activation peak (``models/llm/memory_profile``),
+* ``memory``: weights, KV bytes per token, the overhead and the activation peak
+  (``runtime/llm_memory.profile_engine_memory``),
   what ``serve --llm --llm-profile`` and ``simulate --target llm --profile`` plan the KV pool from
   (``core/kv_plan.py``);
 * ``free_bytes``: the device's free memory before the model loaded, so a ``memory_utilization``
@@ -17,7 +18,6 @@ model, precision and threads), not started. Measured on its runner:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import time
@@ -29,9 +29,9 @@ def run_llm(args: argparse.Namespace) -> int:
     import torch
 
     from ...core.kv_plan import MIB
-    from ...runtime.llm_build import build_llm_engine, built_overhead
+    from ...runtime.llm_build import build_llm_engine
+    from ...runtime.llm_memory import profile_engine_memory
     from ..device import free_memory_bytes, resolve_device
-    from .memory_profile import measure_memory
     from .profile import profile_llm_steps
 
     device = resolve_device(args.device)
@@ -43,14 +43,12 @@ def run_llm(args: argparse.Namespace) -> int:
     free = free_memory_bytes(device)
     t0 = time.perf_counter()
     engine = build_llm_engine(args.model, device=str(device), dtype=dtype, threads=args.threads or 0,
-                              start=False)
+                              num_swap_blocks=16, start=False)  # host blocks: the swap copies get timed
     runner = engine.runner
     print(f"{engine.model_name} on {device} ({dtype}, {torch.get_num_threads()} threads), loaded in "
           f"{time.perf_counter() - t0:.1f} s; KV pool {runner.num_kv_blocks} blocks x {runner.block_size}")
     t1 = time.perf_counter()
-    overhead = built_overhead(engine)  # before measuring: the measurement's own pages stay resident
-    memory, mem_points = measure_memory(runner)
-    memory = dataclasses.replace(memory, overhead_bytes=overhead)
+    memory, mem_points = profile_engine_memory(engine)
     print(f"memory: weights {memory.weights_bytes / MIB:.1f} MiB, overhead "
           f"{memory.overhead_bytes / MIB:.1f} MiB, KV {memory.kv_bytes_per_token} B per "
           f"token, activation {memory.activation_fixed_bytes / MIB:.2f} MiB + "
@@ -75,6 +73,5 @@ def run_llm(args: argparse.Namespace) -> int:
     }
     Path(args.output).write_text(json.dumps(doc, indent=2))
     print(f"wrote {args.output} in {time.perf_counter() - t1:.1f} s")
-    engine.prompts.close()
     return 0
 

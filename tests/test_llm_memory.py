@@ -1,0 +1,81 @@
+"""The LLM memory plan on the real engine and CLIs: the builder sizes the pool from a budget, refuses
+what cannot hold the engine, and ``simulate`` plans the same pool from the same profile."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from batchpilot.cli import main
+from batchpilot.core.kv_plan import KVPlanError, MemoryProfile
+from batchpilot.core.llm_config import LLMSchedulerConfig
+from batchpilot.runtime.llm_build import build_llm_engine, built_overhead
+from batchpilot.sim.llm import default_llm_cost_model
+from batchpilot.sim.llm_memory import planned_llm_config
+
+SMALL = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 512, "threads": 1,
+         "start": False}
+KV_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # K and V x layers x kv heads x head_dim x float32
+
+
+def test_kv_cache_memory_sizes_the_pool_the_runner_allocates() -> None:
+    block = KV_PER_TOKEN * 16
+    engine = build_llm_engine(kv_cache_memory=40 * block + 7, max_model_len=256, **SMALL)
+    try:
+        plan = engine.memory_plan
+        assert plan.num_kv_blocks == engine.config.num_kv_blocks == engine.runner.num_kv_blocks == 40
+        assert engine.runner.kv_cache_bytes == plan.kv_bytes == 40 * block
+        assert engine.memory_profile.source == "measured"  # a budget: the activation peak was measured
+        assert plan.activation_bytes > 0 and plan.weights_bytes > 0
+        assert built_overhead(engine) >= 0.0
+    finally:
+        engine.prompts.close()
+
+
+def test_a_pool_too_small_for_a_given_max_model_len_stops_the_build_saying_what_to_change() -> None:
+    with pytest.raises(KVPlanError, match="cannot hold one sequence of max_model_len = 400"):
+        build_llm_engine(num_kv_blocks=8, max_model_len=400, **SMALL)
+
+
+def test_without_a_length_a_small_pool_lowers_the_models_to_what_it_holds() -> None:
+    engine = build_llm_engine(num_kv_blocks=8, **SMALL)
+    try:
+        assert engine.config.max_model_len == 8 * 16
+    finally:
+        engine.prompts.close()
+
+
+def test_memory_utilization_plans_a_pool_that_fits_the_share_of_free_memory() -> None:
+    engine = build_llm_engine(memory_utilization=0.001, max_model_len=256, max_num_seqs=4, **SMALL)
+    try:
+        plan = engine.memory_plan
+        assert plan.source == "memory_utilization" and plan.free_bytes is not None
+        assert plan.planned_bytes <= 0.001 * plan.free_bytes
+        assert plan.num_kv_tokens >= 256
+    finally:
+        engine.prompts.close()
+
+
+def test_simulate_plans_the_pool_from_the_profile_as_serve_does(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    memory = MemoryProfile(weights_bytes=80 << 20, kv_bytes_per_token=12288, activation_fixed_bytes=1e6,
+                           activation_bytes_per_token=4e4, activation_bytes_per_read_token=2048,
+                           source="measured", overhead_bytes=100 << 20)
+    profile = tmp_path / "llm.json"
+    profile.write_text(json.dumps({"cost_model": default_llm_cost_model().to_dict(), "memory": memory.to_dict(),
+                                   "free_bytes": 2e9, "device": "cpu"}))
+    config, plan = planned_llm_config(LLMSchedulerConfig(memory_utilization=0.5), profile)
+    assert plan is not None and config.num_kv_blocks == plan.num_kv_blocks
+    assert plan.planned_bytes <= 1e9
+    with pytest.raises(ValueError, match="needs a profile with a 'memory' section"):
+        planned_llm_config(LLMSchedulerConfig(memory_utilization=0.5), None)
+    rc = main(["simulate", "--workload", "conv-llm", "--requests", "40", "--profile", str(profile),
+               "--memory-utilization", "0.5"])
+    out = capsys.readouterr().out
+    assert rc == 0 and f"KV pool {plan.num_kv_blocks} blocks" in out
+    rc = main(["simulate", "--workload", "conv-llm", "--requests", "40", "--profile", str(profile),
+               "--kv-cache-memory", "1MiB"])
+    assert rc == 2 and "cannot hold one sequence" in capsys.readouterr().out
