@@ -6,15 +6,14 @@ memory; the model is the default tiny Llama (seeded weights, float32), every seq
 
 * **planned**: ``core.kv_plan.plan_kv`` with ``memory_utilization = s`` over the memory profile measured
   here first, as ``batchpilot profile --llm`` measures it (``runtime/llm_memory.profile_engine_memory``
-  on a default engine, not on the sequences below); the largest batch
-  ``B_plan`` is the most sequences whose KV the plan's pool holds at once, with ``max_num_seqs = B``
-  (the activation peak depends on it);
-* **observed**: a fresh process per batch size ``B`` (a grid around ``B_plan``) builds the engine with a
-  pool of exactly ``B`` sequences and ``max_num_seqs = B``, runs ``B`` requests at once to their full
-  length (greedy, EOS ignored) and reports its peak resident memory (``VmHWM``) above what it held
-  when the builder read the free memory, before the model loaded (the instant the plan's budget is a
-  share of). It *fits* if that is at most
-  ``s x device``; ``B_obs`` is the largest ``B`` of the grid that fits and ran with no preemption.
+  on a default engine, not on the sequences below); the largest batch ``B_plan`` is the most sequences
+  whose KV the plan's pool holds at once, with ``max_num_seqs = B`` (the activation peak depends on it);
+* **observed**: a fresh process per batch size ``B`` (``B_plan``, then up by ``--step`` until one does
+  not fit) builds the engine with a pool of exactly ``B`` sequences and ``max_num_seqs = B``, runs ``B``
+  requests at once to their full length (greedy, EOS ignored) and reports its peak resident memory
+  (``VmHWM``) above what it held when the builder read the free memory, before the model loaded (the
+  instant the plan's budget is a share of). It *fits* if that is at most ``s x device``; ``B_obs`` is
+  the largest ``B`` tried that fits and ran with no preemption.
 
 "OOM when the plan says it fits" counts the batch sizes ``B <= B_plan`` whose observed peak passed the
 budget: the target is zero.
@@ -106,8 +105,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--output", type=int, default=32)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--grid", type=float, nargs="+", default=[0.5, 1.0, 1.25, 1.5, 2.0],
-                    help="batch sizes observed, as multiples of B_plan")
+    ap.add_argument("--step", type=float, default=0.04,
+                    help="observed batch sizes: B_plan, then up by this share until one does not fit")
+    ap.add_argument("--max-steps", type=int, default=8)
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
@@ -135,21 +135,23 @@ def main() -> None:
     for share in args.shares:
         b_plan, plan = planned_batch(share, device, memory, args)
         budget = share * device
-        grid = sorted({max(1, round(b_plan * g)) for g in args.grid})
         oom_at_plan, b_obs = 0, 0
-        for b in grid:
+        b, step = max(1, b_plan), 0
+        while step < args.max_steps:  # from B_plan up by --step until a batch does not fit
             r = observe(b, args)
             fits = r["peak_bytes"] <= budget and r["preemptions"] == 0
-            if fits:
-                b_obs = max(b_obs, b)
             if b <= b_plan and r["peak_bytes"] > budget:
                 oom_at_plan += 1
             planned = plan.planned_bytes / MIB if plan is not None and b == b_plan else float("nan")
             print(f"{share:>6.2f}{budget / MIB:>11.0f}{b_plan:>7}{planned:>12.1f}{b:>6}"
                   f"{r['peak_bytes'] / MIB:>13.1f}{'yes' if fits else 'NO':>6}{r['preemptions']:>8}"
                   f"{'ok' if r['tokens_ok'] else 'BAD':>7}", flush=True)
+            if not fits:
+                break
+            b_obs = b
+            b, step = max(b + 1, round(b * (1 + args.step))), step + 1
         summary.append((share, b_plan, b_obs, oom_at_plan))
-    print("\nshare: largest batch planned / observed (of the grid), over-budget runs the plan said fit")
+    print("\nshare: largest batch planned / observed, over-budget runs the plan said fit")
     for share, b_plan, b_obs, oom in summary:
         print(f"  {share:.2f}: {b_plan} / {b_obs}, {oom} over budget")
     print(f"over budget where the plan said it fits: {sum(s[3] for s in summary)} (target 0)")
