@@ -127,6 +127,14 @@ def test_a_candidate_slower_for_the_typical_request_is_rolled_back_on_its_p50() 
     assert off.check(feed(off, "canary", t, 100, 0.030)) == []
 
 
+def test_sub_millisecond_arms_twice_apart_are_kept_unless_the_gap_is_set_to_zero() -> None:
+    for gap, expected in ((0.005, []), (0.0, ["p99_ratio"])):
+        guard = RolloutGuard([PRIMARY, "canary"], RollbackRules(min_samples=50, min_latency_gap_s=gap))
+        t = feed(guard, PRIMARY, 0.0, 200, 0.0002)
+        t = feed(guard, "canary", t, 200, 0.0005)  # 2.5x, but 0.3 ms: noise on a cold process
+        assert [rb.rule for rb in guard.check(t)] == expected
+
+
 def test_a_candidate_as_fast_as_the_primary_is_kept() -> None:
     guard = RolloutGuard([PRIMARY, "canary"], RollbackRules(min_samples=50))
     t = feed(guard, PRIMARY, 0.0, 500, 0.010)

@@ -20,7 +20,8 @@ answers) of outcomes (``Outcome``) and of ok latencies. A candidate is rolled ba
 least ``rules.min_samples`` answers in the window on it and on the primary (ok answers, for the
 latency rules), its P99 is over ``max_p99_ratio`` times the primary's, its P50 over
 ``max_p50_ratio`` times (a config much slower for the typical request: at a small share and light
-load its tail can stay short while every answer is slow), or its error rate or its rejection rate
+load its tail can stay short while every answer is slow) — each also by more than
+``min_latency_gap_s`` in absolute terms —, or its error rate or its rejection rate
 exceeds the primary's by more than ``max_error_rate`` / ``max_rejection_rate``; or, whatever the
 sample, when it had ``max_faults`` executor faults (model errors, out of memory) in the window. The
 primary is never rolled back: it is what traffic returns to. A rolled-back arm stays so until
@@ -31,7 +32,6 @@ Pure: no clock, no I/O; ``now`` is always an argument.
 
 from __future__ import annotations
 
-import hashlib
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -39,7 +39,11 @@ from enum import Enum
 
 import numpy as np
 
+from .arm_assign import arm_for, key_point
 from .deployment import DeploymentSpec
+
+__all__ = ["ASSIGNMENTS", "PRIMARY", "ArmSpec", "ArmWindow", "Outcome", "Rollback", "RollbackRules",
+           "RolloutGuard", "RolloutSpec", "arm_for", "key_point"]
 
 PRIMARY = "primary"
 ASSIGNMENTS = ("client", "random")
@@ -63,6 +67,7 @@ class RollbackRules:
     max_error_rate: float = 0.01
     max_rejection_rate: float = 0.05
     max_faults: int = 3
+    min_latency_gap_s: float = 0.005  # a latency rule also needs the candidate this much slower
     enabled: bool = True
 
     def __post_init__(self) -> None:
@@ -71,11 +76,13 @@ class RollbackRules:
         for name in ("min_samples", "max_faults"):
             if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
                 raise ValueError(f"rollback.{name} must be an integer, got {getattr(self, name)!r}")
-        for name in ("window_s", "max_p99_ratio", "max_p50_ratio", "max_error_rate", "max_rejection_rate"):
+        for name in ("window_s", "max_p99_ratio", "max_p50_ratio", "max_error_rate", "max_rejection_rate",
+                     "min_latency_gap_s"):
             if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int | float):
                 raise ValueError(f"rollback.{name} must be a number, got {getattr(self, name)!r}")
-        if self.window_s <= 0:
-            raise ValueError(f"rollback.window_s must be > 0, got {self.window_s}")
+        if self.window_s <= 0 or self.min_latency_gap_s < 0:
+            raise ValueError(f"rollback.window_s must be > 0 and min_latency_gap_s >= 0, got "
+                             f"{self.window_s}, {self.min_latency_gap_s}")
         if self.min_samples < 1 or self.max_faults < 1:
             raise ValueError("rollback.min_samples and rollback.max_faults must be >= 1")
         if self.max_p99_ratio <= 1.0:
@@ -129,24 +136,6 @@ class RolloutSpec:
         """Per arm, primary first: the candidates' shares and the rest for the primary."""
         rest = max(0.0, 1.0 - sum(a.share for a in self.arms))
         return [rest, *(a.share for a in self.arms)]
-
-
-def key_point(key: str) -> float:
-    """Where a client key falls in [0, 1): a stable hash (the same in every process and run)."""
-    digest = hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8).digest()
-    return int.from_bytes(digest, "big") / 2.0**64
-
-
-def arm_for(key: str | None, shares: Sequence[float], draw: float) -> int:
-    """The arm whose slice holds the key's point (or ``draw`` without a key); the primary (0) when the
-    point falls past every slice (shares adding up to less than 1 after a rollback)."""
-    point = key_point(key) if key is not None else draw
-    total = 0.0
-    for i, share in enumerate(shares):
-        total += share
-        if point < total:
-            return i
-    return 0
 
 
 @dataclass(frozen=True)
@@ -264,12 +253,13 @@ class RolloutGuard:
         if min(cand.total, primary.total) < r.min_samples:
             return None
         if min(len(cand.latencies), len(primary.latencies)) >= r.min_samples:  # latency: ok answers
+            gap = r.min_latency_gap_s  # sub-millisecond arms differ 2x on noise alone
             ratio = cand.p(0.99) / max(primary.p(0.99), 1e-9)
-            if ratio > r.max_p99_ratio:
+            if ratio > r.max_p99_ratio and cand.p(0.99) - primary.p(0.99) > gap:
                 return "p99_ratio", (f"P99 {cand.p(0.99) * 1e3:.0f} ms is {ratio:.2f}x the primary's "
                                      f"{primary.p(0.99) * 1e3:.0f} ms (limit {r.max_p99_ratio}x)")
             ratio = cand.p(0.5) / max(primary.p(0.5), 1e-9)
-            if r.max_p50_ratio and ratio > r.max_p50_ratio:
+            if r.max_p50_ratio and ratio > r.max_p50_ratio and cand.p(0.5) - primary.p(0.5) > gap:
                 return "p50_ratio", (f"P50 {cand.p(0.5) * 1e3:.0f} ms is {ratio:.2f}x the primary's "
                                      f"{primary.p(0.5) * 1e3:.0f} ms (limit {r.max_p50_ratio}x)")
         if cand.error_rate - primary.error_rate > r.max_error_rate:
