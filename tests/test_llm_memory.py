@@ -65,8 +65,8 @@ def test_simulate_plans_the_pool_from_the_profile_as_serve_does(tmp_path: Path,
                            activation_bytes_per_token=4e4, activation_bytes_per_read_token=2048,
                            source="measured", overhead_bytes=100 << 20)
     profile = tmp_path / "llm.json"
-    profile.write_text(json.dumps({"cost_model": default_llm_cost_model().to_dict(), "memory": memory.to_dict(),
-                                   "free_bytes": 2e9, "device": "cpu"}))
+    profile.write_text(json.dumps({"cost_model": default_llm_cost_model().to_dict(),
+                                   "memory": memory.to_dict(), "free_bytes": 2e9, "device": "cpu"}))
     config, plan = planned_llm_config(LLMSchedulerConfig(memory_utilization=0.5), profile)
     assert plan is not None and config.num_kv_blocks == plan.num_kv_blocks
     assert plan.planned_bytes <= 1e9
@@ -76,6 +76,42 @@ def test_simulate_plans_the_pool_from_the_profile_as_serve_does(tmp_path: Path,
                "--memory-utilization", "0.5"])
     out = capsys.readouterr().out
     assert rc == 0 and f"KV pool {plan.num_kv_blocks} blocks" in out
-    rc = main(["simulate", "--workload", "conv-llm", "--requests", "40", "--profile", str(profile),
-               "--kv-cache-memory", "1MiB"])
-    assert rc == 2 and "cannot hold one sequence" in capsys.readouterr().out
+    small = ["simulate", "--workload", "conv-llm", "--requests", "40", "--profile", str(profile),
+             "--kv-cache-memory", "8MiB"]
+    assert main([*small, "--max-model-len", "2048"]) == 2  # asked for: the pool cannot hold it
+    assert "cannot hold one sequence" in capsys.readouterr().out
+    assert main(small) == 0  # not asked for: lowered to the pool's capacity, as serve does
+    assert "KV pool 42 blocks x 16 tokens = 672 tokens" in capsys.readouterr().out
+
+
+def test_a_length_the_user_gave_reaches_the_builder_even_at_its_default_value(tmp_path: Path) -> None:
+    import argparse
+
+    from batchpilot.config_file import add_deployment_args, add_llm_args, spec_from_args
+    from batchpilot.server.build import llm_overrides
+
+    p = argparse.ArgumentParser()
+    add_deployment_args(p)
+    add_llm_args(p)
+    assert "max_model_len" not in llm_overrides(spec_from_args(p.parse_args([])))
+    assert llm_overrides(spec_from_args(p.parse_args(["--max-model-len", "2048"])))["max_model_len"] == 2048
+    cfg = tmp_path / "llm.yaml"
+    cfg.write_text("llm:\n  kv_cache_memory: 64MiB\n  swap_space: 2\n")
+    spec = spec_from_args(p.parse_args(["--config", str(cfg)]))
+    assert spec.llm.kv_cache_memory == 64 << 20 and spec.llm.swap_space == 2 << 30  # a bare number is GiB
+    spec = spec_from_args(p.parse_args(["--config", str(cfg), "--num-kv-blocks", "100"]))
+    assert spec.llm.kv_cache_memory is None and spec.llm.num_kv_blocks == 100  # the flag sizes the pool
+
+
+def test_an_arm_can_turn_swap_off_and_plans_its_own_activation() -> None:
+    from batchpilot.runtime.llm_build import build_llm_arm
+
+    engine = build_llm_engine(num_kv_blocks=64, swap_space=8 << 20, max_model_len=256, **SMALL)
+    try:
+        assert engine.config.num_swap_blocks > 0
+        arm = build_llm_arm(engine, start=False, swap_space=0, memory_utilization=0.001)
+        assert arm.config.num_swap_blocks == 0
+        assert arm.memory_plan.activation_bytes > 0 and arm.memory_plan.weights_bytes == 0
+        arm.prompts.close()
+    finally:
+        engine.prompts.close()

@@ -200,8 +200,8 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
                    help="llm.memory_utilization: the share in (0, 1] of the device's free memory at start-up "
                         "the engine may use; the KV pool is what weights and the activation peak leave")
     m.add_argument("--swap-space", type=_size("gib"), default=None, metavar="SIZE",
-                   help="llm.swap_space: host memory for swapped-out KV blocks (a bare number is GiB; "
-                        f"default {d.swap_space}: no swap)")
+                   help="llm.swap_space: host memory for swapped-out KV blocks (a bare number is GiB, "
+                        "here and in the file; default: none, no swap)")
     m.add_argument("--preemption", choices=PREEMPTION_MODES, default=None,
                    help=f"llm.preemption: recompute, swap, or auto (swap when copying is cheaper than "
                         f"recomputing; default {d.preemption})")
@@ -227,10 +227,12 @@ def llm_from_args(spec: DeploymentSpec, args: argparse.Namespace) -> DeploymentS
     if getattr(args, "scheduling_policy", None) is not None:
         given["policy"] = args.scheduling_policy
     changed = {k: v for k, v in given.items() if v is not None}
-    if "kv_cache_memory" in changed or "memory_utilization" in changed:  # a budget flag replaces the file's
+    # a flag that sizes the pool replaces the file's way of sizing it
+    if {"kv_cache_memory", "memory_utilization", "num_kv_blocks"} & set(changed):
         changed.setdefault("kv_cache_memory", None)
         changed.setdefault("memory_utilization", None)
-    return spec.replace(llm=dataclasses.replace(spec.llm, **changed)) if changed else spec
+    return (spec.replace(llm=dataclasses.replace(spec.llm, **changed), llm_given=frozenset(changed))
+            if changed else spec)
 
 
 def add_precision_args(p: argparse.ArgumentParser) -> None:

@@ -94,12 +94,15 @@ class ModelOptions:
 class DeploymentSpec:
     """One config file, four sections: ``encoder`` (``SchedulerConfig``), ``llm``
     (``LLMSchedulerConfig``), ``server`` (``ServingOptions``) and ``model`` (``ModelOptions``).
-    Unknown keys are errors."""
+    Unknown keys are errors. ``llm_given``: the ``llm:`` keys the user set (in the file or by a flag),
+    even to their default value; the engine builder needs to know, e.g., whether ``max_model_len`` was
+    asked for or is the model's own."""
 
     encoder: SchedulerConfig = field(default_factory=SchedulerConfig)
     llm: LLMSchedulerConfig = field(default_factory=LLMSchedulerConfig)
     server: ServingOptions = field(default_factory=ServingOptions)
     model: ModelOptions = field(default_factory=ModelOptions)
+    llm_given: frozenset[str] = frozenset()
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> DeploymentSpec:
@@ -114,31 +117,36 @@ class DeploymentSpec:
         llm = dict(data.get("llm") or {})
         if "eos_token_ids" in llm:
             llm["eos_token_ids"] = tuple(llm["eos_token_ids"])
-        for key in ("kv_cache_memory", "swap_space"):  # sizes may be written with a unit: 4GiB
-            if isinstance(llm.get(key), str):
+        # sizes may be written with a unit (4GiB); a bare swap_space is GiB, as --swap-space (and vLLM's)
+        for key, unit in (("kv_cache_memory", ""), ("swap_space", "gib")):
+            if isinstance(llm.get(key), str | int | float) and not isinstance(llm.get(key), bool):
                 try:
-                    llm[key] = parse_bytes(llm[key])
+                    llm[key] = parse_bytes(llm[key], unit)
                 except ValueError as exc:
                     raise ValueError(f"config: llm.{key}: {exc}") from exc
         return cls(encoder=SchedulerConfig.from_dict(data.get("encoder")),
                    llm=_build(LLMSchedulerConfig, "llm", llm),
                    server=_build(ServingOptions, "server", dict(data.get("server") or {})),
-                   model=_build(ModelOptions, "model", dict(data.get("model") or {})))
+                   model=_build(ModelOptions, "model", dict(data.get("model") or {})),
+                   llm_given=frozenset(llm))
 
     def to_dict(self) -> dict[str, Any]:
         llm = dataclasses.asdict(self.llm)
         llm["eos_token_ids"] = list(self.llm.eos_token_ids)
+        if self.llm.swap_space:
+            llm["swap_space"] = f"{self.llm.swap_space}B"  # a bare number reads back as GiB
         return {"encoder": self.encoder.to_dict(), "llm": llm, "server": dataclasses.asdict(self.server),
                 "model": dataclasses.asdict(self.model)}
 
     def replace(self, *, encoder: SchedulerConfig | None = None, llm: LLMSchedulerConfig | None = None,
-                model: ModelOptions | None = None, **server: Any) -> DeploymentSpec:
+                model: ModelOptions | None = None, llm_given: frozenset[str] = frozenset(),
+                **server: Any) -> DeploymentSpec:
         """A copy with some sections replaced and some ``server`` options changed (flags on top of a file;
-        ``None`` values are ignored, so unset flags keep the file's)."""
+        ``None`` values are ignored, so unset flags keep the file's); ``llm_given`` joins the given keys."""
         changed = {k: v for k, v in server.items() if v is not None}
         return DeploymentSpec(encoder or self.encoder, llm or self.llm,
                               dataclasses.replace(self.server, **changed) if changed else self.server,
-                              model or self.model)
+                              model or self.model, self.llm_given | llm_given)
 
 
 @dataclass(frozen=True)

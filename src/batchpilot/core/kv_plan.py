@@ -11,6 +11,8 @@ the builder computed from the model's tensors):
  fixed   = weights + overhead + activation peak of the largest step (+ swap space, where it is the
            same memory)
  activation peak = fixed_bytes + per_token x max_num_batched_tokens + per_read_token x kv_read_max
+                   + per_attn x max_num_batched_tokens x max_model_len   (a prefill chunk at the end
+                                                   of the longest sequence: its mask and scores)
  kv_read_max     = max_num_seqs x max_model_len   (the decode gather: a group of up to every running
                                                    sequence, padded to the longest context)
  num_kv_blocks   = kv // (kv_bytes_per_token x block_size)
@@ -47,8 +49,9 @@ class MemoryProfile:
 
     ``weights_bytes``: the model's tensors on the device; ``kv_bytes_per_token``: K and V of one token
     over every layer; the activation peak of one step above weights and KV, linear in the step's
-    batched tokens and in the context tokens its largest decode gather holds: ``activation_fixed_bytes +
-    activation_bytes_per_token x tokens + activation_bytes_per_read_token x read tokens``.
+    batched tokens, in the context tokens its largest gather holds, and in a late prefill chunk's
+    tokens x context: ``activation_fixed_bytes + activation_bytes_per_token x tokens +
+    activation_bytes_per_read_token x read tokens + activation_bytes_per_attn x chunk x context``.
     ``source`` says where the activation terms came from ("measured" by the profiler, or "none").
     ``overhead_bytes``: what the engine's process holds beyond its tensors (the tokenizer, the loader's
     freed-but-kept pages, Python objects), measured as the resident growth while the model loaded minus
@@ -60,6 +63,7 @@ class MemoryProfile:
     activation_bytes_per_token: float = 0.0
     activation_bytes_per_read_token: float = 0.0
     source: str = "none"
+    activation_bytes_per_attn: float = 0.0
     overhead_bytes: float = 0.0
 
     def __post_init__(self) -> None:
@@ -71,9 +75,9 @@ class MemoryProfile:
             if f.name != "source" and v < 0:
                 raise ValueError(f"memory profile: {f.name} must be >= 0, got {v}")
 
-    def activation_bytes(self, tokens: int, read_tokens: int) -> float:
+    def activation_bytes(self, tokens: int, read_tokens: int, attn: int = 0) -> float:
         return (self.activation_fixed_bytes + self.activation_bytes_per_token * tokens
-                + self.activation_bytes_per_read_token * read_tokens)
+                + self.activation_bytes_per_read_token * read_tokens + self.activation_bytes_per_attn * attn)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -145,8 +149,9 @@ def plan_kv(config: LLMSchedulerConfig, memory: MemoryProfile, free_bytes: float
     small for it lowers it to the pool's capacity (``KVPlan.max_model_len``) instead of failing."""
     c = config
     block_bytes = memory.kv_bytes_per_token * c.block_size
-    activation = memory.activation_bytes(c.max_num_batched_tokens, c.max_num_seqs * c.max_model_len)
-    num_swap = int(c.swap_space // block_bytes) if c.swap_space else c.num_swap_blocks
+    activation = memory.activation_bytes(c.max_num_batched_tokens, c.max_num_seqs * c.max_model_len,
+                                         c.max_num_batched_tokens * c.max_model_len)
+    num_swap = int(c.swap_space // block_bytes) if c.swap_space is not None else c.num_swap_blocks
     fixed = (memory.weights_bytes + memory.overhead_bytes + activation
              + (num_swap * block_bytes if swap_on_device else 0))
     budget: float | None = None
@@ -163,7 +168,8 @@ def plan_kv(config: LLMSchedulerConfig, memory: MemoryProfile, free_bytes: float
         if kv < block_bytes:
             raise KVPlanError(
                 f"memory_utilization {c.memory_utilization} of {_mib(free_bytes)} free is {_mib(budget)}, "
-                f"which the weights ({_mib(memory.weights_bytes)}), the activation peak ({_mib(activation)}, "
+                f"which the weights ({_mib(memory.weights_bytes)}), the overhead "
+                f"({_mib(memory.overhead_bytes)}), the activation peak ({_mib(activation)}, "
                 f"{c.max_num_batched_tokens} batched tokens, {c.max_num_seqs} seqs x {c.max_model_len}) and "
                 f"the swap space ({_mib(num_swap * block_bytes if swap_on_device else 0)}) leave no room for "
                 f"KV; raise memory_utilization, or lower max_num_batched_tokens, max_num_seqs, max_model_len "
@@ -193,7 +199,8 @@ def plan_kv(config: LLMSchedulerConfig, memory: MemoryProfile, free_bytes: float
         if total > free_bytes:
             swap = f" + swap {_mib(plan.swap_bytes)}" if swap_on_device and num_swap else ""
             raise KVPlanError(
-                f"the plan needs {_mib(total)} (weights {_mib(memory.weights_bytes)} + activation peak "
+                f"the plan needs {_mib(total)} (weights {_mib(memory.weights_bytes)} + overhead "
+                f"{_mib(memory.overhead_bytes)} + activation peak "
                 f"{_mib(activation)} + KV {_mib(plan.kv_bytes)}{swap}) but only {_mib(free_bytes)} is free; "
                 f"lower num_kv_blocks / kv_cache_memory / swap_space, or use memory_utilization to size the "
                 f"pool from the free memory")

@@ -42,8 +42,9 @@ class LLMSchedulerConfig:
     pool; without either, ``num_kv_blocks`` is taken as given. ``preemption``: what happens to the
     sequence the scheduler preempts for memory: ``recompute`` (free its blocks, prefill it again),
     ``swap`` (copy its blocks to host memory and back), or ``auto`` (swap when the copy is cheaper than
-    recomputing its tokens and host blocks are free, else recompute). ``swap_space`` (bytes) is the host
-    memory for swapped blocks; ``num_swap_blocks`` is what the memory plan makes of it."""
+    recomputing its tokens and host blocks are free, else recompute). ``swap_space`` (bytes; None = not
+    given: ``num_swap_blocks`` is kept) is the host memory for swapped blocks; ``num_swap_blocks`` is
+    what the memory plan makes of it (0 bytes: no swap)."""
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
@@ -60,7 +61,7 @@ class LLMSchedulerConfig:
     kv_cache_memory: int | None = None
     memory_utilization: float | None = None
     preemption: PreemptionMode = "auto"
-    swap_space: int = 0
+    swap_space: int | None = None
     num_swap_blocks: int = 0
 
     def __post_init__(self) -> None:
@@ -86,7 +87,7 @@ class LLMSchedulerConfig:
             raise ValueError(f"llm_scheduler.preemption = {self.preemption!r}; choose one of "
                              f"{', '.join(PREEMPTION_MODES)}")
         for name in ("swap_space", "num_swap_blocks"):
-            if getattr(self, name) < 0:
+            if (getattr(self, name) or 0) < 0:
                 raise ValueError(f"llm_scheduler.{name} must be >= 0, got {getattr(self, name)}")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"llm_scheduler.policy = {self.policy!r}; choose one of fcfs, priority")

@@ -149,8 +149,14 @@ def build_llm_arm(engine: LLMEngine, start: bool = True, sampler_seed: int = 0,
     r = engine.runner
     # the arm's own pool, planned against what is free now; the weights are the primary's (no copy)
     from ..models.llm.memory_profile import model_memory
+    from .llm_memory import engine_memory
 
-    memory = dataclasses.replace(getattr(engine, "memory_profile", None) or model_memory(r), weights_bytes=0)
+    memory = getattr(engine, "memory_profile", None) or model_memory(r)
+    budget = config.kv_cache_memory is not None or config.memory_utilization is not None
+    if memory.source == "none" and budget:
+        memory = engine_memory(r.w, config, str(r.device), r.dtype)  # a budget: measure the activation
+    # the weights are the primary's and so is the loading overhead: the arm adds its pool and activation
+    memory = dataclasses.replace(memory, weights_bytes=0, overhead_bytes=0.0)
     plan = plan_kv(config, memory, free_memory_bytes(r.device), swap_on_device=r.device.type == "cpu")
     config = plan.resolve(config)
     runner = LLMModelRunner(r.w, config.num_kv_blocks, config.block_size, device=str(r.device), dtype=r.dtype,

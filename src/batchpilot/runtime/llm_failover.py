@@ -279,6 +279,9 @@ def rebuild(old: Any, prompts: Any) -> Any:
     engine.counters = old.counters
     engine.observers, engine.step_observers = old.observers, old.step_observers
     engine.hf_model = getattr(old, "hf_model", None)  # type: ignore[attr-defined]
+    for name in ("memory_plan", "memory_profile", "memory_held_before"):  # the same runner, the same plan
+        if hasattr(old, name):
+            setattr(engine, name, getattr(old, name))
     return engine.start()
 
 

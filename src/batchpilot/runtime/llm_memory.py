@@ -96,6 +96,7 @@ def profile_engine_memory(engine: Any, burst_seqs: int = 32, burst_prompt: int =
     import asyncio
     import dataclasses
 
+    from ..core.llm_plan import decode_groups
     from ..core.sequence import SamplingParams
     from ..models.device import used_memory_bytes
     from ..models.llm.memory_profile import measure_memory
@@ -120,7 +121,8 @@ def profile_engine_memory(engine: Any, burst_seqs: int = 32, burst_prompt: int =
     grown = used_memory_bytes(device) - before
     memory, points = measure_memory(engine.runner)
     if device.type == "cpu":
+        group = max(b - a for a, b in decode_groups(burst_seqs))  # the largest gather, as the plan counts
         burst_activation = memory.activation_bytes(engine.config.max_num_batched_tokens,
-                                                   burst_seqs * (burst_prompt + burst_output))
+                                                   group * (burst_prompt + burst_output))
         overhead += max(0.0, grown - burst_activation)
     return dataclasses.replace(memory, overhead_bytes=overhead), points

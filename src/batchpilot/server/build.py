@@ -260,10 +260,11 @@ def arm_overrides(primary: DeploymentSpec, arm: DeploymentSpec) -> dict[str, Any
 
 
 def llm_overrides(spec: DeploymentSpec) -> dict[str, Any]:
-    """The ``llm:`` settings that differ from ``LLMSchedulerConfig``'s defaults: the engine's own
-    defaults (the model's position limit and EOS tokens) stand for the rest."""
+    """The ``llm:`` settings the user set (``spec.llm_given``) or that differ from
+    ``LLMSchedulerConfig``'s defaults: the engine's own defaults (the model's position limit and EOS
+    tokens) stand for the rest."""
     from ..core.llm_scheduler import LLMSchedulerConfig
 
     default = LLMSchedulerConfig()
     return {f.name: getattr(spec.llm, f.name) for f in dataclasses.fields(spec.llm)
-            if getattr(spec.llm, f.name) != getattr(default, f.name)}
+            if getattr(spec.llm, f.name) != getattr(default, f.name) or f.name in spec.llm_given}

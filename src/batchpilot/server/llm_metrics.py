@@ -29,7 +29,8 @@ class _EngineCollector(Collector):
         s = self.engine.stats()
         gauges = {
             "running_seqs": ("Sequences in the running batch", s.num_running),
-            "waiting_seqs": ("Sequences waiting for admission (incl. preempted)", s.num_waiting),
+            "waiting_seqs": ("Sequences waiting for admission (incl. preempted by recompute; swapped-out "
+                             "ones are swapped_seqs)", s.num_waiting),
             "kv_blocks_used": ("KV cache blocks in use", s.num_blocks - s.num_free_blocks),
             "kv_blocks_free": ("KV cache blocks free", s.num_free_blocks),
             "kv_usage_ratio": ("Share of KV blocks in use", s.kv_usage),
@@ -83,8 +84,10 @@ def _memory(engine: Any, s: Any) -> Iterator[Metric]:
     from ..models.device import free_memory_bytes, used_memory_bytes
 
     planned = GaugeMetricFamily("batchpilot_llm_memory_planned_bytes", "The engine's memory plan by part "
-                                "(weights, activation peak, kv pool, host swap space)", labels=["part"])
-    parts = [("weights", plan.weights_bytes), ("kv", plan.kv_bytes), ("swap", plan.swap_bytes)]
+                                "(weights, overhead, activation peak, kv pool, host swap space)",
+                                labels=["part"])
+    parts = [("weights", plan.weights_bytes), ("overhead", plan.overhead_bytes), ("kv", plan.kv_bytes),
+             ("swap", plan.swap_bytes)]
     if getattr(getattr(engine, "memory_profile", None), "source", "none") != "none":  # measured, so planned
         parts.append(("activation", plan.activation_bytes))
     for part, value in parts:

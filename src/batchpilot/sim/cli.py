@@ -166,7 +166,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         from .llm_memory import planned_llm_config
 
         try:
-            config, plan = planned_llm_config(spec.llm, args.profile)
+            config, plan = planned_llm_config(spec.llm, args.profile, "max_model_len" in spec.llm_given)
         except ValueError as exc:
             console.print(f"[red]batchpilot simulate: {exc}[/]")
             return 2

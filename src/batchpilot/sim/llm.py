@@ -48,11 +48,15 @@ def default_llm_cost_model() -> CostModel:
     )
 
 
-def sim_preemption_costs(cost_model: CostModel) -> PreemptionCosts:
-    """The model's ``PreemptionCosts``; copy figures a profile lacks are ``default_llm_cost_model``'s."""
+def sim_preemption_costs(cost_model: CostModel, block_size: int | None = None) -> PreemptionCosts:
+    """The model's ``PreemptionCosts``; copy figures a profile lacks are ``default_llm_cost_model``'s
+    (for 16-token blocks). ``block_size``: the simulated pool's; a copy's time is scaled from the
+    block size it was measured at (the profile's ``block_size``) to it, as a copy is linear in bytes."""
     default = default_llm_cost_model().meta
     out, back = (cost_model.meta.get(k, default[k]) for k in SWAP_META_KEYS)
-    return PreemptionCosts.from_cost_model(cost_model, float(out), float(back))
+    measured_at = int(cost_model.meta.get("block_size", 16)) if SWAP_META_KEYS[0] in cost_model.meta else 16
+    scale = (block_size or measured_at) / measured_at
+    return PreemptionCosts.from_cost_model(cost_model, float(out) * scale, float(back) * scale)
 
 
 @dataclass
@@ -87,7 +91,8 @@ class LLMTarget:
         self.scheduler = scheduler
         self.workload = workload
         self.cost_model = cost_model
-        self.preemption_costs = preemption_costs or sim_preemption_costs(cost_model)
+        self.preemption_costs = preemption_costs or sim_preemption_costs(cost_model,
+                                                                         scheduler.config.block_size)
         self.noise = noise
         self._rng = np.random.default_rng(seed)
         self.record = LLMRecord(len(workload))
@@ -231,7 +236,7 @@ def simulate_llm(workload: Workload, config: LLMSchedulerConfig | None = None,
     (default: ``sim_preemption_costs(cost_model)``)."""
     config = config or LLMSchedulerConfig()
     cost_model = cost_model or default_llm_cost_model()
-    costs = preemption_costs or sim_preemption_costs(cost_model)
+    costs = preemption_costs or sim_preemption_costs(cost_model, config.block_size)
     scheduler = LLMScheduler(config, costs)
     target = LLMTarget(scheduler, workload, cost_model, noise, seed, costs)
     stats = Engine(target, num_slots=1).run(workload.arrival_s)  # type: ignore[arg-type]

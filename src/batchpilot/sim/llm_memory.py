@@ -9,6 +9,7 @@ one.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -16,17 +17,22 @@ from ..core.kv_plan import KVPlan, MemoryProfile, plan_kv
 from ..core.llm_config import LLMSchedulerConfig
 
 
-def planned_llm_config(config: LLMSchedulerConfig, profile: str | Path | None
-                       ) -> tuple[LLMSchedulerConfig, KVPlan | None]:
+def planned_llm_config(config: LLMSchedulerConfig, profile: str | Path | None,
+                       max_model_len_given: bool = True) -> tuple[LLMSchedulerConfig, KVPlan | None]:
     """``config`` with the planned block counts, and the plan (None when nothing could be planned).
-    Raises ``ValueError`` (``KVPlanError``) with what to change."""
+    ``max_model_len_given`` False: as serve, the model's own position count (the profile's
+    ``model_max_len``) is the length, lowered to what a smaller pool holds. Raises ``ValueError``
+    (``KVPlanError``) with what to change."""
     data = json.loads(Path(profile).read_text()) if profile else {}
     if "memory" not in data:
-        if config.kv_cache_memory is not None or config.memory_utilization is not None:
-            raise ValueError("a memory budget (kv_cache_memory / memory_utilization) needs a profile with a "
-                             "'memory' section: `batchpilot profile --llm -o llm.json`, then "
-                             "--profile llm.json")
+        needs = [k for k in ("kv_cache_memory", "memory_utilization", "swap_space") if getattr(config, k)]
+        if needs:
+            raise ValueError(f"{', '.join(needs)} needs a profile with a 'memory' section to be planned: "
+                             f"`batchpilot profile --llm -o llm.json`, then --profile llm.json")
         return config, None
+    if not max_model_len_given and data.get("model_max_len"):
+        config = dataclasses.replace(config, max_model_len=int(data["model_max_len"]))
     plan = plan_kv(config, MemoryProfile.from_dict(data["memory"]), data.get("free_bytes"),
-                   swap_on_device=data.get("device", "cpu") == "cpu")
+                   swap_on_device=data.get("device", "cpu") == "cpu",
+                   cap_max_model_len=not max_model_len_given)
     return plan.resolve(config), plan

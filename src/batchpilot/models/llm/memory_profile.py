@@ -5,10 +5,12 @@
 * the activation peak of a step (``measure_memory``): every tensor a step allocates above what was
   live when it started, measured by ``models.device.peak_memory_bytes`` (CUDA: the caching
   allocator's high-water mark; CPU: the allocator's events under ``torch.profiler``) on synthetic
-  steps: prefills of several lengths (linear in batched tokens) and decode batches at several
+  steps: prefills of several lengths (linear in batched tokens), decode batches at several
   contexts (the gather of their keys and values: linear in the context tokens of the largest
-  decode group, which the runner's reused buffers hold). A least-squares
-  fit ``fixed + per_token x tokens + per_read_token x read`` is shifted up by its largest miss, so it
+  decode group, which the runner's reused buffers hold), and prefill chunks past position 0 (chunked
+  prefill, a prefix-cache hit: a gather of their context, a mask and scores of tokens x context). A
+  least-squares fit ``fixed + per_token x tokens + per_read_token x read + per_attn x tokens x
+  context`` is shifted up by its largest miss, so it
   is at or above every measured step; on CPU the fixed term also takes what running the same steps on
   a fresh thread leaves resident beyond the tensors (``thread_residual``: the allocator arena the
   engine's own thread will hold).
@@ -84,14 +86,22 @@ def weights_memory(weights: Any, dtype: torch.dtype) -> MemoryProfile:
 
 
 def read_tokens(plan: StepPlan) -> int:
-    """Context tokens the step's largest decode gather holds: decodes sorted by context are split into
-    groups (the runner's ``decode_groups``), each padded to its longest and gathered in turn into the
-    same reused buffers, so the largest group is what occupies memory."""
+    """Context tokens the step's largest gather holds: decodes sorted by context are split into groups
+    (the runner's ``decode_groups``), each padded to its longest, and a prefill chunk past position 0
+    gathers its context; each is gathered in turn into the same reused buffers, so the largest is what
+    occupies memory."""
     ctx = sorted(c.context_len for c in plan.chunks if c.is_decode)
-    return max(((b - a) * ctx[b - 1] for a, b in decode_groups(len(ctx))), default=0)
+    late = [c.context_len for c in plan.chunks if not c.is_decode and c.start > 0]
+    return max([(b - a) * ctx[b - 1] for a, b in decode_groups(len(ctx))] + late, default=0)
 
 
-def _plan(runner: LLMModelRunner, prefill: int, decodes: int, ctx: int) -> StepPlan:
+def attn_units(plan: StepPlan) -> int:
+    """The largest ``tokens x context`` of a prefill chunk past position 0 (its mask and scores)."""
+    return max((c.num_tokens * c.context_len for c in plan.chunks if not c.is_decode and c.start > 0),
+               default=0)
+
+
+def _plan(runner: LLMModelRunner, prefill: int, decodes: int, ctx: int, start: int = 0) -> StepPlan:
     bs, nb = runner.block_size, runner.num_kv_blocks
     chunks, nxt = [], 0
     for i in range(decodes):
@@ -99,8 +109,8 @@ def _plan(runner: LLMModelRunner, prefill: int, decodes: int, ctx: int) -> StepP
         chunks.append(ScheduledChunk(i, ctx - 1, [5], [(nxt + j) % nb for j in range(blocks)], True, True))
         nxt += blocks
     if prefill:
-        blocks = -(-prefill // bs)
-        chunks.append(ScheduledChunk(decodes, 0, [7] * prefill, [(nxt + j) % nb for j in range(blocks)],
+        blocks = -(-(start + prefill) // bs)
+        chunks.append(ScheduledChunk(decodes, start, [7] * prefill, [(nxt + j) % nb for j in range(blocks)],
                                      True, False))
     return StepPlan(step_id=0, chunks=chunks)
 
@@ -142,17 +152,21 @@ def thread_residual(runner: LLMModelRunner, plans: Sequence[StepPlan], tensor_pe
 def measure_memory(runner: LLMModelRunner, prefill_tokens: Sequence[int] = (32, 64, 128, 256, 512),
                    decode_shapes: Sequence[tuple[int, int]] = ((8, 64), (8, 256), (4, 1024), (16, 128),
                                                                (8, 512)),
+                   late_chunks: Sequence[tuple[int, int]] = ((128, 384), (256, 768), (512, 1024),
+                                                             (128, 1920)),
                    ) -> tuple[MemoryProfile, list[dict[str, float]]]:
     """The runner's ``MemoryProfile`` with measured activation terms, and the measured points
-    (``tokens``, ``read``, ``peak_bytes``, ``fit_bytes``). Decode shapes are ``(sequences, context)``;
+    (``tokens``, ``read``, ``attn``, ``peak_bytes``, ``fit_bytes``). Decode shapes are ``(sequences,
+    context)``, late chunks ``(tokens, start)``;
     shapes that do not fit the runner's pool or the model's positions are left out."""
     pool = runner.num_kv_blocks * runner.block_size
     positions = runner.cos.shape[0]  # the model's position limit
     plans = [_plan(runner, n, 0, 0) for n in prefill_tokens if n <= min(pool, positions)]
     plans += [_plan(runner, 0, b, c) for b, c in decode_shapes if b * c <= pool and 1 < c <= positions]
+    plans += [_plan(runner, n, 0, 0, start) for n, start in late_chunks if start + n <= min(pool, positions)]
     rows, peaks = [], []
     for plan in plans:
-        rows.append((1.0, float(plan.num_batched_tokens), float(read_tokens(plan))))
+        rows.append((1.0, float(plan.num_batched_tokens), float(read_tokens(plan)), float(attn_units(plan))))
         peaks.append(_measure(runner, plan))
     runner.release_buffers()
     x, y = np.array(rows), np.array(peaks)
@@ -160,9 +174,9 @@ def measure_memory(runner: LLMModelRunner, prefill_tokens: Sequence[int] = (32, 
     coef[0] += max(0.0, float((y - x @ coef).max()))  # at or above every measured step
     coef[0] += thread_residual(runner, plans, float(y.max()))
     fit = x @ coef
-    points = [{"tokens": r[1], "read": r[2], "peak_bytes": float(p), "fit_bytes": float(f)}
+    points = [{"tokens": r[1], "read": r[2], "attn": r[3], "peak_bytes": float(p), "fit_bytes": float(f)}
               for r, p, f in zip(rows, peaks, fit, strict=True)]
     base = model_memory(runner)
     profile = MemoryProfile(base.weights_bytes, base.kv_bytes_per_token, float(coef[0]), float(coef[1]),
-                            float(coef[2]), source="measured")
+                            float(coef[2]), source="measured", activation_bytes_per_attn=float(coef[3]))
     return profile, points

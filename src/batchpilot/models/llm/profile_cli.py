@@ -66,6 +66,7 @@ def run_llm(args: argparse.Namespace) -> int:
         "memory": memory.to_dict(),
         "memory_points": mem_points,
         "free_bytes": free,
+        "model_max_len": int(runner.cos.shape[0]),  # the model's positions: max_model_len when not given
         "device": device.type,
         "meta": {"model": engine.model_name, "device": str(device), "dtype": dtype,
                  "threads": torch.get_num_threads(), "torch": torch.__version__,
