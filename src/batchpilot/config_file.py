@@ -192,6 +192,9 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
                    help=f"llm.enable_prefix_caching (default {d.enable_prefix_caching})")
     g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=None,
                    help=f"llm.policy (default {d.policy})")
+    g.add_argument("--llm-request-timeout-s", type=float, default=None, dest="llm_request_timeout_s",
+                   help=f"llm.request_timeout_s: a completion not done by then ends with 504 (or an SSE "
+                        f"error event) and its sequence is freed (default {d.request_timeout_s:g})")
     m = p.add_argument_group("LLM memory (docs/llm.md, \"Memory planning\")")
     m.add_argument("--kv-cache-memory", type=_size(""), default=None, metavar="SIZE",
                    help="llm.kv_cache_memory: bytes of KV cache (4GiB, 512MiB, 2e9); sizes the pool")
@@ -226,6 +229,8 @@ def llm_from_args(spec: DeploymentSpec, args: argparse.Namespace) -> DeploymentS
     given = {k: getattr(args, k, None) for k in names}
     if getattr(args, "scheduling_policy", None) is not None:
         given["policy"] = args.scheduling_policy
+    if getattr(args, "llm_request_timeout_s", None) is not None:
+        given["request_timeout_s"] = args.llm_request_timeout_s
     changed = {k: v for k, v in given.items() if v is not None}
     # a flag that sizes the pool replaces the file's way of sizing it
     if {"kv_cache_memory", "memory_utilization", "num_kv_blocks"} & set(changed):
