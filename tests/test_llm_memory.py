@@ -115,3 +115,11 @@ def test_an_arm_can_turn_swap_off_and_plans_its_own_activation() -> None:
         arm.prompts.close()
     finally:
         engine.prompts.close()
+
+
+def test_serve_stops_at_a_plan_that_cannot_work_saying_what_to_change(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["serve", "--noop", "--no-warmup", "--llm", "--threads", "1", "--kv-cache-memory", "1MiB",
+               "--max-model-len", "2048"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "cannot hold one sequence of max_model_len = 2048" in err and "Traceback" not in err

@@ -144,9 +144,19 @@ def run(args: argparse.Namespace) -> int:
 
         return run_ray(args)
     logs.configure(args.log_level, args.log_format)
-    spec = spec_from_args(args)
-    settings = server_config(args, spec)
-    app = build_app(settings, spec, rollout_from_args(args, spec))
+    from ..core.kv_plan import KVPlanError
+
+    try:  # a setting that cannot work: its message says what to change, no traceback
+        spec = spec_from_args(args)
+        settings = server_config(args, spec)
+    except (ValueError, FileNotFoundError) as exc:  # validation of the file and the flags
+        print(f"batchpilot serve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        app = build_app(settings, spec, rollout_from_args(args, spec))
+    except KVPlanError as exc:  # the LLM's memory plan (core/kv_plan.py)
+        print(f"batchpilot serve: {exc}", file=sys.stderr)
+        return 2
     if settings.host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
         log.warning("binding %s without --api-key: anyone who can reach this port can use the model",
                     settings.host)
