@@ -102,7 +102,7 @@ class DeploymentSpec:
     llm: LLMSchedulerConfig = field(default_factory=LLMSchedulerConfig)
     server: ServingOptions = field(default_factory=ServingOptions)
     model: ModelOptions = field(default_factory=ModelOptions)
-    llm_given: frozenset[str] = frozenset()
+    llm_given: frozenset[str] = field(default=frozenset(), compare=False)  # provenance, not a setting
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> DeploymentSpec:
