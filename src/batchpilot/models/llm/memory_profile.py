@@ -66,23 +66,17 @@ def model_memory(runner: LLMModelRunner) -> MemoryProfile:
 
 
 def weights_memory(weights: Any, dtype: torch.dtype) -> MemoryProfile:
-    """``model_memory`` before any runner exists: the loaded weights (in ``dtype`` on the device, as the
-    runner keeps them) and the RoPE tables the runner will build, KV bytes from the model's shape."""
+    """``model_memory`` before any runner exists: the loaded weights (already in ``dtype``, as the loader
+    gives them and the runner keeps them) and the RoPE tables the runner will build, KV bytes from the
+    model's shape."""
     w = weights
-    size = torch.empty(0, dtype=dtype).element_size()
     tensors = [w.embed, w.norm, w.lm_head]
     for layer in w.layers:
         tensors += [layer.input_norm, layer.qkv, layer.o, layer.post_norm, layer.gate_up, layer.down]
-    seen: set[int] = set()
-    elems = 0
-    for t in tensors:
-        key = t.untyped_storage().data_ptr()
-        if key not in seen:
-            seen.add(key)
-            elems += t.untyped_storage().nbytes() // t.element_size()
-    rope = 2 * w.max_position_embeddings * w.head_dim
+    size = torch.empty(0, dtype=dtype).element_size()
+    rope = 2 * w.max_position_embeddings * w.head_dim * size
     kv = 2 * len(w.layers) * w.num_kv_heads * w.head_dim * size
-    return MemoryProfile((elems + rope) * size, kv)
+    return MemoryProfile(_tensor_bytes(tensors) + rope, kv)
 
 
 def read_tokens(plan: StepPlan) -> int:
