@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from batchpilot.core.bucketing import Bucketer
 from batchpilot.core.config import BucketingConfig, PlannerConfig
 from batchpilot.core.costmodel import CostModel
-from batchpilot.core.planner import BatchPlanner, _partition
+from batchpilot.core.planner import BatchPlanner
+from batchpilot.core.sorted_groups import partition
 from core_factories import make_request, simple_cost_model
 
 COST = simple_cost_model(const=0.010, per_token=1e-4)
@@ -137,11 +138,11 @@ def test_dp_partition_is_optimal(lens: list[int], cap: int, padding: str, budget
     p = planner(cost, grouping="dp", padding=padding, max_batch_tokens=budget, max_len=300)
     rs = reqs(*lens)
     chosen = p._sorted(rs, cap, urgent=False, dp=True)  # the dispatched group; the rest are cached
-    groups = [chosen] + [g for g, _ in p._dp_cache]
+    groups = [chosen] + [g for g, _ in p._dp_cache.groups]
     assert sorted(r.id for g in groups for r in g) == sorted(r.id for r in rs)
     total = sum(p._make(g).predicted_s for g in groups)
     assert total == pytest.approx(_brute_force(sorted(lens), cap, p), rel=1e-9)
 
 
 def test_partition_handles_a_single_candidate() -> None:
-    assert _partition(1, [0, 0], lambda s, e: 1.0, None) == [(0, 1)]
+    assert partition(1, [0, 0], lambda s, e: 1.0, None) == [(0, 1)]

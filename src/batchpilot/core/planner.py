@@ -15,6 +15,8 @@ Grouping (``PlannerConfig.grouping``):
   cost per useful token over the window (exact DP over contiguous groups), then dispatch the
   best-scoring group (the head's if urgent).
 
+The windows, the partition and the cache of a partition's unused groups are in ``sorted_groups``.
+
 Budgets, checked for every candidate batch: ``cap`` requests; ``max_batch_tokens`` over computed tokens
 (``n × padded_len`` padded, ``Σ len`` for padding ``none``); ``max_batch_memory_bytes`` against the cost
 model's memory. Admission guarantees every request fits alone, so a batch is never empty.
@@ -22,7 +24,7 @@ model's memory. Admission guarantees every request fits alone, so a batch is nev
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -31,8 +33,7 @@ from .bucketing import Bucketer
 from .config import PlannerConfig
 from .costmodel import BatchShape, CostModel
 from .request import Request
-
-_INF = float("inf")
+from .sorted_groups import PartitionCache, best_group, partition
 
 
 @dataclass(slots=True)
@@ -60,8 +61,7 @@ class BatchPlanner:
         self._maxn_tab: list[int] = []
         self._single_tab: list[tuple[BatchShape, float]] = []
         # dp: the unused groups of the last partition, with their cost per useful token
-        self._dp_cache: list[tuple[list[Request], float]] = []
-        self._dp_key: tuple[int, int] = (0, -1)
+        self._dp_cache = PartitionCache()
 
     def _refits(self) -> int:
         return self.bucketer.num_fits if self.bucketer is not None else 0
@@ -145,39 +145,11 @@ class BatchPlanner:
         elif grouping == "bucket":
             chosen = self._bucket(candidates, cap, urgent)
         elif grouping == "dp":
-            cached = self._from_cache(candidates, cap, urgent)
+            cached = self._dp_cache.next_group(candidates, (cap, self._refits()), urgent)
             chosen = cached if cached is not None else self._sorted(candidates, cap, urgent, dp=True)
         else:
             chosen = self._sorted(candidates, cap, urgent, dp=False)
         return self._make(chosen)
-
-    def _from_cache(self, candidates: Sequence[Request], cap: int, urgent: bool) -> list[Request] | None:
-        """Next group of the last DP partition, if that partition still applies.
-
-        Removing one group from an optimal partition leaves an optimal partition of the rest, so
-        while every cached request is still among the candidates (none cancelled, expired or pushed
-        out of the look-ahead by higher-priority arrivals) the remaining groups are reused and one
-        DP serves a whole look-ahead window. New arrivals join the next DP.
-        """
-        cache = self._dp_cache
-        if not cache or self._dp_key != (cap, self._refits()):
-            return None
-        if 2 * sum(len(group) for group, _ in cache) < len(candidates):
-            # The tail of a partition is its leftovers: re-plan them together with new arrivals.
-            self._dp_cache = []
-            return None
-        ids = {r.id for r in candidates}
-        if any(r.id not in ids for group, _ in cache for r in group):
-            self._dp_cache = []
-            return None
-        if urgent:
-            head = candidates[0]
-            pick = next((i for i, (group, _) in enumerate(cache) if head in group), -1)
-            if pick < 0:
-                return None
-        else:
-            pick = min(range(len(cache)), key=lambda i: cache[i][1])
-        return cache.pop(pick)[0]
 
     def _make(self, reqs: list[Request]) -> Plan:
         lengths = [r.length for r in reqs]
@@ -265,7 +237,7 @@ class BatchPlanner:
 
         head = order.index(0)
         if dp:
-            groups = _partition(k, start, cost, None if self._ragged else (c0, slope))
+            groups = partition(k, start, cost, None if self._ragged else (c0, slope))
         else:
             groups = [(start[e], e) for e in range(1, k + 1)]
         # Score = predicted cost / the cost its useful tokens would have in a full, unpadded batch
@@ -278,42 +250,12 @@ class BatchPlanner:
             ideal = (e - s) * fixed + c2 * (pre[e] - pre[s]) + c3 * (sq[e] - sq[s])
             return cost(s, e) / ideal if ideal > 0 else cost(s, e)
 
-        best, best_score = (head, head + 1), _INF
-        if dp:
-            for s, e in groups:
-                if urgent and not s <= head < e:
-                    continue
-                sc = score(s, e)
-                if sc < best_score:
-                    best, best_score = (s, e), sc
-        elif self._ragged:
-            # sorted grouping runs this once per window for every dispatch under load: score() and
-            # cost() inlined, the same arithmetic in the same order, without two calls per window.
-            for s, e in groups:
-                if urgent and not s <= head < e:
-                    continue
-                n = e - s
-                dt, dq = pre[e] - pre[s], sq[e] - sq[s]
-                cst = c0 + c1 * n + c2 * dt + c3 * dq
-                ideal = n * fixed + c2 * dt + c3 * dq
-                sc = cst / ideal if ideal > 0 else cst
-                if sc < best_score:
-                    best, best_score = (s, e), sc
-        else:  # the same, padded
-            for s, e in groups:
-                if urgent and not s <= head < e:
-                    continue
-                n = e - s
-                cst = c0 + n * slope[e]
-                ideal = n * fixed + c2 * (pre[e] - pre[s]) + c3 * (sq[e] - sq[s])
-                sc = cst / ideal if ideal > 0 else cst
-                if sc < best_score:
-                    best, best_score = (s, e), sc
+        best = best_group(groups, head, urgent, (c0, c1, c2, c3), fixed, pre, sq,
+                          None if self._ragged else slope)
         s, e = best
         if dp:
-            self._dp_cache = [([reqs[i] for i in sorted(order[gs:ge])], score(gs, ge))
-                              for gs, ge in groups if (gs, ge) != best]
-            self._dp_key = (cap, self._refits())
+            self._dp_cache.store([([reqs[i] for i in sorted(order[gs:ge])], score(gs, ge))
+                                  for gs, ge in groups if (gs, ge) != best], (cap, self._refits()))
         return [reqs[i] for i in sorted(order[s:e])]
 
     def _max_n(self, padded: int) -> int:
@@ -331,40 +273,3 @@ class BatchPlanner:
                 n = min(n, int((c.max_batch_memory_bytes - m0) // per))
         return max(n, 1)
 
-
-def _partition(k: int, start: list[int], cost: Callable[[int, int], float],
-               padded: tuple[float, list[float]] | None) -> list[tuple[int, int]]:
-    """Min-total-cost split of the sorted candidates into contiguous feasible groups.
-
-    ``best[e] = min over s in [start[e], e) of best[s] + cost(s, e)``. Both cost shapes here are Monge
-    (padded: c0 + (e-s)·slope[e] with slope non-decreasing; padding-free: separable), and the
-    infeasible region s < start[e] is a staircase, so the leftmost optimal split is non-decreasing in
-    e: each scan starts at the previous optimum instead of at start[e]. ``padded`` = (c0, slope)
-    inlines the padded cost (this loop is the planner's hot spot).
-    """
-    best = [0.0] + [_INF] * k
-    back = [0] * (k + 1)
-    prev = 0
-    for e in range(1, k + 1):
-        b, arg = _INF, e - 1
-        lo = start[e] if start[e] > prev else prev
-        if padded is not None:
-            a = padded[1][e]
-            for s in range(lo, e):
-                v = best[s] + (e - s) * a
-                if v < b:
-                    b, arg = v, s
-            b += padded[0]
-        else:
-            for s in range(lo, e):
-                v = best[s] + cost(s, e)
-                if v < b:
-                    b, arg = v, s
-        best[e], back[e] = b, arg
-        prev = arg
-    groups: list[tuple[int, int]] = []
-    e = k
-    while e > 0:
-        groups.append((back[e], e))
-        e = back[e]
-    return groups[::-1]
