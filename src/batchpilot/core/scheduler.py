@@ -17,86 +17,28 @@ Inside, the pieces are composed in this order::
     schedule: queue.expire (+ timeout, infeasible sweep) ─▶ while a slot is free:
                   policy.decide(now, QueueState) ─▶ Wait: stop  |  Dispatch:
                   planner.plan(queue.peek(lookahead × cap)) ─▶ queue.take ─▶ Batch
+    done:     in_flight.done (the work scale behind the predicted backlog) ─▶ policy.on_batch_done
 """
 
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from .admission import AdmissionController, LoadState, Rejection, RejectReason, pad_length
+from .batch import Batch, SchedulerOutput
 from .bucketing import Bucketer
 from .config import SchedulerConfig
-from .costmodel import BatchShape, CostModel
+from .costmodel import CostModel
+from .in_flight import WORK_SCALE_ALPHA, WORK_SCALE_MAX, WORK_SCALE_MIN, InFlight
 from .planner import BatchPlanner
 from .policy import Dispatch, Policy, QueueState, Wait, make_policy
 from .queue import RequestQueue
 from .request import Request
+from .scheduler_stats import SchedulerStats
 
-__all__ = ["Batch", "BatchScheduler", "RejectReason", "Rejection", "SchedulerOutput", "SchedulerStats",
-           "pad_length"]
-
-WORK_SCALE_ALPHA = 0.1  # moving average of reported / predicted batch seconds (the last ~10 batches)
-WORK_SCALE_MIN, WORK_SCALE_MAX = 0.25, 4.0  # one odd batch (a GC pause, a cold start) moves it little
-
-
-@dataclass(slots=True)
-class Batch:
-    """A dispatched batch: plain data the executor runs and the simulator times."""
-
-    id: int
-    requests: list[Request]
-    padded_len: int
-    shape: BatchShape
-    padding: str
-    formed_at: float
-    predicted_s: float = 0.0
-
-    @property
-    def size(self) -> int:
-        return len(self.requests)
-
-    @property
-    def useful_tokens(self) -> int:
-        return self.shape.useful_tokens
-
-    @property
-    def computed_tokens(self) -> int:
-        return self.shape.tokens
-
-    @property
-    def wasted_tokens(self) -> int:
-        """Padding computed for nothing (0 for padding-free batches)."""
-        return self.shape.tokens - self.shape.useful_tokens
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    batches: list[Batch] = field(default_factory=list)
-    dropped: list[Rejection] = field(default_factory=list)
-    wake_at: float | None = None  # call schedule() again at this time if nothing else happens first
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    """Running counters for drivers' metrics (cheap: updated per request / per batch)."""
-
-    submitted: int = 0
-    admitted: int = 0
-    rejected: Counter[str] = field(default_factory=Counter)  # by RejectReason.value, incl. drops
-    cancelled: int = 0
-    batches: int = 0
-    dispatched: int = 0
-    useful_tokens: int = 0
-    computed_tokens: int = 0
-    completed_batches: int = 0
-
-    @property
-    def padding_efficiency(self) -> float:
-        """Useful / computed tokens over every dispatched batch (1.0 before any)."""
-        return self.useful_tokens / self.computed_tokens if self.computed_tokens else 1.0
+__all__ = ["WORK_SCALE_ALPHA", "WORK_SCALE_MAX", "WORK_SCALE_MIN", "Batch", "BatchScheduler", "RejectReason",
+           "Rejection", "SchedulerOutput", "SchedulerStats", "pad_length"]
 
 
 class BatchScheduler:
@@ -119,10 +61,7 @@ class BatchScheduler:
         # saves Python-level calls on the hot path, which runs ~3 times per request in the simulator.
         self._live = self._queue._live
         self._deadlines = self._queue._deadlines
-        # dispatched, not yet done: batch id -> (formed at, predicted seconds)
-        self._in_flight: dict[int, tuple[float, float]] = {}
-        self._num_slots = max(config.num_slots, 1)
-        self._work_scale = 1.0
+        self._in_flight = InFlight(config.num_slots)  # dispatched, not yet done, and the work scale
         adm = config.admission
         self._reads_backlog = adm.max_backlog_s > 0 or adm.latency_sla_s > 0
         self._timeout_s = adm.timeout_s
@@ -159,13 +98,7 @@ class BatchScheduler:
         the batches in flight (predicted time times ``work_scale``, less the time since they were
         formed) plus the queue's work (``AdmissionController.work_s`` summed, times ``work_scale``).
         What ``admission.max_backlog_s`` bounds and the latency SLA is checked against."""
-        scale = self._work_scale
-        left = 0.0
-        for formed, predicted in self._in_flight.values():
-            rest = predicted * scale - (now - formed)
-            if rest > 0.0:
-                left += rest
-        return self._queue.num_work_s * scale + left / self._num_slots
+        return self._in_flight.backlog_s(now, self._queue.num_work_s)
 
     @property
     def work_scale(self) -> float:
@@ -173,7 +106,7 @@ class BatchScheduler:
         reported / predicted seconds, 1.0 until a batch is done). Under load the HTTP layer and
         tokenising take CPU from the model, and a shared machine's speed moves: admission and the
         pipelining lead price the work ahead at the speed batches are running now."""
-        return self._work_scale
+        return self._in_flight.scale
 
     @property
     def num_in_flight(self) -> int:
@@ -204,7 +137,7 @@ class BatchScheduler:
         q = self._queue
         backlog = self.predicted_backlog_s(now) if (self._reads_backlog or requests[0].deadline is not None) \
             else 0.0  # hot path in the simulator
-        state = LoadState(self._num_requests, len(self._live), q.num_tokens, backlog, self._work_scale)
+        state = LoadState(self._num_requests, len(self._live), q.num_tokens, backlog, self._in_flight.scale)
         rejection = self.admission.check_group(requests, now, state)
         if rejection is not None:
             self.stats.rejected[rejection.reason.value] += n
@@ -242,7 +175,7 @@ class BatchScheduler:
         simulator's slot both ask this."""
         if not self._pipeline:
             return math.inf  # the slot takes its next batch once it is free
-        return started_at + batch.predicted_s * self._work_scale - self._lead_s
+        return started_at + batch.predicted_s * self._in_flight.scale - self._lead_s
 
     def schedule(self, now: float, free_slots: int) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -274,7 +207,7 @@ class BatchScheduler:
             self._next_batch_id = batch_id + 1
             out.batches.append(Batch(batch_id, plan.requests, plan.padded_len, shape, self._padding, now,
                                      plan.predicted_s))
-            self._in_flight[batch_id] = (now, plan.predicted_s)
+            self._in_flight.add(batch_id, now, plan.predicted_s)
             stats.batches += 1
             stats.dispatched += shape.n
             stats.useful_tokens += shape.useful_tokens
@@ -296,16 +229,11 @@ class BatchScheduler:
     def on_batch_done(self, batch: Batch, now: float, latency_s: float, ran: bool = True) -> None:
         """Every dispatched batch must be reported exactly once, also one that never ran (``ran=False``:
         everyone in it left first), or the backlog keeps counting it."""
-        entry = self._in_flight.pop(batch.id, None)
-        predicted = entry[1] if entry is not None else None
-        if entry is not None:
+        if self._in_flight.done(batch.id, latency_s if ran else None):
             for r in batch.requests:
                 self._leave(r)
         if not ran:
             return
-        if predicted and latency_s > 0.0:
-            ratio = min(max(latency_s / predicted, WORK_SCALE_MIN), WORK_SCALE_MAX)
-            self._work_scale += WORK_SCALE_ALPHA * (ratio - self._work_scale)
         self.stats.completed_batches += 1
         self.policy.on_batch_done(batch.size, now, latency_s)
 
