@@ -4,7 +4,8 @@ One binary heap per order key with *lazy deletion*: cancelling or dispatching a 
 from ``_live``; stale heap entries are skipped when they surface and the heaps are rebuilt once stale
 entries outnumber live ones (amortised O(1)). So push is O(log n), remove O(1) + amortised cleanup,
 and the policy's aggregates (count, tokens, oldest arrival, earliest deadline, longest length) are
-cached or read off a heap top — a decision never scans the queue.
+cached or read off a heap top — a decision never scans the queue. The arrival and deadline orders
+are heaps of the same kind (``time_heap``).
 
 The planner looks at the first ``lookahead × cap`` requests and dispatches any of them, not only the
 head, so removals would leave holes near the top of a heap. Those candidates therefore live in a
@@ -28,6 +29,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 from .config import QUEUE_ORDERS, QueueOrder
 from .request import Request
+from .time_heap import Entry, TimeEntry, before, clean_top, compact
 
 _INF = math.inf
 # New requests go straight to the front list while the heap is empty and the front is short; past
@@ -35,9 +37,6 @@ _INF = math.inf
 _FRONT_APPEND_MAX = 256
 # Up to this many distinct waiting lengths, the longest is found with max() (see _refresh_max_len).
 _MAX_LEN_SCAN = 32
-# An entry: (key0, key1, seq, request); seq is unique so requests are never compared.
-_Entry = tuple[float, float, int, Request]
-_TimeEntry = tuple[float, int, Request]
 
 
 class RequestQueue:
@@ -53,12 +52,12 @@ class RequestQueue:
             raise ValueError(f"queue capacity must be >= 0 (0 = unbounded), got {capacity}")
         self.order: QueueOrder = order
         self.capacity = capacity
-        self._front: list[_Entry] = []
-        self._heap: list[_Entry] = []
+        self._front: list[Entry] = []
+        self._heap: list[Entry] = []
         # FCFS order *is* arrival order, so the main order doubles as the arrival order.
-        self._arrivals: list[_TimeEntry] = []
-        self._deadlines: list[_TimeEntry] = []
-        self._live: dict[int, _Entry] = {}  # id -> its entry in the front or the heap
+        self._arrivals: list[TimeEntry] = []
+        self._deadlines: list[TimeEntry] = []
+        self._live: dict[int, Entry] = {}  # id -> its entry in the front or the heap
         self._seq = 0
         self._tokens = 0
         self._work_table = work_s
@@ -99,7 +98,7 @@ class RequestQueue:
         """The earliest-arrived waiting request (the one a wait window is measured from)."""
         if self.order == "fcfs":
             return self.head()
-        self._clean_times(self._arrivals)
+        clean_top(self._arrivals, self._live)
         return self._arrivals[0][2] if self._arrivals else None
 
     def aggregates(self) -> tuple[int, int, float, float, int]:
@@ -111,11 +110,11 @@ class RequestQueue:
                 self._fill(1)
             oldest = front[0][0] if front else _INF  # the FCFS key is the arrival
         else:
-            self._clean_times(self._arrivals)
+            clean_top(self._arrivals, self._live)
             oldest = self._arrivals[0][0] if self._arrivals else _INF
         deadline = _INF
         if self._deadlines:
-            self._clean_times(self._deadlines)
+            clean_top(self._deadlines, self._live)
             if self._deadlines:
                 deadline = self._deadlines[0][0]
         if self._max_len_dirty:
@@ -128,7 +127,7 @@ class RequestQueue:
 
     def most_urgent(self) -> Request | None:
         """The waiting request with the earliest deadline (None if no request has one)."""
-        self._clean_times(self._deadlines)
+        clean_top(self._deadlines, self._live)
         return self._deadlines[0][2] if self._deadlines else None
 
     def max_length(self) -> int:
@@ -148,7 +147,7 @@ class RequestQueue:
         self._seq = seq + 1
         order = self.order
         if order == "fcfs":
-            entry: _Entry = (req.arrival, 0.0, seq, req)
+            entry: Entry = (req.arrival, 0.0, seq, req)
         else:
             key0 = float(req.priority) if order == "priority" else (
                 _INF if req.deadline is None else req.deadline)
@@ -214,24 +213,8 @@ class RequestQueue:
         return out
 
     def due_before(self, t: float) -> list[Request]:
-        """Waiting requests with a deadline before ``t``, earliest first (a read-only walk of the
-        deadline heap's top: the k smallest entries of a binary heap sit in its first k levels)."""
-        heap = self._deadlines
-        out: list[Request] = []
-        if not heap:
-            return out
-        frontier = [(heap[0], 0)]
-        n = len(heap)
-        while frontier:
-            entry, i = heapq.heappop(frontier)
-            if entry[0] >= t:
-                continue
-            if self._is_live(entry[1], entry[2]):
-                out.append(entry[2])
-            for c in (2 * i + 1, 2 * i + 2):
-                if c < n:
-                    heapq.heappush(frontier, (heap[c], c))
-        return out
+        """Waiting requests with a deadline before ``t``, earliest first (read-only)."""
+        return before(self._deadlines, self._live, t)
 
     # -- ordered reads -----------------------------------------------------------------------
     def peek(self, k: int) -> list[Request]:
@@ -246,10 +229,6 @@ class RequestQueue:
         return iter([e[3] for e in self._front + sorted(rest)])
 
     # -- internals ---------------------------------------------------------------------------
-    def _is_live(self, seq: int, req: Request) -> bool:
-        entry = self._live.get(req.id)
-        return entry is not None and entry[2] == seq
-
     def _fill(self, k: int) -> None:
         front, heap, live = self._front, self._heap, self._live
         pop = heapq.heappop
@@ -258,7 +237,7 @@ class RequestQueue:
             if live.get(entry[3].id) is entry:
                 front.append(entry)  # the heap minimum is >= every front entry: stays sorted
 
-    def _drop(self, entry: _Entry) -> None:
+    def _drop(self, entry: Entry) -> None:
         req = entry[3]
         del self._live[req.id]
         front = self._front
@@ -294,15 +273,6 @@ class RequestQueue:
         self._max_len = m
         self._max_len_dirty = False
 
-    def _clean_times(self, heap: list[_TimeEntry]) -> None:
-        live = self._live
-        while heap:
-            _, seq, req = heap[0]
-            entry = live.get(req.id)
-            if entry is not None and entry[2] == seq:
-                return
-            heapq.heappop(heap)
-
     def _maybe_compact(self) -> None:
         # Rebuild a heap once its stale entries outnumber live ones: O(n) every Θ(n) removals.
         # In place: the scheduler holds references to these lists.
@@ -311,9 +281,5 @@ class RequestQueue:
         if len(self._heap) > 2 * in_heap + 64:
             self._heap[:] = [e for e in self._heap if live.get(e[3].id) is e]
             heapq.heapify(self._heap)
-        if len(self._arrivals) > 2 * len(live) + 64:
-            self._arrivals[:] = [e for e in self._arrivals if self._is_live(e[1], e[2])]
-            heapq.heapify(self._arrivals)
-        if len(self._deadlines) > 2 * len(live) + 64:
-            self._deadlines[:] = [e for e in self._deadlines if self._is_live(e[1], e[2])]
-            heapq.heapify(self._deadlines)
+        compact(self._arrivals, live)
+        compact(self._deadlines, live)
