@@ -389,7 +389,7 @@ def test_model_discovery_picks_the_card_that_fits_the_endpoint() -> None:
 
     import httpx
 
-    from batchpilot.bench.loadgen import _discover_model
+    from batchpilot.bench.senders import discover_model
 
     def app(cards: list[dict[str, object]]) -> httpx.MockTransport:
         return httpx.MockTransport(lambda req: httpx.Response(200, json={"object": "list", "data": cards}))
@@ -398,7 +398,7 @@ def test_model_discovery_picks_the_card_that_fits_the_endpoint() -> None:
 
     async def pick(cards: list[dict[str, object]], endpoint: str) -> str:
         async with httpx.AsyncClient(transport=app(cards), base_url="http://x") as c:
-            return await _discover_model(c, endpoint)  # type: ignore[arg-type]
+            return await discover_model(c, endpoint)  # type: ignore[arg-type]
 
     assert asyncio.run(pick(both, "completions")) == "llm"
     assert asyncio.run(pick(both, "embeddings")) == "emb"
