@@ -143,7 +143,7 @@ def add_fleet_tune_args(p: argparse.ArgumentParser) -> None:
 def run_fleet_tune(args: argparse.Namespace) -> int:
     from ..config_file import spec_from_args
     from .cli import load_cost_model, load_frontend, make_console, resolve_workload
-    from .tune import explain, result_table
+    from .tune_report import explain, result_table
 
     console = make_console()
     try:

@@ -20,36 +20,29 @@ the batchpilot default are always measured at the last rung:
 from __future__ import annotations
 
 import argparse
-import itertools
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ..config_file import add_deployment_args
-from ..core.config import PlannerConfig, PolicyConfig, SchedulerConfig
+from ..core.config import SchedulerConfig
 from ..core.costmodel import CostModel
 from ..core.deployment import DeploymentSpec, ModelLimits, resolve_deployment
 from .frontend import FrontEnd
 from .metrics import SimReport, summarize
 from .target import simulate_encoder
 from .traces import Workload
+from .tune_report import explain, result_table, write_yaml
+from .tune_space import LAYOUTS, MAX_BATCH, MAX_WAIT_S, POLICIES, TOKEN_BUDGET, Candidate, baselines, grid
 
-# (grouping, padding, bucketing method) worth trying: bucket padding needs bucket grouping to pay off,
-# and only bucket layouts read the bucketing method
-LAYOUTS: tuple[tuple[str, str, str], ...] = (
-    ("fifo", "dynamic", "fixed"), ("sorted", "dynamic", "fixed"), ("dp", "dynamic", "fixed"),
-    ("bucket", "bucket", "fixed"), ("bucket", "bucket", "quantile"), ("bucket", "bucket", "dp"),
-    ("sorted", "none", "fixed"),
-)
-POLICIES: tuple[str, ...] = ("window", "hybrid", "adaptive", "sla")
-MAX_BATCH: tuple[int, ...] = (8, 16, 32, 64)
-MAX_WAIT_S: tuple[float, ...] = (0.005, 0.02, 0.05, 0.1)
-TOKEN_BUDGET: tuple[int, ...] = (0, 8192)
+__all__ = ["LAYOUTS", "MAX_BATCH", "MAX_WAIT_S", "POLICIES", "TOKEN_BUDGET", "Candidate", "TuneConfig",
+           "TuneResult", "Tuner", "baselines", "explain", "grid", "register", "result_table", "run_tune",
+           "write_yaml"]
 
 
 @dataclass(frozen=True)
@@ -76,18 +69,6 @@ class TuneConfig:
 
 
 @dataclass
-class Candidate:
-    label: str
-    config: SchedulerConfig
-    kind: str = "search"  # search | baseline | default
-    capacity: float = 0.0  # rate scale
-    rps: float = 0.0  # offered req/s at that scale
-    rung: int = -1
-    report: SimReport | None = None  # the passing probe at capacity
-    probes: list[tuple[float, bool]] = field(default_factory=list)
-
-
-@dataclass
 class TuneResult:
     candidates: list[Candidate]  # ranked, best first (only those measured at the last rung)
     best: Candidate
@@ -100,36 +81,6 @@ class TuneResult:
 
     def gain_over(self, other: Candidate) -> float:
         return self.best.rps / other.rps if other.rps > 0 else math.inf
-
-
-def baselines(base: SchedulerConfig) -> list[Candidate]:
-    max_len = base.planner.max_len
-    static = replace(base, policy=PolicyConfig(name="static", max_batch_size=8, max_wait_s=0.1),
-                     planner=PlannerConfig(grouping="fifo", padding="max", max_len=max_len))
-    out = [Candidate("static bs8, pad to max", static, "baseline")]
-    for bs, wait in ((10, 0.01), (32, 0.05)):
-        cfg = replace(base, policy=PolicyConfig(name="window", max_batch_size=bs, max_wait_s=wait),
-                      planner=PlannerConfig(grouping="fifo", padding="dynamic", max_len=max_len))
-        out.append(Candidate(f"window bs{bs} {wait * 1e3:g}ms, dynamic pad", cfg, "baseline"))
-    return out
-
-
-def grid(base: SchedulerConfig, tc: TuneConfig) -> list[Candidate]:
-    """Every grid point whose padding mode is allowed, as a labelled config over ``base``."""
-    out = []
-    for policy, (grouping, padding, method), bs, wait, budget in itertools.product(
-            POLICIES, LAYOUTS, MAX_BATCH, MAX_WAIT_S, TOKEN_BUDGET):
-        if padding not in tc.paddings:
-            continue
-        buckets = replace(base.bucketing, method=method)
-        pol = replace(base.policy, name=policy, max_batch_size=bs, max_wait_s=wait,
-                      min_wait_s=min(base.policy.min_wait_s, wait), sla_s=tc.sla_p99_s,
-                      backlog_requests=min(base.policy.backlog_requests, bs))
-        plan = replace(base.planner, grouping=grouping, padding=padding, max_batch_tokens=budget)
-        label = (f"{policy} bs{bs} {wait * 1e3:g}ms {grouping}/{padding}"
-                 + (f"/{method}" if grouping == "bucket" else "") + (f" tok{budget}" if budget else ""))
-        out.append(Candidate(label, replace(base, policy=pol, planner=plan, bucketing=buckets)))
-    return out
 
 
 class Tuner:
@@ -272,39 +223,6 @@ class Tuner:
         return out
 
 
-def explain(result: TuneResult) -> str:
-    """Why the winner wins, in the three terms that decide it: batch size, padding, queueing."""
-    b = result.best
-    lines = [f"winner: {b.label}: {b.rps:.2f} req/s with P99 <= {result.sla_p99_s:g} s"]
-    for base in result.baselines:
-        lines.append(f"  vs {base.label}: {base.rps:.2f} req/s -> x{result.gain_over(base):.2f}")
-    rows = [("winner", b)] + [(c.label, c) for c in result.baselines]
-    lines.append("  at capacity (batch per request = sum(n^2)/sum(n); tail = slowest 1%):")
-    for name, c in rows:
-        r = c.report
-        if r is None:
-            continue
-        lines.append(
-            f"    {name:<34} batch {r.mean_batch_size:4.1f} (per request {r.request_batch_size:4.1f}), "
-            f"padding efficiency {r.padding_efficiency:4.0%}, queueing {r.queue_share:4.0%} of latency "
-            f"({r.tail_queue_share:4.0%} in the tail), executor {r.utilisation:4.0%} busy")
-    return "\n".join(lines)
-
-
-def write_yaml(result: TuneResult, path: str | Path, spec: DeploymentSpec | None = None) -> Path:
-    """The winner as a config file (``encoder:`` and ``server:`` sections) that ``serve --config`` and
-    ``simulate --config`` read."""
-    from ..config_file import dump_spec
-
-    b = result.best
-    header = (f"# batchpilot tune: {result.workload.name} ({len(result.workload)} rows), P99 <= "
-              f"{result.sla_p99_s:g} s\n# predicted capacity: rate scale {b.capacity:.3f} = "
-              f"{b.rps:.2f} req/s; {b.label}\n")
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    return dump_spec((spec or DeploymentSpec()).replace(encoder=b.config), p, header)
-
-
 def register(subparsers: Any) -> None:
     from .cli import add_workload_args
 
@@ -362,23 +280,3 @@ def run_tune(args: argparse.Namespace) -> int:
         png = plot_goodput(tuner.curves(result), Path(args.plot) / "goodput_vs_rate.png", tc.sla_p99_s)
         console.print(f"wrote {png}")
     return 0
-
-
-def result_table(result: TuneResult, limit: int = 12) -> Any:
-    from rich.table import Table
-
-    t = Table(title=f"capacity at P99 <= {result.sla_p99_s:g} s ({result.workload.name}, "
-                    f"{len(result.workload)} rows)")
-    for col in ("rank", "config", "kind", "req/s", "scale", "vs best", "batch/req", "pad eff", "queue %",
-                "P99 ms"):
-        t.add_column(col, justify="left" if col in ("config", "kind") else "right")
-    shown = [c for c in result.candidates if c.kind == "search"][:limit]
-    shown += [c for c in result.candidates if c.kind != "search"]
-    order = {id(c): i + 1 for i, c in enumerate(result.candidates)}
-    for c in shown:
-        r = c.report
-        t.add_row(str(order[id(c)]), c.label, c.kind, f"{c.rps:.2f}", f"{c.capacity:.3f}",
-                  f"{c.rps / result.best.rps:.2f}" if result.best.rps else "-",
-                  f"{r.request_batch_size:.1f}" if r else "-", f"{r.padding_efficiency:.0%}" if r else "-",
-                  f"{r.queue_share:.0%}" if r else "-", f"{r.p99_all * 1e3:.0f}" if r else "-")
-    return t

@@ -87,7 +87,7 @@ def write_variant_yaml(best: VariantResult, path: str | Path, spec: DeploymentSp
 
 def run_variants(args: argparse.Namespace, workload: Workload, tc: TuneConfig, spec: DeploymentSpec,
                   console: Any) -> int:
-    from .tune import result_table
+    from .tune_report import result_table
 
     console.print(f"tuning on {workload.name} across {len(args.profile_variants)} profiles (one search each)")
     results = tune_variants(workload, args.profile_variants, tc, spec, args.batcher_only, console.print)
