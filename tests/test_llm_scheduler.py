@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from batchpilot.core.llm_scheduler import LLMScheduler, LLMSchedulerConfig, StepPlan
 from batchpilot.core.sequence import FinishReason, SamplingParams, SeqStatus, Sequence
+from llm_workloads import Arrivals, Work, rule_key, workload
 
 EOS = 2
 
@@ -323,28 +324,11 @@ def test_prefix_caching_skips_shared_prompt_blocks() -> None:
     assert s.block_manager.num_free_blocks == s.config.num_kv_blocks
 
 
-workload = st.lists(
-    st.tuples(st.integers(1, 40), st.integers(1, 12), st.integers(0, 3), st.integers(0, 6),
-              st.booleans()),
-    min_size=1, max_size=14,
-)
-
-
-def rule_key(q: Sequence, now: float, policy: str, wait: float) -> tuple[float, ...]:
-    """The order the docs state, written independently of the scheduler: FCFS; or priority, except that
-    a sequence that has waited ``wait`` seconds (> 0) goes ahead of every younger one, oldest first."""
-    if policy == "fcfs":
-        return (q.arrival, q.seq_id)
-    if wait > 0 and now - q.arrival >= wait:
-        return (0, 0, q.arrival, q.seq_id)
-    return (1, q.priority, q.arrival, q.seq_id)
-
-
 @settings(max_examples=120, deadline=None)
 @given(workload=workload, blocks=st.integers(12, 40), budget=st.integers(1, 48), seqs=st.integers(1, 6),
        policy=st.sampled_from(["fcfs", "priority"]), chunked=st.booleans(), prefix=st.booleans(),
        wait=st.sampled_from([0.0, 1.0, 3.0]))
-def test_random_workloads_finish_with_every_block_free(workload: list[tuple[int, int, int, int, bool]],
+def test_random_workloads_finish_with_every_block_free(workload: Work,
                                                        blocks: int, budget: int, seqs: int, policy: str,
                                                        chunked: bool, prefix: bool, wait: float) -> None:
     """Also: every admission follows the stated order at the step's time (nothing waiting was ahead of a
@@ -352,18 +336,10 @@ def test_random_workloads_finish_with_every_block_free(workload: list[tuple[int,
     s = make_scheduler(num_kv_blocks=blocks, max_num_batched_tokens=budget, max_num_seqs=seqs,
                        policy=policy, enable_chunked_prefill=chunked, enable_prefix_caching=prefix,
                        max_priority_wait_s=wait)
-    pending = sorted(enumerate(workload), key=lambda x: x[1][3])  # arrive by step number
-    admitted: list[Sequence] = []
+    arrivals = Arrivals(workload)  # arrive by step number
     step = 0
-    while pending or s.has_unfinished():
-        while pending and pending[0][1][3] <= step:
-            i, (plen, mtok, prio, at, abort) = pending.pop(0)
-            q = Sequence(i, [7 + (i % 2)] * plen, SamplingParams(max_tokens=mtok, ignore_eos=True),
-                         arrival=float(at), priority=prio)
-            if s.add(q) is None:
-                admitted.append(q)
-                if abort and i % 3 == 0:
-                    s.abort(i)
+    while arrivals or s.has_unfinished():
+        arrivals.add_due(s, step)
         now = float(step)  # one second per step
         was_waiting = {q.seq_id for q in s.waiting}
         plan = s.schedule(now)
@@ -378,7 +354,7 @@ def test_random_workloads_finish_with_every_block_free(workload: list[tuple[int,
             assert out.token_id >= 10
         step += 1
         assert step < 5000, "starvation: the workload did not finish"
-    for q in admitted:
+    for q in arrivals.admitted:
         assert q.is_finished
         if q.finish_reason is not FinishReason.ABORT:
             assert q.num_output_tokens == q.params.max_tokens

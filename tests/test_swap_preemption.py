@@ -21,6 +21,7 @@ from batchpilot.core.llm_scheduler import LLMScheduler, LLMSchedulerConfig, Step
 from batchpilot.core.preemption import PreemptionCosts, choose
 from batchpilot.core.sequence import FinishReason, SamplingParams, SeqStatus, Sequence
 from batchpilot.core.swap_space import NoFreeSwapBlocksError, SwapSpace
+from llm_workloads import Arrivals, Work, rule_key, workload
 
 CHEAP_SWAP = PreemptionCosts(1e-6, 1e-6, 1e-3, 1e-6)  # copying a block costs far less than a token
 DEAR_SWAP = PreemptionCosts(1.0, 1.0, 1e-6, 0.0)
@@ -300,40 +301,15 @@ def test_priority_victims_are_swapped_and_come_back_in_key_order() -> None:
     assert not s.has_unfinished() and order and s.preemption.num_recompute_preemptions == 0
 
 
-workload = st.lists(
-    st.tuples(st.integers(1, 40), st.integers(1, 12), st.integers(0, 3), st.integers(0, 6), st.booleans()),
-    min_size=1, max_size=14,
-)
-
-
-def rule_key(q: Sequence, now: float, policy: str, wait: float) -> tuple[float, ...]:
-    if policy == "fcfs":
-        return (q.arrival, q.seq_id)
-    if wait > 0 and now - q.arrival >= wait:
-        return (0, 0, q.arrival, q.seq_id)
-    return (1, q.priority, q.arrival, q.seq_id)
-
-
-Work = list[tuple[int, int, int, int, bool]]  # (prompt length, max_tokens, priority, arrival step, abort)
-
-
 def run_workload(work: Work, **cfg: object) -> tuple[LLMScheduler, list[Sequence]]:
     """Arrivals by step, one second per step; aborts some; checks every step's KV, accounting and order."""
     costs = cfg.pop("costs", None)
     s = make_scheduler(costs, **cfg)  # type: ignore[arg-type]
     kv = FakeKV(s)
-    pending = sorted(enumerate(work), key=lambda x: x[1][3])
-    admitted: list[Sequence] = []
+    arrivals = Arrivals(work)
     step = 0
-    while pending or s.has_unfinished():
-        while pending and pending[0][1][3] <= step:
-            i, (plen, mtok, prio, at, abort) = pending.pop(0)
-            q = Sequence(i, [7 + (i % 2)] * plen, SamplingParams(max_tokens=mtok, ignore_eos=True),
-                         arrival=float(at), priority=prio)
-            if s.add(q) is None:
-                admitted.append(q)
-                if abort and i % 3 == 0:
-                    s.abort(i)
+    while arrivals or s.has_unfinished():
+        arrivals.add_due(s, step)
         if step % 7 == 3 and s.swapped and s.swapped[-1].seq_id % 4 == 1:
             s.abort(s.swapped[-1].seq_id)  # an abort while swapped out
         now = float(step)
@@ -352,7 +328,7 @@ def run_workload(work: Work, **cfg: object) -> tuple[LLMScheduler, list[Sequence
         check_accounting(s)
         step += 1
         assert step < 5000, "starvation: the workload did not finish"
-    return s, admitted
+    return s, arrivals.admitted
 
 
 @settings(max_examples=250, deadline=None)
