@@ -180,3 +180,39 @@ def test_rejects_bad_inputs_and_config(minilm: BertModel) -> None:
     with pytest.raises(ValueError, match="embeddings"):
         RaggedEncoder.from_hf(torch.nn.Linear(2, 2))
     assert enc.attention == "group" and enc.group_slack == 0.0 and enc.dim == 384
+
+
+def test_padded_rows_are_few_and_close() -> None:
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    from batchpilot.models.ragged import padded_rows
+
+    assert len({padded_rows(t) for t in range(1, 8193)}) <= 80  # few enough for oneDNN's kernel cache
+
+    @given(st.integers(min_value=1, max_value=1 << 16))
+    def rounds_up_within_an_eighth(t: int) -> None:
+        r = padded_rows(t)
+        assert r >= t and r % 8 == 0
+        assert r <= max(8, t + t // 8 + 8)
+        assert padded_rows(r) == r  # a rounded count is its own rounding
+
+    rounds_up_within_an_eighth()
+
+
+def test_bf16_row_padding_changes_no_output() -> None:
+    """On CPU in bfloat16 the token-wise work runs on extra rows; no real token's state may move."""
+    model = AutoModel.from_pretrained(_minilm_path(), dtype=torch.bfloat16).eval()
+    enc = RaggedEncoder.from_hf(model, pooling="mean", normalize=True)
+    assert enc._pads_rows()
+    batch = _batch([37, 5, 120, 37], model.config.vocab_size, seed=3)  # 199 tokens -> 208 rows
+    hidden, _ = enc.hidden_ragged(batch)
+    pooled = enc.forward(batch)
+    enc._pads_rows = lambda: False  # type: ignore[method-assign]
+    exact_hidden, _ = enc.hidden_ragged(batch)
+    exact_pooled = enc.forward(batch)
+    assert hidden.shape == exact_hidden.shape == (199, model.config.hidden_size)
+    # the same arithmetic on every real row; oneDNN may block a taller matrix differently
+    assert torch.allclose(hidden.float(), exact_hidden.float(), atol=2e-2)
+    cos = torch.nn.functional.cosine_similarity(pooled.float(), exact_pooled.float())
+    assert float(cos.min()) > 0.9999
