@@ -31,9 +31,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from batchpilot.models.lean import LeanEncoder
+from batchpilot.models.lean import LeanEncoder, padded_rows
 
 ATTENTIONS = ("auto", "loop", "group", "nested", "flash")
+__all__ = ["ATTENTIONS", "RaggedEncoder", "padded_rows"]
 
 
 def _flash_varlen() -> Any:
@@ -42,22 +43,6 @@ def _flash_varlen() -> Any:
     except ImportError:
         return None
     return flash_attn_varlen_func
-
-
-def padded_rows(t: int) -> int:
-    """``t`` rounded up to a step of 1/16 of its power of two (at least 8): at most ~80 distinct
-    values up to 8k tokens, at most 12.5% (on average ~4%) more rows.
-
-    Why: on CPU, bfloat16/float16 matrix multiplies go through oneDNN, which builds (JIT-compiles) a
-    kernel for every new row count and keeps a bounded cache of them. A padding-free batch's row
-    count is its total tokens, new almost every batch, and a new shape's first multiply measured
-    2.5x a repeated one's here (docs/padding.md). Rounding keeps the shapes few enough to stay
-    cached. float32 goes through MKL's sgemm, which has no such cost, and is never rounded.
-    """
-    if t <= 8:
-        return 8
-    step = max(8, (1 << (t - 1).bit_length()) // 16)
-    return -(-t // step) * step
 
 
 class RaggedEncoder(LeanEncoder):
@@ -232,8 +217,6 @@ class RaggedEncoder(LeanEncoder):
             x = self.post_attention(lw, x, ctx)
         return x[:t], lengths
 
-    def _pads_rows(self) -> bool:
-        return self.device.type == "cpu" and self.word_emb.dtype in (torch.bfloat16, torch.float16)
 
     def forward(self, batch: Sequence[Sequence[int]]) -> torch.Tensor:
         """Pooled embeddings ``[n, H]`` of ``batch`` (token-id lists, any lengths), no padding computed."""
