@@ -7,7 +7,7 @@ The baseline is what a team writes first: FastAPI + sentence-transformers on the
 weights, ``model.encode`` called inside the ``async`` route (one request at a time, no batching),
 FastAPI's own JSON response. It encodes up to 512 tokens, as batchpilot does, so both compute the
 same embeddings (sentence-transformers' own default for this model cuts inputs at 256 tokens, which
-would halve the cost of the 14% of conv-embed rows that are longer: the rows that make the tail).
+would lighten the 14% of conv-embed rows that are longer: the rows that make the tail).
 batchpilot runs ``batchpilot serve`` with its defaults (startup profile, default policy). Both are
 subprocesses on 127.0.0.1; the load generator (``bench.loadgen``, open loop, latency from the
 scheduled send time) is this process, on the same two cores, as any one-box test.
