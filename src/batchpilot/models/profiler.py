@@ -1,9 +1,10 @@
 """Measure an encoder over a grid of batch shapes and fit the core cost model (the library behind
 ``batchpilot profile``, ``models/profile_cli.py``, and the server's start-up profile).
 
-For each (batch size n, length L) of the grid, cheapest first: one untimed warm-up call; then
-``repeats`` rounds, each timing one ``prepare + run`` call of every shape through the executor itself
-(the same path the server takes, same padding mode); a point's latency is the median of its calls.
+For each (batch size n, length L) of the grid (its lengths: ``grid_lengths``), cheapest first: one
+untimed warm-up call; then ``repeats`` rounds, each timing one ``prepare + run`` call of every shape
+through the executor itself (the same path the server takes, same padding mode); a point's latency is
+the median of its calls.
 Round-robin, so that the CPU's speed drifting during the profile scales every shape alike. Peak
 memory comes from one more call under ``models.device.peak_memory_bytes`` (docs/profiler.md says what
 it counts). Features come from ``BatchShape.padded`` (or ``.ragged`` for padding "none"), and
@@ -33,6 +34,7 @@ QUICK_LENGTHS = (16, 64, 256, 512)
 # MiniLM with a 14% median / 55% max held-out error; this one with 5% / 8% (docs/profiler.md).
 STANDARD_BATCH_SIZES = (1, 2, 4, 8, 16)
 STANDARD_LENGTHS = (16, 32, 64, 128, 256, 512)
+MIX_SPREAD = 0.25  # padding-free grid batches: lengths spread over L * (1 +- this) (grid_lengths)
 
 
 @dataclass
@@ -164,7 +166,7 @@ def profile_grid(executor: Any, batch_sizes: tuple[int, ...], lengths: tuple[int
                 if calls * guess.latency(shape) * scale > left:
                     advance(f"skip {b}x{L}")
                     continue
-            kept.append(_Shape(executor, [L] * b, padding, rng, memory))
+            kept.append(_Shape(executor, grid_lengths(b, L, limit, padding), padding, rng, memory))
             advance(f"{b}x{L}: warm-up {kept[-1].warmup_s * 1e3:.1f} ms")
         # then the timed calls round-robin: every shape once per round. This CPU's speed moves by a
         # quarter within minutes; timing shape after shape put a step of it between the small shapes
@@ -183,6 +185,23 @@ def profile_grid(executor: Any, batch_sizes: tuple[int, ...], lengths: tuple[int
             "prepare_share": statistics.median(m.prepare_s / m.latency_s for m in out),
             **model_limits(executor)}
     return CostModel.fit([m.point() for m in out], meta=meta), out
+
+
+def grid_lengths(n: int, length: int, limit: int, padding: str) -> list[int]:
+    """The input lengths of grid point ``(n, length)``: ``n`` copies of ``length`` for a padded batch
+    (its cost depends on the lengths only through the padded width, which its features count), and
+    for padding-free batches of two or more, lengths spread evenly over ``length * (1 +- MIX_SPREAD)``
+    (within ``[3, limit]``, distinct where the range allows).
+
+    The padding-free forward attends each distinct length apart (``models/ragged.py``, group
+    attention), so a batch of ``n`` equal lengths makes one attention call per layer where a live
+    batch, whose lengths almost never repeat, makes ``n``. Uniform grid batches priced live batches
+    10-37% low (the held-out mixed batches, docs/profiler.md); spread ones put that per-input cost
+    into the fit's ``n`` coefficient."""
+    if padding != "none" or n < 2:
+        return [length] * n
+    lo, hi = length * (1.0 - MIX_SPREAD), length * (1.0 + MIX_SPREAD)
+    return [min(max(int(round(lo + (hi - lo) * i / (n - 1))), 3), limit) for i in range(n)]
 
 
 def model_limits(executor: Any) -> dict[str, Any]:

@@ -21,7 +21,8 @@ free 127.0.0.1 port, and measures three things the simulator's ``sim.frontend.Fr
    in the profiler's loop (other threads' work on the same cores, caches, the GIL). With the server
    still up, a load generator in another process (on the cores this process is not pinned to, when
    there are any, as ``bench`` runs it) sends ``LOADED_REQUESTS`` of the same texts open-loop (seeded
-   Poisson), half at each of ``LOADED_SHARES`` of the rate one slot can serve them one at a time. Each
+   Poisson), in segments alternating between the two ``LOADED_SHARES`` of the rate one slot can serve
+   them one at a time (``_loaded_plan``). Each
    batch's slot time, its cost-model prediction and the rate of requests that reached the server in the
    second before it started give a batch's time under load, ``predicted * (loaded_alpha +
    loaded_rate_coef * rate) + loaded_const_s`` (non-negative least squares on relative errors: the
@@ -65,6 +66,7 @@ from .service import tokenizer_workers
 WARMUP_REQUESTS = 4
 LOADED_REQUESTS = 240  # ~10-20 s of traffic for MiniLM on one CPU core
 LOADED_SHARES = (0.3, 0.75)  # of one slot's one-at-a-time rate: two loads, to see how the rate slows a batch
+LOADED_SEGMENTS = 6  # the loaded traffic alternates between the two shares this many times
 IDLE_S, BUSY_S, CYCLES = 0.25, 0.5, 4  # contention timing: idle, busy, idle, busy, ... idle
 CONTENTION_BATCH = (4, 128)  # the background thread's batch: 4 inputs of about 128 tokens
 
@@ -181,18 +183,26 @@ class Loaded:
 
 def _loaded_plan(texts: list[str], lengths: list[int], cost_model: CostModel, padding: str,
                  seed: int, n: int) -> list[PlannedRequest]:
-    """``n`` of the texts, seeded, at Poisson times: the first half at ``LOADED_SHARES[0]`` of the rate
-    at which one slot serves them alone (the cost model's mean lone latency), the second half at
-    ``LOADED_SHARES[1]``, a pause of two seconds between."""
+    """``n`` of the texts, seeded, at Poisson times in ``LOADED_SEGMENTS`` segments of equal count that
+    alternate between ``LOADED_SHARES[0]`` and ``LOADED_SHARES[1]`` of the rate at which one slot serves
+    them alone (the cost model's mean lone latency), a pause of a second between segments.
+
+    Alternating, not one half then the other: this CPU's speed drifts within seconds, and a drift
+    between two halves reads as a slope of the batch time against the rate. (One profile made with
+    halves fitted 0.95x at 9 req/s and 1.26x at 23 req/s; its own runs then measured 1.02-1.05x at
+    17-27 req/s.)"""
     if n <= 0:
         return []
     rng = random.Random(seed + 7)
     pick = [rng.randrange(len(texts)) for _ in range(n)]
     alone = statistics.mean(cost_model.latency(_one_input(lengths[i], padding)) for i in pick)
-    t, out = 0.0, []
+    per = max(n // LOADED_SEGMENTS, 1)
+    t, out, last = 0.0, [], 0
     for k, i in enumerate(pick):
-        share = LOADED_SHARES[0] if k < n // 2 else LOADED_SHARES[1]
-        t += rng.expovariate(share / max(alone, 1e-4)) + (2.0 if k == n // 2 else 0.0)
+        segment = min(k // per, LOADED_SEGMENTS - 1)
+        rate = LOADED_SHARES[segment % 2] / max(alone, 1e-4)
+        t += rng.expovariate(rate) + (1.0 if segment != last else 0.0)
+        last = segment
         out.append(PlannedRequest(k, t, lengths[i], 0, {"input": texts[i]}))
     return out
 
