@@ -50,7 +50,7 @@ def main() -> int:
     grid = [(b, L) for b in STANDARD_BATCH_SIZES for L in STANDARD_LENGTHS if b * L <= args.max_batch_tokens]
     sets: dict[str, list[_Shape]] = {
         "uniform": [_Shape(ex, [min(L, limit)] * b, "none", rng, False) for b, L in grid],
-        "spread": [_Shape(ex, grid_lengths(b, min(L, limit), limit, "none"), "none", rng, False)
+        "spread": [_Shape(ex, grid_lengths(b, min(L, limit), limit), "none", rng, False)
                    for b, L in grid],
     }
     rows = load_workload("conv-embed", start=0, count=5000).input_tokens

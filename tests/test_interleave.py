@@ -40,5 +40,10 @@ def test_spearman_and_pick() -> None:
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
     assert spearman([1, 2, 3], [5, 5, 6]) == pytest.approx(math.sqrt(3) / 2)  # a tie shares its mean rank
     assert math.isnan(spearman([1, 1], [1, 2]))
-    assert pick(list(range(20)), 5) == [0, 5, 10, 14, 19]
-    assert pick(list(range(3)), 5) == [0, 1, 2]
+    # spread over the predicted goodput, not the rank: a ranking bunched near the top yields its winner,
+    # its last and the configs nearest to evenly spaced levels between
+    rps = [50.0, 49.9, 49.8, 49.5, 49.0, 48.0, 40.0, 30.0, 21.0, 10.0]
+    assert pick(rps, 5) == [0, 6, 7, 8, 9]
+    assert pick([float(x) for x in range(19, -1, -1)], 5) == [0, 5, 9, 14, 19]  # evenly spread: as the rank
+    assert pick([3.0, 2.0, 1.0], 5) == [0, 1, 2]
+    assert pick([5.0, 5.0, 5.0, 5.0], 2) == [0, 1]  # all equal: the first ones

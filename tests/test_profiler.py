@@ -13,12 +13,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from batchpilot import cli
 from batchpilot.core.costmodel import BatchShape, CostModel
 from batchpilot.models.device import peak_memory_bytes
 from batchpilot.models.encoder import EncoderConfig, EncoderExecutor
-from batchpilot.models.profiler import Measurement, leave_one_out, profile_encoder, profile_grid
+from batchpilot.models.profiler import (
+    MIX_SPREAD,
+    Measurement,
+    grid_lengths,
+    leave_one_out,
+    profile_encoder,
+    profile_grid,
+)
 from batchpilot.sim.frontend import FrontEnd
 
 
@@ -30,19 +39,39 @@ def ex() -> EncoderExecutor:
 def test_profile_encoder_fits_a_cost_model(ex: EncoderExecutor) -> None:
     model, points = profile_encoder(ex, batch_sizes=(1, 2), lengths=(8, 32), repeats=1, progress=False)
     assert len(points) == 4
-    assert {(p.features["n"], p.features["tokens"]) for p in points} == {(1, 8), (1, 32), (2, 16), (2, 64)}
+    # two inputs spread over L +- 25% (grid_lengths), padded to the longer: 2x8 -> [6, 10], 2x32 -> [24, 40]
+    assert {(p.features["n"], p.features["tokens"]) for p in points} == {(1, 8), (1, 32), (2, 20), (2, 80)}
     assert all(p.latency_s > 0 for p in points)
     assert all(c >= 0 and math.isfinite(c) for c in model.latency_coef)
     assert model.latency(BatchShape.padded([20, 30], 30)) > 0
     by_tokens = {p.features["tokens"]: p.memory_bytes for p in points}
-    assert 0 < by_tokens[8] < by_tokens[64]  # activations grow with the batch's tokens
+    assert 0 < by_tokens[8] < by_tokens[80]  # activations grow with the batch's tokens
     assert model.meta["model"] == "all-MiniLM-L6-v2" and model.meta["padding"] == "dynamic"
+
+
+@given(st.integers(1, 64), st.integers(3, 600))
+def test_grid_lengths_spread_every_batch_of_two_or_more(n: int, length: int) -> None:
+    limit = 512
+    length = min(length, limit)
+    lens = grid_lengths(n, length, limit)
+    assert len(lens) == n and all(3 <= x <= limit for x in lens)
+    if n == 1:
+        assert lens == [length]
+        return
+    assert lens == sorted(lens)
+    assert min(lens) >= round(length * (1 - MIX_SPREAD)) - 1
+    assert max(lens) <= max(length * (1 + MIX_SPREAD) + 1, 3)
+    if length * 2 * MIX_SPREAD >= n - 1 and min(lens) > 3 and max(lens) < limit:  # room: all distinct
+        assert len(set(lens)) == n
+    if max(lens) < limit and min(lens) > 3:  # spread evenly around the grid's length
+        assert abs(statistics.mean(lens) - length) <= 1
 
 
 def test_padding_free_profile_uses_ragged_features(ex: EncoderExecutor) -> None:
     _, points = profile_grid(ex, (1, 2), (8, 16), 1, None, "none", False, False, 0)
     assert [m.padding for m in points] == ["none"] * 4
     assert all(m.features == BatchShape.ragged(m.lengths).features() for m in points)
+    assert [m.lengths for m in points if m.n == 2] == [[6, 10], [12, 20]]  # spread: live lengths differ
     assert all(m.memory_bytes == 0 for m in points)  # memory=False skips the profiled run
 
 
@@ -50,9 +79,9 @@ def test_budget_keeps_the_minimum_and_skips_the_rest(ex: EncoderExecutor) -> Non
     _, points = profile_encoder(ex, batch_sizes=(1, 2, 3), lengths=(8, 16), repeats=1, budget_s=0.0,
                                 memory=False, progress=False)
     # four points are the minimum to fit four coefficients; cheapest (fewest tokens) first
-    assert sorted(p.features["tokens"] for p in points) == [8, 16, 16, 24]
+    assert sorted(p.features["tokens"] for p in points) == [8, 16, 20, 30]  # 2x8, 3x8 spread and padded
     _, capped = profile_grid(ex, (1, 2, 3), (8, 16), 1, None, "dynamic", False, False, 0, max_batch_tokens=24)
-    assert sorted(m.features["tokens"] for m in capped) == [8, 16, 16, 24]  # 2x16 and 3x16 left out
+    assert sorted(m.features["tokens"] for m in capped) == [8, 16, 20, 30]  # 2x16 and 3x16 left out
 
 
 def test_bad_arguments_say_what_to_change(ex: EncoderExecutor) -> None:

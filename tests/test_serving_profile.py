@@ -17,6 +17,7 @@ from batchpilot.core.costmodel import CostModel
 from batchpilot.models.encoder import EncoderConfig, EncoderExecutor
 from batchpilot.runtime.executor import NoopExecutor
 from batchpilot.server import serving_profile
+from batchpilot.server.serving_load import Loaded, competing_cpu, fit_loaded
 from batchpilot.server.serving_profile import measure_serving_path
 from batchpilot.sim.frontend import FrontEnd
 
@@ -88,6 +89,41 @@ def test_any_executor_with_its_own_texts() -> None:
     assert len(frontend.loaded_residuals) == loaded["batches"]
     assert frontend.batch_seconds(0.002) == pytest.approx(
         frontend.loaded_alpha * 0.002 + frontend.loaded_const_s)
+    # the slope is the CPU each request cost outside the model thread, accounted, times alpha
+    cpu = loaded["cpu"]
+    assert cpu["requests"] == 30 and cpu["model_thread_cpu_s"] >= 0 and cpu["other_threads_cpu_s"] >= 0
+    assert frontend.loaded_rate_coef == pytest.approx(frontend.loaded_alpha * loaded["competing_cpu_s"])
+
+
+def test_competing_cpu_is_every_thread_but_the_busiest_plus_a_sharing_load_generator() -> None:
+    before = {1: 10.0, 2: 1.0, 3: 0.5}
+    after = {1: 18.0, 2: 1.6, 3: 0.9, 4: 0.1}  # thread 4 started during the phase
+    per, details = competing_cpu(before, after, child_cpu_s=2.0, child_shares_cores=False, requests=10)
+    assert per == pytest.approx((0.6 + 0.4 + 0.1) / 10)
+    assert details["model_thread_cpu_s"] == pytest.approx(8.0)
+    shared, _ = competing_cpu(before, after, child_cpu_s=2.0, child_shares_cores=True, requests=10)
+    assert shared == pytest.approx((1.1 + 2.0) / 10)
+    assert competing_cpu({}, {}, 1.0, True, 10)[0] == 0.0  # no /proc: not measured, no slope
+
+
+def test_fit_loaded_recovers_the_speed_given_the_accounted_slope() -> None:
+    model = CostModel(latency_coef=(0.01, 0.0, 0.001, 0.0))
+    batches, c, alpha = [], 0.003, 1.7
+    for k in range(40):
+        start = 1.0 + 0.1 * k
+        arrivals = [start - 0.05 * j for j in range(1 + k % 5)]  # 1-5 requests in the second before
+        features = {"const": 1.0, "n": 1.0, "tokens": float(10 + k), "attn": float((10 + k) ** 2)}
+        batches.append(Loaded(features, 0.0, start, arrivals))
+    rates = []
+    arr = sorted(a for b in batches for a in b.arrivals)
+    for b in batches:
+        rate = sum(1 for a in arr if b.start - 1.0 <= a < b.start)
+        rates.append(rate)
+        b.slot_s = model.latency(b.features) * alpha * (1 + c * rate)
+    (a, coef, const), details = fit_loaded(batches, model, c)
+    assert a == pytest.approx(alpha) and coef == pytest.approx(alpha * c) and const == 0.0
+    assert max(abs(r) for r in details["residuals"]) < 1e-9
+    assert fit_loaded(batches[:5], model, c)[0] == (1.0, 0.0, 0.0)  # too few batches: the defaults
 
 
 def test_bad_arguments_are_refused() -> None:

@@ -191,9 +191,10 @@ def text_table(head: list[str], rows: list[list[Any]]) -> str:
                      for r in cells)
 
 
-def run_profile(out: Path, padding: str, extra: str = "", cpus: str | None = None) -> Path:
-    """``batchpilot profile -o PATH`` in a subprocess, pinned like the server (before any traffic)."""
-    path = out / "profile.json"
+def run_profile(out: Path, padding: str, extra: str = "", cpus: str | None = None,
+                name: str = "profile.json") -> Path:
+    """``batchpilot profile -o out/name`` in a subprocess, pinned like the server (before any traffic)."""
+    path = out / name
     cmd = [*pinned(cpus), sys.executable, "-m", "batchpilot.cli", "profile", "--output", str(path),
            "--padding", "none" if padding == "none" else "dynamic", *shlex.split(extra)]
     print("profiling:", " ".join(cmd), flush=True)

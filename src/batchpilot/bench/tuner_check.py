@@ -1,17 +1,26 @@
 """Does the tuner's ranking hold live? ``batchpilot bench tuner``.
 
-    batchpilot bench tuner --workload conv-embed --requests 400 [--profile p.json] [--cpus 1]
+    batchpilot bench tuner --workload conv-embed --requests 400 [--profile p.json] [--padded-profile q.json]
+                           [--cpus 1]
 
-1. Profile (``--profile`` or a fresh ``batchpilot profile``), before any measured traffic.
-2. ``batchpilot tune``'s search on the slice (``sim.tune.Tuner``, the same deployment flags and the
-   profile's serving path): every config it measured at its last rung, ranked by predicted goodput (the
-   highest rate scale whose P99, refusals counted as late, meets ``--sla``).
-3. ``--configs`` of them picked evenly across that ranking (the winner and the last included), plus
-   the default config when it is not among them; each is written as a config file.
-4. One ``batchpilot serve`` per config, all started at once (pinned alike with ``--cpus``), and one live
-   capacity search per server on the same rows with the same definition as the tuner's (the whole
-   slice per probe, P99 over it, stopped once lost), the probes interleaved round-robin
-   (``bench.interleave``) so that a drift of the CPU's speed falls on every config alike.
+1. Profile, before any measured traffic, once per forward path: padding-free (``--profile`` or a fresh
+   ``batchpilot profile --padding none``) and padded (``--padded-profile`` or ``--padding dynamic``).
+   The two forwards differ in more than their features count (one attention call per distinct length
+   padding-free, one masked call per batch padded), so each config is priced, and served, with the
+   profile of its own path.
+2. ``batchpilot tune``'s search on the slice (``sim.tune.Tuner``, the same deployment flags and that
+   profile's serving path), once per profile over the padding modes it measured (``none``; ``max``,
+   ``dynamic``, ``bucket``): every config measured at its last rung, merged into one ranking by
+   predicted goodput (the highest rate scale whose P99, refusals counted as late, meets ``--sla``).
+3. ``--configs`` of them spread over the predicted goodput (``pick``: the winner, the last, and the
+   ones nearest to evenly spaced levels between), plus the default config when it is not among them;
+   each is written as a config file. Spread by goodput, not by rank position: most of a ranking sits
+   within a few percent of the winner, closer than two live capacity searches on this machine agree,
+   and a rank among configs predicted equal is not a prediction the check can test.
+4. One ``batchpilot serve`` per config with its profile, all started at once (pinned alike with
+   ``--cpus``), and one live capacity search per server on the same rows with the same definition as
+   the tuner's (the whole slice per probe, P99 over it, stopped once lost), the probes interleaved
+   round-robin (``bench.interleave``) so that a drift of the CPU's speed falls on every config alike.
 5. Spearman's rank correlation of predicted and live goodput, and the tuned/default live ratio.
 """
 
@@ -23,6 +32,7 @@ import math
 import shlex
 import time
 from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +47,15 @@ from .interleave import interleaved_capacity
 from .loadgen import build_plan, load_tokenizer
 from .serverproc import pin_load_generator, serve
 
-HEAD = ["tuner rank", "config", "kind", "predicted req/s", "live req/s", "live probes"]
+HEAD = ["tuner rank", "config", "kind", "profile", "predicted req/s", "live req/s", "live probes"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_deployment_args(p)
-    p.add_argument("--profile", default=None, help="profile JSON (default: run `batchpilot profile` first)")
+    p.add_argument("--profile", default=None,
+                   help="padding-free profile JSON (default: run `batchpilot profile --padding none` first)")
+    p.add_argument("--padded-profile", default=None,
+                   help="padded profile JSON (default: run `batchpilot profile --padding dynamic` first)")
     p.add_argument("--profile-args", default="", help="extra args for `batchpilot profile`")
     p.add_argument("--lengths", default="lognormal:median=128,sigma=0.8",
                    help="synthetic workloads: input lengths (as `simulate --lengths`)")
@@ -72,36 +85,66 @@ def spearman(x: list[float], y: list[float]) -> float:
     return float(np.corrcoef(rx, ry)[0, 1])
 
 
-def pick(ranked: list[Any], k: int) -> list[int]:
-    """Indices of ``k`` configs evenly spread over a ranking (first and last included)."""
-    if len(ranked) <= k:
-        return list(range(len(ranked)))
-    return sorted({int(round(i)) for i in np.linspace(0, len(ranked) - 1, k)})
+def pick(rps: list[float], k: int) -> list[int]:
+    """Indices of ``k`` configs spread over their predicted goodput ``rps`` (best first): for ``k``
+    evenly spaced levels from the first to the last value, the nearest config not taken yet."""
+    if len(rps) <= k:
+        return list(range(len(rps)))
+    out: list[int] = []
+    for level in np.linspace(rps[0], rps[-1], k):
+        out.append(min((i for i in range(len(rps)) if i not in out), key=lambda i: (abs(rps[i] - level), i)))
+    return sorted(out)
+
+
+PADDED = ("max", "dynamic", "bucket")
+
+
+def ranked_candidates(wl: Any, profiles: dict[str, Path], tc: Any,
+                      spec: Any) -> tuple[list[Any], dict[int, Path]]:
+    """One tuner search per profile over the padding modes it measured, merged best first; and the
+    profile that priced each candidate (``id`` -> path)."""
+    from ..sim.tune import Tuner
+
+    merged, source = [], {}
+    for family, path in profiles.items():
+        modes = ("none",) if family == "none" else PADDED
+        result = Tuner(wl, CostModel.load(path), replace(tc, paddings=modes), spec=spec,
+                       frontend=FrontEnd.from_profile(path), log=print).run()
+        for c in result.candidates:
+            if c.config.planner.padding in modes and c.rps > 0:
+                merged.append(c)
+                source[id(c)] = path
+    merged.sort(key=lambda c: (-c.rps, c.report.p99_all if c.report else math.inf))
+    return merged, source
 
 
 def main(args: argparse.Namespace) -> int:
-    from ..sim.tune import TuneConfig, Tuner
+    from ..sim.tune import TuneConfig
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     spec = spec_from_args(args)
-    profile = Path(args.profile) if args.profile else run_profile(out, spec.encoder.planner.padding,
-                                                                   args.profile_args, args.cpus)
-    cost_model = CostModel.load(profile)
-    frontend = FrontEnd.from_profile(profile)
+    profiles = {
+        "none": Path(args.profile) if args.profile else run_profile(
+            out, "none", args.profile_args, args.cpus, "profile-none.json"),
+        "padded": Path(args.padded_profile) if args.padded_profile else run_profile(
+            out, "dynamic", args.profile_args, args.cpus, "profile-dynamic.json"),
+    }
     wl = load_workload(args)
     tc = TuneConfig(sla_p99_s=args.sla, candidates=args.candidates, rungs=2, rel_tol=(0.1, 0.03),
                     min_rows=min(len(wl), 200), seed=args.seed)
-    tuner = Tuner(wl, cost_model, tc, spec=spec, frontend=frontend, log=print)
-    result = tuner.run()
-    ranked = [c for c in result.candidates if c.rps > 0]
-    chosen = [ranked[i] for i in pick(ranked, args.configs)]
-    if not any(c.kind == "default" for c in chosen):
-        chosen += [c for c in result.candidates if c.kind == "default"]
-    rank = {id(c): i + 1 for i, c in enumerate(result.candidates)}
+    ranked, source = ranked_candidates(wl, profiles, tc, spec)
+    if not ranked:
+        print("tuner: no config meets the SLA in simulation; was the machine busy while profiling?")
+        return 1
+    # the tuned config: the best search result, or the default when it predicts more (as the tuner picks)
+    best = next(c for c in ranked if c.kind in ("search", "default"))
+    chosen = [ranked[i] for i in pick([c.rps for c in ranked], args.configs)]
+    chosen += [c for c in ranked if (c is best or c.kind == "default") and c not in chosen]
+    rank = {id(c): i + 1 for i, c in enumerate(ranked)}
     names = {id(c): f"c{rank[id(c)]}" for c in chosen}
-    print(f"tuner: {len(result.candidates)} configs ranked in {result.seconds:.0f} s; measuring live: "
+    print(f"tuner: {len(ranked)} configs ranked; measuring live: "
           + "; ".join(f"#{rank[id(c)]} {c.label} ({c.rps:.2f} req/s)" for c in chosen), flush=True)
     pin_load_generator(args.cpus)
     tok = load_tokenizer(args.tokenizer)
@@ -114,7 +157,7 @@ def main(args: argparse.Namespace) -> int:
             # the file holds the whole deployment (encoder and server sections): no other flags
             name = names[id(c)]
             path = dump_spec(spec.replace(encoder=c.config), out / f"{name}.yaml", f"# {c.label}\n")
-            serve_args = ["--profile", str(profile), "--log-level", "warning", "--config", str(path),
+            serve_args = ["--profile", str(source[id(c)]), "--log-level", "warning", "--config", str(path),
                           *shlex.split(args.serve_args)]
             urls[name] = stack.enter_context(serve(serve_args, log_path=out / f"serve-{name}.log",
                                                    cpus=args.cpus))
@@ -125,10 +168,9 @@ def main(args: argparse.Namespace) -> int:
         res = live[names[id(c)]]
         pred.append(c.rps)
         meas.append(res.rps)
-        rows.append([f"#{rank[id(c)]}", c.label, c.kind, f"{c.rps:.2f}",
+        rows.append([f"#{rank[id(c)]}", c.label, c.kind, source[id(c)].name, f"{c.rps:.2f}",
                      f"{res.rps:.2f}" + ("" if res.bracketed else " (lower bound)"), str(len(res.probes))])
     rho = spearman(pred, meas)
-    best = next(c for c in chosen if c is result.best) if result.best in chosen else chosen[0]
     default = next((c for c in chosen if c.kind == "default"), None)
     ratio = (live[names[id(best)]].rps / live[names[id(default)]].rps
              if default is not None and live[names[id(default)]].rps > 0 else math.nan)
@@ -139,7 +181,8 @@ def main(args: argparse.Namespace) -> int:
           f"tuned ({best.label}) / default goodput: live {ratio:.3f}, predicted {pred_ratio:.3f}\n"
           f"{time.monotonic() - t0:.0f} s in all", flush=True)
     (out / "tuner_check.json").write_text(json.dumps({
-        "workload": wl.name, "requests": len(wl), "profile": str(profile), "spearman": rho,
+        "workload": wl.name, "requests": len(wl), "profiles": {k: str(v) for k, v in profiles.items()},
+        "spearman": rho,
         "tuned_over_default_live": ratio, "tuned_over_default_predicted": pred_ratio,
         "rows": rows, "probes": {n: [(p.rate_scale, p.passed, p.summary.p99) for p in r.probes]
                                  for n, r in live.items()}}, indent=2, default=str))

@@ -34,7 +34,7 @@ QUICK_LENGTHS = (16, 64, 256, 512)
 # MiniLM with a 14% median / 55% max held-out error; this one with 5% / 8% (docs/profiler.md).
 STANDARD_BATCH_SIZES = (1, 2, 4, 8, 16)
 STANDARD_LENGTHS = (16, 32, 64, 128, 256, 512)
-MIX_SPREAD = 0.25  # padding-free grid batches: lengths spread over L * (1 +- this) (grid_lengths)
+MIX_SPREAD = 0.25  # a grid batch's lengths spread over L * (1 +- this) (grid_lengths)
 
 
 @dataclass
@@ -166,7 +166,7 @@ def profile_grid(executor: Any, batch_sizes: tuple[int, ...], lengths: tuple[int
                 if calls * guess.latency(shape) * scale > left:
                     advance(f"skip {b}x{L}")
                     continue
-            kept.append(_Shape(executor, grid_lengths(b, L, limit, padding), padding, rng, memory))
+            kept.append(_Shape(executor, grid_lengths(b, L, limit), padding, rng, memory))
             advance(f"{b}x{L}: warm-up {kept[-1].warmup_s * 1e3:.1f} ms")
         # then the timed calls round-robin: every shape once per round. This CPU's speed moves by a
         # quarter within minutes; timing shape after shape put a step of it between the small shapes
@@ -187,18 +187,18 @@ def profile_grid(executor: Any, batch_sizes: tuple[int, ...], lengths: tuple[int
     return CostModel.fit([m.point() for m in out], meta=meta), out
 
 
-def grid_lengths(n: int, length: int, limit: int, padding: str) -> list[int]:
-    """The input lengths of grid point ``(n, length)``: ``n`` copies of ``length`` for a padded batch
-    (its cost depends on the lengths only through the padded width, which its features count), and
-    for padding-free batches of two or more, lengths spread evenly over ``length * (1 +- MIX_SPREAD)``
-    (within ``[3, limit]``, distinct where the range allows).
+def grid_lengths(n: int, length: int, limit: int) -> list[int]:
+    """The input lengths of grid point ``(n, length)``: for a batch of two or more, lengths spread
+    evenly over ``length * (1 +- MIX_SPREAD)`` (within ``[3, limit]``, distinct where the range
+    allows), in either padding mode; one input of ``length`` alone.
 
-    The padding-free forward attends each distinct length apart (``models/ragged.py``, group
-    attention), so a batch of ``n`` equal lengths makes one attention call per layer where a live
-    batch, whose lengths almost never repeat, makes ``n``. Uniform grid batches priced live batches
-    10-37% low (the held-out mixed batches, docs/profiler.md); spread ones put that per-input cost
-    into the fit's ``n`` coefficient."""
-    if padding != "none" or n < 2:
+    Live batches almost never hold equal lengths, and both forwards pay for the difference in ways
+    the features do not count: the padding-free one attends each distinct length apart
+    (``models/ragged.py``, group attention: ``n`` calls per layer where equal lengths make one), and
+    the padded one needs a key-padding mask, which takes SDPA off its unmasked fast path
+    (``models/lean.py``). A grid of equal lengths timed neither, and priced held-out mixed batches
+    14-44% low (docs/profiler.md). A padded point's features count its width, ``max(lengths)``."""
+    if n < 2:
         return [length] * n
     lo, hi = length * (1.0 - MIX_SPREAD), length * (1.0 + MIX_SPREAD)
     return [min(max(int(round(lo + (hi - lo) * i / (n - 1))), 3), limit) for i in range(n)]

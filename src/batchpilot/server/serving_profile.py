@@ -18,17 +18,28 @@ free 127.0.0.1 port, and measures three things the simulator's ``sim.frontend.Fr
    without a batching window (``max_wait_s = 0``) so that the window, which the simulator models by
    itself, is not counted here.
 3. **Batches under serving load.** The model runs slower while the server handles traffic than alone
-   in the profiler's loop (other threads' work on the same cores, caches, the GIL). With the server
-   still up, a load generator in another process (on the cores this process is not pinned to, when
-   there are any, as ``bench`` runs it) sends ``LOADED_REQUESTS`` of the same texts open-loop (seeded
-   Poisson), in segments alternating between the two ``LOADED_SHARES`` of the rate one slot can serve
-   them one at a time (``_loaded_plan``). Each
-   batch's slot time, its cost-model prediction and the rate of requests that reached the server in the
-   second before it started give a batch's time under load, ``predicted * (loaded_alpha +
-   loaded_rate_coef * rate) + loaded_const_s`` (non-negative least squares on relative errors: the
-   other requests' HTTP, JSON and tokenising work competes with the model for the same cores), spread
-   around that line as ``loaded_residuals``. This traffic is the profile's own, made before any run it
-   predicts.
+   in the profiler's loop: the other requests' HTTP, JSON and tokenising work runs on the same cores,
+   and the machine's speed itself has moved since the grid. With the server still up, a load generator
+   in another process (on the cores this process is not pinned to, when there are any, as ``bench``
+   runs it) sends ``LOADED_REQUESTS`` of the same texts open-loop (seeded Poisson), in segments
+   alternating between the two ``LOADED_SHARES`` of the rate one slot can serve them one at a time
+   (``_loaded_plan``). Two things are measured:
+
+   * **the CPU each request costs outside the model**, by accounting, not by fit: this process's
+     CPU seconds during the phase less the model thread's (``/proc/self/task``: the thread that used
+     the most), plus the load generator's when it shares this process's cores, over the requests
+     sent. That is ``competing_cpu_s``: at ``rate`` requests/s it takes ``rate * competing_cpu_s`` of
+     every second from the model;
+   * **the speed**: every batch's slot time against its cost-model prediction.
+
+   A batch's time under load is ``predicted * (loaded_alpha + loaded_rate_coef * rate) +
+   loaded_const_s`` with ``loaded_rate_coef = loaded_alpha * competing_cpu_s`` and ``loaded_alpha``
+   the batches' total slot time over their total ``predicted * (1 + competing_cpu_s * rate)``
+   (``rate``: requests that reached the server in the ``RATE_WINDOW_S`` before the batch), and the
+   spread around that line as ``loaded_residuals``. The slope is accounted rather than fitted because
+   a fitted slope came out several times the CPU the requests cost, and overpriced the batches of a
+   burst (docs/profiler.md). This traffic is the profile's own, made before any run it predicts.
+   ``server/serving_load.py`` holds this phase.
 4. **Tokenizer/model contention.** ``executor.tokenize`` of a fixed list of texts is timed with the
    model idle and while another thread runs model batches back to back (``prepare + run``, as the
    profiler makes them); the ratio of the medians (>= 1) is ``serial_busy_factor``: under load the
@@ -57,16 +68,23 @@ import uvicorn
 
 from ..bench.loadgen import LoadGenConfig, PlannedRequest, one_by_one_async
 from ..core.config import Padding, PolicyConfig, SchedulerConfig
-from ..core.costmodel import BatchShape, CostModel
-from ..sim.frontend import RATE_WINDOW_S, FrontEnd
+from ..core.costmodel import CostModel
+from ..sim.frontend import FrontEnd
 from .app import create_app
 from .config import ServerConfig
 from .service import tokenizer_workers
+from .serving_load import (
+    LOADED_REQUESTS,
+    Loaded,
+    competing_cpu,
+    fit_loaded,
+    loaded_plan,
+    one_input,
+    send_elsewhere,
+    thread_cpu_s,
+)
 
 WARMUP_REQUESTS = 4
-LOADED_REQUESTS = 240  # ~10-20 s of traffic for MiniLM on one CPU core
-LOADED_SHARES = (0.3, 0.75)  # of one slot's one-at-a-time rate: two loads, to see how the rate slows a batch
-LOADED_SEGMENTS = 6  # the loaded traffic alternates between the two shares this many times
 IDLE_S, BUSY_S, CYCLES = 0.25, 0.5, 4  # contention timing: idle, busy, idle, busy, ... idle
 CONTENTION_BATCH = (4, 128)  # the background thread's batch: 4 inputs of about 128 tokens
 
@@ -101,8 +119,9 @@ def measure_serving_path(executor: Any, cost_model: CostModel, *, requests: int 
             for k, i in enumerate(warm + order)]
 
     sched = _scheduler_config(executor, padding)
-    loaded_plan = _loaded_plan(texts, lengths, cost_model, padding, seed, loaded_requests)
-    records, slot_s, loaded = _serve_and_send(executor, sched, cost_model, plan, loaded_plan)
+    traffic = loaded_plan(texts, lengths, cost_model, padding, seed, loaded_requests)
+    records, slot_s, batches, (competing_s, cpu_details) = _serve_and_send(executor, sched, cost_model, plan,
+                                                                          traffic)
     if len(slot_s) != len(records):
         raise RuntimeError(f"serving path: {len(records)} lone requests ran as {len(slot_s)} batches")
     slot_of = {id(r): took for r, took in zip(records, slot_s, strict=True)}
@@ -117,7 +136,7 @@ def measure_serving_path(executor: Any, cost_model: CostModel, *, requests: int 
     tokenize = np.array([r.server_tokenize_s for r in ok])
     batcher = np.array([r.server_batcher_s for r in ok])
     fitted = FrontEnd.fit(tok, client, tokenize, batcher)
-    predicted = np.array([cost_model.latency(_one_input(int(n), padding)) for n in tok])
+    predicted = np.array([cost_model.latency(one_input(int(n), padding)) for n in tok])
     slots = np.array([slot_of[id(r)] for r in ok])
     overhead = batcher - slots
     finite = overhead[np.isfinite(overhead)]
@@ -126,7 +145,8 @@ def measure_serving_path(executor: Any, cost_model: CostModel, *, requests: int 
     idle, busy = _contention(executor, texts, lengths, padding)
     idle_s, busy_s = statistics.median(idle), statistics.median(busy)
     factor = max(busy_s / idle_s, 1.0) if idle_s > 0 else 1.0
-    (alpha, rate_coef, const), load_details = _fit_loaded(loaded, cost_model)
+    (alpha, rate_coef, const), load_details = fit_loaded(batches, cost_model, competing_s)
+    load_details["cpu"] = cpu_details
     frontend = dataclasses.replace(fitted, batch_overhead_s=overhead_s, serial_busy_factor=factor,
                                    serial_servers=tokenizer_workers(ServerConfig()),
                                    loaded_alpha=alpha, loaded_rate_coef=rate_coef, loaded_const_s=const,
@@ -167,106 +187,13 @@ def _scheduler_config(executor: Any, padding: Padding) -> SchedulerConfig:
                                admission=admission)
 
 
-def _one_input(length: int, padding: str) -> BatchShape:
-    return BatchShape.ragged([length]) if padding == "none" else BatchShape.padded([length], length)
-
-
-@dataclasses.dataclass
-class Loaded:
-    """One batch the server ran: its features, slot seconds, start and its requests' arrivals."""
-
-    features: dict[str, float]
-    slot_s: float
-    start: float
-    arrivals: list[float]
-
-
-def _loaded_plan(texts: list[str], lengths: list[int], cost_model: CostModel, padding: str,
-                 seed: int, n: int) -> list[PlannedRequest]:
-    """``n`` of the texts, seeded, at Poisson times in ``LOADED_SEGMENTS`` segments of equal count that
-    alternate between ``LOADED_SHARES[0]`` and ``LOADED_SHARES[1]`` of the rate at which one slot serves
-    them alone (the cost model's mean lone latency), a pause of a second between segments.
-
-    Alternating, not one half then the other: this CPU's speed drifts within seconds, and a drift
-    between two halves reads as a slope of the batch time against the rate. (One profile made with
-    halves fitted 0.95x at 9 req/s and 1.26x at 23 req/s; its own runs then measured 1.02-1.05x at
-    17-27 req/s.)"""
-    if n <= 0:
-        return []
-    rng = random.Random(seed + 7)
-    pick = [rng.randrange(len(texts)) for _ in range(n)]
-    alone = statistics.mean(cost_model.latency(_one_input(lengths[i], padding)) for i in pick)
-    per = max(n // LOADED_SEGMENTS, 1)
-    t, out, last = 0.0, [], 0
-    for k, i in enumerate(pick):
-        segment = min(k // per, LOADED_SEGMENTS - 1)
-        rate = LOADED_SHARES[segment % 2] / max(alone, 1e-4)
-        t += rng.expovariate(rate) + (1.0 if segment != last else 0.0)
-        last = segment
-        out.append(PlannedRequest(k, t, lengths[i], 0, {"input": texts[i]}))
-    return out
-
-
-def _fit_loaded(batches: list[Loaded], cost_model: CostModel) -> tuple[tuple[float, float, float],
-                                                                       dict[str, Any]]:
-    """``slot_s ~ predicted * (alpha + coef * rate) + const`` over the loaded batches (relative errors),
-    ``rate`` = requests that arrived in the ``RATE_WINDOW_S`` before the batch started, per second."""
-    from ..core.costmodel import nonneg_lstsq
-
-    if len(batches) < 10:
-        return (1.0, 0.0, 0.0), {"batches": len(batches), "note": "too few batches: not measured"}
-    arrivals = np.sort(np.array([a for b in batches for a in b.arrivals]))
-    starts = np.array([b.start for b in batches])
-    rate = (np.searchsorted(arrivals, starts) - np.searchsorted(arrivals, starts - RATE_WINDOW_S)) \
-        / RATE_WINDOW_S
-    pred = np.array([cost_model.latency(b.features) for b in batches])
-    took = np.array([b.slot_s for b in batches])
-    w = 1.0 / np.maximum(took, 1e-6)
-    x = np.column_stack([pred, pred * rate, np.ones_like(pred)])
-    alpha, coef, const = (float(c) for c in nonneg_lstsq(x * w[:, None], took * w))
-    if alpha <= 0:
-        alpha, coef, const = float(took.sum() / pred.sum()), 0.0, 0.0
-    line = pred * (alpha + coef * rate) + const
-    residuals = took / line - 1.0
-    return (alpha, coef, const), {
-        "batches": len(batches),
-        "mean_batch_size": float(np.mean([b.features.get("n", 1.0) for b in batches])),
-        "rate_min": float(rate.min()), "rate_max": float(rate.max()), "rate_mean": float(rate.mean()),
-        "slot_over_predicted": float(took.sum() / pred.sum()), "alpha": alpha, "rate_coef": coef,
-        "const_s": const, "residuals": sorted(float(r) for r in residuals),
-        "residual_std": float(residuals.std())}
-
-
-def _send_elsewhere(url: str, model: str, plan: Sequence[PlannedRequest]) -> None:
-    """Replay ``plan`` open-loop from a child process on the cores this one is not pinned to (if any)."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("spawn")
-    child = ctx.Process(target=_replay_child, args=(url, model, list(plan)), daemon=True)
-    child.start()
-    child.join(600)
-    if child.exitcode != 0:
-        raise RuntimeError(f"serving path: the load generator process exited with {child.exitcode}")
-
-
-def _replay_child(url: str, model: str, plan: list[PlannedRequest]) -> None:
-    import os
-
-    from ..bench.loadgen import replay
-
-    if hasattr(os, "sched_getaffinity"):
-        mine, every = os.sched_getaffinity(0), set(range(os.cpu_count() or 1))
-        if every - mine and len(mine) < len(every):
-            os.sched_setaffinity(0, every - mine)
-    replay(plan, LoadGenConfig(url, model=model, timeout_s=60.0, progress=False, scrape_interval_s=0))
-
-
 def _serve_and_send(executor: Any, sched: SchedulerConfig, cost_model: CostModel,
                     plan: Sequence[PlannedRequest], loaded_plan: Sequence[PlannedRequest] = (),
-                    ) -> tuple[list[Any], list[float], list[Loaded]]:
+                    ) -> tuple[list[Any], list[float], list[Loaded], tuple[float, dict[str, Any]]]:
     """Start uvicorn on a socket bound here (no port race), send ``plan`` one by one, then
     ``loaded_plan`` open-loop from another process, shut down. Also returns each lone batch's slot
-    seconds in the order they ran, and each loaded batch's (features, slot seconds)."""
+    seconds in the order they ran, each loaded batch's (features, slot seconds), and the CPU seconds
+    per loaded request that competed with the model (``competing_cpu``)."""
     sock, port = bound_socket()
     app = create_app(ServerConfig(port=port, request_timeout_s=30.0, drain_timeout_s=5.0), executor, sched,
                      cost_model)
@@ -279,10 +206,13 @@ def _serve_and_send(executor: Any, sched: SchedulerConfig, cost_model: CostModel
                                scrape_interval_s=0)
         records = asyncio.run(one_by_one_async(plan, config))
         lone = len(seen)
+        cpu: tuple[float, dict[str, Any]] = (0.0, {"note": "no loaded phase"})
         if loaded_plan:
-            _send_elsewhere(config.base_url, config.model or "", loaded_plan)
+            before = thread_cpu_s()
+            child_s, shares = send_elsewhere(config.base_url, config.model or "", loaded_plan)
             time.sleep(0.5)  # the last batches report on the loop
-    return records, [b.slot_s for b in seen[:lone]], seen[lone:]
+            cpu = competing_cpu(before, thread_cpu_s(), child_s, shares, len(loaded_plan))
+    return records, [b.slot_s for b in seen[:lone]], seen[lone:], cpu
 
 
 def bound_socket() -> tuple[socket.socket, int]:

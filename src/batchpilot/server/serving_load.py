@@ -1,0 +1,164 @@
+"""The loaded phase of the serving-path profile: how a batch's time grows while the server handles traffic.
+
+``server.serving_profile.measure_serving_path`` (item 3 of its docstring) serves the real app and,
+after its lone requests, replays ``LOADED_REQUESTS`` open-loop from a child process
+(``send_elsewhere``: on the cores the profiler is not pinned to, when there are any). Here:
+
+* ``loaded_plan``: the seeded open-loop plan, segments alternating between ``LOADED_SHARES``;
+* ``thread_cpu_s`` / ``competing_cpu``: the CPU seconds per request that competed with the model
+  thread (every other thread of this process, plus the load generator when it shares the cores);
+* ``fit_loaded``: the line ``predicted * alpha * (1 + competing_cpu_s * rate)`` over the batches
+  the server ran, and their spread around it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..bench.loadgen import LoadGenConfig, PlannedRequest
+from ..core.costmodel import BatchShape, CostModel
+from ..sim.frontend import RATE_WINDOW_S
+
+LOADED_REQUESTS = 240  # ~10-20 s of traffic for MiniLM on one CPU core
+LOADED_SHARES = (0.3, 0.75)  # of one slot's one-at-a-time rate: two loads, to see how the rate slows a batch
+LOADED_SEGMENTS = 6  # the loaded traffic alternates between the two shares this many times
+
+
+def one_input(length: int, padding: str) -> BatchShape:
+    return BatchShape.ragged([length]) if padding == "none" else BatchShape.padded([length], length)
+
+
+@dataclasses.dataclass
+class Loaded:
+    """One batch the server ran: its features, slot seconds, start and its requests' arrivals."""
+
+    features: dict[str, float]
+    slot_s: float
+    start: float
+    arrivals: list[float]
+
+
+def loaded_plan(texts: list[str], lengths: list[int], cost_model: CostModel, padding: str,
+                 seed: int, n: int) -> list[PlannedRequest]:
+    """``n`` of the texts, seeded, at Poisson times in ``LOADED_SEGMENTS`` segments of equal count that
+    alternate between ``LOADED_SHARES[0]`` and ``LOADED_SHARES[1]`` of the rate at which one slot serves
+    them alone (the cost model's mean lone latency), a pause of a second between segments.
+
+    Alternating, not one half then the other: this CPU's speed drifts within seconds, and a drift
+    between two halves reads as a slope of the batch time against the rate. (One profile made with
+    halves fitted 0.95x at 9 req/s and 1.26x at 23 req/s; its own runs then measured 1.02-1.05x at
+    17-27 req/s.)"""
+    if n <= 0:
+        return []
+    rng = random.Random(seed + 7)
+    pick = [rng.randrange(len(texts)) for _ in range(n)]
+    alone = statistics.mean(cost_model.latency(one_input(lengths[i], padding)) for i in pick)
+    per = max(n // LOADED_SEGMENTS, 1)
+    t, out, last = 0.0, [], 0
+    for k, i in enumerate(pick):
+        segment = min(k // per, LOADED_SEGMENTS - 1)
+        rate = LOADED_SHARES[segment % 2] / max(alone, 1e-4)
+        t += rng.expovariate(rate) + (1.0 if segment != last else 0.0)
+        last = segment
+        out.append(PlannedRequest(k, t, lengths[i], 0, {"input": texts[i]}))
+    return out
+
+
+def fit_loaded(batches: list[Loaded], cost_model: CostModel,
+                competing_cpu_s: float = 0.0) -> tuple[tuple[float, float, float], dict[str, Any]]:
+    """``slot_s ~ predicted * alpha * (1 + competing_cpu_s * rate)`` over the loaded batches, ``rate`` =
+    requests that arrived in the ``RATE_WINDOW_S`` before the batch started, per second; ``alpha`` is
+    the ratio of the totals. Returns ``(alpha, alpha * competing_cpu_s, 0)`` (``FrontEnd``'s loaded
+    line) and what was measured."""
+    if len(batches) < 10:
+        return (1.0, 0.0, 0.0), {"batches": len(batches), "note": "too few batches: not measured"}
+    arrivals = np.sort(np.array([a for b in batches for a in b.arrivals]))
+    starts = np.array([b.start for b in batches])
+    rate = (np.searchsorted(arrivals, starts) - np.searchsorted(arrivals, starts - RATE_WINDOW_S)) \
+        / RATE_WINDOW_S
+    pred = np.array([cost_model.latency(b.features) for b in batches])
+    took = np.array([b.slot_s for b in batches])
+    base = pred * (1.0 + competing_cpu_s * rate)
+    alpha = float(took.sum() / base.sum()) if base.sum() > 0 else 1.0
+    line = alpha * base
+    residuals = took / line - 1.0
+    return (alpha, alpha * competing_cpu_s, 0.0), {
+        "batches": len(batches),
+        "mean_batch_size": float(np.mean([b.features.get("n", 1.0) for b in batches])),
+        "rate_min": float(rate.min()), "rate_max": float(rate.max()), "rate_mean": float(rate.mean()),
+        "slot_over_predicted": float(took.sum() / pred.sum()), "alpha": alpha,
+        "competing_cpu_s": competing_cpu_s, "rate_coef": alpha * competing_cpu_s, "const_s": 0.0,
+        "residuals": sorted(float(r) for r in residuals), "residual_std": float(residuals.std())}
+
+
+def thread_cpu_s() -> dict[int, float]:
+    """CPU seconds (user + system) of each thread of this process; empty where ``/proc`` is not."""
+    import os
+
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    out: dict[int, float] = {}
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14, 15)
+    except OSError:
+        return {}
+    return out
+
+
+def competing_cpu(before: dict[int, float], after: dict[int, float], child_cpu_s: float,
+                  child_shares_cores: bool, requests: int) -> tuple[float, dict[str, Any]]:
+    """CPU seconds per request that competed with the model: every thread's but the busiest one's (the
+    model's) between ``before`` and ``after``, plus the load generator's ``child_cpu_s`` when it ran on
+    this process's cores."""
+    deltas = sorted((after[t] - before.get(t, 0.0) for t in after), reverse=True)
+    if not deltas or requests <= 0:
+        return 0.0, {"note": "no per-thread CPU times (no /proc): competing CPU not measured"}
+    model, others = deltas[0], float(sum(deltas[1:]))
+    total = others + (child_cpu_s if child_shares_cores else 0.0)
+    return total / requests, {"model_thread_cpu_s": model, "other_threads_cpu_s": others,
+                              "load_generator_cpu_s": child_cpu_s,
+                              "load_generator_shares_cores": child_shares_cores, "requests": requests}
+
+
+def send_elsewhere(url: str, model: str, plan: Sequence[PlannedRequest]) -> tuple[float, bool]:
+    """Replay ``plan`` open-loop from a child process on the cores this one is not pinned to (if any).
+    Returns the child's CPU seconds and whether it ran on this process's cores."""
+    import multiprocessing
+    import os
+    import resource
+
+    ctx = multiprocessing.get_context("spawn")
+    child = ctx.Process(target=replay_child, args=(url, model, list(plan)), daemon=True)
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    child.start()
+    child.join(600)
+    if child.exitcode != 0:
+        raise RuntimeError(f"serving path: the load generator process exited with {child.exitcode}")
+    now = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (now.ru_utime - used.ru_utime) + (now.ru_stime - used.ru_stime)
+    shares = True
+    if hasattr(os, "sched_getaffinity"):
+        mine, every = os.sched_getaffinity(0), set(range(os.cpu_count() or 1))
+        shares = not (every - mine and len(mine) < len(every))  # replay_child's own rule
+    return cpu, shares
+
+
+def replay_child(url: str, model: str, plan: list[PlannedRequest]) -> None:
+    """The load generator process: off this process's cores when there are others, then ``replay``."""
+    import os
+
+    from ..bench.loadgen import replay
+
+    if hasattr(os, "sched_getaffinity"):
+        mine, every = os.sched_getaffinity(0), set(range(os.cpu_count() or 1))
+        if every - mine and len(mine) < len(every):
+            os.sched_setaffinity(0, every - mine)
+    replay(plan, LoadGenConfig(url, model=model, timeout_s=60.0, progress=False, scrape_interval_s=0))
