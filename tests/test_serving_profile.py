@@ -91,7 +91,7 @@ def test_any_executor_with_its_own_texts() -> None:
         frontend.loaded_alpha * 0.002 + frontend.loaded_const_s)
     # the slope is the CPU each request cost outside the model thread, accounted, times alpha
     cpu = loaded["cpu"]
-    assert cpu["requests"] == 30 and cpu["model_thread_cpu_s"] >= 0 and cpu["other_threads_cpu_s"] >= 0
+    assert cpu["requests"] == 30 and cpu["model_threads_cpu_s"] >= 0 and cpu["other_threads_cpu_s"] >= 0
     assert frontend.loaded_rate_coef == pytest.approx(frontend.loaded_alpha * loaded["competing_cpu_s"])
 
 
@@ -100,7 +100,9 @@ def test_competing_cpu_is_every_thread_but_the_busiest_plus_a_sharing_load_gener
     after = {1: 18.0, 2: 1.6, 3: 0.9, 4: 0.1}  # thread 4 started during the phase
     per, details = competing_cpu(before, after, child_cpu_s=2.0, child_shares_cores=False, requests=10)
     assert per == pytest.approx((0.6 + 0.4 + 0.1) / 10)
-    assert details["model_thread_cpu_s"] == pytest.approx(8.0)
+    assert details["model_threads_cpu_s"] == pytest.approx(8.0)
+    two, _ = competing_cpu(before, after, 2.0, False, 10, model_threads=2)  # torch's worker is the model's
+    assert two == pytest.approx((0.4 + 0.1) / 10)
     shared, _ = competing_cpu(before, after, child_cpu_s=2.0, child_shares_cores=True, requests=10)
     assert shared == pytest.approx((1.1 + 2.0) / 10)
     assert competing_cpu({}, {}, 1.0, True, 10)[0] == 0.0  # no /proc: not measured, no slope

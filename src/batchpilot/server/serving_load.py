@@ -6,7 +6,7 @@ after its lone requests, replays ``LOADED_REQUESTS`` open-loop from a child proc
 
 * ``loaded_plan``: the seeded open-loop plan, segments alternating between ``LOADED_SHARES``;
 * ``thread_cpu_s`` / ``competing_cpu``: the CPU seconds per request that competed with the model
-  thread (every other thread of this process, plus the load generator when it shares the cores);
+  (every thread of this process but the model's, plus the load generator when it shares the cores);
 * ``fit_loaded``: the line ``predicted * alpha * (1 + competing_cpu_s * rate)`` over the batches
   the server ran, and their spread around it.
 """
@@ -114,16 +114,19 @@ def thread_cpu_s() -> dict[int, float]:
 
 
 def competing_cpu(before: dict[int, float], after: dict[int, float], child_cpu_s: float,
-                  child_shares_cores: bool, requests: int) -> tuple[float, dict[str, Any]]:
-    """CPU seconds per request that competed with the model: every thread's but the busiest one's (the
-    model's) between ``before`` and ``after``, plus the load generator's ``child_cpu_s`` when it ran on
-    this process's cores."""
+                  child_shares_cores: bool, requests: int,
+                  model_threads: int = 1) -> tuple[float, dict[str, Any]]:
+    """CPU seconds per request that competed with the model: every thread's but the ``model_threads``
+    busiest ones' (the model's: the thread that runs it and torch's intra-op workers) between
+    ``before`` and ``after``, plus the load generator's ``child_cpu_s`` when it ran on this process's
+    cores."""
     deltas = sorted((after[t] - before.get(t, 0.0) for t in after), reverse=True)
     if not deltas or requests <= 0:
         return 0.0, {"note": "no per-thread CPU times (no /proc): competing CPU not measured"}
-    model, others = deltas[0], float(sum(deltas[1:]))
+    k = max(int(model_threads), 1)
+    model, others = float(sum(deltas[:k])), float(sum(deltas[k:]))
     total = others + (child_cpu_s if child_shares_cores else 0.0)
-    return total / requests, {"model_thread_cpu_s": model, "other_threads_cpu_s": others,
+    return total / requests, {"model_threads": k, "model_threads_cpu_s": model, "other_threads_cpu_s": others,
                               "load_generator_cpu_s": child_cpu_s,
                               "load_generator_shares_cores": child_shares_cores, "requests": requests}
 

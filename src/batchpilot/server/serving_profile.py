@@ -17,29 +17,18 @@ free 127.0.0.1 port, and measures three things the simulator's ``sim.frontend.Fr
    fit does not land in it. The median, clipped at 0, is ``batch_overhead_s``. The server dispatches
    without a batching window (``max_wait_s = 0``) so that the window, which the simulator models by
    itself, is not counted here.
-3. **Batches under serving load.** The model runs slower while the server handles traffic than alone
-   in the profiler's loop: the other requests' HTTP, JSON and tokenising work runs on the same cores,
-   and the machine's speed itself has moved since the grid. With the server still up, a load generator
-   in another process (on the cores this process is not pinned to, when there are any, as ``bench``
-   runs it) sends ``LOADED_REQUESTS`` of the same texts open-loop (seeded Poisson), in segments
-   alternating between the two ``LOADED_SHARES`` of the rate one slot can serve them one at a time
-   (``_loaded_plan``). Two things are measured:
-
-   * **the CPU each request costs outside the model**, by accounting, not by fit: this process's
-     CPU seconds during the phase less the model thread's (``/proc/self/task``: the thread that used
-     the most), plus the load generator's when it shares this process's cores, over the requests
-     sent. That is ``competing_cpu_s``: at ``rate`` requests/s it takes ``rate * competing_cpu_s`` of
-     every second from the model;
-   * **the speed**: every batch's slot time against its cost-model prediction.
-
-   A batch's time under load is ``predicted * (loaded_alpha + loaded_rate_coef * rate) +
-   loaded_const_s`` with ``loaded_rate_coef = loaded_alpha * competing_cpu_s`` and ``loaded_alpha``
-   the batches' total slot time over their total ``predicted * (1 + competing_cpu_s * rate)``
-   (``rate``: requests that reached the server in the ``RATE_WINDOW_S`` before the batch), and the
-   spread around that line as ``loaded_residuals``. The slope is accounted rather than fitted because
-   a fitted slope came out several times the CPU the requests cost, and overpriced the batches of a
-   burst (docs/profiler.md). This traffic is the profile's own, made before any run it predicts.
-   ``server/serving_load.py`` holds this phase.
+3. **Batches under serving load** (``server/serving_load.py``). The model runs slower while the
+   server handles traffic than alone in the profiler's loop: the other requests' HTTP, JSON and
+   tokenising run on the same cores, and the machine's speed has moved since the grid. With the server
+   still up, a load generator in another process (on the cores this process is not pinned to, when
+   there are any, as ``bench`` runs it) sends ``LOADED_REQUESTS`` of the same texts open-loop, in
+   segments alternating between two rates. The CPU each request costs outside the model thread is
+   accounted (``competing_cpu_s``: this process's threads from ``/proc`` less the model's, plus the
+   load generator when it shares the cores), not fitted: fitted, that slope came out several times
+   the CPU the requests cost (docs/profiler.md). A batch's time under load is ``predicted *
+   loaded_alpha * (1 + competing_cpu_s * rate)``, ``loaded_alpha`` the batches' total slot time over
+   that line's, and ``loaded_residuals`` their spread around it. This traffic is the profile's own,
+   made before any run it predicts.
 4. **Tokenizer/model contention.** ``executor.tokenize`` of a fixed list of texts is timed with the
    model idle and while another thread runs model batches back to back (``prepare + run``, as the
    profiler makes them); the ratio of the medians (>= 1) is ``serial_busy_factor``: under load the
@@ -211,7 +200,8 @@ def _serve_and_send(executor: Any, sched: SchedulerConfig, cost_model: CostModel
             before = thread_cpu_s()
             child_s, shares = send_elsewhere(config.base_url, config.model or "", loaded_plan)
             time.sleep(0.5)  # the last batches report on the loop
-            cpu = competing_cpu(before, thread_cpu_s(), child_s, shares, len(loaded_plan))
+            cpu = competing_cpu(before, thread_cpu_s(), child_s, shares, len(loaded_plan),
+                                int(getattr(executor, "num_threads", 1) or 1))
     return records, [b.slot_s for b in seen[:lone]], seen[lone:], cpu
 
 
