@@ -1,4 +1,5 @@
-"""The LLM serving path in the profile: the client's first token against the engine's, measured in-process."""
+"""The LLM serving path in the profile: the client's first token against the engine's, and the engine's
+steps under the profile's own open-loop load, measured in-process."""
 
 from __future__ import annotations
 
@@ -6,23 +7,35 @@ import math
 
 from inproc import small_llm_engine
 
-from batchpilot.server.llm_serving_profile import measure_first_token_delay
+from batchpilot.models.llm.profile import profile_llm_steps
+from batchpilot.server.llm_serving_profile import measure_llm_serving_path
+from batchpilot.sim.llm_frontend import LLMFrontEnd
 
 
-def test_first_token_delay_is_measured_on_lone_streams() -> None:
+def test_first_token_delay_and_loaded_steps_are_measured() -> None:
     engine = small_llm_engine()
-    delay, details = measure_first_token_delay(engine, requests=4)
-    assert details["requests"] == 4 and details["ok"] == 4
-    assert math.isfinite(delay) and delay >= 0.0 and delay == details["median_s"]
-    assert details["p10_s"] <= details["p90_s"]
+    model = profile_llm_steps(engine.runner, prefill_lengths=(16, 32, 64, 96, 128),
+                              decode_batches=(1, 2, 4, 8), decode_contexts=(32, 128), mixed_prefills=(32,),
+                              mixed_decodes=(1, 4), repeats=1)
+    frontend, details = measure_llm_serving_path(engine, model, requests=4, loaded_requests=12)
+    lone = details["first_token"]
+    assert lone["requests"] == 4 and lone["ok"] == 4
+    assert math.isfinite(frontend.first_token_delay_s) and frontend.first_token_delay_s == lone["median_s"]
+    assert lone["p10_s"] <= lone["p90_s"]
+    loaded = details["loaded"]
+    assert loaded["steps"] >= 10 and loaded["max_seqs"] >= 1  # 12 streams of 16-128 tokens
+    assert frontend.step_alpha == loaded["forward_over_predicted"] > 0
+    assert frontend.step_const_s >= 0 and frontend.step_per_seq_s >= 0
 
 
-def test_the_simulator_adds_the_delay_to_every_token() -> None:
+def test_the_simulator_adds_the_serving_path_to_every_token_and_step() -> None:
     from batchpilot.sim.llm import simulate_llm
     from batchpilot.sim.workloads import load_workload
 
     wl = load_workload("conv-llm", start=0, count=20)
     plain = simulate_llm(wl).report()
-    later = simulate_llm(wl, first_token_delay_s=0.05).report()
+    later = simulate_llm(wl, frontend=LLMFrontEnd(first_token_delay_s=0.05)).report()
     assert math.isclose(later.ttft_p50, plain.ttft_p50 + 0.05, rel_tol=1e-9)
     assert math.isclose(later.tpot_p50, plain.tpot_p50, rel_tol=1e-9)
+    slower = simulate_llm(wl, frontend=LLMFrontEnd(step_alpha=1.0, step_per_seq_s=0.002)).report()
+    assert slower.tpot_p50 > plain.tpot_p50 and slower.mean_step_s > plain.mean_step_s

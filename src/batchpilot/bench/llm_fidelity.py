@@ -33,6 +33,7 @@ from typing import Any
 
 from ..core.costmodel import CostModel
 from ..core.llm_scheduler import LLMSchedulerConfig
+from ..sim.llm_frontend import LLMFrontEnd
 from ..sim.traces import Workload
 from .capacity import CapacityConfig, probe_workload, search_capacity, wait_idle
 from .fidelity import text_table
@@ -56,10 +57,10 @@ def add_llm_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config_and_profile(out: Path, spec: Any, profile: str | None, cpus: str | None,
-                              model: str | None = None) -> tuple[LLMSchedulerConfig, CostModel, float]:
+                              model: str | None = None) -> tuple[LLMSchedulerConfig, CostModel, LLMFrontEnd]:
     """The scheduler config of the engine ``serve --llm`` builds from ``spec``, and the step cost model:
     loaded from ``profile``, or profiled here on that engine's runner (on ``cpus``, as the server runs),
-    and the serving path's first-token delay (``server.llm_serving_profile``; 0 when the profile lacks it).
+    and the serving path around it (``server.llm_serving_profile``; nothing added when the profile lacks it).
     """
     from ..runtime.llm_engine import build_llm_engine
     from ..server.build import llm_overrides
@@ -75,41 +76,43 @@ def engine_config_and_profile(out: Path, spec: Any, profile: str | None, cpus: s
         config = engine.config
         if profile:
             cost_model = CostModel.load(profile)
-            delay = float(json.loads(Path(profile).read_text()).get("frontend", {}).get("first_token_delay_s",
-                                                                                      0.0))
+            frontend = LLMFrontEnd.from_profile(profile)
         else:
             from ..models.llm.profile import profile_llm_steps
-            from ..server.llm_serving_profile import measure_first_token_delay
+            from ..server.llm_serving_profile import measure_llm_serving_path
 
             print("profiling LLM steps (models.llm.profile.profile_llm_steps) ...", flush=True)
             cost_model = profile_llm_steps(engine.runner)
             engine.start()
             try:
-                delay, details = measure_first_token_delay(engine)
+                frontend, details = measure_llm_serving_path(engine, cost_model)
             finally:
                 engine.shutdown()
             path = out / "llm_profile.json"
-            path.write_text(json.dumps({"cost_model": cost_model.to_dict(),
-                                        "frontend": {"first_token_delay_s": delay},
+            path.write_text(json.dumps({"cost_model": cost_model.to_dict(), "frontend": frontend.to_dict(),
                                         "serving_path": details}, indent=2))
             coef = ", ".join(f"{n}={c:.3g}" for n, c in zip(cost_model.feature_names, cost_model.latency_coef,
                                                              strict=True))
-            print(f"step model: {coef}; serving path: first token {delay * 1e3:.2f} ms after the engine's "
-                  f"({details['ok']} lone streams) -> {path}", flush=True)
+            fe = frontend
+            print(f"step model: {coef}; serving path: first token {fe.first_token_delay_s * 1e3:.2f} ms "
+                  f"after the engine's ({details['first_token']['ok']} lone streams); under load a step "
+                  f"takes {fe.step_alpha:.3f} x the step model + {fe.step_const_s * 1e3:.2f} ms + "
+                  f"{fe.step_per_seq_s * 1e3:.3f} ms per sequence ({details['loaded'].get('steps', 0)} "
+                  f"steps) -> {path}", flush=True)
         del engine
     finally:
         if saved is not None:
             os.sched_setaffinity(0, saved)
-    return config, cost_model, delay
+    return config, cost_model, frontend
 
 
 def simulate(workload: Workload, config: LLMSchedulerConfig, cost_model: CostModel,
-             sla_s: float, first_token_delay_s: float = 0.0) -> tuple[Summary, Any]:
+             sla_s: float, frontend: LLMFrontEnd | None = None) -> tuple[Summary, Any]:
     """The simulated run as a ``Summary`` whose latency percentiles are TTFT (what the SLA is on), and
     the simulator's own report (``num_rejected``)."""
     from ..sim.llm import simulate_llm
 
-    rep = simulate_llm(workload, config, cost_model, first_token_delay_s=first_token_delay_s).report()
+    rep = simulate_llm(workload, config, cost_model, frontend=frontend).report()
     ttft = {"p50": rep.ttft_p50, "p90": math.nan, "p99": rep.ttft_p99, "p99.9": math.nan}
     n = rep.num_requests
     s = Summary(num_requests=n, num_ok=rep.num_finished, num_warmup=0, duration_s=rep.duration_s,
@@ -163,13 +166,13 @@ def main(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     sla, seed, cpus, model = float(opt("sla", 2.0)), int(opt("seed", 0)), opt("cpus"), opt("llm_model")
     spec = spec_from_args(args)
-    config, cost_model, delay = engine_config_and_profile(out, spec, opt("profile"), cpus, model)
+    config, cost_model, frontend = engine_config_and_profile(out, spec, opt("profile"), cpus, model)
     start = int(opt("start", 0))
     wl = load_workload("conv-llm", 1.0, start, opt("requests") or DEFAULT_REQUESTS, trace=opt("trace"))
     print(f"workload conv-llm rows [{start}, {start + len(wl)}) over {wl.duration_s:.1f} s "
           f"({wl.mean_rate:.2f} req/s); TTFT P99 SLA {sla:g} s; engine {config}", flush=True)
     search = CapacityConfig(sla_s=sla, rel_tol=0.03, max_probes=30, lo=1e-3, hi=256.0)
-    cap = search_capacity(lambda k: simulate(wl.scale_rate(k), config, cost_model, sla, delay)[0], search)
+    cap = search_capacity(lambda k: simulate(wl.scale_rate(k), config, cost_model, sla, frontend)[0], search)
     bound = "" if cap.bracketed else f" (a lower bound: every rate up to x{search.hi:g} met the SLA)"
     print(f"simulated capacity: rate scale {cap.rate_scale:.3f} = {cap.rps:.2f} req/s{bound}", flush=True)
     result: dict[str, Any] = {
@@ -201,7 +204,7 @@ def main(args: argparse.Namespace) -> int:
         for load in opt("loads", [0.5, 0.8]) or []:
             k = load * cap.rate_scale
             rows_wl = probe_workload(wl, k, max_live_s) if max_live_s else wl.scale_rate(k)
-            pred, rep = simulate(rows_wl, config, cost_model, sla, delay)
+            pred, rep = simulate(rows_wl, config, cost_model, sla, frontend)
             if warmup:
                 warm = rows_wl.slice(0, min(warmup, len(rows_wl)))
                 replay(build_plan(warm, "completions", warmup_requests=len(warm)), quiet)

@@ -131,7 +131,8 @@ def competing_cpu(before: dict[int, float], after: dict[int, float], child_cpu_s
                               "load_generator_shares_cores": child_shares_cores, "requests": requests}
 
 
-def send_elsewhere(url: str, model: str, plan: Sequence[PlannedRequest]) -> tuple[float, bool]:
+def send_elsewhere(url: str, model: str, plan: Sequence[PlannedRequest],
+                   endpoint: str = "embeddings") -> tuple[float, bool]:
     """Replay ``plan`` open-loop from a child process on the cores this one is not pinned to (if any).
     Returns the child's CPU seconds and whether it ran on this process's cores."""
     import multiprocessing
@@ -139,7 +140,7 @@ def send_elsewhere(url: str, model: str, plan: Sequence[PlannedRequest]) -> tupl
     import resource
 
     ctx = multiprocessing.get_context("spawn")
-    child = ctx.Process(target=replay_child, args=(url, model, list(plan)), daemon=True)
+    child = ctx.Process(target=replay_child, args=(url, model, list(plan), endpoint), daemon=True)
     used = resource.getrusage(resource.RUSAGE_CHILDREN)
     child.start()
     child.join(600)
@@ -154,7 +155,7 @@ def send_elsewhere(url: str, model: str, plan: Sequence[PlannedRequest]) -> tupl
     return cpu, shares
 
 
-def replay_child(url: str, model: str, plan: list[PlannedRequest]) -> None:
+def replay_child(url: str, model: str, plan: list[PlannedRequest], endpoint: str = "embeddings") -> None:
     """The load generator process: off this process's cores when there are others, then ``replay``."""
     import os
 
@@ -164,4 +165,5 @@ def replay_child(url: str, model: str, plan: list[PlannedRequest]) -> None:
         mine, every = os.sched_getaffinity(0), set(range(os.cpu_count() or 1))
         if every - mine and len(mine) < len(every):
             os.sched_setaffinity(0, every - mine)
-    replay(plan, LoadGenConfig(url, model=model, timeout_s=60.0, progress=False, scrape_interval_s=0))
+    replay(plan, LoadGenConfig(url, endpoint, model=model, timeout_s=120.0, progress=False,  # type: ignore[arg-type]
+                               scrape_interval_s=0))

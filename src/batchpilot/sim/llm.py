@@ -1,10 +1,12 @@
 """The LLM target: the real ``LLMScheduler`` in the simulator's event loop, each step timed by a cost model.
 
 One slot (one engine), one job per iteration (docs/simulator.md): ``schedule`` asks the scheduler for a
-step and returns ``Job(cost_model.latency(plan.shape), plan)``; when the job ends, ``on_job_done``
-feeds ``update`` a dummy token for every sampling chunk (EOS is ignored, as in conv-llm, so only
-lengths matter), and records first-token and finish times. The scheduler, block manager, budgets and
-preemption are the ones the live engine runs, so TTFT and TPOT predicted here follow the same policy.
+step and returns ``Job(frontend.step_seconds(cost_model.latency(plan.shape), seqs), plan)`` (the
+serving path's step terms, ``sim.llm_frontend``; nothing added without one); when the job ends,
+``on_job_done`` feeds ``update`` a dummy token for every sampling chunk (EOS is ignored, as in
+conv-llm, so only lengths matter), and records first-token and finish times. The scheduler, block
+manager, budgets and preemption are the ones the live engine runs, so TTFT and TPOT predicted here
+follow the same policy.
 
 Preemption by swap: the scheduler gets the same ``PreemptionCosts`` the step is priced with, and a step
 that swaps costs ``cost_model.latency(plan.shape)`` plus its block copies
@@ -28,6 +30,7 @@ from ..core.llm_scheduler import LLMScheduler, LLMSchedulerConfig, StepPlan
 from ..core.preemption import SWAP_META_KEYS, PreemptionCosts, PreemptionCounters
 from ..core.sequence import SamplingParams, Sequence
 from .engine import Engine, EngineStats, Job
+from .llm_frontend import LLMFrontEnd
 from .traces import Workload
 
 
@@ -84,7 +87,8 @@ class LLMTarget:
     """``SimTarget`` driving an ``LLMScheduler``. Sequence id = workload row index."""
 
     def __init__(self, scheduler: LLMScheduler, workload: Workload, cost_model: CostModel,
-                 noise: bool = False, seed: int = 0, preemption_costs: PreemptionCosts | None = None) -> None:
+                 noise: bool = False, seed: int = 0, preemption_costs: PreemptionCosts | None = None,
+                 frontend: LLMFrontEnd | None = None) -> None:
         if not {"const", "decode_seqs"} <= set(cost_model.feature_names) <= set(LLM_FEATURES):
             raise ValueError(f"LLM target: the cost model has features {cost_model.feature_names}, an LLM "
                              f"step model needs {LLM_FEATURES}; profile the LLM (not the encoder)")
@@ -94,6 +98,7 @@ class LLMTarget:
         self.preemption_costs = preemption_costs or sim_preemption_costs(cost_model,
                                                                          scheduler.config.block_size)
         self.noise = noise
+        self.frontend = frontend or LLMFrontEnd()
         self._rng = np.random.default_rng(seed)
         self.record = LLMRecord(len(workload))
         self._inputs = workload.input_tokens.tolist()
@@ -124,8 +129,9 @@ class LLMTarget:
         if plan.is_empty:
             return [], None
         shape = plan.shape
-        duration = (self.cost_model.sample_latency(shape, float(self._rng.random())) if self.noise
-                    else self.cost_model.latency(shape))
+        predicted = (self.cost_model.sample_latency(shape, float(self._rng.random())) if self.noise
+                     else self.cost_model.latency(shape))
+        duration = self.frontend.step_seconds(predicted, len(plan.chunks))
         duration += self.preemption_costs.swap_s(len(plan.swap_out), len(plan.swap_in))
         rec = self.record
         rec.step_start.append(now)
@@ -227,23 +233,25 @@ class LLMSimRun:
 
 def simulate_llm(workload: Workload, config: LLMSchedulerConfig | None = None,
                  cost_model: CostModel | None = None, *, noise: bool = False, seed: int = 0,
-                 first_token_delay_s: float = 0.0,
+                 frontend: LLMFrontEnd | None = None,
                  preemption_costs: PreemptionCosts | None = None) -> LLMSimRun:
     """Replay ``workload`` (prompt = input_tokens, output = output_tokens) through a fresh LLMScheduler.
-    ``first_token_delay_s``: the serving path around the engine (the profile's
-    ``frontend.first_token_delay_s``), added to every token's time as the client sees it.
+    ``frontend``: the serving path around the engine (the profile's ``frontend`` entry,
+    ``sim.llm_frontend``): each step takes ``frontend.step_seconds`` of its predicted time, and
+    ``first_token_delay_s`` is added to every token's time as the client sees it.
     ``preemption_costs``: what the scheduler weighs swap against recompute with and a step's copies cost
     (default: ``sim_preemption_costs(cost_model)``)."""
     config = config or LLMSchedulerConfig()
     cost_model = cost_model or default_llm_cost_model()
     costs = preemption_costs or sim_preemption_costs(cost_model, config.block_size)
     scheduler = LLMScheduler(config, costs)
-    target = LLMTarget(scheduler, workload, cost_model, noise, seed, costs)
+    target = LLMTarget(scheduler, workload, cost_model, noise, seed, costs, frontend)
     stats = Engine(target, num_slots=1).run(workload.arrival_s)  # type: ignore[arg-type]
-    if first_token_delay_s:
+    delay = frontend.first_token_delay_s if frontend is not None else 0.0
+    if delay:
         rec = target.record
-        rec.first_token_s = [t + first_token_delay_s for t in rec.first_token_s]
-        rec.finish_s = [t + first_token_delay_s for t in rec.finish_s]
+        rec.first_token_s = [t + delay for t in rec.first_token_s]
+        rec.finish_s = [t + delay for t in rec.finish_s]
     return LLMSimRun(workload, config, cost_model, stats, target.record, scheduler.num_preemptions,
                      scheduler.preemption, costs)
 
@@ -254,15 +262,17 @@ def simulate_cli(args: Any, workload: Workload, console: Any,
     from rich.table import Table
 
     config = config or LLMSchedulerConfig()
+    frontend = None
     if getattr(args, "profile", None):
         cost_model = CostModel.load(args.profile)
+        frontend = LLMFrontEnd.from_profile(args.profile)  # the serving path, when the profile has it
     else:
         console.print("[yellow]no --profile: using the stated default_llm_cost_model() (tiny Llama on 2 CPU "
                       "cores)[/]")
         cost_model = default_llm_cost_model()
     try:
         run = simulate_llm(workload, config, cost_model, noise=bool(getattr(args, "noise", False)),
-                           seed=int(getattr(args, "seed", 0)))
+                           seed=int(getattr(args, "seed", 0)), frontend=frontend)
     except ValueError as exc:
         console.print(f"[red]batchpilot simulate: {exc}[/]")
         return 2

@@ -1,0 +1,87 @@
+"""The LLM serving path around the step cost model: what the simulator adds to each step and each token.
+
+The step profile (``models.llm.profile``) times forward + sampling of a step shape alone. A live engine
+step costs the streams more: scheduling, detokenising and delivering each sequence's token, the event
+loop writing every token's SSE chunk on the same cores, the gap to the next step, and the machine's
+speed under that load. ``server.llm_serving_profile`` measures it on the real app with the profile's
+own traffic (never the traffic it predicts) and writes these fields into the profile's ``frontend``:
+
+* ``first_token_delay_s``: a client's first token arrives this long after the engine made it (HTTP in,
+  hand-off, the first chunk out); every token pays it, so TPOT is unchanged.
+* ``step_alpha``: the loaded steps' forward seconds over the step profile's prediction for the same
+  shapes (the speed, contention inside the forward included).
+* ``step_const_s``, ``step_per_seq_s``: what a busy step costs beyond its forward, ``step_const_s +
+  step_per_seq_s * seqs`` (non-negative least squares over the loaded steps: a step's start-to-next-start
+  interval less ``step_alpha`` times its prediction).
+
+A simulated step takes ``step_seconds(predicted, seqs)``. ``LLMFrontEnd()`` adds nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..core.costmodel import CostModel, nonneg_lstsq
+
+
+@dataclass(frozen=True)
+class LLMFrontEnd:
+    first_token_delay_s: float = 0.0
+    step_alpha: float = 1.0
+    step_const_s: float = 0.0
+    step_per_seq_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if not math.isfinite(v) or v < 0:
+                raise ValueError(f"llm frontend: {f.name} must be finite and >= 0, got {v}")
+
+    def step_seconds(self, predicted_s: float, seqs: int) -> float:
+        """A step's time as the streams see it, from the step profile's ``predicted_s``."""
+        return self.step_alpha * predicted_s + self.step_const_s + self.step_per_seq_s * seqs
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LLMFrontEnd:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: float(v) for k, v in d.items() if k in names})
+
+    @classmethod
+    def from_profile(cls, path: str | Path) -> LLMFrontEnd:
+        """The profile file's ``frontend`` entry; ``LLMFrontEnd()`` (nothing added) when it has none."""
+        return cls.from_dict(json.loads(Path(path).read_text()).get("frontend") or {})
+
+    @classmethod
+    def fit_steps(cls, cost_model: CostModel, starts: Sequence[float], forward_s: Sequence[float],
+                  wall_s: Sequence[float], seqs: Sequence[int], features: Sequence[dict[str, float]],
+                  next_is_busy: Sequence[bool],
+                  first_token_delay_s: float = 0.0) -> tuple[LLMFrontEnd, dict[str, Any]]:
+        """Fit the step fields on logged loaded steps (in order). A step's cost to the streams is the
+        interval to the next step's start when the engine went straight on (``next_is_busy``), else its
+        own ``wall_s``."""
+        if len(starts) < 10:
+            return cls(first_token_delay_s), {"steps": len(starts), "note": "too few steps: not measured"}
+        pred = np.array([cost_model.latency(f) for f in features])
+        fwd, wall = np.asarray(forward_s, dtype=float), np.asarray(wall_s, dtype=float)
+        t = np.asarray(starts, dtype=float)
+        cycle = np.where(np.asarray(next_is_busy, dtype=bool), np.r_[np.diff(t), 0.0], wall)
+        alpha = float(fwd.sum() / pred.sum()) if pred.sum() > 0 else 1.0
+        extra = cycle - alpha * pred
+        n = np.asarray(seqs, dtype=float)
+        const, per_seq = (float(c) for c in nonneg_lstsq(np.column_stack([np.ones_like(n), n]), extra))
+        fe = cls(first_token_delay_s, alpha, const, per_seq)
+        line = np.array([fe.step_seconds(p, int(k)) for p, k in zip(pred, n, strict=True)])
+        return fe, {"steps": len(starts), "mean_seqs": float(n.mean()), "max_seqs": int(n.max()),
+                    "forward_over_predicted": alpha, "cycle_over_predicted": float(cycle.sum() / pred.sum()),
+                    "mean_extra_s": float(extra.mean()), "step_const_s": const, "step_per_seq_s": per_seq,
+                    "residual_std": float((cycle / line - 1.0).std())}

@@ -1,0 +1,63 @@
+"""``sim.llm_frontend.LLMFrontEnd``: the step terms the serving path adds, fitted on logged steps."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from batchpilot.core.costmodel import CostModel, StepShape
+from batchpilot.sim.llm_frontend import LLMFrontEnd
+
+MODEL = CostModel(feature_names=("const", "prefill_tokens", "decode_seqs", "kv_tokens", "prefill_attn",
+                                 "multi_row"),
+                  latency_coef=(0.01, 2e-4, 5e-4, 1e-6, 0.0, 0.0), memory_coef=(0.0,) * 6)
+
+
+@given(st.floats(0.5, 3.0), st.floats(0.0, 0.005), st.floats(0.0, 0.001), st.integers(0, 3))
+def test_fit_recovers_the_step_terms_of_steps_made_by_them(alpha: float, const: float, per_seq: float,
+                                                           idle_every: int) -> None:
+    true = LLMFrontEnd(0.004, alpha, const, per_seq)
+    starts, fwd, wall, seqs, feats, busy = [], [], [], [], [], []
+    t = 0.0
+    for k in range(40):
+        n = 1 + k % 9
+        f = StepShape(16 * (k % 3), n, 100 * n).features()
+        pred = MODEL.latency(f)
+        starts.append(t)
+        fwd.append(alpha * pred)
+        cost = true.step_seconds(pred, n)
+        wall.append(cost)
+        seqs.append(n)
+        feats.append(f)
+        nxt_busy = not (idle_every and k % (idle_every + 2) == 0)
+        busy.append(nxt_busy and k < 39)
+        t += cost if busy[-1] else cost + 0.5  # an idle wait before the next step
+    fe, details = LLMFrontEnd.fit_steps(MODEL, starts, fwd, wall, seqs, feats, busy, 0.004)
+    assert fe.step_alpha == pytest.approx(alpha)
+    assert fe.step_const_s == pytest.approx(const, abs=1e-9)
+    assert fe.step_per_seq_s == pytest.approx(per_seq, abs=1e-9)
+    assert fe.first_token_delay_s == 0.004 and details["steps"] == 40
+
+
+def test_too_few_steps_add_nothing_but_the_delay_and_bad_values_are_refused() -> None:
+    fe, details = LLMFrontEnd.fit_steps(MODEL, [0.0], [0.01], [0.01], [1], [StepShape(0, 1, 10).features()],
+                                        [False], 0.003)
+    assert fe == LLMFrontEnd(0.003) and "too few" in details["note"]
+    assert LLMFrontEnd().step_seconds(0.02, 5) == 0.02
+    with pytest.raises(ValueError, match="step_alpha"):
+        LLMFrontEnd(step_alpha=float("nan"))
+    with pytest.raises(ValueError, match="step_per_seq_s"):
+        LLMFrontEnd(step_per_seq_s=-1e-3)
+
+
+def test_from_profile_reads_the_frontend_entry(tmp_path: Path) -> None:
+    path = tmp_path / "p.json"
+    entry = {"first_token_delay_s": 0.002, "step_alpha": 1.2, "other": 5}
+    path.write_text(json.dumps({"cost_model": {}, "frontend": entry}))
+    assert LLMFrontEnd.from_profile(path) == LLMFrontEnd(0.002, 1.2)
+    path.write_text(json.dumps({"cost_model": {}}))
+    assert LLMFrontEnd.from_profile(path) == LLMFrontEnd()
