@@ -88,3 +88,19 @@ def test_comparison_rows_targets_and_speed_column() -> None:
     assert all(r[8] == "+7.1%" for r in rows) and rows[0][4] == "50.00"
     assert rows[-1][3:6] == ["0", "1", "-1"] and rows[-1][7] == "yes"  # one refusal: within 5 requests
     assert comparison_rows(0.5, 0.25, pred, 20, meas, math.nan)[-1][7:] == ["no", "-"]
+
+
+def test_speed_vs_profile_with_the_serving_path_counts_the_interval_to_the_next_busy_step() -> None:
+    """Against the profile's serving path a busy step costs the interval to the next step's start (the
+    gap between steps included), a step before an idle wait its own wall time."""
+    from batchpilot.sim.llm_frontend import LLMFrontEnd
+
+    fe = LLMFrontEnd(step_alpha=1.0, step_const_s=0.001, step_per_seq_s=0.0005)
+    f = _feats(0, 2, 100)
+    priced = fe.step_seconds(_cost(f), 2)
+    steps = [LoggedStep(0.0, priced - 0.001, 0.0, 2, False, f),  # next starts after exactly `priced`
+             LoggedStep(priced, priced, 0.0, 2, False, f),  # next after an idle wait: its wall time
+             LoggedStep(50.0, priced, 0.0, 2, True, f)]
+    assert speed_vs_profile(PROFILE, steps, fe) == pytest.approx(0.0)
+    slow = [LoggedStep(s.start * 2, s.wall_s * 2, 0.0, 2, s.after_idle, f) for s in steps]
+    assert speed_vs_profile(PROFILE, slow, fe) == pytest.approx(1.0)

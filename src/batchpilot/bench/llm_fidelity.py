@@ -15,8 +15,9 @@
    from the trace, ``ignore_eos``). The table holds TTFT P50/P99, TPOT P50/P99, output tokens/s and the
    rejected count, predicted against measured, with their targets.
 5. Beside each point, "speed vs profile": the run's logged engine steps (``serve --llm-step-log``) against
-   the profile's prediction for the same step shapes (``bench.llm_steps.speed_vs_profile``): how far the
-   machine's speed moved. It is reported, never used to change the prediction.
+   what the profile (step model and serving path) predicts for the same step shapes
+   (``bench.llm_steps.speed_vs_profile``): how far the machine's speed moved. It is reported, never
+   used to change the prediction.
 """
 
 from __future__ import annotations
@@ -216,7 +217,7 @@ def main(args: argparse.Namespace) -> int:
             wait_idle(url, 30.0)
             meas = summarize(res.records, sla)
             steps = read_steps(step_log, offset)[0] if step_log.exists() else []
-            speed = speed_vs_profile(cost_model, steps)
+            speed = speed_vs_profile(cost_model, steps, frontend)
             print(format_summary(meas, f"live conv-llm at {load:.0%} of capacity (x{k:.3f}, "
                                        f"{len(rows_wl)} rows)"))
             print(f"the run's {len(steps)} engine steps took {speed:+.1%} against the step profile",

@@ -7,8 +7,8 @@ followed an idle wait) and ``features`` (the step's cost-model features). ``read
 while the server writes (whole lines only).
 
 ``speed_vs_profile`` is what ``bench fidelity --workload conv-llm`` prints beside each load point: the
-logged steps' wall seconds over the step profile's prediction for the same step shapes. It reports how
-fast the machine ran against its profile; nothing is fitted on it.
+logged steps' seconds over what the profile (step model and serving path) predicts for the same step
+shapes. It reports how fast the machine ran against its profile; nothing is fitted on it.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.costmodel import CostModel
+from ..sim.llm_frontend import LLMFrontEnd
 
 
 @dataclass(frozen=True)
@@ -49,8 +50,21 @@ def read_steps(path: str | Path, offset: int = 0) -> tuple[list[LoggedStep], int
     return steps, offset + end
 
 
-def speed_vs_profile(profile: CostModel, steps: Sequence[LoggedStep]) -> float:
-    """Total logged wall seconds over the profile's total for the same step shapes, minus 1 (+0.05: the
-    steps took 5% longer than profiled); NaN without steps."""
-    predicted = sum(profile.latency(s.features) for s in steps)
-    return sum(s.wall_s for s in steps) / predicted - 1.0 if steps and predicted > 0 else math.nan
+def speed_vs_profile(profile: CostModel, steps: Sequence[LoggedStep],
+                     frontend: LLMFrontEnd | None = None) -> float:
+    """The logged steps' seconds over the profile's for the same step shapes, minus 1 (+0.05: the steps
+    took 5% longer than profiled); NaN without steps. With ``frontend`` (the profile's serving path),
+    against what the simulator prices a step at, ``frontend.step_seconds``, and a step's seconds are the
+    interval to the next step's start while the engine went straight on (its own ``wall_s`` before an
+    idle wait), as ``LLMFrontEnd.fit_steps`` measured them; without, ``wall_s`` against the bare step
+    model."""
+    if not steps:
+        return math.nan
+    if frontend is None:
+        predicted = sum(profile.latency(s.features) for s in steps)
+        took = sum(s.wall_s for s in steps)
+    else:
+        predicted = sum(frontend.step_seconds(profile.latency(s.features), s.seqs) for s in steps)
+        took = sum((nxt.start - s.start) if not nxt.after_idle else s.wall_s
+                   for s, nxt in zip(steps, steps[1:], strict=False)) + steps[-1].wall_s
+    return took / predicted - 1.0 if predicted > 0 else math.nan
