@@ -33,6 +33,8 @@ from ..core.costmodel import CostModel, nonneg_lstsq
 
 @dataclass(frozen=True)
 class LLMFrontEnd:
+    """The profile's LLM serving-path fields (module docstring); all finite and >= 0."""
+
     first_token_delay_s: float = 0.0
     step_alpha: float = 1.0
     step_const_s: float = 0.0
