@@ -196,8 +196,9 @@ def grid_lengths(n: int, length: int, limit: int) -> list[int]:
     the features do not count: the padding-free one attends each distinct length apart
     (``models/ragged.py``, group attention: ``n`` calls per layer where equal lengths make one), and
     the padded one needs a key-padding mask, which takes SDPA off its unmasked fast path
-    (``models/lean.py``). A grid of equal lengths timed neither, and priced held-out mixed batches
-    14-44% low (docs/profiler.md). A padded point's features count its width, ``max(lengths)``."""
+    (``models/lean.py``). A grid of equal lengths times neither, and prices held-out trace batches
+    lower than a spread one does (``benchmarks/grid_mix.py``, docs/benchmarks.md). A padded point's
+    features count its width, ``max(lengths)``."""
     if n < 2:
         return [length] * n
     lo, hi = length * (1.0 - MIX_SPREAD), length * (1.0 + MIX_SPREAD)
