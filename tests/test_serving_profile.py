@@ -17,7 +17,7 @@ from batchpilot.core.costmodel import CostModel
 from batchpilot.models.encoder import EncoderConfig, EncoderExecutor
 from batchpilot.runtime.executor import NoopExecutor
 from batchpilot.server import serving_profile
-from batchpilot.server.serving_load import Loaded, competing_cpu, fit_loaded
+from batchpilot.server.serving_load import Loaded, alternating_arrivals, competing_cpu, fit_loaded
 from batchpilot.server.serving_profile import measure_serving_path
 from batchpilot.sim.frontend import FrontEnd
 
@@ -125,6 +125,7 @@ def test_fit_loaded_recovers_the_speed_given_the_accounted_slope() -> None:
     (a, coef, const), details = fit_loaded(batches, model, c)
     assert a == pytest.approx(alpha) and coef == pytest.approx(alpha * c) and const == 0.0
     assert max(abs(r) for r in details["residuals"]) < 1e-9
+    assert details["least_squares_s_per_request"] == pytest.approx(c)  # the comparison fit agrees here
     assert fit_loaded(batches[:5], model, c)[0] == (1.0, 0.0, 0.0)  # too few batches: the defaults
 
 
@@ -133,3 +134,15 @@ def test_bad_arguments_are_refused() -> None:
         measure_serving_path(NoopExecutor(), CostModel(), requests=2)
     with pytest.raises(ValueError, match="padding must be"):
         measure_serving_path(NoopExecutor(), CostModel(), padding="bucket")
+
+
+def test_alternating_arrivals_switch_rates_by_segment_with_a_pause_between() -> None:
+    import random
+
+    times = alternating_arrivals(600, (0.01, 0.1), random.Random(1), segments=6, pause_s=5.0)
+    assert len(times) == 600 and times == sorted(times)
+    gaps = [b - a for a, b in zip([0.0, *times], times, strict=False)]
+    seg = [gaps[k * 100 + 1:(k + 1) * 100] for k in range(6)]  # each segment's gaps, its first left out
+    means = [sum(g) / len(g) for g in seg]
+    assert all(m < 0.03 for m in means[0::2]) and all(m > 0.05 for m in means[1::2])
+    assert all(gaps[k * 100] >= 5.0 for k in range(1, 6))  # the pause before every later segment

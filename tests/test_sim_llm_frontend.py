@@ -21,22 +21,24 @@ MODEL = CostModel(feature_names=("const", "prefill_tokens", "decode_seqs", "kv_t
 def test_fit_recovers_the_step_terms_of_steps_made_by_them(alpha: float, const: float, per_seq: float,
                                                            idle_every: int) -> None:
     true = LLMFrontEnd(0.004, alpha, const, per_seq)
-    starts, fwd, wall, seqs, feats, busy = [], [], [], [], [], []
-    t = 0.0
+    starts, fwd, wall, seqs, feats, after_idle = [], [], [], [], [], []
+    t, idle = 0.0, False
     for k in range(40):
         n = 1 + k % 9
         f = StepShape(16 * (k % 3), n, 100 * n).features()
         pred = MODEL.latency(f)
         starts.append(t)
+        after_idle.append(idle)
         fwd.append(alpha * pred)
         cost = true.step_seconds(pred, n)
-        wall.append(cost)
         seqs.append(n)
         feats.append(f)
-        nxt_busy = not (idle_every and k % (idle_every + 2) == 0)
-        busy.append(nxt_busy and k < 39)
-        t += cost if busy[-1] else cost + 0.5  # an idle wait before the next step
-    fe, details = LLMFrontEnd.fit_steps(MODEL, starts, fwd, wall, seqs, feats, busy, 0.004)
+        idle = bool(idle_every and k % (idle_every + 2) == 0) or k >= 38  # an idle wait (or the end) next
+        # a step going straight on costs its interval to the next start (30% of it between the steps);
+        # one before an idle wait costs its own wall time, the wait excluded
+        wall.append(cost if idle else 0.7 * cost)
+        t += cost + (0.5 if idle else 0.0)
+    fe, details = LLMFrontEnd.fit_steps(MODEL, starts, fwd, wall, seqs, feats, after_idle, 0.004)
     assert fe.step_alpha == pytest.approx(alpha)
     assert fe.step_const_s == pytest.approx(const, abs=1e-9)
     assert fe.step_per_seq_s == pytest.approx(per_seq, abs=1e-9)
@@ -45,7 +47,7 @@ def test_fit_recovers_the_step_terms_of_steps_made_by_them(alpha: float, const: 
 
 def test_too_few_steps_add_nothing_but_the_delay_and_bad_values_are_refused() -> None:
     fe, details = LLMFrontEnd.fit_steps(MODEL, [0.0], [0.01], [0.01], [1], [StepShape(0, 1, 10).features()],
-                                        [False], 0.003)
+                                        [True], 0.003)
     assert fe == LLMFrontEnd(0.003) and "too few" in details["note"]
     assert LLMFrontEnd().step_seconds(0.02, 5) == 0.02
     with pytest.raises(ValueError, match="step_alpha"):

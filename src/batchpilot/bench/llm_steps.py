@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.costmodel import CostModel
-from ..sim.llm_frontend import LLMFrontEnd
+from ..sim.llm_frontend import LLMFrontEnd, step_cycles
 
 
 @dataclass(frozen=True)
@@ -56,8 +56,8 @@ def speed_vs_profile(profile: CostModel, steps: Sequence[LoggedStep],
     took 5% longer than profiled); NaN without steps. With ``frontend`` (the profile's serving path),
     against what the simulator prices a step at, ``frontend.step_seconds``, and a step's seconds are the
     interval to the next step's start while the engine went straight on (its own ``wall_s`` before an
-    idle wait), as ``LLMFrontEnd.fit_steps`` measured them; without, ``wall_s`` against the bare step
-    model."""
+    idle wait: ``sim.llm_frontend.step_cycles``, as the profile measured them); without, ``wall_s``
+    against the bare step model."""
     if not steps:
         return math.nan
     if frontend is None:
@@ -65,6 +65,6 @@ def speed_vs_profile(profile: CostModel, steps: Sequence[LoggedStep],
         took = sum(s.wall_s for s in steps)
     else:
         predicted = sum(frontend.step_seconds(profile.latency(s.features), s.seqs) for s in steps)
-        took = sum((nxt.start - s.start) if not nxt.after_idle else s.wall_s
-                   for s, nxt in zip(steps, steps[1:], strict=False)) + steps[-1].wall_s
+        took = float(step_cycles([s.start for s in steps], [s.wall_s for s in steps],
+                                 [s.after_idle for s in steps]).sum())
     return took / predicted - 1.0 if predicted > 0 else math.nan

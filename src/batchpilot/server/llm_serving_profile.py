@@ -21,6 +21,7 @@ this process and measures, with its own traffic, before any traffic it predicts:
 from __future__ import annotations
 
 import asyncio
+import random
 from typing import Any
 
 import numpy as np
@@ -31,7 +32,7 @@ from ..sim.llm_frontend import LLMFrontEnd
 from ..sim.traces import Workload
 from .app import create_app
 from .config import ServerConfig
-from .serving_load import send_elsewhere
+from .serving_load import alternating_arrivals, send_elsewhere
 from .serving_profile import bound_socket, in_thread
 
 REQUESTS = 12
@@ -76,16 +77,17 @@ def measure_llm_serving_path(engine: Any, cost_model: Any, requests: int = REQUE
     delay = max(float(np.median(gaps)), 0.0)
     lone = {"requests": len(records), "ok": int(gaps.size), "median_s": delay,
             "p10_s": float(np.percentile(gaps, 10)), "p90_s": float(np.percentile(gaps, 90))}
-    busy = [k + 1 < len(steps) and not steps[k + 1].after_idle for k in range(len(steps))]
     frontend, loaded = LLMFrontEnd.fit_steps(
         cost_model, [r.start for r in steps], [r.forward_s for r in steps], [r.wall_s for r in steps],
-        [r.num_seqs for r in steps], [r.features for r in steps], busy, first_token_delay_s=delay)
+        [r.num_seqs for r in steps], [r.features for r in steps], [r.after_idle for r in steps],
+        first_token_delay_s=delay)
     return frontend, {"first_token": lone, "loaded": loaded, "loaded_requests": loaded_requests}
 
 
 def _loaded_plan(engine: Any, cost_model: Any, seed: int, n: int) -> list[Any]:
-    """``n`` streamed completions, prompts 16-512 and outputs 16-128 tokens (seeded), at Poisson times
-    in ``LOADED_SEGMENTS`` segments alternating between ``LOADED_SHARES`` of the one-at-a-time rate."""
+    """``n`` streamed completions, prompts 16-512 and outputs 16-128 tokens (seeded), at
+    ``alternating_arrivals`` in ``LOADED_SEGMENTS`` segments between ``LOADED_SHARES`` of the
+    one-at-a-time rate."""
     from ..core.costmodel import StepShape
 
     rng = np.random.default_rng(seed + 11)
@@ -95,11 +97,7 @@ def _loaded_plan(engine: Any, cost_model: Any, seed: int, n: int) -> list[Any]:
     alone = float(np.mean([cost_model.latency(StepShape(int(p), 0, int(p), int(p) ** 2))
                            + (int(o) - 1) * cost_model.latency(StepShape(0, 1, int(p + o // 2)))
                            for p, o in zip(prompts, outputs, strict=True)]))
-    per = max(n // LOADED_SEGMENTS, 1)
-    t, arrivals = 0.0, []
-    for k in range(n):
-        segment = min(k // per, LOADED_SEGMENTS - 1)
-        t += float(rng.exponential(alone / LOADED_SHARES[segment % 2]))
-        arrivals.append(t)
+    gaps = (alone / LOADED_SHARES[0], alone / LOADED_SHARES[1])
+    arrivals = alternating_arrivals(n, gaps, random.Random(seed + 13), LOADED_SEGMENTS)
     wl = Workload.from_columns("llm-serving-path-loaded", arrivals, prompts.tolist(), outputs.tolist())
     return build_plan(wl, "completions", seed=seed + 12)

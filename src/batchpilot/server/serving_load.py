@@ -4,7 +4,8 @@
 after its lone requests, replays ``LOADED_REQUESTS`` open-loop from a child process
 (``send_elsewhere``: on the cores the profiler is not pinned to, when there are any). Here:
 
-* ``loaded_plan``: the seeded open-loop plan, segments alternating between ``LOADED_SHARES``;
+* ``loaded_plan``: the seeded open-loop plan, segments alternating between ``LOADED_SHARES``
+  (``alternating_arrivals``, which the LLM's loaded phase uses too);
 * ``thread_cpu_s`` / ``competing_cpu``: the CPU seconds per request that competed with the model
   (every thread of this process but the model's, plus the load generator when it shares the cores);
 * ``fit_loaded``: the line ``predicted * alpha * (1 + competing_cpu_s * rate)`` over the batches
@@ -14,6 +15,7 @@ after its lone requests, replays ``LOADED_REQUESTS`` open-loop from a child proc
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import statistics
 from collections.abc import Sequence
@@ -22,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..bench.loadgen import LoadGenConfig, PlannedRequest
-from ..core.costmodel import BatchShape, CostModel
+from ..core.costmodel import BatchShape, CostModel, nonneg_lstsq
 from ..sim.frontend import RATE_WINDOW_S
 
 LOADED_REQUESTS = 240  # ~10-20 s of traffic for MiniLM on one CPU core
@@ -45,28 +47,34 @@ class Loaded:
 
 
 def loaded_plan(texts: list[str], lengths: list[int], cost_model: CostModel, padding: str,
-                 seed: int, n: int) -> list[PlannedRequest]:
-    """``n`` of the texts, seeded, at Poisson times in ``LOADED_SEGMENTS`` segments of equal count that
-    alternate between ``LOADED_SHARES[0]`` and ``LOADED_SHARES[1]`` of the rate at which one slot serves
-    them alone (the cost model's mean lone latency), a pause of a second between segments.
-
-    Alternating, not one half then the other: this CPU's speed drifts within seconds, and a drift
-    between two halves reads as a slope of the batch time against the rate. (One profile made with
-    halves fitted 0.95x at 9 req/s and 1.26x at 23 req/s; its own runs then measured 1.02-1.05x at
-    17-27 req/s.)"""
+                seed: int, n: int) -> list[PlannedRequest]:
+    """``n`` of the texts, seeded, at ``alternating_arrivals`` between ``LOADED_SHARES[0]`` and
+    ``LOADED_SHARES[1]`` of the rate at which one slot serves them alone (the cost model's mean lone
+    latency)."""
     if n <= 0:
         return []
     rng = random.Random(seed + 7)
     pick = [rng.randrange(len(texts)) for _ in range(n)]
-    alone = statistics.mean(cost_model.latency(one_input(lengths[i], padding)) for i in pick)
-    per = max(n // LOADED_SEGMENTS, 1)
+    alone = max(statistics.mean(cost_model.latency(one_input(lengths[i], padding)) for i in pick), 1e-4)
+    times = alternating_arrivals(n, (alone / LOADED_SHARES[0], alone / LOADED_SHARES[1]), rng)
+    return [PlannedRequest(k, t, lengths[i], 0, {"input": texts[i]})
+            for k, (t, i) in enumerate(zip(times, pick, strict=True))]
+
+
+def alternating_arrivals(n: int, mean_gaps_s: tuple[float, float], rng: random.Random,
+                         segments: int = LOADED_SEGMENTS, pause_s: float = 1.0) -> list[float]:
+    """Poisson arrival times of ``n`` requests in ``segments`` segments of equal count that alternate
+    between the two mean gaps, ``pause_s`` between segments.
+
+    Alternating, not one half then the other: this CPU's speed drifts within seconds, and a drift
+    between two halves would read as a slope of the time against the rate."""
+    per = max(n // segments, 1)
     t, out, last = 0.0, [], 0
-    for k, i in enumerate(pick):
-        segment = min(k // per, LOADED_SEGMENTS - 1)
-        rate = LOADED_SHARES[segment % 2] / max(alone, 1e-4)
-        t += rng.expovariate(rate) + (1.0 if segment != last else 0.0)
+    for k in range(n):
+        segment = min(k // per, segments - 1)
+        t += rng.expovariate(1.0 / mean_gaps_s[segment % 2]) + (pause_s if segment != last else 0.0)
         last = segment
-        out.append(PlannedRequest(k, t, lengths[i], 0, {"input": texts[i]}))
+        out.append(t)
     return out
 
 
@@ -86,6 +94,10 @@ def fit_loaded(batches: list[Loaded], cost_model: CostModel,
     took = np.array([b.slot_s for b in batches])
     base = pred * (1.0 + competing_cpu_s * rate)
     alpha = float(took.sum() / base.sum()) if base.sum() > 0 else 1.0
+    # for comparison only: the slope a least-squares fit of ``predicted * (a + b * rate)`` would give
+    w = 1.0 / np.maximum(took, 1e-6)
+    a, b = nonneg_lstsq(np.column_stack([pred, pred * rate]) * w[:, None], took * w)
+    fitted_s = float(b / a) if a > 0 else math.nan
     line = alpha * base
     residuals = took / line - 1.0
     return (alpha, alpha * competing_cpu_s, 0.0), {
@@ -94,6 +106,7 @@ def fit_loaded(batches: list[Loaded], cost_model: CostModel,
         "rate_min": float(rate.min()), "rate_max": float(rate.max()), "rate_mean": float(rate.mean()),
         "slot_over_predicted": float(took.sum() / pred.sum()), "alpha": alpha,
         "competing_cpu_s": competing_cpu_s, "rate_coef": alpha * competing_cpu_s, "const_s": 0.0,
+        "least_squares_s_per_request": fitted_s,
         "residuals": sorted(float(r) for r in residuals), "residual_std": float(residuals.std())}
 
 
@@ -136,7 +149,6 @@ def send_elsewhere(url: str, model: str, plan: Sequence[PlannedRequest],
     """Replay ``plan`` open-loop from a child process on the cores this one is not pinned to (if any).
     Returns the child's CPU seconds and whether it ran on this process's cores."""
     import multiprocessing
-    import os
     import resource
 
     ctx = multiprocessing.get_context("spawn")
@@ -148,22 +160,29 @@ def send_elsewhere(url: str, model: str, plan: Sequence[PlannedRequest],
         raise RuntimeError(f"serving path: the load generator process exited with {child.exitcode}")
     now = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (now.ru_utime - used.ru_utime) + (now.ru_stime - used.ru_stime)
-    shares = True
-    if hasattr(os, "sched_getaffinity"):
-        mine, every = os.sched_getaffinity(0), set(range(os.cpu_count() or 1))
-        shares = not (every - mine and len(mine) < len(every))  # replay_child's own rule
-    return cpu, shares
+    return cpu, other_cores() is None
+
+
+def other_cores() -> set[int] | None:
+    """The cores this process is not pinned to, where the load generator runs; None when it is
+    pinned to none of them (it then shares this process's cores)."""
+    import os
+
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    mine, every = os.sched_getaffinity(0), set(range(os.cpu_count() or 1))
+    rest = every - mine
+    return rest if rest and len(mine) < len(every) else None
 
 
 def replay_child(url: str, model: str, plan: list[PlannedRequest], endpoint: str = "embeddings") -> None:
-    """The load generator process: off this process's cores when there are others, then ``replay``."""
+    """The load generator process: on ``other_cores`` when there are any, then ``replay``."""
     import os
 
     from ..bench.loadgen import replay
 
-    if hasattr(os, "sched_getaffinity"):
-        mine, every = os.sched_getaffinity(0), set(range(os.cpu_count() or 1))
-        if every - mine and len(mine) < len(every):
-            os.sched_setaffinity(0, every - mine)
+    rest = other_cores()
+    if rest is not None:
+        os.sched_setaffinity(0, rest)
     replay(plan, LoadGenConfig(url, endpoint, model=model, timeout_s=120.0, progress=False,  # type: ignore[arg-type]
                                scrape_interval_s=0))

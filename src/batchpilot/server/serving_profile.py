@@ -24,8 +24,8 @@ free 127.0.0.1 port, and measures three things the simulator's ``sim.frontend.Fr
    there are any, as ``bench`` runs it) sends ``LOADED_REQUESTS`` of the same texts open-loop, in
    segments alternating between two rates. The CPU each request costs outside the model thread is
    accounted (``competing_cpu_s``: this process's threads from ``/proc`` less the model's, plus the
-   load generator when it shares the cores), not fitted: fitted, that slope came out several times
-   the CPU the requests cost (docs/profiler.md). A batch's time under load is ``predicted *
+   load generator when it shares the cores), not fitted: a least-squares slope over the same
+   batches is unstable (reported beside it; docs/profiler.md). A batch's time under load is ``predicted *
    loaded_alpha * (1 + competing_cpu_s * rate)``, ``loaded_alpha`` the batches' total slot time over
    that line's, and ``loaded_residuals`` their spread around it. This traffic is the profile's own,
    made before any run it predicts.

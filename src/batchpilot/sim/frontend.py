@@ -57,6 +57,13 @@ import numpy as np
 RATE_WINDOW_S = 1.0  # a batch's request rate: arrivals in this window before it started
 
 
+def check_finite_nonneg(what: str, values: dict[str, float]) -> None:
+    """Raise ``ValueError`` naming the first of ``values`` that is not a finite number >= 0."""
+    for name, value in values.items():
+        if not (math.isfinite(value) and value >= 0.0):
+            raise ValueError(f"{what}.{name} = {value!r}; must be a finite number >= 0")
+
+
 @dataclass(frozen=True)
 class FrontEnd:
     serial_const_s: float = 0.0
@@ -75,11 +82,7 @@ class FrontEnd:
         object.__setattr__(self, "loaded_residuals", tuple(sorted(float(r) for r in self.loaded_residuals)))
         if any(not math.isfinite(r) or r <= -1.0 for r in self.loaded_residuals):
             raise ValueError("frontend.loaded_residuals must be finite relative errors > -1")
-        for name, value in asdict(self).items():
-            if name == "loaded_residuals":
-                continue
-            if not (math.isfinite(value) and value >= 0.0):
-                raise ValueError(f"frontend.{name} = {value!r}; must be a finite number >= 0")
+        check_finite_nonneg("frontend", {k: v for k, v in asdict(self).items() if k != "loaded_residuals"})
         if int(self.serial_servers) != self.serial_servers or self.serial_servers < 1:
             raise ValueError(f"frontend.serial_servers = {self.serial_servers!r}; must be an integer >= 1")
         if self.serial_busy_factor < 1.0:

@@ -20,7 +20,6 @@ A simulated step takes ``step_seconds(predicted, seqs)``. ``LLMFrontEnd()`` adds
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -29,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..core.costmodel import CostModel, nonneg_lstsq
+from .frontend import check_finite_nonneg
 
 
 @dataclass(frozen=True)
@@ -41,10 +41,7 @@ class LLMFrontEnd:
     step_per_seq_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if not math.isfinite(v) or v < 0:
-                raise ValueError(f"llm frontend: {f.name} must be finite and >= 0, got {v}")
+        check_finite_nonneg("llm frontend", asdict(self))
 
     def step_seconds(self, predicted_s: float, seqs: int) -> float:
         """A step's time as the streams see it, from the step profile's ``predicted_s``."""
@@ -66,24 +63,31 @@ class LLMFrontEnd:
     @classmethod
     def fit_steps(cls, cost_model: CostModel, starts: Sequence[float], forward_s: Sequence[float],
                   wall_s: Sequence[float], seqs: Sequence[int], features: Sequence[dict[str, float]],
-                  next_is_busy: Sequence[bool],
+                  after_idle: Sequence[bool],
                   first_token_delay_s: float = 0.0) -> tuple[LLMFrontEnd, dict[str, Any]]:
-        """Fit the step fields on logged loaded steps (in order). A step's cost to the streams is the
-        interval to the next step's start when the engine went straight on (``next_is_busy``), else its
-        own ``wall_s``."""
+        """Fit the step fields on logged loaded steps, in order; a step's cost to the streams is
+        ``step_cycles``."""
         if len(starts) < 10:
             return cls(first_token_delay_s), {"steps": len(starts), "note": "too few steps: not measured"}
         pred = np.array([cost_model.latency(f) for f in features])
-        fwd, wall = np.asarray(forward_s, dtype=float), np.asarray(wall_s, dtype=float)
-        t = np.asarray(starts, dtype=float)
-        cycle = np.where(np.asarray(next_is_busy, dtype=bool), np.r_[np.diff(t), 0.0], wall)
+        fwd = np.asarray(forward_s, dtype=float)
+        cycle = step_cycles(starts, wall_s, after_idle)
         alpha = float(fwd.sum() / pred.sum()) if pred.sum() > 0 else 1.0
         extra = cycle - alpha * pred
         n = np.asarray(seqs, dtype=float)
         const, per_seq = (float(c) for c in nonneg_lstsq(np.column_stack([np.ones_like(n), n]), extra))
-        fe = cls(first_token_delay_s, alpha, const, per_seq)
-        line = np.array([fe.step_seconds(p, int(k)) for p, k in zip(pred, n, strict=True)])
-        return fe, {"steps": len(starts), "mean_seqs": float(n.mean()), "max_seqs": int(n.max()),
-                    "forward_over_predicted": alpha, "cycle_over_predicted": float(cycle.sum() / pred.sum()),
-                    "mean_extra_s": float(extra.mean()), "step_const_s": const, "step_per_seq_s": per_seq,
-                    "residual_std": float((cycle / line - 1.0).std())}
+        line = alpha * pred + const + per_seq * n  # step_seconds over every step
+        return cls(first_token_delay_s, alpha, const, per_seq), {
+            "steps": len(starts), "mean_seqs": float(n.mean()), "max_seqs": int(n.max()),
+            "forward_over_predicted": alpha, "cycle_over_predicted": float(cycle.sum() / pred.sum()),
+            "mean_extra_s": float(extra.mean()), "step_const_s": const, "step_per_seq_s": per_seq,
+            "residual_std": float((cycle / line - 1.0).std())}
+
+
+def step_cycles(starts: Sequence[float], wall_s: Sequence[float], after_idle: Sequence[bool]) -> np.ndarray:
+    """What each logged step cost the streams: the interval to the next step's start when the engine
+    went straight on to it (the next step is not ``after_idle``), else the step's own ``wall_s`` (the
+    last step, or one before an idle wait)."""
+    t, wall = np.asarray(starts, dtype=float), np.asarray(wall_s, dtype=float)
+    busy_next = np.r_[~np.asarray(after_idle, dtype=bool)[1:], False]
+    return np.where(busy_next, np.r_[np.diff(t), 0.0], wall)
