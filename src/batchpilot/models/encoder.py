@@ -10,13 +10,13 @@
 
 The forward is the lean one (models/ragged.py's RaggedEncoder, else models/lean.py's LeanEncoder: same
 weights, less per-call overhead) when it supports the model and matches the HF forward on a probe batch at
-load time; otherwise HF's own. One lean object serves both the padded and the padding-free forward.
+load time; otherwise HF's own (models/forward_choice.py). One lean object serves both the padded and the
+padding-free forward.
 ``Request.payload`` is the request's token-id list (with special tokens), made by ``tokenize``.
 """
 
 from __future__ import annotations
 
-import inspect
 import os
 import warnings
 from dataclasses import dataclass
@@ -36,6 +36,7 @@ from transformers import AutoModel, AutoTokenizer
 
 from ..core.scheduler import Batch
 from .device import HostToDevice, Staged, configure_threads, resolve_device
+from .forward_choice import ForwardChoice
 from .pooling import PoolingConfig, pool
 from .tokens import TextTokenizer
 
@@ -89,7 +90,7 @@ class PreparedBatch:
     ragged_ids: list[list[int]] | None = None
 
 
-class EncoderExecutor:
+class EncoderExecutor(ForwardChoice):
     """Runs an HF encoder for the runtime (prepare/run) and for users (``encode``)."""
 
     task = "embed"
@@ -223,100 +224,6 @@ class EncoderExecutor:
             row = [self.tokenizer.cls_token_id or 0] + [self.pad_id + 1000] * (length - 2) + [
                 self.tokenizer.sep_token_id or 0]
             self.run(self.prepare(make_batch([row] * n, "dynamic", self.max_length)))
-
-    def _load_lean(self) -> Any:
-        """The lean forward (models/ragged.py's RaggedEncoder, which is also the padding-free one, else
-        models/lean.py's LeanEncoder), kept only if it matches HF on a mixed-length probe batch."""
-        kwargs = {"pooling": self._simple_pooling() or "mean", "normalize": self.pooling.normalize}
-        lean: Any = None
-        try:
-            from .ragged import RaggedEncoder
-
-            lean = RaggedEncoder.from_hf(self.model, **kwargs)
-        except ImportError:
-            pass
-        except (ValueError, AttributeError) as exc:
-            warnings.warn(f"lean forward unavailable for {self.model_name} ({exc}); using HF", stacklevel=2)
-            return None
-        if lean is None:
-            try:
-                from .lean import LeanEncoder
-
-                lean = LeanEncoder.from_hf(self.model, **kwargs)
-            except (ImportError, ValueError, AttributeError) as exc:
-                warnings.warn(f"lean forward unavailable for {self.model_name} ({exc}); using HF",
-                              stacklevel=2)
-                return None
-        self._lean_takes_positions = "position_ids" in inspect.signature(lean.hidden_padded).parameters
-        diff = self._probe(lean)
-        tol = 1e-4 if self.config.dtype == "float32" else 5e-2
-        if diff > tol:
-            warnings.warn(f"lean forward differs from HF by {diff:.2e} on {self.model_name}; using HF",
-                          stacklevel=2)
-            return None
-        return lean
-
-    def _probe(self, lean: Any) -> float:
-        """Max |difference| of the real tokens' last hidden states, lean vs HF, on a seeded mixed batch
-        collated exactly as ``prepare`` would (so left padding is probed with its position ids)."""
-        gen = torch.Generator().manual_seed(0)
-        high = min(self.vocab_size, 2000)
-        ids = [torch.randint(min(1000, high - 1), high, (n,), generator=gen).tolist() for n in (5, 17, 3)]
-        t = self._h2d.stage(self._collate(ids, 17)).wait()
-        try:
-            with torch.inference_mode():
-                ref = self._hidden(t)  # self.lean is None while probing: this is HF's forward
-                self.lean = lean
-                got = self._hidden(t)
-        finally:
-            self.lean = None
-        m = t["attention_mask"].bool()
-        return float((ref[m].float() - got[m].float()).abs().max())
-
-    def _simple_pooling(self) -> str | None:
-        """The pooling the lean/ragged encoders do themselves (one of mean/cls), else None."""
-        modes = self.pooling.modes
-        return modes[0] if len(modes) == 1 and modes[0] in ("mean", "cls") else None
-
-    def supports_padding_free(self) -> bool:
-        """Whether padding 'none' can run on this model (BERT-family layouts and mean/CLS pooling do)."""
-        try:
-            self._ragged_encoder()
-        except (RuntimeError, ValueError, NotImplementedError, AttributeError, KeyError):
-            return False
-        return True
-
-    def _ragged_encoder(self) -> Any:
-        if self.config.dtype == "int8":
-            raise RuntimeError("padding 'none' needs the padding-free torch forward, which int8 (quantised "
-                               "HF linear layers) does not have; use padding 'dynamic' or 'bucket'")
-        if self._ragged is None:
-            if self.lean is not None and hasattr(self.lean, "hidden_ragged"):
-                self._ragged = self.lean  # one weight copy serves the padded and the padding-free forward
-            else:
-                try:
-                    from .ragged import RaggedEncoder
-                except ImportError as exc:
-                    raise RuntimeError(
-                        "padding 'none' needs the padding-free encoder (batchpilot.models.ragged), which is "
-                        f"not available ({exc}); use padding 'dynamic' or 'bucket'"
-                    ) from exc
-                self._ragged = RaggedEncoder.from_hf(self.model, pooling=self._simple_pooling() or "mean",
-                                                     normalize=self.pooling.normalize)
-        return self._ragged
-
-    def _run_ragged(self, ids: list[list[int]]) -> torch.Tensor:
-        ragged = self._ragged_encoder()
-        if self._simple_pooling() is not None:
-            return ragged.forward(ids)  # pools (and normalises) on the packed tensor itself
-        # other pooling modes: re-pad the packed states (cheap next to the forward) and pool as usual
-        x, lengths = ragged.hidden_ragged(ids)
-        parts = torch.split(x, lengths)
-        padded = torch.nn.utils.rnn.pad_sequence(list(parts), batch_first=True)
-        mask = torch.zeros(padded.shape[:2], dtype=torch.int64, device=padded.device)
-        for i, n in enumerate(lengths):
-            mask[i, :n] = 1
-        return pool(padded, mask, self.pooling)
 
 
 def quantize_int8(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
