@@ -4,7 +4,9 @@ steps under the profile's own open-loop load, measured in-process."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
+import pytest
 from inproc import small_llm_engine
 
 from batchpilot.models.llm.profile import profile_llm_steps
@@ -39,3 +41,33 @@ def test_the_simulator_adds_the_serving_path_to_every_token_and_step() -> None:
     assert math.isclose(later.tpot_p50, plain.tpot_p50, rel_tol=1e-9)
     slower = simulate_llm(wl, frontend=LLMFrontEnd(step_alpha=1.0, step_per_seq_s=0.002)).report()
     assert slower.tpot_p50 > plain.tpot_p50 and slower.mean_step_s > plain.mean_step_s
+
+
+def test_profile_llm_writes_the_serving_path_that_simulate_reads(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """``batchpilot profile --llm`` measures the serving path on a fresh engine (its memory burst stops
+    the first one) and writes it where ``simulate --target llm --profile`` reads it."""
+    import functools
+    import json
+
+    from batchpilot.cli import main
+    from batchpilot.models.llm import profile as step_profile
+    from batchpilot.server import llm_serving_profile
+
+    monkeypatch.setattr(step_profile, "profile_llm_steps", functools.partial(
+        profile_llm_steps, prefill_lengths=(16, 64, 128), decode_batches=(1, 4), decode_contexts=(32, 128),
+        mixed_prefills=(32,), mixed_decodes=(1, 4)))
+    monkeypatch.setattr(llm_serving_profile, "measure_llm_serving_path", functools.partial(
+        measure_llm_serving_path, requests=4, loaded_requests=12))
+    out = tmp_path / "llm.json"
+    assert main(["profile", "--llm", "--threads", "1", "--repeats", "1", "-o", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["serving_path"]["first_token"]["ok"] == 4 and doc["serving_path"]["loaded"]["steps"] >= 10
+    read = LLMFrontEnd.from_profile(str(out))
+    assert read.to_dict() == doc["frontend"] and read.step_alpha > 0
+    assert main(["simulate", "--target", "llm", "--workload", "conv-llm", "--requests", "10",
+                 "--profile", str(out)]) == 0
+    none = tmp_path / "bare.json"
+    assert main(["profile", "--llm", "--threads", "1", "--repeats", "1", "--no-serving-path",
+                 "-o", str(none)]) == 0
+    assert "frontend" not in json.loads(none.read_text())

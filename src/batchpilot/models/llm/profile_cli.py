@@ -12,7 +12,12 @@ model, precision and threads), not started. Measured on its runner:
 * ``free_bytes``: the device's free memory before the model loaded, so a ``memory_utilization``
   budget can be planned in the simulator as it would be on this machine;
 * the swap copy times (``cost_model.meta``, from ``profile_llm_steps``), what swap preemption is
-  priced with in the simulator.
+  priced with in the simulator;
+* ``frontend`` and ``serving_path``: the routes' serving path, measured after the steps on a fresh
+  engine built the same way (the memory burst stopped the first) and started behind the real app
+  (``server/llm_serving_profile.measure_llm_serving_path``: the first-token delay and a step's price
+  under the profile's own streamed load), what ``simulate --target llm --profile`` times every step
+  with; ``--no-serving-path`` leaves them out.
 """
 
 from __future__ import annotations
@@ -72,7 +77,31 @@ def run_llm(args: argparse.Namespace) -> int:
                  "threads": torch.get_num_threads(), "torch": torch.__version__,
                  "seconds": time.perf_counter() - t1},
     }
+    if not args.no_serving_path:
+        del engine, runner  # the memory burst shut that engine down: the serving path gets a fresh one
+        fresh = build_llm_engine(args.model, device=str(device), dtype=dtype, threads=args.threads or 0,
+                                 start=False)
+        doc["frontend"], doc["serving_path"] = _serving_path(fresh, model)
     Path(args.output).write_text(json.dumps(doc, indent=2))
     print(f"wrote {args.output} in {time.perf_counter() - t1:.1f} s")
     return 0
 
+
+
+def _serving_path(engine: Any, cost_model: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Start ``engine`` (built, never started), measure its serving path through the real app and shut
+    it down; returns the ``frontend`` entry and what was measured (``serving_path``)."""
+    from ...server.llm_serving_profile import measure_llm_serving_path
+
+    t0 = time.perf_counter()
+    engine.start()
+    try:
+        frontend, details = measure_llm_serving_path(engine, cost_model)
+    finally:
+        engine.shutdown()
+    print(f"serving path: first token {frontend.first_token_delay_s * 1e3:.2f} ms after the engine's "
+          f"({details['first_token']['ok']} lone streams); under load a step takes "
+          f"{frontend.step_alpha:.3f} x the step model + {frontend.step_const_s * 1e3:.2f} ms + "
+          f"{frontend.step_per_seq_s * 1e3:.3f} ms per sequence ({details['loaded'].get('steps', 0)} "
+          f"steps) in {time.perf_counter() - t0:.1f} s")
+    return frontend.to_dict(), details
