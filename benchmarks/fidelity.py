@@ -8,7 +8,8 @@ the server and the profiler on core 1, the load generator on core 0), ``batchpil
 first; then ``batchpilot bench fidelity`` runs each workload with that profile at 50% and 80% of the
 predicted capacity (its own table: P50, P99, throughput, rejected, mean batch size, with the
 machine's speed against the profile beside each point). The prediction uses the profile file only.
-This script prints every table and one summary of cells within target.
+This script prints every table and one summary of cells within target. Pass ``-- --live-repeats 2``
+to replay each point a second time on the same server and see how far the live run agrees with itself.
 
 Workloads: ``conv-embed`` (the standard trace slice), ``mmpp`` (bursty on/off arrivals, lognormal
 lengths) and ``bimodal`` (Poisson arrivals, 80% short and 20% long inputs).
@@ -59,17 +60,20 @@ def main() -> int:
             print(f"\n$ {' '.join(cmd)}", flush=True)
             rc = subprocess.run(cmd).returncode
             if rc != 0:
-                summary.append((name, pin, "failed", "", ""))
+                summary.append((name, pin, "failed", "", "", ""))
                 continue
             res = json.loads((run_out / "fidelity.json").read_text())
             rows = res["table"]["rows"]
             scored = [r for r in rows if r[7] in ("yes", "no")]
-            speeds = [p["speed_vs_profile"] for p in res["points"]]
+            speeds = [f"{p['speed_vs_profile']:+.1%}" for p in res["points"]]
+            repeat = res.get("repeat_table", {}).get("rows", [])
+            again = [f"{r[4]}" for r in repeat if r[1] in ("P50 ms", "P99 ms")]
             summary.append((name, pin, f"{sum(r[7] == 'yes' for r in scored)}/{len(scored)}",
-                            f"{res['capacity_rps']:.2f}", ", ".join(f"{x:+.1%}" for x in speeds)))
-    print("\nworkload     cpus  cells within target  predicted capacity req/s  speed vs profile (50%, 80%)")
-    for name, pin, cells, cap, speed in summary:
-        print(f"{name:<12} {pin:<5} {cells:>19}  {cap:>24}  {speed}")
+                            f"{res['capacity_rps']:.2f}", ", ".join(speeds), " ".join(again) or "-"))
+    print("\nworkload     cpus  cells within target  predicted capacity req/s  speed vs profile (per load)"
+          "  live again: P50 P99 (per load)")
+    for name, pin, cells, cap, speed, again_cell in summary:
+        print(f"{name:<12} {pin:<5} {cells:>19}  {cap:>24}  {speed:<27}  {again_cell}")
     return 0
 
 

@@ -299,7 +299,8 @@ def test_config_is_validated() -> None:
 
 
 def test_fidelity_rows_compare_the_simulator_with_a_measurement() -> None:
-    from batchpilot.bench.fidelity import comparison_rows, simulate
+    from batchpilot.bench.fidelity import simulate
+    from batchpilot.bench.fidelity_table import comparison_rows
     from batchpilot.bench.live_run import Measurement, histogram_mean
     from batchpilot.core.config import SchedulerConfig
     from batchpilot.core.costmodel import CostModel

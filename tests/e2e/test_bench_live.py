@@ -163,15 +163,21 @@ def test_fidelity_predicts_from_the_profile_alone_and_measures_each_point_once(
     config.write_text("encoder:\n  policy: {max_batch_size: 1}\n")  # capacity 50 req/s: one batch at a time
     rc = cli.main(["bench", "fidelity", "--noop-delay-ms", "20", "--config", str(config),
                    "--requests", "120", "--loads", "0.5", "--max-concurrency", "64",
-                   "--warmup-requests", "2", "--no-progress", "--out", str(out)])
+                   "--warmup-requests", "2", "--live-repeats", "2", "--no-progress", "--out", str(out)])
     assert rc == 0
     res = json.loads((out / "fidelity.json").read_text())
     (point,) = res["points"]
     assert point["load"] == 0.5 and point["measured"]["num_requests"] == 120
+    # one batch per request (max_batch_size 1): the speed covers the measured run, not its warm-up
+    assert point["run_speed"]["batches"] == 120 and len(point["run_speed"]["windows"]) >= 1
+    (again,) = point["repeats"]  # replayed a second time on the same server, compared with the first
+    assert again["measured"]["num_requests"] == 120
+    assert [r[1] for r in res["repeat_table"]["rows"]][:2] == ["P50 ms", "P99 ms"]
     # the no-op model sleeps 20 ms a batch: the logged batches take at least that (how much more
     # depends on this machine's load, so it is not asserted)
     assert point["speed_vs_profile"] > -0.2 and math.isfinite(point["speed_vs_profile"])
     assert "concurrency <= 64" in res["deployment"]
     text = capsys.readouterr().out
     assert "P99 ms" in text and "speed vs profile" in text and "rejected" in text
+    assert "The live run against itself" in text
     assert (out / "batches.jsonl").stat().st_size > 0

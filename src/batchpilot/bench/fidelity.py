@@ -34,20 +34,18 @@ from typing import Any
 from ..config_file import add_deployment_args, deployment_flags, spec_from_args
 from ..core.config import SchedulerConfig
 from ..core.costmodel import CostModel
-from ..runtime.batch_log import read_batches
 from ..sim.frontend import FrontEnd
 from ..sim.traces import Workload
 from .capacity import wait_idle
-from .live_run import Measurement, measure
+from .fidelity_table import HEAD, REPEAT_HEAD, comparison_rows, repeat_rows, text_table
+from .live_run import measure, warm_up
 from .loadgen import build_plan, load_tokenizer
 from .records import Summary, format_summary, write_csv
 from .report import RunData, html_table, write_report
+from .run_speed import WINDOW_S, run_speed
 from .serverproc import pin_load_generator, pinned, serve
 
 DEFAULT_REQUESTS = 1000
-TARGETS = {"P50": 0.10, "P99": 0.10, "throughput": 0.05}
-HEAD = ["load", "rate scale", "metric", "predicted", "measured", "error", "target", "within",
-        "speed vs profile", "error at the run's speed"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,6 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batcher-only", action="store_true",
                    help="predict without the profile's serving path (HTTP, JSON, tokenisation)")
     p.add_argument("--warmup-requests", type=int, default=30, help="unmeasured requests before each point")
+    p.add_argument("--live-repeats", type=int, default=1,
+                   help="replay each point this many times on the same server; the repeats are compared "
+                        "with the first run (how far the live run agrees with itself), never predicted")
     p.add_argument("--noop-delay-ms", type=float, default=None,
                    help="serve the no-op model with this fixed time per batch, profiled as exactly that: "
                         "checks the serving path (HTTP, tokenise, batcher, loop) without model noise")
@@ -129,68 +130,6 @@ def predicted_capacity(workload: Workload, cost_model: CostModel, spec: Any, fro
     return cand
 
 
-def run_speed(batch_log: Path, offset: int, cost_model: CostModel, frontend: FrontEnd | None = None,
-              rate: float = 0.0) -> tuple[float, int]:
-    """How the batches logged from byte ``offset`` on ran against the profile: total slot seconds over
-    the total the profile predicts for them (with ``frontend``, as batches under serving load at the
-    run's mean request ``rate``: ``FrontEnd.batch_seconds``), minus 1 (+5% = 5% slower than profiled),
-    and the number of batches."""
-    if not batch_log.exists():
-        return math.nan, 0
-    batches, _ = read_batches(batch_log, offset)
-    took = sum(b.slot_s for b in batches)
-    predicted = sum(frontend.batch_seconds(cost_model.latency(b.features), rate) if frontend is not None
-                    else cost_model.latency(b.features) for b in batches)
-    return (took / predicted - 1.0 if predicted > 0 else math.nan), len(batches)
-
-
-def _err(pred: float, meas: float) -> float:
-    return (pred - meas) / meas if meas and math.isfinite(meas) and math.isfinite(pred) else math.nan
-
-
-def _metrics(pred: Prediction) -> list[float]:
-    p = pred.summary
-    return [p.p50 * 1e3, p.p99 * 1e3, p.throughput_rps, pred.report.num_rejected + pred.report.num_dropped,
-            pred.report.mean_batch_size]
-
-
-def comparison_rows(load: float, k: float, pred: Prediction, live: Measurement, speed: float,
-                    hindsight: Prediction | None = None) -> list[list[Any]]:
-    """Predicted vs measured, with targets: P50/P99 10%, throughput 5%, rejected within 10% or 5.
-    ``hindsight``: the simulator at the run's own measured speed, a diagnosis that splits the error
-    into the machine's drift and the model's own error; never the prediction."""
-    m = live.summary
-    measured = [m.p50 * 1e3, m.p99 * 1e3, m.throughput_rps, m.num_requests - m.num_ok,
-                live.server.get("batch_size", math.nan)]
-    predicted = _metrics(pred)
-    later = _metrics(hindsight) if hindsight is not None else [math.nan] * 5
-    rows: list[list[Any]] = []
-    names = ("P50 ms", "P99 ms", "throughput req/s", "rejected", "mean batch size")
-    for i, metric in enumerate(names):
-        a, b, h = predicted[i], measured[i], later[i]
-        if metric == "rejected":
-            ok = abs(a - b) <= max(5, 0.10 * b)
-            rows.append([f"{load:.0%}", f"{k:.3f}", metric, f"{a:.0f}", f"{b:.0f}", f"{a - b:+.0f}",
-                         "10% or 5", "yes" if ok else "no", f"{speed:+.1%}",
-                         f"{h - b:+.0f}" if math.isfinite(h) else "-"])
-            continue
-        e = _err(a, b)
-        target = TARGETS.get(metric.split()[0])
-        within = "-" if target is None else ("yes" if math.isfinite(e) and abs(e) <= target else "no")
-        rows.append([f"{load:.0%}", f"{k:.3f}", metric, f"{a:.2f}", f"{b:.2f}", f"{e:+.1%}",
-                     f"{target:.0%}" if target else "-", within, f"{speed:+.1%}",
-                     f"{_err(h, b):+.1%}" if math.isfinite(h) else "-"])
-    return rows
-
-
-def text_table(head: list[str], rows: list[list[Any]]) -> str:
-    cells = [head] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(head))]
-    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths,
-                                                                                              strict=True)))
-                     for r in cells)
-
-
 def run_profile(out: Path, padding: str, extra: str = "", cpus: str | None = None,
                 name: str = "profile.json") -> Path:
     """``batchpilot profile -o out/name`` in a subprocess, pinned like the server (before any traffic)."""
@@ -245,6 +184,7 @@ def main(args: argparse.Namespace) -> int:
     serve_args = ["--profile", str(profile), "--log-level", "warning", "--batch-log", str(batch_log), *noop,
                   *deployment_flags(args), *shlex.split(args.serve_args)]
     rows: list[list[Any]] = []
+    repeats: list[list[Any]] = []
     runs: list[RunData] = []
     result: dict[str, Any] = {"workload": wl.name, "requests": len(wl), "profile": str(profile),
                               "deployment": deployment.describe(), "capacity_scale": cap.capacity,
@@ -254,22 +194,31 @@ def main(args: argparse.Namespace) -> int:
             k = load * cap.capacity
             scaled = wl.scale_rate(k)
             pred = simulate(scaled, deployment.scheduler, cost_model, args.sla, frontend)
+            if args.warmup_requests:
+                warm_up(url, scaled, texts, args.warmup_requests)
             offset = batch_log.stat().st_size if batch_log.exists() else 0
-            live = measure(url, scaled, texts, args.sla, args.warmup_requests, not args.no_progress,
-                           f"{load:.0%} live")
-            speed, n_batches = run_speed(batch_log, offset, cost_model, frontend, scaled.mean_rate)
+            live = measure(url, scaled, texts, args.sla, 0, not args.no_progress, f"{load:.0%} live")
+            rs = run_speed(batch_log, offset, cost_model, frontend, live.sent_monotonic())
+            speed = rs.speed
             print(format_summary(pred.summary, f"predicted at {load:.0%} of capacity (x{k:.3f})"))
             print(format_summary(live.summary, f"live at {load:.0%} of capacity (x{k:.3f})"))
-            print(f"the run's {n_batches} batches (warm-up included) took {speed:+.1%} against the profile",
-                  flush=True)
+            print(f"the run's {rs.batches} batches took {speed:+.1%} against the profile "
+                  f"({WINDOW_S:g} s windows: {rs.spread})", flush=True)
             later = simulate(scaled, deployment.scheduler, cost_model, args.sla, frontend, speed) \
                 if math.isfinite(speed) else None
-            rows += comparison_rows(load, k, pred, live, speed, later)
-            result["points"].append({"load": load, "rate_scale": k, "speed_vs_profile": speed,
-                                     "predicted": pred.summary.to_dict(),
+            rows += comparison_rows(load, k, pred, live, speed, later, rs.spread)
+            point: dict[str, Any] = {"load": load, "rate_scale": k, "speed_vs_profile": speed,
+                                     "run_speed": rs.to_dict(), "predicted": pred.summary.to_dict(),
                                      "predicted_rejected": pred.report.num_rejected + pred.report.num_dropped,
                                      "predicted_mean_batch_size": pred.report.mean_batch_size,
-                                     "measured": live.summary.to_dict(), "server": live.server})
+                                     "measured": live.summary.to_dict(), "server": live.server, "repeats": []}
+            for j in range(2, args.live_repeats + 1):
+                wait_idle(url, 10.0)
+                again = measure(url, scaled, texts, args.sla, 0, not args.no_progress,
+                                f"{load:.0%} live #{j}")
+                repeats += repeat_rows(load, live, again)
+                point["repeats"].append({"measured": again.summary.to_dict(), "server": again.server})
+            result["points"].append(point)
             write_csv(live.records, out / f"records-{int(load * 100)}.csv")
             runs.append(RunData(f"live {load:.0%}", live.records, live.summary, live.metrics,
                                 {"rate_scale": k}))
@@ -280,6 +229,10 @@ def main(args: argparse.Namespace) -> int:
     print(f"\nFidelity: prediction (profile only) vs live measurement, {within} of {scored} cells within "
           f"target\n{table}", flush=True)
     result["table"] = {"head": HEAD, "rows": rows}
+    if repeats:
+        print(f"\nThe live run against itself (the same rows replayed again on the same server)\n"
+              f"{text_table(REPEAT_HEAD, repeats)}", flush=True)
+        result["repeat_table"] = {"head": REPEAT_HEAD, "rows": repeats}
     (out / "fidelity.json").write_text(json.dumps(result, indent=2, default=str))
     report = write_report(out, runs, title=f"fidelity: {wl.name}", sla_s=args.sla,
                           sections=[("Fidelity: predicted vs measured", html_table(HEAD, rows))])

@@ -18,6 +18,11 @@ class Measurement:
     records: list[RequestRecord]
     metrics: MetricsSeries | None
     server: dict[str, float] = field(default_factory=dict)  # means from the server's histograms
+    origin_s: float = math.nan  # ``time.monotonic()`` of the replay's zero (``ReplayResult.origin_s``)
+
+    def sent_monotonic(self) -> list[float]:
+        """Every sent request's send time on ``time.monotonic()`` (the server's batch-log clock)."""
+        return [self.origin_s + r.sent_s for r in self.records if math.isfinite(r.sent_s)]
 
 
 # server histogram -> the name used in the diagnosis
@@ -42,7 +47,7 @@ def measure(url: str, workload: Workload, texts: list[str], sla_s: float, warmup
         warm_up(url, workload, texts, warmup_requests)
     plan = build_plan(workload, texts=texts[: len(workload)])  # a cut slice is a prefix of the texts' rows
     res = replay(plan, LoadGenConfig(url, progress=progress), description=label)
-    m = Measurement(summarize(res.records, sla_s), res.records, res.metrics)
+    m = Measurement(summarize(res.records, sla_s), res.records, res.metrics, origin_s=res.origin_s)
     if res.metrics is not None:
         m.server = {k: histogram_mean(res.metrics, v) for k, v in SERVER_HISTOGRAMS.items()}
         batches = res.metrics.delta("batchpilot_batch_size_count")

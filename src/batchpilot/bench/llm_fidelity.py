@@ -37,7 +37,7 @@ from ..core.llm_scheduler import LLMSchedulerConfig
 from ..sim.llm_frontend import LLMFrontEnd
 from ..sim.traces import Workload
 from .capacity import CapacityConfig, probe_workload, search_capacity, wait_idle
-from .fidelity import text_table
+from .fidelity_table import text_table
 from .llm_steps import read_steps, speed_vs_profile
 from .loadgen import LoadGenConfig, build_plan, replay
 from .records import Summary, format_summary, summarize, write_csv

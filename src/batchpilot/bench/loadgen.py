@@ -94,6 +94,7 @@ class ReplayResult:
     wall_s: float = 0.0
     stopped_early: bool = False
     model: str = ""
+    origin_s: float = math.nan  # ``time.monotonic()`` of the plan's zero: a send is at origin + sent_s
 
 
 def load_tokenizer(path: str | None = None) -> Any:
@@ -173,6 +174,7 @@ async def replay_async(
         finished: list[RequestRecord] = []
         stop = asyncio.Event()
         t0 = loop.time() + config.start_delay_s
+        origin = time.monotonic() + (t0 - loop.time())  # the loop's clock may have another base
         clock = lambda: loop.time() - t0  # noqa: E731
         progress = ReplayProgress(len(plan), description) if config.progress else None
         if scraper is not None:
@@ -239,7 +241,7 @@ async def replay_async(
     for rec in records:
         if not math.isfinite(rec.sent_s):
             rec.error = rec.error or "not sent: stopped early"
-    return ReplayResult(records, series, wall, stopped, model)
+    return ReplayResult(records, series, wall, stopped, model, origin)
 
 
 async def one_by_one_async(plan: Sequence[PlannedRequest], config: LoadGenConfig) -> list[RequestRecord]:

@@ -42,7 +42,8 @@ from ..config_file import add_deployment_args, dump_spec, spec_from_args
 from ..core.costmodel import CostModel
 from ..sim.frontend import FrontEnd
 from .capacity import CapacityConfig
-from .fidelity import load_workload, run_profile, text_table
+from .fidelity import load_workload, run_profile
+from .fidelity_table import text_table
 from .interleave import interleaved_capacity
 from .loadgen import build_plan, load_tokenizer
 from .serverproc import pin_load_generator, serve

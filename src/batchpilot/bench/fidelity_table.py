@@ -1,0 +1,79 @@
+"""The fidelity check's table: the prediction against the live run, cell by cell, with its targets."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .live_run import Measurement
+
+TARGETS = {"P50": 0.10, "P99": 0.10, "throughput": 0.05}
+HEAD = ["load", "rate scale", "metric", "predicted", "measured", "error", "target", "within",
+        "speed vs profile", "error at the run's speed"]
+
+
+def _err(pred: float, meas: float) -> float:
+    return (pred - meas) / meas if meas and math.isfinite(meas) and math.isfinite(pred) else math.nan
+
+
+def _metrics(pred: Any) -> list[float]:
+    p = pred.summary
+    return [p.p50 * 1e3, p.p99 * 1e3, p.throughput_rps, pred.report.num_rejected + pred.report.num_dropped,
+            pred.report.mean_batch_size]
+
+
+def comparison_rows(load: float, k: float, pred: Any, live: Measurement, speed: float,
+                    hindsight: Any | None = None, spread: str = "-") -> list[list[Any]]:
+    """Predicted vs measured, with targets: P50/P99 10%, throughput 5%, rejected within 10% or 5.
+    ``hindsight``: the simulator at the run's own measured speed, a diagnosis that splits the error
+    into the machine's drift and the model's own error; never the prediction."""
+    measured = measured_metrics(live)
+    speed_cell = f"{speed:+.1%}" + (f" ({spread})" if spread != "-" else "")
+    predicted = _metrics(pred)
+    later = _metrics(hindsight) if hindsight is not None else [math.nan] * 5
+    rows: list[list[Any]] = []
+    names = ("P50 ms", "P99 ms", "throughput req/s", "rejected", "mean batch size")
+    for i, metric in enumerate(names):
+        a, b, h = predicted[i], measured[i], later[i]
+        if metric == "rejected":
+            ok = abs(a - b) <= max(5, 0.10 * b)
+            rows.append([f"{load:.0%}", f"{k:.3f}", metric, f"{a:.0f}", f"{b:.0f}", f"{a - b:+.0f}",
+                         "10% or 5", "yes" if ok else "no", speed_cell,
+                         f"{h - b:+.0f}" if math.isfinite(h) else "-"])
+            continue
+        e = _err(a, b)
+        target = TARGETS.get(metric.split()[0])
+        within = "-" if target is None else ("yes" if math.isfinite(e) and abs(e) <= target else "no")
+        rows.append([f"{load:.0%}", f"{k:.3f}", metric, f"{a:.2f}", f"{b:.2f}", f"{e:+.1%}",
+                     f"{target:.0%}" if target else "-", within, speed_cell,
+                     f"{_err(h, b):+.1%}" if math.isfinite(h) else "-"])
+    return rows
+
+
+def text_table(head: list[str], rows: list[list[Any]]) -> str:
+    cells = [head] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(head))]
+    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths,
+                                                                                              strict=True)))
+                     for r in cells)
+
+
+def measured_metrics(live: Measurement) -> list[float]:
+    """P50 ms, P99 ms, throughput, refused or failed requests and mean batch size of a live run."""
+    m = live.summary
+    return [m.p50 * 1e3, m.p99 * 1e3, m.throughput_rps, m.num_requests - m.num_ok,
+            live.server.get("batch_size", math.nan)]
+
+
+REPEAT_HEAD = ["load", "metric", "live", "live again", "difference"]
+
+
+def repeat_rows(load: float, first: Measurement, again: Measurement) -> list[list[Any]]:
+    """The same rows replayed twice on the same server: how far the live run agrees with itself, the
+    floor under any prediction's error on this machine (``bench fidelity --live-repeats``)."""
+    rows: list[list[Any]] = []
+    names = ("P50 ms", "P99 ms", "throughput req/s", "rejected", "mean batch size")
+    for name, a, b in zip(names, measured_metrics(first), measured_metrics(again), strict=True):
+        diff = f"{b - a:+.0f}" if name == "rejected" else f"{_err(b, a):+.1%}"
+        rows.append([f"{load:.0%}", name, f"{a:.2f}", f"{b:.2f}", diff])
+    return rows

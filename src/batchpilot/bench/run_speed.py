@@ -1,0 +1,86 @@
+"""How fast a live run's batches ran against the profile: the machine's speed, reported beside an error.
+
+The server's batch log (``serve --batch-log``) holds every batch's slot seconds and features. The
+profile prices each of them as the simulator does: ``FrontEnd.batch_seconds`` of the cost model's
+prediction at the request rate of the ``RATE_WINDOW_S`` before the batch started, counted from the
+load generator's send times (the same monotonic clock as the log). ``RunSpeed`` is the ratio of the
+totals, minus 1 (+5%: the batches took 5% longer than the profile says), and the same ratio over
+``WINDOW_S`` windows of the run, so a drift within the run shows as a spread between its windows.
+
+It is a report, never an input of the prediction: a prediction uses the profile file only.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..core.costmodel import CostModel
+from ..runtime.batch_log import LoggedBatch, read_batches
+from ..sim.frontend import RATE_WINDOW_S, FrontEnd
+
+WINDOW_S = 15.0
+MIN_WINDOW_BATCHES = 10  # a window with fewer batches is left out of the spread
+
+
+@dataclass(frozen=True)
+class RunSpeed:
+    speed: float  # total slot seconds / total priced seconds - 1
+    batches: int
+    windows: tuple[float, ...] = field(default=())  # the same ratio - 1 per WINDOW_S window, in order
+
+    @property
+    def spread(self) -> str:
+        """The windows' lowest and highest speed, e.g. ``-4.0% .. +31.2%`` (``-`` without windows)."""
+        if not self.windows:
+            return "-"
+        return f"{min(self.windows):+.1%} .. {max(self.windows):+.1%}"
+
+    def to_dict(self) -> dict[str, object]:
+        return {"speed_vs_profile": self.speed, "batches": self.batches, "window_s": WINDOW_S,
+                "windows": list(self.windows)}
+
+
+def batch_rates(starts: Sequence[float], sent: Sequence[float]) -> list[float]:
+    """Per batch start, the requests sent in the ``RATE_WINDOW_S`` before it, per second."""
+    times = sorted(sent)
+    return [(bisect.bisect_left(times, s) - bisect.bisect_left(times, s - RATE_WINDOW_S)) / RATE_WINDOW_S
+            for s in starts]
+
+
+def priced_seconds(batches: Sequence[LoggedBatch], cost_model: CostModel, frontend: FrontEnd | None,
+                   rates: Sequence[float]) -> list[float]:
+    """What the profile says each batch takes: under serving load at its rate with ``frontend``, else
+    the bare cost model."""
+    return [frontend.batch_seconds(cost_model.latency(b.features), r) if frontend is not None
+            else cost_model.latency(b.features) for b, r in zip(batches, rates, strict=True)]
+
+
+def speed_of(batches: Sequence[LoggedBatch], priced: Sequence[float]) -> RunSpeed:
+    """The ratio of the totals, and per ``WINDOW_S`` window from the first batch's start."""
+    took, want = sum(b.slot_s for b in batches), sum(priced)
+    if not batches or want <= 0:
+        return RunSpeed(math.nan, len(batches))
+    t0 = batches[0].start
+    sums: dict[int, list[float]] = {}
+    for b, p in zip(batches, priced, strict=True):
+        cell = sums.setdefault(int((b.start - t0) // WINDOW_S), [0.0, 0.0, 0.0])
+        cell[0] += b.slot_s
+        cell[1] += p
+        cell[2] += 1
+    windows = tuple(s / p - 1.0 for _, (s, p, n) in sorted(sums.items()) if n >= MIN_WINDOW_BATCHES and p > 0)
+    return RunSpeed(took / want - 1.0, len(batches), windows)
+
+
+def run_speed(batch_log: Path, offset: int, cost_model: CostModel, frontend: FrontEnd | None,
+              sent_s: Sequence[float]) -> RunSpeed:
+    """The batches logged from byte ``offset`` on against the profile, each at the rate of the
+    ``sent_s`` (the run's send times, warm-up included) before it."""
+    if not batch_log.exists():
+        return RunSpeed(math.nan, 0)
+    batches, _ = read_batches(batch_log, offset)
+    rates = batch_rates([b.start for b in batches], sent_s) if frontend is not None else [0.0] * len(batches)
+    return speed_of(batches, priced_seconds(batches, cost_model, frontend, rates))

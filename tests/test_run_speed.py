@@ -1,0 +1,34 @@
+"""A live run's speed against the profile: each batch priced at its own request rate, as the
+simulator prices it, and the spread over the run's windows."""
+
+from __future__ import annotations
+
+import math
+
+from batchpilot.bench.run_speed import WINDOW_S, batch_rates, priced_seconds, speed_of
+from batchpilot.core.costmodel import CostModel
+from batchpilot.runtime.batch_log import LoggedBatch
+from batchpilot.sim.frontend import FrontEnd
+
+
+def test_a_batch_is_priced_at_the_rate_of_the_second_before_it() -> None:
+    sent = [0.1, 0.5, 0.9, 1.2, 5.0]
+    assert batch_rates([1.0, 1.3, 2.5, 5.0, 5.01], sent) == [3.0, 3.0, 0.0, 0.0, 1.0]
+    cm = CostModel(latency_coef=(0.01, 0.0, 0.0, 0.0))
+    fe = FrontEnd(loaded_alpha=1.0, loaded_rate_coef=0.1)
+    b = LoggedBatch(1.0, 0.02, 1, {"const": 1.0, "n": 1.0, "tokens": 8.0, "attn": 64.0})
+    # 0.01 s * (1 + 0.1 * rate): the bursty batch costs more than the lone one, as in the simulator
+    assert priced_seconds([b, b], cm, fe, [3.0, 0.0]) == [0.01 * 1.3, 0.01]
+    assert priced_seconds([b], cm, None, [3.0]) == [0.01]
+
+
+def test_a_drift_within_the_run_shows_as_the_spread_of_its_windows() -> None:
+    feats = {"const": 1.0}
+    fast = [LoggedBatch(t * 0.5, 0.01, 1, feats) for t in range(60)]  # 30 s at the profile's speed
+    slow = [LoggedBatch(30.0 + t * 0.5, 0.02, 1, feats) for t in range(60)]  # then 30 s twice as slow
+    rs = speed_of(fast + slow, [0.01] * 120)
+    assert math.isclose(rs.speed, 0.5) and rs.batches == 120
+    assert len(rs.windows) == int(60 / WINDOW_S)
+    assert math.isclose(min(rs.windows), 0.0, abs_tol=1e-12) and math.isclose(max(rs.windows), 1.0)
+    assert rs.spread == "+0.0% .. +100.0%"
+    assert math.isnan(speed_of([], []).speed)
