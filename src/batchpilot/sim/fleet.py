@@ -34,7 +34,7 @@ from .fleet_scaling import FleetScaling, Scaler
 from .frontend import FrontEnd
 from .replica import Replica
 from .router import Router, make_router
-from .target import DONE, PENDING, EncoderRecord, EncoderTarget, SimRun
+from .target import DONE, PENDING, EncoderRecord, EncoderTarget, SimRun, served_batch_terms
 from .traces import Workload
 
 
@@ -154,9 +154,7 @@ def simulate_fleet(
     for k in range(replicas):
         target = EncoderTarget(
             BatchScheduler(config, cost_model), workload, service_model, noise, seed + k, request_sla_s,
-            count_only, fe.batch_overhead_s if fe is not None else 0.0,
-            (fe.loaded_alpha, fe.loaded_rate_coef, fe.loaded_const_s) if fe is not None else (1.0, 0.0, 0.0),
-            fe.loaded_residuals if fe is not None else ())
+            count_only, **served_batch_terms(fe))
         reps.append(Replica(target, config.num_slots, serial, fe.serial_servers if fe is not None else 1))
     scaler = Scaler(autoscale, reps) if autoscale is not None else None
     fleet = FleetTarget(reps, make_router(router, seed), stop_after_misses, scaler)

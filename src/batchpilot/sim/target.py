@@ -17,6 +17,7 @@ import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -71,13 +72,16 @@ class EncoderTarget:
         batch_overhead_s: float = 0.0,
         loaded: tuple[float, float, float] = (1.0, 0.0, 0.0),
         loaded_residuals: tuple[float, ...] = (),
+        cold: Callable[[float], float] | None = None,
     ) -> None:
         """``batch_overhead_s``: seconds the live driver adds to every batch outside the model (thread
         hand-offs, the event loop; the profile's ``frontend.batch_overhead_s``). ``loaded``: (alpha,
         rate coefficient, const) of a batch's time under serving load, ``cost model * (alpha + coef *
         rate) + const`` with ``rate`` the arrivals of the last ``RATE_WINDOW_S`` per second (the
         profile's ``frontend.loaded_*``); ``loaded_residuals``: the served batches'
-        spread around it, drawn from for every batch (seeded) in place of the profile's residuals.
+        spread around it, drawn from for every batch (seeded) in place of the profile's residuals;
+        ``cold``: seconds a batch pays beyond that after the server sat idle for the given seconds (no
+        batch running; ``FrontEnd.cold_seconds``).
         ``stop_after_misses = (sla_s, max_misses, warmup_s)``: stop the run (``StopSimulation``) once more
         than ``max_misses`` measured requests finished later than ``sla_s`` or failed — the tuner's
         early exit when a probe's P99 is already lost for certain."""
@@ -97,6 +101,9 @@ class EncoderTarget:
         self._overhead = batch_overhead_s
         self._alpha, self._rate_coef, self._const = loaded
         self._recent: deque[float] = deque()  # arrivals in the last RATE_WINDOW_S (only with a rate coef)
+        self._cold = cold
+        self._running = 0  # batches started and not yet done
+        self._idle_since = -math.inf  # when the last batch ended with none left running
         self.num_misses = 0
 
     @property
@@ -129,6 +136,7 @@ class EncoderTarget:
             for r in batch.requests:
                 dispatch[r.id] = now
             jobs.append(Job(self._duration(batch, now), batch))
+            self._running += 1
         return jobs, out.wake_at
 
     def next_job_at(self, job: Job) -> float:
@@ -137,6 +145,9 @@ class EncoderTarget:
 
     def on_job_done(self, job: Job, now: float) -> None:
         batch: Batch = job.payload
+        self._running -= 1
+        if self._running == 0:
+            self._idle_since = now
         rec = self.record
         finish, status = rec.finish_s, rec.status
         for r in batch.requests:
@@ -164,6 +175,8 @@ class EncoderTarget:
                 recent.popleft()
             factor += self._rate_coef * len(recent) / RATE_WINDOW_S
         mean = factor * self.service_model.batch_latency(shape.n, shape.tokens, shape.attn) + self._const
+        if self._cold is not None:
+            mean += self._cold(now - self._idle_since if self._running == 0 else 0.0)
         if not self.noise or not self._residuals:
             return mean + self._overhead
         if not self._u:
@@ -185,6 +198,17 @@ class EncoderTarget:
         self.num_misses += k
         if self._stop is not None and self.num_misses > self._stop[1]:
             raise StopSimulation(f"{self.num_misses} requests missed the SLA")
+
+
+def served_batch_terms(frontend: FrontEnd | None) -> dict[str, Any]:
+    """``EncoderTarget``'s keyword arguments for what the profile's serving path says a served batch
+    costs beyond the cost model (none without a front end)."""
+    if frontend is None:
+        return {}
+    return {"batch_overhead_s": frontend.batch_overhead_s,
+            "loaded": (frontend.loaded_alpha, frontend.loaded_rate_coef, frontend.loaded_const_s),
+            "loaded_residuals": frontend.loaded_residuals,
+            "cold": frontend.cold_seconds if frontend.cold_idle_s else None}
 
 
 @dataclass
@@ -220,11 +244,7 @@ def simulate_encoder(
     config = config or SchedulerConfig()
     cost_model = cost_model or CostModel.default_cpu_minilm()
     target = EncoderTarget(BatchScheduler(config, cost_model), workload, service_model, noise, seed,
-                           request_sla_s, stop_after_misses,
-                           frontend.batch_overhead_s if frontend is not None else 0.0,
-                           (frontend.loaded_alpha, frontend.loaded_rate_coef, frontend.loaded_const_s)
-                           if frontend is not None else (1.0, 0.0, 0.0),
-                           frontend.loaded_residuals if frontend is not None else ())
+                           request_sla_s, stop_after_misses, **served_batch_terms(frontend))
     engine = Engine(target, config.num_slots, progress=progress)
     at_batcher = None
     if frontend is not None:
