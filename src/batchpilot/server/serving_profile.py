@@ -34,7 +34,7 @@ free 127.0.0.1 port, and measures three things the simulator's ``sim.frontend.Fr
    tokenizer thread shares the CPU with a running batch.
 5. **The cold start** (``models/cold.py``): a lone batch after idle gaps, the extra over a warm one.
 
-Bounded: a few seconds of requests, ~4 s of contention and ~13 s of cold-start timing for MiniLM on
+Bounded: a few seconds of requests, ~4 s of contention and ~15 s of cold-start timing for MiniLM on
 2 CPU cores; the server is shut down (drained, thread joined) before it returns. fastapi, uvicorn and
 httpx are imported here: the caller imports this module lazily.
 """
