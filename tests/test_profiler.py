@@ -116,12 +116,7 @@ def test_leave_one_out_is_exact_on_linear_data() -> None:
     assert abs(leave_one_out(pts)[0]) > 0.3
 
 
-def test_cli_writes_a_profile_the_server_can_load(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    from batchpilot.models import cold
-
-    monkeypatch.setattr(cold, "COLD_ROUNDS", 2)  # the cold-start probe, shortened
-    monkeypatch.setattr(cold, "COLD_GAPS_S", (0.0, 0.01, 0.1))
+def test_cli_writes_a_profile_the_server_can_load(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "profile.json"
     rc = cli.main(["profile", "-o", str(out), "--device", "cpu", "--batch-sizes", "1", "2", "--lengths", "8",
                    "16", "24", "--repeats", "1", "--holdout", "2", "--serving-requests", "3",
@@ -132,10 +127,8 @@ def test_cli_writes_a_profile_the_server_can_load(tmp_path: Path, capsys: pytest
     assert len(doc["points"]) == 6 and len(doc["holdout"]) == 2
     frontend = FrontEnd.from_profile(out)  # the serving path, measured on the real app in-process
     assert frontend is not None and frontend.serial_busy_factor >= 1.0
-    scalars = {k: v for k, v in frontend.to_dict().items() if not isinstance(v, list)}
-    assert all(math.isfinite(v) and v >= 0 for v in scalars.values())
+    assert all(math.isfinite(v) and v >= 0 for k, v in frontend.to_dict().items() if k != "loaded_residuals")
     assert all(r > -1 for r in frontend.loaded_residuals)
-    assert frontend.cold_idle_s == (0.0, 0.01, 0.1) and min(frontend.cold_extra_s) >= 0.0
     assert doc["serving_path"]["requests"] == 2 * 3 and doc["serving_path"]["padding"] == "dynamic"
     prepare = doc["cost_model"]["meta"]["prepare_s"]  # the median collation time of the grid's batches
     assert prepare == pytest.approx(statistics.median(p["prepare_s"] for p in doc["points"]))

@@ -35,11 +35,12 @@ def test_a_drift_within_the_run_shows_as_the_spread_of_its_windows() -> None:
 
 
 def test_by_idle_splits_the_speed_by_the_idle_time_before_each_batch() -> None:
-    from batchpilot.bench.run_speed import by_idle
+    from batchpilot.bench.run_speed import by_idle, idle_before
 
     feats = {"const": 1.0}
     behind = [LoggedBatch(k * 0.01, 0.01, 1, feats) for k in range(10)]  # back to back, at the price
     apart = [LoggedBatch(1.0 + k * 1.0, 0.015, 1, feats) for k in range(5)]  # after ~1 s idle, 50% over
+    assert idle_before(behind[:2] + apart[:1]) == [math.inf, 0.0, 0.98]
     bins = {label: (n, r) for label, n, r in by_idle(behind + apart, [0.01] * 15)}
     assert bins["0-2 ms"][0] == 9 and math.isclose(bins["0-2 ms"][1], 0.0, abs_tol=1e-9)
     assert bins[">= 300 ms"][0] == 5 + 1 and bins[">= 300 ms"][1] > 0.35  # the first batch counts as idle

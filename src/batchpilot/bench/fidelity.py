@@ -215,10 +215,13 @@ def main(args: argparse.Namespace) -> int:
                                      "measured": live.summary.to_dict(), "server": live.server, "repeats": []}
             for j in range(2, args.live_repeats + 1):
                 wait_idle(url, 10.0)
+                offset = batch_log.stat().st_size if batch_log.exists() else 0
                 again = measure(url, scaled, texts, args.sla, 0, not args.no_progress,
                                 f"{load:.0%} live #{j}")
-                repeats += repeat_rows(load, live, again)
-                point["repeats"].append({"measured": again.summary.to_dict(), "server": again.server})
+                rs_again = run_speed(batch_log, offset, cost_model, frontend, again.sent_monotonic())
+                repeats += repeat_rows(load, live, again, (rs.speed, rs_again.speed))
+                point["repeats"].append({"measured": again.summary.to_dict(), "server": again.server,
+                                         "run_speed": rs_again.to_dict()})
             result["points"].append(point)
             write_csv(live.records, out / f"records-{int(load * 100)}.csv")
             runs.append(RunData(f"live {load:.0%}", live.records, live.summary, live.metrics,

@@ -68,12 +68,16 @@ def measured_metrics(live: Measurement) -> list[float]:
 REPEAT_HEAD = ["load", "metric", "live", "live again", "difference"]
 
 
-def repeat_rows(load: float, first: Measurement, again: Measurement) -> list[list[Any]]:
+def repeat_rows(load: float, first: Measurement, again: Measurement,
+                speeds: tuple[float, float] = (math.nan, math.nan)) -> list[list[Any]]:
     """The same rows replayed twice on the same server: how far the live run agrees with itself, the
-    floor under any prediction's error on this machine (``bench fidelity --live-repeats``)."""
+    floor under any prediction's error on this machine (``bench fidelity --live-repeats``), and each
+    run's speed against the profile (``speeds``)."""
     rows: list[list[Any]] = []
     names = ("P50 ms", "P99 ms", "throughput req/s", "rejected", "mean batch size")
     for name, a, b in zip(names, measured_metrics(first), measured_metrics(again), strict=True):
         diff = f"{b - a:+.0f}" if name == "rejected" else f"{_err(b, a):+.1%}"
         rows.append([f"{load:.0%}", name, f"{a:.2f}", f"{b:.2f}", diff])
+    a, b = speeds
+    rows.append([f"{load:.0%}", "speed vs profile", f"{a:+.1%}", f"{b:+.1%}", f"{(b - a) * 100:+.1f} pts"])
     return rows

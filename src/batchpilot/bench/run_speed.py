@@ -3,8 +3,7 @@
 The server's batch log (``serve --batch-log``) holds every batch's slot seconds and features. The
 profile prices each of them as the simulator does: ``FrontEnd.batch_seconds`` of the cost model's
 prediction at the request rate of the ``RATE_WINDOW_S`` before the batch started, counted from the
-load generator's send times (the same monotonic clock as the log), and after the time the server sat
-idle before it (the cold start). ``RunSpeed`` is the ratio of the
+load generator's send times (the same monotonic clock as the log). ``RunSpeed`` is the ratio of the
 totals, minus 1 (+5%: the batches took 5% longer than the profile says), and the same ratio over
 ``WINDOW_S`` windows of the run, so a drift within the run shows as a spread between its windows.
 
@@ -22,7 +21,7 @@ from pathlib import Path
 
 from ..core.costmodel import CostModel
 from ..runtime.batch_log import LoggedBatch, read_batches
-from ..sim.frontend import RATE_WINDOW_S, FrontEnd, idle_before
+from ..sim.frontend import RATE_WINDOW_S, FrontEnd
 
 WINDOW_S = 15.0
 MIN_WINDOW_BATCHES = 10  # a window with fewer batches is left out of the spread
@@ -35,7 +34,6 @@ class RunSpeed:
     batches: int
     windows: tuple[float, ...] = field(default=())  # the same ratio - 1 per WINDOW_S window, in order
     by_idle: tuple[tuple[str, int, float], ...] = ()  # (idle bin, batches, ratio - 1) per IDLE_BINS_S bin
-    by_idle_warm: tuple[tuple[str, int, float], ...] = ()  # the same, priced without the cold start
 
     @property
     def spread(self) -> str:
@@ -46,8 +44,7 @@ class RunSpeed:
 
     def to_dict(self) -> dict[str, object]:
         return {"speed_vs_profile": self.speed, "batches": self.batches, "window_s": WINDOW_S,
-                "windows": list(self.windows), "by_idle": [list(b) for b in self.by_idle],
-                "by_idle_priced_warm": [list(b) for b in self.by_idle_warm]}
+                "windows": list(self.windows), "by_idle": [list(b) for b in self.by_idle]}
 
 
 def batch_rates(starts: Sequence[float], sent: Sequence[float]) -> list[float]:
@@ -59,14 +56,10 @@ def batch_rates(starts: Sequence[float], sent: Sequence[float]) -> list[float]:
 
 def priced_seconds(batches: Sequence[LoggedBatch], cost_model: CostModel, frontend: FrontEnd | None,
                    rates: Sequence[float]) -> list[float]:
-    """What the profile says each batch takes: with ``frontend``, under serving load at its rate and
-    after the idle time before it (``idle_before``), as the simulator prices it; else the bare cost
-    model."""
-    if frontend is None:
-        return [cost_model.latency(b.features) for b in batches]
-    idle = idle_before([b.start for b in batches], [b.slot_s for b in batches])
-    return [frontend.batch_seconds(cost_model.latency(b.features), r, i)
-            for b, r, i in zip(batches, rates, idle, strict=True)]
+    """What the profile says each batch takes: under serving load at its rate with ``frontend``, else
+    the bare cost model."""
+    return [frontend.batch_seconds(cost_model.latency(b.features), r) if frontend is not None
+            else cost_model.latency(b.features) for b, r in zip(batches, rates, strict=True)]
 
 
 def speed_of(batches: Sequence[LoggedBatch], priced: Sequence[float]) -> RunSpeed:
@@ -85,10 +78,21 @@ def speed_of(batches: Sequence[LoggedBatch], priced: Sequence[float]) -> RunSpee
     return RunSpeed(took / want - 1.0, len(batches), windows)
 
 
+def idle_before(batches: Sequence[LoggedBatch]) -> list[float]:
+    """Per batch, in start order, how long the server sat with no batch running before it started
+    (the first batch's is infinite)."""
+    out, busy_until = [], -math.inf
+    for b in batches:
+        out.append(max(b.start - busy_until, 0.0))
+        busy_until = max(busy_until, b.start + b.slot_s)
+    return out
+
+
 def by_idle(batches: Sequence[LoggedBatch], priced: Sequence[float]) -> tuple[tuple[str, int, float], ...]:
-    """The ratio of the totals - 1 per ``IDLE_BINS_S`` bin of the idle time before the batch: flat
-    when the profile prices the cold start right."""
-    idle = idle_before([b.start for b in batches], [b.slot_s for b in batches])
+    """The ratio of the totals - 1 per ``IDLE_BINS_S`` bin of the idle time before the batch: a batch
+    after an idle server may run slower than one right behind another (caches gone cold), which the
+    profile does not price."""
+    idle = idle_before(batches)
     out = []
     for lo, hi in zip(IDLE_BINS_S, IDLE_BINS_S[1:], strict=False):
         cell = [(b.slot_s, p) for b, p, i in zip(batches, priced, idle, strict=True)
@@ -103,14 +107,10 @@ def by_idle(batches: Sequence[LoggedBatch], priced: Sequence[float]) -> tuple[tu
 def run_speed(batch_log: Path, offset: int, cost_model: CostModel, frontend: FrontEnd | None,
               sent_s: Sequence[float]) -> RunSpeed:
     """The batches logged from byte ``offset`` on against the profile, each at the rate of the
-    ``sent_s`` (the run's send times, warm-up included) before it; by idle time before the batch too,
-    priced with and without the cold start."""
+    ``sent_s`` (the run's send times, warm-up included) before it; by idle time before the batch too."""
     if not batch_log.exists():
         return RunSpeed(math.nan, 0)
     batches, _ = read_batches(batch_log, offset)
     rates = batch_rates([b.start for b in batches], sent_s) if frontend is not None else [0.0] * len(batches)
     priced = priced_seconds(batches, cost_model, frontend, rates)
-    warm = priced if frontend is None else priced_seconds(
-        batches, cost_model, dataclasses.replace(frontend, cold_idle_s=(), cold_extra_s=()), rates)
-    return dataclasses.replace(speed_of(batches, priced), by_idle=by_idle(batches, priced),
-                               by_idle_warm=by_idle(batches, warm))
+    return dataclasses.replace(speed_of(batches, priced), by_idle=by_idle(batches, priced))

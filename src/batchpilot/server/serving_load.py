@@ -18,14 +18,14 @@ import dataclasses
 import math
 import random
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from ..bench.loadgen import LoadGenConfig, PlannedRequest
 from ..core.costmodel import BatchShape, CostModel, nonneg_lstsq
-from ..sim.frontend import RATE_WINDOW_S, idle_before
+from ..sim.frontend import RATE_WINDOW_S
 
 LOADED_REQUESTS = 240  # ~10-20 s of traffic for MiniLM on one CPU core
 LOADED_SHARES = (0.3, 0.75)  # of one slot's one-at-a-time rate: two loads, to see how the rate slows a batch
@@ -78,42 +78,33 @@ def alternating_arrivals(n: int, mean_gaps_s: tuple[float, float], rng: random.R
     return out
 
 
-def fit_loaded(batches: list[Loaded], cost_model: CostModel, competing_cpu_s: float = 0.0,
-               cold: Callable[[float], float] | None = None
-               ) -> tuple[tuple[float, float, float], dict[str, Any]]:
-    """``slot_s ~ predicted * alpha * (1 + competing_cpu_s * rate) + cold(idle)`` over the loaded
-    batches, ``rate`` = requests that arrived in the ``RATE_WINDOW_S`` before the batch started, per
-    second, ``idle`` the time since the batch before it ended (``FrontEnd.cold_seconds``, known from
-    the profile's cold-start probe); ``alpha`` is the ratio of the totals with the cold extra taken
-    out. Returns ``(alpha, alpha * competing_cpu_s, 0)`` (``FrontEnd``'s loaded line) and what was
-    measured."""
+def fit_loaded(batches: list[Loaded], cost_model: CostModel,
+                competing_cpu_s: float = 0.0) -> tuple[tuple[float, float, float], dict[str, Any]]:
+    """``slot_s ~ predicted * alpha * (1 + competing_cpu_s * rate)`` over the loaded batches, ``rate`` =
+    requests that arrived in the ``RATE_WINDOW_S`` before the batch started, per second; ``alpha`` is
+    the ratio of the totals. Returns ``(alpha, alpha * competing_cpu_s, 0)`` (``FrontEnd``'s loaded
+    line) and what was measured."""
     if len(batches) < 10:
         return (1.0, 0.0, 0.0), {"batches": len(batches), "note": "too few batches: not measured"}
-    batches = sorted(batches, key=lambda b: b.start)
     arrivals = np.sort(np.array([a for b in batches for a in b.arrivals]))
     starts = np.array([b.start for b in batches])
     rate = (np.searchsorted(arrivals, starts) - np.searchsorted(arrivals, starts - RATE_WINDOW_S)) \
         / RATE_WINDOW_S
     pred = np.array([cost_model.latency(b.features) for b in batches])
     took = np.array([b.slot_s for b in batches])
-    extra = np.zeros(len(batches))
-    if cold is not None:
-        extra = np.array([cold(i) for i in idle_before(starts.tolist(), took.tolist())])
     base = pred * (1.0 + competing_cpu_s * rate)
-    alpha = float((took - extra).sum() / base.sum()) if base.sum() > 0 else 1.0
-    alpha = max(alpha, 1e-3)
+    alpha = float(took.sum() / base.sum()) if base.sum() > 0 else 1.0
     # for comparison only: the slope a least-squares fit of ``predicted * (a + b * rate)`` would give
     w = 1.0 / np.maximum(took, 1e-6)
     a, b = nonneg_lstsq(np.column_stack([pred, pred * rate]) * w[:, None], took * w)
     fitted_s = float(b / a) if a > 0 else math.nan
-    line = alpha * base + extra
+    line = alpha * base
     residuals = took / line - 1.0
     return (alpha, alpha * competing_cpu_s, 0.0), {
         "batches": len(batches),
         "mean_batch_size": float(np.mean([b.features.get("n", 1.0) for b in batches])),
         "rate_min": float(rate.min()), "rate_max": float(rate.max()), "rate_mean": float(rate.mean()),
         "slot_over_predicted": float(took.sum() / pred.sum()), "alpha": alpha,
-        "cold_s": float(extra.sum()), "slot_s": float(took.sum()),
         "competing_cpu_s": competing_cpu_s, "rate_coef": alpha * competing_cpu_s, "const_s": 0.0,
         "least_squares_s_per_request": fitted_s,
         "residuals": sorted(float(r) for r in residuals), "residual_std": float(residuals.std())}

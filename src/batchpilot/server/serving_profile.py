@@ -25,18 +25,18 @@ free 127.0.0.1 port, and measures three things the simulator's ``sim.frontend.Fr
    segments alternating between two rates. The CPU each request costs outside the model thread is
    accounted (``competing_cpu_s``: this process's threads from ``/proc`` less the model's, plus the
    load generator when it shares the cores), not fitted: a least-squares slope over the same
-   batches is unstable (reported beside it; docs/profiler.md). Under load a batch takes ``predicted *
-   loaded_alpha * (1 + competing_cpu_s * rate)`` plus its cold start (item 5), ``loaded_alpha`` from
-   the totals, ``loaded_residuals`` the spread. This traffic is the profile's own, made before any run.
+   batches is unstable (reported beside it; docs/profiler.md). A batch's time under load is ``predicted *
+   loaded_alpha * (1 + competing_cpu_s * rate)``, ``loaded_alpha`` the batches' total slot time over
+   that line's, and ``loaded_residuals`` their spread around it. This traffic is the profile's own,
+   made before any run it predicts.
 4. **Tokenizer/model contention.** ``executor.tokenize`` of a fixed list of texts is timed with the
    model idle and while another thread runs model batches back to back (``prepare + run``, as the
    profiler makes them); the ratio of the medians (>= 1) is ``serial_busy_factor``: under load the
    tokenizer thread shares the CPU with a running batch.
-5. **The cold start** (``models/cold.py``): a lone batch after idle gaps, the extra over a warm one.
 
-Bounded: a few seconds of requests, ~4 s of contention and ~15 s of cold-start timing for MiniLM on
-2 CPU cores; the server is shut down (drained, thread joined) before it returns. fastapi, uvicorn and
-httpx are imported here: the caller imports this module lazily.
+Bounded: a few seconds of requests plus ~4 s of contention timing for MiniLM on 2 CPU cores; the
+server is shut down (drained, thread joined) before it returns. fastapi, uvicorn and httpx are
+imported here: the caller imports this module lazily.
 """
 
 from __future__ import annotations
@@ -58,7 +58,6 @@ import uvicorn
 from ..bench.loadgen import LoadGenConfig, PlannedRequest, one_by_one_async
 from ..core.config import Padding, PolicyConfig, SchedulerConfig
 from ..core.costmodel import CostModel
-from ..models.cold import measure_cold_on
 from ..sim.frontend import FrontEnd
 from .app import create_app
 from .config import ServerConfig
@@ -135,15 +134,12 @@ def measure_serving_path(executor: Any, cost_model: CostModel, *, requests: int 
     idle, busy = _contention(executor, texts, lengths, padding)
     idle_s, busy_s = statistics.median(idle), statistics.median(busy)
     factor = max(busy_s / idle_s, 1.0) if idle_s > 0 else 1.0
-    cold_idle, cold_extra, cold_details = measure_cold_on(executor, texts, lengths, padding)
-    curve = FrontEnd(cold_idle_s=cold_idle, cold_extra_s=cold_extra)
-    (alpha, rate_coef, const), load_details = fit_loaded(batches, cost_model, competing_s, curve.cold_seconds)
+    (alpha, rate_coef, const), load_details = fit_loaded(batches, cost_model, competing_s)
     load_details["cpu"] = cpu_details
     frontend = dataclasses.replace(fitted, batch_overhead_s=overhead_s, serial_busy_factor=factor,
                                    serial_servers=tokenizer_workers(ServerConfig()),
                                    loaded_alpha=alpha, loaded_rate_coef=rate_coef, loaded_const_s=const,
-                                   loaded_residuals=tuple(load_details.pop("residuals", ())),
-                                   cold_idle_s=cold_idle, cold_extra_s=cold_extra)
+                                   loaded_residuals=tuple(load_details.pop("residuals", ())))
     details = {
         "requests": len(measured), "ok": len(ok), "warmup_requests": len(warm), "lengths": len(wanted),
         "min_tokens": min(lengths), "max_tokens": max(lengths), "rounds": rounds, "padding": padding,
@@ -155,7 +151,6 @@ def measure_serving_path(executor: Any, cost_model: CostModel, *, requests: int 
         "tokenize_texts": len(texts), "tokenize_idle_s": idle_s,
         "tokenize_busy_s": busy_s, "tokenize_idle_samples": len(idle),
         "tokenize_busy_samples": len(busy), "fit": fitted.to_dict(), "loaded": load_details,
-        "cold": cold_details,
         "wall_s": round(time.perf_counter() - t_start, 2),
     }
     return frontend, details
@@ -296,4 +291,5 @@ def _time_calls(call: Callable[[], Any], seconds: float, min_calls: int = 5,
 
 
 def _median(x: np.ndarray) -> float:
-    return float(np.median(x[np.isfinite(x)])) if np.isfinite(x).any() else float("nan")
+    finite = x[np.isfinite(x)]
+    return float(np.median(finite)) if finite.size else float("nan")

@@ -32,10 +32,6 @@ The fields:
 * ``loaded_residuals``: the spread of those batches around that line (``slot / line - 1``, sorted): the
   simulator draws every batch's time from it (seeded), so the queueing it predicts sees the service-time
   variance the served model really has, not the profiler loop's.
-* ``cold_idle_s``, ``cold_extra_s``: the cold-start curve (``models/cold.py``): a batch whose slot sat
-  idle ``cold_idle_s[i]`` seconds takes ``cold_extra_s[i]`` seconds more than one right after another
-  (interpolated between the points, the last one beyond them); the grid's cost model is the warm price.
-  The loaded line above is fitted with this extra taken out, and ``batch_seconds`` adds it back.
 * ``serial_busy_factor``: how much slower the tokenizer is while the model runs a batch (both share
   the CPU) than on an idle machine, >= 1; under load the model is nearly always busy, so the serial
   stage's service time is scaled by it.
@@ -49,11 +45,9 @@ driver fields at their defaults).
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import json
 import math
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -61,7 +55,6 @@ from typing import Any
 import numpy as np
 
 RATE_WINDOW_S = 1.0  # a batch's request rate: arrivals in this window before it started
-_TUPLES = ("loaded_residuals", "cold_idle_s", "cold_extra_s")
 
 
 def check_finite_nonneg(what: str, values: dict[str, float]) -> None:
@@ -84,18 +77,12 @@ class FrontEnd:
     loaded_const_s: float = 0.0
     loaded_residuals: tuple[float, ...] = ()
     serial_servers: int = 1
-    cold_idle_s: tuple[float, ...] = ()
-    cold_extra_s: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "loaded_residuals", tuple(sorted(float(r) for r in self.loaded_residuals)))
         if any(not math.isfinite(r) or r <= -1.0 for r in self.loaded_residuals):
             raise ValueError("frontend.loaded_residuals must be finite relative errors > -1")
-        check_finite_nonneg("frontend", {k: v for k, v in asdict(self).items() if k not in _TUPLES})
-        idle, extra = self.cold_idle_s, self.cold_extra_s
-        check_finite_nonneg("frontend.cold", {f"point {i}": v for i, v in enumerate(idle + extra)})
-        if len(idle) != len(extra) or any(b <= a for a, b in zip(idle, idle[1:], strict=False)):
-            raise ValueError("frontend.cold_idle_s must be increasing, one cold_extra_s per point")
+        check_finite_nonneg("frontend", {k: v for k, v in asdict(self).items() if k != "loaded_residuals"})
         if int(self.serial_servers) != self.serial_servers or self.serial_servers < 1:
             raise ValueError(f"frontend.serial_servers = {self.serial_servers!r}; must be an integer >= 1")
         if self.serial_busy_factor < 1.0:
@@ -123,24 +110,10 @@ class FrontEnd:
             heapq.heapreplace(frees, out[i])
         return out
 
-    def batch_seconds(self, predicted_s: float, rate: float = 0.0, idle_s: float = 0.0) -> float:
-        """A batch's slot time under serving load, from the cost model's prediction for it, the
-        request rate (per second, over the ``RATE_WINDOW_S`` before it starts) and how long its slot
-        sat idle before it (``cold_seconds``)."""
-        return (predicted_s * (self.loaded_alpha + self.loaded_rate_coef * rate) + self.loaded_const_s
-                + self.cold_seconds(idle_s))
-
-    def cold_seconds(self, idle_s: float) -> float:
-        """What a batch pays beyond the warm price after its slot sat idle ``idle_s`` seconds: the
-        cold-start curve interpolated (0 without one)."""
-        idle, extra = self.cold_idle_s, self.cold_extra_s
-        if not idle or idle_s <= idle[0]:
-            return extra[0] if idle else 0.0
-        i = bisect.bisect_left(idle, idle_s)
-        if i >= len(idle):
-            return extra[-1]
-        w = (idle_s - idle[i - 1]) / (idle[i] - idle[i - 1])
-        return extra[i - 1] + w * (extra[i] - extra[i - 1])
+    def batch_seconds(self, predicted_s: float, rate: float = 0.0) -> float:
+        """A batch's slot time under serving load, from the cost model's prediction for it and the
+        request rate (per second, over the ``RATE_WINDOW_S`` before it starts)."""
+        return predicted_s * (self.loaded_alpha + self.loaded_rate_coef * rate) + self.loaded_const_s
 
     def delay(self, tokens: np.ndarray) -> np.ndarray:
         return self.delay_const_s + self.delay_per_token_s * np.asarray(tokens, dtype=float)
@@ -169,14 +142,13 @@ class FrontEnd:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        for k in _TUPLES:
-            d[k] = list(getattr(self, k))
+        d["loaded_residuals"] = list(self.loaded_residuals)
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> FrontEnd:
         """The inverse of ``to_dict``; fields it lacks keep their defaults."""
-        conv: dict[str, Any] = {**{k: (lambda v: tuple(float(x) for x in v)) for k in _TUPLES},
+        conv: dict[str, Any] = {"loaded_residuals": lambda v: tuple(float(x) for x in v),
                                 "serial_servers": int}
         return cls(**{k: conv.get(k, float)(v) for k, v in d.items()})
 
@@ -187,16 +159,6 @@ class FrontEnd:
         doc = json.loads(Path(path).read_text())
         entry = doc.get("frontend") if isinstance(doc, dict) else None
         return None if entry is None else cls.from_dict(entry)
-
-
-def idle_before(starts: Sequence[float], slot_s: Sequence[float]) -> list[float]:
-    """Per batch, in start order, how long the server sat with no batch running before it started
-    (what ``FrontEnd.cold_seconds`` prices; the first batch's is infinite)."""
-    out, busy_until = [], -math.inf
-    for start, took in zip(starts, slot_s, strict=True):
-        out.append(max(start - busy_until, 0.0))
-        busy_until = max(busy_until, start + took)
-    return out
 
 
 def fit_line(x: np.ndarray, y: np.ndarray, trim: bool = True) -> tuple[float, float]:

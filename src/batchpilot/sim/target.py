@@ -72,16 +72,13 @@ class EncoderTarget:
         batch_overhead_s: float = 0.0,
         loaded: tuple[float, float, float] = (1.0, 0.0, 0.0),
         loaded_residuals: tuple[float, ...] = (),
-        cold: Callable[[float], float] | None = None,
     ) -> None:
         """``batch_overhead_s``: seconds the live driver adds to every batch outside the model (thread
         hand-offs, the event loop; the profile's ``frontend.batch_overhead_s``). ``loaded``: (alpha,
         rate coefficient, const) of a batch's time under serving load, ``cost model * (alpha + coef *
         rate) + const`` with ``rate`` the arrivals of the last ``RATE_WINDOW_S`` per second (the
         profile's ``frontend.loaded_*``); ``loaded_residuals``: the served batches'
-        spread around it, drawn from for every batch (seeded) in place of the profile's residuals;
-        ``cold``: seconds a batch pays beyond that after the server sat idle for the given seconds (no
-        batch running; ``FrontEnd.cold_seconds``).
+        spread around it, drawn from for every batch (seeded) in place of the profile's residuals.
         ``stop_after_misses = (sla_s, max_misses, warmup_s)``: stop the run (``StopSimulation``) once more
         than ``max_misses`` measured requests finished later than ``sla_s`` or failed — the tuner's
         early exit when a probe's P99 is already lost for certain."""
@@ -101,9 +98,6 @@ class EncoderTarget:
         self._overhead = batch_overhead_s
         self._alpha, self._rate_coef, self._const = loaded
         self._recent: deque[float] = deque()  # arrivals in the last RATE_WINDOW_S (only with a rate coef)
-        self._cold = cold
-        self._running = 0  # batches started and not yet done
-        self._idle_since = -math.inf  # when the last batch ended with none left running
         self.num_misses = 0
 
     @property
@@ -136,7 +130,6 @@ class EncoderTarget:
             for r in batch.requests:
                 dispatch[r.id] = now
             jobs.append(Job(self._duration(batch, now), batch))
-            self._running += 1
         return jobs, out.wake_at
 
     def next_job_at(self, job: Job) -> float:
@@ -145,9 +138,6 @@ class EncoderTarget:
 
     def on_job_done(self, job: Job, now: float) -> None:
         batch: Batch = job.payload
-        self._running -= 1
-        if self._running == 0:
-            self._idle_since = now
         rec = self.record
         finish, status = rec.finish_s, rec.status
         for r in batch.requests:
@@ -175,8 +165,6 @@ class EncoderTarget:
                 recent.popleft()
             factor += self._rate_coef * len(recent) / RATE_WINDOW_S
         mean = factor * self.service_model.batch_latency(shape.n, shape.tokens, shape.attn) + self._const
-        if self._cold is not None:
-            mean += self._cold(now - self._idle_since if self._running == 0 else 0.0)
         if not self.noise or not self._residuals:
             return mean + self._overhead
         if not self._u:
@@ -207,8 +195,7 @@ def served_batch_terms(frontend: FrontEnd | None) -> dict[str, Any]:
         return {}
     return {"batch_overhead_s": frontend.batch_overhead_s,
             "loaded": (frontend.loaded_alpha, frontend.loaded_rate_coef, frontend.loaded_const_s),
-            "loaded_residuals": frontend.loaded_residuals,
-            "cold": frontend.cold_seconds if frontend.cold_idle_s else None}
+            "loaded_residuals": frontend.loaded_residuals}
 
 
 @dataclass
