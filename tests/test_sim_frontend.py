@@ -186,3 +186,8 @@ def test_several_tokenizer_servers_may_hand_rows_to_the_batcher_out_of_order() -
                            CostModel(latency_coef=(0.01, 0.0, 0.0, 0.0)), frontend=fe)
     assert list(run.record.status) == [DONE, DONE]
     assert run.record.dispatch_s[1] < run.record.dispatch_s[0]  # the batcher saw the short one first
+
+
+def test_a_frontend_with_unknown_fields_is_refused_with_what_to_do() -> None:
+    with pytest.raises(ValueError, match="unknown fields cold_s.*run `batchpilot profile` again"):
+        FrontEnd.from_dict({"loaded_alpha": 1.2, "cold_s": 0.001})

@@ -48,7 +48,7 @@ from __future__ import annotations
 import heapq
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +150,10 @@ class FrontEnd:
         """The inverse of ``to_dict``; fields it lacks keep their defaults."""
         conv: dict[str, Any] = {"loaded_residuals": lambda v: tuple(float(x) for x in v),
                                 "serial_servers": int}
+        unknown = sorted(set(d) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"the profile's frontend has unknown fields {', '.join(unknown)}: it was "
+                             "written by another batchpilot version; run `batchpilot profile` again")
         return cls(**{k: conv.get(k, float)(v) for k, v in d.items()})
 
     @classmethod
