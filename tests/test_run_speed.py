@@ -44,3 +44,14 @@ def test_by_idle_splits_the_speed_by_the_idle_time_before_each_batch() -> None:
     bins = {label: (n, r) for label, n, r in by_idle(behind + apart, [0.01] * 15)}
     assert bins["0-2 ms"][0] == 9 and math.isclose(bins["0-2 ms"][1], 0.0, abs_tol=1e-9)
     assert bins[">= 300 ms"][0] == 5 + 1 and bins[">= 300 ms"][1] > 0.35  # the first batch counts as idle
+
+
+def test_by_size_splits_the_speed_by_the_requests_in_each_batch() -> None:
+    from batchpilot.bench.run_speed import by_size
+
+    feats = {"const": 1.0}
+    batches = [LoggedBatch(k, 0.01, 1, feats) for k in range(4)] + [LoggedBatch(10 + k, 0.03, 12, feats)
+                                                                    for k in range(2)]
+    bins = {label: (n, r) for label, n, r in by_size(batches, [0.01] * 4 + [0.02] * 2)}
+    assert set(bins) == {"1", "9+"} and bins["1"] == (4, 0.0)
+    assert bins["9+"][0] == 2 and math.isclose(bins["9+"][1], 0.5)  # the big batches ran 50% over

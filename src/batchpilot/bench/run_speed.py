@@ -26,6 +26,7 @@ from ..sim.frontend import RATE_WINDOW_S, FrontEnd
 WINDOW_S = 15.0
 MIN_WINDOW_BATCHES = 10  # a window with fewer batches is left out of the spread
 IDLE_BINS_S = (0.0, 0.002, 0.01, 0.03, 0.1, 0.3, math.inf)  # idle before a batch, for ``by_idle``
+SIZE_BINS = ((1, 1), (2, 2), (3, 4), (5, 8), (9, 10**9))  # requests in a batch, for ``by_size``
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class RunSpeed:
     batches: int
     windows: tuple[float, ...] = field(default=())  # the same ratio - 1 per WINDOW_S window, in order
     by_idle: tuple[tuple[str, int, float], ...] = ()  # (idle bin, batches, ratio - 1) per IDLE_BINS_S bin
+    by_size: tuple[tuple[str, int, float], ...] = ()  # (size bin, batches, ratio - 1) per SIZE_BINS bin
 
     @property
     def spread(self) -> str:
@@ -44,7 +46,8 @@ class RunSpeed:
 
     def to_dict(self) -> dict[str, object]:
         return {"speed_vs_profile": self.speed, "batches": self.batches, "window_s": WINDOW_S,
-                "windows": list(self.windows), "by_idle": [list(b) for b in self.by_idle]}
+                "windows": list(self.windows), "by_idle": [list(b) for b in self.by_idle],
+                "by_size": [list(b) for b in self.by_size]}
 
 
 def batch_rates(starts: Sequence[float], sent: Sequence[float]) -> list[float]:
@@ -104,13 +107,28 @@ def by_idle(batches: Sequence[LoggedBatch], priced: Sequence[float]) -> tuple[tu
     return tuple(out)
 
 
+def by_size(batches: Sequence[LoggedBatch], priced: Sequence[float]) -> tuple[tuple[str, int, float], ...]:
+    """The ratio of the totals - 1 per ``SIZE_BINS`` bin of requests in the batch: flat when the cost
+    model prices a live batch of many inputs as well as a lone one."""
+    out = []
+    for lo, hi in SIZE_BINS:
+        cell = [(b.slot_s, p) for b, p in zip(batches, priced, strict=True) if lo <= b.n <= hi]
+        want = sum(p for _, p in cell)
+        if cell and want > 0:
+            label = str(lo) if lo == hi else (f"{lo}+" if hi >= 10**9 else f"{lo}-{hi}")
+            out.append((label, len(cell), sum(t for t, _ in cell) / want - 1.0))
+    return tuple(out)
+
+
 def run_speed(batch_log: Path, offset: int, cost_model: CostModel, frontend: FrontEnd | None,
               sent_s: Sequence[float]) -> RunSpeed:
     """The batches logged from byte ``offset`` on against the profile, each at the rate of the
-    ``sent_s`` (the run's send times, warm-up included) before it; by idle time before the batch too."""
+    ``sent_s`` (the run's send times, warm-up included) before it; by idle time before the batch and
+    by batch size too."""
     if not batch_log.exists():
         return RunSpeed(math.nan, 0)
     batches, _ = read_batches(batch_log, offset)
     rates = batch_rates([b.start for b in batches], sent_s) if frontend is not None else [0.0] * len(batches)
     priced = priced_seconds(batches, cost_model, frontend, rates)
-    return dataclasses.replace(speed_of(batches, priced), by_idle=by_idle(batches, priced))
+    return dataclasses.replace(speed_of(batches, priced), by_idle=by_idle(batches, priced),
+                               by_size=by_size(batches, priced))
