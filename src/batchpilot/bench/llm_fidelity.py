@@ -80,26 +80,19 @@ def engine_config_and_profile(out: Path, spec: Any, profile: str | None, cpus: s
             frontend = LLMFrontEnd.from_profile(profile)
         else:
             from ..models.llm.profile import profile_llm_steps
-            from ..server.llm_serving_profile import measure_llm_serving_path
+            from ..models.llm.profile_cli import serving_path
 
             print("profiling LLM steps (models.llm.profile.profile_llm_steps) ...", flush=True)
             cost_model = profile_llm_steps(engine.runner)
-            engine.start()
-            try:
-                frontend, details = measure_llm_serving_path(engine, cost_model)
-            finally:
-                engine.shutdown()
-            path = out / "llm_profile.json"
-            path.write_text(json.dumps({"cost_model": cost_model.to_dict(), "frontend": frontend.to_dict(),
-                                        "serving_path": details}, indent=2))
             coef = ", ".join(f"{n}={c:.3g}" for n, c in zip(cost_model.feature_names, cost_model.latency_coef,
                                                              strict=True))
-            fe = frontend
-            print(f"step model: {coef}; serving path: first token {fe.first_token_delay_s * 1e3:.2f} ms "
-                  f"after the engine's ({details['first_token']['ok']} lone streams); under load a step "
-                  f"takes {fe.step_alpha:.3f} x the step model + {fe.step_const_s * 1e3:.2f} ms + "
-                  f"{fe.step_per_seq_s * 1e3:.3f} ms per sequence ({details['loaded'].get('steps', 0)} "
-                  f"steps) -> {path}", flush=True)
+            print(f"step model: {coef}", flush=True)
+            entry, details = serving_path(engine, cost_model)
+            frontend = LLMFrontEnd.from_dict(entry)
+            path = out / "llm_profile.json"
+            path.write_text(json.dumps({"cost_model": cost_model.to_dict(), "frontend": entry,
+                                        "serving_path": details}, indent=2))
+            print(f"-> {path}", flush=True)
         del engine
     finally:
         if saved is not None:

@@ -81,14 +81,14 @@ def run_llm(args: argparse.Namespace) -> int:
         del engine, runner  # the memory burst shut that engine down: the serving path gets a fresh one
         fresh = build_llm_engine(args.model, device=str(device), dtype=dtype, threads=args.threads or 0,
                                  start=False)
-        doc["frontend"], doc["serving_path"] = _serving_path(fresh, model)
+        doc["frontend"], doc["serving_path"] = serving_path(fresh, model)
     Path(args.output).write_text(json.dumps(doc, indent=2))
     print(f"wrote {args.output} in {time.perf_counter() - t1:.1f} s")
     return 0
 
 
 
-def _serving_path(engine: Any, cost_model: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+def serving_path(engine: Any, cost_model: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """Start ``engine`` (built, never started), measure its serving path through the real app and shut
     it down; returns the ``frontend`` entry and what was measured (``serving_path``)."""
     from ...server.llm_serving_profile import measure_llm_serving_path
