@@ -151,11 +151,12 @@ def test_server_timing_splits_each_request(server: str) -> None:
         assert r.server_app_s <= r.latency_s
 
 
-def test_fidelity_predicts_from_the_profile_alone_and_measures_each_point_once(
+def test_fidelity_predicts_from_the_profile_alone_and_scores_each_point_on_its_first_replay(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``bench fidelity`` end to end on the no-op model (a fixed 20 ms per batch, the profile exactly
-    that): one prediction and one live replay per load point, the table with every target, the run's
-    speed against the profile beside it, and the deployment flags handed to the server unchanged."""
+    that): one prediction and one scored live replay per load point (a second, ``--live-repeats 2``,
+    reported beside it), the table with every target, the run's speed against the profile beside
+    it, and the deployment flags handed to the server unchanged."""
     from batchpilot import cli
 
     out = tmp_path / "fid"
