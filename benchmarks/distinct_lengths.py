@@ -20,10 +20,8 @@ import random
 import statistics
 
 from batchpilot.core.costmodel import CostModel
-from batchpilot.models.device import resolve_device
-from batchpilot.models.encoder import EncoderConfig, EncoderExecutor
-from batchpilot.models.precision import choose_precision
 from batchpilot.models.profiler import _Shape
+from batchpilot.models.tasks import load_model
 
 SIZES = (2, 4, 8, 16)
 LENGTHS = (16, 32, 64, 128)
@@ -47,10 +45,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=5)
     args = ap.parse_args()
 
-    def load(dtype: str) -> EncoderExecutor:
-        return EncoderExecutor(EncoderConfig(dtype=dtype, num_threads=args.threads))  # type: ignore[arg-type]
-
-    ex, precision = choose_precision(load, args.dtype, resolve_device("cpu"), 0.999, "torch")
+    ex = load_model(None, task="embed", num_threads=args.threads, dtype=args.dtype)  # as `serve` loads it
     ex.warmup()
     rng = random.Random(args.seed)
     cells = [(n, L) for n in SIZES for L in LENGTHS]
@@ -63,7 +58,7 @@ def main() -> int:
             shapes[key].time_once()
     same = [shapes[(n, L, "same")].measurement() for n, L in cells]
     model = CostModel.fit([m.point() for m in same])
-    print(f"MiniLM, padding none, {precision.chosen}, {ex.num_threads} threads, {args.rounds} rounds")
+    print(f"MiniLM, padding none, {ex.precision.chosen}, {ex.num_threads} threads, {args.rounds} rounds")
     print("   n     L  distinct lengths  same ms  distinct ms  distinct/same  fit on same: distinct error")
     ratios = []
     for n, L in cells:

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import math
 
-from batchpilot.bench.run_speed import WINDOW_S, batch_rates, priced_seconds, speed_of
+from batchpilot.bench.run_speed import WINDOW_S, priced_seconds, speed_of
 from batchpilot.core.costmodel import CostModel
 from batchpilot.runtime.batch_log import LoggedBatch
-from batchpilot.sim.frontend import FrontEnd
+from batchpilot.sim.frontend import FrontEnd, rates_before
 
 
 def test_a_batch_is_priced_at_the_rate_of_the_second_before_it() -> None:
     sent = [0.1, 0.5, 0.9, 1.2, 5.0]
-    assert batch_rates([1.0, 1.3, 2.5, 5.0, 5.01], sent) == [3.0, 3.0, 0.0, 0.0, 1.0]
+    assert rates_before([1.0, 1.3, 2.5, 5.0, 5.01], sent) == [3.0, 3.0, 0.0, 0.0, 1.0]
     cm = CostModel(latency_coef=(0.01, 0.0, 0.0, 0.0))
     fe = FrontEnd(loaded_alpha=1.0, loaded_rate_coef=0.1)
     b = LoggedBatch(1.0, 0.02, 1, {"const": 1.0, "n": 1.0, "tokens": 8.0, "attn": 64.0})

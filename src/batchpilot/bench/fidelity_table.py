@@ -8,6 +8,7 @@ from typing import Any
 from .live_run import Measurement
 
 TARGETS = {"P50": 0.10, "P99": 0.10, "throughput": 0.05}
+METRICS = ("P50 ms", "P99 ms", "throughput req/s", "rejected", "mean batch size")  # what each point reports
 HEAD = ["load", "rate scale", "metric", "predicted", "measured", "error", "target", "within",
         "speed vs profile", "error at the run's speed"]
 
@@ -32,8 +33,7 @@ def comparison_rows(load: float, k: float, pred: Any, live: Measurement, speed: 
     predicted = _metrics(pred)
     later = _metrics(hindsight) if hindsight is not None else [math.nan] * 5
     rows: list[list[Any]] = []
-    names = ("P50 ms", "P99 ms", "throughput req/s", "rejected", "mean batch size")
-    for i, metric in enumerate(names):
+    for i, metric in enumerate(METRICS):
         a, b, h = predicted[i], measured[i], later[i]
         if metric == "rejected":
             ok = abs(a - b) <= max(5, 0.10 * b)
@@ -74,8 +74,7 @@ def repeat_rows(load: float, first: Measurement, again: Measurement,
     floor under any prediction's error on this machine (``bench fidelity --live-repeats``), and each
     run's speed against the profile (``speeds``)."""
     rows: list[list[Any]] = []
-    names = ("P50 ms", "P99 ms", "throughput req/s", "rejected", "mean batch size")
-    for name, a, b in zip(names, measured_metrics(first), measured_metrics(again), strict=True):
+    for name, a, b in zip(METRICS, measured_metrics(first), measured_metrics(again), strict=True):
         diff = f"{b - a:+.0f}" if name == "rejected" else f"{_err(b, a):+.1%}"
         rows.append([f"{load:.0%}", name, f"{a:.2f}", f"{b:.2f}", diff])
     a, b = speeds

@@ -2,7 +2,7 @@
 
 The server's batch log (``serve --batch-log``) holds every batch's slot seconds and features. The
 profile prices each of them as the simulator does: ``FrontEnd.batch_seconds`` of the cost model's
-prediction at the request rate of the ``RATE_WINDOW_S`` before the batch started, counted from the
+prediction at the request rate of the second before the batch started (``rates_before``), counted from the
 load generator's send times (the same monotonic clock as the log). ``RunSpeed`` is the ratio of the
 totals, minus 1 (+5%: the batches took 5% longer than the profile says), and the same ratio over
 ``WINDOW_S`` windows of the run, so a drift within the run shows as a spread between its windows.
@@ -12,7 +12,6 @@ It is a report, never an input of the prediction: a prediction uses the profile 
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -21,7 +20,7 @@ from pathlib import Path
 
 from ..core.costmodel import CostModel
 from ..runtime.batch_log import LoggedBatch, read_batches
-from ..sim.frontend import RATE_WINDOW_S, FrontEnd
+from ..sim.frontend import FrontEnd, rates_before
 
 WINDOW_S = 15.0
 MIN_WINDOW_BATCHES = 10  # a window with fewer batches is left out of the spread
@@ -48,13 +47,6 @@ class RunSpeed:
         return {"speed_vs_profile": self.speed, "batches": self.batches, "window_s": WINDOW_S,
                 "windows": list(self.windows), "by_idle": [list(b) for b in self.by_idle],
                 "by_size": [list(b) for b in self.by_size]}
-
-
-def batch_rates(starts: Sequence[float], sent: Sequence[float]) -> list[float]:
-    """Per batch start, the requests sent in the ``RATE_WINDOW_S`` before it, per second."""
-    times = sorted(sent)
-    return [(bisect.bisect_left(times, s) - bisect.bisect_left(times, s - RATE_WINDOW_S)) / RATE_WINDOW_S
-            for s in starts]
 
 
 def priced_seconds(batches: Sequence[LoggedBatch], cost_model: CostModel, frontend: FrontEnd | None,
@@ -128,7 +120,7 @@ def run_speed(batch_log: Path, offset: int, cost_model: CostModel, frontend: Fro
     if not batch_log.exists():
         return RunSpeed(math.nan, 0)
     batches, _ = read_batches(batch_log, offset)
-    rates = batch_rates([b.start for b in batches], sent_s) if frontend is not None else [0.0] * len(batches)
+    rates = rates_before([b.start for b in batches], sent_s) if frontend is not None else [0.0] * len(batches)
     priced = priced_seconds(batches, cost_model, frontend, rates)
     return dataclasses.replace(speed_of(batches, priced), by_idle=by_idle(batches, priced),
                                by_size=by_size(batches, priced))

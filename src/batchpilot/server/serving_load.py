@@ -25,7 +25,7 @@ import numpy as np
 
 from ..bench.loadgen import LoadGenConfig, PlannedRequest
 from ..core.costmodel import BatchShape, CostModel, nonneg_lstsq
-from ..sim.frontend import RATE_WINDOW_S
+from ..sim.frontend import rates_before
 
 LOADED_REQUESTS = 240  # ~10-20 s of traffic for MiniLM on one CPU core
 LOADED_SHARES = (0.3, 0.75)  # of one slot's one-at-a-time rate: two loads, to see how the rate slows a batch
@@ -86,10 +86,7 @@ def fit_loaded(batches: list[Loaded], cost_model: CostModel,
     line) and what was measured."""
     if len(batches) < 10:
         return (1.0, 0.0, 0.0), {"batches": len(batches), "note": "too few batches: not measured"}
-    arrivals = np.sort(np.array([a for b in batches for a in b.arrivals]))
-    starts = np.array([b.start for b in batches])
-    rate = (np.searchsorted(arrivals, starts) - np.searchsorted(arrivals, starts - RATE_WINDOW_S)) \
-        / RATE_WINDOW_S
+    rate = np.array(rates_before([b.start for b in batches], [a for b in batches for a in b.arrivals]))
     pred = np.array([cost_model.latency(b.features) for b in batches])
     took = np.array([b.slot_s for b in batches])
     base = pred * (1.0 + competing_cpu_s * rate)

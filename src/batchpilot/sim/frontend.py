@@ -45,9 +45,11 @@ driver fields at their defaults).
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -163,6 +165,14 @@ class FrontEnd:
         doc = json.loads(Path(path).read_text())
         entry = doc.get("frontend") if isinstance(doc, dict) else None
         return None if entry is None else cls.from_dict(entry)
+
+
+def rates_before(starts: Sequence[float], arrivals: Sequence[float]) -> list[float]:
+    """Per batch start, the requests that arrived in the ``RATE_WINDOW_S`` before it, per second: the
+    ``rate`` of ``FrontEnd.batch_seconds`` (the simulator keeps the same count incrementally)."""
+    times = sorted(arrivals)
+    return [(bisect.bisect_left(times, s) - bisect.bisect_left(times, s - RATE_WINDOW_S)) / RATE_WINDOW_S
+            for s in starts]
 
 
 def fit_line(x: np.ndarray, y: np.ndarray, trim: bool = True) -> tuple[float, float]:
