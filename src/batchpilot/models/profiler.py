@@ -153,6 +153,7 @@ def profile_grid(executor: Any, batch_sizes: tuple[int, ...], lengths: tuple[int
         raise ValueError(f"profile: the grid has {len(grid)} shapes; give at least {k} "
                          "(more batch sizes or lengths)")
     rng = random.Random(seed)
+    lengths_rng = random.Random(seed + 1)  # the grid's lengths, apart from its token ids
     guess = CostModel.default_cpu_minilm()
     calls = repeats + 1 + (2 if memory else 0)  # warm-up, repeats, memory run (profiled: ~2x)
     start = time.perf_counter()
@@ -166,7 +167,7 @@ def profile_grid(executor: Any, batch_sizes: tuple[int, ...], lengths: tuple[int
                 if calls * guess.latency(shape) * scale > left:
                     advance(f"skip {b}x{L}")
                     continue
-            kept.append(_Shape(executor, grid_lengths(b, L, limit), padding, rng, memory))
+            kept.append(_Shape(executor, grid_lengths(b, L, limit, lengths_rng), padding, rng, memory))
             advance(f"{b}x{L}: warm-up {kept[-1].warmup_s * 1e3:.1f} ms")
         # then the timed calls round-robin: every shape once per round. This CPU's speed moves by a
         # quarter within minutes; timing shape after shape put a step of it between the small shapes
@@ -187,22 +188,19 @@ def profile_grid(executor: Any, batch_sizes: tuple[int, ...], lengths: tuple[int
     return CostModel.fit([m.point() for m in out], meta=meta), out
 
 
-def grid_lengths(n: int, length: int, limit: int) -> list[int]:
-    """The input lengths of grid point ``(n, length)``: for a batch of two or more, lengths spread
-    evenly over ``length * (1 +- MIX_SPREAD)`` (within ``[3, limit]``, distinct where the range
-    allows), in either padding mode; one input of ``length`` alone.
+def grid_lengths(n: int, length: int, limit: int, rng: random.Random) -> list[int]:
+    """The input lengths of grid point ``(n, length)``: ``n`` lengths drawn uniformly (seeded by
+    ``rng``) from ``length * (1 +- MIX_SPREAD)`` within ``[3, limit]``, sorted, in either padding mode.
 
-    Live batches almost never hold equal lengths, and both forwards pay for the difference in ways
-    the features do not count: the padding-free one attends each distinct length apart
-    (``models/ragged.py``, group attention: ``n`` calls per layer where equal lengths make one), and
-    the padded one needs a key-padding mask, which takes SDPA off its unmasked fast path
-    (``models/lean.py``). A grid of equal lengths times neither, and prices held-out trace batches
-    lower than a spread one does (``benchmarks/grid_mix.py``, docs/benchmarks.md). A padded point's
+    A grid point prices the batches live traffic forms around it, not the best case: a grid of round
+    lengths (every input of exactly ``L``, or lengths spread evenly so that a batch holds ``n * L``
+    tokens) runs only the shapes the CPU kernels are fastest at, whole tiles of attention and power-of-two
+    row counts, and priced live-like batches 7-11% low where random lengths priced them within 2%
+    (``benchmarks/grid_mix.py``, docs/profiler.md). Live batches almost never repeat a length either, and
+    the padding-free forward attends each attention width apart (``models/ragged.py``). A padded point's
     features count its width, ``max(lengths)``."""
-    if n < 2:
-        return [length] * n
     lo, hi = length * (1.0 - MIX_SPREAD), length * (1.0 + MIX_SPREAD)
-    return [min(max(int(round(lo + (hi - lo) * i / (n - 1))), 3), limit) for i in range(n)]
+    return sorted(min(max(int(round(rng.uniform(lo, hi))), 3), limit) for _ in range(n))
 
 
 def model_limits(executor: Any) -> dict[str, Any]:
