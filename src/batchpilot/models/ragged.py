@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from batchpilot.models.lean import LeanEncoder, padded_rows
+from batchpilot.models.lean import LeanEncoder, attention_width, padded_rows
 
 ATTENTIONS = ("auto", "loop", "group", "nested", "flash")
 __all__ = ["ATTENTIONS", "RaggedEncoder", "padded_rows"]
@@ -145,53 +145,66 @@ class RaggedEncoder(LeanEncoder):
             return offsets.int() if self.attention == "flash" else offsets
         return None
 
-    def _group_plan(self, lengths: list[int]) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]:
-        """Sequences sorted by length, cut into groups whose padded attention work ``g * max(L)^2``
-        stays within ``1 + group_slack`` of their ``sum(L^2)``; each group is one dense SDPA call.
-        Per group: gather index ``[g, Lmax]``, key mask ``[g, 1, 1, Lmax]`` (None when all lengths are
-        equal) and the flat positions of the real tokens (to scatter the context back)."""
+    def _group_plan(self, lengths: list[int]) -> list[tuple[torch.Tensor, Any, Any]]:
+        """Sequences sorted by length, each given an attention width (its length rounded up to
+        ``attention_multiple()``, models/lean.py; a group of one keeps its length), cut into groups whose padded attention work
+        ``g * max(width)^2`` stays within ``1 + group_slack`` of their ``sum(width^2)``; each group is
+        one dense SDPA call (``group_slack=0``: equal widths only). Per group: gather index
+        ``[g, width]``, key mask ``[g, 1, 1, width]`` and, to scatter the context back, the real tokens'
+        flat positions and their slots in the group's output (both None when every slot is real)."""
         starts = [0]
         for n in lengths[:-1]:
             starts.append(starts[-1] + n)
+        m = self.attention_multiple()
         order = sorted(range(len(lengths)), key=lengths.__getitem__)
         groups: list[list[int]] = []
         sq = 0
         for i in order:
-            n = lengths[i]
-            if groups and (len(groups[-1]) + 1) * n * n > (1.0 + self.group_slack) * (sq + n * n):
+            w = attention_width(lengths[i], m)
+            if groups and (len(groups[-1]) + 1) * w * w > (1.0 + self.group_slack) * (sq + w * w):
                 groups.append([])
                 sq = 0
             if not groups:
                 groups.append([])
             groups[-1].append(i)
-            sq += n * n
+            sq += w * w
         plan = []
         for grp in groups:
             lens = torch.tensor([lengths[i] for i in grp])
-            width = int(lens.max())
+            # a group of one keeps its exact width: strided views of the packed QKV, no gather, no
+            # mask (rounded, its gather and scatter cost more than the kernel saves: +1% per token)
+            width = attention_width(int(lens.max()), m) if len(grp) > 1 else int(lens.max())
             pos = torch.arange(width)
             real = pos[None, :] < lens[:, None]  # [g, width]
             # padded slots read the sequence's last token: harmless, masked as keys, dropped as queries
             first = torch.tensor([starts[i] for i in grp])[:, None]
             idx = first + torch.minimum(pos[None, :], lens[:, None] - 1)
-            mask = None if bool(real.all()) else real[:, None, None, :].to(self.device)
-            plan.append((idx.to(self.device), mask, real.to(self.device)))
+            if bool(real.all()):
+                plan.append((idx.to(self.device), None, None))
+                continue
+            # where the real tokens' context goes (flat token index) and where it comes from (flat
+            # slot of the group's output), computed once for every layer
+            src = real.reshape(-1).nonzero().squeeze(1)
+            plan.append((idx.to(self.device), real[:, None, None, :].to(self.device),
+                         (idx.reshape(-1)[src].to(self.device), src.to(self.device))))
         return plan
 
     def _attend_grouped(self, qkv: torch.Tensor, plan: Any) -> torch.Tensor:
         t = qkv.shape[0]
         ctx = torch.empty(t, self.num_heads, self.head_dim, dtype=qkv.dtype, device=qkv.device)
-        for idx, mask, real in plan:
-            if idx.shape[0] == 1:  # a lone sequence: strided views, no gather
+        for idx, mask, scatter in plan:
+            if idx.shape[0] == 1 and mask is None:  # a lone sequence at its own width: strided views
                 s, n = int(idx[0, 0]), idx.shape[1]
                 ctx[s : s + n] = self._sdpa(qkv[s : s + n])
                 continue
             g = qkv[idx].permute(2, 0, 3, 1, 4)  # [3, g, heads, width, hd]
             out = F.scaled_dot_product_attention(g[0], g[1], g[2], attn_mask=mask).transpose(1, 2)
+            out = out.reshape(-1, self.num_heads, self.head_dim)
             if mask is None:
-                ctx[idx.reshape(-1)] = out.reshape(-1, self.num_heads, self.head_dim)
+                ctx[idx.reshape(-1)] = out
             else:
-                ctx[idx[real]] = out[real]
+                dst, src = scatter
+                ctx.index_copy_(0, dst, out.index_select(0, src))
         return ctx.view(t, self.hidden)
 
     # -- forward --------------------------------------------------------------------------------
