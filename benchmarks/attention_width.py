@@ -1,6 +1,6 @@
 """Attention width on CPU: exact sequence lengths against lengths rounded up to a multiple of 16.
 
-    .venv/bin/python benchmarks/attention_width.py [--threads 1] [--rounds 5] [--batches 40]
+    .venv/bin/python benchmarks/attention_width.py [--threads 1] [--rounds 5] [--batches 40] [--padding none]
 
 Two parts, both in one process, every pair of arms interleaved call by call:
 
@@ -8,9 +8,10 @@ Two parts, both in one process, every pair of arms interleaved call by call:
   (MiniLM's heads) for L = 5, 23, ..., 509 and n = 1 and 8, in bfloat16 and float32: at the exact
   width against the width rounded up to ``CPU_ATTENTION_MULTIPLE`` with the padded keys masked.
   Printed: the sum over all L of each arm's median time, and their ratio.
-* ``model``: the padding-free MiniLM forward (``serve``'s executor, ``--dtype auto``) on batches of
-  1, 4 and 16 neighbouring conv-embed rows, the same batches with the attention width rounded (the
-  default, ``models/lean.py``) and exact (multiple 1). Printed: µs per token of each, their ratio,
+* ``model``: the MiniLM forward (``serve``'s executor, ``--dtype auto``; padding-free, or padded to
+  the longest input with ``--padding dynamic``) on batches of 1, 4 and 16 neighbouring conv-embed
+  rows, the same batches with the attention width rounded (the default, ``models/lean.py``) and
+  exact (multiple 1). Printed: µs per token of each, their ratio,
   and how well a cost model fitted on the profile grid's batches prices the live-like ones in each arm
   (mean signed error; negative = priced low).
 """
@@ -56,8 +57,8 @@ def kernel(rounds: int) -> None:
                 exact += _median_ms(lambda q=q: F.scaled_dot_product_attention(q, q, q), rounds)
                 rounded += _median_ms(lambda qw=qw, mask=mask: F.scaled_dot_product_attention(
                     qw, qw, qw, attn_mask=mask), rounds)
-            print(f"kernel {str(dtype)[6:]:8s} n={n:2d}: exact {exact:8.2f} ms, width to {m}: {rounded:8.2f} ms"
-                  f"  rounded/exact {rounded / exact:.3f}", flush=True)
+            print(f"kernel {str(dtype)[6:]:8s} n={n:2d}: exact {exact:8.2f} ms, width to {m}: "
+                  f"{rounded:8.2f} ms  rounded/exact {rounded / exact:.3f}", flush=True)
 
 
 def model(args: argparse.Namespace) -> None:
@@ -76,9 +77,9 @@ def model(args: argparse.Namespace) -> None:
             lens = pool[at:at + n]
             while sum(lens) > 4096:
                 lens = lens[:-1]
-            out.append(_Shape(ex, lens, "none", rng, False))
+            out.append(_Shape(ex, lens, args.padding, rng, False))
         live[n] = out
-    grid = [_Shape(ex, grid_lengths(b, min(L, limit), limit, rng), "none", rng, False)
+    grid = [_Shape(ex, grid_lengths(b, min(L, limit), limit, rng), args.padding, rng, False)
             for b in STANDARD_BATCH_SIZES for L in STANDARD_LENGTHS if b * L <= 4096]
     shapes = grid + [s for v in live.values() for s in v]
     arms = {"rounded": lean.CPU_ATTENTION_MULTIPLE, "exact": 1}
@@ -121,6 +122,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--batches", type=int, default=40, help="live-like batches per batch size")
     ap.add_argument("--seed", type=int, default=3)
+    ap.add_argument("--padding", choices=("none", "dynamic"), default="none")
     ap.add_argument("--part", choices=("kernel", "model", "both"), default="both")
     args = ap.parse_args()
     if args.threads:

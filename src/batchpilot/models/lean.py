@@ -223,13 +223,20 @@ class LeanEncoder:
         x = self.embed(input_ids, positions).reshape(t, self.hidden)
         if rows > t:
             x = F.pad(x, (0, 0, 0, rows - t))
+        # Attention runs at width w: n rounded up to attention_multiple() (CPU), the extra keys masked.
         # A key-padding mask only; with no padding, None lets SDPA take its unmasked fast path.
-        mask = None if all_real else attention_mask.to(self.device, torch.bool)[:, None, None, :]
+        w = attention_width(n, self.attention_multiple())
+        keys = torch.ones(b, n, dtype=torch.bool, device=self.device) if attention_mask is None else (
+            attention_mask.to(self.device, torch.bool))
+        mask = None if all_real and w == n else F.pad(keys, (0, w - n))[:, None, None, :]
         nh, hd = self.num_heads, self.head_dim
         for lw in self.layers:
-            qkv = F.linear(x, lw.qkv_w, lw.qkv_b)[:t].view(b, n, 3, nh, hd).permute(2, 0, 3, 1, 4)
+            qkv = F.linear(x, lw.qkv_w, lw.qkv_b)[:t].view(b, n, 3, nh, hd)
+            if w > n:
+                qkv = F.pad(qkv, (0, 0, 0, 0, 0, 0, 0, w - n))
+            qkv = qkv.permute(2, 0, 3, 1, 4)
             ctx = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], attn_mask=mask)
-            ctx = ctx.transpose(1, 2).reshape(t, self.hidden)
+            ctx = ctx[:, :, :n].transpose(1, 2).reshape(t, self.hidden)
             if rows > t:
                 ctx = F.pad(ctx, (0, 0, 0, rows - t))
             x = self.post_attention(lw, x, ctx)
@@ -239,7 +246,7 @@ class LeanEncoder:
         return self.device.type == "cpu" and self.word_emb.dtype in (torch.bfloat16, torch.float16)
 
     def attention_multiple(self) -> int:
-        """What attention widths are rounded up to (keys masked): ``CPU_ATTENTION_MULTIPLE`` on CPU, else 1."""
+        """What attention widths round up to (keys masked): ``CPU_ATTENTION_MULTIPLE`` on CPU, else 1."""
         return CPU_ATTENTION_MULTIPLE if self.device.type == "cpu" else 1
 
     def forward_padded(

@@ -12,8 +12,9 @@ Attention strategies (``attention=``):
 * ``loop``      one SDPA call per sequence on strided views of the packed QKV (no copies, no padding).
 * ``group``     sequences sorted by length and cut into groups whose padded attention work stays
                 within ``1 + group_slack`` of the exact work; one dense masked SDPA call per group
-                (``group_slack=0``: equal lengths only). Only attention sees padding; the token-wise
-                work stays packed.
+                (``group_slack=0``: equal attention widths only; on CPU a width is the length rounded
+                up to 16, models/lean.py ``attention_width``). Only attention sees padding; the
+                token-wise work stays packed.
 * ``nested``    jagged nested tensors (``torch.nested``, layout=jagged) through SDPA; on CUDA this
                 dispatches to the flash / memory-efficient varlen kernels.
 * ``flash``     ``flash_attn.flash_attn_varlen_func`` (CUDA, fp16/bf16, only if flash-attn is installed).
@@ -34,6 +35,8 @@ import torch.nn.functional as F
 from batchpilot.models.lean import LeanEncoder, attention_width, padded_rows
 
 ATTENTIONS = ("auto", "loop", "group", "nested", "flash")
+# one attention group of the group strategy: (gather index, key mask, where): see _group_plan
+GroupPlan = tuple[torch.Tensor | None, torch.Tensor | None, Any]
 __all__ = ["ATTENTIONS", "RaggedEncoder", "padded_rows"]
 
 
@@ -108,10 +111,15 @@ class RaggedEncoder(LeanEncoder):
     # -- attention over packed QKV ----------------------------------------------------------------
     # SDPA takes its fused CPU kernel (flash_attention_for_cpu) only for 4-D inputs; a 3-D
     # [heads, n, hd] call silently falls back to the unfused math path (bmm + softmax), ~3x slower.
-    def _sdpa(self, qkv: torch.Tensor) -> torch.Tensor:
-        """``qkv`` ``[n, 3, heads, hd]`` of one sequence -> context ``[n, heads, hd]``."""
-        q, k, v = qkv.permute(1, 2, 0, 3).unsqueeze(1)  # each [1, heads, n, hd], strided views
-        return F.scaled_dot_product_attention(q, k, v)[0].transpose(0, 1)
+    def _sdpa(self, qkv: torch.Tensor, width: int | None = None,
+              mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``qkv`` ``[n, 3, heads, hd]`` of one sequence -> context ``[n, heads, hd]``; attended at
+        ``width`` >= n (zero rows appended, masked as keys by ``mask`` ``[1, 1, 1, width]``)."""
+        n = qkv.shape[0]
+        if width is not None and width > n:
+            qkv = F.pad(qkv, (0, 0, 0, 0, 0, 0, 0, width - n))
+        q, k, v = qkv.permute(1, 2, 0, 3).unsqueeze(1)  # each [1, heads, width, hd], strided views
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)[0].transpose(0, 1)[:n]
 
     def _attend(self, qkv: torch.Tensor, lengths: list[int], plan: Any) -> torch.Tensor:
         """``qkv`` is ``[T, 3, heads, head_dim]``; returns the attention context ``[T, H]``."""
@@ -145,13 +153,15 @@ class RaggedEncoder(LeanEncoder):
             return offsets.int() if self.attention == "flash" else offsets
         return None
 
-    def _group_plan(self, lengths: list[int]) -> list[tuple[torch.Tensor, Any, Any]]:
+    def _group_plan(self, lengths: list[int]) -> list[GroupPlan]:
         """Sequences sorted by length, each given an attention width (its length rounded up to
-        ``attention_multiple()``, models/lean.py; a group of one keeps its length), cut into groups whose padded attention work
+        ``attention_multiple()``, models/lean.py), cut into groups whose padded attention work
         ``g * max(width)^2`` stays within ``1 + group_slack`` of their ``sum(width^2)``; each group is
-        one dense SDPA call (``group_slack=0``: equal widths only). Per group: gather index
-        ``[g, width]``, key mask ``[g, 1, 1, width]`` and, to scatter the context back, the real tokens'
-        flat positions and their slots in the group's output (both None when every slot is real)."""
+        one dense SDPA call (``group_slack=0``: equal widths only). Per group ``(idx, mask, where)``:
+        the key mask ``[g, 1, 1, width]`` (None when every slot is a real token); for a lone sequence
+        ``idx`` None and ``where`` its (start, length, width) in the packed rows; else the gather index
+        ``idx`` ``[g, width]`` and ``where`` the real tokens' flat positions and their slots in the
+        group's output, to scatter the context back (None when every slot is real)."""
         starts = [0]
         for n in lengths[:-1]:
             starts.append(starts[-1] + n)
@@ -168,34 +178,36 @@ class RaggedEncoder(LeanEncoder):
                 groups.append([])
             groups[-1].append(i)
             sq += w * w
-        plan = []
+        plan: list[GroupPlan] = []
         for grp in groups:
             lens = torch.tensor([lengths[i] for i in grp])
-            # a group of one keeps its exact width: strided views of the packed QKV, no gather, no
-            # mask (rounded, its gather and scatter cost more than the kernel saves: +1% per token)
-            width = attention_width(int(lens.max()), m) if len(grp) > 1 else int(lens.max())
+            width = attention_width(int(lens.max()), m)
             pos = torch.arange(width)
             real = pos[None, :] < lens[:, None]  # [g, width]
+            mask = None if bool(real.all()) else real[:, None, None, :].to(self.device)
+            if len(grp) == 1:  # a lone sequence: its rows of the packed QKV, zero-padded to the width
+                plan.append((None, mask, (starts[grp[0]], lengths[grp[0]], width)))
+                continue
             # padded slots read the sequence's last token: harmless, masked as keys, dropped as queries
             first = torch.tensor([starts[i] for i in grp])[:, None]
             idx = first + torch.minimum(pos[None, :], lens[:, None] - 1)
-            if bool(real.all()):
+            if mask is None:
                 plan.append((idx.to(self.device), None, None))
                 continue
             # where the real tokens' context goes (flat token index) and where it comes from (flat
             # slot of the group's output), computed once for every layer
             src = real.reshape(-1).nonzero().squeeze(1)
-            plan.append((idx.to(self.device), real[:, None, None, :].to(self.device),
-                         (idx.reshape(-1)[src].to(self.device), src.to(self.device))))
+            scatter = (idx.reshape(-1)[src].to(self.device), src.to(self.device))
+            plan.append((idx.to(self.device), mask, scatter))
         return plan
 
     def _attend_grouped(self, qkv: torch.Tensor, plan: Any) -> torch.Tensor:
         t = qkv.shape[0]
         ctx = torch.empty(t, self.num_heads, self.head_dim, dtype=qkv.dtype, device=qkv.device)
-        for idx, mask, scatter in plan:
-            if idx.shape[0] == 1 and mask is None:  # a lone sequence at its own width: strided views
-                s, n = int(idx[0, 0]), idx.shape[1]
-                ctx[s : s + n] = self._sdpa(qkv[s : s + n])
+        for idx, mask, where in plan:
+            if idx is None:
+                s, n, width = where
+                ctx[s : s + n] = self._sdpa(qkv[s : s + n], width, mask)
                 continue
             g = qkv[idx].permute(2, 0, 3, 1, 4)  # [3, g, heads, width, hd]
             out = F.scaled_dot_product_attention(g[0], g[1], g[2], attn_mask=mask).transpose(1, 2)
@@ -203,7 +215,7 @@ class RaggedEncoder(LeanEncoder):
             if mask is None:
                 ctx[idx.reshape(-1)] = out
             else:
-                dst, src = scatter
+                dst, src = where
                 ctx.index_copy_(0, dst, out.index_select(0, src))
         return ctx.view(t, self.hidden)
 
