@@ -4,7 +4,8 @@
 
 Two parts, both in one process, every pair of arms interleaved call by call:
 
-* ``kernel``: ``F.scaled_dot_product_attention`` (torch's fused CPU kernel) on ``[n, 12, L, 32]``
+* ``kernel``: ``F.scaled_dot_product_attention`` (torch's fused CPU kernel) on ``[8, 12, L, 32]`` at
+  L = 127 and 128 (bfloat16), then on ``[n, 12, L, 32]``
   (MiniLM's heads) for L = 5, 23, ..., 509 and n = 1 and 8, in bfloat16 and float32: at the exact
   width against the width rounded up to ``CPU_ATTENTION_MULTIPLE`` with the padded keys masked.
   Printed: the sum over all L of each arm's median time, and their ratio.
@@ -46,6 +47,10 @@ def _median_ms(fn: object, k: int) -> float:
 
 def kernel(rounds: int) -> None:
     m = lean.CPU_ATTENTION_MULTIPLE
+    for L in (127, 128):  # one partial tile against none, both at their exact width
+        q = torch.randn(8, 12, L, 32, dtype=torch.bfloat16)
+        ms = _median_ms(lambda q=q: F.scaled_dot_product_attention(q, q, q), 4 * rounds)
+        print(f"kernel bfloat16 n= 8 L={L}: {ms:.2f} ms", flush=True)
     for dtype in (torch.bfloat16, torch.float32):
         for n in (1, 8):
             exact = rounded = 0.0
