@@ -166,6 +166,38 @@ def test_loaded_residuals_round_trip_and_set_the_simulated_spread() -> None:
     assert again.record.b_duration == run.record.b_duration
 
 
+def test_a_batch_longer_than_the_residuals_reference_varies_less_relative_to_its_length() -> None:
+    # the same residuals in the units of a 10.5 ms batch: a 21 ms batch draws them times sqrt(1/2)
+    fe = FrontEnd(loaded_alpha=2.0, loaded_residuals=(0.5, -0.5, 0.0), loaded_residual_ref_s=0.0105)
+    assert FrontEnd.from_dict(fe.to_dict()) == fe
+    cm = CostModel(latency_coef=(0.0105, 0.0, 0.0, 0.0))
+    wl = Workload.from_columns("r", [i * 1.0 for i in range(40)], [8] * 40)
+    cfg = SchedulerConfig(policy=PolicyConfig(name="window", max_batch_size=1, max_wait_s=0.0))
+    durations = sorted(set(round(d, 6) for d in simulate_encoder(wl, cfg, cm, frontend=fe, seed=3)
+                           .record.b_duration))
+    half = 0.5 * math.sqrt(0.5)
+    assert durations == pytest.approx([0.021 * (1 - half), 0.021, 0.021 * (1 + half)], abs=1e-6)
+    # a batch no longer than the reference keeps its relative spread
+    short = FrontEnd(loaded_residuals=(0.5, -0.5, 0.0), loaded_residual_ref_s=0.1)
+    durations = sorted(set(round(d, 6) for d in simulate_encoder(wl, cfg, cm, frontend=short, seed=3)
+                           .record.b_duration))
+    assert durations == pytest.approx([0.00525, 0.0105, 0.01575])
+
+
+@settings(max_examples=200, deadline=None)
+@given(rel=st.floats(-0.9, 3.0), line=st.floats(1e-4, 2.0), ref=st.floats(1e-4, 0.5))
+def test_the_profile_s_residual_units_and_the_simulator_s_scale_are_inverse(rel: float, line: float,
+                                                                            ref: float) -> None:
+    from batchpilot.sim.frontend import residual_units
+    from batchpilot.sim.frontend import residual_scale
+
+    z = float(residual_units(np.array([rel]), np.array([line]), ref)[0])
+    back = z * residual_scale(line, ref)
+    assert back >= -0.99 and math.isfinite(back)
+    if z > -0.99:  # not clipped: the simulator draws exactly the measured relative residual
+        assert back == pytest.approx(rel, rel=1e-9, abs=1e-12)
+
+
 def test_two_tokenizer_threads_halve_a_burst_s_queue() -> None:
     burst = np.zeros(4)
     one = FrontEnd(serial_const_s=0.01).batcher_arrivals(burst, np.ones(4))

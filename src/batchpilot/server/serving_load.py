@@ -25,7 +25,7 @@ import numpy as np
 
 from ..bench.loadgen import LoadGenConfig, PlannedRequest
 from ..core.costmodel import BatchShape, CostModel, nonneg_lstsq
-from ..sim.frontend import rates_before
+from ..sim.frontend import rates_before, residual_units
 
 LOADED_REQUESTS = 240  # ~10-20 s of traffic for MiniLM on one CPU core
 LOADED_SHARES = (0.3, 0.75)  # of one slot's one-at-a-time rate: two loads, to see how the rate slows a batch
@@ -96,7 +96,8 @@ def fit_loaded(batches: list[Loaded], cost_model: CostModel,
     a, b = nonneg_lstsq(np.column_stack([pred, pred * rate]) * w[:, None], took * w)
     fitted_s = float(b / a) if a > 0 else math.nan
     line = alpha * base
-    residuals = took / line - 1.0
+    ref_s = float(np.median(line))
+    residuals = residual_units(took / line - 1.0, line, ref_s)
     return (alpha, alpha * competing_cpu_s, 0.0), {
         "batches": len(batches),
         "mean_batch_size": float(np.mean([b.features.get("n", 1.0) for b in batches])),
@@ -104,7 +105,8 @@ def fit_loaded(batches: list[Loaded], cost_model: CostModel,
         "slot_over_predicted": float(took.sum() / pred.sum()), "alpha": alpha,
         "competing_cpu_s": competing_cpu_s, "rate_coef": alpha * competing_cpu_s, "const_s": 0.0,
         "least_squares_s_per_request": fitted_s,
-        "residuals": sorted(float(r) for r in residuals), "residual_std": float(residuals.std())}
+        "residuals": sorted(float(r) for r in residuals), "residual_std": float(residuals.std()),
+        "residual_ref_s": ref_s}
 
 
 def thread_cpu_s() -> dict[int, float]:

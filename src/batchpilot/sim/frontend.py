@@ -29,9 +29,13 @@ The fields:
   the server handles requests (their HTTP, JSON and tokenising share its cores) than alone in the
   profiler's loop. ``loaded_rate_coef / loaded_alpha`` is the CPU seconds a request costs outside the
   model thread, accounted; ``loaded_alpha`` the speed of the loaded batches against the profile.
-* ``loaded_residuals``: the spread of those batches around that line (``slot / line - 1``, sorted): the
-  simulator draws every batch's time from it (seeded), so the queueing it predicts sees the service-time
-  variance the served model really has, not the profiler loop's.
+* ``loaded_residuals``, ``loaded_residual_ref_s``: the spread of those batches around that line
+  (``slot / line - 1``, sorted), in the units of a batch of ``loaded_residual_ref_s`` seconds (the
+  loaded batches' median): a longer batch's residual is scaled by ``sqrt(line / ref)``, since its
+  stalls vary with the square root of its length (``server.serving_load.residual_units``). The
+  simulator draws every batch's time from them (seeded), scaled back to the batch's own length, so the
+  queueing it predicts sees the service-time variance the served model really has, not the profiler
+  loop's. ``loaded_residual_ref_s`` 0: the residuals are relative at every length.
 * ``serial_busy_factor``: how much slower the tokenizer is while the model runs a batch (both share
   the CPU) than on an idle machine, >= 1; under load the model is nearly always busy, so the serial
   stage's service time is scaled by it.
@@ -78,6 +82,7 @@ class FrontEnd:
     loaded_rate_coef: float = 0.0
     loaded_const_s: float = 0.0
     loaded_residuals: tuple[float, ...] = ()
+    loaded_residual_ref_s: float = 0.0
     serial_servers: int = 1
 
     def __post_init__(self) -> None:
@@ -116,6 +121,11 @@ class FrontEnd:
         """A batch's slot time under serving load, from the cost model's prediction for it and the
         request rate (per second, over the ``RATE_WINDOW_S`` before it starts)."""
         return predicted_s * (self.loaded_alpha + self.loaded_rate_coef * rate) + self.loaded_const_s
+
+    def residual_scale(self, line_s: float) -> float:
+        """What a drawn ``loaded_residuals`` entry is multiplied by for a batch of ``line_s`` seconds
+        (its loaded line): ``sqrt(ref / line)`` for batches longer than the reference, else 1."""
+        return residual_scale(line_s, self.loaded_residual_ref_s)
 
     def delay(self, tokens: np.ndarray) -> np.ndarray:
         return self.delay_const_s + self.delay_per_token_s * np.asarray(tokens, dtype=float)
@@ -165,6 +175,26 @@ class FrontEnd:
         doc = json.loads(Path(path).read_text())
         entry = doc.get("frontend") if isinstance(doc, dict) else None
         return None if entry is None else cls.from_dict(entry)
+
+
+def residual_units(rel: np.ndarray, line_s: np.ndarray, ref_s: float) -> np.ndarray:
+    """Relative residuals of batches of ``line_s`` seconds, put in the units of a batch of ``ref_s``:
+    ``rel * sqrt(max(line_s, ref_s) / ref_s)``, at least -0.99 (no batch runs in no time).
+
+    A batch's time beyond its line is stalls: the other work on its cores, the host's. They arrive
+    over the batch's run, so their count grows with its length and their spread with its square
+    root: a batch twice as long varies sqrt(2) times as much in seconds, 1/sqrt(2) times as much
+    relative to its length (live batch logs show it: the 99th percentile of ``slot / line`` falls from
+    about +0.7 on 5 ms batches to +0.15-0.4 on 150 ms ones). The simulator undoes this per batch
+    (``residual_scale``); batches shorter than ``ref_s`` keep their relative spread."""
+    if ref_s <= 0:
+        return rel
+    return np.maximum(rel * np.sqrt(np.maximum(line_s, ref_s) / ref_s), -0.99)
+
+
+def residual_scale(line_s: float, ref_s: float) -> float:
+    """``FrontEnd.residual_scale`` for a reference of ``ref_s`` (0: relative residuals, 1)."""
+    return math.sqrt(ref_s / line_s) if 0.0 < ref_s < line_s else 1.0
 
 
 def rates_before(starts: Sequence[float], arrivals: Sequence[float]) -> list[float]:

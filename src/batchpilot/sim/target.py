@@ -26,7 +26,7 @@ from ..core.costmodel import CostModel
 from ..core.request import Request
 from ..core.scheduler import Batch, BatchScheduler, Rejection
 from .engine import Engine, EngineStats, Job, StopSimulation
-from .frontend import RATE_WINDOW_S, FrontEnd
+from .frontend import RATE_WINDOW_S, FrontEnd, residual_scale
 from .traces import Workload
 
 DONE, PENDING, REJECTED, DROPPED = 1, 0, 2, 3
@@ -72,13 +72,15 @@ class EncoderTarget:
         batch_overhead_s: float = 0.0,
         loaded: tuple[float, float, float] = (1.0, 0.0, 0.0),
         loaded_residuals: tuple[float, ...] = (),
+        loaded_residual_ref_s: float = 0.0,
     ) -> None:
         """``batch_overhead_s``: seconds the live driver adds to every batch outside the model (thread
         hand-offs, the event loop; the profile's ``frontend.batch_overhead_s``). ``loaded``: (alpha,
         rate coefficient, const) of a batch's time under serving load, ``cost model * (alpha + coef *
         rate) + const`` with ``rate`` the arrivals of the last ``RATE_WINDOW_S`` per second (the
         profile's ``frontend.loaded_*``); ``loaded_residuals``: the served batches'
-        spread around it, drawn from for every batch (seeded) in place of the profile's residuals.
+        spread around it, drawn from for every batch (seeded) in place of the profile's residuals, in
+        the units of a batch of ``loaded_residual_ref_s`` seconds (``FrontEnd.residual_scale``).
         ``stop_after_misses = (sla_s, max_misses, warmup_s)``: stop the run (``StopSimulation``) once more
         than ``max_misses`` measured requests finished later than ``sla_s`` or failed — the tuner's
         early exit when a probe's P99 is already lost for certain."""
@@ -93,6 +95,7 @@ class EncoderTarget:
         self._lengths = workload.input_tokens.tolist()
         self._prio = workload.priority.tolist()
         self._residuals = loaded_residuals or self.service_model.rel_residuals
+        self._ref_s = loaded_residual_ref_s if loaded_residuals else 0.0
         self.noise = noise or bool(loaded_residuals)
         self._stop = stop_after_misses
         self._overhead = batch_overhead_s
@@ -169,9 +172,11 @@ class EncoderTarget:
             return mean + self._overhead
         if not self._u:
             self._u = self._rng.random(4096).tolist()
-        # the same draw as CostModel.sample_latency: the residual picked by u, scaling the mean
+        # the same draw as CostModel.sample_latency: the residual picked by u, scaling the mean (a
+        # batch longer than the residuals' reference varies less, relative to its length)
         res = self._residuals
-        return max(mean * (1.0 + res[min(int(self._u.pop() * len(res)), len(res) - 1)]), 0.0) + self._overhead
+        r = res[min(int(self._u.pop() * len(res)), len(res) - 1)] * residual_scale(mean, self._ref_s)
+        return max(mean * (1.0 + r), 0.0) + self._overhead
 
     def _fail(self, rej: Rejection, kind: int, now: float) -> None:
         rec = self.record
@@ -195,7 +200,8 @@ def served_batch_terms(frontend: FrontEnd | None) -> dict[str, Any]:
         return {}
     return {"batch_overhead_s": frontend.batch_overhead_s,
             "loaded": (frontend.loaded_alpha, frontend.loaded_rate_coef, frontend.loaded_const_s),
-            "loaded_residuals": frontend.loaded_residuals}
+            "loaded_residuals": frontend.loaded_residuals,
+            "loaded_residual_ref_s": frontend.loaded_residual_ref_s}
 
 
 @dataclass
