@@ -101,6 +101,9 @@ class ModelService:
         self.metrics.bind_watchdog(self.watchdog)
         self.model_name = name or getattr(executor, "model_name", "model")
         self.max_length = getattr(executor, "max_length", config.admission.max_length)
+        # the deployment's timeout (core/deployment.py fills it from the server's when the config has
+        # none): the core drops a queued input at it, and this answers 504 at it for one still running
+        self.timeout_s = config.admission.timeout_s or settings.request_timeout_s
         # a thread per core: the executors' tokenizers are called with fixed settings (a fast tokenizer
         # is shared safely then) and release the GIL while they work
         self.tokenizer_pool = ThreadPoolExecutor(tokenizer_workers(settings),
@@ -171,7 +174,7 @@ class ModelService:
         work = futures[0] if len(futures) == 1 else asyncio.gather(*futures)
         watch = asyncio.ensure_future(_disconnected(request))
         try:
-            done, _ = await asyncio.wait({work, watch}, timeout=self.settings.request_timeout_s,
+            done, _ = await asyncio.wait({work, watch}, timeout=self.timeout_s,
                                          return_when=asyncio.FIRST_COMPLETED)
         finally:
             watch.cancel()
@@ -181,7 +184,7 @@ class ModelService:
         work.add_done_callback(lambda f: None if f.cancelled() else f.exception())  # mark it retrieved
         if watch in done:
             raise ClientGone
-        raise APIError(504, f"not answered within {self.settings.request_timeout_s:.0f} s", code="timeout")
+        raise APIError(504, f"not answered within {self.timeout_s:g} s", code="timeout")
 
     async def tokenize_text(self, body: Any, request: Request) -> Response:
         """``POST /tokenize``: the ids the model would see for ``prompt`` (vLLM's body)."""
