@@ -55,3 +55,15 @@ def test_by_size_splits_the_speed_by_the_requests_in_each_batch() -> None:
     bins = {label: (n, r) for label, n, r in by_size(batches, [0.01] * 4 + [0.02] * 2)}
     assert set(bins) == {"1", "9+"} and bins["1"] == (4, 0.0)
     assert bins["9+"][0] == 2 and math.isclose(bins["9+"][1], 0.5)  # the big batches ran 50% over
+
+
+def test_by_rate_splits_the_speed_by_the_request_rate_before_each_batch() -> None:
+    from batchpilot.bench.run_speed import by_rate
+
+    feats = {"const": 1.0}
+    batches = [LoggedBatch(k, 0.012, 1, feats) for k in range(3)] + [LoggedBatch(10 + k, 0.009, 4, feats)
+                                                                     for k in range(2)]
+    bins = {label: (n, r) for label, n, r in by_rate(batches, [0.01] * 5, [2.0, 3.0, 4.0, 35.0, 40.0])}
+    assert set(bins) == {"0-5/s", ">= 30/s"}
+    assert bins["0-5/s"][0] == 3 and math.isclose(bins["0-5/s"][1], 0.2)  # slow when the server is quiet
+    assert bins[">= 30/s"][0] == 2 and math.isclose(bins[">= 30/s"][1], -0.1)  # fast when it is busy

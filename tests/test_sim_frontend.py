@@ -188,8 +188,7 @@ def test_a_batch_longer_than_the_residuals_reference_varies_less_relative_to_its
 @given(rel=st.floats(-0.9, 3.0), line=st.floats(1e-4, 2.0), ref=st.floats(1e-4, 0.5))
 def test_the_profile_s_residual_units_and_the_simulator_s_scale_are_inverse(rel: float, line: float,
                                                                             ref: float) -> None:
-    from batchpilot.sim.frontend import residual_units
-    from batchpilot.sim.frontend import residual_scale
+    from batchpilot.sim.frontend import residual_scale, residual_units
 
     z = float(residual_units(np.array([rel]), np.array([line]), ref)[0])
     back = z * residual_scale(line, ref)

@@ -203,10 +203,12 @@ def main(args: argparse.Namespace) -> int:
             speed = rs.speed
             print(format_summary(pred.summary, f"predicted at {load:.0%} of capacity (x{k:.3f})"))
             print(format_summary(live.summary, f"live at {load:.0%} of capacity (x{k:.3f})"))
+            splits = (("idle time before the batch", rs.by_idle), ("requests in the batch", rs.by_size),
+                      ("request rate before the batch", rs.by_rate))
             print(f"the run's {rs.batches} batches took {speed:+.1%} against the profile "
-                  f"({WINDOW_S:g} s windows: {rs.spread}); by idle time before the batch: "
-                  + ", ".join(f"{lab} {r:+.1%} ({n})" for lab, n, r in rs.by_idle) + "; by requests in the "
-                  "batch: " + ", ".join(f"{lab} {r:+.1%} ({n})" for lab, n, r in rs.by_size), flush=True)
+                  f"({WINDOW_S:g} s windows: {rs.spread}); "
+                  + "; ".join(f"by {what}: " + ", ".join(f"{lab} {r:+.1%} ({n})" for lab, n, r in cells)
+                              for what, cells in splits), flush=True)
             later = simulate(scaled, deployment.scheduler, cost_model, args.sla, frontend, speed) \
                 if math.isfinite(speed) else None
             rows += comparison_rows(load, k, pred, live, speed, later, rs.spread)

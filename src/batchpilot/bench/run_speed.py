@@ -26,6 +26,7 @@ WINDOW_S = 15.0
 MIN_WINDOW_BATCHES = 10  # a window with fewer batches is left out of the spread
 IDLE_BINS_S = (0.0, 0.002, 0.01, 0.03, 0.1, 0.3, math.inf)  # idle before a batch, for ``by_idle``
 SIZE_BINS = ((1, 1), (2, 2), (3, 4), (5, 8), (9, 10**9))  # requests in a batch, for ``by_size``
+RATE_BINS = (0.0, 5.0, 10.0, 20.0, 30.0, math.inf)  # requests/s in the second before a batch, ``by_rate``
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class RunSpeed:
     windows: tuple[float, ...] = field(default=())  # the same ratio - 1 per WINDOW_S window, in order
     by_idle: tuple[tuple[str, int, float], ...] = ()  # (idle bin, batches, ratio - 1) per IDLE_BINS_S bin
     by_size: tuple[tuple[str, int, float], ...] = ()  # (size bin, batches, ratio - 1) per SIZE_BINS bin
+    by_rate: tuple[tuple[str, int, float], ...] = ()  # (rate bin, batches, ratio - 1) per RATE_BINS bin
 
     @property
     def spread(self) -> str:
@@ -46,7 +48,7 @@ class RunSpeed:
     def to_dict(self) -> dict[str, object]:
         return {"speed_vs_profile": self.speed, "batches": self.batches, "window_s": WINDOW_S,
                 "windows": list(self.windows), "by_idle": [list(b) for b in self.by_idle],
-                "by_size": [list(b) for b in self.by_size]}
+                "by_size": [list(b) for b in self.by_size], "by_rate": [list(b) for b in self.by_rate]}
 
 
 def priced_seconds(batches: Sequence[LoggedBatch], cost_model: CostModel, frontend: FrontEnd | None,
@@ -83,33 +85,43 @@ def idle_before(batches: Sequence[LoggedBatch]) -> list[float]:
     return out
 
 
-def by_idle(batches: Sequence[LoggedBatch], priced: Sequence[float]) -> tuple[tuple[str, int, float], ...]:
-    """The ratio of the totals - 1 per ``IDLE_BINS_S`` bin of the idle time before the batch: a batch
-    after an idle server may run slower than one right behind another (caches gone cold), which the
-    profile does not price."""
-    idle = idle_before(batches)
+def split(batches: Sequence[LoggedBatch], priced: Sequence[float], keys: Sequence[float],
+          bins: Sequence[tuple[float, float, str]]) -> tuple[tuple[str, int, float], ...]:
+    """The ratio of the totals - 1 per bin ``(lo, hi, label)`` of the batches' ``keys`` (``lo <= key <
+    hi``; an infinite ``hi`` takes infinite keys too), for the bins that hold a batch."""
     out = []
-    for lo, hi in zip(IDLE_BINS_S, IDLE_BINS_S[1:], strict=False):
-        cell = [(b.slot_s, p) for b, p, i in zip(batches, priced, idle, strict=True)
-                if lo <= i and (i < hi or math.isinf(hi))]  # the last bin holds the first batch (inf)
+    for lo, hi, label in bins:
+        cell = [(b.slot_s, p) for b, p, k in zip(batches, priced, keys, strict=True)
+                if lo <= k and (k < hi or math.isinf(hi))]
         want = sum(p for _, p in cell)
         if cell and want > 0:
-            label = f">= {lo * 1e3:g} ms" if math.isinf(hi) else f"{lo * 1e3:g}-{hi * 1e3:g} ms"
             out.append((label, len(cell), sum(t for t, _ in cell) / want - 1.0))
     return tuple(out)
+
+
+def by_idle(batches: Sequence[LoggedBatch], priced: Sequence[float]) -> tuple[tuple[str, int, float], ...]:
+    """Per ``IDLE_BINS_S`` bin of the idle time before the batch: a batch after an idle server may run
+    slower than one right behind another (caches gone cold), which the profile does not price."""
+    bins = [(lo, hi, f">= {lo * 1e3:g} ms" if math.isinf(hi) else f"{lo * 1e3:g}-{hi * 1e3:g} ms")
+            for lo, hi in zip(IDLE_BINS_S, IDLE_BINS_S[1:], strict=False)]
+    return split(batches, priced, idle_before(batches), bins)  # the first batch (inf) in the last bin
 
 
 def by_size(batches: Sequence[LoggedBatch], priced: Sequence[float]) -> tuple[tuple[str, int, float], ...]:
-    """The ratio of the totals - 1 per ``SIZE_BINS`` bin of requests in the batch: flat when the cost
-    model prices a live batch of many inputs as well as a lone one."""
-    out = []
-    for lo, hi in SIZE_BINS:
-        cell = [(b.slot_s, p) for b, p in zip(batches, priced, strict=True) if lo <= b.n <= hi]
-        want = sum(p for _, p in cell)
-        if cell and want > 0:
-            label = str(lo) if lo == hi else (f"{lo}+" if hi >= 10**9 else f"{lo}-{hi}")
-            out.append((label, len(cell), sum(t for t, _ in cell) / want - 1.0))
-    return tuple(out)
+    """Per ``SIZE_BINS`` bin of requests in the batch: flat when the cost model prices a live batch of
+    many inputs as well as a lone one."""
+    bins = [(lo, hi + 0.5, str(lo) if lo == hi else (f"{lo}+" if hi >= 10**9 else f"{lo}-{hi}"))
+            for lo, hi in SIZE_BINS]
+    return split(batches, priced, [b.n for b in batches], bins)
+
+
+def by_rate(batches: Sequence[LoggedBatch], priced: Sequence[float],
+            rates: Sequence[float]) -> tuple[tuple[str, int, float], ...]:
+    """Per ``RATE_BINS`` bin of the request rate of the second before the batch: flat when the profile
+    prices how the serving load slows (or warms) the model."""
+    bins = [(lo, hi, f">= {lo:g}/s" if math.isinf(hi) else f"{lo:g}-{hi:g}/s")
+            for lo, hi in zip(RATE_BINS, RATE_BINS[1:], strict=False)]
+    return split(batches, priced, rates, bins)
 
 
 def run_speed(batch_log: Path, offset: int, cost_model: CostModel, frontend: FrontEnd | None,
@@ -120,7 +132,7 @@ def run_speed(batch_log: Path, offset: int, cost_model: CostModel, frontend: Fro
     if not batch_log.exists():
         return RunSpeed(math.nan, 0)
     batches, _ = read_batches(batch_log, offset)
-    rates = rates_before([b.start for b in batches], sent_s) if frontend is not None else [0.0] * len(batches)
+    rates = rates_before([b.start for b in batches], sent_s)
     priced = priced_seconds(batches, cost_model, frontend, rates)
     return dataclasses.replace(speed_of(batches, priced), by_idle=by_idle(batches, priced),
-                               by_size=by_size(batches, priced))
+                               by_size=by_size(batches, priced), by_rate=by_rate(batches, priced, rates))
