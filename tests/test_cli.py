@@ -76,7 +76,7 @@ def test_task_detection_and_override_from_the_checkpoint(tmp_path: Path) -> None
 def test_llm_engine_flags_override_the_config_files_llm_section(tmp_path: Path) -> None:
     from batchpilot.cli import build_parser
     from batchpilot.config_file import spec_from_args
-    from batchpilot.server.build import llm_overrides
+    from batchpilot.core.llm_deployment import resolve_llm_deployment
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text("llm: {max_num_seqs: 8, policy: priority, block_size: 32}\n")
@@ -88,7 +88,7 @@ def test_llm_engine_flags_override_the_config_files_llm_section(tmp_path: Path) 
     assert (llm.max_num_seqs, llm.num_kv_blocks, llm.block_size, llm.policy) == (16, 512, 32, "priority")
     assert (llm.enable_chunked_prefill, llm.enable_prefix_caching) == (False, True)
     assert llm.max_priority_wait_s == 2.5
-    assert llm_overrides(spec)["max_num_seqs"] == 16  # what build_llm_engine is given
+    assert resolve_llm_deployment(spec).config.max_num_seqs == 16  # what build_llm_engine runs
     same = spec_from_args(parse(["simulate", "--target", "llm", "--config", str(cfg), "--max-num-seqs", "16",
                                  "--num-kv-blocks", "512", "--no-enable-chunked-prefill",
                                  "--enable-prefix-caching", "--max-priority-wait-s", "2.5"]))

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from batchpilot.cli import main
+from batchpilot.core.deployment import DeploymentSpec
 from batchpilot.core.kv_plan import KVPlanError, MemoryProfile
 from batchpilot.core.llm_config import LLMSchedulerConfig
 from batchpilot.runtime.llm_build import build_llm_engine, built_overhead
@@ -67,11 +68,13 @@ def test_simulate_plans_the_pool_from_the_profile_as_serve_does(tmp_path: Path,
     profile = tmp_path / "llm.json"
     profile.write_text(json.dumps({"cost_model": default_llm_cost_model().to_dict(),
                                    "memory": memory.to_dict(), "free_bytes": 2e9, "device": "cpu"}))
-    config, plan = planned_llm_config(LLMSchedulerConfig(memory_utilization=0.5), profile)
-    assert plan is not None and config.num_kv_blocks == plan.num_kv_blocks
+    budget = DeploymentSpec(llm=LLMSchedulerConfig(memory_utilization=0.5))
+    dep = planned_llm_config(budget, profile)
+    plan = dep.plan
+    assert plan is not None and dep.config.num_kv_blocks == plan.num_kv_blocks
     assert plan.planned_bytes <= 1e9
     with pytest.raises(ValueError, match="needs a profile with a 'memory' section"):
-        planned_llm_config(LLMSchedulerConfig(memory_utilization=0.5), None)
+        planned_llm_config(budget, None)
     rc = main(["simulate", "--workload", "conv-llm", "--requests", "40", "--profile", str(profile),
                "--memory-utilization", "0.5"])
     out = capsys.readouterr().out
@@ -88,13 +91,16 @@ def test_a_length_the_user_gave_reaches_the_builder_even_at_its_default_value(tm
     import argparse
 
     from batchpilot.config_file import add_deployment_args, add_llm_args, spec_from_args
-    from batchpilot.server.build import llm_overrides
+    from batchpilot.core.llm_deployment import LLMModelLimits, resolve_llm_deployment
+
+    def length(spec: DeploymentSpec) -> int:  # what the builder runs on a model of 4096 positions
+        return resolve_llm_deployment(spec, LLMModelLimits(max_model_len=4096)).config.max_model_len
 
     p = argparse.ArgumentParser()
     add_deployment_args(p)
     add_llm_args(p)
-    assert "max_model_len" not in llm_overrides(spec_from_args(p.parse_args([])))
-    assert llm_overrides(spec_from_args(p.parse_args(["--max-model-len", "2048"])))["max_model_len"] == 2048
+    assert length(spec_from_args(p.parse_args([]))) == 4096  # not given: the model's own
+    assert length(spec_from_args(p.parse_args(["--max-model-len", "2048"]))) == 2048  # given, at its default
     cfg = tmp_path / "llm.yaml"
     cfg.write_text("llm:\n  kv_cache_memory: 64MiB\n  swap_space: 2\n")
     spec = spec_from_args(p.parse_args(["--config", str(cfg)]))

@@ -132,10 +132,12 @@ def add_deployment_args(p: argparse.ArgumentParser, *, config_help: str | None =
     g.add_argument("--num-slots", type=int, default=None, help="override encoder.num_slots")
     g.add_argument("--max-concurrency", type=int, default=None,
                    help="requests in progress at once before 503 (server.max_concurrency, default 512; "
-                        "0 = no limit)")
+                        "0 = no limit); given, it also bounds the LLM engine's admitted sequences unless "
+                        "llm.max_waiting_seqs is set (core/llm_deployment.py)")
     g.add_argument("--request-timeout-s", type=float, default=None,
                    help="answer 504 when a request is not done by then (server.request_timeout_s, "
-                        "default 60)")
+                        "default 60); given, it also applies to the LLM routes unless "
+                        "llm.request_timeout_s is set (their own default: 600)")
     g.add_argument("--latency-sla", type=float, default=None, metavar="S",
                    help="declare a latency SLA in seconds: refuse (503) a request whose predicted "
                         "completion would miss it (server.latency_sla_s; default none: no shedding)")

@@ -32,7 +32,8 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
                    help=f"llm.policy (default {d.policy})")
     g.add_argument("--llm-request-timeout-s", type=float, default=None, dest="llm_request_timeout_s",
                    help=f"llm.request_timeout_s: a completion not done by then ends with 504 (or an SSE "
-                        f"error event) and its sequence is freed (default {d.request_timeout_s:g})")
+                        f"error event) and its sequence is freed (default: --request-timeout-s when "
+                        f"given, else {d.request_timeout_s:g})")
     m = p.add_argument_group("LLM memory (docs/llm.md, \"Memory planning\")")
     m.add_argument("--kv-cache-memory", type=_size(""), default=None, metavar="SIZE",
                    help="llm.kv_cache_memory: bytes of KV cache (4GiB, 512MiB, 2e9); sizes the pool")

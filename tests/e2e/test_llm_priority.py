@@ -1,11 +1,11 @@
 """Priorities and aging over HTTP, with the official ``openai`` client against the app ``serve --llm`` builds.
 
-Each engine is built the way ``serve --llm --config`` builds it (the config file's ``llm:`` section through
-``llm_overrides``) with ``policy: priority`` and one sequence at a time, so the order in which requests
-get their first token is the scheduler's order and nothing else. Engine steps are held by a gate while
-the requests arrive; the order is read from the engine's token events, not from wall-clock timings. The
-only wall-clock wait is the aging test's: it waits until a request has queued past the (short) aging
-bound, a wait that a slow machine only lengthens.
+Each engine is built the way ``serve --llm --config`` builds it (the config file's deployment through
+``build_llm_engine(model, spec)``) with ``policy: priority`` and one sequence at a time, so the order in
+which requests get their first token is the scheduler's order and nothing else. Engine steps are held by
+a gate while the requests arrive; the order is read from the engine's token events, not from wall-clock
+timings. The only wall-clock wait is the aging test's: it waits until a request has queued past the
+(short) aging bound, a wait that a slow machine only lengthens.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from inproc import FaultyExecutor, StepGate, live_server, llm_router, wait_for
 
 from batchpilot.config_file import load_spec
 from batchpilot.runtime.llm_engine import LLMEngine, TokenEvent, build_llm_engine
-from batchpilot.server.build import llm_overrides
 
 URGENT, LOW = -10, 10
 AGING_S = 0.5  # the aging engine's max_priority_wait_s
@@ -67,7 +66,7 @@ def engine_from_config(tmp: Path, llm_section: str) -> LLMEngine:
     """What ``serve --llm --config FILE`` does with the file's ``llm:`` section."""
     path = tmp / "deploy.yaml"
     path.write_text(f"llm:\n{llm_section}")
-    return build_llm_engine(None, **TINY, **llm_overrides(load_spec(path)))
+    return build_llm_engine(None, load_spec(path), **TINY)
 
 
 @pytest.fixture(scope="module")

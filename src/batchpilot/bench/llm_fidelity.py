@@ -5,9 +5,10 @@
 1. Step cost model: ``--profile``, or ``models.llm.profile.profile_llm_steps`` run here on the engine the
    server builds, pinned to ``--cpus`` like the server. Both come before the server starts: the
    prediction uses the profile and nothing measured afterwards.
-2. Engine config: the config file's ``llm:`` section, applied as ``serve`` applies it
-   (``build_llm_engine(model, **server.build.llm_overrides(spec))``, not started); ``serve --llm`` gets
-   the same deployment flags (``--config`` included).
+2. Engine config: the deployment resolved as ``serve`` resolves it (``build_llm_engine(model, spec=spec)``,
+   not started: ``core.llm_deployment.resolve_llm_deployment`` with the model's limits and memory, the
+   server-wide timeout and concurrency included); ``serve --llm`` gets the same deployment flags
+   (``--config`` included), so the simulator refuses and expires what the server does.
 3. Capacity from the simulator (``sim.llm.simulate_llm``): the highest rate scale of the ``--requests``
    rows whose simulated TTFT P99 meets ``--sla``.
 4. At each ``--loads`` fraction of it (default 50% and 80%), the simulator and the live server replay the
@@ -64,7 +65,6 @@ def engine_config_and_profile(out: Path, spec: Any, profile: str | None, cpus: s
     and the serving path around it (``server.llm_serving_profile``; nothing added when the profile lacks it).
     """
     from ..runtime.llm_engine import build_llm_engine
-    from ..server.build import llm_overrides
 
     saved = os.sched_getaffinity(0) if cpus and hasattr(os, "sched_getaffinity") else None
     if saved is not None:
@@ -73,7 +73,7 @@ def engine_config_and_profile(out: Path, spec: Any, profile: str | None, cpus: s
         os.sched_setaffinity(0, cores(cpus))  # type: ignore[arg-type]
     try:
         threads = len(os.sched_getaffinity(0)) if saved is not None else 0
-        engine = build_llm_engine(model, start=False, threads=threads, **llm_overrides(spec))
+        engine = build_llm_engine(model, spec, start=False, threads=threads)
         config = engine.config
         if profile:
             cost_model = CostModel.load(profile)

@@ -94,15 +94,17 @@ class ModelOptions:
 class DeploymentSpec:
     """One config file, four sections: ``encoder`` (``SchedulerConfig``), ``llm``
     (``LLMSchedulerConfig``), ``server`` (``ServingOptions``) and ``model`` (``ModelOptions``).
-    Unknown keys are errors. ``llm_given``: the ``llm:`` keys the user set (in the file or by a flag),
-    even to their default value; the engine builder needs to know, e.g., whether ``max_model_len`` was
-    asked for or is the model's own."""
+    Unknown keys are errors. ``llm_given`` and ``server_given``: the ``llm:`` and ``server:`` keys the
+    user set (in the file or by a flag), even to their default value; the LLM deployment needs to know,
+    e.g., whether ``max_model_len`` was asked for or is the model's own, and whether
+    ``request_timeout_s`` was set for every route (``core/llm_deployment.py``)."""
 
     encoder: SchedulerConfig = field(default_factory=SchedulerConfig)
     llm: LLMSchedulerConfig = field(default_factory=LLMSchedulerConfig)
     server: ServingOptions = field(default_factory=ServingOptions)
     model: ModelOptions = field(default_factory=ModelOptions)
     llm_given: frozenset[str] = field(default=frozenset(), compare=False)  # provenance, not a setting
+    server_given: frozenset[str] = field(default=frozenset(), compare=False)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> DeploymentSpec:
@@ -124,11 +126,12 @@ class DeploymentSpec:
                     llm[key] = parse_bytes(llm[key], unit)
                 except ValueError as exc:
                     raise ValueError(f"config: llm.{key}: {exc}") from exc
+        server = dict(data.get("server") or {})
         return cls(encoder=SchedulerConfig.from_dict(data.get("encoder")),
                    llm=_build(LLMSchedulerConfig, "llm", llm),
-                   server=_build(ServingOptions, "server", dict(data.get("server") or {})),
+                   server=_build(ServingOptions, "server", server),
                    model=_build(ModelOptions, "model", dict(data.get("model") or {})),
-                   llm_given=frozenset(llm))
+                   llm_given=frozenset(llm), server_given=frozenset(server))
 
     def to_dict(self) -> dict[str, Any]:
         llm = dataclasses.asdict(self.llm)
@@ -142,11 +145,13 @@ class DeploymentSpec:
                 model: ModelOptions | None = None, llm_given: frozenset[str] = frozenset(),
                 **server: Any) -> DeploymentSpec:
         """A copy with some sections replaced and some ``server`` options changed (flags on top of a file;
-        ``None`` values are ignored, so unset flags keep the file's); ``llm_given`` joins the given keys."""
+        ``None`` values are ignored, so unset flags keep the file's); ``llm_given`` joins the given keys,
+        and so do the ``server`` options changed."""
         changed = {k: v for k, v in server.items() if v is not None}
         return DeploymentSpec(encoder or self.encoder, llm or self.llm,
                               dataclasses.replace(self.server, **changed) if changed else self.server,
-                              model or self.model, self.llm_given | llm_given)
+                              model or self.model, self.llm_given | llm_given,
+                              self.server_given | frozenset(changed))
 
 
 @dataclass(frozen=True)

@@ -28,10 +28,11 @@ PREEMPTION_MODES: tuple[PreemptionMode, ...] = ("recompute", "swap", "auto")
 class LLMSchedulerConfig:
     """Limits of one engine. ``num_kv_blocks * block_size`` is the KV capacity in tokens.
 
-    ``max_waiting_seqs`` and ``request_timeout_s`` bound the engine that drives this scheduler (the
-    scheduler itself never refuses for load, and reads time only to age priorities): it admits at most
-    ``max_num_seqs + max_waiting_seqs`` sequences at once, and aborts a sequence that has not finished
-    ``request_timeout_s`` after it arrived.
+    ``max_waiting_seqs`` and ``request_timeout_s`` bound admission (``core/llm_admission.py``, which
+    every driver calls): at most ``max_num_seqs + max_waiting_seqs`` sequences admitted at once, and a
+    request's deadline ``request_timeout_s`` after it was received (sooner if it asks), past which
+    ``LLMScheduler.expire`` ends it. Unless set, ``core/llm_deployment.py`` takes them from the
+    ``server:`` settings the user gave (``max_concurrency``, ``request_timeout_s``).
 
     ``max_priority_wait_s`` (policy ``priority`` only; 0 = strict priority, no aging): a sequence that
     has waited this long since its arrival goes ahead of every younger one, in arrival order (see

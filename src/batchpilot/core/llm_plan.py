@@ -3,6 +3,7 @@
     ScheduledChunk   compute KV for some tokens of one sequence (a prefill chunk or one decode)
     StepPlan         the chunks of one step, the sequences it preempted and the KV block copies of
                      swapping (made before the forward); ``shape`` is what the cost model prices
+    SeqOutput        what one sequence produced in a step: a new token, and maybe its end
     decode_groups    how the runner splits a step's decodes into runs padded to their own longest
                      context (shared with the cost model's KV feature, so both agree on a step's reads)
 """
@@ -12,7 +13,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .costmodel import StepShape
-from .sequence import Sequence
+from .sequence import FinishReason, Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class SeqOutput:
+    """What one sequence produced in a step: a new token, and maybe its end."""
+
+    seq_id: int
+    token_id: int
+    finish_reason: FinishReason | None
 
 
 @dataclass(frozen=True, slots=True)

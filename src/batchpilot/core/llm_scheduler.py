@@ -24,36 +24,27 @@ sequence was running, so resuming it first adds no work the bounds above do not 
 plan lists the block copies (``swap_out`` before ``swap_in``, never both in one step) the driver makes
 before the step's forward.
 
-Time enters only as an argument: the driver (engine thread, simulator, test) calls ``schedule(now)`` on
-the clock its arrivals are stamped with, runs the plan, and hands the sampled tokens to ``update``.
-"""
+Time enters only as an argument: the driver (engine thread, simulator, test) calls ``expire(now)`` and
+``schedule(now)`` on the clock its arrivals are stamped with, runs the plan, and hands the sampled
+tokens to ``update``. Admission (which requests enter at all) is ``core/llm_admission.py``'s."""
 
 from __future__ import annotations
 
 import bisect
 import math
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
 
 from .block_manager import BlockManager, BlockStats
+from .llm_admission import past_deadline
 from .llm_config import LLMPolicy, LLMSchedulerConfig, PreemptionMode
 from .llm_fits import never_fits
-from .llm_plan import DECODE_MAX_GROUPS, DECODE_MIN_GROUP, ScheduledChunk, StepPlan, decode_groups
+from .llm_plan import DECODE_MAX_GROUPS, DECODE_MIN_GROUP, ScheduledChunk, SeqOutput, StepPlan, decode_groups
 from .preemption import PreemptionCosts, PreemptionCounters, choose
 from .sequence import FinishReason, SeqStatus, Sequence
 from .swap_space import SwapSpace
 
 __all__ = ["DECODE_MAX_GROUPS", "DECODE_MIN_GROUP", "LLMPolicy", "LLMScheduler", "LLMSchedulerConfig",
            "PreemptionCosts", "PreemptionMode", "ScheduledChunk", "SeqOutput", "StepPlan", "decode_groups"]
-
-
-@dataclass(frozen=True, slots=True)
-class SeqOutput:
-    """What one sequence produced in a step: a new token, and maybe its end."""
-
-    seq_id: int
-    token_id: int
-    finish_reason: FinishReason | None
 
 
 class LLMScheduler:
@@ -139,7 +130,7 @@ class LLMScheduler:
         self._insert(self.waiting, seq)
         return None
 
-    def abort(self, seq_id: int) -> bool:
+    def abort(self, seq_id: int, reason: FinishReason = FinishReason.ABORT) -> bool:
         """Cancel a sequence wherever it is and free its blocks (device or host). False if unknown or
         finished."""
         seq = self.seqs.get(seq_id)
@@ -148,8 +139,16 @@ class LLMScheduler:
         swapped = self.swap_space.has(seq_id)
         queue = self.running if seq.status is SeqStatus.RUNNING else self.swapped if swapped else self.waiting
         queue.remove(seq)
-        self._finish(seq, FinishReason.ABORT)
+        self._finish(seq, reason)
         return True
+
+    def expire(self, now: float) -> list[Sequence]:
+        """Finish (``EXPIRED``) and free every sequence past its ``deadline`` at ``now``, wherever it is;
+        returns them. Drivers call it before each step (``core/llm_admission.py``)."""
+        late = [seq for seq in self.seqs.values() if past_deadline(seq, now)]
+        for seq in late:
+            self.abort(seq.seq_id, FinishReason.EXPIRED)
+        return late
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self.block_manager.free(seq.seq_id)

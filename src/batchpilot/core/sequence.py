@@ -35,6 +35,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens or the model's context limit
     ABORT = "abort"  # cancelled by the client
     REJECTED = "rejected"  # can never fit: see Sequence.reject_reason
+    EXPIRED = "expired"  # its deadline passed first (``LLMScheduler.expire``; the server's 504)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +73,9 @@ class SamplingParams:
 
 @dataclass(slots=True, eq=False)
 class Sequence:
-    """A prompt and its growing output. ``priority``: lower is more urgent (vLLM convention)."""
+    """A prompt and its growing output. ``priority``: lower is more urgent (vLLM convention).
+    ``deadline``: when the driver gives up on it, on the clock of ``arrival`` (None: never;
+    ``core/llm_admission.request_deadline``)."""
 
     seq_id: int
     prompt_token_ids: list[int]
@@ -86,6 +89,7 @@ class Sequence:
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     reject_reason: str | None = None
+    deadline: float | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -8,6 +8,8 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any
 
+from ..core.deployment import DeploymentSpec
+from ..core.llm_deployment import LLMModelLimits
 from ..core.llm_scheduler import LLMSchedulerConfig
 
 log = logging.getLogger("batchpilot.llm")
@@ -20,10 +22,14 @@ if TYPE_CHECKING:
 _SCHED_FIELDS = {f.name for f in dataclasses.fields(LLMSchedulerConfig)}
 
 
-def build_llm_engine(model_path: str | None = None, **engine_config: Any) -> LLMEngine:
+def build_llm_engine(model_path: str | None = None, spec: DeploymentSpec | None = None,
+                     **engine_config: Any) -> LLMEngine:
     """Model, tokenizer, paged KV runner and scheduler, started and ready for ``generate``.
 
-    ``engine_config`` keys: any ``LLMSchedulerConfig`` field (``max_num_seqs``,
+    ``spec``: the deployment whose ``llm:`` section (and server-wide settings) the engine runs, as
+    ``serve --llm`` resolves it (``core.llm_deployment.resolve_llm_deployment``: request timeout,
+    admission bound, the model's length and EOS, the KV plan). ``engine_config`` keys: any
+    ``LLMSchedulerConfig`` field, set on top of ``spec``'s ``llm:`` section (``max_num_seqs``,
     ``max_num_batched_tokens``, ``num_kv_blocks``, ``block_size``, ``max_model_len``, ``policy``,
     ``enable_chunked_prefill``, ``enable_prefix_caching``, ``max_waiting_seqs``, ``request_timeout_s``),
     any ``LLMModelConfig`` field for the random default model (``num_hidden_layers``, ``hidden_size``,
@@ -36,7 +42,7 @@ def build_llm_engine(model_path: str | None = None, **engine_config: Any) -> LLM
     The KV pool is sized by ``core.kv_plan.plan_kv`` (``kv_cache_memory``, ``memory_utilization`` of the
     free memory read before the model loads, or ``num_kv_blocks``) and checked there; a pool too small
     for the model's positions lowers ``max_model_len`` when it was not given, and is an error when it
-    was (``KVPlanError`` says what to change).
+    was (``KVPlanError`` says what to change). ``engine.deployment`` keeps the resolved deployment.
     """
     import torch
 
@@ -60,6 +66,9 @@ def build_llm_engine(model_path: str | None = None, **engine_config: Any) -> LLM
     model_fields = {f.name for f in dataclasses.fields(LLMModelConfig)}
     model_kw = {k: cfg.pop(k) for k in list(cfg) if k in model_fields}
     sched_kw = {k: cfg.pop(k) for k in list(cfg) if k in _SCHED_FIELDS}
+    spec = spec or DeploymentSpec()
+    if sched_kw:
+        spec = spec.replace(llm=dataclasses.replace(spec.llm, **sched_kw), llm_given=frozenset(sched_kw))
     name = str(cfg.pop("model_name", model_path or "batchpilot-tiny-llama"))
     if cfg:
         raise ValueError(f"build_llm_engine: unknown option(s) {sorted(cfg)}; see the docstring for the keys")
@@ -78,24 +87,24 @@ def build_llm_engine(model_path: str | None = None, **engine_config: Any) -> LLM
     eos = set(weights.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
-    max_len_given = "max_model_len" in sched_kw
-    sched_kw.setdefault("max_model_len", weights.max_position_embeddings)
-    sched_kw.setdefault("eos_token_ids", tuple(sorted(eos)))
     from ..models.llm.memory_profile import weights_memory
     from .llm_memory import plan_engine_memory
 
     # on CPU the process's growth while loading, beyond the weights, is memory the plan must leave room for
     overhead = 0.0 if device.startswith("cuda") else max(
         0.0, used_memory_bytes(device) - held_before - weights_memory(weights, dtype).weights_bytes)
-    plan, memory = plan_engine_memory(weights, LLMSchedulerConfig(**sched_kw), device, dtype, free_bytes,
-                                      memory_profile, max_len_given, overhead)
-    config = plan.resolve(LLMSchedulerConfig(**sched_kw))
+    limits = LLMModelLimits(weights.max_position_embeddings, tuple(sorted(eos)))
+    deployment, memory = plan_engine_memory(weights, spec, limits, device, dtype, free_bytes, memory_profile,
+                                            overhead)
+    config, plan = deployment.config, deployment.plan
+    assert plan is not None  # planned from a memory profile
     runner = LLMModelRunner(weights, config.num_kv_blocks, config.block_size, device=device, dtype=dtype,
                             num_swap_blocks=config.num_swap_blocks)
     runner.max_gather_tokens = gather_tokens(config)
     engine = LLMEngine(runner, tokenizer, config, model_name=name, sampler=Sampler(sampler_seed),
                        tokenizer_threads=tokenizer_threads)
     engine.memory_plan, engine.memory_profile = plan, memory  # type: ignore[attr-defined]
+    engine.deployment = deployment  # type: ignore[attr-defined]
     # the fallback engine's model (runtime/llm_fallback.py): the HF module over the runner's tensors
     engine.hf_model = share_runner_weights(hf, runner.w)  # type: ignore[attr-defined]
     engine.memory_held_before = held_before  # type: ignore[attr-defined]

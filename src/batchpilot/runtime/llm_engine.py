@@ -4,14 +4,16 @@ asyncio callers ``submit`` token ids (all prompts of one request at once: admitt
 all) and iterate the ``LLMRequest`` handles they get; ``generate`` wraps one prompt as an async
 iterator. Requests and cancellations reach the thread through a queue, tokens come back with
 ``call_soon_threadsafe``. Closing a request early (client disconnect, ``break``, task cancelled)
-aborts the sequence and frees its KV blocks; so does its deadline passing (``RequestTimedOut``).
+aborts the sequence and frees its KV blocks; so does its deadline passing (``RequestTimedOut``:
+``LLMScheduler.expire`` before each step).
 The thread owns the scheduler and the model: nothing else touches them, so the pure core needs no locks.
 A plan's KV block copies (swap preemption) run before its forward, priced at start-up for ``auto``
 (``models/llm/profile.engine_preemption_costs``). Failures: an exception in a model step fails exactly
 the sequences of that step (``GenerationFailed``; with those it swapped out when the copies failed);
 one anywhere else in the loop (scheduling, an observer, the stats) ends the loop, and every request
 still pending or running gets ``EngineStopped`` at once, as on shutdown. ``is_alive`` says which.
-Admission is bounded: at most ``max_num_seqs + max_waiting_seqs`` sequences at a time (``EngineBusy``).
+Admission is the core's (``core/llm_admission.py``): a request's prompts together or none, at most
+``max_num_seqs + max_waiting_seqs`` sequences at a time (``EngineBusy``; ``RequestRejected`` never fits).
 """
 
 from __future__ import annotations
@@ -24,13 +26,14 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from ..core.llm_admission import LLMAdmission
 from ..core.llm_scheduler import LLMScheduler, LLMSchedulerConfig, PreemptionCosts, StepPlan
 from ..core.request import IdCounter
 from ..core.sequence import SamplingParams, Sequence
 from ..models.llm.detokenizer import IncrementalDetokenizer, make_decode
 from ..models.llm.profile import engine_preemption_costs
 from .llm_build import build_llm_engine
-from .llm_errors import EngineBusy, EngineStopped, GenerationFailed, RequestRejected, RequestTimedOut
+from .llm_errors import EngineBusy, EngineStopped, GenerationFailed, RequestRejected, RequestTimedOut, refused
 from .llm_prompts import PromptEncoder
 from .llm_records import EngineCounters, EngineStats, GenerationOutput, StepRecord, TokenEvent, token_records
 from .llm_request import LLMRequest
@@ -67,8 +70,8 @@ class LLMEngine:
         self._stopping = False
         self._closed = False  # the loop has ended: nothing may enter the inbox
         self.failure: BaseException | None = None  # what ended the loop, if it died
-        self._admitted = 0  # requests submitted and not yet done (the queue bound counts these)
-        self.max_admitted = config.max_num_seqs + config.max_waiting_seqs
+        self.admission = LLMAdmission(config)  # sequences submitted and not yet done, under ``_lock``
+        self.max_admitted = self.admission.capacity
         self.observers: list[Callable[[TokenEvent], None]] = []
         self.step_observers: list[Callable[[StepRecord], None]] = []  # called on the engine thread
         self.counters = EngineCounters(window_s)
@@ -105,8 +108,10 @@ class LLMEngine:
         cheap check a server makes before it spends time tokenising them."""
         if not self.is_alive:
             raise EngineStopped
-        if self._admitted + n > self.max_admitted:
-            raise EngineBusy
+        with self._lock:
+            refusal = self.admission.room(n)
+        if refusal is not None:
+            raise refused(refusal)
 
     def submit(self, prompts: list[list[int]], params: SamplingParams | None = None, priority: int = 0,
                deadline: float | None = None) -> list[LLMRequest]:
@@ -117,19 +122,15 @@ class LLMEngine:
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         with self._lock:
-            seqs = [Sequence(self._ids(), ids, params, arrival=now, priority=priority) for ids in prompts]
-        for seq in seqs:
-            reason = self.scheduler.check_fits(seq)  # pure and config-only: safe from this thread
-            if reason is not None:
-                raise RequestRejected(reason)
-        reqs = [LLMRequest(seq, IncrementalDetokenizer(self._decode, params.stop), loop, deadline,
-                           self.abort, self._release) for seq in seqs]
-        with self._lock:
             if self._closed or self._stopping:
                 raise EngineStopped
-            if self._admitted + len(reqs) > self.max_admitted:
-                raise EngineBusy
-            self._admitted += len(reqs)
+            seqs = [Sequence(self._ids(), ids, params, arrival=now, priority=priority, deadline=deadline)
+                    for ids in prompts]
+            refusal = self.admission.admit(seqs)
+            if refusal is not None:
+                raise refused(refusal)
+            reqs = [LLMRequest(seq, IncrementalDetokenizer(self._decode, params.stop), loop, self.abort,
+                               self._release) for seq in seqs]
             self._inbox.put(("add", reqs))
         self._wake.set()
         return reqs
@@ -153,12 +154,12 @@ class LLMEngine:
 
     @property
     def num_pending(self) -> int:
-        """Requests admitted and not yet done (what the queue bound counts)."""
-        return self._admitted
+        """Sequences admitted and not yet done (what the queue bound counts)."""
+        return self.admission.num_admitted
 
     def _release(self) -> None:
         with self._lock:
-            self._admitted -= 1
+            self.admission.release()
 
     # -- engine thread -----------------------------------------------------------------------
     def _snapshot(self) -> EngineStats:
@@ -186,10 +187,9 @@ class LLMEngine:
         return self._streams.pop(seq_id, None)
 
     def _expire(self) -> None:
-        now = time.monotonic()
-        expired = [sid for sid, r in self._streams.items() if r.deadline is not None and r.deadline <= now]
-        for sid in expired:
-            req = self._drop(sid)
+        for seq in self.scheduler.expire(time.monotonic()):  # aborted, blocks freed, by the core's rule
+            self.sampler.forget(seq.seq_id)
+            req = self._streams.pop(seq.seq_id, None)
             if req is not None:
                 self.counters.num_timed_out += 1
                 req.put(RequestTimedOut())

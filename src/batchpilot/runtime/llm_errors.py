@@ -1,8 +1,11 @@
 """Why an LLM request did not (or will not) finish normally. Each has a stable ``code``; the HTTP layer
 answers with a fixed message per code, and only ``RequestRejected`` carries a message meant for the
-client (what the request asked for and what this engine allows)."""
+client (what the request asked for and what this engine allows). ``refused`` turns the core's
+admission refusal (``core/llm_admission.py``) into the error the engine raises."""
 
 from __future__ import annotations
+
+from ..core.llm_admission import NEVER_FITS, LLMRefusal
 
 
 class RequestRejected(ValueError):
@@ -78,3 +81,11 @@ def is_out_of_memory(exc: BaseException | None) -> bool:
     if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
         return True
     return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+def refused(refusal: LLMRefusal) -> RequestRejected | EngineBusy:
+    """The core's refusal as the engine's error: never fits -> ``RequestRejected`` (400, its message
+    passed on), a full engine -> ``EngineBusy`` (503 + Retry-After)."""
+    if refusal.reason == NEVER_FITS:
+        return RequestRejected(refusal.message)
+    return EngineBusy(refusal.message, refusal.retry_after_s or 1.0)

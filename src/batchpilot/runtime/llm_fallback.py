@@ -3,19 +3,20 @@
 What serves completions while the continuous-batching engine cannot (``runtime/llm_failover.py``): no
 paged KV cache, no scheduler, nothing shared with the failed engine but the weights (the HF model's
 parameters are views of the runner's tensors, ``llm_build.share_runner_weights``: no second copy).
-Requests are taken first come, first served, up to ``max_batch_size`` per batch; a batch is
-left-padded, run by ``model.generate`` to its longest ``max_tokens``, and the next waits for it to end.
+Admission is the main engine's (``core/llm_admission.py``: the same refusals and bound). Requests are
+taken first come, first served, up to ``max_batch_size`` per batch; a batch is left-padded, run by
+``model.generate`` to its longest ``max_tokens``, and the next waits for it to end.
 
 Per request, inside the one ``generate`` call: tokens are chosen by the main engine's ``Sampler``
 (greedy is argmax, so greedy output is token-identical to the main engine's; sampled rows use their
 own seeded generators) through a logits processor that leaves HF only that token, and a stopping
 criterion ends each row on EOS, a stop token id, a stop string (the same incremental detokenizer),
-``max_tokens`` or the context length, on its deadline, or when its client leaves. Streaming is one
-``GenerationOutput`` per token, as the main engine streams. Same surface as ``LLMEngine`` for the
-failover: ``submit``, ``check_room``, ``abort``, ``is_alive``, ``num_pending``, ``start``, ``shutdown``,
-and for its watchdog ``busy_since`` (when the decoding step under way began), ``failure``,
-``step_observers`` (a ``StepRecord`` per decoding step) and ``abandon``. A failing ``generate`` fails
-its batch (``GenerationFailed``) and the thread goes on.
+``max_tokens`` or the context length, on its deadline (``past_deadline``), or when its client leaves.
+Streaming is one ``GenerationOutput`` per token, as the main engine streams. Same surface as
+``LLMEngine`` for the failover: ``submit``, ``check_room``, ``abort``, ``is_alive``, ``num_pending``,
+``start``, ``shutdown``, and for its watchdog ``busy_since`` (when the decoding step under way began),
+``failure``, ``step_observers`` (a ``StepRecord`` per decoding step) and ``abandon``. A failing
+``generate`` fails its batch (``GenerationFailed``) and the thread goes on.
 """
 
 from __future__ import annotations
@@ -31,12 +32,13 @@ from typing import Any
 
 import torch
 
-from ..core.llm_scheduler import LLMScheduler, LLMSchedulerConfig
+from ..core.llm_admission import LLMAdmission, past_deadline
+from ..core.llm_scheduler import LLMSchedulerConfig
 from ..core.request import IdCounter
 from ..core.sequence import SamplingParams, Sequence
 from ..models.llm.detokenizer import IncrementalDetokenizer, make_decode
 from ..models.llm.sampler import Sampler
-from .llm_errors import EngineBusy, EngineStopped, GenerationFailed, RequestRejected, RequestTimedOut
+from .llm_errors import EngineStopped, GenerationFailed, RequestTimedOut, refused
 from .llm_records import GenerationOutput, StepRecord
 from .llm_request import LLMRequest
 
@@ -55,7 +57,7 @@ class StaticFallback:
         self.model_name = model_name
         self.max_batch_size = max_batch_size
         self.sampler = sampler or Sampler()
-        self._fits = LLMScheduler(config)  # check_fits only: the same refusals as the main engine
+        self.admission = LLMAdmission(config)  # the main engine's rules and bound, under ``_lock``
         self._decode = make_decode(tokenizer)
         pad = getattr(tokenizer, "pad_token_id", None)
         self._pad = int(pad if pad is not None else (config.eos_token_ids or (0,))[0])
@@ -67,8 +69,7 @@ class StaticFallback:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._closed = False
-        self._admitted = 0
-        self.max_admitted = config.max_num_seqs + config.max_waiting_seqs
+        self.max_admitted = self.admission.capacity
         self.num_batches = 0
         self.num_requests = 0  # sequences admitted
         self.busy_since: float | None = None  # the decoding step under way began (monotonic)
@@ -96,13 +97,15 @@ class StaticFallback:
 
     @property
     def num_pending(self) -> int:
-        return self._admitted
+        return self.admission.num_admitted
 
     def check_room(self, n: int = 1) -> None:
         if not self.is_alive:
             raise EngineStopped
-        if self._admitted + n > self.max_admitted:
-            raise EngineBusy
+        with self._lock:
+            refusal = self.admission.room(n)
+        if refusal is not None:
+            raise refused(refusal)
 
     def submit(self, prompts: list[list[int]], params: SamplingParams | None = None, priority: int = 0,
                deadline: float | None = None) -> list[LLMRequest]:
@@ -110,19 +113,15 @@ class StaticFallback:
         params = params or SamplingParams()
         loop, now = asyncio.get_running_loop(), time.monotonic()
         with self._lock:
-            seqs = [Sequence(self._ids(), ids, params, arrival=now, priority=priority) for ids in prompts]
-        for seq in seqs:
-            reason = self._fits.check_fits(seq)  # pure and config-only
-            if reason is not None:
-                raise RequestRejected(reason)
-        reqs = [LLMRequest(seq, IncrementalDetokenizer(self._decode, params.stop), loop, deadline, self.abort,
-                           self._release) for seq in seqs]
-        with self._lock:
             if self._closed or self._stopping:
                 raise EngineStopped
-            if self._admitted + len(reqs) > self.max_admitted:
-                raise EngineBusy
-            self._admitted += len(reqs)
+            seqs = [Sequence(self._ids(), ids, params, arrival=now, priority=priority, deadline=deadline)
+                    for ids in prompts]
+            refusal = self.admission.admit(seqs)
+            if refusal is not None:
+                raise refused(refusal)
+            reqs = [LLMRequest(seq, IncrementalDetokenizer(self._decode, params.stop), loop, self.abort,
+                               self._release) for seq in seqs]
             self.num_requests += len(reqs)
             self._inbox.put(reqs)
         return reqs
@@ -155,7 +154,7 @@ class StaticFallback:
 
     def _release(self) -> None:
         with self._lock:
-            self._admitted -= 1
+            self.admission.release()
 
     # -- the fallback thread -----------------------------------------------------------------------
     def _loop(self) -> None:
@@ -202,7 +201,7 @@ class StaticFallback:
         with self._lock:
             aborted = req.seq_id in self._aborted
             self._aborted.discard(req.seq_id)
-        if not aborted and req.deadline is not None and req.deadline <= now:
+        if not aborted and past_deadline(req.seq, now):
             req.put(RequestTimedOut())
             return True
         return aborted

@@ -1,4 +1,5 @@
-"""The engine's memory plan at start-up: which ``MemoryProfile`` feeds ``core.kv_plan.plan_kv``.
+"""The engine's memory plan at start-up: which ``MemoryProfile`` feeds the deployment's KV plan
+(``core.llm_deployment.resolve_llm_deployment``, which runs ``core.kv_plan.plan_kv`` on it).
 
 * a profile file from ``batchpilot profile --llm`` (its ``"memory"`` section): measured before the
   run, checked to be of this model and precision (same KV bytes per token);
@@ -8,7 +9,8 @@
 * else the model's tensors alone (weights and KV bytes exact, no activation term): ``num_kv_blocks``
   is kept and only checked.
 
-The plan is logged and kept on the engine (``engine.memory_plan``) for ``/metrics``.
+The deployment's notes and plan are logged; the plan is kept on the engine (``engine.memory_plan``) for
+``/metrics``.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from ..core.kv_plan import KVPlan, MemoryProfile, plan_kv
+from ..core.deployment import DeploymentSpec
+from ..core.kv_plan import MemoryProfile
 from ..core.llm_config import LLMSchedulerConfig
+from ..core.llm_deployment import LLMDeployment, LLMModelLimits, resolve_llm_deployment
 
 log = logging.getLogger("batchpilot.llm")
 
@@ -65,20 +69,19 @@ def engine_memory(weights: Any, config: LLMSchedulerConfig, device: str, dtype: 
     return dataclasses.replace(mem, overhead_bytes=overhead_bytes)
 
 
-def plan_engine_memory(weights: Any, config: LLMSchedulerConfig, device: str, dtype: Any,
+def plan_engine_memory(weights: Any, spec: DeploymentSpec, model: LLMModelLimits, device: str, dtype: Any,
                        free_bytes: float | None, profile: MemoryProfile | str | Path | None = None,
-                       max_model_len_given: bool = True, overhead_bytes: float = 0.0
-                       ) -> tuple[KVPlan, MemoryProfile]:
-    """The engine's plan, logged; raises ``core.kv_plan.KVPlanError`` with what to change."""
-    mem = engine_memory(weights, config, device, dtype, profile, overhead_bytes)
-    plan = plan_kv(config, mem, free_bytes, swap_on_device=str(device).startswith("cpu"),
-                   cap_max_model_len=not max_model_len_given)
-    if plan.max_model_len != config.max_model_len:
-        log.warning("llm memory: the KV pool holds %d tokens, fewer than the model's %d positions: "
-                    "max_model_len lowered to %d (set it, or give more KV memory)", plan.num_kv_tokens,
-                    config.max_model_len, plan.max_model_len)
-    log.info("llm memory: %s", plan.describe())
-    return plan, mem
+                       overhead_bytes: float = 0.0) -> tuple[LLMDeployment, MemoryProfile]:
+    """The engine's deployment (``core.llm_deployment.resolve_llm_deployment`` on this memory), logged;
+    raises ``core.kv_plan.KVPlanError`` with what to change."""
+    mem = engine_memory(weights, spec.llm, device, dtype, profile, overhead_bytes)
+    dep = resolve_llm_deployment(spec, model, mem, free_bytes, swap_on_device=str(device).startswith("cpu"))
+    for note in dep.notes:
+        log.info("llm deployment: %s", note)
+    log.info("llm deployment: %s", dep.describe())
+    if dep.plan is not None:  # always: a memory profile was given
+        log.info("llm memory: %s", dep.plan.describe())
+    return dep, mem
 
 
 def profile_engine_memory(engine: Any, burst_seqs: int = 32, burst_prompt: int = 128,

@@ -19,10 +19,9 @@ from .llm_records import GenerationOutput
 
 class LLMRequest:
     def __init__(self, seq: Sequence, detok: IncrementalDetokenizer, loop: asyncio.AbstractEventLoop,
-                 deadline: float | None, abort: Callable[[int], None], on_done: Callable[[], None]) -> None:
+                 abort: Callable[[int], None], on_done: Callable[[], None]) -> None:
         self.seq = seq
         self.detok = detok
-        self.deadline = deadline  # engine clock (time.monotonic); None: none
         self.last_t: float | None = None  # engine side: when its last token left a step
         self._loop = loop
         self._q: asyncio.Queue[GenerationOutput | BaseException] = asyncio.Queue()
@@ -34,6 +33,11 @@ class LLMRequest:
     @property
     def seq_id(self) -> int:
         return self.seq.seq_id
+
+    @property
+    def deadline(self) -> float | None:
+        """The sequence's deadline (engine clock, ``time.monotonic``; None: none)."""
+        return self.seq.deadline
 
     # -- engine thread -----------------------------------------------------------------------
     def put(self, item: GenerationOutput | BaseException) -> None:

@@ -206,8 +206,8 @@ def _llm_router(settings: ServerConfig, spec: DeploymentSpec, rollout: RolloutSp
     if build is None:
         from ..runtime.llm_engine import build_llm_engine as build
     extra = {"memory_profile": settings.llm_profile} if settings.llm_profile else {}
-    engine = build(settings.llm_model, tokenizer_threads=settings.tokenizer_workers or 0,
-                   threads=settings.num_threads or 0, **extra, **llm_overrides(spec))
+    engine = build(settings.llm_model, spec=spec, tokenizer_threads=settings.tokenizer_workers or 0,
+                   threads=settings.num_threads or 0, **extra)
     from ..runtime.llm_build import build_failover, build_llm_arm
 
     fallback, stall_s = settings.llm_fallback, settings.llm_stall_timeout_s
@@ -257,14 +257,3 @@ def arm_overrides(primary: DeploymentSpec, arm: DeploymentSpec) -> dict[str, Any
     """The ``llm:`` settings of an arm that differ from the primary's."""
     return {f.name: getattr(arm.llm, f.name) for f in dataclasses.fields(arm.llm)
             if getattr(arm.llm, f.name) != getattr(primary.llm, f.name)}
-
-
-def llm_overrides(spec: DeploymentSpec) -> dict[str, Any]:
-    """The ``llm:`` settings the user set (``spec.llm_given``) or that differ from
-    ``LLMSchedulerConfig``'s defaults: the engine's own defaults (the model's position limit and EOS
-    tokens) stand for the rest."""
-    from ..core.llm_scheduler import LLMSchedulerConfig
-
-    default = LLMSchedulerConfig()
-    return {f.name: getattr(spec.llm, f.name) for f in dataclasses.fields(spec.llm)
-            if getattr(spec.llm, f.name) != getattr(default, f.name) or f.name in spec.llm_given}

@@ -9,8 +9,9 @@
 Streaming is SSE (``data: {chunk}`` lines, then ``data: [DONE]``); the first token is awaited before the
 response starts, so a request that cannot run gets a normal error body instead of a broken stream. A
 stream that fails later ends with an SSE error event (``data: {"error": {...}}``). Every request has a
-deadline: the engine's ``request_timeout_s``, or sooner with ``deadline_ms`` (body) or ``X-Deadline-Ms``;
-past it the answer is 504 (or the error event) and the sequences are aborted. Its priority is ``priority``
+deadline (``core.llm_admission.request_deadline``): the engine's resolved ``request_timeout_s``, or sooner
+with ``deadline_ms`` (body) or ``X-Deadline-Ms``; past it the answer is 504 (or the error event) and the
+sequences are aborted. Its priority is ``priority``
 (body) or else ``X-Priority`` (an integer; lower is served first under the engine's ``priority`` policy;
 a header that is not one is a 400). A request whose client leaves, or one of whose prompts fails, has
 all its sequences aborted and their KV blocks freed.
@@ -29,6 +30,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry
 
+from ..core.llm_admission import request_deadline
 from ..core.request import IdCounter
 from ..core.rollout import PRIMARY
 from ..runtime.llm_engine import GenerationOutput, LLMEngine, LLMRequest, RequestTimedOut, build_llm_engine
@@ -80,10 +82,9 @@ def make_llm_router(engine: LLMEngine | LLMFailover, registry: CollectorRegistry
         return engine.model_name
 
     def deadline_of(body: _SamplingFields, request: Request, received: float) -> float:
-        budget_s = float(engine.config.request_timeout_s)
         ms = body.deadline_ms if body.deadline_ms is not None else header_deadline_ms(
             request.headers.get("x-deadline-ms"))
-        return received + (budget_s if ms is None else min(budget_s, ms / 1000.0))
+        return request_deadline(engine.config, received, None if ms is None else ms / 1000.0)
 
     def priority_of(body: _SamplingFields, request: Request) -> int:
         if body.priority is not None:

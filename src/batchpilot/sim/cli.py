@@ -166,13 +166,14 @@ def run_simulate(args: argparse.Namespace) -> int:
         from .llm_memory import planned_llm_config
 
         try:
-            config, plan = planned_llm_config(spec.llm, args.profile, "max_model_len" in spec.llm_given)
+            dep = planned_llm_config(spec, args.profile)
         except ValueError as exc:
             console.print(f"[red]batchpilot simulate: {exc}[/]")
             return 2
-        if plan is not None:
-            console.print(f"llm memory: {plan.describe()}")
-        return int(llm.simulate_cli(args, workload, console, config))
+        console.print("\n".join(f"llm deployment: {line}" for line in (*dep.notes, dep.describe())))
+        if dep.plan is not None:
+            console.print(f"llm memory: {dep.plan.describe()}")
+        return int(llm.simulate_cli(args, workload, console, dep.config))
     cost_model = load_cost_model(args, console)
     try:
         deployment = resolve(spec, cost_model)

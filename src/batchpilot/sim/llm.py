@@ -8,6 +8,13 @@ conv-llm, so only lengths matter), and records first-token and finish times. The
 manager, budgets and preemption are the ones the live engine runs, so TTFT and TPOT predicted here
 follow the same policy.
 
+Admission and deadlines are the live engine's (``core/llm_admission.py``): each arrival is one request
+of one prompt, admitted by ``LLMAdmission.admit`` (refused when it never fits, 400, or when
+``max_num_seqs + max_waiting_seqs`` sequences are already admitted, 503) with the routes' deadline
+(``request_deadline``: arrival + ``request_timeout_s``); before each step ``LLMScheduler.expire(now)``
+ends the sequences past it (504). A refused or expired request counts in ``rejected`` (its reason: the
+server's error code), not as finished, as the load generator counts an error answer or error event.
+
 Preemption by swap: the scheduler gets the same ``PreemptionCosts`` the step is priced with, and a step
 that swaps costs ``cost_model.latency(plan.shape)`` plus its block copies
 (``PreemptionCosts.swap_s(len(plan.swap_out), len(plan.swap_in))``). The copy figures come from the
@@ -19,18 +26,19 @@ accident.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from ..core.costmodel import LLM_FEATURES, CostModel
+from ..core.llm_admission import NEVER_FITS, TIMEOUT, LLMAdmission, request_deadline
 from ..core.llm_scheduler import LLMScheduler, LLMSchedulerConfig, StepPlan
 from ..core.preemption import SWAP_META_KEYS, PreemptionCosts, PreemptionCounters
 from ..core.sequence import SamplingParams, Sequence
 from .engine import Engine, EngineStats, Job
 from .llm_frontend import LLMFrontEnd
+from .llm_report import LLMRecord, LLMSimReport, summarize_llm
 from .traces import Workload
 
 
@@ -62,27 +70,6 @@ def sim_preemption_costs(cost_model: CostModel, block_size: int | None = None) -
     return PreemptionCosts.from_cost_model(cost_model, float(out) * scale, float(back) * scale)
 
 
-@dataclass
-class LLMRecord:
-    """Per request: arrival, first token, finish (NaN until then), tokens out; per step: shape and time."""
-
-    n: int
-    first_token_s: list[float] = field(default_factory=list)
-    finish_s: list[float] = field(default_factory=list)
-    num_output: list[int] = field(default_factory=list)
-    rejected: list[str | None] = field(default_factory=list)
-    step_start: list[float] = field(default_factory=list)
-    step_duration: list[float] = field(default_factory=list)
-    step_tokens: list[int] = field(default_factory=list)
-    step_seqs: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.first_token_s = [math.nan] * self.n
-        self.finish_s = [math.nan] * self.n
-        self.num_output = [0] * self.n
-        self.rejected = [None] * self.n
-
-
 class LLMTarget:
     """``SimTarget`` driving an ``LLMScheduler``. Sequence id = workload row index."""
 
@@ -93,6 +80,7 @@ class LLMTarget:
             raise ValueError(f"LLM target: the cost model has features {cost_model.feature_names}, an LLM "
                              f"step model needs {LLM_FEATURES}; profile the LLM (not the encoder)")
         self.scheduler = scheduler
+        self.admission = LLMAdmission(scheduler.config)
         self.workload = workload
         self.cost_model = cost_model
         self.preemption_costs = preemption_costs or sim_preemption_costs(cost_model,
@@ -116,14 +104,25 @@ class LLMTarget:
         base = 3 + (index * 7919) % 4000
         params = SamplingParams(max_tokens=n_out, ignore_eos=True)
         seq = Sequence(index, [base + i for i in range(n_in)], params, arrival=now,
-                       priority=int(self._prio[index]))
-        reason = self.scheduler.add(seq)
-        if reason is not None:
-            self.record.rejected[index] = reason
-            self.record.finish_s[index] = now
+                       priority=int(self._prio[index]), deadline=request_deadline(self.scheduler.config, now))
+        refusal = self.admission.admit([seq])
+        if refusal is not None:
+            self._end(index, refusal.reason, now)
+        elif self.scheduler.add(seq) is not None:  # unreachable: admission ran the same fit test
+            self.admission.release()
+            self._end(index, NEVER_FITS, now)
+
+    def _end(self, index: int, reason: str, now: float) -> None:
+        self.record.rejected[index] = reason
+        self.record.finish_s[index] = now
 
     def schedule(self, now: float, free_slots: int) -> tuple[list[Job], float | None]:
-        if free_slots == 0 or not self.scheduler.has_unfinished():
+        if free_slots == 0:
+            return [], None
+        for seq in self.scheduler.expire(now):  # before each step, as the engine thread
+            self.admission.release()
+            self._end(seq.seq_id, TIMEOUT, now)
+        if not self.scheduler.has_unfinished():
             return [], None
         plan = self.scheduler.schedule(now)  # the same clock as the arrivals: priorities age as live
         if plan.is_empty:
@@ -151,43 +150,7 @@ class LLMTarget:
             rec.num_output[i] += 1
             if out.finish_reason is not None:
                 rec.finish_s[i] = now
-
-
-@dataclass
-class LLMSimReport:
-    num_requests: int
-    num_finished: int
-    num_rejected: int
-    duration_s: float
-    output_tokens_per_s: float
-    ttft_p50: float
-    ttft_p99: float
-    tpot_p50: float
-    tpot_p99: float
-    e2e_p50: float
-    e2e_p99: float
-    num_preemptions: int
-    num_steps: int
-    mean_step_tokens: float
-    mean_step_s: float = math.nan
-    mean_step_seqs: float = math.nan
-    num_swapped_out: int = 0  # preemptions that swapped (the rest of num_preemptions recomputed)
-    num_recomputed_tokens: int = 0  # computed tokens recompute preemptions threw away
-
-    def rows(self) -> list[tuple[str, str]]:
-        ms = lambda x: f"{x * 1e3:.1f} ms"  # noqa: E731
-        return [
-            ("requests (finished / rejected)",
-             f"{self.num_finished} / {self.num_rejected} of {self.num_requests}"),
-            ("output tokens/s", f"{self.output_tokens_per_s:.1f}"),
-            ("TTFT p50 / p99", f"{ms(self.ttft_p50)} / {ms(self.ttft_p99)}"),
-            ("TPOT p50 / p99", f"{ms(self.tpot_p50)} / {ms(self.tpot_p99)}"),
-            ("end-to-end p50 / p99", f"{self.e2e_p50:.2f} s / {self.e2e_p99:.2f} s"),
-            ("steps (mean tokens per step)", f"{self.num_steps} ({self.mean_step_tokens:.1f})"),
-            ("preemptions (swapped / recomputed)", f"{self.num_preemptions} ({self.num_swapped_out} / "
-                                                   f"{self.num_preemptions - self.num_swapped_out})"),
-            ("recomputed tokens", str(self.num_recomputed_tokens)),
-        ]
+                self.admission.release()
 
 
 @dataclass
@@ -202,33 +165,8 @@ class LLMSimRun:
     preemption_costs: PreemptionCosts | None = None
 
     def report(self, warmup_s: float = 0.0) -> LLMSimReport:
-        rec = self.record
-        arr = self.workload.arrival_s
-        first, fin = np.asarray(rec.first_token_s), np.asarray(rec.finish_s)
-        nout = np.asarray(rec.num_output)
-        done = ~np.isnan(fin) & (nout > 0) & (arr >= warmup_s)
-        ttft = (first - arr)[done]
-        multi = done & (nout > 1)
-        tpot = ((fin - first)[multi] / (nout[multi] - 1))
-        e2e = (fin - arr)[done]
-
-        def q(x: np.ndarray, p: float) -> float:
-            return float(np.percentile(x, p)) if x.size else math.nan
-
-        span = float(np.nanmax(fin) - arr[0]) if done.any() else 0.0
-        return LLMSimReport(
-            num_requests=len(arr), num_finished=int(done.sum()),
-            num_rejected=sum(r is not None for r in rec.rejected), duration_s=span,
-            output_tokens_per_s=float(nout[done].sum() / span) if span > 0 else 0.0,
-            ttft_p50=q(ttft, 50), ttft_p99=q(ttft, 99), tpot_p50=q(tpot, 50), tpot_p99=q(tpot, 99),
-            e2e_p50=q(e2e, 50), e2e_p99=q(e2e, 99), num_preemptions=self.num_preemptions,
-            num_steps=len(rec.step_start),
-            mean_step_tokens=float(np.mean(rec.step_tokens)) if rec.step_tokens else 0.0,
-            mean_step_s=float(np.mean(rec.step_duration)) if rec.step_duration else math.nan,
-            mean_step_seqs=float(np.mean(rec.step_seqs)) if rec.step_seqs else math.nan,
-            num_swapped_out=self.preemption.num_swapped_out,
-            num_recomputed_tokens=self.preemption.num_recomputed_tokens,
-        )
+        return summarize_llm(self.record, self.workload.arrival_s, self.num_preemptions, self.preemption,
+                             warmup_s)
 
 
 def simulate_llm(workload: Workload, config: LLMSchedulerConfig | None = None,
