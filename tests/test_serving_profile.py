@@ -11,7 +11,6 @@ import math
 import threading
 from typing import Any
 
-import numpy as np
 import pytest
 
 from batchpilot.core.costmodel import CostModel
@@ -90,10 +89,10 @@ def test_any_executor_with_its_own_texts() -> None:
     assert len(frontend.loaded_residuals) == loaded["batches"]
     assert frontend.batch_seconds(0.002) == pytest.approx(
         frontend.loaded_alpha * 0.002 + frontend.loaded_const_s)
-    # the CPU each request cost outside the model thread is accounted and reported, not priced
+    # the slope is the CPU each request cost outside the model thread, accounted, times alpha
     cpu = loaded["cpu"]
     assert cpu["requests"] == 30 and cpu["model_threads_cpu_s"] >= 0 and cpu["other_threads_cpu_s"] >= 0
-    assert loaded["competing_cpu_s"] >= 0 and frontend.loaded_rate_coef == 0.0
+    assert frontend.loaded_rate_coef == pytest.approx(frontend.loaded_alpha * loaded["competing_cpu_s"])
 
 
 def test_competing_cpu_is_every_thread_but_the_busiest_plus_a_sharing_load_generator() -> None:
@@ -109,21 +108,25 @@ def test_competing_cpu_is_every_thread_but_the_busiest_plus_a_sharing_load_gener
     assert competing_cpu({}, {}, 1.0, True, 10)[0] == 0.0  # no /proc: not measured, no slope
 
 
-def test_fit_loaded_recovers_the_speed_and_the_per_batch_constant() -> None:
+def test_fit_loaded_recovers_the_speed_given_the_accounted_slope() -> None:
     model = CostModel(latency_coef=(0.01, 0.0, 0.001, 0.0))
-    batches, alpha, const = [], 1.7, 0.0025
+    batches, c, alpha = [], 0.003, 1.7
     for k in range(40):
         start = 1.0 + 0.1 * k
         arrivals = [start - 0.05 * j for j in range(1 + k % 5)]  # 1-5 requests in the second before
         features = {"const": 1.0, "n": 1.0, "tokens": float(10 + k), "attn": float((10 + k) ** 2)}
-        batches.append(Loaded(features, alpha * model.latency(features) + const, start, arrivals))
-    (a, coef, c), details = fit_loaded(batches, model, competing_cpu_s=0.003)
-    assert a == pytest.approx(alpha) and coef == 0.0 and c == pytest.approx(const)
+        batches.append(Loaded(features, 0.0, start, arrivals))
+    rates = []
+    arr = sorted(a for b in batches for a in b.arrivals)
+    for b in batches:
+        rate = sum(1 for a in arr if b.start - 1.0 <= a < b.start)
+        rates.append(rate)
+        b.slot_s = model.latency(b.features) * alpha * (1 + c * rate)
+    (a, coef, const), details = fit_loaded(batches, model, c)
+    assert a == pytest.approx(alpha) and coef == pytest.approx(alpha * c) and const == 0.0
     assert max(abs(r) for r in details["residuals"]) < 1e-9
-    assert details["competing_cpu_s"] == 0.003  # reported beside the line, not in it
-    assert details["least_squares_s_per_request"] == pytest.approx(0.0, abs=1e-9)  # no rate effect here
-    assert details["residual_ref_s"] == pytest.approx(float(np.median([b.slot_s for b in batches])))
-    assert fit_loaded(batches[:5], model)[0] == (1.0, 0.0, 0.0)  # too few batches: the defaults
+    assert details["least_squares_s_per_request"] == pytest.approx(c)  # the comparison fit agrees here
+    assert fit_loaded(batches[:5], model, c)[0] == (1.0, 0.0, 0.0)  # too few batches: the defaults
 
 
 def test_bad_arguments_are_refused() -> None:

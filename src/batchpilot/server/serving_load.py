@@ -8,8 +8,8 @@ after its lone requests, replays ``LOADED_REQUESTS`` open-loop from a child proc
   (``alternating_arrivals``, which the LLM's loaded phase uses too);
 * ``thread_cpu_s`` / ``competing_cpu``: the CPU seconds per request that competed with the model
   (every thread of this process but the model's, plus the load generator when it shares the cores);
-* ``fit_loaded``: the line ``alpha * predicted + const`` over the batches the server ran, and their
-  spread around it.
+* ``fit_loaded``: the line ``predicted * alpha * (1 + competing_cpu_s * rate)`` over the batches
+  the server ran, and their spread around it.
 """
 
 from __future__ import annotations
@@ -79,43 +79,35 @@ def alternating_arrivals(n: int, mean_gaps_s: tuple[float, float], rng: random.R
 
 
 def fit_loaded(batches: list[Loaded], cost_model: CostModel,
-               competing_cpu_s: float = 0.0) -> tuple[tuple[float, float, float], dict[str, Any]]:
-    """``slot_s ~ alpha * predicted + const`` over the loaded batches (non-negative least squares on
-    relative errors). Returns ``(alpha, 0, const)`` (``FrontEnd``'s loaded line) and what was measured.
-
-    ``const`` is what a served batch pays beyond the profiler's loop whatever its size (the slot
-    thread's hand-offs, the cores' other work at its start): a lone short input runs 1.4-1.7x its
-    price live, a batch of 100 ms about 1.1x. The line has no request-rate term: the CPU each request
-    costs outside the model (``competing_cpu_s``, accounted from ``/proc``) is reported, and so is the
-    slope a fit of ``predicted * (a + b * rate) + c`` gives (``rate`` = the requests of the
-    ``RATE_WINDOW_S`` before the batch), but live runs do not slow with the rate as either says:
-    their batches ran as fast or faster at a higher rate (``bench fidelity``'s speed by rate, in
-    docs/profiler.md), because back-to-back batches find the caches and the clock warm, which pays
-    for the competition."""
+                competing_cpu_s: float = 0.0) -> tuple[tuple[float, float, float], dict[str, Any]]:
+    """``slot_s ~ predicted * alpha * (1 + competing_cpu_s * rate)`` over the loaded batches, ``rate`` =
+    requests that arrived in the ``RATE_WINDOW_S`` before the batch started, per second; ``alpha`` is
+    the ratio of the totals. Returns ``(alpha, alpha * competing_cpu_s, 0)`` (``FrontEnd``'s loaded
+    line) and what was measured."""
     if len(batches) < 10:
         return (1.0, 0.0, 0.0), {"batches": len(batches), "note": "too few batches: not measured"}
     rate = np.array(rates_before([b.start for b in batches], [a for b in batches for a in b.arrivals]))
     pred = np.array([cost_model.latency(b.features) for b in batches])
     took = np.array([b.slot_s for b in batches])
+    base = pred * (1.0 + competing_cpu_s * rate)
+    alpha = float(took.sum() / base.sum()) if base.sum() > 0 else 1.0
+    # for comparison only: the slope a least-squares fit of ``predicted * (a + b * rate)`` would give
     w = 1.0 / np.maximum(took, 1e-6)
-    alpha, const = (float(c) for c in nonneg_lstsq(np.column_stack([pred, np.ones_like(pred)]) * w[:, None],
-                                                     took * w))
-    if alpha <= 0.0:  # the sizes did not tell speed from a constant: the ratio of the totals
-        alpha, const = float(took.sum() / max(pred.sum(), 1e-12)), 0.0
-    # for comparison only: the rate slope a least-squares fit of ``predicted * (a + b * rate) + c`` gives
-    a, b, _ = nonneg_lstsq(np.column_stack([pred, pred * rate, np.ones_like(pred)]) * w[:, None], took * w)
-    line = alpha * pred + const
+    a, b = nonneg_lstsq(np.column_stack([pred, pred * rate]) * w[:, None], took * w)
+    fitted_s = float(b / a) if a > 0 else math.nan
+    line = alpha * base
     ref_s = float(np.median(line))
     residuals = residual_units(took / line - 1.0, line, ref_s)
-    return (alpha, 0.0, const), {
+    return (alpha, alpha * competing_cpu_s, 0.0), {
         "batches": len(batches),
         "mean_batch_size": float(np.mean([b.features.get("n", 1.0) for b in batches])),
         "rate_min": float(rate.min()), "rate_max": float(rate.max()), "rate_mean": float(rate.mean()),
-        "slot_over_predicted": float(took.sum() / pred.sum()), "alpha": alpha, "const_s": const,
-        "competing_cpu_s": competing_cpu_s, "rate_coef": 0.0,
-        "least_squares_s_per_request": float(b / a) if a > 0 else math.nan,
+        "slot_over_predicted": float(took.sum() / pred.sum()), "alpha": alpha,
+        "competing_cpu_s": competing_cpu_s, "rate_coef": alpha * competing_cpu_s, "const_s": 0.0,
+        "least_squares_s_per_request": fitted_s,
         "residuals": sorted(float(r) for r in residuals), "residual_std": float(residuals.std()),
         "residual_ref_s": ref_s}
+
 
 def thread_cpu_s() -> dict[int, float]:
     """CPU seconds (user + system) of each thread of this process; empty where ``/proc`` is not."""

@@ -22,12 +22,12 @@ free 127.0.0.1 port, and measures three things the simulator's ``sim.frontend.Fr
    tokenising run on the same cores, and the machine's speed has moved since the grid. With the server
    still up, a load generator in another process (on the cores this process is not pinned to, when
    there are any, as ``bench`` runs it) sends ``LOADED_REQUESTS`` of the same texts open-loop, in
-   segments alternating between two rates. A batch's time under load is ``loaded_alpha * predicted +
-   loaded_const_s`` (``fit_loaded``), and ``loaded_residuals`` its spread around that line. The CPU
-   each request costs outside the model thread is accounted (``competing_cpu_s``: this process's
-   threads from ``/proc`` less the model's, plus the load generator when it shares the cores) and
-   reported, not priced: live batches do not slow with the request rate (docs/profiler.md). This
-   traffic is the profile's own,
+   segments alternating between two rates. The CPU each request costs outside the model thread is
+   accounted (``competing_cpu_s``: this process's threads from ``/proc`` less the model's, plus the
+   load generator when it shares the cores), not fitted: a least-squares slope over the same
+   batches is unstable (reported beside it; docs/profiler.md). A batch's time under load is ``predicted *
+   loaded_alpha * (1 + competing_cpu_s * rate)``, ``loaded_alpha`` the batches' total slot time over
+   that line's, and ``loaded_residuals`` their spread around it. This traffic is the profile's own,
    made before any run it predicts.
 4. **Tokenizer/model contention.** ``executor.tokenize`` of a fixed list of texts is timed with the
    model idle and while another thread runs model batches back to back (``prepare + run``, as the
