@@ -73,8 +73,10 @@ def test_the_deadline_is_the_request_timeout_or_sooner_when_the_request_asks() -
     assert request_deadline(cfg, 5.0) == 15.0
     assert request_deadline(cfg, 5.0, 2.0) == 7.0
     assert request_deadline(cfg, 5.0, 30.0) == 15.0  # never later than the engine's timeout
-    with pytest.raises(ValueError, match="must be > 0 seconds"):
-        request_deadline(cfg, 5.0, 0.0)
+    assert request_deadline(cfg, 5.0, 5e-324 / 1000.0) == 5.0  # the routes' tiniest deadline_ms: due at once
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="must be >= 0 seconds"):
+            request_deadline(cfg, 5.0, bad)
     assert past_deadline(seq(0, deadline=3.0), 3.0) and not past_deadline(seq(0, deadline=3.0), 2.999)
     assert not past_deadline(seq(0), 1e18)
 

@@ -103,9 +103,11 @@ class LLMAdmission:
 
 def request_deadline(config: LLMSchedulerConfig, received: float, requested_s: float | None = None) -> float:
     """A request's deadline: ``received + request_timeout_s``, or sooner when the request asks for less
-    (``requested_s``, e.g. its ``deadline_ms``); on the clock ``received`` is read from."""
-    if requested_s is not None and not requested_s > 0:
-        raise ValueError(f"LLM deadline: a requested budget must be > 0 seconds, got {requested_s}")
+    (``requested_s``, e.g. its ``deadline_ms``); on the clock ``received`` is read from. A budget of 0 (a
+    positive ``deadline_ms`` too small for a float second, say) is due at once: the request expires
+    before its first step, as any other past its deadline."""
+    if requested_s is not None and not requested_s >= 0:
+        raise ValueError(f"LLM deadline: a requested budget must be >= 0 seconds, got {requested_s}")
     budget = config.request_timeout_s
     return received + (budget if requested_s is None else min(budget, requested_s))
 
