@@ -184,8 +184,8 @@ def residual_units(rel: np.ndarray, line_s: np.ndarray, ref_s: float) -> np.ndar
     A batch's time beyond its line is stalls: the other work on its cores, the host's. They arrive
     over the batch's run, so their count grows with its length and their spread with its square
     root: a batch twice as long varies sqrt(2) times as much in seconds, 1/sqrt(2) times as much
-    relative to its length (live batch logs show it: the 99th percentile of ``slot / line`` falls from
-    about +0.7 on 5 ms batches to +0.15-0.4 on 150 ms ones). The simulator undoes this per batch
+    relative to its length (a live run's batch log shows long batches far steadier relative to their
+    price than short ones). The simulator undoes this per batch
     (``residual_scale``); batches shorter than ``ref_s`` keep their relative spread."""
     if ref_s <= 0:
         return rel
