@@ -30,13 +30,13 @@ from ..core.llm_admission import LLMAdmission
 from ..core.llm_scheduler import LLMScheduler, LLMSchedulerConfig, PreemptionCosts, StepPlan
 from ..core.request import IdCounter
 from ..core.sequence import SamplingParams, Sequence
-from ..models.llm.detokenizer import IncrementalDetokenizer, make_decode
+from ..models.llm.detokenizer import make_decode
 from ..models.llm.profile import engine_preemption_costs
 from .llm_build import build_llm_engine
 from .llm_errors import EngineBusy, EngineStopped, GenerationFailed, RequestRejected, RequestTimedOut, refused
 from .llm_prompts import PromptEncoder
 from .llm_records import EngineCounters, EngineStats, GenerationOutput, StepRecord, TokenEvent, token_records
-from .llm_request import LLMRequest
+from .llm_request import LLMRequest, admit_requests
 from .llm_step_log import StepLog
 
 __all__ = ["EngineBusy", "EngineStats", "EngineStopped", "GenerationFailed", "GenerationOutput", "LLMEngine",
@@ -126,11 +126,8 @@ class LLMEngine:
                 raise EngineStopped
             seqs = [Sequence(self._ids(), ids, params, arrival=now, priority=priority, deadline=deadline)
                     for ids in prompts]
-            refusal = self.admission.admit(seqs)
-            if refusal is not None:
-                raise refused(refusal)
-            reqs = [LLMRequest(seq, IncrementalDetokenizer(self._decode, params.stop), loop, self.abort,
-                               self._release) for seq in seqs]
+            reqs = admit_requests(self.admission, seqs, self._decode, params.stop, loop, self.abort,
+                                  self._release)
             self._inbox.put(("add", reqs))
         self._wake.set()
         return reqs

@@ -36,11 +36,11 @@ from ..core.llm_admission import LLMAdmission, past_deadline
 from ..core.llm_scheduler import LLMSchedulerConfig
 from ..core.request import IdCounter
 from ..core.sequence import SamplingParams, Sequence
-from ..models.llm.detokenizer import IncrementalDetokenizer, make_decode
+from ..models.llm.detokenizer import make_decode
 from ..models.llm.sampler import Sampler
 from .llm_errors import EngineStopped, GenerationFailed, RequestTimedOut, refused
 from .llm_records import GenerationOutput, StepRecord
-from .llm_request import LLMRequest
+from .llm_request import LLMRequest, admit_requests
 
 log = logging.getLogger("batchpilot.llm")
 
@@ -117,11 +117,8 @@ class StaticFallback:
                 raise EngineStopped
             seqs = [Sequence(self._ids(), ids, params, arrival=now, priority=priority, deadline=deadline)
                     for ids in prompts]
-            refusal = self.admission.admit(seqs)
-            if refusal is not None:
-                raise refused(refusal)
-            reqs = [LLMRequest(seq, IncrementalDetokenizer(self._decode, params.stop), loop, self.abort,
-                               self._release) for seq in seqs]
+            reqs = admit_requests(self.admission, seqs, self._decode, params.stop, loop, self.abort,
+                                  self._release)
             self.num_requests += len(reqs)
             self._inbox.put(reqs)
         return reqs

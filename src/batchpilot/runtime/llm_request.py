@@ -11,9 +11,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
+from collections.abc import Sequence as Items
 
+from ..core.llm_admission import LLMAdmission
 from ..core.sequence import Sequence
 from ..models.llm.detokenizer import IncrementalDetokenizer
+from .llm_errors import refused
 from .llm_records import GenerationOutput
 
 
@@ -70,3 +73,15 @@ class LLMRequest:
         if not self._released:
             self._released = True
             self._on_done()
+
+
+def admit_requests(admission: LLMAdmission, seqs: list[Sequence], decode: Callable[[Items[int]], str],
+                   stop: Items[str], loop: asyncio.AbstractEventLoop,
+                   abort: Callable[[int], None], on_done: Callable[[], None]) -> list[LLMRequest]:
+    """The handles of one request's sequences, once the core admits them together (``admission.admit``);
+    a refusal raises its error (``llm_errors.refused``). The engine and the static fallback both call it,
+    under their own lock."""
+    refusal = admission.admit(seqs)
+    if refusal is not None:
+        raise refused(refusal)
+    return [LLMRequest(seq, IncrementalDetokenizer(decode, stop), loop, abort, on_done) for seq in seqs]
