@@ -12,10 +12,12 @@
    ``core.deployment.resolve_deployment`` for the simulator and, unchanged, to ``batchpilot serve``.
 3. Capacity from the simulator: the highest rate scale of the rows whose predicted P99 meets ``--sla``
    (the tuner's own search). Each load point (default 50% and 80% of it) is the same rows at that rate.
-4. Per point: the simulator's prediction, then the live replay of the same rows at the same times.
-   The table holds P50, P99, throughput, rejected count and mean batch size with their targets. Beside
-   each point: how the run's own batches compared with the profile (``serve --batch-log``: the
-   machine's speed moving between profile and run), reported, never used to correct the prediction.
+4. Per point: the simulator's prediction (each metric's median over ``--draws`` service-noise draws,
+   with the 5-95% band one live run should fall in: ``sim.draws``), then the live replay of the same
+   rows at the same times. The table holds P50, P99, throughput, rejected count and mean batch size
+   with their targets. Beside each point: how the run's own batches compared with the profile
+   (``serve --batch-log``: the machine's speed moving between profile and run), reported, never used
+   to correct the prediction.
 """
 
 from __future__ import annotations
@@ -35,10 +37,11 @@ from typing import Any
 from ..config_file import add_deployment_args, deployment_flags, spec_from_args
 from ..core.config import SchedulerConfig
 from ..core.costmodel import CostModel
+from ..sim.draws import DEFAULT_DRAWS
 from ..sim.frontend import FrontEnd
 from ..sim.traces import Workload
 from .capacity import wait_idle
-from .fidelity_table import HEAD, REPEAT_HEAD, comparison_rows, repeat_rows, text_table
+from .fidelity_table import HEAD, REPEAT_HEAD, comparison_rows, predicted_bands, repeat_rows, text_table
 from .live_run import measure, warm_up
 from .loadgen import build_plan, load_tokenizer
 from .records import Summary, format_summary, write_csv
@@ -63,6 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--live-repeats", type=int, default=1,
                    help="replay each point this many times on the same server; the repeats are compared "
                         "with the first run (how far the live run agrees with itself), never predicted")
+    p.add_argument("--draws", type=int, default=DEFAULT_DRAWS,
+                   help="service-noise draws per prediction: each metric is predicted as its median over "
+                        "them, with the 5-95%% band beside it (sim.draws)")
     p.add_argument("--noop-delay-ms", type=float, default=None,
                    help="serve the no-op model with this fixed time per batch, profiled as exactly that: "
                         "checks the serving path (HTTP, tokenise, batcher, loop) without model noise")
@@ -86,17 +92,18 @@ def load_workload(args: argparse.Namespace) -> Workload:
 
 @dataclass
 class Prediction:
-    summary: Summary
-    report: Any  # sim.metrics.SimReport
+    summary: Summary  # the medians over the draws
+    report: Any  # sim.metrics.SimReport: the draw whose P99 is the median
+    drawn: Any  # sim.draws.Drawn: every draw, for the medians and bands
 
 
 def simulate(workload: Workload, config: SchedulerConfig, cost_model: CostModel, sla_s: float,
-             frontend: FrontEnd | None, speed: float = 0.0) -> Prediction:
-    """The simulator's prediction of one replay, as a ``Summary`` beside the simulator's own report.
-    ``speed`` (hindsight only): batches take ``1 + speed`` times the profile's time while the scheduler
-    still believes the profile, as the live server does."""
-    from ..sim.metrics import summarize as sim_summarize
-    from ..sim.target import simulate_encoder
+             frontend: FrontEnd | None, speed: float = 0.0, draws: int = 1) -> Prediction:
+    """The simulator's prediction of one replay: each metric's median over ``draws`` service-noise draws
+    (``sim.draws``; one draw when batch times are not drawn), as a ``Summary`` beside the central draw's
+    report. ``speed`` (hindsight only): batches take ``1 + speed`` times the profile's time while the
+    scheduler still believes the profile, as the live server does."""
+    from ..sim.draws import encoder_draws, is_noisy
 
     service = None
     if speed and frontend is not None:  # every served batch (1 + speed) times what the profile says
@@ -106,18 +113,20 @@ def simulate(workload: Workload, config: SchedulerConfig, cost_model: CostModel,
     elif speed:
         service = dataclasses.replace(cost_model, latency_coef=tuple(c * (1.0 + speed)
                                                                        for c in cost_model.latency_coef))
-    run = simulate_encoder(workload, config, cost_model, frontend=frontend, service_model=service)
-    rep = sim_summarize(run, sla_s)
-    lat = {k: rep.latency[k] for k in ("p50", "p90", "p99", "p99.9")}
-    failed = rep.num_measured - rep.num_completed
-    s = Summary(num_requests=rep.num_measured, num_ok=rep.num_completed, num_warmup=0,
-                duration_s=rep.num_completed / rep.throughput_rps if rep.throughput_rps else 0.0,
-                offered_rps=rep.offered_rps, throughput_rps=rep.throughput_rps, goodput_rps=rep.goodput_rps,
-                sla_s=sla_s, sla_met=bool(rep.p99_all <= sla_s), latency=lat,
-                latency_mean_s=rep.latency["mean"], latency_max_s=math.nan,
+    drawn = encoder_draws(workload, config, cost_model, draws if is_noisy(False, frontend) else 1,
+                          sla_s=sla_s, frontend=frontend, service_model=service)
+    rep = drawn.central
+    lat = {k: drawn.median(k) for k in ("p50", "p90", "p99", "p99.9")}
+    failed = round(drawn.median("failed"))
+    thr = drawn.median("throughput_rps")
+    s = Summary(num_requests=rep.num_measured, num_ok=rep.num_measured - failed, num_warmup=0,
+                duration_s=(rep.num_measured - failed) / thr if thr else 0.0,
+                offered_rps=rep.offered_rps, throughput_rps=thr, goodput_rps=drawn.median("goodput_rps"),
+                sla_s=sla_s, sla_met=bool(drawn.median("p99_all") <= sla_s), latency=lat,
+                latency_mean_s=drawn.median("mean"), latency_max_s=math.nan,
                 send_lag={"p50": 0.0, "p99": 0.0}, send_lag_max_s=0.0,
                 errors={"rejected/dropped/unfinished": failed} if failed else {})
-    return Prediction(s, rep)
+    return Prediction(s, rep, drawn)
 
 
 def predicted_capacity(workload: Workload, cost_model: CostModel, spec: Any, frontend: FrontEnd | None,
@@ -149,6 +158,9 @@ def main(args: argparse.Namespace) -> int:
         from .llm_fidelity import main as llm_main
 
         return llm_main(args)
+    if args.draws < 1:
+        print(f"--draws must be >= 1, got {args.draws}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
@@ -194,14 +206,15 @@ def main(args: argparse.Namespace) -> int:
         for load in args.loads:
             k = load * cap.capacity
             scaled = wl.scale_rate(k)
-            pred = simulate(scaled, deployment.scheduler, cost_model, args.sla, frontend)
+            pred = simulate(scaled, deployment.scheduler, cost_model, args.sla, frontend, draws=args.draws)
             if args.warmup_requests:
                 warm_up(url, scaled, texts, args.warmup_requests)
             offset = batch_log.stat().st_size if batch_log.exists() else 0
             live = measure(url, scaled, texts, args.sla, 0, not args.no_progress, f"{load:.0%} live")
             rs = run_speed(batch_log, offset, cost_model, frontend, live.sent_monotonic())
             speed = rs.speed
-            print(format_summary(pred.summary, f"predicted at {load:.0%} of capacity (x{k:.3f})"))
+            print(format_summary(pred.summary, f"predicted at {load:.0%} of capacity (x{k:.3f}), medians "
+                                               f"over {len(pred.drawn.reports)} draws"))
             print(format_summary(live.summary, f"live at {load:.0%} of capacity (x{k:.3f})"))
             splits = (("idle time before the batch", rs.by_idle), ("requests in the batch", rs.by_size),
                       ("request rate before the batch", rs.by_rate))
@@ -209,13 +222,14 @@ def main(args: argparse.Namespace) -> int:
                   f"({WINDOW_S:g} s windows: {rs.spread}); "
                   + "; ".join(f"by {what}: " + ", ".join(f"{lab} {r:+.1%} ({n})" for lab, n, r in cells)
                               for what, cells in splits), flush=True)
-            later = simulate(scaled, deployment.scheduler, cost_model, args.sla, frontend, speed) \
-                if math.isfinite(speed) else None
+            later = simulate(scaled, deployment.scheduler, cost_model, args.sla, frontend, speed,
+                             args.draws) if math.isfinite(speed) else None
             rows += comparison_rows(load, k, pred, live, speed, later, rs.spread)
             point: dict[str, Any] = {"load": load, "rate_scale": k, "speed_vs_profile": speed,
                                      "run_speed": rs.to_dict(), "predicted": pred.summary.to_dict(),
-                                     "predicted_rejected": pred.report.num_rejected + pred.report.num_dropped,
-                                     "predicted_mean_batch_size": pred.report.mean_batch_size,
+                                     "predicted_rejected": pred.drawn.median("failed"),
+                                     "predicted_mean_batch_size": pred.drawn.median("mean_batch_size"),
+                                     "predicted_bands": predicted_bands(pred),
                                      "measured": live.summary.to_dict(), "server": live.server, "repeats": []}
             for j in range(2, args.live_repeats + 1):
                 wait_idle(url, 10.0)

@@ -10,7 +10,9 @@ from .live_run import Measurement
 TARGETS = {"P50": 0.10, "P99": 0.10, "throughput": 0.05}
 METRICS = ("P50 ms", "P99 ms", "throughput req/s", "rejected", "mean batch size")  # what each point reports
 HEAD = ["load", "rate scale", "metric", "predicted", "measured", "error", "target", "within",
-        "speed vs profile", "error at the run's speed"]
+        "speed vs profile", "error at the run's speed", "predicted band (P5-P95 of the draws)"]
+_DRAWN = ("p50", "p99", "throughput_rps", "failed", "mean_batch_size")  # sim.draws names of METRICS
+_SCALE = (1e3, 1e3, 1.0, 1.0, 1.0)
 
 
 def _err(pred: float, meas: float) -> float:
@@ -18,9 +20,14 @@ def _err(pred: float, meas: float) -> float:
 
 
 def _metrics(pred: Any) -> list[float]:
-    p = pred.summary
-    return [p.p50 * 1e3, p.p99 * 1e3, p.throughput_rps, pred.report.num_rejected + pred.report.num_dropped,
-            pred.report.mean_batch_size]
+    """A prediction's value of each of ``METRICS``: its median over the draws (``fidelity.Prediction``)."""
+    return [pred.drawn.median(name) * k for name, k in zip(_DRAWN, _SCALE, strict=True)]
+
+
+def predicted_bands(pred: Any) -> dict[str, list[float]]:
+    """Per metric of ``METRICS``, the 5th and 95th percentiles of its value over the prediction's draws."""
+    return {m: [lo * k, hi * k] for m, name, k in zip(METRICS, _DRAWN, _SCALE, strict=True)
+            for lo, hi in [pred.drawn.band(name)]}
 
 
 def comparison_rows(load: float, k: float, pred: Any, live: Measurement, speed: float,
@@ -32,21 +39,23 @@ def comparison_rows(load: float, k: float, pred: Any, live: Measurement, speed: 
     speed_cell = f"{speed:+.1%}" + (f" ({spread})" if spread != "-" else "")
     predicted = _metrics(pred)
     later = _metrics(hindsight) if hindsight is not None else [math.nan] * 5
+    bands = predicted_bands(pred)
     rows: list[list[Any]] = []
     for i, metric in enumerate(METRICS):
         a, b, h = predicted[i], measured[i], later[i]
+        lo, hi = bands[metric]
         if metric == "rejected":
             ok = abs(a - b) <= max(5, 0.10 * b)
             rows.append([f"{load:.0%}", f"{k:.3f}", metric, f"{a:.0f}", f"{b:.0f}", f"{a - b:+.0f}",
                          "10% or 5", "yes" if ok else "no", speed_cell,
-                         f"{h - b:+.0f}" if math.isfinite(h) else "-"])
+                         f"{h - b:+.0f}" if math.isfinite(h) else "-", f"{lo:.0f} .. {hi:.0f}"])
             continue
         e = _err(a, b)
         target = TARGETS.get(metric.split()[0])
         within = "-" if target is None else ("yes" if math.isfinite(e) and abs(e) <= target else "no")
         rows.append([f"{load:.0%}", f"{k:.3f}", metric, f"{a:.2f}", f"{b:.2f}", f"{e:+.1%}",
                      f"{target:.0%}" if target else "-", within, speed_cell,
-                     f"{_err(h, b):+.1%}" if math.isfinite(h) else "-"])
+                     f"{_err(h, b):+.1%}" if math.isfinite(h) else "-", f"{lo:.2f} .. {hi:.2f}"])
     return rows
 
 

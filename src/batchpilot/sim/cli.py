@@ -13,7 +13,6 @@ with ``--lengths`` (``lognormal:median=128,sigma=0.8``, ``bimodal:...``, ``empir
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,8 +21,10 @@ from ..config_file import add_deployment_args, add_llm_args, spec_from_args
 from ..core.costmodel import CostModel
 from ..core.deployment import Deployment, DeploymentSpec, ModelLimits, resolve_deployment
 from .arms import add_arms_args, run_arms
+from .draws import DEFAULT_DRAWS, encoder_draws, is_noisy, spread_table
 from .fleet_scaling import scaling_from_args
 from .frontend import FrontEnd
+from .report_table import report_table
 from .synthetic import ARRIVALS, parse_spec, synthetic_workload
 from .traces import Workload
 from .workloads import STANDARD_WORKLOADS, conv_embed, load_workload
@@ -44,6 +45,10 @@ def register(subparsers: Any) -> None:
                    help="give every request this deadline (s after arrival); SLA-aware policies and "
                         "deadline drops use it")
     p.add_argument("--noise", action="store_true", help="draw batch times from the profile's residuals")
+    p.add_argument("--draws", type=int, default=DEFAULT_DRAWS,
+                   help="with drawn batch times (--noise, or a profile with a serving path): replay the "
+                        "requests under this many noise draws and report each metric's median and 5-95%% "
+                        "band, the range one live run of them should fall in (1: one draw)")
     p.add_argument("--batcher-only", action="store_true",
                    help="leave out the serving path outside the batcher (the profile's 'frontend': HTTP, "
                         "JSON, tokenisation) and predict the batcher's latency alone")
@@ -153,7 +158,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     except ValueError as exc:
         console.print(f"[red]batchpilot simulate: {exc}[/]")
         return 2
-    if args.replicas < 1 or ((args.replicas > 1 or scaling) and target == "llm"):
+    if args.draws < 1 or args.replicas < 1 or ((args.replicas > 1 or scaling) and target == "llm"):
         console.print("[red]batchpilot simulate: --replicas must be >= 1, and fleets run the encoder "
                       "target only[/]")
         return 2
@@ -204,8 +209,14 @@ def run_simulate(args: argparse.Namespace) -> int:
             run = fleet.run
     report = summarize(run, sla_s=args.sla, warmup_s=args.warmup_s)
     where = "" if fleet is None else f" over {fleet.replicas} replicas ({fleet.router})"
-    console.print(report_table(report, f"{workload.name}: {len(workload)} requests, "
-                                       f"{workload.mean_rate:.2f} req/s offered{where}"))
+    title = f"{workload.name}: {len(workload)} requests, {workload.mean_rate:.2f} req/s offered{where}"
+    noisy = fleet is None and args.draws > 1 and is_noisy(args.noise, frontend)
+    console.print(report_table(report, title + (f" (draw of seed {args.seed})" if noisy else "")))
+    if noisy:
+        drawn = encoder_draws(workload, config, cost_model, args.draws, args.seed, args.sla, args.warmup_s,
+                              first=report, noise=args.noise, request_sla_s=args.request_sla,
+                              frontend=frontend)
+        console.print(spread_table(drawn, f"the prediction over {args.draws} noise draws"))
     if fleet is not None:
         from .fleet_report import replicas_table
 
@@ -251,46 +262,6 @@ class _progress:
     def __exit__(self, *exc: object) -> None:
         if self._bar is not None:
             self._bar.stop()
-
-
-def _ms(x: float) -> str:
-    return "-" if math.isnan(x) else ("inf" if math.isinf(x) else f"{x * 1e3:,.1f} ms")
-
-
-def report_table(report: Any, title: str) -> Any:
-    from rich.table import Table
-
-    t = Table(title=title, show_header=True, header_style="bold")
-    t.add_column("metric")
-    t.add_column("value", justify="right")
-    for key in ("p50", "p90", "p99", "p99.9", "mean"):
-        t.add_row(f"latency {key}", _ms(report.latency[key]))
-    for key in ("p50", "p99", "mean"):
-        t.add_row(f"queue wait {key}", _ms(report.queue[key]))
-    t.add_row("P99 incl. rejected/dropped", _ms(report.p99_all))
-    t.add_row(f"SLA attainment (<= {report.sla_s:g} s)", f"{report.sla_attainment:.2%}")
-    t.add_row("goodput", f"{report.goodput_rps:,.2f} req/s")
-    t.add_row("throughput", f"{report.throughput_rps:,.2f} req/s, {report.throughput_tokens_s:,.0f} tok/s")
-    t.add_row("offered", f"{report.offered_rps:,.2f} req/s")
-    t.add_row("padding efficiency", f"{report.padding_efficiency:.1%}")
-    t.add_row("batches / mean size", f"{report.num_batches:,} / {report.mean_batch_size:.2f}")
-    t.add_row("batch size per request (sum n^2 / sum n)", f"{report.request_batch_size:.2f}")
-    t.add_row("mean padded length", f"{report.mean_padded_len:.1f}")
-    t.add_row("queueing share of latency (slowest 1%)",
-              f"{report.queue_share:.1%} ({report.tail_queue_share:.1%})")
-    t.add_row("executor utilisation", f"{report.utilisation:.1%}")
-    t.add_row("predicted peak memory", f"{report.peak_memory_bytes / 2**20:,.1f} MiB")
-    t.add_row("completed / measured", f"{report.num_completed:,} / {report.num_measured:,}")
-    failures = ", ".join(f"{k}: {v}" for k, v in report.failures_by_reason.items()) or "none"
-    t.add_row("rejected / dropped / unfinished",
-              f"{report.num_rejected} / {report.num_dropped} / {report.num_unfinished} ({failures})")
-    t.add_row("batch sizes (size:count)", _top_hist(report.batch_size_hist))
-    return t
-
-
-def _top_hist(hist: dict[int, int], k: int = 6) -> str:
-    top = sorted(hist.items(), key=lambda kv: -kv[1])[:k]
-    return " ".join(f"{size}:{count}" for size, count in sorted(top))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,0 +1,81 @@
+"""The simulator's prediction over service-noise draws: medians, bands and the central draw."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchpilot.cli import main
+from batchpilot.core.config import SchedulerConfig
+from batchpilot.core.costmodel import CostModel
+from batchpilot.sim.draws import draw_reports, encoder_draws, is_noisy
+from batchpilot.sim.frontend import FrontEnd
+from batchpilot.sim.metrics import summarize
+from batchpilot.sim.target import simulate_encoder
+from batchpilot.sim.traces import Workload
+
+
+def _bursty(n: int = 400) -> Workload:
+    rng = np.random.default_rng(3)
+    gaps = np.where(rng.random(n) < 0.2, 0.001, 0.03)  # bursts of near-simultaneous requests
+    return Workload.from_columns("bursty", np.cumsum(gaps).tolist(), rng.integers(8, 300, n).tolist())
+
+
+def _noisy_frontend() -> FrontEnd:
+    return FrontEnd(loaded_residuals=(-0.3, -0.1, 0.0, 0.1, 0.5, 1.5))
+
+
+def test_draws_differ_only_by_the_noise_and_are_reproducible() -> None:
+    wl, cm = _bursty(), CostModel.default_cpu_minilm()
+    fe = _noisy_frontend()
+    drawn = encoder_draws(wl, SchedulerConfig(), cm, 8, seed=5, frontend=fe)
+    p99 = drawn.values("p99")
+    assert len(drawn.reports) == 8 and np.unique(p99).size > 1  # the noise moves the tail
+    again = encoder_draws(wl, SchedulerConfig(), cm, 8, seed=5, frontend=fe)
+    assert np.array_equal(p99, again.values("p99"))  # seeded: the same draws again
+    # draw i is exactly the simulation with seed 5 + i
+    third = summarize(simulate_encoder(wl, SchedulerConfig(), cm, seed=7, frontend=fe))
+    assert drawn.reports[2].latency["p99"] == third.latency["p99"]
+    lo, hi = drawn.band("p99")
+    assert p99.min() <= lo <= drawn.median("p99") <= hi <= p99.max()
+    assert drawn.central.latency["p99"] == sorted(p99)[3]  # the lower middle of 8
+    # every request is served in every draw: the failures' median is 0, its band 0 .. 0
+    assert drawn.median("failed") == 0.0 and drawn.band("failed") == (0.0, 0.0)
+
+
+def test_without_noise_every_draw_is_the_same_run() -> None:
+    wl, cm = _bursty(100), CostModel.default_cpu_minilm()
+    assert not is_noisy(False, FrontEnd()) and not is_noisy(False, None)
+    assert is_noisy(True, None) and is_noisy(False, _noisy_frontend())
+    drawn = encoder_draws(wl, SchedulerConfig(), cm, 3, frontend=FrontEnd())
+    assert np.unique(drawn.values("p99")).size == 1 and drawn.band("p99")[0] == drawn.band("p99")[1]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(0.001, 10.0), min_size=1, max_size=30))
+def test_median_and_band_are_order_statistics_of_the_draws(values: list[float]) -> None:
+    base = summarize(simulate_encoder(Workload.from_columns("one", [0.0], [16])))
+    reports = [type(base)(**{**base.__dict__, "latency": {**base.latency, "p99": v}}) for v in values]
+    drawn = draw_reports(lambda s: reports[s], len(values))
+    lo, hi = drawn.band("p99")
+    assert drawn.median("p99") == pytest.approx(float(np.median(values)))
+    assert min(values) <= lo <= drawn.median("p99") <= hi <= max(values)
+    assert drawn.central.latency["p99"] in values
+    with pytest.raises(ValueError, match="draws must be >= 1"):
+        draw_reports(lambda s: base, 0)
+
+
+def test_simulate_prints_the_band_over_draws(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    profile = tmp_path / "p.json"
+    CostModel.default_cpu_minilm().save(profile)
+    args = ["simulate", "--workload", "poisson:rate=40", "--requests", "300", "--profile", str(profile),
+            "--noise"]
+    assert main([*args, "--draws", "4"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps long titles
+    assert "the prediction over 4 noise draws" in out and "(draw of seed 0)" in out
+    assert main([*args, "--draws", "1"]) == 0 and "noise draws" not in capsys.readouterr().out
+    assert main([*args, "--draws", "0"]) == 2
