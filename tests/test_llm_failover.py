@@ -6,15 +6,18 @@ import asyncio
 import time
 from typing import Any
 
+import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 from batchpilot.core.breaker import BreakerConfig
 from batchpilot.core.sequence import SamplingParams
 from batchpilot.core.stall import StallRule
 from batchpilot.runtime.llm_build import build_fallback
 from batchpilot.runtime.llm_engine import build_llm_engine
-from batchpilot.runtime.llm_errors import EngineUnavailable
+from batchpilot.runtime.llm_errors import EngineBusy, EngineUnavailable
 from batchpilot.runtime.llm_failover import LLMFailover
+from batchpilot.server.llm_metrics import LLMMetrics
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
@@ -63,9 +66,13 @@ def oom_next_step(runner: Any) -> None:
 def test_faults_and_returns_repeat_and_every_answer_is_the_engines() -> None:
     f = failover()
     prompts = [[5, 6, 7], [8, 9], [10]]
+    registry = CollectorRegistry()
+    LLMMetrics(f, registry)
     try:
         reference = texts(f, prompts)
         first = f.main
+        with pytest.raises(EngineBusy):
+            f.check_room(f.max_admitted + 1)
         for cycle in (1, 2, 3):
             oom_next_step(f.main.runner)
             assert texts(f, prompts, replayable=cycle % 2 == 0) == reference  # moved to the fallback
@@ -74,6 +81,9 @@ def test_faults_and_returns_repeat_and_every_answer_is_the_engines() -> None:
             assert f.breaker.num_closed == cycle
             assert texts(f, prompts) == reference
         assert f.main is not first and f.main.runner is first.runner
+        # the refusal on the first engine is still counted, on the engine rebuilt three times
+        assert registry.get_sample_value("batchpilot_llm_rejected_requests_total",
+                                         {"reason": "queue_full"}) == 1.0
         assert f.fallback_requests == 3 * len(prompts)
         assert f.num_pending == 0
     finally:

@@ -13,7 +13,7 @@ import pytest
 from batchpilot.core.sequence import SamplingParams
 from batchpilot.runtime.llm_build import build_failover, build_fallback
 from batchpilot.runtime.llm_engine import LLMEngine, build_llm_engine
-from batchpilot.runtime.llm_errors import GenerationFailed, RequestRejected, RequestTimedOut
+from batchpilot.runtime.llm_errors import EngineBusy, GenerationFailed, RequestRejected, RequestTimedOut
 
 PROMPTS = ["hello world", "the quick brown fox jumps", "a", "def f(x): return x", "import os", "x = 1"]
 
@@ -75,6 +75,7 @@ def test_the_fallback_model_shares_the_runners_tensors(engines: tuple[LLMEngine,
 def test_a_request_past_its_deadline_times_out_and_one_that_never_fits_is_refused(
         engines: tuple[LLMEngine, Any]) -> None:
     _, fallback = engines
+    before = dict(fallback.admission.refused)
 
     async def late() -> BaseException | None:
         [req] = fallback.submit([[5, 6, 7]], SamplingParams(max_tokens=5), deadline=time.monotonic() - 1)
@@ -93,6 +94,15 @@ def test_a_request_past_its_deadline_times_out_and_one_that_never_fits_is_refuse
     with pytest.raises(RequestRejected, match="context length"):
         asyncio.run(too_long())
     assert fallback.num_pending == 0
+    with pytest.raises(EngineBusy):
+        fallback.check_room(fallback.max_admitted + 1)  # what the routes ask before tokenising
+    counted = {k: v - before.get(k, 0) for k, v in fallback.admission.refused.items()}
+    assert counted == {"timeout": 1, "context_length_exceeded": 1, "queue_full": 1}  # one per request
+    rebuilt = fallback.restarted()
+    try:
+        assert rebuilt.admission.refused == fallback.admission.refused  # the counts go on
+    finally:
+        rebuilt.shutdown()
 
 
 def test_a_client_that_leaves_frees_its_row_and_the_batch_goes_on(engines: tuple[LLMEngine, Any]) -> None:

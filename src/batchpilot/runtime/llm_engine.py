@@ -14,6 +14,7 @@ one anywhere else in the loop (scheduling, an observer, the stats) ends the loop
 still pending or running gets ``EngineStopped`` at once, as on shutdown. ``is_alive`` says which.
 Admission is the core's (``core/llm_admission.py``): a request's prompts together or none, at most
 ``max_num_seqs + max_waiting_seqs`` sequences at a time (``EngineBusy``; ``RequestRejected`` never fits).
+Refusals and deadline ends are counted per request, by reason, in ``counters.refused`` (``llm_refusals``).
 """
 
 from __future__ import annotations
@@ -26,16 +27,17 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from ..core.llm_admission import LLMAdmission
+from ..core.llm_admission import LLMAdmission, past_deadline
 from ..core.llm_scheduler import LLMScheduler, LLMSchedulerConfig, PreemptionCosts, StepPlan
 from ..core.request import IdCounter
 from ..core.sequence import SamplingParams, Sequence
 from ..models.llm.detokenizer import make_decode
 from ..models.llm.profile import engine_preemption_costs
 from .llm_build import build_llm_engine
-from .llm_errors import EngineBusy, EngineStopped, GenerationFailed, RequestRejected, RequestTimedOut, refused
+from .llm_errors import EngineBusy, EngineStopped, GenerationFailed, RequestRejected, RequestTimedOut
 from .llm_prompts import PromptEncoder
-from .llm_records import EngineCounters, EngineStats, GenerationOutput, StepRecord, TokenEvent, token_records
+from .llm_records import EngineStats, GenerationOutput, StepRecord, TokenEvent, token_records
+from .llm_refusals import AdmissionFront, LateRequests, LLMCounters
 from .llm_request import LLMRequest, admit_requests
 from .llm_step_log import StepLog
 
@@ -46,7 +48,7 @@ __all__ = ["EngineBusy", "EngineStats", "EngineStopped", "GenerationFailed", "Ge
 log = logging.getLogger("batchpilot.llm")
 
 
-class LLMEngine:
+class LLMEngine(AdmissionFront):
     def __init__(self, runner: Any, tokenizer: Any, config: LLMSchedulerConfig,
                  model_name: str = "batchpilot-llm", sampler: Any | None = None,
                  window_s: float = 5.0, tokenizer_threads: int = 0,
@@ -74,12 +76,24 @@ class LLMEngine:
         self.max_admitted = self.admission.capacity
         self.observers: list[Callable[[TokenEvent], None]] = []
         self.step_observers: list[Callable[[StepRecord], None]] = []  # called on the engine thread
-        self.counters = EngineCounters(window_s)
+        self.counters = LLMCounters(window_s)
+        self._late = LateRequests(self._lock)  # engine thread: requests ended at their deadline
         self._last_forward_s = 0.0
         self._idled = True
         self.busy_since: float | None = None  # the step under way began (monotonic); None between steps
         self._decode = make_decode(tokenizer)
         self._stats = self._snapshot()
+
+    @property
+    def counters(self) -> LLMCounters:
+        """Running totals; the admission counts its refusals into ``counters.refused``, so an engine
+        given another's counters (``llm_failover.rebuild``) counts on from them."""
+        return self._counters
+
+    @counters.setter
+    def counters(self, counters: LLMCounters) -> None:
+        self._counters = counters
+        self.admission.refused = counters.refused
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> LLMEngine:
@@ -102,17 +116,7 @@ class LLMEngine:
         t = self._thread
         return t is not None and t.is_alive() and not self._stopping and not self._closed
 
-    # -- public API --------------------------------------------------------------------------
-    def check_room(self, n: int = 1) -> None:
-        """Raise ``EngineStopped`` or ``EngineBusy`` if ``n`` more requests would be refused now: the
-        cheap check a server makes before it spends time tokenising them."""
-        if not self.is_alive:
-            raise EngineStopped
-        with self._lock:
-            refusal = self.admission.room(n)
-        if refusal is not None:
-            raise refused(refusal)
-
+    # -- public API (``check_room``, ``num_pending``: ``AdmissionFront``) --------------------------
     def submit(self, prompts: list[list[int]], params: SamplingParams | None = None, priority: int = 0,
                deadline: float | None = None) -> list[LLMRequest]:
         """Admit the prompts together, or none of them: ``RequestRejected`` if one can never fit,
@@ -143,20 +147,11 @@ class LLMEngine:
             req.close()
 
     def abort(self, seq_id: int) -> None:
-        self._inbox.put(("abort", seq_id))
+        self._inbox.put(("abort", (seq_id, time.monotonic())))
         self._wake.set()
 
     def stats(self) -> EngineStats:
         return self._stats
-
-    @property
-    def num_pending(self) -> int:
-        """Sequences admitted and not yet done (what the queue bound counts)."""
-        return self.admission.num_admitted
-
-    def _release(self) -> None:
-        with self._lock:
-            self.admission.release()
 
     # -- engine thread -----------------------------------------------------------------------
     def _snapshot(self) -> EngineStats:
@@ -175,8 +170,10 @@ class LLMEngine:
                         req.put(RequestRejected(reason))
                     else:
                         self._streams[req.seq_id] = req
-            elif kind == "abort" and arg in self._streams:
-                self._drop(arg)
+            elif kind == "abort" and arg[0] in self._streams:
+                req = self._drop(arg[0])
+                if req is not None and past_deadline(req.seq, arg[1]):  # aborted for it: the routes' 504
+                    self._late.count(req.seq, self.counters.refused)
 
     def _drop(self, seq_id: int) -> LLMRequest | None:
         self.scheduler.abort(seq_id)
@@ -189,6 +186,7 @@ class LLMEngine:
             req = self._streams.pop(seq.seq_id, None)
             if req is not None:
                 self.counters.num_timed_out += 1
+                self._late.count(seq, self.counters.refused)
                 req.put(RequestTimedOut())
 
     def _loop(self) -> None:

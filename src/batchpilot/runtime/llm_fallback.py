@@ -16,7 +16,8 @@ Streaming is one ``GenerationOutput`` per token, as the main engine streams. Sam
 ``LLMEngine`` for the failover: ``submit``, ``check_room``, ``abort``, ``is_alive``, ``num_pending``,
 ``start``, ``shutdown``, and for its watchdog ``busy_since`` (when the decoding step under way began),
 ``failure``, ``step_observers`` (a ``StepRecord`` per decoding step) and ``abandon``. A failing
-``generate`` fails its batch (``GenerationFailed``) and the thread goes on.
+``generate`` fails its batch (``GenerationFailed``) and the thread goes on. Refusals and deadline ends
+are counted per request in ``admission.refused``, as the engine counts them (``llm_refusals``).
 """
 
 from __future__ import annotations
@@ -38,14 +39,15 @@ from ..core.request import IdCounter
 from ..core.sequence import SamplingParams, Sequence
 from ..models.llm.detokenizer import make_decode
 from ..models.llm.sampler import Sampler
-from .llm_errors import EngineStopped, GenerationFailed, RequestTimedOut, refused
+from .llm_errors import EngineStopped, GenerationFailed, RequestTimedOut
 from .llm_records import GenerationOutput, StepRecord
+from .llm_refusals import AdmissionFront, LateRequests
 from .llm_request import LLMRequest, admit_requests
 
 log = logging.getLogger("batchpilot.llm")
 
 
-class StaticFallback:
+class StaticFallback(AdmissionFront):
     def __init__(self, model: Any, tokenizer: Any, config: LLMSchedulerConfig,
                  model_name: str = "batchpilot-llm", max_batch_size: int = 8,
                  sampler: Sampler | None = None) -> None:
@@ -63,9 +65,10 @@ class StaticFallback:
         self._pad = int(pad if pad is not None else (config.eos_token_ids or (0,))[0])
         self._ids = IdCounter(1)
         self._lock = threading.Lock()
+        self._late = LateRequests(self._lock)  # requests ended at their deadline
         self._inbox: queue.SimpleQueue[list[LLMRequest] | None] = queue.SimpleQueue()
         self._waiting: deque[LLMRequest] = deque()
-        self._aborted: set[int] = set()
+        self._aborted: dict[int, float] = {}  # seq id -> when it was aborted
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._closed = False
@@ -95,18 +98,6 @@ class StaticFallback:
         t = self._thread
         return t is not None and t.is_alive() and not self._stopping and not self._closed
 
-    @property
-    def num_pending(self) -> int:
-        return self.admission.num_admitted
-
-    def check_room(self, n: int = 1) -> None:
-        if not self.is_alive:
-            raise EngineStopped
-        with self._lock:
-            refusal = self.admission.room(n)
-        if refusal is not None:
-            raise refused(refusal)
-
     def submit(self, prompts: list[list[int]], params: SamplingParams | None = None, priority: int = 0,
                deadline: float | None = None) -> list[LLMRequest]:
         """As ``LLMEngine.submit``: all the prompts together or none; call on the requests' event loop."""
@@ -128,6 +119,7 @@ class StaticFallback:
         new = StaticFallback(self.model, self.tokenizer, self.config, self.model_name, self.max_batch_size,
                              Sampler(self.sampler.base_seed))
         new.step_observers = self.step_observers
+        new.admission.refused = self.admission.refused  # the refusal counts go on
         return new.start()
 
     def abandon(self) -> None:
@@ -147,11 +139,7 @@ class StaticFallback:
 
     def abort(self, seq_id: int) -> None:
         with self._lock:
-            self._aborted.add(seq_id)
-
-    def _release(self) -> None:
-        with self._lock:
-            self.admission.release()
+            self._aborted[seq_id] = time.monotonic()
 
     # -- the fallback thread -----------------------------------------------------------------------
     def _loop(self) -> None:
@@ -194,14 +182,16 @@ class StaticFallback:
         return batch
 
     def _ended(self, req: LLMRequest, now: float) -> bool:
-        """Aborted (nothing to say) or past its deadline (told so): either way, done here."""
+        """Aborted (nothing to say) or past its deadline (told so): either way, done here. Past its
+        deadline it counts as a timeout, also when it was aborted past it (the routes' 504)."""
         with self._lock:
-            aborted = req.seq_id in self._aborted
-            self._aborted.discard(req.seq_id)
-        if not aborted and past_deadline(req.seq, now):
+            aborted_at = self._aborted.pop(req.seq_id, None)
+        late = past_deadline(req.seq, now if aborted_at is None else aborted_at)
+        if late:
+            self._late.count(req.seq, self.admission.refused)
+        if aborted_at is None and late:
             req.put(RequestTimedOut())
-            return True
-        return aborted
+        return aborted_at is not None or late
 
     def _run(self, batch: list[LLMRequest]) -> None:
         from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList

@@ -2,8 +2,12 @@
 
 Gauges and counters are read from ``engine.stats()`` at scrape time (a collector: no polling thread,
 never stale); latencies are histograms fed by the engine thread through ``engine.observers``
-(prometheus_client is thread-safe). Every engine metric starts with ``batchpilot_llm_``. Behind a
-failover (``runtime/llm_failover.py``) the engine's health is read the same way, labelled
+(prometheus_client is thread-safe). Every engine metric starts with ``batchpilot_llm_``.
+``batchpilot_llm_rejected_requests_total{reason}`` counts the requests the engine refused or ended at
+their deadline, one per request, by the answer's error code: ``context_length_exceeded`` (400),
+``queue_full`` (503), ``timeout`` (504); read from the core's counts (``runtime/llm_refusals.py``), of
+the engine and of its fallback together. Behind a failover
+(``runtime/llm_failover.py``) the engine's health is read the same way, labelled
 ``engine="llm"``: ``batchpilot_engine_up``, ``batchpilot_engine_fallback_active``,
 ``batchpilot_engine_faults_total{kind}``, ``batchpilot_engine_recoveries_total``,
 ``batchpilot_engine_stall_timeout_seconds`` and ``batchpilot_fallback_requests_total``.
@@ -11,12 +15,15 @@ failover (``runtime/llm_failover.py``) the engine's health is read the same way,
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from ..runtime.llm_refusals import REASONS
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -57,7 +64,6 @@ class _EngineCollector(Collector):
             "generation_tokens": ("Output tokens generated", s.num_generated_tokens),
             "prefix_cache_hit_tokens": ("Prompt tokens served from the prefix cache",
                                         s.prefix_cache_hit_tokens),
-            "rejected_requests": ("Requests that could never fit", s.num_rejected),
             "step_seconds": ("Wall time of engine steps (schedule, forward, sample, detokenise, deliver)",
                              s.step_seconds),
             "step_forward_seconds": ("Part of the step time in forward + sampling", s.forward_seconds),
@@ -71,7 +77,26 @@ class _EngineCollector(Collector):
         for name, value in sorted(s.step_features.items()):
             feats.add_metric([name], float(value))
         yield feats
+        rejected = CounterMetricFamily("batchpilot_llm_rejected_requests", "Requests refused or ended at "
+                                       "their deadline, by the answer's code: context_length_exceeded "
+                                       "(400), queue_full (503), timeout (504)", labels=["reason"])
+        counts = _refused(self.engine)
+        for reason in REASONS:
+            rejected.add_metric([reason], float(counts[reason]))
+        yield rejected
         yield from _memory(self.engine, s)
+
+
+def _refused(engine: Any) -> collections.Counter[str]:
+    """Requests refused by reason: the core's counts (``LLMAdmission.refused``) of the engine, and
+    behind a failover of the engine it runs now and of its fallback (each keeps its counts across
+    rebuilds). A stand-in without an admission counts nothing."""
+    total: collections.Counter[str] = collections.Counter()
+    for e in (getattr(engine, "main", engine), getattr(engine, "fallback", None)):
+        counts = getattr(getattr(e, "admission", None), "refused", None)
+        if counts is not None:
+            total.update({reason: counts[reason] for reason in REASONS})
+    return total
 
 
 def _memory(engine: Any, s: Any) -> Iterator[Metric]:
