@@ -63,3 +63,30 @@ def test_from_profile_reads_the_frontend_entry(tmp_path: Path) -> None:
     assert LLMFrontEnd.from_profile(path) == LLMFrontEnd(0.002, 1.2)
     path.write_text(json.dumps({"cost_model": {}}))
     assert LLMFrontEnd.from_profile(path) == LLMFrontEnd()
+
+
+def test_a_few_steps_at_many_sequences_count_as_much_as_many_at_few() -> None:
+    """Open-loop steps at 1-3 sequences outnumber a burst's (one per count from 4 to 64) a hundredfold;
+    the line still follows the whole range (here the cost per sequence grows past 3), and the report
+    says which sequences per step it covered."""
+    def extra(n: int) -> float:  # beyond the forward
+        return 0.002 + 2e-4 * n + 2e-4 * max(n - 3, 0) + (5e-4 if n == 1 else 0.0)
+
+    counts = [1, 2, 3] * 2000 + list(range(4, 65))
+    starts, fwd, wall, feats = [], [], [], []
+    t = 0.0
+    for n in counts:
+        f = StepShape(0, n, 100 * n).features()
+        pred = MODEL.latency(f)
+        starts.append(t)
+        fwd.append(pred)
+        wall.append(pred + extra(n))
+        feats.append(f)
+        t += pred + extra(n)
+    fe, details = LLMFrontEnd.fit_steps(MODEL, starts, fwd, wall, counts, feats, [False] * len(counts))
+    assert fe.step_alpha == pytest.approx(1.0)
+    for n in (32, 51, 64):  # where a loaded server runs (a line over every step misses by 4-5%)
+        assert fe.step_const_s + fe.step_per_seq_s * n == pytest.approx(extra(n), rel=0.02)
+    assert details["max_seqs"] == 64 and details["seqs_levels"] == 64
+    assert details["mean_seqs"] == pytest.approx(sum(counts) / len(counts))
+    assert details["p90_seqs"] == 3.0

@@ -25,7 +25,9 @@ def test_first_token_delay_and_loaded_steps_are_measured() -> None:
     assert math.isfinite(frontend.first_token_delay_s) and frontend.first_token_delay_s == lone["median_s"]
     assert lone["p10_s"] <= lone["p90_s"]
     loaded = details["loaded"]
-    assert loaded["steps"] >= 10 and loaded["max_seqs"] >= 1  # 12 streams of 16-128 tokens
+    assert loaded["steps"] >= 10  # 12 streams of 16-128 tokens, then the burst
+    assert details["burst_streams"] == 4 and loaded["max_seqs"] == 4  # all of max_num_seqs at once
+    assert 1 <= loaded["mean_seqs"] <= 4 and 1 <= loaded["p90_seqs"] <= 4 and loaded["seqs_levels"] >= 2
     assert frontend.step_alpha == loaded["forward_over_predicted"] > 0
     assert frontend.step_const_s >= 0 and frontend.step_per_seq_s >= 0
 
@@ -58,7 +60,7 @@ def test_profile_llm_writes_the_serving_path_that_simulate_reads(tmp_path: Path,
         profile_llm_steps, prefill_lengths=(16, 64, 128), decode_batches=(1, 4), decode_contexts=(32, 128),
         mixed_prefills=(32,), mixed_decodes=(1, 4)))
     monkeypatch.setattr(llm_serving_profile, "measure_llm_serving_path", functools.partial(
-        measure_llm_serving_path, requests=4, loaded_requests=12))
+        measure_llm_serving_path, requests=4, loaded_requests=12, burst=4))
     out = tmp_path / "llm.json"
     assert main(["profile", "--llm", "--threads", "1", "--repeats", "1", "-o", str(out)]) == 0
     doc = json.loads(out.read_text())

@@ -11,8 +11,12 @@ own traffic (never the traffic it predicts) and writes these fields into the pro
 * ``step_alpha``: the loaded steps' forward seconds over the step profile's prediction for the same
   shapes (the speed, contention inside the forward included).
 * ``step_const_s``, ``step_per_seq_s``: what a busy step costs beyond its forward, ``step_const_s +
-  step_per_seq_s * seqs`` (non-negative least squares over the loaded steps: a step's start-to-next-start
-  interval less ``step_alpha`` times its prediction).
+  step_per_seq_s * seqs``: a step's start-to-next-start interval less ``step_alpha`` times its
+  prediction, averaged over the steps of each sequence count, and the line fitted (non-negative least
+  squares) to those means, each count weighing the square root of its steps, so the many steps at
+  one to three sequences an open-loop load runs do not outweigh a few at many sequences: the line
+  holds over the whole range of sequences per step the load reached (``mean_seqs``, ``max_seqs`` in
+  what ``fit_steps`` reports), and is extrapolated beyond it.
 
 A simulated step takes ``step_seconds(predicted, seqs)``. ``LLMFrontEnd()`` adds nothing.
 """
@@ -65,8 +69,10 @@ class LLMFrontEnd:
                   wall_s: Sequence[float], seqs: Sequence[int], features: Sequence[dict[str, float]],
                   after_idle: Sequence[bool],
                   first_token_delay_s: float = 0.0) -> tuple[LLMFrontEnd, dict[str, Any]]:
-        """Fit the step fields on logged loaded steps, in order; a step's cost to the streams is
-        ``step_cycles``."""
+        """Fit the step fields on logged loaded steps, in order (module docstring); a step's cost to the
+        streams is ``step_cycles``. Returns the fields and a JSON-ready dict of the fit, with the
+        sequences per step it covered: ``mean_seqs``, ``p90_seqs``, ``max_seqs`` and ``seqs_levels``
+        (distinct counts)."""
         if len(starts) < 10:
             return cls(first_token_delay_s), {"steps": len(starts), "note": "too few steps: not measured"}
         pred = np.array([cost_model.latency(f) for f in features])
@@ -75,13 +81,25 @@ class LLMFrontEnd:
         alpha = float(fwd.sum() / pred.sum()) if pred.sum() > 0 else 1.0
         extra = cycle - alpha * pred
         n = np.asarray(seqs, dtype=float)
-        const, per_seq = (float(c) for c in nonneg_lstsq(np.column_stack([np.ones_like(n), n]), extra))
+        const, per_seq = per_level_line(n, extra)
         line = alpha * pred + const + per_seq * n  # step_seconds over every step
         return cls(first_token_delay_s, alpha, const, per_seq), {
-            "steps": len(starts), "mean_seqs": float(n.mean()), "max_seqs": int(n.max()),
+            "steps": len(starts), "mean_seqs": float(n.mean()), "p90_seqs": float(np.percentile(n, 90)),
+            "max_seqs": int(n.max()), "seqs_levels": int(np.unique(n).size),
             "forward_over_predicted": alpha, "cycle_over_predicted": float(cycle.sum() / pred.sum()),
             "mean_extra_s": float(extra.mean()), "step_const_s": const, "step_per_seq_s": per_seq,
             "residual_std": float((cycle / line - 1.0).std())}
+
+
+def per_level_line(seqs: np.ndarray, extra: np.ndarray) -> tuple[float, float]:
+    """``(const, per_seq) >= 0`` of the line ``const + per_seq * seqs`` through the mean ``extra`` of each
+    distinct ``seqs``, least squares with each mean weighing the square root of its count (rows
+    scaled by its fourth root). Exact on points on such a line."""
+    levels, index, counts = np.unique(seqs, return_inverse=True, return_counts=True)
+    means = np.bincount(index, weights=extra) / counts
+    w = counts ** 0.25
+    coef = nonneg_lstsq(np.column_stack([np.ones_like(levels), levels]) * w[:, None], means * w)
+    return float(coef[0]), float(coef[1])
 
 
 def step_cycles(starts: Sequence[float], wall_s: Sequence[float], after_idle: Sequence[bool]) -> np.ndarray:
