@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import pytest
@@ -87,16 +88,50 @@ def test_the_same_flags_give_the_same_spec_everywhere(tmp_path: Path) -> None:
     p = argparse.ArgumentParser()
     add_deployment_args(p)
     argv = ["--config", str(path), "--max-batch-size", "4", "--latency-sla", "0.8",
-            "--request-timeout-s", "5"]
+            "--request-timeout-s", "5", "--tokenizer-workers", "3"]
     args = p.parse_args(argv)
     spec = spec_from_args(args)
     assert spec.encoder.policy.name == "window" and spec.encoder.policy.max_batch_size == 4
-    assert spec.server == ServingOptions(max_concurrency=9, request_timeout_s=5.0, latency_sla_s=0.8)
+    assert spec.server == ServingOptions(max_concurrency=9, request_timeout_s=5.0, latency_sla_s=0.8,
+                                         tokenizer_workers=3)
     # what `bench fidelity` hands to `serve`: parsed again, the very same spec
     again = spec_from_args(p.parse_args(deployment_flags(args)))
     assert again == spec
     assert spec_from_args(p.parse_args([])) == DeploymentSpec()
     assert PolicyConfig().name == DeploymentSpec().encoder.policy.name
+    with pytest.raises(ValueError, match="tokenizer_workers must be >= 0"):
+        ServingOptions(tokenizer_workers=-1)
+
+
+def test_the_deployments_tokenizer_threads_are_the_simulators_serial_servers(tmp_path: Path) -> None:
+    from batchpilot.server.cli import server_config
+    from batchpilot.sim.cli import load_frontend
+    from batchpilot.sim.frontend import FrontEnd
+    from batchpilot.sim.traces import Workload
+    from batchpilot.sim.tune import TuneConfig, Tuner
+
+    profiled = FrontEnd(serial_const_s=0.001, serial_servers=2)
+    assert profiled.serving(0) is profiled and profiled.serving(2) is profiled
+    assert profiled.serving(1).serial_servers == 1 and profiled.serving(1).serial_const_s == 0.001
+    path = tmp_path / "p.json"
+    cm = CostModel.default_cpu_minilm()
+    cm.save(path)
+    doc = json.loads(path.read_text())
+    doc["frontend"] = profiled.to_dict()
+    path.write_text(json.dumps(doc))
+    ns = argparse.Namespace(profile=str(path), batcher_only=False, tokenizer_workers=None)
+    assert load_frontend(ns) == profiled
+    assert load_frontend(argparse.Namespace(**{**vars(ns), "tokenizer_workers": 1})).serial_servers == 1
+    spec = DeploymentSpec().replace(tokenizer_workers=1)
+    wl = Workload.from_columns("t", [0.0, 0.1], [16, 16])
+    assert Tuner(wl, cm, TuneConfig(), spec=spec, frontend=profiled).frontend.serial_servers == 1
+    # serve runs that many threads
+    from batchpilot.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--noop", "--tokenizer-workers", "1"])
+    assert server_config(args, spec_from_args(args)).tokenizer_workers == 1
+    args = build_parser().parse_args(["serve", "--noop"])
+    assert server_config(args, spec_from_args(args)).tokenizer_workers is None
 
 
 @pytest.mark.parametrize(("meta", "asked", "resolved"), [

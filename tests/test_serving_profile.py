@@ -19,7 +19,7 @@ from batchpilot.runtime.executor import NoopExecutor
 from batchpilot.server import serving_profile
 from batchpilot.server.serving_load import Loaded, alternating_arrivals, competing_cpu, fit_loaded
 from batchpilot.server.serving_profile import measure_serving_path
-from batchpilot.sim.frontend import FrontEnd
+from batchpilot.sim.frontend import IDLE_EDGES_S, FrontEnd
 
 
 @pytest.fixture(autouse=True)
@@ -33,6 +33,9 @@ def _check(frontend: FrontEnd, details: dict[str, Any], requests: int, rounds: i
     for name, value in frontend.to_dict().items():
         if name == "loaded_residuals":  # relative errors around the loaded line, sorted
             assert value == sorted(value) and all(math.isfinite(r) and r > -1 for r in value)
+            continue
+        if name == "loaded_idle_factors":  # one per idle bin, or none (too few loaded batches)
+            assert len(value) in (0, len(IDLE_EDGES_S) + 1) and all(f > 0 for f in value)
             continue
         assert math.isfinite(value) and value >= 0.0, name
     assert frontend.serial_busy_factor >= 1.0
@@ -87,8 +90,8 @@ def test_any_executor_with_its_own_texts() -> None:
     loaded = details["loaded"]
     assert loaded["batches"] >= 10 and 0.8 < loaded["slot_over_predicted"] < 3.0
     assert len(frontend.loaded_residuals) == loaded["batches"]
-    assert frontend.batch_seconds(0.002) == pytest.approx(
-        frontend.loaded_alpha * 0.002 + frontend.loaded_const_s)
+    assert frontend.batch_seconds(0.002) == pytest.approx(  # right behind another batch
+        frontend.loaded_alpha * 0.002 * frontend.loaded_idle_factors[0] + frontend.loaded_const_s)
     # the slope is the CPU each request cost outside the model thread, accounted, times alpha
     cpu = loaded["cpu"]
     assert cpu["requests"] == 30 and cpu["model_threads_cpu_s"] >= 0 and cpu["other_threads_cpu_s"] >= 0
@@ -146,3 +149,30 @@ def test_alternating_arrivals_switch_rates_by_segment_with_a_pause_between() -> 
     means = [sum(g) / len(g) for g in seg]
     assert all(m < 0.03 for m in means[0::2]) and all(m > 0.05 for m in means[1::2])
     assert all(gaps[k * 100] >= 5.0 for k in range(1, 6))  # the pause before every later segment
+
+
+def test_fit_loaded_measures_how_much_slower_a_batch_runs_after_an_idle_server() -> None:
+    from batchpilot.sim.frontend import idle_factor
+
+    model = CostModel(latency_coef=(0.01, 0.0, 0.0, 0.0))
+    feats = {"const": 1.0, "n": 1.0, "tokens": 8.0, "attn": 64.0}
+    batches, t = [], 0.0
+    for k in range(120):  # runs of 3 back-to-back batches (idle 0) after 0.5 s of idle
+        t += 0.5 if k % 3 == 0 else 0.0
+        took = 0.01 * (1.3 if k % 3 == 0 else 1.0) * 1.5  # alpha 1.5; 30% slower after idle
+        batches.append(Loaded(feats, took, t, [t]))
+        t += took
+    (alpha, _, _), details = fit_loaded(batches, model)
+    f = details["idle_factors"]
+    assert len(f) == len(IDLE_EDGES_S) + 1 and details["idle_batches"][0] == 80
+    assert details["idle_batches"][-1] == 40
+    # per bin (took + 10 lines) / (its lines + 10 lines), the line the mean of 1.98 s over 120 batches:
+    # 30% slower after idle, shrunk toward 1 by the 10 batches of prior
+    line = 1.98 / 120
+    after_idle = (40 * 0.0195 + 10 * line) / (50 * line)
+    behind = (80 * 0.015 + 10 * line) / (90 * line)
+    assert f[-1] / f[0] == pytest.approx(after_idle / behind) and 1.2 < f[-1] / f[0] < 1.3
+    assert f[1] == f[2] == f[3] == f[4] and f[0] < f[1] < f[-1]  # empty bins: 1, before normalising
+    line = [alpha * 0.01 * idle_factor(f, 0.0 if k % 3 else 1.0) for k in range(120)]
+    assert sum(line) == pytest.approx(sum(b.slot_s for b in batches))  # the totals kept
+    assert max(abs(r) for r in details["residuals"]) < 0.05  # without the factors: -9% and +18%

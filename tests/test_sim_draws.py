@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -77,5 +78,9 @@ def test_simulate_prints_the_band_over_draws(tmp_path: Path, capsys: pytest.Capt
     assert main([*args, "--draws", "4"]) == 0
     out = " ".join(capsys.readouterr().out.split())  # rich wraps long titles
     assert "the prediction over 4 noise draws" in out and "(draw of seed 0)" in out
+    assert main([*args, "--draws", "4", "--json", str(tmp_path / "r.json")]) == 0
+    doc = json.loads((tmp_path / "r.json").read_text())["draws"]
+    assert doc["draws"] == 4 and doc["p99"]["band"][0] <= doc["p99"]["median"] <= doc["p99"]["band"][1]
+    capsys.readouterr()
     assert main([*args, "--draws", "1"]) == 0 and "noise draws" not in capsys.readouterr().out
     assert main([*args, "--draws", "0"]) == 2

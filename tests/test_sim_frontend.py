@@ -222,3 +222,30 @@ def test_several_tokenizer_servers_may_hand_rows_to_the_batcher_out_of_order() -
 def test_a_frontend_with_unknown_fields_is_refused_with_what_to_do() -> None:
     with pytest.raises(ValueError, match="unknown fields cold_s.*run `batchpilot profile` again"):
         FrontEnd.from_dict({"loaded_alpha": 1.2, "cold_s": 0.001})
+
+
+def test_idle_factors_price_a_batch_by_the_idle_time_before_it() -> None:
+    from batchpilot.core.config import PolicyConfig, SchedulerConfig
+    from batchpilot.sim.frontend import IDLE_EDGES_S, idle_factor, idle_times
+    from batchpilot.sim.target import simulate_encoder
+
+    factors = (0.9, 0.95, 1.0, 1.05, 1.1, 1.3)
+    assert [idle_factor(factors, t) for t in (0.0, 0.0019, 0.002, 0.05, 0.29, 0.3, math.inf)] == \
+        [0.9, 0.9, 0.95, 1.05, 1.1, 1.3, 1.3]
+    assert idle_factor((), 5.0) == 1.0 and len(factors) == len(IDLE_EDGES_S) + 1
+    assert idle_times([0.0, 0.01, 0.5], [0.02, 0.02, 0.01]) == [math.inf, 0.0, pytest.approx(0.47)]
+    fe = FrontEnd(loaded_idle_factors=factors)
+    assert FrontEnd.from_dict(fe.to_dict()) == fe and FrontEnd.from_dict({}).loaded_idle_factors == ()
+    assert fe.batch_seconds(0.01, 0.0, 1.0) == pytest.approx(0.013)
+    assert fe.batch_seconds(0.01, 0.0, 0.0) == pytest.approx(0.009)
+    for bad in ((1.0,) * 3, (1.0, 1.0, 1.0, 1.0, 1.0, 0.0)):
+        with pytest.raises(ValueError, match="loaded_idle_factors"):
+            FrontEnd(loaded_idle_factors=bad)
+    # lone requests a second apart: every batch after an idle server; a burst of 5: the first batch
+    # after idle, the next four right behind it
+    cm = CostModel(latency_coef=(0.01, 0.0, 0.0, 0.0))
+    cfg = SchedulerConfig(policy=PolicyConfig(name="window", max_batch_size=1, max_wait_s=0.0))
+    lone = simulate_encoder(_workload([float(i) for i in range(5)], [8] * 5), cfg, cm, frontend=fe)
+    assert lone.record.b_duration == pytest.approx([0.013] * 5)
+    burst = simulate_encoder(_workload([0.0] * 5, [8] * 5), cfg, cm, frontend=fe)
+    assert burst.record.b_duration == pytest.approx([0.013, 0.009, 0.009, 0.009, 0.009])

@@ -138,6 +138,10 @@ def add_deployment_args(p: argparse.ArgumentParser, *, config_help: str | None =
                    help="answer 504 when a request is not done by then (server.request_timeout_s, "
                         "default 60); given, it also applies to the LLM routes unless "
                         "llm.request_timeout_s is set (their own default: 600)")
+    g.add_argument("--tokenizer-workers", type=int, default=None,
+                   help="threads tokenising inputs and prompts off the event loop, per model "
+                        "(server.tokenizer_workers; default: one per core the server may run on); the "
+                        "simulator's serial stage has as many servers")
     g.add_argument("--latency-sla", type=float, default=None, metavar="S",
                    help="declare a latency SLA in seconds: refuse (503) a request whose predicted "
                         "completion would miss it (server.latency_sla_s; default none: no shedding)")
@@ -167,13 +171,14 @@ def spec_from_args(args: argparse.Namespace) -> DeploymentSpec:
     spec = llm_from_args(spec, args)
     return spec.replace(encoder=enc, model=model, max_concurrency=getattr(args, "max_concurrency", None),
                         request_timeout_s=getattr(args, "request_timeout_s", None),
-                        latency_sla_s=getattr(args, "latency_sla", None))
+                        latency_sla_s=getattr(args, "latency_sla", None),
+                        tokenizer_workers=getattr(args, "tokenizer_workers", None))
 
 
 _FLAGS = (("config", "--config"), ("policy", "--policy"), ("max_batch_size", "--max-batch-size"),
           ("max_wait_ms", "--max-wait-ms"), ("padding", "--padding"), ("num_slots", "--num-slots"),
           ("max_concurrency", "--max-concurrency"), ("request_timeout_s", "--request-timeout-s"),
-          ("latency_sla", "--latency-sla"))
+          ("latency_sla", "--latency-sla"), ("tokenizer_workers", "--tokenizer-workers"))
 
 
 # LLM engine flags: the llm: section's field names, as vLLM spells its flags

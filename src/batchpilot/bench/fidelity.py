@@ -177,6 +177,7 @@ def main(args: argparse.Namespace) -> int:
         profile = run_profile(out, spec.encoder.planner.padding, args.profile_args, args.cpus)
     cost_model = CostModel.load(profile)
     frontend = None if args.batcher_only else FrontEnd.from_profile(profile)
+    frontend = frontend and frontend.serving(spec.server.tokenizer_workers)
     deployment = resolve(spec, cost_model)
     wl = load_workload(args)
     print(f"workload {wl.name}: {len(wl)} requests over {wl.duration_s:.1f} s ({wl.mean_rate:.2f} req/s); "

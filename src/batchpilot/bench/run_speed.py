@@ -20,11 +20,11 @@ from pathlib import Path
 
 from ..core.costmodel import CostModel
 from ..runtime.batch_log import LoggedBatch, read_batches
-from ..sim.frontend import FrontEnd, rates_before
+from ..sim.frontend import IDLE_EDGES_S, FrontEnd, idle_times, rates_before
 
 WINDOW_S = 15.0
 MIN_WINDOW_BATCHES = 10  # a window with fewer batches is left out of the spread
-IDLE_BINS_S = (0.0, 0.002, 0.01, 0.03, 0.1, 0.3, math.inf)  # idle before a batch, for ``by_idle``
+IDLE_BINS_S = (0.0, *IDLE_EDGES_S, math.inf)  # idle before a batch, for ``by_idle`` (the profile's bins)
 SIZE_BINS = ((1, 1), (2, 2), (3, 4), (5, 8), (9, 10**9))  # requests in a batch, for ``by_size``
 RATE_BINS = (0.0, 5.0, 10.0, 20.0, 30.0, math.inf)  # requests/s in the second before a batch, ``by_rate``
 
@@ -52,11 +52,12 @@ class RunSpeed:
 
 
 def priced_seconds(batches: Sequence[LoggedBatch], cost_model: CostModel, frontend: FrontEnd | None,
-                   rates: Sequence[float]) -> list[float]:
-    """What the profile says each batch takes: under serving load at its rate with ``frontend``, else
-    the bare cost model."""
-    return [frontend.batch_seconds(cost_model.latency(b.features), r) if frontend is not None
-            else cost_model.latency(b.features) for b, r in zip(batches, rates, strict=True)]
+                   rates: Sequence[float], idle: Sequence[float] | None = None) -> list[float]:
+    """What the profile says each batch takes: under serving load at its rate and after its idle time
+    (``idle_before``) with ``frontend``, else the bare cost model."""
+    idle = idle_before(batches) if idle is None else idle
+    return [frontend.batch_seconds(cost_model.latency(b.features), r, t) if frontend is not None
+            else cost_model.latency(b.features) for b, r, t in zip(batches, rates, idle, strict=True)]
 
 
 def speed_of(batches: Sequence[LoggedBatch], priced: Sequence[float]) -> RunSpeed:
@@ -77,12 +78,8 @@ def speed_of(batches: Sequence[LoggedBatch], priced: Sequence[float]) -> RunSpee
 
 def idle_before(batches: Sequence[LoggedBatch]) -> list[float]:
     """Per batch, in start order, how long the server sat with no batch running before it started
-    (the first batch's is infinite)."""
-    out, busy_until = [], -math.inf
-    for b in batches:
-        out.append(max(b.start - busy_until, 0.0))
-        busy_until = max(busy_until, b.start + b.slot_s)
-    return out
+    (the first batch's is infinite): ``sim.frontend.idle_times``."""
+    return idle_times([b.start for b in batches], [b.slot_s for b in batches])
 
 
 def split(batches: Sequence[LoggedBatch], priced: Sequence[float], keys: Sequence[float],
@@ -100,8 +97,8 @@ def split(batches: Sequence[LoggedBatch], priced: Sequence[float], keys: Sequenc
 
 
 def by_idle(batches: Sequence[LoggedBatch], priced: Sequence[float]) -> tuple[tuple[str, int, float], ...]:
-    """Per ``IDLE_BINS_S`` bin of the idle time before the batch: a batch after an idle server may run
-    slower than one right behind another (caches gone cold), which the profile does not price."""
+    """Per ``IDLE_BINS_S`` bin of the idle time before the batch: flat when the profile's idle factors
+    price how much slower a batch after an idle server runs than one right behind another."""
     bins = [(lo, hi, f">= {lo * 1e3:g} ms" if math.isinf(hi) else f"{lo * 1e3:g}-{hi * 1e3:g} ms")
             for lo, hi in zip(IDLE_BINS_S, IDLE_BINS_S[1:], strict=False)]
     return split(batches, priced, idle_before(batches), bins)  # the first batch (inf) in the last bin

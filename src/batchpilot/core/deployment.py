@@ -58,8 +58,14 @@ class ServingOptions:
     request_timeout_s: float = 60.0  # not answered by then: 504 (queued inputs are dropped by the core)
     latency_sla_s: float = 0.0  # a declared SLA (seconds): latency-based shedding; 0 = none declared
     memory_share: float = 0.25  # one batch may use this share of device memory (0 = no budget)
+    # threads tokenising inputs and prompts off the event loop, per model: the servers of the simulator's
+    # serial stage (sim.frontend); 0 = one per core the server may run on (what the profile recorded)
+    tokenizer_workers: int = 0
 
     def __post_init__(self) -> None:
+        if self.tokenizer_workers < 0:
+            raise ValueError(f"server.tokenizer_workers must be >= 0 (0 = one per core), "
+                             f"got {self.tokenizer_workers}")
         if self.max_concurrency < 0:
             raise ValueError(f"server.max_concurrency must be >= 0 (0 = no limit), "
                              f"got {self.max_concurrency}")

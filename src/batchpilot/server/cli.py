@@ -53,9 +53,6 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-length", type=int, default=None, help="max tokens per input (default: model limit)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: all cores; 1 is faster when oversubscribed)")
-    p.add_argument("--tokenizer-workers", type=int, default=None,
-                   help="threads tokenising inputs and prompts off the event loop, per model "
-                        "(default: one per core)")
     add_deployment_args(p)
     add_precision_args(p)
     add_rollout_args(p)
@@ -171,7 +168,8 @@ def server_config(args: argparse.Namespace, spec: DeploymentSpec) -> ServerConfi
     """The server settings the parsed `serve` flags ask for (shared by `serve` and `serve --ray`)."""
     return ServerConfig(
         host=args.host, port=args.port, models=model_specs(args),
-        max_length=args.max_length, num_threads=args.threads, tokenizer_workers=args.tokenizer_workers,
+        max_length=args.max_length, num_threads=args.threads,
+        tokenizer_workers=spec.server.tokenizer_workers or None,
         noop=args.noop, noop_delay_s=args.noop_delay_ms / 1000.0,
         startup_profile=not args.no_startup_profile, api_key=args.api_key,
         max_body_bytes=args.max_body_bytes, header_timeout_s=args.header_timeout_s,

@@ -8,8 +8,9 @@ after its lone requests, replays ``LOADED_REQUESTS`` open-loop from a child proc
   (``alternating_arrivals``, which the LLM's loaded phase uses too);
 * ``thread_cpu_s`` / ``competing_cpu``: the CPU seconds per request that competed with the model
   (every thread of this process but the model's, plus the load generator when it shares the cores);
-* ``fit_loaded``: the line ``predicted * alpha * (1 + competing_cpu_s * rate)`` over the batches
-  the server ran, and their spread around it.
+* ``fit_loaded``: the line ``predicted * alpha * (1 + competing_cpu_s * rate) * idle factor`` over the
+  batches the server ran, and their spread around it; ``idle_factors``: how much slower than the
+  line a batch runs after the server sat idle for a while than right behind another batch.
 """
 
 from __future__ import annotations
@@ -25,11 +26,12 @@ import numpy as np
 
 from ..bench.loadgen import LoadGenConfig, PlannedRequest
 from ..core.costmodel import BatchShape, CostModel, nonneg_lstsq
-from ..sim.frontend import rates_before, residual_units
+from ..sim.frontend import IDLE_EDGES_S, idle_factor, idle_times, rates_before, residual_units
 
 LOADED_REQUESTS = 240  # ~10-20 s of traffic for MiniLM on one CPU core
 LOADED_SHARES = (0.3, 0.75)  # of one slot's one-at-a-time rate: two loads, to see how the rate slows a batch
 LOADED_SEGMENTS = 6  # the loaded traffic alternates between the two shares this many times
+IDLE_PRIOR_BATCHES = 10.0  # an idle bin's factor weighs this many batches at 1 beside its own
 
 
 def one_input(length: int, padding: str) -> BatchShape:
@@ -79,17 +81,22 @@ def alternating_arrivals(n: int, mean_gaps_s: tuple[float, float], rng: random.R
 
 
 def fit_loaded(batches: list[Loaded], cost_model: CostModel,
-                competing_cpu_s: float = 0.0) -> tuple[tuple[float, float, float], dict[str, Any]]:
-    """``slot_s ~ predicted * alpha * (1 + competing_cpu_s * rate)`` over the loaded batches, ``rate`` =
-    requests that arrived in the ``RATE_WINDOW_S`` before the batch started, per second; ``alpha`` is
-    the ratio of the totals. Returns ``(alpha, alpha * competing_cpu_s, 0)`` (``FrontEnd``'s loaded
-    line) and what was measured."""
+               competing_cpu_s: float = 0.0) -> tuple[tuple[float, float, float], dict[str, Any]]:
+    """``slot_s ~ predicted * alpha * (1 + competing_cpu_s * rate) * idle_factor(idle)`` over the loaded
+    batches, ``rate`` = requests that arrived in the ``RATE_WINDOW_S`` before the batch started, per
+    second, ``idle`` the time no batch ran before it (``idle_factors``); ``alpha`` makes the totals
+    agree. Returns ``(alpha, alpha * competing_cpu_s, 0)`` (``FrontEnd``'s loaded line) and what was
+    measured, ``idle_factors`` among it."""
     if len(batches) < 10:
         return (1.0, 0.0, 0.0), {"batches": len(batches), "note": "too few batches: not measured"}
+    batches = sorted(batches, key=lambda b: b.start)
     rate = np.array(rates_before([b.start for b in batches], [a for b in batches for a in b.arrivals]))
     pred = np.array([cost_model.latency(b.features) for b in batches])
     took = np.array([b.slot_s for b in batches])
+    idle = np.array(idle_times([b.start for b in batches], took.tolist()))
     base = pred * (1.0 + competing_cpu_s * rate)
+    factors, counts = idle_factors(idle, took, base * (took.sum() / base.sum()))
+    base = base * np.array([idle_factor(factors, t) for t in idle])
     alpha = float(took.sum() / base.sum()) if base.sum() > 0 else 1.0
     # for comparison only: the slope a least-squares fit of ``predicted * (a + b * rate)`` would give
     w = 1.0 / np.maximum(took, 1e-6)
@@ -104,9 +111,27 @@ def fit_loaded(batches: list[Loaded], cost_model: CostModel,
         "rate_min": float(rate.min()), "rate_max": float(rate.max()), "rate_mean": float(rate.mean()),
         "slot_over_predicted": float(took.sum() / pred.sum()), "alpha": alpha,
         "competing_cpu_s": competing_cpu_s, "rate_coef": alpha * competing_cpu_s, "const_s": 0.0,
-        "least_squares_s_per_request": fitted_s,
+        "least_squares_s_per_request": fitted_s, "idle_factors": list(factors), "idle_batches": counts,
         "residuals": sorted(float(r) for r in residuals), "residual_std": float(residuals.std()),
         "residual_ref_s": ref_s}
+
+
+def idle_factors(idle: np.ndarray, took: np.ndarray, line: np.ndarray,
+                 prior: float = IDLE_PRIOR_BATCHES) -> tuple[tuple[float, ...], list[int]]:
+    """Per ``IDLE_EDGES_S`` bin of ``idle``, the batches' time over their ``line``: ``(sum took + prior *
+    m) / (sum line + prior * m)``, ``m`` the bin's mean line, so a bin of few batches stays near 1 (none:
+    exactly 1). Normalised so that the line times the factors keeps the totals (``sum took``). Returns
+    the factors and the batches per bin."""
+    index = np.searchsorted(np.asarray(IDLE_EDGES_S), idle, side="right")
+    factors, counts = [], []
+    for k in range(len(IDLE_EDGES_S) + 1):
+        cell = index == k
+        n = int(cell.sum())
+        counts.append(n)
+        m = float(line[cell].mean()) if n else 1.0
+        factors.append((float(took[cell].sum()) + prior * m) / (float(line[cell].sum()) + prior * m))
+    scale = float(line.sum()) / float(sum(line[index == k].sum() * f for k, f in enumerate(factors)))
+    return tuple(f * scale for f in factors), counts
 
 
 def thread_cpu_s() -> dict[int, float]:

@@ -140,7 +140,8 @@ def measure_serving_path(executor: Any, cost_model: CostModel, *, requests: int 
                                    serial_servers=tokenizer_workers(ServerConfig()),
                                    loaded_alpha=alpha, loaded_rate_coef=rate_coef, loaded_const_s=const,
                                    loaded_residuals=tuple(load_details.pop("residuals", ())),
-                                   loaded_residual_ref_s=load_details.pop("residual_ref_s", 0.0))
+                                   loaded_residual_ref_s=load_details.pop("residual_ref_s", 0.0),
+                                   loaded_idle_factors=tuple(load_details.get("idle_factors", ())))
     details = {
         "requests": len(measured), "ok": len(ok), "warmup_requests": len(warm), "lengths": len(wanted),
         "min_tokens": min(lengths), "max_tokens": max(lengths), "rounds": rounds, "padding": padding,

@@ -135,10 +135,12 @@ def resolve(spec: DeploymentSpec, cost_model: CostModel) -> Deployment:
 
 
 def load_frontend(args: argparse.Namespace) -> FrontEnd | None:
-    """The serving path outside the batcher, from the profile file and nowhere else."""
+    """The serving path outside the batcher, from the profile file and nowhere else, on a server with the
+    deployment's tokenizer threads (``--tokenizer-workers``; default the profiled server's)."""
     if getattr(args, "batcher_only", False) or not getattr(args, "profile", None):
         return None
-    return FrontEnd.from_profile(args.profile)
+    frontend = FrontEnd.from_profile(args.profile)
+    return frontend and frontend.serving(getattr(args, "tokenizer_workers", None) or 0)
 
 
 def run_simulate(args: argparse.Namespace) -> int:
@@ -212,6 +214,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     title = f"{workload.name}: {len(workload)} requests, {workload.mean_rate:.2f} req/s offered{where}"
     noisy = fleet is None and args.draws > 1 and is_noisy(args.noise, frontend)
     console.print(report_table(report, title + (f" (draw of seed {args.seed})" if noisy else "")))
+    drawn = None
     if noisy:
         drawn = encoder_draws(workload, config, cost_model, args.draws, args.seed, args.sla, args.warmup_s,
                               first=report, noise=args.noise, request_sla_s=args.request_sla,
@@ -229,7 +232,10 @@ def run_simulate(args: argparse.Namespace) -> int:
         import dataclasses
         import json
 
-        Path(args.json).write_text(json.dumps(dataclasses.asdict(report), indent=2, default=str))
+        doc = dataclasses.asdict(report)
+        if drawn is not None:  # each metric's median and band over the draws
+            doc["draws"] = drawn.to_dict()
+        Path(args.json).write_text(json.dumps(doc, indent=2, default=str))
         console.print(f"wrote {args.json}")
     if run.stats.stalled:
         console.print("[red]the scheduler left requests waiting with nothing scheduled (stalled)[/]")

@@ -68,6 +68,13 @@ class Drawn:
         lo, hi = np.percentile(v, BAND)
         return float(lo), float(hi)
 
+    def to_dict(self) -> dict[str, Any]:
+        """Per metric of ``METRICS``: ``{"median": m, "band": [p5, p95]}``, with the draws and first seed."""
+        out: dict[str, Any] = {"draws": len(self.reports), "seed": self.seed}
+        for name in METRICS:
+            out[name] = {"median": self.median(name), "band": list(self.band(name))}
+        return out
+
     @property
     def central(self) -> SimReport:
         p99 = self.values("p99")

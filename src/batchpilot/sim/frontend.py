@@ -16,7 +16,8 @@ The fields:
 
 * ``serial_const_s``, ``serial_per_token_s``: a tokenizer thread's time per request (the
   ``tokenize`` part of the server's ``Server-Timing`` header) on an idle server.
-* ``serial_servers``: how many tokenizer threads the profiled server had (``--tokenizer-workers``).
+* ``serial_servers``: how many tokenizer threads the profiled server had; a deployment that sets
+  ``server.tokenizer_workers`` (``--tokenizer-workers``) runs with that many (``serving``).
 * ``delay_const_s``, ``delay_per_token_s``: the client's latency minus the ``tokenize`` and ``batcher``
   parts: HTTP, validation, JSON both ways, the client itself.
 * ``batch_overhead_s``: what the live driver adds to every batch around the model (the scheduling call,
@@ -36,6 +37,11 @@ The fields:
   simulator draws every batch's time from them (seeded), scaled back to the batch's own length, so the
   queueing it predicts sees the service-time variance the served model really has, not the profiler
   loop's. ``loaded_residual_ref_s`` 0: the residuals are relative at every length.
+* ``loaded_idle_factors``: one factor per bin of the idle time before a batch (``IDLE_EDGES_S``: under
+  2 ms, 2-10 ms, 10-30 ms, 30-100 ms, 100-300 ms, 300 ms or more, the first batch included), by
+  which that batch's line is multiplied: a batch right behind another finds the model's weights and
+  the CPU warm, one after the server sat idle does not. Measured by the profile on the same loaded
+  batches (``server.serving_load.idle_factors``); none (old profiles): 1 at every idle time.
 * ``serial_busy_factor``: how much slower the tokenizer is while the model runs a batch (both share
   the CPU) than on an idle machine, >= 1; under load the model is nearly always busy, so the serial
   stage's service time is scaled by it.
@@ -50,6 +56,7 @@ driver fields at their defaults).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import heapq
 import json
 import math
@@ -61,6 +68,8 @@ from typing import Any
 import numpy as np
 
 RATE_WINDOW_S = 1.0  # a batch's request rate: arrivals in this window before it started
+# upper edges of the bins of the idle time before a batch (no batch running); the last bin is >= 0.3 s
+IDLE_EDGES_S = (0.002, 0.01, 0.03, 0.1, 0.3)
 
 
 def check_finite_nonneg(what: str, values: dict[str, float]) -> None:
@@ -84,12 +93,20 @@ class FrontEnd:
     loaded_residuals: tuple[float, ...] = ()
     loaded_residual_ref_s: float = 0.0
     serial_servers: int = 1
+    loaded_idle_factors: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "loaded_residuals", tuple(sorted(float(r) for r in self.loaded_residuals)))
+        object.__setattr__(self, "loaded_idle_factors", tuple(float(f) for f in self.loaded_idle_factors))
         if any(not math.isfinite(r) or r <= -1.0 for r in self.loaded_residuals):
             raise ValueError("frontend.loaded_residuals must be finite relative errors > -1")
-        check_finite_nonneg("frontend", {k: v for k, v in asdict(self).items() if k != "loaded_residuals"})
+        factors = self.loaded_idle_factors
+        if factors and (len(factors) != len(IDLE_EDGES_S) + 1
+                        or not all(math.isfinite(f) and f > 0 for f in factors)):
+            raise ValueError(f"frontend.loaded_idle_factors must be {len(IDLE_EDGES_S) + 1} positive "
+                             f"factors (one per idle bin) or none, got {factors!r}")
+        check_finite_nonneg("frontend", {k: v for k, v in asdict(self).items()
+                                         if k not in ("loaded_residuals", "loaded_idle_factors")})
         if int(self.serial_servers) != self.serial_servers or self.serial_servers < 1:
             raise ValueError(f"frontend.serial_servers = {self.serial_servers!r}; must be an integer >= 1")
         if self.serial_busy_factor < 1.0:
@@ -117,15 +134,24 @@ class FrontEnd:
             heapq.heapreplace(frees, out[i])
         return out
 
-    def batch_seconds(self, predicted_s: float, rate: float = 0.0) -> float:
-        """A batch's slot time under serving load, from the cost model's prediction for it and the
-        request rate (per second, over the ``RATE_WINDOW_S`` before it starts)."""
-        return predicted_s * (self.loaded_alpha + self.loaded_rate_coef * rate) + self.loaded_const_s
+    def batch_seconds(self, predicted_s: float, rate: float = 0.0, idle_s: float = 0.0) -> float:
+        """A batch's slot time under serving load, from the cost model's prediction for it, the
+        request rate (per second, over the ``RATE_WINDOW_S`` before it starts) and how long no batch
+        ran before it (``idle_s``)."""
+        return (predicted_s * (self.loaded_alpha + self.loaded_rate_coef * rate)
+                * idle_factor(self.loaded_idle_factors, idle_s) + self.loaded_const_s)
 
     def residual_scale(self, line_s: float) -> float:
         """What a drawn ``loaded_residuals`` entry is multiplied by for a batch of ``line_s`` seconds
         (its loaded line): ``sqrt(ref / line)`` for batches longer than the reference, else 1."""
         return residual_scale(line_s, self.loaded_residual_ref_s)
+
+    def serving(self, tokenizer_workers: int) -> FrontEnd:
+        """This serving path on a server with ``tokenizer_workers`` tokenizer threads (the deployment's
+        ``server.tokenizer_workers``); 0 keeps the profiled server's count."""
+        if tokenizer_workers and tokenizer_workers != self.serial_servers:
+            return dataclasses.replace(self, serial_servers=int(tokenizer_workers))
+        return self
 
     def delay(self, tokens: np.ndarray) -> np.ndarray:
         return self.delay_const_s + self.delay_per_token_s * np.asarray(tokens, dtype=float)
@@ -155,12 +181,14 @@ class FrontEnd:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["loaded_residuals"] = list(self.loaded_residuals)
+        d["loaded_idle_factors"] = list(self.loaded_idle_factors)
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> FrontEnd:
         """The inverse of ``to_dict``; fields it lacks keep their defaults."""
         conv: dict[str, Any] = {"loaded_residuals": lambda v: tuple(float(x) for x in v),
+                                "loaded_idle_factors": lambda v: tuple(float(x) for x in v),
                                 "serial_servers": int}
         unknown = sorted(set(d) - {f.name for f in fields(cls)})
         if unknown:
@@ -175,6 +203,21 @@ class FrontEnd:
         doc = json.loads(Path(path).read_text())
         entry = doc.get("frontend") if isinstance(doc, dict) else None
         return None if entry is None else cls.from_dict(entry)
+
+
+def idle_factor(factors: Sequence[float], idle_s: float) -> float:
+    """The factor of ``factors`` (one per ``IDLE_EDGES_S`` bin) for a batch after ``idle_s`` seconds
+    with no batch running (``inf``: the first); 1 without factors."""
+    return factors[bisect.bisect_right(IDLE_EDGES_S, idle_s)] if factors else 1.0
+
+
+def idle_times(starts: Sequence[float], slot_s: Sequence[float]) -> list[float]:
+    """Per batch (in start order), how long no batch ran before it started: ``inf`` for the first."""
+    out, busy_until = [], -math.inf
+    for start, took in zip(starts, slot_s, strict=True):
+        out.append(max(start - busy_until, 0.0))
+        busy_until = max(busy_until, start + took)
+    return out
 
 
 def residual_units(rel: np.ndarray, line_s: np.ndarray, ref_s: float) -> np.ndarray:

@@ -26,7 +26,7 @@ from ..core.costmodel import CostModel
 from ..core.request import Request
 from ..core.scheduler import Batch, BatchScheduler, Rejection
 from .engine import Engine, EngineStats, Job, StopSimulation
-from .frontend import RATE_WINDOW_S, FrontEnd, residual_scale
+from .frontend import RATE_WINDOW_S, FrontEnd, idle_factor, residual_scale
 from .traces import Workload
 
 DONE, PENDING, REJECTED, DROPPED = 1, 0, 2, 3
@@ -73,6 +73,7 @@ class EncoderTarget:
         loaded: tuple[float, float, float] = (1.0, 0.0, 0.0),
         loaded_residuals: tuple[float, ...] = (),
         loaded_residual_ref_s: float = 0.0,
+        loaded_idle_factors: tuple[float, ...] = (),
     ) -> None:
         """``batch_overhead_s``: seconds the live driver adds to every batch outside the model (thread
         hand-offs, the event loop; the profile's ``frontend.batch_overhead_s``). ``loaded``: (alpha,
@@ -80,7 +81,9 @@ class EncoderTarget:
         rate) + const`` with ``rate`` the arrivals of the last ``RATE_WINDOW_S`` per second (the
         profile's ``frontend.loaded_*``); ``loaded_residuals``: the served batches'
         spread around it, drawn from for every batch (seeded) in place of the profile's residuals, in
-        the units of a batch of ``loaded_residual_ref_s`` seconds (``FrontEnd.residual_scale``).
+        the units of a batch of ``loaded_residual_ref_s`` seconds (``FrontEnd.residual_scale``);
+        ``loaded_idle_factors``: the line's factor by the idle time before the batch (no batch running
+        on any slot; ``sim.frontend.idle_factor``).
         ``stop_after_misses = (sla_s, max_misses, warmup_s)``: stop the run (``StopSimulation``) once more
         than ``max_misses`` measured requests finished later than ``sla_s`` or failed — the tuner's
         early exit when a probe's P99 is already lost for certain."""
@@ -100,6 +103,9 @@ class EncoderTarget:
         self._stop = stop_after_misses
         self._overhead = batch_overhead_s
         self._alpha, self._rate_coef, self._const = loaded
+        self._idle_factors = loaded_idle_factors
+        self._in_flight = 0  # batches started (or collated behind a running one) and not done
+        self._last_end = -math.inf  # when the last batch done so far ended
         self._recent: deque[float] = deque()  # arrivals in the last RATE_WINDOW_S (only with a rate coef)
         self.num_misses = 0
 
@@ -141,6 +147,8 @@ class EncoderTarget:
 
     def on_job_done(self, job: Job, now: float) -> None:
         batch: Batch = job.payload
+        self._in_flight -= 1
+        self._last_end = max(self._last_end, now)
         rec = self.record
         finish, status = rec.finish_s, rec.status
         for r in batch.requests:
@@ -167,6 +175,9 @@ class EncoderTarget:
             while recent and recent[0] < start:
                 recent.popleft()
             factor += self._rate_coef * len(recent) / RATE_WINDOW_S
+        if self._idle_factors:  # a batch started while another runs (or behind it) found no idle time
+            factor *= idle_factor(self._idle_factors, 0.0 if self._in_flight else now - self._last_end)
+        self._in_flight += 1
         mean = factor * self.service_model.batch_latency(shape.n, shape.tokens, shape.attn) + self._const
         if not self.noise or not self._residuals:
             return mean + self._overhead
@@ -201,7 +212,8 @@ def served_batch_terms(frontend: FrontEnd | None) -> dict[str, Any]:
     return {"batch_overhead_s": frontend.batch_overhead_s,
             "loaded": (frontend.loaded_alpha, frontend.loaded_rate_coef, frontend.loaded_const_s),
             "loaded_residuals": frontend.loaded_residuals,
-            "loaded_residual_ref_s": frontend.loaded_residual_ref_s}
+            "loaded_residual_ref_s": frontend.loaded_residual_ref_s,
+            "loaded_idle_factors": frontend.loaded_idle_factors}
 
 
 @dataclass

@@ -96,7 +96,7 @@ class Tuner:
         self.tc = tc
         self.spec = spec or DeploymentSpec()
         self.base = base or self.spec.encoder
-        self.frontend = frontend
+        self.frontend = frontend and frontend.serving(self.spec.server.tokenizer_workers)
         self.limits = ModelLimits.from_meta(cost_model.meta)
         self.log = log or (lambda _: None)
         self.num_simulations = 0

@@ -1,0 +1,69 @@
+"""The fidelity matrix as one markdown table: every point of `benchmarks/fidelity.py --out DIR`.
+
+    .venv/bin/python benchmarks/fidelity_summary.py DIR
+
+Reads DIR/<workload>-<cpus>/fidelity.json (what `batchpilot bench fidelity` writes) and prints, per
+point: P50 and P99 predicted (the median over the simulator's noise draws) and measured with their
+errors, the P99 band of the draws (5th-95th percentile) and whether the live P99 fell in it, the
+throughput error, the rejected counts, the mean batch size, the run's speed against the profile and
+the errors at the run's own speed (hindsight, never the prediction). Then the counts within target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+WORKLOADS = ("conv-embed", "mmpp", "bimodal")
+SCORED = ("P50 ms", "P99 ms", "throughput req/s", "rejected")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", help="the --out folder of benchmarks/fidelity.py")
+    args = ap.parse_args()
+    print("| workload | cpus | load | P50 pred / meas ms | P50 err | P99 pred / meas ms | P99 err "
+          "| P99 band of the draws ms | thr err | rejected pred / meas | batch pred / meas "
+          "| speed vs profile (15 s windows) | P50 / P99 err at the run's speed |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    within = {k: [0, 0] for k in SCORED}
+    hindsight: dict[str, list[float]] = {"P50 ms": [], "P99 ms": []}
+    in_band = [0, 0]
+    for run in sorted(Path(args.out).glob("*-*/fidelity.json")):
+        name, cpus = run.parent.name.rsplit("-", 1)
+        rows = json.loads(run.read_text())["table"]["rows"]
+        for load in dict.fromkeys(r[0] for r in rows):
+            r = {x[2]: x for x in rows if x[0] == load}
+            for k in SCORED:
+                within[k][1] += 1
+                within[k][0] += r[k][7] == "yes"
+            for k, v in hindsight.items():
+                if r[k][9] != "-":
+                    v.append(abs(float(r[k][9].rstrip("%"))))
+            band = r["P99 ms"][10] if len(r["P99 ms"]) > 10 else "-"
+            inside = "-"
+            if band != "-":
+                lo, hi = (float(x) for x in band.split(" .. "))
+                inside = "yes" if lo <= float(r["P99 ms"][4]) <= hi else "no"
+                in_band[0] += inside == "yes"
+                in_band[1] += 1
+            p50, p99 = r["P50 ms"], r["P99 ms"]
+            rej, size = r["rejected"], r["mean batch size"]
+            print(f"| {name} | {cpus} | {load} | {p50[3]} / {p50[4]} | {p50[5]} | {p99[3]} / {p99[4]} "
+                  f"| {p99[5]} | {band} ({inside}) | {r['throughput req/s'][5]} | {rej[3]} / {rej[4]} "
+                  f"| {size[3]} / {size[4]} | {p50[8]} | {p50[9]} / {p99[9]} |")
+    total = sum(v[0] for v in within.values())
+    scored = sum(v[1] for v in within.values())
+    print(f"\n{total} of {scored} scored cells within target: "
+          + ", ".join(f"{k.split()[0]} {v[0]}/{v[1]}" for k, v in within.items()))
+    print(f"live P99 inside the band of the draws: {in_band[0]}/{in_band[1]}")
+    if all(hindsight.values()):
+        print("median |error| at the run's speed: "
+              + ", ".join(f"{k.split()[0]} {statistics.median(v):.1f}%" for k, v in hindsight.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
