@@ -16,7 +16,6 @@ import json
 import statistics
 from pathlib import Path
 
-WORKLOADS = ("conv-embed", "mmpp", "bimodal")
 SCORED = ("P50 ms", "P99 ms", "throughput req/s", "rejected")
 
 

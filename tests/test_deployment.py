@@ -122,6 +122,9 @@ def test_the_deployments_tokenizer_threads_are_the_simulators_serial_servers(tmp
     ns = argparse.Namespace(profile=str(path), batcher_only=False, tokenizer_workers=None)
     assert load_frontend(ns) == profiled
     assert load_frontend(argparse.Namespace(**{**vars(ns), "tokenizer_workers": 1})).serial_servers == 1
+    config = tmp_path / "c.yaml"  # the config file's key reaches the simulator as the flag does
+    config.write_text(yaml.safe_dump({"server": {"tokenizer_workers": 1}}))
+    assert load_frontend(argparse.Namespace(**{**vars(ns), "config": str(config)})).serial_servers == 1
     spec = DeploymentSpec().replace(tokenizer_workers=1)
     wl = Workload.from_columns("t", [0.0, 0.1], [16, 16])
     assert Tuner(wl, cm, TuneConfig(), spec=spec, frontend=profiled).frontend.serial_servers == 1

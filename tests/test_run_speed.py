@@ -4,6 +4,7 @@ simulator prices it, and the spread over the run's windows."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 from batchpilot.bench.run_speed import WINDOW_S, priced_seconds, speed_of
 from batchpilot.core.costmodel import CostModel
@@ -67,3 +68,22 @@ def test_by_rate_splits_the_speed_by_the_request_rate_before_each_batch() -> Non
     assert set(bins) == {"0-5/s", ">= 30/s"}
     assert bins["0-5/s"][0] == 3 and math.isclose(bins["0-5/s"][1], 0.2)  # slow when the server is quiet
     assert bins[">= 30/s"][0] == 2 and math.isclose(bins[">= 30/s"][1], -0.1)  # fast when it is busy
+
+
+def test_batches_are_priced_after_their_idle_time_in_start_order(tmp_path: Path) -> None:
+    import json
+
+    from batchpilot.bench.run_speed import run_speed
+
+    cm = CostModel(latency_coef=(0.01, 0.0, 0.0, 0.0))
+    fe = FrontEnd(loaded_idle_factors=(1.0, 1.0, 1.0, 1.0, 1.0, 1.5))
+    feats = {"const": 1.0}
+    assert priced_seconds([LoggedBatch(0.0, 0.015, 1, feats), LoggedBatch(0.015, 0.01, 1, feats)], cm, fe,
+                          [0.0, 0.0]) == [0.015, 0.01]  # the first after an idle server, 1.5x
+    # two slots log their batches as they finish: the later start first; priced in start order
+    log = tmp_path / "b.jsonl"
+    rows = [{"start": 0.005, "slot_s": 0.01, "n": 1, "features": feats},  # priced 10 ms, right behind
+            {"start": 0.0, "slot_s": 0.02, "n": 1, "features": {"const": 2.0}}]  # 20 ms, 1.5x after idle
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rs = run_speed(log, 0, cm, fe, [0.0])
+    assert rs.batches == 2 and math.isclose(rs.speed, 0.03 / (0.01 + 0.03) - 1.0)

@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 from batchpilot.cli import main
 from batchpilot.core.config import SchedulerConfig
 from batchpilot.core.costmodel import CostModel
-from batchpilot.sim.draws import draw_reports, encoder_draws, is_noisy
+from batchpilot.sim.draws import draw_reports, encoder_draws
 from batchpilot.sim.frontend import FrontEnd
 from batchpilot.sim.metrics import summarize
-from batchpilot.sim.target import simulate_encoder
+from batchpilot.sim.target import draws_batch_times, simulate_encoder
 from batchpilot.sim.traces import Workload
 
 
@@ -48,12 +48,29 @@ def test_draws_differ_only_by_the_noise_and_are_reproducible() -> None:
     assert drawn.median("failed") == 0.0 and drawn.band("failed") == (0.0, 0.0)
 
 
-def test_without_noise_every_draw_is_the_same_run() -> None:
+def test_draws_differ_exactly_when_the_target_draws_batch_times() -> None:
     wl, cm = _bursty(100), CostModel.default_cpu_minilm()
-    assert not is_noisy(False, FrontEnd()) and not is_noisy(False, None)
-    assert is_noisy(True, None) and is_noisy(False, _noisy_frontend())
-    drawn = encoder_draws(wl, SchedulerConfig(), cm, 3, frontend=FrontEnd())
-    assert np.unique(drawn.values("p99")).size == 1 and drawn.band("p99")[0] == drawn.band("p99")[1]
+    bare = CostModel(latency_coef=cm.latency_coef)  # no residuals of its own
+    assert draws_batch_times(False, _noisy_frontend(), bare) and draws_batch_times(True, None, cm)
+    assert not draws_batch_times(False, FrontEnd(), cm) and not draws_batch_times(True, None, bare)
+    for noise, fe, model in ((False, FrontEnd(), cm), (True, None, bare), (True, None, cm)):
+        drawn = encoder_draws(wl, SchedulerConfig(), model, 4, frontend=fe, noise=noise)
+        assert (np.unique(drawn.values("p99")).size > 1) == draws_batch_times(noise, fe, model)
+
+
+def test_the_fidelity_prediction_is_the_median_of_the_draws_with_their_band() -> None:
+    from batchpilot.bench.fidelity import simulate
+    from batchpilot.bench.fidelity_table import METRICS, predicted_bands
+
+    wl, cm, fe = _bursty(), CostModel.default_cpu_minilm(), _noisy_frontend()
+    pred = simulate(wl, SchedulerConfig(), cm, 1.0, fe, draws=6)
+    drawn = encoder_draws(wl, SchedulerConfig(), cm, 6, frontend=fe)
+    assert len(pred.drawn.reports) == 6
+    assert pred.summary.p99 == drawn.median("p99") and pred.summary.p50 == drawn.median("p50")
+    bands = predicted_bands(pred)
+    assert set(bands) == set(METRICS)
+    assert bands["P99 ms"] == [x * 1e3 for x in drawn.band("p99")] and bands["P99 ms"][0] < bands["P99 ms"][1]
+    assert len(simulate(wl, SchedulerConfig(), cm, 1.0, FrontEnd(), draws=6).drawn.reports) == 1  # no noise
 
 
 @settings(max_examples=60, deadline=None)

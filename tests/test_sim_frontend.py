@@ -249,3 +249,17 @@ def test_idle_factors_price_a_batch_by_the_idle_time_before_it() -> None:
     assert lone.record.b_duration == pytest.approx([0.013] * 5)
     burst = simulate_encoder(_workload([0.0] * 5, [8] * 5), cfg, cm, frontend=fe)
     assert burst.record.b_duration == pytest.approx([0.013, 0.009, 0.009, 0.009, 0.009])
+
+
+def test_with_two_slots_a_batch_finds_no_idle_time_while_the_other_slot_runs() -> None:
+    from batchpilot.core.config import PolicyConfig, SchedulerConfig
+    from batchpilot.sim.target import simulate_encoder
+
+    fe = FrontEnd(loaded_idle_factors=(0.5, 1.0, 1.0, 1.0, 1.0, 2.0))
+    cm = CostModel(latency_coef=(0.01, 0.0, 0.0, 0.0))
+    cfg = SchedulerConfig(num_slots=2, policy=PolicyConfig(name="window", max_batch_size=1, max_wait_s=0.0))
+    # two at once: the first after an idle server (2x), the second beside it on the other slot (0.5x);
+    # a third 1 s later, after both are done: idle again
+    run = simulate_encoder(_workload([0.0, 0.0, 1.0], [8] * 3), cfg, cm, frontend=fe)
+    assert sorted(run.record.b_duration[:2]) == pytest.approx([0.005, 0.02])
+    assert run.record.b_duration[2] == pytest.approx(0.02)

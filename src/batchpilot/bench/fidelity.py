@@ -103,7 +103,8 @@ def simulate(workload: Workload, config: SchedulerConfig, cost_model: CostModel,
     (``sim.draws``; one draw when batch times are not drawn), as a ``Summary`` beside the central draw's
     report. ``speed`` (hindsight only): batches take ``1 + speed`` times the profile's time while the
     scheduler still believes the profile, as the live server does."""
-    from ..sim.draws import encoder_draws, is_noisy
+    from ..sim.draws import encoder_draws
+    from ..sim.target import draws_batch_times
 
     service = None
     if speed and frontend is not None:  # every served batch (1 + speed) times what the profile says
@@ -113,7 +114,8 @@ def simulate(workload: Workload, config: SchedulerConfig, cost_model: CostModel,
     elif speed:
         service = dataclasses.replace(cost_model, latency_coef=tuple(c * (1.0 + speed)
                                                                        for c in cost_model.latency_coef))
-    drawn = encoder_draws(workload, config, cost_model, draws if is_noisy(False, frontend) else 1,
+    noisy = draws_batch_times(False, frontend, service or cost_model)
+    drawn = encoder_draws(workload, config, cost_model, draws if noisy else 1,
                           sla_s=sla_s, frontend=frontend, service_model=service)
     rep = drawn.central
     lat = {k: drawn.median(k) for k in ("p50", "p90", "p99", "p99.9")}

@@ -3,7 +3,8 @@
 The server's batch log (``serve --batch-log``) holds every batch's slot seconds and features. The
 profile prices each of them as the simulator does: ``FrontEnd.batch_seconds`` of the cost model's
 prediction at the request rate of the second before the batch started (``rates_before``), counted from the
-load generator's send times (the same monotonic clock as the log). ``RunSpeed`` is the ratio of the
+load generator's send times (the same monotonic clock as the log), and after the time no batch ran
+before it (``idle_before``, the profile's idle factors). ``RunSpeed`` is the ratio of the
 totals, minus 1 (+5%: the batches took 5% longer than the profile says), and the same ratio over
 ``WINDOW_S`` windows of the run, so a drift within the run shows as a spread between its windows.
 
@@ -129,6 +130,7 @@ def run_speed(batch_log: Path, offset: int, cost_model: CostModel, frontend: Fro
     if not batch_log.exists():
         return RunSpeed(math.nan, 0)
     batches, _ = read_batches(batch_log, offset)
+    batches.sort(key=lambda b: b.start)  # logged as they finish: with several slots not in start order
     rates = rates_before([b.start for b in batches], sent_s)
     priced = priced_seconds(batches, cost_model, frontend, rates)
     return dataclasses.replace(speed_of(batches, priced), by_idle=by_idle(batches, priced),

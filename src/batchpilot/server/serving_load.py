@@ -95,8 +95,11 @@ def fit_loaded(batches: list[Loaded], cost_model: CostModel,
     took = np.array([b.slot_s for b in batches])
     idle = np.array(idle_times([b.start for b in batches], took.tolist()))
     base = pred * (1.0 + competing_cpu_s * rate)
-    factors, counts = idle_factors(idle, took, base * (took.sum() / base.sum()))
-    base = base * np.array([idle_factor(factors, t) for t in idle])
+    factors: tuple[float, ...] = ()
+    counts: list[int] = []
+    if base.sum() > 0 and took.sum() > 0:
+        factors, counts = idle_factors(idle, took, base * (took.sum() / base.sum()))
+        base = base * np.array([idle_factor(factors, t) for t in idle])
     alpha = float(took.sum() / base.sum()) if base.sum() > 0 else 1.0
     # for comparison only: the slope a least-squares fit of ``predicted * (a + b * rate)`` would give
     w = 1.0 / np.maximum(took, 1e-6)

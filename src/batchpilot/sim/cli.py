@@ -21,7 +21,7 @@ from ..config_file import add_deployment_args, add_llm_args, spec_from_args
 from ..core.costmodel import CostModel
 from ..core.deployment import Deployment, DeploymentSpec, ModelLimits, resolve_deployment
 from .arms import add_arms_args, run_arms
-from .draws import DEFAULT_DRAWS, encoder_draws, is_noisy, spread_table
+from .draws import DEFAULT_DRAWS, encoder_draws, spread_table
 from .fleet_scaling import scaling_from_args
 from .frontend import FrontEnd
 from .report_table import report_table
@@ -48,7 +48,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--draws", type=int, default=DEFAULT_DRAWS,
                    help="with drawn batch times (--noise, or a profile with a serving path): replay the "
                         "requests under this many noise draws and report each metric's median and 5-95%% "
-                        "band, the range one live run of them should fall in (1: one draw)")
+                        "band, the range one live run of them should fall in (1: one draw; each draw is "
+                        "a full simulation)")
     p.add_argument("--batcher-only", action="store_true",
                    help="leave out the serving path outside the batcher (the profile's 'frontend': HTTP, "
                         "JSON, tokenisation) and predict the batcher's latency alone")
@@ -136,16 +137,17 @@ def resolve(spec: DeploymentSpec, cost_model: CostModel) -> Deployment:
 
 def load_frontend(args: argparse.Namespace) -> FrontEnd | None:
     """The serving path outside the batcher, from the profile file and nowhere else, on a server with the
-    deployment's tokenizer threads (``--tokenizer-workers``; default the profiled server's)."""
+    deployment's tokenizer threads (``--tokenizer-workers`` or the config's ``server.tokenizer_workers``;
+    default the profiled server's)."""
     if getattr(args, "batcher_only", False) or not getattr(args, "profile", None):
         return None
     frontend = FrontEnd.from_profile(args.profile)
-    return frontend and frontend.serving(getattr(args, "tokenizer_workers", None) or 0)
+    return frontend and frontend.serving(spec_from_args(args).server.tokenizer_workers)
 
 
 def run_simulate(args: argparse.Namespace) -> int:
     from .metrics import summarize
-    from .target import simulate_encoder
+    from .target import draws_batch_times, simulate_encoder
 
     console = make_console()
     try:
@@ -160,7 +162,10 @@ def run_simulate(args: argparse.Namespace) -> int:
     except ValueError as exc:
         console.print(f"[red]batchpilot simulate: {exc}[/]")
         return 2
-    if args.draws < 1 or args.replicas < 1 or ((args.replicas > 1 or scaling) and target == "llm"):
+    if args.draws < 1:
+        console.print(f"[red]batchpilot simulate: --draws must be >= 1, got {args.draws}[/]")
+        return 2
+    if args.replicas < 1 or ((args.replicas > 1 or scaling) and target == "llm"):
         console.print("[red]batchpilot simulate: --replicas must be >= 1, and fleets run the encoder "
                       "target only[/]")
         return 2
@@ -212,7 +217,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     report = summarize(run, sla_s=args.sla, warmup_s=args.warmup_s)
     where = "" if fleet is None else f" over {fleet.replicas} replicas ({fleet.router})"
     title = f"{workload.name}: {len(workload)} requests, {workload.mean_rate:.2f} req/s offered{where}"
-    noisy = fleet is None and args.draws > 1 and is_noisy(args.noise, frontend)
+    noisy = fleet is None and args.draws > 1 and draws_batch_times(args.noise, frontend, cost_model)
     console.print(report_table(report, title + (f" (draw of seed {args.seed})" if noisy else "")))
     drawn = None
     if noisy:

@@ -10,9 +10,11 @@ seed (``seed``, ``seed + 1``, ...); the prediction of a metric is its median ove
 
 Contract: ``draw_reports(run_one, draws, seed)`` calls ``run_one(s)`` for ``draws`` consecutive seeds and
 keeps the reports in seed order; ``Drawn.median(name)`` and ``Drawn.band(name)`` read ``METRICS`` from
-them; ``Drawn.central`` is the draw whose P99 is the median (lower middle for an even count), a real run
-whose other fields (histograms, utilisation) go with the medians in reports. Nothing here is fitted: the
-spread comes from the profile's residuals only.
+them, over the draws where the metric is defined (a draw that completed nothing has no P50);
+``Drawn.central`` is the draw whose P99 is the median (lower middle for an even count), a real run
+whose other fields (histograms, utilisation) go with the medians in reports. Nothing here is fitted:
+the spread comes from the profile's residuals only. ``sim.target.draws_batch_times`` says whether
+draws differ at all.
 """
 
 from __future__ import annotations
@@ -58,12 +60,16 @@ class Drawn:
         return np.array([METRICS[name](r) for r in self.reports], dtype=float)
 
     def median(self, name: str) -> float:
+        """The metric's median over the draws that have it (NaN: a draw that completed nothing)."""
         v = self.values(name)
-        return float(np.median(v)) if v.size and not np.isnan(v).any() else math.nan
+        v = v[~np.isnan(v)]
+        return float(np.median(v)) if v.size else math.nan
 
     def band(self, name: str) -> tuple[float, float]:
+        """The metric's 5th and 95th percentiles over the draws that have it."""
         v = self.values(name)
-        if not v.size or np.isnan(v).any():
+        v = v[~np.isnan(v)]
+        if not v.size:
             return math.nan, math.nan
         lo, hi = np.percentile(v, BAND)
         return float(lo), float(hi)
@@ -80,7 +86,6 @@ class Drawn:
         p99 = self.values("p99")
         order = np.argsort(np.nan_to_num(p99, nan=math.inf), kind="stable")
         return self.reports[int(order[(len(order) - 1) // 2])]
-
 
 
 def draw_reports(run_one: Callable[[int], SimReport], draws: int, seed: int = 0) -> Drawn:
@@ -105,17 +110,11 @@ def encoder_draws(workload: Any, config: Any, cost_model: Any, draws: int, seed:
     return draw_reports(one, draws, seed)
 
 
-def is_noisy(noise: bool, frontend: Any) -> bool:
-    """Whether batch times are drawn (so draws differ): ``--noise``, or loaded residuals in the profile."""
-    return bool(noise or (frontend is not None and frontend.loaded_residuals))
-
-
 def spread_table(drawn: Drawn, title: str) -> Any:
     """A rich table of each headline metric's median and 5-95% band over the draws."""
     from rich.table import Table
 
-    def ms(x: float) -> str:
-        return "-" if math.isnan(x) else ("inf" if math.isinf(x) else f"{x * 1e3:,.1f} ms")
+    from .report_table import ms
 
     t = Table(title=title, show_header=True, header_style="bold")
     for col in ("metric", "median", f"band (P{BAND[0]:g}-P{BAND[1]:g} of {len(drawn.reports)} draws)"):

@@ -39,9 +39,10 @@ The fields:
   loop's. ``loaded_residual_ref_s`` 0: the residuals are relative at every length.
 * ``loaded_idle_factors``: one factor per bin of the idle time before a batch (``IDLE_EDGES_S``: under
   2 ms, 2-10 ms, 10-30 ms, 30-100 ms, 100-300 ms, 300 ms or more, the first batch included), by
-  which that batch's line is multiplied: a batch right behind another finds the model's weights and
-  the CPU warm, one after the server sat idle does not. Measured by the profile on the same loaded
-  batches (``server.serving_load.idle_factors``); none (old profiles): 1 at every idle time.
+  which that batch's loaded term (before ``loaded_const_s``) is multiplied: a batch right behind
+  another finds the model's weights and the CPU warm, one after the server sat idle does not.
+  Measured by the profile on the same loaded batches (``server.serving_load.idle_factors``); none
+  (old profiles): 1 at every idle time.
 * ``serial_busy_factor``: how much slower the tokenizer is while the model runs a batch (both share
   the CPU) than on an idle machine, >= 1; under load the model is nearly always busy, so the serial
   stage's service time is scaled by it.
@@ -138,8 +139,8 @@ class FrontEnd:
         """A batch's slot time under serving load, from the cost model's prediction for it, the
         request rate (per second, over the ``RATE_WINDOW_S`` before it starts) and how long no batch
         ran before it (``idle_s``)."""
-        return (predicted_s * (self.loaded_alpha + self.loaded_rate_coef * rate)
-                * idle_factor(self.loaded_idle_factors, idle_s) + self.loaded_const_s)
+        return served_seconds(predicted_s, (self.loaded_alpha, self.loaded_rate_coef, self.loaded_const_s),
+                              rate, idle_factor(self.loaded_idle_factors, idle_s))
 
     def residual_scale(self, line_s: float) -> float:
         """What a drawn ``loaded_residuals`` entry is multiplied by for a batch of ``line_s`` seconds
@@ -203,6 +204,15 @@ class FrontEnd:
         doc = json.loads(Path(path).read_text())
         entry = doc.get("frontend") if isinstance(doc, dict) else None
         return None if entry is None else cls.from_dict(entry)
+
+
+def served_seconds(predicted_s: float, loaded: tuple[float, float, float], rate: float,
+                   idle_factor: float = 1.0) -> float:
+    """A batch's line under serving load: ``predicted * (alpha + rate_coef * rate) * idle_factor +
+    const`` for ``loaded = (alpha, rate_coef, const)`` (``FrontEnd.batch_seconds``; the simulator's
+    target calls it with its running rate and idle time)."""
+    alpha, rate_coef, const = loaded
+    return predicted_s * (alpha + rate_coef * rate) * idle_factor + const
 
 
 def idle_factor(factors: Sequence[float], idle_s: float) -> float:

@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 
-def _ms(x: float) -> str:
+def ms(x: float) -> str:
     return "-" if math.isnan(x) else ("inf" if math.isinf(x) else f"{x * 1e3:,.1f} ms")
 
 
@@ -17,10 +17,10 @@ def report_table(report: Any, title: str) -> Any:
     t.add_column("metric")
     t.add_column("value", justify="right")
     for key in ("p50", "p90", "p99", "p99.9", "mean"):
-        t.add_row(f"latency {key}", _ms(report.latency[key]))
+        t.add_row(f"latency {key}", ms(report.latency[key]))
     for key in ("p50", "p99", "mean"):
-        t.add_row(f"queue wait {key}", _ms(report.queue[key]))
-    t.add_row("P99 incl. rejected/dropped", _ms(report.p99_all))
+        t.add_row(f"queue wait {key}", ms(report.queue[key]))
+    t.add_row("P99 incl. rejected/dropped", ms(report.p99_all))
     t.add_row(f"SLA attainment (<= {report.sla_s:g} s)", f"{report.sla_attainment:.2%}")
     t.add_row("goodput", f"{report.goodput_rps:,.2f} req/s")
     t.add_row("throughput", f"{report.throughput_rps:,.2f} req/s, {report.throughput_tokens_s:,.0f} tok/s")

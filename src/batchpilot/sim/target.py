@@ -26,7 +26,7 @@ from ..core.costmodel import CostModel
 from ..core.request import Request
 from ..core.scheduler import Batch, BatchScheduler, Rejection
 from .engine import Engine, EngineStats, Job, StopSimulation
-from .frontend import RATE_WINDOW_S, FrontEnd, idle_factor, residual_scale
+from .frontend import RATE_WINDOW_S, FrontEnd, idle_factor, residual_scale, served_seconds
 from .traces import Workload
 
 DONE, PENDING, REJECTED, DROPPED = 1, 0, 2, 3
@@ -102,7 +102,8 @@ class EncoderTarget:
         self.noise = noise or bool(loaded_residuals)
         self._stop = stop_after_misses
         self._overhead = batch_overhead_s
-        self._alpha, self._rate_coef, self._const = loaded
+        self._loaded = loaded
+        self._rate_coef = loaded[1]
         self._idle_factors = loaded_idle_factors
         self._in_flight = 0  # batches started (or collated behind a running one) and not done
         self._last_end = -math.inf  # when the last batch done so far ended
@@ -169,16 +170,18 @@ class EncoderTarget:
 
     def _duration(self, batch: Batch, now: float) -> float:
         shape = batch.shape
-        factor = self._alpha
+        rate = 0.0
         if self._rate_coef:
             recent, start = self._recent, now - RATE_WINDOW_S
             while recent and recent[0] < start:
                 recent.popleft()
-            factor += self._rate_coef * len(recent) / RATE_WINDOW_S
+            rate = len(recent) / RATE_WINDOW_S
+        idle = 1.0
         if self._idle_factors:  # a batch started while another runs (or behind it) found no idle time
-            factor *= idle_factor(self._idle_factors, 0.0 if self._in_flight else now - self._last_end)
+            idle = idle_factor(self._idle_factors, 0.0 if self._in_flight else now - self._last_end)
         self._in_flight += 1
-        mean = factor * self.service_model.batch_latency(shape.n, shape.tokens, shape.attn) + self._const
+        mean = served_seconds(self.service_model.batch_latency(shape.n, shape.tokens, shape.attn),
+                              self._loaded, rate, idle)
         if not self.noise or not self._residuals:
             return mean + self._overhead
         if not self._u:
@@ -202,6 +205,15 @@ class EncoderTarget:
         self.num_misses += k
         if self._stop is not None and self.num_misses > self._stop[1]:
             raise StopSimulation(f"{self.num_misses} requests missed the SLA")
+
+
+def draws_batch_times(noise: bool, frontend: FrontEnd | None, service_model: CostModel) -> bool:
+    """Whether ``simulate_encoder`` draws batch times (so that runs of different seeds differ): the
+    profile's loaded residuals, or ``noise`` with the service model's own residuals (the rule of
+    ``EncoderTarget``)."""
+    if frontend is not None and frontend.loaded_residuals:
+        return True
+    return bool(noise and service_model.rel_residuals)
 
 
 def served_batch_terms(frontend: FrontEnd | None) -> dict[str, Any]:
