@@ -112,6 +112,25 @@ class StepGate:
         self.runner.forward = self.original
 
 
+@contextmanager
+def engine_held_full(engine: Any, send: Callable[[int], httpx.Response]) -> Iterator[list[httpx.Response]]:
+    """Hold ``engine``'s steps and fill it: ``engine.max_admitted`` requests ``send(i)`` from threads,
+    admitted and waiting. Yields their responses (filled once they are answered, after the block: the
+    gate is removed and the threads joined on exit)."""
+    gate = StepGate(engine.runner, permits=0)
+    held: list[httpx.Response] = []
+    threads = [threading.Thread(target=lambda i=i: held.append(send(i))) for i in range(engine.max_admitted)]
+    try:
+        for t in threads:
+            t.start()
+        wait_for(lambda: engine.num_pending == engine.max_admitted, 10, "the queue full")
+        yield held
+    finally:
+        gate.remove()
+        for t in threads:
+            t.join(30)
+
+
 @dataclass
 class LiveServer:
     url: str

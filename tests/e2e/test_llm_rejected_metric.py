@@ -5,14 +5,13 @@ of sequences it had. Engine steps are held by ``StepGate``, so nothing depends o
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
-from inproc import FaultyExecutor, LiveServer, StepGate, live_server, llm_router, wait_for
+from inproc import FaultyExecutor, LiveServer, StepGate, engine_held_full, live_server, llm_router, wait_for
 
 from batchpilot.runtime.llm_engine import LLMEngine, build_llm_engine
 
@@ -64,20 +63,8 @@ def test_each_refusal_the_routes_answer_counts_once_by_its_code(
     answered[code_of(complete(srv, prompt=[5] * 200, max_tokens=100), 400)] += 1
 
     # 503: three held requests fill the engine; the next one is refused before it is tokenised
-    gate = StepGate(engine.runner, permits=0)
-    held: list[httpx.Response] = []
-    threads = [threading.Thread(target=lambda i=i: held.append(complete(srv, prompt=f"held {i}",
-                                                                         max_tokens=2)))
-               for i in range(engine.max_admitted)]
-    try:
-        for t in threads:
-            t.start()
-        wait_for(lambda: engine.num_pending == engine.max_admitted, 10, "the queue full")
+    with engine_held_full(engine, lambda i: complete(srv, prompt=f"held {i}", max_tokens=2)) as held:
         answered[code_of(complete(srv, prompt="one too many", max_tokens=2), 503)] += 1
-    finally:
-        gate.remove()
-        for t in threads:
-            t.join(30)
     assert [h.status_code for h in held] == [200] * engine.max_admitted
     idle(engine)
 

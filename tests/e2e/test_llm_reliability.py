@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
-from inproc import FaultyExecutor, StepGate, free_port, wait_for
+from inproc import FaultyExecutor, StepGate, engine_held_full, free_port, wait_for
 
 from batchpilot.runtime.llm_engine import LLMEngine, StepRecord, build_llm_engine
 from batchpilot.server.app import create_app
@@ -184,21 +184,10 @@ def test_a_failing_step_ends_its_stream_with_an_error_event_and_no_internal_text
 def test_a_full_queue_is_503_with_retry_after(live: tuple[str, LLMEngine]) -> None:
     url, engine = live
     idle(engine)
-    gate = StepGate(engine.runner, permits=0)
-    held: list[httpx.Response] = []
-    threads = [threading.Thread(target=lambda i=i: held.append(complete(url, prompt=f"held {i}")))
-               for i in range(engine.max_admitted)]
-    try:
-        for t in threads:
-            t.start()
-        wait_for(lambda: engine.num_pending == engine.max_admitted, 10, "the queue full")
+    with engine_held_full(engine, lambda i: complete(url, prompt=f"held {i}")) as held:
         r = complete(url, prompt="one too many")
         err = error_of(r, 503)
         assert err["code"] == "queue_full" and int(r.headers["retry-after"]) >= 1
-    finally:
-        gate.remove()
-        for t in threads:
-            t.join(30)
     assert [h.status_code for h in held] == [200] * engine.max_admitted
     idle(engine)
 
