@@ -29,7 +29,7 @@ from batchpilot.models.profiler import (
     profile_encoder,
     profile_grid,
 )
-from batchpilot.sim.frontend import FrontEnd
+from batchpilot.sim.frontend import IDLE_EDGES_S, FrontEnd
 
 
 @pytest.fixture(scope="module")
@@ -128,8 +128,11 @@ def test_cli_writes_a_profile_the_server_can_load(tmp_path: Path, capsys: pytest
     assert len(doc["points"]) == 6 and len(doc["holdout"]) == 2
     frontend = FrontEnd.from_profile(out)  # the serving path, measured on the real app in-process
     assert frontend is not None and frontend.serial_busy_factor >= 1.0
-    assert all(math.isfinite(v) and v >= 0 for k, v in frontend.to_dict().items() if k != "loaded_residuals")
+    assert all(math.isfinite(v) and v >= 0 for k, v in frontend.to_dict().items()
+               if k not in ("loaded_residuals", "loaded_idle_factors"))
     assert all(r > -1 for r in frontend.loaded_residuals)
+    assert len(frontend.loaded_idle_factors) == len(IDLE_EDGES_S) + 1  # one per idle bin, all > 0
+    assert all(f > 0 for f in frontend.loaded_idle_factors)
     assert doc["serving_path"]["requests"] == 2 * 3 and doc["serving_path"]["padding"] == "dynamic"
     prepare = doc["cost_model"]["meta"]["prepare_s"]  # the median collation time of the grid's batches
     assert prepare == pytest.approx(statistics.median(p["prepare_s"] for p in doc["points"]))
