@@ -30,6 +30,7 @@ from batchpilot.models.profiler import (
     profile_grid,
 )
 from batchpilot.sim.frontend import IDLE_EDGES_S, FrontEnd
+from batchpilot.models.threads import PROBE_SHAPES, ThreadPlan
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +141,9 @@ def test_cli_writes_a_profile_the_server_can_load(tmp_path: Path, capsys: pytest
     meta = doc["meta"]
     assert meta["model"] == "all-MiniLM-L6-v2" and meta["torch"] == torch.__version__
     assert meta["threads"] >= 1 and meta["date"].startswith("20")
+    plan = ThreadPlan.from_json(doc["cost_model"]["meta"]["thread_plan"])  # what `serve --profile` runs
+    assert 1 <= plan.max_threads <= meta["threads"]
+    assert meta["threads"] == 1 or len(plan.measured) == len(PROBE_SHAPES)
     assert {"leave-one-out max |err|", "held-out max |err|"} <= set(meta["error"])
     # the precision profiled is the one `serve --profile` will serve (docs/profiler.md)
     assert meta["precision"]["requested"] == "auto"

@@ -38,6 +38,7 @@ from ..core.scheduler import Batch
 from .device import HostToDevice, Staged, configure_threads, resolve_device
 from .forward_choice import ForwardChoice
 from .pooling import PoolingConfig, pool
+from .threads import ThreadPlan
 from .tokens import TextTokenizer
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -89,6 +90,13 @@ class PreparedBatch:
     staged: Staged | None = None
     ragged_ids: list[list[int]] | None = None
 
+    def tokens(self) -> int:
+        """Token positions the forward computes: the inputs' lengths, or rows x padded width."""
+        if self.ragged_ids is not None:
+            return sum(len(x) for x in self.ragged_ids)
+        shape = self.staged.tensors["input_ids"].shape if self.staged is not None else (0, 0)
+        return int(shape[0]) * int(shape[1])
+
 
 class EncoderExecutor(ForwardChoice):
     """Runs an HF encoder for the runtime (prepare/run) and for users (``encode``)."""
@@ -102,6 +110,7 @@ class EncoderExecutor(ForwardChoice):
         self.model_path = path
         self.model_name = cfg.model_name or _default_name(path)
         self.num_threads = configure_threads(cfg.num_threads)
+        self.threads: ThreadPlan | None = None  # per-batch counts (models/threads.py); None: the pool as set
         self.device = resolve_device(cfg.device)
         self.pooling = PoolingConfig.from_model_dir(path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
@@ -188,6 +197,8 @@ class EncoderExecutor(ForwardChoice):
         return out
 
     def run(self, prepared: PreparedBatch) -> list[np.ndarray]:
+        if self.threads is not None:
+            self.threads.apply(prepared.tokens())
         with torch.inference_mode():
             if prepared.ragged_ids is not None:
                 vec = self._run_ragged(prepared.ragged_ids)

@@ -70,7 +70,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--llm", action="store_true",
                    help="profile the LLM engine instead (--model: a local HF causal-LM folder, default the "
                         "seeded tiny Llama): its step cost model and memory (models/llm/profile_cli.py)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: every available core)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads, fixed (default: a thread plan per batch size, "
+                   "measured first and stored in the profile; models/threads.py)")
     p.add_argument("--max-length", type=int, default=None, help="serve up to this many tokens (default: "
                    "the model's position limit)")
     p.add_argument("--seed", type=int, default=0)
@@ -127,6 +128,7 @@ def profile_one(args: argparse.Namespace, backend: str, dtype: str, output: str)
     from .device import resolve_device
     from .encoder import EncoderConfig, EncoderExecutor
     from .precision import choose_precision
+    from .threads import plan_for
 
     console = Console(stderr=True)
     t0 = time.perf_counter()
@@ -143,7 +145,8 @@ def profile_one(args: argparse.Namespace, backend: str, dtype: str, output: str)
     device = resolve_device("cpu" if backend == "onnx" else args.device)
     ex, precision = choose_precision(load, dtype, device, args.min_cosine, backend)
     ex.warmup()
-    console.print(f"{ex.model_name} on {ex.device} ({ex.forward_impl} forward, {ex.num_threads} threads), "
+    ex.threads = plan_for(ex, args.threads)
+    console.print(f"{ex.model_name} on {ex.device} ({ex.forward_impl} forward, {ex.threads.describe()}), "
                   f"padding {args.padding}, loaded in {time.perf_counter() - t0:.1f} s; "
                   f"precision: {precision.describe()}")
     t1 = time.perf_counter()
@@ -166,7 +169,7 @@ def profile_one(args: argparse.Namespace, backend: str, dtype: str, output: str)
     summary = _error_summary(loo, [e for _, e in held])
     print("prediction error: " + ", ".join(f"{k} {v:.1%}" for k, v in summary.items()))
     meta = _meta(ex, args, wall, summary)
-    model.meta.update({k: meta[k] for k in ("model", "device", "torch", "threads", "date")})
+    model.meta.update({k: meta[k] for k in ("model", "device", "torch", "threads", "thread_plan", "date")})
     model.meta.update(dtype=precision.chosen, precision_min_cosine=precision.min_cosine, backend=backend)
     meta["precision"] = {"requested": precision.requested, "chosen": precision.chosen,
                          "min_cosine": precision.min_cosine, "threshold": precision.threshold,
@@ -249,6 +252,7 @@ def _meta(ex: Any, args: argparse.Namespace, wall: float, summary: dict[str, flo
         "device_name": torch.cuda.get_device_name(ex.device) if cuda else platform.machine(),
         "torch": torch.__version__,
         "threads": ex.num_threads,
+        "thread_plan": ex.threads.to_json(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
         "forward": ex.forward_impl,
         "padding": args.padding,

@@ -68,17 +68,21 @@ def resolve_task(path: str | None, task: str = "auto") -> str:
 
 def load_model(path: str | None, name: str | None = None, task: str = "auto",
                max_length: int | None = None, num_threads: int | None = None, dtype: str = "float32",
-               min_cosine: float = 0.999, backend: str = "torch", cache_dir: str | None = None) -> Any:
+               min_cosine: float = 0.999, backend: str = "torch", cache_dir: str | None = None,
+               thread_plan: Any = None) -> Any:
     """The executor for the checkpoint at ``path`` serving ``task`` (see ``resolve_task``). An
     embedding model runs at ``dtype`` as ``models.precision.choose_precision`` decides (``auto``:
     measured here, under the accuracy guard) on ``backend`` (torch, or onnx: ``models/onnx_encoder``,
-    its export cached in ``cache_dir``); the report is the executor's ``precision``. Cross-encoders
+    its export cached in ``cache_dir``); the report is the executor's ``precision``. Its intra-op
+    threads per batch are ``models.threads.plan_for``'s: ``num_threads`` fixed, else ``thread_plan`` (a
+    profile's), else measured here. Cross-encoders
     and classifiers run float32 on torch."""
     task = resolve_task(path, task)
     if task == "embed":
         from .device import resolve_device
         from .encoder import EncoderConfig, EncoderExecutor
         from .precision import choose_precision
+        from .threads import plan_for
 
         def load(d: str) -> Any:
             cfg = EncoderConfig(model_path=path, model_name=name, max_length=max_length,
@@ -92,6 +96,7 @@ def load_model(path: str | None, name: str | None = None, task: str = "auto",
         device = resolve_device("cpu" if backend == "onnx" else "auto")
         executor, report = choose_precision(load, dtype, device, min_cosine, backend)
         executor.precision = report
+        executor.threads = plan_for(executor, num_threads, thread_plan)
         return executor
     from .cross_encoder import ClassifierConfig, SequenceClassifierExecutor
 

@@ -44,7 +44,8 @@ def build_app(settings: ServerConfig, spec: DeploymentSpec | SchedulerConfig | N
             dtype = str(profiled.meta["dtype"])  # measured by `batchpilot profile`: what it predicts
             log.info("precision: %s, chosen by the profile %s", dtype, model.profile)
         cache = str(Path(model.profile).resolve().parent) if model.profile else None  # onnx exports
-        executor = load_executor(settings, model, dtype, spec.model.min_cosine, spec.model.backend, cache)
+        plan = profiled_threads(profiled, dtype) if profiled is not None else None
+        executor = load_executor(settings, model, dtype, spec.model.min_cosine, spec.model.backend, cache, plan)
         supports = getattr(executor, "supports_padding_free", lambda: True)()
         padding = spec.encoder.planner.padding if supports else "dynamic"
         cost_model = choose_cost_model(settings, model, executor, padding, profiled)
@@ -105,7 +106,8 @@ def device_memory_bytes(executor: Any) -> float:
 
 
 def load_executor(settings: ServerConfig, model: ModelSpec | None = None, dtype: str = "float32",
-                  min_cosine: float = 0.999, backend: str = "torch", cache_dir: str | None = None) -> Any:
+                  min_cosine: float = 0.999, backend: str = "torch", cache_dir: str | None = None,
+                  thread_plan: Any = None) -> Any:
     model = model or settings.models[0]
     if settings.noop:
         from ..runtime.executor import NoopExecutor
@@ -115,10 +117,14 @@ def load_executor(settings: ServerConfig, model: ModelSpec | None = None, dtype:
     from ..models.tasks import load_model
 
     executor = load_model(model.path, model.name, model.task, settings.max_length, settings.num_threads,
-                          dtype, min_cosine, backend, cache_dir)
+                          dtype, min_cosine, backend, cache_dir, thread_plan)
     report = getattr(executor, "precision", None)
     if report is not None:
         log.info("precision: %s", report.describe())
+    threads = getattr(executor, "threads", None)
+    if threads is not None:
+        log.info("threads: %s (%s)", threads.describe(), "--threads" if settings.num_threads else
+                 "the profile's" if thread_plan is not None else "measured at start-up")
     if settings.encoder_fallback:
         executor = with_fallback(executor, settings.warmup)
     log.info("model: %s from %s (%s, dim %d, max %d tokens, %s forward, %d threads)", executor.model_name,
@@ -127,6 +133,17 @@ def load_executor(settings: ServerConfig, model: ModelSpec | None = None, dtype:
     if settings.warmup:
         executor.warmup()
     return executor
+
+
+def profiled_threads(profiled: CostModel, dtype: str) -> Any:
+    """The thread plan ``batchpilot profile`` measured, when it profiled the precision served: its
+    prices hold only for the counts it ran."""
+    data = profiled.meta.get("thread_plan")
+    if not data or (dtype != "auto" and profiled.meta.get("dtype", "float32") != dtype):
+        return None
+    from ..models.threads import ThreadPlan
+
+    return ThreadPlan.from_json(data)
 
 
 def with_fallback(executor: Any, warmup: bool = True) -> Any:

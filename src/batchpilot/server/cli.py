@@ -52,7 +52,8 @@ def register(subparsers: Any) -> None:
                    help="what a --model serves, one per --model (default auto: from its config)")
     p.add_argument("--max-length", type=int, default=None, help="max tokens per input (default: model limit)")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op threads (default: all cores; 1 is faster when oversubscribed)")
+                   help="torch intra-op threads, fixed (default: per batch, as the profile's or a start-up "
+                   "measurement's thread plan says; models/threads.py)")
     add_deployment_args(p)
     add_precision_args(p)
     add_rollout_args(p)

@@ -36,7 +36,7 @@ class ServerConfig:
     port: int = 8000
     models: tuple[ModelSpec, ...] = (ModelSpec(),)  # each with its own scheduler; the first is the default
     max_length: int | None = None  # None: the model's position limit
-    num_threads: int | None = None  # torch intra-op threads; None: every core (1 when oversubscribed)
+    num_threads: int | None = None  # torch intra-op threads, fixed; None: a measured per-batch plan
     tokenizer_workers: int | None = None  # threads tokenising inputs/prompts, per model; None: one per core
     noop: bool = False  # a model that costs nothing (benchmarks of the serving path)
     noop_delay_s: float = 0.0

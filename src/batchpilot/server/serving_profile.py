@@ -203,8 +203,14 @@ def _serve_and_send(executor: Any, sched: SchedulerConfig, cost_model: CostModel
             child_s, shares = send_elsewhere(config.base_url, config.model or "", loaded_plan)
             time.sleep(0.5)  # the last batches report on the loop
             cpu = competing_cpu(before, thread_cpu_s(), child_s, shares, len(loaded_plan),
-                                int(getattr(executor, "num_threads", 1) or 1))
+                                model_threads(executor))
     return records, [b.slot_s for b in seen[:lone]], seen[lone:], cpu
+
+
+def model_threads(executor: Any) -> int:
+    """Threads that run the model's forward: the most its thread plan uses, else its pool's size."""
+    plan = getattr(executor, "threads", None)
+    return int(plan.max_threads if plan is not None else getattr(executor, "num_threads", 1) or 1)
 
 
 def bound_socket() -> tuple[socket.socket, int]:
