@@ -37,6 +37,9 @@ def _check(frontend: FrontEnd, details: dict[str, Any], requests: int, rounds: i
         if name == "loaded_idle_factors":  # one per idle bin, or none (too few loaded batches)
             assert len(value) in (0, len(IDLE_EDGES_S) + 1) and all(f > 0 for f in value)
             continue
+        if name == "loaded_token_factors":  # (min tokens, factor) at the thread plan's steps, or none
+            assert all(f > 0 for _, f in value) and [lo for lo, _ in value[:1]] in ([], [0])
+            continue
         assert math.isfinite(value) and value >= 0.0, name
     assert frontend.serial_busy_factor >= 1.0
     assert details["requests"] == requests * rounds and details["ok"] == requests * rounds
@@ -176,3 +179,30 @@ def test_fit_loaded_measures_how_much_slower_a_batch_runs_after_an_idle_server()
     line = [alpha * 0.01 * idle_factor(f, 0.0 if k % 3 else 1.0) for k in range(120)]
     assert sum(line) == pytest.approx(sum(b.slot_s for b in batches))  # the totals kept
     assert max(abs(r) for r in details["residuals"]) < 0.05  # without the factors: -9% and +18%
+
+
+def test_fit_loaded_prices_each_thread_count_of_the_plan_apart() -> None:
+    """Batches of 2 threads (from 320 tokens) run 40% slower under load than their price, those of one
+    thread at their price: one factor per step of the plan, the totals kept."""
+    from batchpilot.sim.frontend import token_factor
+
+    model = CostModel(latency_coef=(0.0, 0.0, 1e-4, 0.0))
+    batches, t = [], 0.0
+    for k in range(120):  # back to back: every batch in the same idle bin
+        tokens = 100.0 if k % 2 else 400.0
+        took = 1e-4 * tokens * (1.0 if k % 2 else 1.4)
+        batches.append(Loaded({"const": 1.0, "n": 1.0, "tokens": tokens, "attn": 0.0}, took, t, [t]))
+        t += took
+    (alpha, _, _), details = fit_loaded(batches, model, token_steps=(0, 320))
+    steps = tuple((int(lo), f) for lo, f in details["token_factors"])
+    assert [lo for lo, _ in steps] == [0, 320] and details["token_batches"] == [60, 60]
+    # per step (took + 10 lines) / (its lines + 10 lines), the lines scaled to the totals (x 1.32)
+    long, short = 0.04 * 1.32, 0.01 * 1.32
+    expected = ((60 * 0.056 + 10 * long) / (70 * long)) / ((60 * 0.01 + 10 * short) / (70 * short))
+    assert steps[1][1] / steps[0][1] == pytest.approx(expected) and 1.25 < expected < 1.4
+    priced = [alpha * 1e-4 * b.features["tokens"] * token_factor(steps, b.features["tokens"])
+              * details["idle_factors"][0] for b in batches]
+    # the totals kept (to the first batch, which came after idle and has the last bin's factor)
+    assert sum(priced) == pytest.approx(sum(b.slot_s for b in batches), rel=1e-4)
+    _, one = fit_loaded(batches, model)  # one count of threads: no token factors, a wider spread
+    assert one["token_factors"] == [] and one["residual_std"] > details["residual_std"]

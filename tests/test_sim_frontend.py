@@ -251,6 +251,27 @@ def test_idle_factors_price_a_batch_by_the_idle_time_before_it() -> None:
     assert burst.record.b_duration == pytest.approx([0.013, 0.009, 0.009, 0.009, 0.009])
 
 
+def test_token_factors_price_a_batch_by_the_thread_plan_step_of_its_tokens() -> None:
+    from batchpilot.core.config import PolicyConfig, SchedulerConfig
+    from batchpilot.sim.frontend import token_factor
+    from batchpilot.sim.target import simulate_encoder
+
+    steps = ((0, 0.9), (320, 1.3))
+    assert [token_factor(steps, t) for t in (0, 319, 320, 5000)] == [0.9, 0.9, 1.3, 1.3]
+    assert token_factor((), 100) == 1.0
+    fe = FrontEnd(loaded_token_factors=steps)
+    assert FrontEnd.from_dict(fe.to_dict()) == fe and FrontEnd.from_dict({}).loaded_token_factors == ()
+    assert fe.batch_seconds(0.01, 0.0, 0.0, 100) == pytest.approx(0.009)
+    assert fe.batch_seconds(0.01, 0.0, 0.0, 400) == pytest.approx(0.013)
+    for bad in (((10, 1.0),), ((0, 1.0), (0, 1.2)), ((0, 1.0), (320, 0.0))):
+        with pytest.raises(ValueError, match="loaded_token_factors"):
+            FrontEnd(loaded_token_factors=bad)
+    cm = CostModel(latency_coef=(0.01, 0.0, 0.0, 0.0))
+    cfg = SchedulerConfig(policy=PolicyConfig(name="window", max_batch_size=1, max_wait_s=0.0))
+    run = simulate_encoder(_workload([0.0, 1.0, 2.0], [100, 400, 319]), cfg, cm, frontend=fe)
+    assert run.record.b_duration == pytest.approx([0.009, 0.013, 0.009])
+
+
 def test_with_two_slots_a_batch_finds_no_idle_time_while_the_other_slot_runs() -> None:
     from batchpilot.core.config import PolicyConfig, SchedulerConfig
     from batchpilot.sim.target import simulate_encoder

@@ -55,9 +55,10 @@ class RunSpeed:
 def priced_seconds(batches: Sequence[LoggedBatch], cost_model: CostModel, frontend: FrontEnd | None,
                    rates: Sequence[float], idle: Sequence[float] | None = None) -> list[float]:
     """What the profile says each batch takes: under serving load at its rate and after its idle time
-    (``idle_before``) with ``frontend``, else the bare cost model."""
+    (``idle_before``) and at its size with ``frontend``, else the bare cost model."""
     idle = idle_before(batches) if idle is None else idle
-    return [frontend.batch_seconds(cost_model.latency(b.features), r, t) if frontend is not None
+    return [frontend.batch_seconds(cost_model.latency(b.features), r, t, b.features.get("tokens", 0.0))
+            if frontend is not None
             else cost_model.latency(b.features) for b, r, t in zip(batches, rates, idle, strict=True)]
 
 

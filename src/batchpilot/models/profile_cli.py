@@ -70,8 +70,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--llm", action="store_true",
                    help="profile the LLM engine instead (--model: a local HF causal-LM folder, default the "
                         "seeded tiny Llama): its step cost model and memory (models/llm/profile_cli.py)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads, fixed (default: a thread plan per batch size, "
-                   "measured first and stored in the profile; models/threads.py)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads, fixed (default: a thread plan per batch size, measured first and "
+                   "stored in the profile; models/threads.py)")
     p.add_argument("--max-length", type=int, default=None, help="serve up to this many tokens (default: "
                    "the model's position limit)")
     p.add_argument("--seed", type=int, default=0)
@@ -214,9 +215,10 @@ def _serving_path(ex: Any, model: CostModel, args: argparse.Namespace,
           f"{frontend.delay_per_token_s * 1e6:.2f} us/token, driver overhead "
           f"{frontend.batch_overhead_s * 1e3:.2f} ms/batch; under load a batch takes "
           f"the cost model x ({frontend.loaded_alpha:.3f} + {frontend.loaded_rate_coef:.4f} x requests/s) + "
-          f"{frontend.loaded_const_s * 1e3:.2f} ms, "
-          f"spread {details['loaded'].get('residual_std', 0.0):.1%} ({details['loaded'].get('batches', 0)} "
-          "batches)")
+          f"{frontend.loaded_const_s * 1e3:.2f} ms"
+          + "".join(f", x{f:.2f} from {lo} tokens" for lo, f in frontend.loaded_token_factors)
+          + f", spread {details['loaded'].get('residual_std', 0.0):.1%} "
+          f"({details['loaded'].get('batches', 0)} batches)")
     return frontend.to_dict(), details
 
 

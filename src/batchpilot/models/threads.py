@@ -11,9 +11,10 @@ thread pays on a lone short input, and from what batch size on, differs between 
 sold as the same CPU): it is measured, never assumed (``benchmarks/threads.py`` prints this machine's).
 
 The plan: probe shapes from a lone short input to a large batch, each timed at every candidate count
-(1, then doubling, up to ``cores``; the counts interleaved, median of ``repeats`` after a warm-up). A shape's choice is the
-fewest threads within ``margin`` of the fastest (fewer threads leave cores to the front end); a batch
-uses the choice of the largest probe shape not larger than it, and choices never fall as batches grow.
+(1, then doubling, up to ``cores``; the counts interleaved, median of ``repeats`` after a warm-up). A
+shape's choice is the fewest threads within ``margin`` of the fastest (fewer threads leave cores to
+the front end); a batch uses the choice of the largest probe shape not larger than it, and choices
+never fall as batches grow.
 ``batchpilot profile`` stores the plan in the profile (``to_json``) and ``serve --profile`` runs that
 plan, so the profile's prices are the server's; an explicit ``--threads N`` fixes the count instead.
 """
@@ -35,15 +36,17 @@ class ThreadPlan:
     """``steps``: (min_tokens, threads), min_tokens ascending from 0, threads non-decreasing."""
 
     steps: tuple[tuple[int, int], ...]
-    measured: dict[int, dict[int, float]] = field(default_factory=dict, compare=False)  # tokens -> {threads: ms}
+    # probe tokens -> {threads: ms}
+    measured: dict[int, dict[int, float]] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if not self.steps or self.steps[0][0] != 0:
             raise ValueError(f"a thread plan starts at 0 tokens: {self.steps}")
         if any(t < 1 for _, t in self.steps):
             raise ValueError(f"a thread plan's counts are >= 1: {self.steps}")
-        if any(b[0] <= a[0] or b[1] < a[1] for a, b in zip(self.steps, self.steps[1:])):
-            raise ValueError(f"a thread plan's steps ascend in tokens and never fall in threads: {self.steps}")
+        if any(b[0] <= a[0] or b[1] < a[1] for a, b in zip(self.steps, self.steps[1:], strict=False)):
+            raise ValueError("a thread plan's steps ascend in tokens and never fall in threads: "
+                             f"{self.steps}")
 
     @classmethod
     def fixed(cls, threads: int) -> ThreadPlan:
@@ -112,7 +115,8 @@ def plan_from_times(times: dict[int, dict[int, float]], margin: float = MARGIN) 
 
 
 def choose_thread_plan(run: Callable[[int, int], None], cores: int, repeats: int = 2,
-                       shapes: tuple[tuple[int, int], ...] = PROBE_SHAPES, max_length: int = 512) -> ThreadPlan:
+                       shapes: tuple[tuple[int, int], ...] = PROBE_SHAPES,
+                       max_length: int = 512) -> ThreadPlan:
     """Time ``run(batch, tokens)`` (one forward of ``batch`` inputs of ``tokens`` tokens each) at each
     candidate thread count; the plan the times give (``plan_from_times``). One core: 1 thread, unmeasured."""
     import torch

@@ -45,7 +45,8 @@ def build_app(settings: ServerConfig, spec: DeploymentSpec | SchedulerConfig | N
             log.info("precision: %s, chosen by the profile %s", dtype, model.profile)
         cache = str(Path(model.profile).resolve().parent) if model.profile else None  # onnx exports
         plan = profiled_threads(profiled, dtype) if profiled is not None else None
-        executor = load_executor(settings, model, dtype, spec.model.min_cosine, spec.model.backend, cache, plan)
+        executor = load_executor(settings, model, dtype, spec.model.min_cosine, spec.model.backend, cache,
+                                 plan)
         supports = getattr(executor, "supports_padding_free", lambda: True)()
         padding = spec.encoder.planner.padding if supports else "dynamic"
         cost_model = choose_cost_model(settings, model, executor, padding, profiled)

@@ -38,8 +38,8 @@ from ..sim.llm_frontend import LLMFrontEnd
 from ..sim.traces import Workload
 from .app import create_app
 from .config import ServerConfig
+from .inproc_server import bound_socket, in_thread
 from .serving_load import alternating_arrivals, send_elsewhere
-from .serving_profile import bound_socket, in_thread
 
 REQUESTS = 12
 OUTPUT_TOKENS = 4

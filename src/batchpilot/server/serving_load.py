@@ -26,7 +26,14 @@ import numpy as np
 
 from ..bench.loadgen import LoadGenConfig, PlannedRequest
 from ..core.costmodel import BatchShape, CostModel, nonneg_lstsq
-from ..sim.frontend import IDLE_EDGES_S, idle_factor, idle_times, rates_before, residual_units
+from ..sim.frontend import (
+    IDLE_EDGES_S,
+    idle_factor,
+    idle_times,
+    rates_before,
+    residual_units,
+    token_factor,
+)
 
 LOADED_REQUESTS = 240  # ~10-20 s of traffic for MiniLM on one CPU core
 LOADED_SHARES = (0.3, 0.75)  # of one slot's one-at-a-time rate: two loads, to see how the rate slows a batch
@@ -80,13 +87,15 @@ def alternating_arrivals(n: int, mean_gaps_s: tuple[float, float], rng: random.R
     return out
 
 
-def fit_loaded(batches: list[Loaded], cost_model: CostModel,
-               competing_cpu_s: float = 0.0) -> tuple[tuple[float, float, float], dict[str, Any]]:
-    """``slot_s ~ predicted * alpha * (1 + competing_cpu_s * rate) * idle_factor(idle)`` over the loaded
-    batches, ``rate`` = requests that arrived in the ``RATE_WINDOW_S`` before the batch started, per
-    second, ``idle`` the time no batch ran before it (``idle_factors``); ``alpha`` makes the totals
-    agree. Returns ``(alpha, alpha * competing_cpu_s, 0)`` (``FrontEnd``'s loaded line) and what was
-    measured, ``idle_factors`` among it."""
+def fit_loaded(batches: list[Loaded], cost_model: CostModel, competing_cpu_s: float = 0.0,
+               token_steps: Sequence[int] = (0,)) -> tuple[tuple[float, float, float], dict[str, Any]]:
+    """``slot_s ~ predicted * alpha * (1 + competing_cpu_s * rate) * token_factor(tokens) *
+    idle_factor(idle)`` over the loaded batches, ``rate`` = requests that arrived in the
+    ``RATE_WINDOW_S`` before the batch started, per second, ``tokens`` the batch's computed tokens,
+    binned at ``token_steps`` (the thread plan's: ``token_factors``), ``idle`` the time no batch ran
+    before it (``idle_factors``); ``alpha`` makes the totals agree. Returns ``(alpha, alpha *
+    competing_cpu_s, 0)`` (``FrontEnd``'s loaded line) and what was measured, ``token_factors`` and
+    ``idle_factors`` among it."""
     if len(batches) < 10:
         return (1.0, 0.0, 0.0), {"batches": len(batches), "note": "too few batches: not measured"}
     batches = sorted(batches, key=lambda b: b.start)
@@ -97,7 +106,12 @@ def fit_loaded(batches: list[Loaded], cost_model: CostModel,
     base = pred * (1.0 + competing_cpu_s * rate)
     factors: tuple[float, ...] = ()
     counts: list[int] = []
+    by_tokens: tuple[tuple[int, float], ...] = ()
+    token_counts: list[int] = []
     if base.sum() > 0 and took.sum() > 0:
+        tokens = np.array([b.features.get("tokens", 0.0) for b in batches])
+        by_tokens, token_counts = token_factors(tokens, token_steps, took, base * (took.sum() / base.sum()))
+        base = base * np.array([token_factor(by_tokens, t) for t in tokens])
         factors, counts = idle_factors(idle, took, base * (took.sum() / base.sum()))
         base = base * np.array([idle_factor(factors, t) for t in idle])
     alpha = float(took.sum() / base.sum()) if base.sum() > 0 else 1.0
@@ -115,19 +129,38 @@ def fit_loaded(batches: list[Loaded], cost_model: CostModel,
         "slot_over_predicted": float(took.sum() / pred.sum()), "alpha": alpha,
         "competing_cpu_s": competing_cpu_s, "rate_coef": alpha * competing_cpu_s, "const_s": 0.0,
         "least_squares_s_per_request": fitted_s, "idle_factors": list(factors), "idle_batches": counts,
+        "token_factors": [list(step) for step in by_tokens], "token_batches": token_counts,
         "residuals": sorted(float(r) for r in residuals), "residual_std": float(residuals.std()),
         "residual_ref_s": ref_s}
 
 
 def idle_factors(idle: np.ndarray, took: np.ndarray, line: np.ndarray,
                  prior: float = IDLE_PRIOR_BATCHES) -> tuple[tuple[float, ...], list[int]]:
-    """Per ``IDLE_EDGES_S`` bin of ``idle``, the batches' time over their ``line``: ``(sum took + prior *
-    m) / (sum line + prior * m)``, ``m`` the bin's mean line, so a bin of few batches stays near 1 (none:
-    exactly 1). Normalised so that the line times the factors keeps the totals (``sum took``). Returns
-    the factors and the batches per bin."""
+    """Per ``IDLE_EDGES_S`` bin of ``idle``, the batches' time over their ``line`` (``binned_factors``).
+    Returns the factors and the batches per bin."""
     index = np.searchsorted(np.asarray(IDLE_EDGES_S), idle, side="right")
+    return binned_factors(index, len(IDLE_EDGES_S) + 1, took, line, prior)
+
+
+def token_factors(tokens: np.ndarray, steps: Sequence[int], took: np.ndarray, line: np.ndarray,
+                  prior: float = IDLE_PRIOR_BATCHES) -> tuple[tuple[tuple[int, float], ...], list[int]]:
+    """Per step of ``steps`` (min tokens, ascending from 0: the thread plan's), the batches' time over
+    their ``line`` (``binned_factors``), as ``FrontEnd.loaded_token_factors``; none for one step."""
+    if len(steps) < 2:
+        return (), [len(tokens)]
+    index = np.searchsorted(np.asarray(steps[1:]), tokens, side="right")
+    factors, counts = binned_factors(index, len(steps), took, line, prior)
+    return tuple((int(lo), f) for lo, f in zip(steps, factors, strict=True)), counts
+
+
+def binned_factors(index: np.ndarray, bins: int, took: np.ndarray, line: np.ndarray,
+                   prior: float) -> tuple[tuple[float, ...], list[int]]:
+    """Per bin ``k`` (the batches with ``index == k``): ``(sum took + prior * m) / (sum line + prior *
+    m)``, ``m`` the bin's mean line, so a bin of few batches stays near 1 (none: exactly 1).
+    Normalised so that the line times the factors keeps the totals (``sum took``). Returns the
+    factors and the batches per bin."""
     factors, counts = [], []
-    for k in range(len(IDLE_EDGES_S) + 1):
+    for k in range(bins):
         cell = index == k
         n = int(cell.sum())
         counts.append(n)
@@ -174,20 +207,20 @@ def competing_cpu(before: dict[int, float], after: dict[int, float], child_cpu_s
 def send_elsewhere(url: str, model: str, plan: Sequence[PlannedRequest],
                    endpoint: str = "embeddings") -> tuple[float, bool]:
     """Replay ``plan`` open-loop from a child process on the cores this one is not pinned to (if any).
-    Returns the child's CPU seconds and whether it ran on this process's cores."""
+    Returns the child's CPU seconds while it replayed (its start-up, before the first request, is
+    not traffic) and whether it ran on this process's cores."""
     import multiprocessing
-    import resource
 
     ctx = multiprocessing.get_context("spawn")
-    child = ctx.Process(target=replay_child, args=(url, model, list(plan), endpoint), daemon=True)
-    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=replay_child, args=(url, model, list(plan), endpoint, send), daemon=True)
     child.start()
-    child.join(600)
-    if child.exitcode != 0:
+    send.close()
+    cpu = receive.recv() if receive.poll(600) else math.nan
+    child.join(60)
+    if child.exitcode != 0 or not math.isfinite(cpu):
         raise RuntimeError(f"serving path: the load generator process exited with {child.exitcode}")
-    now = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (now.ru_utime - used.ru_utime) + (now.ru_stime - used.ru_stime)
-    return cpu, other_cores() is None
+    return float(cpu), other_cores() is None
 
 
 def other_cores() -> set[int] | None:
@@ -202,14 +235,21 @@ def other_cores() -> set[int] | None:
     return rest if rest and len(mine) < len(every) else None
 
 
-def replay_child(url: str, model: str, plan: list[PlannedRequest], endpoint: str = "embeddings") -> None:
-    """The load generator process: on ``other_cores`` when there are any, then ``replay``."""
+def replay_child(url: str, model: str, plan: list[PlannedRequest], endpoint: str = "embeddings",
+                 report: Any = None) -> None:
+    """The load generator process: on ``other_cores`` when there are any, then ``replay``; sends the
+    CPU seconds the replay took (all its threads) to ``report`` (a pipe's end), if given."""
     import os
+    import time
 
     from ..bench.loadgen import replay
 
     rest = other_cores()
     if rest is not None:
         os.sched_setaffinity(0, rest)
+    cpu0 = time.process_time()
     replay(plan, LoadGenConfig(url, endpoint, model=model, timeout_s=120.0, progress=False,  # type: ignore[arg-type]
                                scrape_interval_s=0))
+    if report is not None:
+        report.send(time.process_time() - cpu0)
+        report.close()

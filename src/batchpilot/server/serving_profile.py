@@ -19,16 +19,16 @@ free 127.0.0.1 port, and measures three things the simulator's ``sim.frontend.Fr
    itself, is not counted here.
 3. **Batches under serving load** (``server/serving_load.py``). The model runs slower while the
    server handles traffic than alone in the profiler's loop: the other requests' HTTP, JSON and
-   tokenising run on the same cores, and the machine's speed has moved since the grid. With the server
+   tokenising share its cores, and the machine's speed has moved since the grid. With the server
    still up, a load generator in another process (on the cores this process is not pinned to, when
    there are any, as ``bench`` runs it) sends ``LOADED_REQUESTS`` of the same texts open-loop, in
    segments alternating between two rates. The CPU each request costs outside the model thread is
    accounted (``competing_cpu_s``: this process's threads from ``/proc`` less the model's, plus the
-   load generator when it shares the cores), not fitted: a least-squares slope over the same
-   batches is unstable (reported beside it; docs/profiler.md). A batch's time under load is ``predicted *
-   loaded_alpha * (1 + competing_cpu_s * rate)``, ``loaded_alpha`` the batches' total slot time over
-   that line's, and ``loaded_residuals`` their spread around it. This traffic is the profile's own,
-   made before any run it predicts.
+   load generator's while it replays when it shares the cores), not fitted (a least-squares slope is
+   unstable; docs/profiler.md). A batch's time under load is ``predicted * loaded_alpha * (1 +
+   competing_cpu_s * rate)``, times a factor per thread count of the plan (``loaded_token_factors``)
+   and per idle time before it; ``loaded_residuals`` are the spread around that line. This traffic
+   is the profile's own, made before any run it predicts.
 4. **Tokenizer/model contention.** ``executor.tokenize`` of a fixed list of texts is timed with the
    model idle and while another thread runs model batches back to back (``prepare + run``, as the
    profiler makes them); the ratio of the medians (>= 1) is ``serial_busy_factor``: under load the
@@ -44,16 +44,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
-import socket
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-import uvicorn
 
 from ..bench.loadgen import LoadGenConfig, PlannedRequest, one_by_one_async
 from ..core.config import Padding, PolicyConfig, SchedulerConfig
@@ -61,6 +58,7 @@ from ..core.costmodel import CostModel
 from ..sim.frontend import FrontEnd
 from .app import create_app
 from .config import ServerConfig
+from .inproc_server import bound_socket, in_thread
 from .service import tokenizer_workers
 from .serving_load import (
     LOADED_REQUESTS,
@@ -134,14 +132,17 @@ def measure_serving_path(executor: Any, cost_model: CostModel, *, requests: int 
     idle, busy = _contention(executor, texts, lengths, padding)
     idle_s, busy_s = statistics.median(idle), statistics.median(busy)
     factor = max(busy_s / idle_s, 1.0) if idle_s > 0 else 1.0
-    (alpha, rate_coef, const), load_details = fit_loaded(batches, cost_model, competing_s)
+    steps = [lo for lo, _ in executor.threads.steps] if getattr(executor, "threads", None) else [0]
+    (alpha, rate_coef, const), load_details = fit_loaded(batches, cost_model, competing_s, steps)
     load_details["cpu"] = cpu_details
     frontend = dataclasses.replace(fitted, batch_overhead_s=overhead_s, serial_busy_factor=factor,
                                    serial_servers=tokenizer_workers(ServerConfig()),
                                    loaded_alpha=alpha, loaded_rate_coef=rate_coef, loaded_const_s=const,
                                    loaded_residuals=tuple(load_details.pop("residuals", ())),
                                    loaded_residual_ref_s=load_details.pop("residual_ref_s", 0.0),
-                                   loaded_idle_factors=tuple(load_details.get("idle_factors", ())))
+                                   loaded_idle_factors=tuple(load_details.get("idle_factors", ())),
+                                   loaded_token_factors=tuple(tuple(x) for x in
+                                                              load_details.get("token_factors", ())))
     details = {
         "requests": len(measured), "ok": len(ok), "warmup_requests": len(warm), "lengths": len(wanted),
         "min_tokens": min(lengths), "max_tokens": max(lengths), "rounds": rounds, "padding": padding,
@@ -211,36 +212,6 @@ def model_threads(executor: Any) -> int:
     """Threads that run the model's forward: the most its thread plan uses, else its pool's size."""
     plan = getattr(executor, "threads", None)
     return int(plan.max_threads if plan is not None else getattr(executor, "num_threads", 1) or 1)
-
-
-def bound_socket() -> tuple[socket.socket, int]:
-    """A 127.0.0.1 socket bound to a free port (handed to uvicorn: no race for the port)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    return sock, int(sock.getsockname()[1])
-
-
-@contextmanager
-def in_thread(app: Any, sock: socket.socket, name: str) -> Iterator[str]:
-    """Serve ``app`` with uvicorn on ``sock`` in a thread; yields its URL; drains and joins on exit."""
-    port = int(sock.getsockname()[1])
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           access_log=False, lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name=name)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            if not thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"{name}: the in-process server did not start")
-            time.sleep(0.02)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True  # uvicorn drains, then the app's lifespan shuts the Batcher down
-        thread.join(15)
-        sock.close()
-    if thread.is_alive():
-        raise RuntimeError(f"{name}: the in-process server did not shut down within 15 s")
 
 
 def _contention(executor: Any, texts: list[str], lengths: list[int],

@@ -31,18 +31,19 @@ The fields:
   profiler's loop. ``loaded_rate_coef / loaded_alpha`` is the CPU seconds a request costs outside the
   model thread, accounted; ``loaded_alpha`` the speed of the loaded batches against the profile.
 * ``loaded_residuals``, ``loaded_residual_ref_s``: the spread of those batches around that line
-  (``slot / line - 1``, sorted), in the units of a batch of ``loaded_residual_ref_s`` seconds (the
-  loaded batches' median): a longer batch's residual is scaled by ``sqrt(line / ref)``, since its
-  stalls vary with the square root of its length (``server.serving_load.residual_units``). The
-  simulator draws every batch's time from them (seeded), scaled back to the batch's own length, so the
-  queueing it predicts sees the service-time variance the served model really has, not the profiler
-  loop's. ``loaded_residual_ref_s`` 0: the residuals are relative at every length.
+  (``slot / line - 1``, sorted) in the units of a batch of ``loaded_residual_ref_s`` seconds (their
+  median; 0: relative at every length; ``residual_units``). The simulator draws every batch's time
+  from them (seeded), scaled to the batch's length: the served model's variance, not the profiler's.
 * ``loaded_idle_factors``: one factor per bin of the idle time before a batch (``IDLE_EDGES_S``: under
   2 ms, 2-10 ms, 10-30 ms, 30-100 ms, 100-300 ms, 300 ms or more, the first batch included), by
   which that batch's loaded term (before ``loaded_const_s``) is multiplied: a batch right behind
   another finds the model's weights and the CPU warm, one after the server sat idle does not.
   Measured by the profile on the same loaded batches (``server.serving_load.idle_factors``); none
   (old profiles): 1 at every idle time.
+* ``loaded_token_factors``: ``(min_tokens, factor)`` steps from 0 at the thread plan's steps
+  (``models/threads.py``): a batch's loaded term is also multiplied by its step's factor, since a batch on
+  two threads contends with the front end for the second core and one on one thread does not.
+  Measured on the same loaded batches (``serving_load.fit_loaded``); none: 1 at every size.
 * ``serial_busy_factor``: how much slower the tokenizer is while the model runs a batch (both share
   the CPU) than on an idle machine, >= 1; under load the model is nearly always busy, so the serial
   stage's service time is scaled by it.
@@ -95,10 +96,17 @@ class FrontEnd:
     loaded_residual_ref_s: float = 0.0
     serial_servers: int = 1
     loaded_idle_factors: tuple[float, ...] = ()
+    loaded_token_factors: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "loaded_residuals", tuple(sorted(float(r) for r in self.loaded_residuals)))
         object.__setattr__(self, "loaded_idle_factors", tuple(float(f) for f in self.loaded_idle_factors))
+        steps = tuple((int(lo), float(f)) for lo, f in self.loaded_token_factors)
+        object.__setattr__(self, "loaded_token_factors", steps)
+        if steps and (steps[0][0] != 0 or any(b[0] <= a[0] for a, b in zip(steps, steps[1:], strict=False))
+                      or not all(math.isfinite(f) and f > 0 for _, f in steps)):
+            raise ValueError("frontend.loaded_token_factors must be (min_tokens, factor) steps ascending "
+                             f"from 0 tokens with positive factors, got {steps!r}")
         if any(not math.isfinite(r) or r <= -1.0 for r in self.loaded_residuals):
             raise ValueError("frontend.loaded_residuals must be finite relative errors > -1")
         factors = self.loaded_idle_factors
@@ -107,7 +115,8 @@ class FrontEnd:
             raise ValueError(f"frontend.loaded_idle_factors must be {len(IDLE_EDGES_S) + 1} positive "
                              f"factors (one per idle bin) or none, got {factors!r}")
         check_finite_nonneg("frontend", {k: v for k, v in asdict(self).items()
-                                         if k not in ("loaded_residuals", "loaded_idle_factors")})
+                                         if k not in ("loaded_residuals", "loaded_idle_factors",
+                                                      "loaded_token_factors")})
         if int(self.serial_servers) != self.serial_servers or self.serial_servers < 1:
             raise ValueError(f"frontend.serial_servers = {self.serial_servers!r}; must be an integer >= 1")
         if self.serial_busy_factor < 1.0:
@@ -135,12 +144,15 @@ class FrontEnd:
             heapq.heapreplace(frees, out[i])
         return out
 
-    def batch_seconds(self, predicted_s: float, rate: float = 0.0, idle_s: float = 0.0) -> float:
+    def batch_seconds(self, predicted_s: float, rate: float = 0.0, idle_s: float = 0.0,
+                      tokens: float = 0.0) -> float:
         """A batch's slot time under serving load, from the cost model's prediction for it, the
-        request rate (per second, over the ``RATE_WINDOW_S`` before it starts) and how long no batch
-        ran before it (``idle_s``)."""
+        request rate (per second, over the ``RATE_WINDOW_S`` before it starts), how long no batch
+        ran before it (``idle_s``) and the tokens it computes."""
+        factor = idle_factor(self.loaded_idle_factors, idle_s)
+        factor *= token_factor(self.loaded_token_factors, tokens)
         return served_seconds(predicted_s, (self.loaded_alpha, self.loaded_rate_coef, self.loaded_const_s),
-                              rate, idle_factor(self.loaded_idle_factors, idle_s))
+                              rate, factor)
 
     def residual_scale(self, line_s: float) -> float:
         """What a drawn ``loaded_residuals`` entry is multiplied by for a batch of ``line_s`` seconds
@@ -183,6 +195,7 @@ class FrontEnd:
         d = asdict(self)
         d["loaded_residuals"] = list(self.loaded_residuals)
         d["loaded_idle_factors"] = list(self.loaded_idle_factors)
+        d["loaded_token_factors"] = [list(step) for step in self.loaded_token_factors]
         return d
 
     @classmethod
@@ -190,6 +203,7 @@ class FrontEnd:
         """The inverse of ``to_dict``; fields it lacks keep their defaults."""
         conv: dict[str, Any] = {"loaded_residuals": lambda v: tuple(float(x) for x in v),
                                 "loaded_idle_factors": lambda v: tuple(float(x) for x in v),
+                                "loaded_token_factors": lambda v: tuple((int(lo), float(f)) for lo, f in v),
                                 "serial_servers": int}
         unknown = sorted(set(d) - {f.name for f in fields(cls)})
         if unknown:
@@ -207,12 +221,17 @@ class FrontEnd:
 
 
 def served_seconds(predicted_s: float, loaded: tuple[float, float, float], rate: float,
-                   idle_factor: float = 1.0) -> float:
-    """A batch's line under serving load: ``predicted * (alpha + rate_coef * rate) * idle_factor +
-    const`` for ``loaded = (alpha, rate_coef, const)`` (``FrontEnd.batch_seconds``; the simulator's
-    target calls it with its running rate and idle time)."""
+                   factor: float = 1.0) -> float:
+    """A batch's line under serving load: ``predicted * (alpha + rate_coef * rate) * factor + const``
+    for ``loaded = (alpha, rate_coef, const)``, ``factor`` its idle and token factors' product
+    (``FrontEnd.batch_seconds``; the simulator's target calls it with its running state)."""
     alpha, rate_coef, const = loaded
-    return predicted_s * (alpha + rate_coef * rate) * idle_factor + const
+    return predicted_s * (alpha + rate_coef * rate) * factor + const
+
+
+def token_factor(steps: Sequence[tuple[int, float]], tokens: float) -> float:
+    """The factor of the last ``(min_tokens, factor)`` of ``steps`` not above ``tokens``; 1 without."""
+    return steps[max(bisect.bisect_right([lo for lo, _ in steps], tokens) - 1, 0)][1] if steps else 1.0
 
 
 def idle_factor(factors: Sequence[float], idle_s: float) -> float:

@@ -26,7 +26,7 @@ from ..core.costmodel import CostModel
 from ..core.request import Request
 from ..core.scheduler import Batch, BatchScheduler, Rejection
 from .engine import Engine, EngineStats, Job, StopSimulation
-from .frontend import RATE_WINDOW_S, FrontEnd, idle_factor, residual_scale, served_seconds
+from .frontend import RATE_WINDOW_S, FrontEnd, idle_factor, residual_scale, served_seconds, token_factor
 from .traces import Workload
 
 DONE, PENDING, REJECTED, DROPPED = 1, 0, 2, 3
@@ -74,6 +74,7 @@ class EncoderTarget:
         loaded_residuals: tuple[float, ...] = (),
         loaded_residual_ref_s: float = 0.0,
         loaded_idle_factors: tuple[float, ...] = (),
+        loaded_token_factors: tuple[tuple[int, float], ...] = (),
     ) -> None:
         """``batch_overhead_s``: seconds the live driver adds to every batch outside the model (thread
         hand-offs, the event loop; the profile's ``frontend.batch_overhead_s``). ``loaded``: (alpha,
@@ -83,7 +84,8 @@ class EncoderTarget:
         spread around it, drawn from for every batch (seeded) in place of the profile's residuals, in
         the units of a batch of ``loaded_residual_ref_s`` seconds (``FrontEnd.residual_scale``);
         ``loaded_idle_factors``: the line's factor by the idle time before the batch (no batch running
-        on any slot; ``sim.frontend.idle_factor``).
+        on any slot; ``sim.frontend.idle_factor``); ``loaded_token_factors``: its factor by the batch's
+        computed tokens (the thread plan's steps; ``sim.frontend.token_factor``).
         ``stop_after_misses = (sla_s, max_misses, warmup_s)``: stop the run (``StopSimulation``) once more
         than ``max_misses`` measured requests finished later than ``sla_s`` or failed — the tuner's
         early exit when a probe's P99 is already lost for certain."""
@@ -105,6 +107,7 @@ class EncoderTarget:
         self._loaded = loaded
         self._rate_coef = loaded[1]
         self._idle_factors = loaded_idle_factors
+        self._token_factors = loaded_token_factors
         self._in_flight = 0  # batches started (or collated behind a running one) and not done
         self._last_end = -math.inf  # when the last batch done so far ended
         self._recent: deque[float] = deque()  # arrivals in the last RATE_WINDOW_S (only with a rate coef)
@@ -179,6 +182,8 @@ class EncoderTarget:
         idle = 1.0
         if self._idle_factors:  # a batch started while another runs (or behind it) found no idle time
             idle = idle_factor(self._idle_factors, 0.0 if self._in_flight else now - self._last_end)
+        if self._token_factors:
+            idle *= token_factor(self._token_factors, shape.tokens)
         self._in_flight += 1
         mean = served_seconds(self.service_model.batch_latency(shape.n, shape.tokens, shape.attn),
                               self._loaded, rate, idle)
@@ -225,7 +230,8 @@ def served_batch_terms(frontend: FrontEnd | None) -> dict[str, Any]:
             "loaded": (frontend.loaded_alpha, frontend.loaded_rate_coef, frontend.loaded_const_s),
             "loaded_residuals": frontend.loaded_residuals,
             "loaded_residual_ref_s": frontend.loaded_residual_ref_s,
-            "loaded_idle_factors": frontend.loaded_idle_factors}
+            "loaded_idle_factors": frontend.loaded_idle_factors,
+            "loaded_token_factors": frontend.loaded_token_factors}
 
 
 @dataclass
