@@ -181,6 +181,16 @@ def test_fit_loaded_measures_how_much_slower_a_batch_runs_after_an_idle_server()
     assert max(abs(r) for r in details["residuals"]) < 0.05  # without the factors: -9% and +18%
 
 
+def test_a_load_generator_that_fails_is_an_error_that_says_so() -> None:
+    """The child dies before it reports its CPU (here: an endpoint it does not know): a clear error."""
+    from batchpilot.bench.loadgen import PlannedRequest
+    from batchpilot.server.serving_load import send_elsewhere
+
+    plan = [PlannedRequest(0, 0.0, 4, 0, {"input": "x"})]
+    with pytest.raises(RuntimeError, match="the load generator process exited with 1"):
+        send_elsewhere("http://127.0.0.1:9", "m", plan, endpoint="no-such-endpoint")
+
+
 def test_fit_loaded_prices_each_thread_count_of_the_plan_apart() -> None:
     """Batches of 2 threads (from 320 tokens) run 40% slower under load than their price, those of one
     thread at their price: one factor per step of the plan, the totals kept."""

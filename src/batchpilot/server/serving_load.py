@@ -216,7 +216,10 @@ def send_elsewhere(url: str, model: str, plan: Sequence[PlannedRequest],
     child = ctx.Process(target=replay_child, args=(url, model, list(plan), endpoint, send), daemon=True)
     child.start()
     send.close()
-    cpu = receive.recv() if receive.poll(600) else math.nan
+    try:
+        cpu = receive.recv() if receive.poll(600) else math.nan
+    except EOFError:  # the child ended without reporting: it failed
+        cpu = math.nan
     child.join(60)
     if child.exitcode != 0 or not math.isfinite(cpu):
         raise RuntimeError(f"serving path: the load generator process exited with {child.exitcode}")
