@@ -149,10 +149,8 @@ class FrontEnd:
         """A batch's slot time under serving load, from the cost model's prediction for it, the
         request rate (per second, over the ``RATE_WINDOW_S`` before it starts), how long no batch
         ran before it (``idle_s``) and the tokens it computes."""
-        factor = idle_factor(self.loaded_idle_factors, idle_s)
-        factor *= token_factor(self.loaded_token_factors, tokens)
         return served_seconds(predicted_s, (self.loaded_alpha, self.loaded_rate_coef, self.loaded_const_s),
-                              rate, factor)
+                              rate, idle_s, tokens, self.loaded_idle_factors, self.loaded_token_factors)
 
     def residual_scale(self, line_s: float) -> float:
         """What a drawn ``loaded_residuals`` entry is multiplied by for a batch of ``line_s`` seconds
@@ -221,11 +219,13 @@ class FrontEnd:
 
 
 def served_seconds(predicted_s: float, loaded: tuple[float, float, float], rate: float,
-                   factor: float = 1.0) -> float:
-    """A batch's line under serving load: ``predicted * (alpha + rate_coef * rate) * factor + const``
-    for ``loaded = (alpha, rate_coef, const)``, ``factor`` its idle and token factors' product
-    (``FrontEnd.batch_seconds``; the simulator's target calls it with its running state)."""
+                   idle_s: float = 0.0, tokens: float = 0.0, idle_factors: Sequence[float] = (),
+                   token_factors: Sequence[tuple[int, float]] = ()) -> float:
+    """A batch's line under serving load: ``predicted * (alpha + rate_coef * rate) * idle_factor *
+    token_factor + const`` for ``loaded = (alpha, rate_coef, const)``, the factors looked up for its
+    idle time and tokens (``FrontEnd.batch_seconds``, the simulator's target: the one formula)."""
     alpha, rate_coef, const = loaded
+    factor = idle_factor(idle_factors, idle_s) * token_factor(token_factors, tokens)
     return predicted_s * (alpha + rate_coef * rate) * factor + const
 
 

@@ -26,7 +26,7 @@ from ..core.costmodel import CostModel
 from ..core.request import Request
 from ..core.scheduler import Batch, BatchScheduler, Rejection
 from .engine import Engine, EngineStats, Job, StopSimulation
-from .frontend import RATE_WINDOW_S, FrontEnd, idle_factor, residual_scale, served_seconds, token_factor
+from .frontend import RATE_WINDOW_S, FrontEnd, residual_scale, served_seconds
 from .traces import Workload
 
 DONE, PENDING, REJECTED, DROPPED = 1, 0, 2, 3
@@ -179,14 +179,12 @@ class EncoderTarget:
             while recent and recent[0] < start:
                 recent.popleft()
             rate = len(recent) / RATE_WINDOW_S
-        idle = 1.0
-        if self._idle_factors:  # a batch started while another runs (or behind it) found no idle time
-            idle = idle_factor(self._idle_factors, 0.0 if self._in_flight else now - self._last_end)
-        if self._token_factors:
-            idle *= token_factor(self._token_factors, shape.tokens)
+        # a batch started while another runs (or behind it) found no idle time
+        idle_s = 0.0 if self._in_flight else now - self._last_end
         self._in_flight += 1
         mean = served_seconds(self.service_model.batch_latency(shape.n, shape.tokens, shape.attn),
-                              self._loaded, rate, idle)
+                              self._loaded, rate, idle_s, shape.tokens, self._idle_factors,
+                              self._token_factors)
         if not self.noise or not self._residuals:
             return mean + self._overhead
         if not self._u:
