@@ -90,3 +90,25 @@ def test_a_few_steps_at_many_sequences_count_as_much_as_many_at_few() -> None:
     assert details["max_seqs"] == 64 and details["seqs_levels"] == 64
     assert details["mean_seqs"] == pytest.approx(sum(counts) / len(counts))
     assert details["p90_seqs"] == 3.0
+
+
+def test_the_step_models_own_error_does_not_tilt_the_overhead_line() -> None:
+    """The forward runs 0.75x its prediction at one sequence and 0.9x at 64 (a step model off by a
+    different fraction at each end); the overhead beyond the forward is 0.8 ms + 0.05 ms a sequence.
+    The line prices that overhead, not the step model's error: measured against ``step_alpha`` times
+    the prediction instead, the slope came out two thirds steeper and the constant zero."""
+    counts = list(range(1, 65)) * 20
+    starts, fwd, wall, feats = [], [], [], []
+    t = 0.0
+    for n in counts:
+        f = StepShape(0, n, 100 * n).features()
+        forward = MODEL.latency(f) * (0.75 + 0.15 * (n - 1) / 63)
+        cost = forward + 8e-4 + 5e-5 * n
+        starts.append(t)
+        fwd.append(forward)
+        wall.append(cost)
+        feats.append(f)
+        t += cost
+    fe, _ = LLMFrontEnd.fit_steps(MODEL, starts, fwd, wall, counts, feats, [False] * len(counts))
+    assert fe.step_const_s == pytest.approx(8e-4, rel=1e-6)
+    assert fe.step_per_seq_s == pytest.approx(5e-5, rel=1e-6)

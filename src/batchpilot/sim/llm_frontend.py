@@ -11,12 +11,15 @@ own traffic (never the traffic it predicts) and writes these fields into the pro
 * ``step_alpha``: the loaded steps' forward seconds over the step profile's prediction for the same
   shapes (the speed, contention inside the forward included).
 * ``step_const_s``, ``step_per_seq_s``: what a busy step costs beyond its forward, ``step_const_s +
-  step_per_seq_s * seqs``: a step's start-to-next-start interval less ``step_alpha`` times its
-  prediction, averaged over the steps of each sequence count, and the line fitted (non-negative least
+  step_per_seq_s * seqs``: a step's start-to-next-start interval less its own measured forward,
+  averaged over the steps of each sequence count, and the line fitted (non-negative least
   squares) to those means, each count weighing the square root of its steps, so the many steps at
   one to three sequences an open-loop load runs do not outweigh a few at many sequences: the line
   holds over the whole range of sequences per step the load reached (``mean_seqs``, ``max_seqs`` in
-  what ``fit_steps`` reports), and is extrapolated beyond it.
+  what ``fit_steps`` reports), and is extrapolated beyond it. The forward's own deviation from
+  ``step_alpha`` times its prediction stays out of it: a step model that is off by a different
+  fraction at one and at 64 sequences would otherwise tilt the line (its slope would price the step
+  model's error, paid again on every sequence of every simulated step).
 
 A simulated step takes ``step_seconds(predicted, seqs)``. ``LLMFrontEnd()`` adds nothing.
 """
@@ -79,7 +82,7 @@ class LLMFrontEnd:
         fwd = np.asarray(forward_s, dtype=float)
         cycle = step_cycles(starts, wall_s, after_idle)
         alpha = float(fwd.sum() / pred.sum()) if pred.sum() > 0 else 1.0
-        extra = cycle - alpha * pred
+        extra = cycle - fwd  # beyond the step's own forward (module docstring)
         n = np.asarray(seqs, dtype=float)
         const, per_seq = per_level_line(n, extra)
         line = alpha * pred + const + per_seq * n  # step_seconds over every step
