@@ -152,6 +152,10 @@ def test_alternating_arrivals_switch_rates_by_segment_with_a_pause_between() -> 
     means = [sum(g) / len(g) for g in seg]
     assert all(m < 0.03 for m in means[0::2]) and all(m > 0.05 for m in means[1::2])
     assert all(gaps[k * 100] >= 5.0 for k in range(1, 6))  # the pause before every later segment
+    three = alternating_arrivals(900, (0.01, 0.1, 0.03), random.Random(2), segments=6, pause_s=0.0)
+    gaps = [b - a for a, b in zip([0.0, *three], three, strict=False)]
+    means = [sum(gaps[k * 150:(k + 1) * 150]) / 150 for k in range(6)]
+    assert [min((0.01, 0.1, 0.03), key=lambda g, m=m: abs(m - g)) for m in means] == [0.01, 0.1, 0.03] * 2
 
 
 def test_fit_loaded_measures_how_much_slower_a_batch_runs_after_an_idle_server() -> None:

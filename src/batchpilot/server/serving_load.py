@@ -4,7 +4,7 @@
 after its lone requests, replays ``LOADED_REQUESTS`` open-loop from a child process
 (``send_elsewhere``: on the cores the profiler is not pinned to, when there are any). Here:
 
-* ``loaded_plan``: the seeded open-loop plan, segments alternating between ``LOADED_SHARES``
+* ``loaded_plan``: the seeded open-loop plan, segments taking turns at ``LOADED_SHARES``
   (``alternating_arrivals``, which the LLM's loaded phase uses too);
 * ``thread_cpu_s`` / ``competing_cpu``: the CPU seconds per request that competed with the model
   (every thread of this process but the model's, plus the load generator when it shares the cores);
@@ -36,8 +36,10 @@ from ..sim.frontend import (
 )
 
 LOADED_REQUESTS = 240  # ~10-20 s of traffic for MiniLM on one CPU core
-LOADED_SHARES = (0.3, 0.75)  # of one slot's one-at-a-time rate: two loads, to see how the rate slows a batch
-LOADED_SEGMENTS = 6  # the loaded traffic alternates between the two shares this many times
+# of one slot's one-at-a-time rate: three loads, to see how the rate slows a batch, the last past what
+# one slot serves alone, where a batching server's capacity (the rate its predictions are used at) lies
+LOADED_SHARES = (0.3, 0.75, 1.25)
+LOADED_SEGMENTS = 6  # the loaded traffic takes turns at the shares in this many segments
 IDLE_PRIOR_BATCHES = 10.0  # an idle bin's factor weighs this many batches at 1 beside its own
 
 
@@ -57,31 +59,32 @@ class Loaded:
 
 def loaded_plan(texts: list[str], lengths: list[int], cost_model: CostModel, padding: str,
                 seed: int, n: int) -> list[PlannedRequest]:
-    """``n`` of the texts, seeded, at ``alternating_arrivals`` between ``LOADED_SHARES[0]`` and
-    ``LOADED_SHARES[1]`` of the rate at which one slot serves them alone (the cost model's mean lone
-    latency)."""
+    """``n`` of the texts, seeded, at ``alternating_arrivals`` taking turns at the ``LOADED_SHARES`` of
+    the rate at which one slot serves them alone (the cost model's mean lone latency)."""
     if n <= 0:
         return []
     rng = random.Random(seed + 7)
     pick = [rng.randrange(len(texts)) for _ in range(n)]
     alone = max(statistics.mean(cost_model.latency(one_input(lengths[i], padding)) for i in pick), 1e-4)
-    times = alternating_arrivals(n, (alone / LOADED_SHARES[0], alone / LOADED_SHARES[1]), rng)
+    times = alternating_arrivals(n, tuple(alone / share for share in LOADED_SHARES), rng)
     return [PlannedRequest(k, t, lengths[i], 0, {"input": texts[i]})
             for k, (t, i) in enumerate(zip(times, pick, strict=True))]
 
 
-def alternating_arrivals(n: int, mean_gaps_s: tuple[float, float], rng: random.Random,
+def alternating_arrivals(n: int, mean_gaps_s: Sequence[float], rng: random.Random,
                          segments: int = LOADED_SEGMENTS, pause_s: float = 1.0) -> list[float]:
-    """Poisson arrival times of ``n`` requests in ``segments`` segments of equal count that alternate
-    between the two mean gaps, ``pause_s`` between segments.
+    """Poisson arrival times of ``n`` requests in ``segments`` segments of equal count that take turns
+    at the mean gaps (segment ``k`` at ``mean_gaps_s[k % len(mean_gaps_s)]``), ``pause_s`` between
+    segments.
 
-    Alternating, not one half then the other: this CPU's speed drifts within seconds, and a drift
-    between two halves would read as a slope of the time against the rate."""
+    Taking turns, not one part at each rate after the other: this CPU's speed drifts within seconds,
+    and a drift between the parts would read as a slope of the time against the rate."""
     per = max(n // segments, 1)
     t, out, last = 0.0, [], 0
     for k in range(n):
         segment = min(k // per, segments - 1)
-        t += rng.expovariate(1.0 / mean_gaps_s[segment % 2]) + (pause_s if segment != last else 0.0)
+        gap = mean_gaps_s[segment % len(mean_gaps_s)]
+        t += rng.expovariate(1.0 / gap) + (pause_s if segment != last else 0.0)
         last = segment
         out.append(t)
     return out

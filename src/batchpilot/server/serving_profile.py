@@ -22,7 +22,8 @@ free 127.0.0.1 port, and measures three things the simulator's ``sim.frontend.Fr
    tokenising share its cores, and the machine's speed has moved since the grid. With the server
    still up, a load generator in another process (on the cores this process is not pinned to, when
    there are any, as ``bench`` runs it) sends ``LOADED_REQUESTS`` of the same texts open-loop, in
-   segments alternating between two rates. The CPU each request costs outside the model thread is
+   segments taking turns at three rates (``LOADED_SHARES``, the last past what one slot serves one
+   at a time). The CPU each request costs outside the model thread is
    accounted (``competing_cpu_s``: this process's threads from ``/proc`` less the model's, plus the
    load generator's while it replays when it shares the cores), not fitted (a least-squares slope is
    unstable; docs/profiler.md). A batch's time under load is ``predicted * loaded_alpha * (1 +
