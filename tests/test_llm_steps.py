@@ -104,3 +104,33 @@ def test_speed_vs_profile_with_the_serving_path_counts_the_interval_to_the_next_
     assert speed_vs_profile(PROFILE, steps, fe) == pytest.approx(0.0)
     slow = [LoggedStep(s.start * 2, s.wall_s * 2, 0.0, 2, s.after_idle, f) for s in steps]
     assert speed_vs_profile(PROFILE, slow, fe) == pytest.approx(1.0)
+
+
+def test_speed_by_seqs_splits_the_forward_from_the_overhead_per_count_of_sequences(tmp_path: Path) -> None:
+    """Steps of 1 sequence run their forward as priced and their overhead twice the line; steps of 40,
+    the forward 10% over and the overhead as priced. The breakdown says which part moved where, and
+    the module's command prints it for a fidelity folder."""
+    from batchpilot.bench.llm_steps import main, speed_by_seqs
+    from batchpilot.sim.llm_frontend import LLMFrontEnd
+
+    fe = LLMFrontEnd(step_alpha=1.2, step_const_s=0.001, step_per_seq_s=0.0001)
+    steps, t = [], 0.0
+    for k in range(20):
+        n = 1 if k % 2 else 40
+        f = _feats(0, n, 100)
+        forward = 1.2 * _cost(f) * (1.0 if n == 1 else 1.1)
+        rest = (0.001 + 0.0001 * n) * (2.0 if n == 1 else 1.0)
+        steps.append(LoggedStep(t, forward + rest, forward, n, False, f))
+        t += forward + rest
+    rows = speed_by_seqs(PROFILE, steps, fe)
+    assert [(r[0], r[1]) for r in rows] == [("1", 10), ("32+", 10)]
+    assert rows[0][2:] == pytest.approx((0.0, 1.0)) and rows[1][2] == pytest.approx(0.1)
+    assert rows[1][3] == pytest.approx(0.0, abs=0.02)  # the last step's cycle is its wall time: exact too
+    assert speed_by_seqs(PROFILE, [], fe) == []
+    log = StepLog(str(tmp_path / "steps.jsonl"))
+    for k, s in enumerate(steps):
+        log(StepRecord(k, s.start, s.wall_s, s.forward_s, s.seqs, s.features, s.after_idle))
+    log.close()
+    (tmp_path / "llm_profile.json").write_text(json.dumps({"cost_model": PROFILE.to_dict(),
+                                                            "frontend": fe.to_dict()}))
+    assert main([str(tmp_path)]) == 0 and main([]) == 2

@@ -39,7 +39,7 @@ from ..sim.llm_frontend import LLMFrontEnd
 from ..sim.traces import Workload
 from .capacity import CapacityConfig, probe_workload, search_capacity, wait_idle
 from .fidelity_table import text_table
-from .llm_steps import read_steps, speed_vs_profile
+from .llm_steps import format_by_seqs, read_steps, speed_by_seqs, speed_vs_profile
 from .loadgen import LoadGenConfig, build_plan, replay
 from .records import Summary, format_summary, summarize, write_csv
 from .report import RunData, html_table, write_report
@@ -213,13 +213,15 @@ def main(args: argparse.Namespace) -> int:
             speed = speed_vs_profile(cost_model, steps, frontend)
             print(format_summary(meas, f"live conv-llm at {load:.0%} of capacity (x{k:.3f}, "
                                        f"{len(rows_wl)} rows)"))
-            print(f"the run's {len(steps)} engine steps took {speed:+.1%} against the step profile",
-                  flush=True)
+            by_seqs = speed_by_seqs(cost_model, steps, frontend)
+            print(f"the run's {len(steps)} engine steps took {speed:+.1%} against the step profile; by "
+                  f"sequences per step: {format_by_seqs(by_seqs)}", flush=True)
             rows += comparison_rows(load, k, pred, rep.num_rejected, meas, speed)
             write_csv(res.records, out / f"records-llm-{int(round(load * 100))}.csv")
             runs.append(RunData(f"llm live {load:.0%}", res.records, meas, res.metrics, {"rate_scale": k}))
             result["points"].append({"load": load, "rate_scale": k, "rows": len(rows_wl),
                                      "speed_vs_profile": speed, "steps": len(steps),
+                                     "speed_by_seqs": by_seqs,
                                      "predicted": pred.to_dict(), "predicted_rejected": rep.num_rejected,
                                      "measured": meas.to_dict(),
                                      "measured_rejected": meas.num_requests - meas.num_ok,

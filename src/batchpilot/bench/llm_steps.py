@@ -9,15 +9,22 @@ while the server writes (whole lines only).
 ``speed_vs_profile`` is what ``bench fidelity --workload conv-llm`` prints beside each load point: the
 logged steps' seconds over what the profile (step model and serving path) predicts for the same step
 shapes. It reports how fast the machine ran against its profile; nothing is fitted on it.
+``speed_by_seqs`` splits it by sequences per step: the forward against ``step_alpha`` times the step
+model, and the rest of the step against the serving path's overhead line, where they part.
+``python -m batchpilot.bench.llm_steps OUT`` prints it for a ``bench fidelity --workload conv-llm``
+output folder (its ``llm_profile.json`` and ``steps.jsonl``, every logged step).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from ..core.costmodel import CostModel
 from ..sim.llm_frontend import LLMFrontEnd, step_cycles
@@ -68,3 +75,55 @@ def speed_vs_profile(profile: CostModel, steps: Sequence[LoggedStep],
         took = float(step_cycles([s.start for s in steps], [s.wall_s for s in steps],
                                  [s.after_idle for s in steps]).sum())
     return took / predicted - 1.0 if predicted > 0 else math.nan
+
+
+SEQS_BINS = ((1, 1), (2, 3), (4, 7), (8, 15), (16, 31), (32, 10**9))
+
+
+def speed_by_seqs(profile: CostModel, steps: Sequence[LoggedStep],
+                  frontend: LLMFrontEnd) -> list[tuple[str, int, float, float]]:
+    """Per ``SEQS_BINS`` bin of sequences per step (bins without steps left out): ``(label, steps,
+    forward, overhead)``, ``forward`` the steps' ``forward_s`` over ``frontend.step_alpha`` times the
+    step model's prediction, minus 1, ``overhead`` the rest of their cycle (``step_cycles`` less the
+    forward) over ``step_const_s + step_per_seq_s * seqs``, minus 1 (NaN where that line is 0)."""
+    if not steps:
+        return []
+    seqs = np.array([s.seqs for s in steps])
+    fwd = np.array([s.forward_s for s in steps])
+    pred = np.array([profile.latency(s.features) for s in steps]) * frontend.step_alpha
+    cycles = step_cycles([s.start for s in steps], [s.wall_s for s in steps], [s.after_idle for s in steps])
+    rest = cycles - fwd
+    line = frontend.step_const_s + frontend.step_per_seq_s * seqs
+    out = []
+    for lo, hi in SEQS_BINS:
+        m = (seqs >= lo) & (seqs <= hi)
+        if not m.any():
+            continue
+        label = str(lo) if lo == hi else (f"{lo}-{hi}" if hi < 10**9 else f"{lo}+")
+        over = float(rest[m].sum() / line[m].sum() - 1.0) if line[m].sum() > 0 else math.nan
+        out.append((label, int(m.sum()), float(fwd[m].sum() / pred[m].sum() - 1.0), over))
+    return out
+
+
+def format_by_seqs(rows: Sequence[tuple[str, int, float, float]]) -> str:
+    return "; ".join(f"{label}: forward {f:+.1%}, overhead {o:+.1%} ({n})" for label, n, f, o in rows)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Print ``speed_by_seqs`` for a ``bench fidelity --workload conv-llm`` output folder."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 1:
+        print("usage: python -m batchpilot.bench.llm_steps OUT (a bench fidelity --workload conv-llm folder)")
+        return 2
+    out = Path(args[0])
+    profile = out / "llm_profile.json"
+    steps = read_steps(out / "steps.jsonl")[0]
+    rows = speed_by_seqs(CostModel.load(profile), steps, LLMFrontEnd.from_profile(profile))
+    print(f"{len(steps)} engine steps against {profile}, by sequences per step:")
+    for label, n, f, o in rows:
+        print(f"  {label:>6} seqs  {n:7d} steps  forward {f:+7.1%}  overhead {o:+7.1%}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
