@@ -83,10 +83,15 @@ def conv_embed_texts(n: int, seed: int) -> list[str]:
     return texts_for_lengths(load_tokenizer(None), lengths, seed=seed)
 
 
-async def one(client: httpx.AsyncClient, text: str, t0: float, out: list[Outcome]) -> None:
+async def one(client: httpx.AsyncClient, text: str, t0: float, out: list[Outcome],
+              slots: asyncio.Semaphore | None = None) -> None:
     sent = time.monotonic()
     try:
-        r = await client.post("/v1/embeddings", json={"input": text})
+        if slots is None:
+            r = await client.post("/v1/embeddings", json={"input": text})
+        else:
+            async with slots:
+                r = await client.post("/v1/embeddings", json={"input": text})
         status: int | str = r.status_code
         retry = r.headers.get("retry-after")
     except httpx.HTTPError as exc:
@@ -146,6 +151,11 @@ async def soak(url: str, texts: list[str], rate: float, seconds: float, pid: int
     # a bounded pool: thousands of sockets would overflow the listen backlog (connect timeouts) and
     # measure the client's kernel, not the server
     limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+    # requests beyond the pool wait here, not in httpcore's pool: its queue costs every waiting
+    # request a pass over the connections on each event, and at 3x capacity on 2 cores that work
+    # starved the load generator (it stopped sending; the server sat idle). The wait is counted in
+    # the client-side latency, as the pool's was.
+    slots = asyncio.Semaphore(connections)
     async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
         t0 = time.monotonic()
         next_sample, next_send, i = t0, t0, 0
@@ -154,7 +164,7 @@ async def soak(url: str, texts: list[str], rate: float, seconds: float, pid: int
                 rss.append((now - t0, rss_mib(pid)))
                 next_sample += 1.0
             if now >= next_send:
-                task = asyncio.create_task(one(client, texts[i % len(texts)], t0, outcomes))
+                task = asyncio.create_task(one(client, texts[i % len(texts)], t0, outcomes, slots))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
                 i += 1
