@@ -2,12 +2,15 @@
 
     .venv/bin/python benchmarks/overload_soak.py                          # real MiniLM, 3x, 5 minutes
     .venv/bin/python benchmarks/overload_soak.py --noop-delay-ms 50 --duration-s 120   # serving path only
+    .venv/bin/python benchmarks/overload_soak.py --cpus 1       # server on core 1, load generator on the rest
 
 1. Capacity: closed loop (``--clients`` concurrent requests, conv-embed texts) for ``--capacity-s``:
    successful requests per second.
 2. Soak: open-loop Poisson arrivals (seeded) at ``--overload`` x capacity for ``--duration-s``.
    Every request must get exactly one answer: 200, or 429/503 *with* Retry-After. A client timeout,
-   a reset connection or any other status is a failure.
+   a reset connection or any other status is a failure. The client holds ``--connections`` requests
+   in flight at most; the rest wait in the client (counted in its latency), so the server sees at
+   most that many at once.
 3. Admitted requests: P99 latency against ``--sla-s``, measured by the server (its
    ``batchpilot_request_latency_seconds`` histogram: admission to result of every admitted input; the
    bucket bound that holds 99 %), because on a shared 2-core machine the load generator itself falls behind
@@ -35,7 +38,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from batchpilot.bench.serverproc import free_port, wait_ready
+from batchpilot.bench.serverproc import free_port, pin_load_generator, pinned, wait_ready
 
 
 @dataclass
@@ -217,6 +220,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1, help="server torch threads (real model)")
     ap.add_argument("--texts", type=int, default=400)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cpus", default=None,
+                    help="pin the server to these cores (e.g. 1), the load generator to the rest")
     ap.add_argument("--json", default=None)
     ap.add_argument("serve_args", nargs="*", help="extra `batchpilot serve` arguments (after --)")
     args = ap.parse_args()
@@ -224,8 +229,8 @@ def main() -> int:
     texts = conv_embed_texts(args.texts, args.seed)
     port = free_port()
     # the SLA is declared: shedding is what this soak exercises (without one the server queues)
-    serve = [sys.executable, "-m", "batchpilot.cli", "serve", "--port", str(port), "--no-warmup",
-             "--latency-sla", str(args.sla_s)]
+    serve = [*pinned(args.cpus), sys.executable, "-m", "batchpilot.cli", "serve", "--port", str(port),
+             "--no-warmup", "--latency-sla", str(args.sla_s)]
     if args.noop_delay_ms is not None:
         serve += ["--noop", "--noop-delay-ms", str(args.noop_delay_ms)]
     else:
@@ -238,7 +243,8 @@ def main() -> int:
         proc = subprocess.Popen(serve, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         wait_ready(url, 300, proc, log_path)
-        print(f"server: {' '.join(serve[2:])}  (log {log_path})")
+        pin_load_generator(args.cpus)
+        print(f"server: {' '.join(serve[serve.index('-m') + 1:])}  (log {log_path})")
         cap = asyncio.run(capacity(url, texts, args.clients, args.capacity_s))
         rate = cap * args.overload
         print(f"capacity {cap:.1f} req/s (closed loop, {args.clients} clients); "
