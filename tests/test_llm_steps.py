@@ -134,3 +134,6 @@ def test_speed_by_seqs_splits_the_forward_from_the_overhead_per_count_of_sequenc
     (tmp_path / "llm_profile.json").write_text(json.dumps({"cost_model": PROFILE.to_dict(),
                                                             "frontend": fe.to_dict()}))
     assert main([str(tmp_path)]) == 0 and main([]) == 2
+    profile = tmp_path / "llm_profile.json"
+    assert main([str(tmp_path), str(profile)]) == 0
+    assert main([str(tmp_path), str(tmp_path / "missing.json")]) == 2

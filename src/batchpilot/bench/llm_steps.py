@@ -11,8 +11,9 @@ logged steps' seconds over what the profile (step model and serving path) predic
 shapes. It reports how fast the machine ran against its profile; nothing is fitted on it.
 ``speed_by_seqs`` splits it by sequences per step: the forward against ``step_alpha`` times the step
 model, and the rest of the step against the serving path's overhead line, where they part.
-``python -m batchpilot.bench.llm_steps OUT`` prints it for a ``bench fidelity --workload conv-llm``
-output folder (its ``llm_profile.json`` and ``steps.jsonl``, every logged step).
+``python -m batchpilot.bench.llm_steps OUT [PROFILE]`` prints it for a ``bench fidelity --workload
+conv-llm`` output folder (its ``steps.jsonl``, every logged step, against ``PROFILE``, by default the
+``llm_profile.json`` the command wrote there).
 """
 
 from __future__ import annotations
@@ -110,13 +111,19 @@ def format_by_seqs(rows: Sequence[tuple[str, int, float, float]]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Print ``speed_by_seqs`` for a ``bench fidelity --workload conv-llm`` output folder."""
+    """Print ``speed_by_seqs`` for a ``bench fidelity --workload conv-llm`` output folder (and the profile
+    it ran with, when it was given one with ``--profile``)."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 1:
-        print("usage: python -m batchpilot.bench.llm_steps OUT (a bench fidelity --workload conv-llm folder)")
+    if len(args) not in (1, 2):
+        print("usage: python -m batchpilot.bench.llm_steps OUT [PROFILE]  (OUT: a bench fidelity --workload "
+              "conv-llm folder; PROFILE: the LLM profile it ran with, OUT/llm_profile.json by default)")
         return 2
     out = Path(args[0])
-    profile = out / "llm_profile.json"
+    profile = Path(args[1]) if len(args) == 2 else out / "llm_profile.json"
+    for path in (profile, out / "steps.jsonl"):
+        if not path.is_file():
+            print(f"llm_steps: {path} does not exist (with bench fidelity --profile P, pass P as PROFILE)")
+            return 2
     steps = read_steps(out / "steps.jsonl")[0]
     rows = speed_by_seqs(CostModel.load(profile), steps, LLMFrontEnd.from_profile(profile))
     print(f"{len(steps)} engine steps against {profile}, by sequences per step:")
