@@ -146,3 +146,12 @@ def test_dp_partition_is_optimal(lens: list[int], cap: int, padding: str, budget
 
 def test_partition_handles_a_single_candidate() -> None:
     assert partition(1, [0, 0], lambda s, e: 1.0, None) == [(0, 1)]
+
+
+@pytest.mark.parametrize("grouping", ["sorted", "dp"])
+def test_padding_free_batches_keep_queue_order(grouping: str) -> None:
+    # Padding-free, a batch costs the same however it is grouped: reordering would only pass over
+    # the requests ahead (the short ones would go first, the long head's neighbours last)
+    rs = reqs(400, 10, 410, 12, 405, 11, 20)
+    plan = planner(grouping=grouping, padding="none", lookahead=4).plan(rs, cap=3)
+    assert plan.requests == rs[:3]

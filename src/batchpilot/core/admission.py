@@ -16,12 +16,15 @@ infeasible, 503 queue full, 504 expired), a message that says what happened in n
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .config import AdmissionConfig, PlannerConfig
 from .costmodel import CostModel
 from .request import Request
+
+OFFER_GAP_ALPHA = 1.0 / 16  # the moving average of the gaps between offered requests
 
 
 class RejectReason(enum.Enum):
@@ -45,14 +48,31 @@ class LoadState:
     num_tokens: int  # tokens waiting
     backlog_s: float  # predicted seconds of work ahead, per slot (``BatchScheduler.predicted_backlog_s``)
     work_scale: float = 1.0  # measured / predicted batch seconds (``BatchScheduler.work_scale``)
+    mate_s: float = 0.0  # what an input arriving next adds to the backlog (``RequestQueue.mean_work_s``
+    #                      times work_scale)
 
 
-def predicted_completion_s(ahead_s: float, own_s: float) -> float:
+def predicted_completion_s(ahead_s: float, own_s: float, mates_s: float) -> float:
     """Seconds from now until a request finishes, as admission predicts it: the work ahead of it (batches
-    in flight, their remaining predicted time, and the queue) then its own inputs' share of full batches.
-    Under load the queue drains in full batches, so a share is what each input adds; the prediction is
-    the simulator's too, since admission runs inside the core."""
-    return ahead_s + own_s
+    in flight, their remaining predicted time, and the queue), its own inputs' share of full batches,
+    and its batch-mates behind it (``batch_mates_s``). Under load the queue drains in full batches in
+    queue order, so a share is what each input adds to the wait of those behind it; but an input is
+    done only when its whole batch is. The prediction is the simulator's too, since admission runs
+    inside the core."""
+    return ahead_s + own_s + mates_s
+
+
+def batch_mates_s(num_waiting: int, num_inputs: int, batch_size: int, mate_s: float, own_s: float,
+                  num_slots: int, arriving: float) -> float:
+    """Seconds a request's last input waits for the batch-mates that join its batch after it, and for
+    the part of its own work ``own_s`` (per slot) does not count, since one slot runs its whole batch.
+
+    The request's inputs take queue places ``num_waiting .. num_waiting + num_inputs - 1``; draining in
+    full batches of ``batch_size`` in queue order, its last batch has room for ``batch_size - 1 -
+    (last place mod batch_size)`` inputs after it, of which only the ``arriving`` inputs expected before
+    the batch starts come, each adding ``mate_s`` per slot (what recent inputs added on average)."""
+    behind = min(batch_size - 1 - (num_waiting + num_inputs - 1) % batch_size, arriving)
+    return (behind * mate_s + own_s) * num_slots - own_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +134,10 @@ class AdmissionController:
         self.num_slots = max(num_slots, 1)
         self.max_length = min(config.max_length, planner.max_len)
         self.bucket = TokenBucket(config.rate, config.burst) if config.rate > 0 else None
+        # A moving average of the gaps between offered requests, refused ones too: how fast the
+        # batch-mates of a request come (``batch_mates_s``). inf until two requests were offered.
+        self._last_offer = -math.inf
+        self._offer_gap = math.inf
         # Per length, precomputed once: p99 alone, and whether it fits the batch budgets alone
         # (monotone in length, so one limit). ``check`` is then a few comparisons.
         self._alone_q = [self._alone_latency_q(x) for x in range(self.max_length + 1)]
@@ -199,6 +223,12 @@ class AdmissionController:
         than refused forever; a declared latency SLA or the inputs' own deadlines against the predicted
         completion (``predicted_completion_s``); the rate limit."""
         first = reqs[0]
+        last = self._last_offer
+        if last > -math.inf:
+            gap, mean = max(now - last, 0.0), self._offer_gap
+            self._offer_gap = gap if mean == math.inf else mean + OFFER_GAP_ALPHA * (gap - mean)
+        if now > last:
+            self._last_offer = now
         for r in reqs:
             rej = self.check_input(r, now)
             if rej is not None:
@@ -234,11 +264,15 @@ class AdmissionController:
                                      f"adds {own * 1e3:.1f} ms "
                                      f"(admission.max_backlog_s = {cfg.max_backlog_s * 1e3:.0f} ms)", over)
             if ahead > 0.0:
-                done_in = predicted_completion_s(ahead, own)
+                gap = self._offer_gap
+                mates = batch_mates_s(waiting, n, self.max_batch_size, state.mate_s, own, self.num_slots,
+                                      ahead / gap if gap > 0.0 else math.inf)
+                done_in = predicted_completion_s(ahead, own, mates)
                 if cfg.latency_sla_s and done_in > cfg.latency_sla_s:
                     return Rejection(first, RejectReason.QUEUE_FULL,
                                      f"predicted to finish in {done_in * 1e3:.0f} ms "
-                                     f"({ahead * 1e3:.0f} ms of work ahead + {own * 1e3:.0f} ms of its own), "
+                                     f"({ahead * 1e3:.0f} ms of work ahead + {own * 1e3:.0f} ms of its own "
+                                     f"+ {mates * 1e3:.0f} ms of batch-mates after it), "
                                      "over the latency SLA "
                                      f"of {cfg.latency_sla_s * 1e3:.0f} ms", done_in - cfg.latency_sla_s)
                 deadline = min((r.deadline for r in reqs if r.deadline is not None), default=None)

@@ -16,6 +16,8 @@ Grouping (``PlannerConfig.grouping``):
   best-scoring group (the head's if urgent).
 
 The windows, the partition and the cache of a partition's unused groups are in ``sorted_groups``.
+Padding-free (``none``), every grouping takes queue order as ``fifo`` does: such a batch costs the same
+however it is grouped, so reordering would only delay the requests it passes over.
 
 Budgets, checked for every candidate batch: ``cap`` requests; ``max_batch_tokens`` over computed tokens
 (``n × padded_len`` padded, ``Σ len`` for padding ``none``); ``max_batch_memory_bytes`` against the cost
@@ -55,6 +57,10 @@ class BatchPlanner:
         self.cost_model = cost_model
         self.bucketer = bucketer
         self._ragged = config.padding == "none"
+        # Padding-free, a batch costs c0 plus each member's own cost whatever the grouping: reordering
+        # saves nothing (a budget that cuts a batch short costs one c0) and delays the requests it
+        # passes over (the tail, and the queue-order completion admission predicts). Queue order.
+        self._separable = self._ragged
         self._tables_for = -1
         self._pad_tab: list[int] = []
         self._slope_tab: list[float] = []
@@ -140,7 +146,7 @@ class BatchPlanner:
             shape, predicted_s = self._single_tab[x]
             return Plan([r], shape.padded_len, shape, predicted_s)
         grouping = self.config.grouping
-        if grouping == "fifo":
+        if grouping == "fifo" or self._separable:
             chosen = self._greedy(candidates, cap)
         elif grouping == "bucket":
             chosen = self._bucket(candidates, cap, urgent)

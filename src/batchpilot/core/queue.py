@@ -39,6 +39,9 @@ _FRONT_APPEND_MAX = 256
 _MAX_LEN_SCAN = 32
 
 
+MEAN_WORK_ALPHA = 1.0 / 32  # ``mean_work_s``: the last ~32 inputs pushed
+
+
 class RequestQueue:
     """Bounded queue of waiting requests. ``capacity`` 0 means unbounded."""
 
@@ -62,6 +65,7 @@ class RequestQueue:
         self._tokens = 0
         self._work_table = work_s
         self._work = 0.0
+        self._mean_work = -1.0  # no input pushed yet
         self._len_count: dict[int, int] = {}
         self._max_len = 0
         self._max_len_dirty = False
@@ -84,6 +88,12 @@ class RequestQueue:
     def num_work_s(self) -> float:
         """Predicted seconds of work waiting (the sum of ``work_s`` over the waiting inputs)."""
         return self._work
+
+    @property
+    def mean_work_s(self) -> float:
+        """A moving average of ``work_s`` over the inputs pushed (the last ~``1 / MEAN_WORK_ALPHA``; 0.0
+        before the first): what an input arriving next is expected to add to the queue's work."""
+        return max(self._mean_work, 0.0)
 
     def is_full(self) -> bool:
         return self.capacity > 0 and len(self._live) >= self.capacity
@@ -166,7 +176,10 @@ class RequestQueue:
         self._tokens += req.length
         length = req.length
         if self._work_table is not None:
-            self._work += self._work_table[min(length, len(self._work_table) - 1)]
+            w = self._work_table[min(length, len(self._work_table) - 1)]
+            self._work += w
+            mean = self._mean_work
+            self._mean_work = w if mean < 0.0 else mean + MEAN_WORK_ALPHA * (w - mean)
         self._len_count[length] = self._len_count.get(length, 0) + 1
         if length > self._max_len:
             self._max_len = length

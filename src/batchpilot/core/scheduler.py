@@ -137,7 +137,9 @@ class BatchScheduler:
         q = self._queue
         backlog = self.predicted_backlog_s(now) if (self._reads_backlog or requests[0].deadline is not None) \
             else 0.0  # hot path in the simulator
-        state = LoadState(self._num_requests, len(self._live), q.num_tokens, backlog, self._in_flight.scale)
+        scale = self._in_flight.scale
+        state = LoadState(self._num_requests, len(self._live), q.num_tokens, backlog, scale,
+                          q.mean_work_s * scale if backlog else 0.0)
         rejection = self.admission.check_group(requests, now, state)
         if rejection is not None:
             self.stats.rejected[rejection.reason.value] += n
