@@ -87,6 +87,16 @@ def test_median_and_band_are_order_statistics_of_the_draws(values: list[float]) 
         draw_reports(lambda s: base, 0)
 
 
+def test_a_band_over_draws_that_refused_requests_is_inf_not_nan() -> None:
+    base = summarize(simulate_encoder(Workload.from_columns("one", [0.0], [16])))
+    values = [0.5, float("inf"), float("inf"), 0.7]  # P99 counting refusals: inf where a draw refused
+    reports = [type(base)(**{**base.__dict__, "p99_all": v}) for v in values]
+    with np.errstate(invalid="raise"):
+        assert draw_reports(lambda s: reports[s], len(values)).band("p99_all") == (0.5, float("inf"))
+        every = draw_reports(lambda s: reports[1], 3)
+        assert every.band("p99_all") == (float("inf"), float("inf"))
+
+
 def test_simulate_prints_the_band_over_draws(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     profile = tmp_path / "p.json"
     CostModel.default_cpu_minilm().save(profile)

@@ -71,7 +71,9 @@ class Drawn:
         v = v[~np.isnan(v)]
         if not v.size:
             return math.nan, math.nan
-        lo, hi = np.percentile(v, BAND)
+        # inf (a draw that refused or dropped a request, for the P99 counting those) does not
+        # interpolate: take the nearest draw instead
+        lo, hi = np.percentile(v, BAND, method="inverted_cdf" if np.isinf(v).any() else "linear")
         return float(lo), float(hi)
 
     def to_dict(self) -> dict[str, Any]:
