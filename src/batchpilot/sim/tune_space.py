@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 LAYOUTS: tuple[tuple[str, str, str], ...] = (
     ("fifo", "dynamic", "fixed"), ("sorted", "dynamic", "fixed"), ("dp", "dynamic", "fixed"),
     ("bucket", "bucket", "fixed"), ("bucket", "bucket", "quantile"), ("bucket", "bucket", "dp"),
-    ("sorted", "none", "fixed"),
+    ("fifo", "none", "fixed"),  # padding-free batches keep queue order whatever the grouping
 )
 POLICIES: tuple[str, ...] = ("window", "hybrid", "adaptive", "sla")
 MAX_BATCH: tuple[int, ...] = (8, 16, 32, 64)
