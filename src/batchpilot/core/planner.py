@@ -57,10 +57,6 @@ class BatchPlanner:
         self.cost_model = cost_model
         self.bucketer = bucketer
         self._ragged = config.padding == "none"
-        # Padding-free, a batch costs c0 plus each member's own cost whatever the grouping: reordering
-        # saves nothing (a budget that cuts a batch short costs one c0) and delays the requests it
-        # passes over (the tail, and the queue-order completion admission predicts). Queue order.
-        self._separable = self._ragged
         self._tables_for = -1
         self._pad_tab: list[int] = []
         self._slope_tab: list[float] = []
@@ -146,7 +142,10 @@ class BatchPlanner:
             shape, predicted_s = self._single_tab[x]
             return Plan([r], shape.padded_len, shape, predicted_s)
         grouping = self.config.grouping
-        if grouping == "fifo" or self._separable:
+        if grouping == "fifo" or self._ragged:
+            # Padding-free, a batch costs c0 plus each member's own cost however it is grouped:
+            # reordering saves nothing (a budget that cuts a batch short costs one c0) and delays the
+            # requests it passes over (the tail, and the queue-order completion admission predicts).
             chosen = self._greedy(candidates, cap)
         elif grouping == "bucket":
             chosen = self._bucket(candidates, cap, urgent)
@@ -199,6 +198,7 @@ class BatchPlanner:
         return self._greedy([r for r, b in zip(reqs, ids, strict=True) if b == pick], cap)
 
     def _sorted(self, reqs: Sequence[Request], cap: int, urgent: bool, dp: bool) -> list[Request]:
+        """The ``sorted`` and ``dp`` groupings of padded batches (padding-free ones keep queue order)."""
         by_idx = [r.length for r in reqs]
         order = sorted(range(len(reqs)), key=by_idx.__getitem__)
         lens = [by_idx[i] for i in order]
@@ -208,42 +208,27 @@ class BatchPlanner:
         # start[e]: the smallest s such that lens[s:e] is a feasible batch; non-decreasing in e.
         start = [0] * (k + 1)
         sq = list(accumulate([x * x for x in lens], initial=0))
-        if self._ragged:
-            if not (self.config.max_batch_tokens or self.config.max_batch_memory_bytes):
-                # No budgets (the default): any cap consecutive requests fit, as the loop below finds.
-                start[1:] = [e - cap if e > cap else 0 for e in range(1, k + 1)]
-            else:
-                s = 0
-                for e in range(1, k + 1):
-                    s = max(s, e - cap)
-                    while s < e - 1 and not self._fits(e - s, pre[e] - pre[s], sq[e] - sq[s]):
-                        s += 1
-                    start[e] = s
-
-            def cost(s: int, e: int) -> float:
-                return c0 + c1 * (e - s) + c2 * (pre[e] - pre[s]) + c3 * (sq[e] - sq[s])
+        # Padded, the group lens[s:e] costs c0 + (e - s) * slope[e]: every member is padded to
+        # the group's last (longest) length. slope is non-decreasing in e.
+        slope = [0.0] * (k + 1)
+        if lens[-1] <= self.config.max_len:
+            # Table lookups as comprehensions (per dispatch under load, k = lookahead × cap).
+            _, slope_tab, maxn_tab = self._tables()
+            slope[1:] = [slope_tab[x] for x in lens]
+            room = [m if m < cap else cap for m in map(maxn_tab.__getitem__, lens)]
+            start[1:] = [e - m if e > m else 0 for e, m in enumerate(room, 1)]
         else:
-            # Padded, the group lens[s:e] costs c0 + (e - s) * slope[e]: every member is padded to
-            # the group's last (longest) length. slope is non-decreasing in e.
-            slope = [0.0] * (k + 1)
-            if lens[-1] <= self.config.max_len:
-                # Table lookups as comprehensions (per dispatch under load, k = lookahead × cap).
-                _, slope_tab, maxn_tab = self._tables()
-                slope[1:] = [slope_tab[x] for x in lens]
-                room = [m if m < cap else cap for m in map(maxn_tab.__getitem__, lens)]
-                start[1:] = [e - m if e > m else 0 for e, m in enumerate(room, 1)]
-            else:
-                for e in range(1, k + 1):
-                    p = self._padded_len(lens[e - 1])
-                    slope[e] = c1 + c2 * p + c3 * p * p
-                    start[e] = max(0, e - min(self._max_n(p), cap))
+            for e in range(1, k + 1):
+                p = self._padded_len(lens[e - 1])
+                slope[e] = c1 + c2 * p + c3 * p * p
+                start[e] = max(0, e - min(self._max_n(p), cap))
 
-            def cost(s: int, e: int) -> float:
-                return c0 + (e - s) * slope[e]
+        def cost(s: int, e: int) -> float:
+            return c0 + (e - s) * slope[e]
 
         head = order.index(0)
         if dp:
-            groups = partition(k, start, cost, None if self._ragged else (c0, slope))
+            groups = partition(k, start, cost, (c0, slope))
         else:
             groups = [(start[e], e) for e in range(1, k + 1)]
         # Score = predicted cost / the cost its useful tokens would have in a full, unpadded batch
@@ -256,8 +241,7 @@ class BatchPlanner:
             ideal = (e - s) * fixed + c2 * (pre[e] - pre[s]) + c3 * (sq[e] - sq[s])
             return cost(s, e) / ideal if ideal > 0 else cost(s, e)
 
-        best = best_group(groups, head, urgent, (c0, c1, c2, c3), fixed, pre, sq,
-                          None if self._ragged else slope)
+        best = best_group(groups, head, urgent, (c0, c1, c2, c3), fixed, pre, sq, slope)
         s, e = best
         if dp:
             self._dp_cache.store([([reqs[i] for i in sorted(order[gs:ge])], score(gs, ge))

@@ -57,37 +57,26 @@ def partition(k: int, start: list[int], cost: Callable[[int, int], float],
 
 
 def best_group(groups: Sequence[Group], head: int, urgent: bool, coef: tuple[float, float, float, float],
-               fixed: float, pre: list[int], sq: list[int], slope: list[float] | None) -> Group:
+               fixed: float, pre: list[int], sq: list[int], slope: list[float]) -> Group:
     """The group with the lowest score, among those holding ``head`` when ``urgent``.
 
     Score = predicted cost / the cost the group's useful tokens would have in a full, unpadded batch
     (``fixed`` = c0 / cap + c1 per request). ``pre`` and ``sq`` are prefix sums of the sorted lengths
-    and of their squares; ``slope`` is the padded per-request cost by group end, None when padding-free.
+    and of their squares; ``slope`` is the padded per-request cost by group end (padding-free batches
+    are never reordered: ``planner``).
     The grouping runs this once per window for every dispatch under load: cost and score are inlined.
     """
     c0, c1, c2, c3 = coef
     best, best_score = (head, head + 1), _INF
-    if slope is None:
-        for s, e in groups:
-            if urgent and not s <= head < e:
-                continue
-            n = e - s
-            dt, dq = pre[e] - pre[s], sq[e] - sq[s]
-            cst = c0 + c1 * n + c2 * dt + c3 * dq
-            ideal = n * fixed + c2 * dt + c3 * dq
-            sc = cst / ideal if ideal > 0 else cst
-            if sc < best_score:
-                best, best_score = (s, e), sc
-    else:
-        for s, e in groups:
-            if urgent and not s <= head < e:
-                continue
-            n = e - s
-            cst = c0 + n * slope[e]
-            ideal = n * fixed + c2 * (pre[e] - pre[s]) + c3 * (sq[e] - sq[s])
-            sc = cst / ideal if ideal > 0 else cst
-            if sc < best_score:
-                best, best_score = (s, e), sc
+    for s, e in groups:
+        if urgent and not s <= head < e:
+            continue
+        n = e - s
+        cst = c0 + n * slope[e]
+        ideal = n * fixed + c2 * (pre[e] - pre[s]) + c3 * (sq[e] - sq[s])
+        sc = cst / ideal if ideal > 0 else cst
+        if sc < best_score:
+            best, best_score = (s, e), sc
     return best
 
 
