@@ -18,6 +18,7 @@
 4. Memory: the server's RSS (``/proc/PID/status`` VmRSS) sampled every second; growth = the last
    fifth's maximum over the RSS at the end of the warm-up (the first fifth). Target < 5 %.
 
+With ``-- --batch-log PATH`` it also prints how the server's batches ran against their predicted time.
 Prints the figures and PASS/FAIL per criterion; ``--json PATH`` writes them too. The server is a
 separate process (the load generator does not share its GIL), started exactly as a user would.
 """
@@ -270,11 +271,34 @@ def main() -> int:
           f"P99 {report.admitted_p99_s * 1e3:.0f} ms (includes the load generator's own queueing)")
     print(f"server RSS {report.rss_start_mib:.0f} MiB after warm-up -> max {report.rss_end_max_mib:.0f} MiB "
           f"in the last fifth ({report.rss_growth:+.1%})")
+    if "--batch-log" in args.serve_args:
+        print(batch_spread(Path(args.serve_args[args.serve_args.index("--batch-log") + 1])))
     for name, passed in report.criteria.items():
         print(f"  {'PASS' if passed else 'FAIL'}  {name}")
     if args.json:
         Path(args.json).write_text(json.dumps(asdict(report), indent=2))
     return 0 if all(report.criteria.values()) else 1
+
+
+def batch_spread(path: Path, run: int = 6) -> str:
+    """The batch log's time over prediction: P10 / median / P90, and ``run`` batches in a row (about the
+    work ahead of an admitted request) over their median, P1 and P99."""
+    from batchpilot.runtime.batch_log import read_batches
+
+    batches = [b for b in read_batches(path)[0] if b.predicted_s > 0]
+    if len(batches) < run:
+        return f"batch log {path}: {len(batches)} batches"
+    slot = np.array([b.slot_s for b in batches])
+    pred = np.array([b.predicted_s for b in batches])
+    ratio = np.percentile(slot / pred, [10, 50, 90])
+    window = np.ones(run)
+    runs = np.convolve(slot, window, "valid") / np.convolve(pred, window, "valid")
+    lo, hi = np.percentile(runs / np.median(runs), [1, 99])
+    largest = max(b.n for b in batches)
+    full = sum(b.n == largest for b in batches)
+    return (f"batch log: {len(batches)} batches ({full} of the largest size, {largest}); "
+            f"time over prediction P10 {ratio[0]:.2f}, median {ratio[1]:.2f}, P90 {ratio[2]:.2f}; "
+            f"{run} in a row over their median: P1 {lo:.2f}, P99 {hi:.2f}")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ def test_batch_log_records_every_batch_with_its_shape_and_slot_time(tmp_path: Pa
     for a, b in zip(batches, batches[1:], strict=False):
         assert b.start >= a.start + a.slot_s - 1e-6
     assert all(b.formed <= b.start for b in batches)  # formed by the scheduler, then started
+    assert all(b.predicted_s > 0 for b in batches)  # and priced by its cost model
 
 
 def test_a_failing_batch_observer_fails_neither_requests_nor_the_other_observers() -> None:

@@ -42,6 +42,7 @@ class LoggedBatch:
     n: int
     features: dict[str, float]
     formed: float = math.nan
+    predicted_s: float = math.nan  # what the scheduler predicted (its cost model, no load terms)
 
 
 def read_batches(path: str | Path, offset: int = 0) -> tuple[list[LoggedBatch], int]:
@@ -56,5 +57,5 @@ def read_batches(path: str | Path, offset: int = 0) -> tuple[list[LoggedBatch], 
             d = json.loads(line)
             out.append(LoggedBatch(float(d["start"]), float(d["slot_s"]), int(d["n"]),
                                    {k: float(v) for k, v in d["features"].items()},
-                                   float(d.get("formed", math.nan))))
+                                   float(d.get("formed", math.nan)), float(d.get("predicted_s", math.nan))))
     return out, offset + end
