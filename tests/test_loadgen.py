@@ -316,6 +316,9 @@ def test_fidelity_rows_compare_the_simulator_with_a_measurement() -> None:
     assert [r[2] for r in rows] == ["P50 ms", "P99 ms", "throughput req/s", "rejected", "mean batch size"]
     assert [r[7] for r in rows] == ["yes", "yes", "yes", "yes", "-"] and rows[0][8] == "+1.0%"
     assert rows[0][9] == "-"  # no hindsight simulation given
+    assert rows[0][11:] == ["-", "-"]  # no speed check before the point, no profile-alone prediction
+    checked = comparison_rows(0.5, 1.0, pred, same, 0.01, checked=0.1, alone=pred)
+    assert checked[0][11] == "+10.0%" and checked[0][12] == "+0.0%" and checked[3][12] == "+0"
     slow = summarize([RequestRecord(i, 0.1 * i, 8, sent_s=0.1 * i, done_s=0.1 * i + pred.summary.p50 * 1.2,
                                     status=200, latency_s=pred.summary.p50 * 1.2) for i in range(50)])
     rows = comparison_rows(0.5, 1.0, pred, Measurement(slow, [], None, {}), 0.0)

@@ -178,6 +178,7 @@ def test_fidelity_predicts_from_the_profile_alone_and_scores_each_point_on_its_f
     # depends on this machine's load, so it is not asserted)
     assert point["speed_vs_profile"] > -0.2 and math.isfinite(point["speed_vs_profile"])
     assert "concurrency <= 64" in res["deployment"]
+    assert math.isnan(point["speed_checked_before"])  # the no-op profile is exact: nothing to recheck
     text = capsys.readouterr().out
     assert "P99 ms" in text and "speed vs profile" in text and "rejected" in text
     assert "The live run against itself" in text

@@ -5,19 +5,24 @@
 
 1. Profile: ``--profile`` or a fresh ``batchpilot profile`` run (pinned like the server with ``--cpus``),
    made before any measured traffic. It holds the batch cost model and the serving path outside the
-   batcher (``frontend``); the prediction uses that file and nothing else. Nothing is fitted on the
+   batcher (``frontend``); the prediction uses that file (rechecked before each point, step 4) and
+   nothing else. Nothing is fitted on the
    traffic being measured, and each point is scored on its first replay (``--live-repeats`` replays
    it again only to show how far the live run agrees with itself).
 2. Deployment: the flags (``--config``, ``--latency-sla``, ``--max-concurrency``, ...) go through
    ``core.deployment.resolve_deployment`` for the simulator and, unchanged, to ``batchpilot serve``.
 3. Capacity from the simulator: the highest rate scale of the rows whose predicted P99 meets ``--sla``
    (the tuner's own search). Each load point (default 50% and 80% of it) is the same rows at that rate.
-4. Per point: the simulator's prediction (each metric's median over ``--draws`` service-noise draws,
-   with the 5-95% band one live run should fall in: ``sim.draws``), then the live replay of the same
-   rows at the same times. The table holds P50, P99, throughput, rejected count and mean batch size
-   with their targets. Beside each point: how the run's own batches compared with the profile
-   (``serve --batch-log``: the machine's speed moving between profile and run), reported, never used
-   to correct the prediction.
+4. Per point: a speed check (``batchpilot profile --recheck``, pinned like the server, before any of
+   the point's traffic: the profile's own grid batches timed again, seconds) writes the profile at the
+   machine's speed now; the point is predicted from it (``--no-speed-check``: from the profile as
+   it is; the table shows the error of that prediction beside). The server keeps scheduling by the
+   profile it was started with, and so does the simulator: only the batches' times move. Then the
+   simulator's prediction (each metric's median over ``--draws`` service-noise draws, with the 5-95%
+   band one live run should fall in: ``sim.draws``), then the live replay of the same rows at the same
+   times. The table holds P50, P99, throughput, rejected count and mean batch size with their targets.
+   Beside each point: how the run's own batches compared with the profile (``serve --batch-log``:
+   the machine's speed during the run), reported, never used to correct the prediction.
 """
 
 from __future__ import annotations
@@ -60,6 +65,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fractions of the predicted capacity")
     p.add_argument("--lengths", default="lognormal:median=128,sigma=0.8",
                    help="synthetic workloads: input lengths (as `simulate --lengths`)")
+    p.add_argument("--no-speed-check", action="store_true",
+                   help="predict from the profile as it is; by default `batchpilot profile --recheck` "
+                        "times the profile's batches again right before each point and the point is "
+                        "predicted at that speed (models/speed_check.py)")
     p.add_argument("--batcher-only", action="store_true",
                    help="predict without the profile's serving path (HTTP, JSON, tokenisation)")
     p.add_argument("--warmup-requests", type=int, default=30, help="unmeasured requests before each point")
@@ -101,8 +110,9 @@ def simulate(workload: Workload, config: SchedulerConfig, cost_model: CostModel,
              frontend: FrontEnd | None, speed: float = 0.0, draws: int = 1) -> Prediction:
     """The simulator's prediction of one replay: each metric's median over ``draws`` service-noise draws
     (``sim.draws``; one draw when batch times are not drawn), as a ``Summary`` beside the central draw's
-    report. ``speed`` (hindsight only): batches take ``1 + speed`` times the profile's time while the
-    scheduler still believes the profile, as the live server does."""
+    report. ``speed``: batches take ``1 + speed`` times the profile's time while the scheduler still
+    believes the profile, as the live server does (the speed checked before the point, or in hindsight
+    the run's own)."""
     from ..sim.draws import encoder_draws
     from ..sim.target import draws_batch_times
 
@@ -153,6 +163,16 @@ def run_profile(out: Path, padding: str, extra: str = "", cpus: str | None = Non
     return path
 
 
+def run_recheck(out: Path, profile: Path, cpus: str | None, name: str) -> float:
+    """``batchpilot profile --recheck`` in a subprocess pinned like the server: the machine's speed
+    against ``profile`` right now (``SpeedCheck.speed``), its rescaled profile written to out/name."""
+    path = out / name
+    cmd = [*pinned(cpus), sys.executable, "-m", "batchpilot.cli", "profile", "--recheck", str(profile),
+           "--output", str(path)]
+    subprocess.run(cmd, check=True, stderr=subprocess.DEVNULL)
+    return float(json.loads(path.read_text())["speed_check"]["ratio"]) - 1.0
+
+
 def main(args: argparse.Namespace) -> int:
     from ..sim.cli import resolve
 
@@ -181,6 +201,7 @@ def main(args: argparse.Namespace) -> int:
     frontend = None if args.batcher_only else FrontEnd.from_profile(profile)
     frontend = frontend and frontend.serving(spec.server.tokenizer_workers)
     deployment = resolve(spec, cost_model)
+    check = not args.no_speed_check and args.noop_delay_ms is None  # a no-op profile is exact
     wl = load_workload(args)
     print(f"workload {wl.name}: {len(wl)} requests over {wl.duration_s:.1f} s ({wl.mean_rate:.2f} req/s); "
           f"profile {profile}; serving path {'from the profile' if frontend else 'left out'}\n"
@@ -209,7 +230,14 @@ def main(args: argparse.Namespace) -> int:
         for load in args.loads:
             k = load * cap.capacity
             scaled = wl.scale_rate(k)
-            pred = simulate(scaled, deployment.scheduler, cost_model, args.sla, frontend, draws=args.draws)
+            alone = simulate(scaled, deployment.scheduler, cost_model, args.sla, frontend, draws=args.draws)
+            checked = math.nan
+            if check:  # the machine's speed now, before any of the point's traffic: the prediction's
+                checked = run_recheck(out, profile, args.cpus, f"profile-now-{int(load * 100)}.json")
+                pred = simulate(scaled, deployment.scheduler, cost_model, args.sla, frontend, checked,
+                                args.draws)
+            else:
+                pred = alone
             if args.warmup_requests:
                 warm_up(url, scaled, texts, args.warmup_requests)
             offset = batch_log.stat().st_size if batch_log.exists() else 0
@@ -217,7 +245,8 @@ def main(args: argparse.Namespace) -> int:
             rs = run_speed(batch_log, offset, cost_model, frontend, live.sent_monotonic())
             speed = rs.speed
             print(format_summary(pred.summary, f"predicted at {load:.0%} of capacity (x{k:.3f}), medians "
-                                               f"over {len(pred.drawn.reports)} draws"))
+                                               f"over {len(pred.drawn.reports)} draws"
+                                 + (f", at the speed checked before it ({checked:+.1%})" if check else "")))
             print(format_summary(live.summary, f"live at {load:.0%} of capacity (x{k:.3f})"))
             splits = (("idle time before the batch", rs.by_idle), ("requests in the batch", rs.by_size),
                       ("request rate before the batch", rs.by_rate))
@@ -227,8 +256,11 @@ def main(args: argparse.Namespace) -> int:
                               for what, cells in splits), flush=True)
             later = simulate(scaled, deployment.scheduler, cost_model, args.sla, frontend, speed,
                              args.draws) if math.isfinite(speed) else None
-            rows += comparison_rows(load, k, pred, live, speed, later, rs.spread)
+            rows += comparison_rows(load, k, pred, live, speed, later, rs.spread, checked,
+                                    alone if check else None)
             point: dict[str, Any] = {"load": load, "rate_scale": k, "speed_vs_profile": speed,
+                                     "speed_checked_before": checked,
+                                     "predicted_profile_alone": alone.summary.to_dict(),
                                      "run_speed": rs.to_dict(), "predicted": pred.summary.to_dict(),
                                      "predicted_rejected": pred.drawn.median("failed"),
                                      "predicted_mean_batch_size": pred.drawn.median("mean_batch_size"),
@@ -251,7 +283,8 @@ def main(args: argparse.Namespace) -> int:
     table = text_table(HEAD, rows)
     within = sum(r[7] == "yes" for r in rows)
     scored = sum(r[7] in ("yes", "no") for r in rows)
-    print(f"\nFidelity: prediction (profile only) vs live measurement, {within} of {scored} cells within "
+    made = "the profile rechecked before each point" if check else "the profile alone"
+    print(f"\nFidelity: prediction ({made}) vs live measurement, {within} of {scored} cells within "
           f"target\n{table}", flush=True)
     result["table"] = {"head": HEAD, "rows": rows}
     if repeats:

@@ -10,7 +10,8 @@ from .live_run import Measurement
 TARGETS = {"P50": 0.10, "P99": 0.10, "throughput": 0.05}
 METRICS = ("P50 ms", "P99 ms", "throughput req/s", "rejected", "mean batch size")  # what each point reports
 HEAD = ["load", "rate scale", "metric", "predicted", "measured", "error", "target", "within",
-        "speed vs profile", "error at the run's speed", "predicted band (P5-P95 of the draws)"]
+        "speed vs profile", "error at the run's speed", "predicted band (P5-P95 of the draws)",
+        "speed checked before", "error of the profile alone"]
 _DRAWN = ("p50", "p99", "throughput_rps", "failed", "mean_batch_size")  # sim.draws names of METRICS
 _SCALE = (1e3, 1e3, 1.0, 1.0, 1.0)
 
@@ -31,31 +32,38 @@ def predicted_bands(pred: Any) -> dict[str, list[float]]:
 
 
 def comparison_rows(load: float, k: float, pred: Any, live: Measurement, speed: float,
-                    hindsight: Any | None = None, spread: str = "-") -> list[list[Any]]:
+                    hindsight: Any | None = None, spread: str = "-", checked: float = math.nan,
+                    alone: Any | None = None) -> list[list[Any]]:
     """Predicted vs measured, with targets: P50/P99 10%, throughput 5%, rejected within 10% or 5.
     ``hindsight``: the simulator at the run's own measured speed, a diagnosis that splits the error
-    into the machine's drift and the model's own error; never the prediction."""
+    into the machine's drift and the model's own error; never the prediction. ``checked``: the speed
+    the recheck before the point measured (``pred`` is made at it); ``alone``: the prediction from the
+    profile as it was, whose error is shown beside."""
     measured = measured_metrics(live)
     speed_cell = f"{speed:+.1%}" + (f" ({spread})" if spread != "-" else "")
     predicted = _metrics(pred)
     later = _metrics(hindsight) if hindsight is not None else [math.nan] * 5
+    first = _metrics(alone) if alone is not None else [math.nan] * 5
+    check_cell = f"{checked:+.1%}" if math.isfinite(checked) else "-"
     bands = predicted_bands(pred)
     rows: list[list[Any]] = []
     for i, metric in enumerate(METRICS):
-        a, b, h = predicted[i], measured[i], later[i]
+        a, b, h, f = predicted[i], measured[i], later[i], first[i]
         lo, hi = bands[metric]
         if metric == "rejected":
             ok = abs(a - b) <= max(5, 0.10 * b)
             rows.append([f"{load:.0%}", f"{k:.3f}", metric, f"{a:.0f}", f"{b:.0f}", f"{a - b:+.0f}",
                          "10% or 5", "yes" if ok else "no", speed_cell,
-                         f"{h - b:+.0f}" if math.isfinite(h) else "-", f"{lo:.0f} .. {hi:.0f}"])
+                         f"{h - b:+.0f}" if math.isfinite(h) else "-", f"{lo:.0f} .. {hi:.0f}", check_cell,
+                         f"{f - b:+.0f}" if math.isfinite(f) else "-"])
             continue
         e = _err(a, b)
         target = TARGETS.get(metric.split()[0])
         within = "-" if target is None else ("yes" if math.isfinite(e) and abs(e) <= target else "no")
         rows.append([f"{load:.0%}", f"{k:.3f}", metric, f"{a:.2f}", f"{b:.2f}", f"{e:+.1%}",
                      f"{target:.0%}" if target else "-", within, speed_cell,
-                     f"{_err(h, b):+.1%}" if math.isfinite(h) else "-", f"{lo:.2f} .. {hi:.2f}"])
+                     f"{_err(h, b):+.1%}" if math.isfinite(h) else "-", f"{lo:.2f} .. {hi:.2f}", check_cell,
+                     f"{_err(f, b):+.1%}" if math.isfinite(f) else "-"])
     return rows
 
 

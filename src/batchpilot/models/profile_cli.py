@@ -83,10 +83,23 @@ def register(subparsers: Any) -> None:
     p.add_argument("--loaded-requests", type=int, default=240,
                    help="serving path: open-loop requests that measure a batch's time under serving load "
                         "(0 = not measured)")
+    p.add_argument("--recheck", default=None, metavar="PROFILE",
+                   help="instead of profiling: time PROFILE's smaller grid batches again (seconds, --repeats "
+                        "calls each) and write it to --output at this machine's speed now "
+                        "(models/speed_check.py)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.recheck:
+        from .speed_check import recheck
+
+        try:
+            recheck(args.recheck, args.output, args.repeats, args.seed)
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"profile --recheck: {exc}")
+            return 2
+        return 0
     if args.llm:
         from .llm.profile_cli import run_llm
 

@@ -1,0 +1,106 @@
+"""The speed check (`batchpilot profile --recheck`): exact on a fake clock, and the CLI on the real model.
+
+No wall-clock assertions: the real-model test checks what the rechecked file holds, not how fast it is.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from batchpilot import cli
+from batchpilot.core.costmodel import CostModel
+from batchpilot.models import profiler, speed_check
+from batchpilot.models.profiler import profile_grid
+from batchpilot.models.speed_check import SpeedCheck, check_speed, reference_batches, rescaled
+from batchpilot.sim.frontend import FrontEnd
+
+
+class _ClockedExecutor:
+    """A batch takes ``speed x (3 ms + 0.1 ms per token)`` on a fake clock."""
+
+    model_name, device, max_length, vocab_size, num_special_tokens = "fake", "cpu", 512, 30522, 0
+
+    def __init__(self, speed: float) -> None:
+        self.now, self.speed = 0.0, speed
+
+    def tokenize_ids(self, ids: list[list[int]], truncate: bool = False) -> list[list[int]]:
+        return ids
+
+    def prepare(self, batch: object) -> object:
+        return batch
+
+    def run(self, batch: Any) -> list[None]:
+        self.now += self.speed * (0.003 + 1e-4 * batch.shape.tokens)
+        return []
+
+
+def _profile_doc(monkeypatch: pytest.MonkeyPatch, padding: str = "none") -> dict[str, Any]:
+    fake = _ClockedExecutor(1.0)
+    monkeypatch.setattr(profiler.time, "perf_counter", lambda: fake.now)
+    model, points = profile_grid(fake, (1, 2, 4, 16), (16, 64, 128), 3, None, padding, False, False, 0)
+    return {"cost_model": model.to_dict(), "points": [m.to_dict() for m in points], "meta": {},
+            "frontend": FrontEnd(loaded_alpha=1.1, loaded_rate_coef=0.01, loaded_const_s=0.002).to_dict()}
+
+
+@pytest.mark.parametrize("padding", ["none", "dynamic"])
+@pytest.mark.parametrize("speed", [0.7, 1.0, 1.5])
+def test_the_check_measures_the_speed_the_batches_run_at(monkeypatch: pytest.MonkeyPatch, padding: str,
+                                                         speed: float) -> None:
+    doc = _profile_doc(monkeypatch, padding)
+    now = _ClockedExecutor(speed)
+    monkeypatch.setattr(profiler.time, "perf_counter", lambda: now.now)
+    check = check_speed(now, doc, repeats=3)
+    assert check.ratio == pytest.approx(speed)
+    assert check.speed == pytest.approx(speed - 1.0)
+    refs = reference_batches(doc)
+    assert [b["lengths"] for b in check.batches] == [r["lengths"] for r in refs]  # the profile's own inputs
+    assert all(sum(r["lengths"]) <= speed_check.MAX_TOKENS for r in refs) and len(refs) >= 4
+    assert len(refs) < len(doc["points"])  # the largest grid batches are left out: seconds, not minutes
+
+
+def test_a_rescaled_profile_prices_every_batch_at_the_checked_speed(monkeypatch: pytest.MonkeyPatch) -> None:
+    doc = _profile_doc(monkeypatch)
+    before = json.dumps(doc)
+    out = rescaled(doc, SpeedCheck(1.25, [{"ratio": 1.2}, {"ratio": 1.3}]), "p.json")
+    assert json.dumps(doc) == before  # the source is left as it was
+    a, b = CostModel.from_dict(doc["cost_model"]), CostModel.from_dict(out["cost_model"])
+    for p in doc["points"]:
+        assert b.latency(p["features"]) == pytest.approx(1.25 * a.latency(p["features"]))
+        assert b.memory(p["features"]) == pytest.approx(a.memory(p["features"]))
+    fa, fb = FrontEnd.from_dict(doc["frontend"]), FrontEnd.from_dict(out["frontend"])
+    assert fb.batch_seconds(1.25 * 0.02, 10.0) == pytest.approx(1.25 * fa.batch_seconds(0.02, 10.0))
+    assert fb.delay_const_s == fa.delay_const_s and fb.serial_const_s == fa.serial_const_s
+    assert out["speed_check"]["of"] == "p.json" and out["speed_check"]["spread"] == [1.2, 1.3]
+    # rechecking a rechecked profile scales from the original, not twice
+    again = rescaled(out, SpeedCheck(0.9), "p2.json")
+    assert CostModel.from_dict(again["cost_model"]).latency(doc["points"][0]["features"]) == pytest.approx(
+        0.9 * a.latency(doc["points"][0]["features"]))
+
+
+def test_a_profile_without_points_is_refused() -> None:
+    with pytest.raises(ValueError, match="no measured grid points"):
+        reference_batches({"cost_model": {}, "points": []})
+
+
+def test_recheck_cli_writes_a_profile_serve_and_simulate_read(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    src = tmp_path / "p.json"
+    assert cli.main(["profile", "-o", str(src), "--device", "cpu", "--batch-sizes", "1", "2", "--lengths", "8",
+                     "16", "24", "--repeats", "1", "--holdout", "0", "--no-serving-path", "--padding",
+                     "none"]) == 0
+    assert cli.main(["profile", "--recheck", str(src), "-o", str(src)]) == 2  # never over its source
+    assert "another --output" in capsys.readouterr().out
+    out = tmp_path / "now.json"
+    assert cli.main(["profile", "--recheck", str(src), "-o", str(out), "--repeats", "2"]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    doc, now = json.loads(src.read_text()), json.loads(out.read_text())
+    ratio = now["speed_check"]["ratio"]
+    assert ratio > 0 and len(now["speed_check"]["batches"]) == len(doc["points"]) == 6
+    assert now["points"] == doc["points"] and now["meta"] == doc["meta"]
+    shape = doc["points"][0]["features"]
+    assert CostModel.load(out).latency(shape) == pytest.approx(ratio * CostModel.load(src).latency(shape))
+    assert cli.main(["simulate", "--workload", "conv-embed", "--requests", "50", "--profile", str(out)]) == 0
