@@ -89,9 +89,9 @@ def test_a_profile_without_points_is_refused() -> None:
 def test_recheck_cli_writes_a_profile_serve_and_simulate_read(tmp_path: Path,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
     src = tmp_path / "p.json"
-    assert cli.main(["profile", "-o", str(src), "--device", "cpu", "--batch-sizes", "1", "2", "--lengths", "8",
-                     "16", "24", "--repeats", "1", "--holdout", "0", "--no-serving-path", "--padding",
-                     "none"]) == 0
+    assert cli.main(["profile", "-o", str(src), "--device", "cpu", "--batch-sizes", "1", "2",
+                     "--lengths", "8", "16", "24", "--repeats", "1", "--holdout", "0", "--no-serving-path",
+                     "--padding", "none"]) == 0
     assert cli.main(["profile", "--recheck", str(src), "-o", str(src)]) == 2  # never over its source
     assert "another --output" in capsys.readouterr().out
     out = tmp_path / "now.json"
