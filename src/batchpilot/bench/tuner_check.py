@@ -7,7 +7,11 @@
    ``batchpilot profile --padding none``) and padded (``--padded-profile`` or ``--padding dynamic``).
    The two forwards differ in more than their features count (one attention call per distinct length
    padding-free, one masked call per batch padded), so each config is priced, and served, with the
-   profile of its own path.
+   profile of its own path. Then both are rechecked back to back (``batchpilot profile --recheck``,
+   ``models/speed_check.py``): each profile's own batches timed again and the file rescaled to the
+   machine's speed now, so the two price their configs at one look at the machine's speed, not at two
+   moments minutes apart (``--no-speed-check``: as profiled). The rechecked files are what the tuner
+   searches with and what the servers run.
 2. ``batchpilot tune``'s search on the slice (``sim.tune.Tuner``, the same deployment flags and that
    profile's serving path), once per profile over the padding modes it measured (``none``; ``max``,
    ``dynamic``, ``bucket``): every config measured at its last rung, merged into one ranking by
@@ -42,7 +46,7 @@ from ..config_file import add_deployment_args, dump_spec, spec_from_args
 from ..core.costmodel import CostModel
 from ..sim.frontend import FrontEnd
 from .capacity import CapacityConfig
-from .fidelity import load_workload, run_profile
+from .fidelity import load_workload, run_profile, run_recheck
 from .fidelity_table import text_table
 from .interleave import interleaved_capacity
 from .loadgen import build_plan, load_tokenizer
@@ -64,6 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--candidates", type=int, default=32, help="grid points the tuner samples")
     p.add_argument("--max-probes", type=int, default=7, help="live probes per config")
     p.add_argument("--cpus", default=None, help="pin the profiler and every server to these cores")
+    p.add_argument("--no-speed-check", action="store_true",
+                   help="rank with the profiles as they were made, not rechecked back to back first")
 
 
 def spearman(x: list[float], y: list[float]) -> float:
@@ -132,6 +138,11 @@ def main(args: argparse.Namespace) -> int:
         "padded": Path(args.padded_profile) if args.padded_profile else run_profile(
             out, "dynamic", args.profile_args, args.cpus, "profile-dynamic.json"),
     }
+    if not args.no_speed_check:  # one look at the machine's speed for both
+        for family, path in list(profiles.items()):
+            speed = run_recheck(out, path, args.cpus, f"profile-{family}-now.json")
+            print(f"profile {path}: rechecked {speed:+.1%}", flush=True)
+            profiles[family] = out / f"profile-{family}-now.json"
     wl = load_workload(args)
     tc = TuneConfig(sla_p99_s=args.sla, candidates=args.candidates, rungs=2, rel_tol=(0.1, 0.03),
                     min_rows=min(len(wl), 200), seed=args.seed)
