@@ -20,6 +20,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .arrivals import GapAverage
 from .config import AdmissionConfig, PlannerConfig
 from .costmodel import CostModel
 from .request import Request
@@ -136,8 +137,7 @@ class AdmissionController:
         self.bucket = TokenBucket(config.rate, config.burst) if config.rate > 0 else None
         # A moving average of the gaps between offered requests, refused ones too: how fast the
         # batch-mates of a request come (``batch_mates_s``). inf until two requests were offered.
-        self._last_offer = -math.inf
-        self._offer_gap = math.inf
+        self._offers = GapAverage(OFFER_GAP_ALPHA)
         # Per length, precomputed once: p99 alone, and whether it fits the batch budgets alone
         # (monotone in length, so one limit). ``check`` is then a few comparisons.
         self._alone_q = [self._alone_latency_q(x) for x in range(self.max_length + 1)]
@@ -223,12 +223,7 @@ class AdmissionController:
         than refused forever; a declared latency SLA or the inputs' own deadlines against the predicted
         completion (``predicted_completion_s``); the rate limit."""
         first = reqs[0]
-        last = self._last_offer
-        if last > -math.inf:
-            gap, mean = max(now - last, 0.0), self._offer_gap
-            self._offer_gap = gap if mean == math.inf else mean + OFFER_GAP_ALPHA * (gap - mean)
-        if now > last:
-            self._last_offer = now
+        self._offers.observe(now)
         for r in reqs:
             rej = self.check_input(r, now)
             if rej is not None:
@@ -264,7 +259,7 @@ class AdmissionController:
                                      f"adds {own * 1e3:.1f} ms "
                                      f"(admission.max_backlog_s = {cfg.max_backlog_s * 1e3:.0f} ms)", over)
             if ahead > 0.0:
-                gap = self._offer_gap
+                gap = self._offers.mean_s
                 mates = batch_mates_s(waiting, n, self.max_batch_size, state.mate_s, own, self.num_slots,
                                       ahead / gap if gap > 0.0 else math.inf)
                 done_in = predicted_completion_s(ahead, own, mates)

@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass
 
 from .admission import pad_length
+from .arrivals import GapAverage
 from .config import PlannerConfig, PolicyConfig
 from .costmodel import CostModel
 
@@ -94,8 +95,7 @@ class Policy:
         self.config = config
         self.estimator = estimator
         self.cap = config.max_batch_size  # a plain attribute: read on every decision (AIMD moves it)
-        self.last_arrival = -_INF
-        self.mean_interarrival_s = _INF  # EWMA; inf until two arrivals were seen
+        self.arrivals = GapAverage(config.ewma_alpha)  # the gaps between arrivals (core/arrivals.py)
 
     @property
     def batch_cap(self) -> int:
@@ -106,21 +106,16 @@ class Policy:
         return self.config.max_wait_s
 
     def on_arrival(self, now: float) -> None:
-        # Runs once per request: plain comparisons instead of max() calls, each exactly as max() picks
-        # (the first argument unless the second is larger), so the EWMA is bit-for-bit the same.
-        last = self.last_arrival
-        if last != -_INF:
-            gap = now - last
-            if gap < 0.0:
-                gap = 0.0
-            mean = self.mean_interarrival_s
-            if mean == _INF:
-                self.mean_interarrival_s = gap
-            else:
-                a = self.config.ewma_alpha
-                self.mean_interarrival_s = a * gap + (1.0 - a) * mean
-        if not last > now:
-            self.last_arrival = now
+        self.arrivals.observe(now)
+
+    @property
+    def mean_interarrival_s(self) -> float:
+        """The moving average of the gaps between arrivals; inf until two arrivals were seen."""
+        return self.arrivals.mean_s
+
+    @property
+    def last_arrival(self) -> float:
+        return self.arrivals.last
 
     def expected_gap(self, now: float) -> float:
         """Expected seconds to the next arrival: the EWMA, or longer if it has been quiet longer."""
