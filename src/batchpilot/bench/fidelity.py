@@ -6,9 +6,9 @@
 1. Profile: ``--profile`` or a fresh ``batchpilot profile`` run (pinned like the server with ``--cpus``),
    made before any measured traffic. It holds the batch cost model and the serving path outside the
    batcher (``frontend``); the prediction uses that file (rechecked before each point, step 4) and
-   nothing else. Nothing is fitted on the
-   traffic being measured, and each point is scored on its first replay (``--live-repeats`` replays
-   it again only to show how far the live run agrees with itself).
+   nothing else. Nothing is fitted on the traffic being measured, and each point is scored on its
+   first replay (``--live-repeats`` replays it again only to show how far the live run agrees with
+   itself).
 2. Deployment: the flags (``--config``, ``--latency-sla``, ``--max-concurrency``, ...) go through
    ``core.deployment.resolve_deployment`` for the simulator and, unchanged, to ``batchpilot serve``.
 3. Capacity from the simulator: the highest rate scale of the rows whose predicted P99 meets ``--sla``
