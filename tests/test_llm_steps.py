@@ -87,7 +87,11 @@ def test_comparison_rows_targets_and_speed_column() -> None:
     assert [r[6] for r in rows] == ["10%"] * 4 + ["5%", "10% or 5"]
     assert all(r[8] == "+7.1%" for r in rows) and rows[0][4] == "50.00"
     assert rows[-1][3:6] == ["0", "1", "-1"] and rows[-1][7] == "yes"  # one refusal: within 5 requests
-    assert comparison_rows(0.5, 0.25, pred, 20, meas, math.nan)[-1][7:] == ["no", "-"]
+    assert comparison_rows(0.5, 0.25, pred, 20, meas, math.nan)[-1][7:] == ["no", "-", "-", "-"]
+    # with a speed check before the point: its speed and the profile-alone prediction's error beside
+    checked = comparison_rows(0.5, 0.25, pred, 0, meas, 0.071, 0.05, (pred, 3))
+    assert all(r[9] == "+5.0%" for r in checked)
+    assert checked[0][10] == checked[0][5] and checked[-1][10] == "+2"  # alone = pred here; 3 vs 1 refused
 
 
 def test_speed_vs_profile_with_the_serving_path_counts_the_interval_to_the_next_busy_step() -> None:

@@ -104,3 +104,39 @@ def test_recheck_cli_writes_a_profile_serve_and_simulate_read(tmp_path: Path,
     shape = doc["points"][0]["features"]
     assert CostModel.load(out).latency(shape) == pytest.approx(ratio * CostModel.load(src).latency(shape))
     assert cli.main(["simulate", "--workload", "conv-embed", "--requests", "50", "--profile", str(out)]) == 0
+
+
+def test_an_llm_profile_rechecks_its_own_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The LLM step profile records each step shape it timed; the recheck times the short ones again
+    on a runner built as the profile's and rescales the step model and the per-step overheads."""
+    from batchpilot.models.llm.profile import profile_llm_steps
+    from batchpilot.runtime.llm_build import build_llm_engine
+
+    engine = build_llm_engine(None, start=False, num_hidden_layers=1, hidden_size=64, intermediate_size=128)
+    model = profile_llm_steps(engine.runner, prefill_lengths=(8, 16, 32, 64, 96), decode_batches=(1, 2),
+                              decode_contexts=(16, 32), mixed_prefills=(8,), mixed_decodes=(1,), repeats=1)
+    points = model.meta["step_points"]
+    assert len(points) == 10 and all(p["latency_s"] > 0 for p in points)
+    assert {(tuple(p["prefills"]), p["decodes"], p["context"]) for p in points} >= {((8,), 0, 1), ((), 2, 32),
+                                                                                  ((8,), 1, 32)}
+    doc = {"kind": "llm", "cost_model": model.to_dict(),
+           "frontend": {"first_token_delay_s": 0.005, "step_alpha": 1.1, "step_const_s": 0.001,
+                        "step_per_seq_s": 0.0001}}
+    built: list[dict[str, Any]] = []
+    real = build_llm_engine
+
+    def build(path: str | None, **kw: Any) -> Any:  # the recheck's runner: the same small model
+        built.append(kw)
+        return real(path, **{**kw, "num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128})
+
+    monkeypatch.setattr("batchpilot.runtime.llm_build.build_llm_engine", build)
+    check = speed_check.check_llm_speed(doc, repeats=2)
+    assert built[0]["dtype"] == "float32" and built[0]["start"] is False
+    assert check.ratio > 0 and len(check.batches) == len(points)  # every step under 50 ms here
+    out = rescaled(doc, check)
+    assert out["frontend"]["step_const_s"] == pytest.approx(0.001 * check.ratio)
+    assert out["frontend"]["step_per_seq_s"] == pytest.approx(0.0001 * check.ratio)
+    assert out["frontend"]["step_alpha"] == 1.1 and out["frontend"]["first_token_delay_s"] == 0.005
+    assert out["cost_model"]["latency_coef"] == pytest.approx([c * check.ratio for c in model.latency_coef])
+    with pytest.raises(ValueError, match="no step points"):
+        speed_check.check_llm_speed({"kind": "llm", "cost_model": {"meta": {}}})

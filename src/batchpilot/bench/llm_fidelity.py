@@ -15,7 +15,11 @@
    same rows once (streamed ``/v1/completions``, token-id prompts of the trace's length, ``max_tokens``
    from the trace, ``ignore_eos``). The table holds TTFT P50/P99, TPOT P50/P99, output tokens/s and the
    rejected count, predicted against measured, with their targets.
-5. Beside each point, "speed vs profile": the run's logged engine steps (``serve --llm-step-log``) against
+5. Before each point, a speed check (``batchpilot profile --recheck``, pinned like the server): the
+   step profile's own steps of under 50 ms timed again and the profile rescaled to the machine's speed
+   now (``models/speed_check.py``); the point is predicted from it, the profile-alone error beside
+   (``--no-speed-check``: the profile as it was).
+6. Beside each point, "speed vs profile": the run's logged engine steps (``serve --llm-step-log``) against
    what the profile (step model and serving path) predicts for the same step shapes
    (``bench.llm_steps.speed_vs_profile``): how far the machine's speed moved. It is reported, never
    used to change the prediction.
@@ -38,6 +42,7 @@ from ..core.llm_scheduler import LLMSchedulerConfig
 from ..sim.llm_frontend import LLMFrontEnd
 from ..sim.traces import Workload
 from .capacity import CapacityConfig, probe_workload, search_capacity, wait_idle
+from .fidelity import run_recheck
 from .fidelity_table import text_table
 from .llm_steps import format_by_seqs, read_steps, speed_by_seqs, speed_vs_profile
 from .loadgen import LoadGenConfig, build_plan, replay
@@ -48,7 +53,7 @@ from .serverproc import serve
 DEFAULT_REQUESTS = 200
 TARGETS = {"TTFT": 0.10, "TPOT": 0.10, "output": 0.05}
 HEAD = ["load", "rate scale", "metric", "predicted", "measured", "error", "target", "within",
-        "speed vs profile"]
+        "speed vs profile", "speed checked before", "error of the profile alone"]
 
 
 def add_llm_arguments(p: argparse.ArgumentParser) -> None:
@@ -84,13 +89,16 @@ def engine_config_and_profile(out: Path, spec: Any, profile: str | None, cpus: s
 
             print("profiling LLM steps (models.llm.profile.profile_llm_steps) ...", flush=True)
             cost_model = profile_llm_steps(engine.runner)
+            runner = engine.runner  # what `profile --recheck` rebuilds to time the same steps again
+            cost_model.meta.update(model_path=model, device=str(runner.device),
+                                   dtype=str(runner.dtype).removeprefix("torch."))
             coef = ", ".join(f"{n}={c:.3g}" for n, c in zip(cost_model.feature_names, cost_model.latency_coef,
                                                              strict=True))
             print(f"step model: {coef}", flush=True)
             entry, details = serving_path(engine, cost_model)
             frontend = LLMFrontEnd.from_dict(entry)
             path = out / "llm_profile.json"
-            path.write_text(json.dumps({"cost_model": cost_model.to_dict(), "frontend": entry,
+            path.write_text(json.dumps({"kind": "llm", "cost_model": cost_model.to_dict(), "frontend": entry,
                                         "serving_path": details}, indent=2))
             print(f"-> {path}", flush=True)
         del engine
@@ -124,25 +132,36 @@ def _err(p: float, m: float) -> float:
     return (p - m) / m if m and math.isfinite(m) and math.isfinite(p) else math.nan
 
 
+def _values(s: Summary) -> list[float]:
+    return [s.ttft["p50"], s.ttft["p99"], s.tpot["p50"], s.tpot["p99"], s.output_tokens_per_s]
+
+
 def comparison_rows(load: float, k: float, pred: Summary, rejected_pred: int, meas: Summary,
-                    speed: float) -> list[list[Any]]:
+                    speed: float, checked: float = math.nan,
+                    alone: tuple[Summary, int] | None = None) -> list[list[Any]]:
     """Predicted vs measured with targets: TTFT and TPOT 10%, output tokens/s 5%, rejected within 10%
-    or 5 requests; every row of the point carries its speed vs profile."""
+    or 5 requests; every row of the point carries its speed vs profile, the speed the recheck before
+    the point measured (``pred`` is made at it) and the error of ``alone``, the prediction from the
+    profile as it was (summary, rejected)."""
     sp = f"{speed:+.1%}" if math.isfinite(speed) else "-"
+    ck = f"{checked:+.1%}" if math.isfinite(checked) else "-"
+    first = _values(alone[0]) if alone else [math.nan] * 5
+    measured = [meas.ttft.get("p50", math.nan), meas.ttft.get("p99", math.nan),
+                meas.tpot.get("p50", math.nan), meas.tpot.get("p99", math.nan), meas.output_tokens_per_s]
     rows: list[list[Any]] = []
-    for metric, p, m, unit in (("TTFT P50 ms", pred.ttft["p50"], meas.ttft.get("p50", math.nan), 1e3),
-                               ("TTFT P99 ms", pred.ttft["p99"], meas.ttft.get("p99", math.nan), 1e3),
-                               ("TPOT P50 ms", pred.tpot["p50"], meas.tpot.get("p50", math.nan), 1e3),
-                               ("TPOT P99 ms", pred.tpot["p99"], meas.tpot.get("p99", math.nan), 1e3),
-                               ("output tok/s", pred.output_tokens_per_s, meas.output_tokens_per_s, 1.0)):
-        e, target = _err(p, m), TARGETS[metric.split()[0]]
+    for metric, p, m, f in zip(("TTFT P50 ms", "TTFT P99 ms", "TPOT P50 ms", "TPOT P99 ms", "output tok/s"),
+                               _values(pred), measured, first, strict=True):
+        unit = 1.0 if metric == "output tok/s" else 1e3
+        e, target, ef = _err(p, m), TARGETS[metric.split()[0]], _err(f, m)
         rows.append([f"{load:.0%}", f"{k:.3f}", metric, f"{p * unit:.2f}", f"{m * unit:.2f}",
                      f"{e:+.1%}" if math.isfinite(e) else "-", f"{target:.0%}",
-                     "yes" if math.isfinite(e) and abs(e) <= target else "no", sp])
+                     "yes" if math.isfinite(e) and abs(e) <= target else "no", sp, ck,
+                     f"{ef:+.1%}" if math.isfinite(ef) else "-"])
     rejected = meas.num_requests - meas.num_ok
     ok = abs(rejected_pred - rejected) <= max(5, 0.10 * rejected)
     rows.append([f"{load:.0%}", f"{k:.3f}", "rejected", str(rejected_pred), str(rejected),
-                 f"{rejected_pred - rejected:+d}", "10% or 5", "yes" if ok else "no", sp])
+                 f"{rejected_pred - rejected:+d}", "10% or 5", "yes" if ok else "no", sp, ck,
+                 f"{alone[1] - rejected:+d}" if alone else "-"])
     return rows
 
 
@@ -161,6 +180,10 @@ def main(args: argparse.Namespace) -> int:
     sla, seed, cpus, model = float(opt("sla", 2.0)), int(opt("seed", 0)), opt("cpus"), opt("llm_model")
     spec = spec_from_args(args)
     config, cost_model, frontend = engine_config_and_profile(out, spec, opt("profile"), cpus, model)
+    profile_path = Path(opt("profile") or out / "llm_profile.json")
+    check = not opt("no_speed_check", False) and "step_points" in cost_model.meta
+    if not check and not opt("no_speed_check", False):
+        print(f"{profile_path} holds no step points: predicting without a speed check", flush=True)
     start = int(opt("start", 0))
     wl = load_workload("conv-llm", 1.0, start, opt("requests") or DEFAULT_REQUESTS, trace=opt("trace"))
     print(f"workload conv-llm rows [{start}, {start + len(wl)}) over {wl.duration_s:.1f} s "
@@ -198,7 +221,14 @@ def main(args: argparse.Namespace) -> int:
         for load in opt("loads", [0.5, 0.8]) or []:
             k = load * cap.rate_scale
             rows_wl = probe_workload(wl, k, max_live_s) if max_live_s else wl.scale_rate(k)
-            pred, rep = simulate(rows_wl, config, cost_model, sla, frontend)
+            alone = simulate(rows_wl, config, cost_model, sla, frontend)
+            pred, rep = alone
+            checked = math.nan
+            if check:  # the machine's speed now, before any of the point's traffic: the prediction's
+                now = f"llm_profile-now-{int(round(load * 100))}.json"
+                checked = run_recheck(out, profile_path, cpus, now)
+                pred, rep = simulate(rows_wl, config, CostModel.load(out / now), sla,
+                                     LLMFrontEnd.from_profile(out / now))
             if warmup:
                 warm = rows_wl.slice(0, min(warmup, len(rows_wl)))
                 replay(build_plan(warm, "completions", warmup_requests=len(warm)), quiet)
@@ -216,18 +246,21 @@ def main(args: argparse.Namespace) -> int:
             by_seqs = speed_by_seqs(cost_model, steps, frontend)
             print(f"the run's {len(steps)} engine steps took {speed:+.1%} against the step profile; by "
                   f"sequences per step: {format_by_seqs(by_seqs)}", flush=True)
-            rows += comparison_rows(load, k, pred, rep.num_rejected, meas, speed)
+            rows += comparison_rows(load, k, pred, rep.num_rejected, meas, speed, checked,
+                                    (alone[0], alone[1].num_rejected) if check else None)
             write_csv(res.records, out / f"records-llm-{int(round(load * 100))}.csv")
             runs.append(RunData(f"llm live {load:.0%}", res.records, meas, res.metrics, {"rate_scale": k}))
             result["points"].append({"load": load, "rate_scale": k, "rows": len(rows_wl),
-                                     "speed_vs_profile": speed, "steps": len(steps),
+                                     "speed_vs_profile": speed, "speed_checked_before": checked,
+                                     "predicted_profile_alone": alone[0].to_dict(), "steps": len(steps),
                                      "speed_by_seqs": by_seqs,
                                      "predicted": pred.to_dict(), "predicted_rejected": rep.num_rejected,
                                      "measured": meas.to_dict(),
                                      "measured_rejected": meas.num_requests - meas.num_ok,
                                      "load_average_1m": os.getloadavg()[0]})
     within, scored = sum(r[7] == "yes" for r in rows), sum(r[7] in ("yes", "no") for r in rows)
-    print(f"\nLLM fidelity: prediction (profile only) vs live measurement, {within} of {scored} cells within "
+    made = "the profile rechecked before each point" if check else "the profile alone"
+    print(f"\nLLM fidelity: prediction ({made}) vs live measurement, {within} of {scored} cells within "
           f"target\n{text_table(HEAD, rows)}", flush=True)
     result["table"] = {"head": HEAD, "rows": rows}
     (out / "fidelity.json").write_text(json.dumps(result, indent=2, default=str))

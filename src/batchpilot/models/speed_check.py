@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import math
 import random
 import statistics
 from dataclasses import dataclass, field
@@ -97,8 +98,10 @@ def rescaled(doc: dict[str, Any], check: SpeedCheck, source: str = "") -> dict[s
     r = check.ratio / float(doc.get("speed_check", {}).get("ratio", 1.0))  # a rechecked one: undo its own
     cm = out["cost_model"]
     cm["latency_coef"] = [c * r for c in cm["latency_coef"]]
-    if "frontend" in out:
-        out["frontend"]["loaded_const_s"] = out["frontend"].get("loaded_const_s", 0.0) * r
+    front = out.get("frontend") or {}
+    for key in ("step_const_s", "step_per_seq_s") if out.get("kind") == "llm" else ("loaded_const_s",):
+        if key in front:  # seconds per batch or step: the machine's speed moves them too
+            front[key] *= r
     out["speed_check"] = {"of": source, "date": datetime.datetime.now(datetime.timezone.utc)
                           .isoformat(timespec="seconds"), **check.to_dict()}
     return out
@@ -120,6 +123,26 @@ def load_like(doc: dict[str, Any], cache_dir: str | None = None) -> Any:
     return executor
 
 
+def check_llm_speed(doc: dict[str, Any], repeats: int = 5) -> SpeedCheck:
+    """The LLM step profile's own steps (``cost_model.meta.step_points``, those it measured under 50 ms)
+    timed again on a runner built as the profile's (model, device, precision, threads)."""
+    from ..runtime.llm_build import build_llm_engine
+    from .llm.profile import recheck_steps
+
+    meta = doc["cost_model"].get("meta", {})
+    points = meta.get("step_points")
+    if not points:
+        raise ValueError("the LLM profile holds no step points to recheck; profile it again")
+    engine = build_llm_engine(meta.get("model_path"), device=meta.get("device", "cpu"),
+                              dtype=meta.get("dtype", "float32"), threads=int(meta.get("threads", 0)),
+                              start=False)
+    now = recheck_steps(engine.runner, points, repeats)
+    batches = [{"n": p["decodes"] + len(p["prefills"]), "lengths": p["prefills"], "decodes": p["decodes"],
+                "context": p["context"], "profile_s": p["latency_s"], "now_s": t,
+                "ratio": t / p["latency_s"]} for p, t in zip(points, now, strict=True) if math.isfinite(t)]
+    return SpeedCheck(statistics.median(b["ratio"] for b in batches), batches)
+
+
 def recheck(source: str, output: str, repeats: int = 5, seed: int = 0) -> SpeedCheck:
     """``batchpilot profile --recheck source -o output``: check the speed, write the rescaled profile."""
     import json
@@ -128,7 +151,10 @@ def recheck(source: str, output: str, repeats: int = 5, seed: int = 0) -> SpeedC
     if Path(source).resolve() == Path(output).resolve():
         raise ValueError(f"--recheck {source}: give another --output; the rechecked profile keeps its source")
     doc = json.loads(Path(source).read_text())
-    check = check_speed(load_like(doc, str(Path(source).resolve().parent)), doc, repeats, seed)
+    if doc.get("kind") == "llm":
+        check = check_llm_speed(doc, repeats)
+    else:
+        check = check_speed(load_like(doc, str(Path(source).resolve().parent)), doc, repeats, seed)
     Path(output).write_text(json.dumps(rescaled(doc, check, str(source)), indent=2))
     lo, hi = check.spread()
     print(f"speed vs {source}: {check.speed:+.1%} (median of {len(check.batches)} batches, one batch "

@@ -101,11 +101,34 @@ def profile_llm_steps(runner: LLMModelRunner, *,
                 t.append(time.perf_counter() - t0)
         points += [ProfilePoint(plan.shape.features(), sorted(t)[len(t) // 2])
                    for plan, t in zip(plans, times, strict=True)]
+    # each shape and its time, for ``batchpilot profile --recheck`` (``recheck_steps``)
+    step_points = [{"prefills": list(pre), "decodes": b, "context": ctx, "latency_s": p.latency_s}
+                   for (pre, b, ctx), p in zip(shapes, points, strict=True)]
     meta = {"source": "profile_llm_steps", "block_size": runner.block_size, "points": len(points),
-            "repeats": repeats, "threads": torch.get_num_threads()}
+            "repeats": repeats, "threads": torch.get_num_threads(), "step_points": step_points}
     if runner.num_swap_blocks:
         meta.update(zip(SWAP_META_KEYS, measure_swap(runner), strict=True))
     return CostModel.fit(points, LLM_FEATURES, meta=meta)
+
+
+def recheck_steps(runner: LLMModelRunner, step_points: Sequence[dict[str, Any]], repeats: int = 5,
+                  max_seconds: float = 0.05) -> list[float]:
+    """The median seconds of each of ``step_points`` (``profile_llm_steps``'s shapes) timed again on
+    ``runner`` as the profile timed them (one warm-up call each, round-robin); shapes the profile
+    measured over ``max_seconds`` are left out (``nan``): the frequent steps, in seconds of work."""
+    todo = [i for i, p in enumerate(step_points) if p["latency_s"] <= max_seconds]
+    plans = {i: _plan(runner, p["prefills"], p["decodes"], p["context"])
+             for i, p in ((i, step_points[i]) for i in todo)}
+    times: dict[int, list[float]] = {i: [] for i in todo}
+    with torch.inference_mode():
+        for plan in plans.values():
+            runner.forward(plan.chunks).argmax(-1).tolist()
+        for _ in range(repeats):
+            for i, plan in plans.items():
+                t0 = time.perf_counter()
+                runner.forward(plan.chunks).argmax(-1).tolist()
+                times[i].append(time.perf_counter() - t0)
+    return [sorted(times[i])[len(times[i]) // 2] if i in times else math.nan for i in range(len(step_points))]
 
 
 def _sync(runner: LLMModelRunner) -> None:

@@ -63,7 +63,7 @@ def run_llm(args: argparse.Namespace) -> int:
     model = profile_llm_steps(runner, repeats=args.repeats)
     coef = ", ".join(f"{n}={c:.3g}" for n, c in zip(model.feature_names, model.latency_coef, strict=True))
     print(f"step model: {coef}  (seconds per feature unit)")
-    model.meta.update(device=str(device), dtype=dtype, model=engine.model_name,
+    model.meta.update(device=str(device), dtype=dtype, model=engine.model_name, model_path=args.model,
                       date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"))
     doc: dict[str, Any] = {
         "kind": "llm",
