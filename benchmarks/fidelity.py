@@ -9,7 +9,9 @@ first; then ``batchpilot bench fidelity`` runs each workload with that profile a
 predicted capacity (its own table: P50, P99, throughput, rejected, mean batch size, with the
 machine's speed against the profile beside each point). The prediction uses the profile file only.
 This script prints every table and one summary of cells within target. Pass ``-- --live-repeats 2``
-to replay each point a second time on the same server and see how far the live run agrees with itself.
+to replay each point a second time on the same server and see how far the live run agrees with itself,
+``-- --speed-check`` to predict each point from a recheck of the profile made right before it (the
+profile-alone errors beside, ``fidelity_summary.py`` counts both).
 
 Workloads: ``conv-embed`` (the standard trace slice), ``mmpp`` (bursty on/off arrivals, lognormal
 lengths) and ``bimodal`` (Poisson arrivals, 80% short and 20% long inputs).

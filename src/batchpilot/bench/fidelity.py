@@ -5,19 +5,19 @@
 
 1. Profile: ``--profile`` or a fresh ``batchpilot profile`` run (pinned like the server with ``--cpus``),
    made before any measured traffic. It holds the batch cost model and the serving path outside the
-   batcher (``frontend``); the prediction uses that file (rechecked before each point, step 4) and
-   nothing else. Nothing is fitted on the traffic being measured, and each point is scored on its
-   first replay (``--live-repeats`` replays it again only to show how far the live run agrees with
-   itself).
+   batcher (``frontend``); the prediction uses that file (with ``--speed-check``, rechecked before
+   each point, step 4) and nothing else. Nothing is fitted on the traffic being measured, and each
+   point is scored on its first replay (``--live-repeats`` replays it again only to show how far the
+   live run agrees with itself).
 2. Deployment: the flags (``--config``, ``--latency-sla``, ``--max-concurrency``, ...) go through
    ``core.deployment.resolve_deployment`` for the simulator and, unchanged, to ``batchpilot serve``.
 3. Capacity from the simulator: the highest rate scale of the rows whose predicted P99 meets ``--sla``
    (the tuner's own search). Each load point (default 50% and 80% of it) is the same rows at that rate.
-4. Per point: a speed check (``batchpilot profile --recheck``, pinned like the server, before any of
-   the point's traffic: the profile's own grid batches timed again, seconds) writes the profile at the
-   machine's speed now; the point is predicted from it (``--no-speed-check``: from the profile as
-   it is; the table shows the error of that prediction beside). The server keeps scheduling by the
-   profile it was started with, and so does the simulator: only the batches' times move. Then the
+4. Per point: with ``--speed-check``, a speed check first (``batchpilot profile --recheck``, pinned
+   like the server, before any of the point's traffic: the profile's own grid batches timed again,
+   seconds) writes the profile at the machine's speed now, and the point is predicted from it (the
+   table shows the error of the profile alone beside); the server keeps scheduling by the profile it
+   was started with, and so does the simulator: only the batches' times move. Then the
    simulator's prediction (each metric's median over ``--draws`` service-noise draws, with the 5-95%
    band one live run should fall in: ``sim.draws``), then the live replay of the same rows at the same
    times. The table holds P50, P99, throughput, rejected count and mean batch size with their targets.
@@ -65,10 +65,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fractions of the predicted capacity")
     p.add_argument("--lengths", default="lognormal:median=128,sigma=0.8",
                    help="synthetic workloads: input lengths (as `simulate --lengths`)")
-    p.add_argument("--no-speed-check", action="store_true",
-                   help="predict from the profile as it is; by default `batchpilot profile --recheck` "
-                        "times the profile's batches again right before each point and the point is "
-                        "predicted at that speed (models/speed_check.py)")
+    p.add_argument("--speed-check", action="store_true",
+                   help="before each point, `batchpilot profile --recheck` times the profile's batches "
+                        "again and the point is predicted at that speed, the profile-alone error beside "
+                        "(models/speed_check.py; on a shared VM it did worse than the profile alone: "
+                        "docs/benchmarks.md)")
     p.add_argument("--batcher-only", action="store_true",
                    help="predict without the profile's serving path (HTTP, JSON, tokenisation)")
     p.add_argument("--warmup-requests", type=int, default=30, help="unmeasured requests before each point")
@@ -201,7 +202,7 @@ def main(args: argparse.Namespace) -> int:
     frontend = None if args.batcher_only else FrontEnd.from_profile(profile)
     frontend = frontend and frontend.serving(spec.server.tokenizer_workers)
     deployment = resolve(spec, cost_model)
-    check = not args.no_speed_check and args.noop_delay_ms is None  # a no-op profile is exact
+    check = args.speed_check and args.noop_delay_ms is None  # a no-op profile is exact
     wl = load_workload(args)
     print(f"workload {wl.name}: {len(wl)} requests over {wl.duration_s:.1f} s ({wl.mean_rate:.2f} req/s); "
           f"profile {profile}; serving path {'from the profile' if frontend else 'left out'}\n"

@@ -15,10 +15,10 @@
    same rows once (streamed ``/v1/completions``, token-id prompts of the trace's length, ``max_tokens``
    from the trace, ``ignore_eos``). The table holds TTFT P50/P99, TPOT P50/P99, output tokens/s and the
    rejected count, predicted against measured, with their targets.
-5. Before each point, a speed check (``batchpilot profile --recheck``, pinned like the server): the
-   step profile's own steps of under 50 ms timed again and the profile rescaled to the machine's speed
-   now (``models/speed_check.py``); the point is predicted from it, the profile-alone error beside
-   (``--no-speed-check``: the profile as it was).
+5. With ``--speed-check``, before each point a speed check (``batchpilot profile --recheck``, pinned
+   like the server): the step profile's own steps of under 50 ms timed again and the profile rescaled
+   to the machine's speed now (``models/speed_check.py``); the point is predicted from it, the
+   profile-alone error beside.
 6. Beside each point, "speed vs profile": the run's logged engine steps (``serve --llm-step-log``) against
    what the profile (step model and serving path) predicts for the same step shapes
    (``bench.llm_steps.speed_vs_profile``): how far the machine's speed moved. It is reported, never
@@ -181,8 +181,8 @@ def main(args: argparse.Namespace) -> int:
     spec = spec_from_args(args)
     config, cost_model, frontend = engine_config_and_profile(out, spec, opt("profile"), cpus, model)
     profile_path = Path(opt("profile") or out / "llm_profile.json")
-    check = not opt("no_speed_check", False) and "step_points" in cost_model.meta
-    if not check and not opt("no_speed_check", False):
+    check = bool(opt("speed_check", False)) and "step_points" in cost_model.meta
+    if opt("speed_check", False) and not check:
         print(f"{profile_path} holds no step points: predicting without a speed check", flush=True)
     start = int(opt("start", 0))
     wl = load_workload("conv-llm", 1.0, start, opt("requests") or DEFAULT_REQUESTS, trace=opt("trace"))
