@@ -72,13 +72,13 @@ def measure(executor: Any, lengths: list[int], padding: str, repeats: int, rng: 
             memory: bool = True) -> Measurement:
     """Time ``prepare + run`` of one batch with these input lengths (median of ``repeats`` after one
     warm-up call) and measure its peak memory."""
-    shape = _Shape(executor, lengths, padding, rng, memory)
+    shape = TimedBatch(executor, lengths, padding, rng, memory)
     for _ in range(repeats):
         shape.time_once()
     return shape.measurement()
 
 
-class _Shape:
+class TimedBatch:
     """One batch of the grid: built, warmed up (its first call allocates) and its memory measured on
     creation; ``time_once`` adds one timed ``prepare + run`` sample."""
 
@@ -157,7 +157,7 @@ def profile_grid(executor: Any, batch_sizes: tuple[int, ...], lengths: tuple[int
     guess = CostModel.default_cpu_minilm()
     calls = repeats + 1 + (2 if memory else 0)  # warm-up, repeats, memory run (profiled: ~2x)
     start = time.perf_counter()
-    kept: list[_Shape] = []
+    kept: list[TimedBatch] = []
     with _progress(progress, len(grid) + repeats) as advance:
         for b, L in grid:  # build, warm up and measure memory, cheapest first, within the budget
             if budget_s is not None and len(kept) >= k:
@@ -167,7 +167,7 @@ def profile_grid(executor: Any, batch_sizes: tuple[int, ...], lengths: tuple[int
                 if calls * guess.latency(shape) * scale > left:
                     advance(f"skip {b}x{L}")
                     continue
-            kept.append(_Shape(executor, grid_lengths(b, L, limit, lengths_rng), padding, rng, memory))
+            kept.append(TimedBatch(executor, grid_lengths(b, L, limit, lengths_rng), padding, rng, memory))
             advance(f"{b}x{L}: warm-up {kept[-1].warmup_s * 1e3:.1f} ms")
         # then the timed calls round-robin: every shape once per round. This CPU's speed moves by a
         # quarter within minutes; timing shape after shape put a step of it between the small shapes

@@ -73,13 +73,13 @@ def _lengths(point: dict[str, Any]) -> list[int]:
 def check_speed(executor: Any, doc: dict[str, Any], repeats: int = 5, seed: int = 0) -> SpeedCheck:
     """Time the profile's reference batches on ``executor`` (round-robin, one warm-up call each, the
     median of ``repeats``) and compare each with the profile's own time for it."""
-    from .profiler import _Shape
+    from .profiler import TimedBatch
 
     if repeats < 1:
         raise ValueError(f"recheck: repeats must be >= 1, got {repeats}")
     rng = random.Random(seed)
     refs = reference_batches(doc)
-    shapes = [_Shape(executor, ref["lengths"], ref.get("padding", "dynamic"), rng, memory=False)
+    shapes = [TimedBatch(executor, ref["lengths"], ref.get("padding", "dynamic"), rng, memory=False)
               for ref in refs]
     for _ in range(repeats):
         for s in shapes:
