@@ -11,6 +11,9 @@ that passes the accuracy guard on this machine, one file each (``p.json`` -> ``p
 ``p.torch-bfloat16.json``, ``p.onnx-float32.json``...): ``batchpilot tune --profile-variants`` searches
 across them.
 
+``--recheck p.json -o now.json`` profiles nothing: it times p.json's own smaller batches again and
+writes p.json at this machine's speed now (``models/speed_check.py``), in seconds.
+
 torch is imported lazily: ``batchpilot --help`` must work without it.
 """
 
