@@ -9,14 +9,24 @@ throughput error, the rejected counts, the mean batch size, the speed the rechec
 point (the prediction is made at it) and the P50 / P99 errors of the profile alone (no recheck), the
 run's speed against the profile and the errors at the run's own speed (hindsight, never the
 prediction). Then the counts within target, for the prediction and for the profile alone.
+
+A second table checks the serving path outside the batcher per point: the median of each answered
+request's latency minus its `tokenize` and `batcher` parts (records-<load>.csv) beside what the
+profile's `frontend` predicts for the same requests: the lone requests' line alone, and with the
+delay under load (`FrontEnd.delay` at the arrival rate before each request).
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import statistics
 from pathlib import Path
+
+import numpy as np
+
+from batchpilot.sim.frontend import FrontEnd
 
 SCORED = ("P50 ms", "P99 ms", "throughput req/s", "rejected")
 
@@ -73,7 +83,31 @@ def main() -> int:
     if all(hindsight.values()):
         print("median |error| at the run's speed: "
               + ", ".join(f"{k.split()[0]} {statistics.median(v):.1f}%" for k, v in hindsight.items()))
+    delay_table(Path(args.out))
     return 0
+
+
+def delay_table(out: Path) -> None:
+    print("\n| workload | cpus | load | outside the batcher, live median ms | lone line ms | "
+          "with the delay under load ms |")
+    print("|---|---|---|---|---|---|")
+    for run in sorted(out.glob("*-*/fidelity.json")):
+        name, cpus = run.parent.name.rsplit("-", 1)
+        doc = json.loads(run.read_text())
+        fe = FrontEnd.from_profile(doc["profile"])
+        for point in doc["points"]:
+            path = run.parent / f"records-{int(point['load'] * 100)}.csv"
+            if fe is None or not path.exists():
+                continue
+            rows = [r for r in csv.DictReader(path.open()) if r["status"] == "200" and r["warmup"] == "0"]
+            rows.sort(key=lambda r: float(r["scheduled_s"]))
+            live = [float(r["latency_s"]) - float(r["server_tokenize_s"]) - float(r["server_batcher_s"])
+                    for r in rows]
+            tokens = np.array([float(r["input_tokens"]) for r in rows])
+            arrivals = np.array([float(r["scheduled_s"]) for r in rows])
+            lone, loaded = np.median(fe.delay(tokens)), np.median(fe.delay(tokens, arrivals))
+            print(f"| {name} | {cpus} | {point['load']:.0%} | {np.median(live) * 1e3:.2f} "
+                  f"| {lone * 1e3:.2f} | {loaded * 1e3:.2f} |")
 
 
 if __name__ == "__main__":

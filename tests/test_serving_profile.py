@@ -11,13 +11,20 @@ import math
 import threading
 from typing import Any
 
+import numpy as np
 import pytest
 
 from batchpilot.core.costmodel import CostModel
 from batchpilot.models.encoder import EncoderConfig, EncoderExecutor
 from batchpilot.runtime.executor import NoopExecutor
 from batchpilot.server import serving_profile
-from batchpilot.server.serving_load import Loaded, alternating_arrivals, competing_cpu, fit_loaded
+from batchpilot.server.serving_load import (
+    Loaded,
+    alternating_arrivals,
+    competing_cpu,
+    fit_loaded,
+    per_batch_const,
+)
 from batchpilot.server.serving_profile import measure_serving_path
 from batchpilot.sim.frontend import IDLE_EDGES_S, FrontEnd
 
@@ -67,6 +74,9 @@ def test_real_model_serving_path(ex: EncoderExecutor) -> None:
     assert details["padding"] == "none"  # MiniLM has the padding-free path: what `serve` would run
     assert details["policy"] == {"name": "hybrid", "max_wait_s": 0.0}
     assert frontend.delay_const_s + frontend.delay_per_token_s > 0  # HTTP and JSON are never free
+    delay = details["loaded_delay"]  # the load generator's rows came back: the delay under load
+    assert delay["requests"] == 40 and (delay["const_s"], delay["rate_coef_s"]) == (
+        frontend.delay_loaded_s, frontend.delay_rate_coef_s)
     for key in ("median_client_s", "median_tokenize_s", "median_batcher_s", "median_predicted_s"):
         assert math.isfinite(details[key]) and details[key] > 0, key
 
@@ -129,10 +139,50 @@ def test_fit_loaded_recovers_the_speed_given_the_accounted_slope() -> None:
         rates.append(rate)
         b.slot_s = model.latency(b.features) * alpha * (1 + c * rate)
     (a, coef, const), details = fit_loaded(batches, model, c)
-    assert a == pytest.approx(alpha) and coef == pytest.approx(alpha * c) and const == 0.0
-    assert max(abs(r) for r in details["residuals"]) < 1e-9
+    assert a == pytest.approx(alpha) and coef == pytest.approx(alpha * c)
+    assert const == pytest.approx(0.0, abs=1e-9)  # proportional times: no fixed cost
+    assert max(abs(r) for r in details["residuals"]) < 1e-8
     assert details["least_squares_s_per_request"] == pytest.approx(c)  # the comparison fit agrees here
     assert fit_loaded(batches[:5], model, c)[0] == (1.0, 0.0, 0.0)  # too few batches: the defaults
+
+
+def test_fit_loaded_measures_a_fixed_cost_per_batch() -> None:
+    """Every batch 1.5 ms beyond its price: a short batch 15% slower, a long one 1.5%; the fit finds
+    the constant, not a speed between the two."""
+    model = CostModel(latency_coef=(0.0, 0.0, 0.0001, 0.0))
+    batches = []
+    for k in range(60):
+        tokens = 100.0 if k % 2 else 1000.0  # 10 ms and 100 ms by the cost model
+        start = 1.0 + 0.5 * k
+        batches.append(Loaded({"const": 1.0, "n": 1.0, "tokens": tokens, "attn": 0.0},
+                              model.latency({"tokens": tokens}) + 0.0015, start, [start]))
+    (alpha, _, const), details = fit_loaded(batches, model)
+    assert const == pytest.approx(0.0015) and alpha == pytest.approx(1.0)
+    assert details["const_s"] == const and max(abs(r) for r in details["residuals"]) < 1e-6
+    base = np.array([0.01, 0.1] * 10)
+    assert per_batch_const(base, 0.9 * base - 0.001) == 0.0  # short batches relatively faster: no constant
+
+
+def test_the_delay_under_load_is_a_line_in_the_arrival_rate_through_the_segments_medians() -> None:
+    """The loaded phase's requests: each segment's median excess over the lone delay against its
+    median rate; 1 ms + 0.1 ms per request/s is found back, an outlier in a segment does not move it."""
+    from batchpilot.server.serving_delay import fit_loaded_delay
+
+    lone = FrontEnd(delay_const_s=0.002)
+    rows, index, t = [], 0, 0.0
+    for gap in (0.2, 0.05, 0.1, 0.2, 0.05, 0.1):  # 5, 20 and 10 requests/s
+        for j in range(40):
+            t += gap
+            extra = 0.001 + 0.0001 / gap + (0.5 if j == 7 else 0.0)  # one request held up 0.5 s
+            rows.append((float(index), t, 0.002 + 0.003 + 0.010 + extra, 0.003, 0.010, 50.0))
+            index += 1
+        t += 1.0
+    const, coef, details = fit_loaded_delay(rows, lone, planned=240, segments=6)
+    assert const == pytest.approx(0.001, abs=1e-4) and coef == pytest.approx(0.0001, rel=0.05)
+    assert [s["requests"] for s in details["segments"]] == [40] * 6
+    assert fit_loaded_delay(rows[:10], lone, 240, 6)[:2] == (0.0, 0.0)  # too few: not measured
+    flat = [(i, t, 0.016, 0.003, 0.010, 50.0) for i, t, *_ in rows]  # 1 ms more at every rate
+    assert fit_loaded_delay(flat, lone, 240, 6)[:2] == pytest.approx((0.001, 0.0))
 
 
 def test_bad_arguments_are_refused() -> None:

@@ -84,9 +84,28 @@ def test_delay_adds_to_latency_and_leaves_the_batcher_alone() -> None:
     fe = FrontEnd(delay_const_s=0.002, delay_per_token_s=1e-5)
     run = simulate_encoder(wl, cfg, cm, frontend=fe)
     np.testing.assert_allclose(np.array(run.record.finish_s) - np.array(base.record.finish_s),
-                               fe.delay(wl.input_tokens))
+                               fe.delay(wl.input_tokens, wl.arrival_s))
     assert run.record.dispatch_s == base.record.dispatch_s
     assert summarize(run).queue["mean"] == pytest.approx(summarize(base).queue["mean"])
+
+
+def test_the_delay_under_load_grows_with_the_arrival_rate_before_each_request() -> None:
+    from batchpilot.sim.frontend import rates_at
+
+    arrivals = np.array([0.0, 0.2, 0.4, 0.6, 1.5, 3.0])
+    np.testing.assert_allclose(rates_at(arrivals), [0, 1, 2, 3, 1, 0])  # the others in the second before
+    tok = np.full(6, 10)
+    fe = FrontEnd(delay_const_s=0.002, delay_loaded_s=0.001, delay_rate_coef_s=0.0005)
+    np.testing.assert_allclose(fe.delay(tok), 0.002)  # no arrivals: the lone requests' line
+    np.testing.assert_allclose(fe.delay(tok, arrivals), 0.003 + 0.0005 * rates_at(arrivals))
+    wl = _workload(arrivals.tolist(), tok.tolist())
+    cfg = SchedulerConfig(policy=PolicyConfig(name="static", max_batch_size=1))
+    cm = CostModel(latency_coef=(0.01, 0.0, 0.0, 0.0))
+    base = simulate_encoder(wl, cfg, cm, frontend=FrontEnd(delay_const_s=0.002))
+    run = simulate_encoder(wl, cfg, cm, frontend=fe)  # the simulator adds it to every finish
+    np.testing.assert_allclose(np.array(run.record.finish_s) - np.array(base.record.finish_s),
+                               0.001 + 0.0005 * rates_at(arrivals))
+    assert FrontEnd.from_dict(fe.to_dict()) == fe
 
 
 def test_serial_stage_spreads_a_burst_before_the_batcher() -> None:

@@ -8,9 +8,9 @@ after its lone requests, replays ``LOADED_REQUESTS`` open-loop from a child proc
   (``alternating_arrivals``, which the LLM's loaded phase uses too);
 * ``thread_cpu_s`` / ``competing_cpu``: the CPU seconds per request that competed with the model
   (every thread of this process but the model's, plus the load generator when it shares the cores);
-* ``fit_loaded``: the line ``predicted * alpha * (1 + competing_cpu_s * rate) * idle factor`` over the
-  batches the server ran, and their spread around it; ``idle_factors``: how much slower than the
-  line a batch runs after the server sat idle for a while than right behind another batch.
+* ``fit_loaded``: the line ``predicted * alpha * (1 + competing_cpu_s * rate) * idle factor + const``
+  over the batches the server ran, and their spread around it; ``idle_factors``: how much slower
+  than the line a batch runs after the server sat idle for a while than right behind another batch.
 """
 
 from __future__ import annotations
@@ -93,12 +93,13 @@ def alternating_arrivals(n: int, mean_gaps_s: Sequence[float], rng: random.Rando
 def fit_loaded(batches: list[Loaded], cost_model: CostModel, competing_cpu_s: float = 0.0,
                token_steps: Sequence[int] = (0,)) -> tuple[tuple[float, float, float], dict[str, Any]]:
     """``slot_s ~ predicted * alpha * (1 + competing_cpu_s * rate) * token_factor(tokens) *
-    idle_factor(idle)`` over the loaded batches, ``rate`` = requests that arrived in the
+    idle_factor(idle) + const`` over the loaded batches, ``rate`` = requests that arrived in the
     ``RATE_WINDOW_S`` before the batch started, per second, ``tokens`` the batch's computed tokens,
     binned at ``token_steps`` (the thread plan's: ``token_factors``), ``idle`` the time no batch ran
-    before it (``idle_factors``); ``alpha`` makes the totals agree. Returns ``(alpha, alpha *
-    competing_cpu_s, 0)`` (``FrontEnd``'s loaded line) and what was measured, ``token_factors`` and
-    ``idle_factors`` among it."""
+    before it (``idle_factors``), ``const`` the seconds every batch takes beyond that
+    (``per_batch_const``); ``alpha`` makes the totals agree. Returns ``(alpha, alpha *
+    competing_cpu_s, const)`` (``FrontEnd``'s loaded line) and what was measured, ``token_factors``
+    and ``idle_factors`` among it."""
     if len(batches) < 10:
         return (1.0, 0.0, 0.0), {"batches": len(batches), "note": "too few batches: not measured"}
     batches = sorted(batches, key=lambda b: b.start)
@@ -107,34 +108,51 @@ def fit_loaded(batches: list[Loaded], cost_model: CostModel, competing_cpu_s: fl
     took = np.array([b.slot_s for b in batches])
     idle = np.array(idle_times([b.start for b in batches], took.tolist()))
     base = pred * (1.0 + competing_cpu_s * rate)
+    const = per_batch_const(base, took)
+    took_var = np.maximum(took - const, 1e-6)  # the part that scales with the batch
     factors: tuple[float, ...] = ()
     counts: list[int] = []
     by_tokens: tuple[tuple[int, float], ...] = ()
     token_counts: list[int] = []
-    if base.sum() > 0 and took.sum() > 0:
+    if base.sum() > 0 and took_var.sum() > 0:
         tokens = np.array([b.features.get("tokens", 0.0) for b in batches])
-        by_tokens, token_counts = token_factors(tokens, token_steps, took, base * (took.sum() / base.sum()))
+        by_tokens, token_counts = token_factors(tokens, token_steps, took_var,
+                                                base * (took_var.sum() / base.sum()))
         base = base * np.array([token_factor(by_tokens, t) for t in tokens])
-        factors, counts = idle_factors(idle, took, base * (took.sum() / base.sum()))
+        factors, counts = idle_factors(idle, took_var, base * (took_var.sum() / base.sum()))
         base = base * np.array([idle_factor(factors, t) for t in idle])
-    alpha = float(took.sum() / base.sum()) if base.sum() > 0 else 1.0
+    alpha = float(took_var.sum() / base.sum()) if base.sum() > 0 else 1.0
     # for comparison only: the slope a least-squares fit of ``predicted * (a + b * rate)`` would give
     w = 1.0 / np.maximum(took, 1e-6)
     a, b = nonneg_lstsq(np.column_stack([pred, pred * rate]) * w[:, None], took * w)
     fitted_s = float(b / a) if a > 0 else math.nan
-    line = alpha * base
+    line = alpha * base + const
     ref_s = float(np.median(line))
     residuals = residual_units(took / line - 1.0, line, ref_s)
-    return (alpha, alpha * competing_cpu_s, 0.0), {
+    return (alpha, alpha * competing_cpu_s, const), {
         "batches": len(batches),
         "mean_batch_size": float(np.mean([b.features.get("n", 1.0) for b in batches])),
         "rate_min": float(rate.min()), "rate_max": float(rate.max()), "rate_mean": float(rate.mean()),
         "slot_over_predicted": float(took.sum() / pred.sum()), "alpha": alpha,
-        "competing_cpu_s": competing_cpu_s, "rate_coef": alpha * competing_cpu_s, "const_s": 0.0,
+        "competing_cpu_s": competing_cpu_s, "rate_coef": alpha * competing_cpu_s, "const_s": const,
         "least_squares_s_per_request": fitted_s, "idle_factors": list(factors), "idle_batches": counts,
         "token_factors": [list(step) for step in by_tokens], "token_batches": token_counts,
         "residuals": sorted(float(r) for r in residuals), "residual_std": float(residuals.std()),
         "residual_ref_s": ref_s}
+
+
+def per_batch_const(base: np.ndarray, took: np.ndarray) -> float:
+    """The seconds every batch takes beyond its share of ``base`` (``took ~ a * base + const``, least
+    squares on relative errors, both >= 0): the driver's fixed cost per batch under load (the
+    hand-offs to and from the slot's thread while the event loop serves other requests), which a
+    batch of one short input feels most and a long batch hardly at all. None (0) unless the batches'
+    prices span at least a factor of 2: among batches of one price a constant and a speed are one;
+    at most half the median batch's time."""
+    if len(took) < 10 or base.min() <= 0 or base.max() < 2.0 * base.min():
+        return 0.0
+    w = 1.0 / np.maximum(took, 1e-6)
+    _, const = nonneg_lstsq(np.column_stack([base, np.ones_like(base)]) * w[:, None], took * w)
+    return float(min(const, 0.5 * float(np.median(took))))
 
 
 def idle_factors(idle: np.ndarray, took: np.ndarray, line: np.ndarray,
@@ -208,10 +226,12 @@ def competing_cpu(before: dict[int, float], after: dict[int, float], child_cpu_s
 
 
 def send_elsewhere(url: str, model: str, plan: Sequence[PlannedRequest],
-                   endpoint: str = "embeddings") -> tuple[float, bool]:
+                   endpoint: str = "embeddings") -> tuple[float, bool, list[Any]]:
     """Replay ``plan`` open-loop from a child process on the cores this one is not pinned to (if any).
     Returns the child's CPU seconds while it replayed (its start-up, before the first request, is
-    not traffic) and whether it ran on this process's cores."""
+    not traffic), whether it ran on this process's cores, and per answered request ``(index,
+    scheduled_s, latency_s, server_tokenize_s, server_batcher_s, input_tokens)``
+    (``serving_delay.DelayRow``)."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
@@ -220,13 +240,13 @@ def send_elsewhere(url: str, model: str, plan: Sequence[PlannedRequest],
     child.start()
     send.close()
     try:
-        cpu = receive.recv() if receive.poll(600) else math.nan
+        cpu, rows = receive.recv() if receive.poll(600) else (math.nan, [])
     except EOFError:  # the child ended without reporting: it failed
-        cpu = math.nan
+        cpu, rows = math.nan, []
     child.join(60)
     if child.exitcode != 0 or not math.isfinite(cpu):
         raise RuntimeError(f"serving path: the load generator process exited with {child.exitcode}")
-    return float(cpu), other_cores() is None
+    return float(cpu), other_cores() is None, rows
 
 
 def other_cores() -> set[int] | None:
@@ -244,7 +264,8 @@ def other_cores() -> set[int] | None:
 def replay_child(url: str, model: str, plan: list[PlannedRequest], endpoint: str = "embeddings",
                  report: Any = None) -> None:
     """The load generator process: on ``other_cores`` when there are any, then ``replay``; sends the
-    CPU seconds the replay took (all its threads) to ``report`` (a pipe's end), if given."""
+    CPU seconds the replay took (all its threads) and its answered requests' rows (``send_elsewhere``)
+    to ``report`` (a pipe's end), if given."""
     import os
     import time
 
@@ -254,8 +275,10 @@ def replay_child(url: str, model: str, plan: list[PlannedRequest], endpoint: str
     if rest is not None:
         os.sched_setaffinity(0, rest)
     cpu0 = time.process_time()
-    replay(plan, LoadGenConfig(url, endpoint, model=model, timeout_s=120.0, progress=False,  # type: ignore[arg-type]
-                               scrape_interval_s=0))
+    result = replay(plan, LoadGenConfig(url, endpoint, model=model, timeout_s=120.0,  # type: ignore[arg-type]
+                                        progress=False, scrape_interval_s=0))
+    rows = [(float(r.index), r.scheduled_s, r.latency_s, r.server_tokenize_s, r.server_batcher_s,
+             float(r.input_tokens)) for r in result.records if r.ok and not r.warmup]
     if report is not None:
-        report.send(time.process_time() - cpu0)
+        report.send((time.process_time() - cpu0, rows))
         report.close()

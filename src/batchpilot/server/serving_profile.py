@@ -28,8 +28,11 @@ free 127.0.0.1 port, and measures three things the simulator's ``sim.frontend.Fr
    load generator's while it replays when it shares the cores), not fitted (a least-squares slope is
    unstable; docs/profiler.md). A batch's time under load is ``predicted * loaded_alpha * (1 +
    competing_cpu_s * rate)``, times a factor per thread count of the plan (``loaded_token_factors``)
-   and per idle time before it; ``loaded_residuals`` are the spread around that line. This traffic
-   is the profile's own, made before any run it predicts.
+   and per idle time before it, plus ``loaded_const_s`` a batch (the driver's fixed cost under load,
+   ``serving_load.per_batch_const``); ``loaded_residuals`` are the spread around that line. The load
+   generator reports every answered request, and how much longer its time outside the batcher was
+   than a lone request's is the delay stage under load (``delay_loaded_s``, ``delay_rate_coef_s``:
+   ``server/serving_delay.py``). This traffic is the profile's own, made before any run it predicts.
 4. **Tokenizer/model contention.** ``executor.tokenize`` of a fixed list of texts is timed with the
    model idle and while another thread runs model batches back to back (``prepare + run``, as the
    profiler makes them); the ratio of the medians (>= 1) is ``serial_busy_factor``: under load the
@@ -61,8 +64,10 @@ from .app import create_app
 from .config import ServerConfig
 from .inproc_server import bound_socket, in_thread
 from .service import tokenizer_workers
+from .serving_delay import fit_loaded_delay
 from .serving_load import (
     LOADED_REQUESTS,
+    LOADED_SEGMENTS,
     Loaded,
     competing_cpu,
     fit_loaded,
@@ -108,8 +113,8 @@ def measure_serving_path(executor: Any, cost_model: CostModel, *, requests: int 
 
     sched = _scheduler_config(executor, padding)
     traffic = loaded_plan(texts, lengths, cost_model, padding, seed, loaded_requests)
-    records, slot_s, batches, (competing_s, cpu_details) = _serve_and_send(executor, sched, cost_model, plan,
-                                                                          traffic)
+    records, slot_s, batches, (competing_s, cpu_details), loaded_rows = _serve_and_send(
+        executor, sched, cost_model, plan, traffic)
     if len(slot_s) != len(records):
         raise RuntimeError(f"serving path: {len(records)} lone requests ran as {len(slot_s)} batches")
     slot_of = {id(r): took for r, took in zip(records, slot_s, strict=True)}
@@ -136,9 +141,12 @@ def measure_serving_path(executor: Any, cost_model: CostModel, *, requests: int 
     steps = [lo for lo, _ in executor.threads.steps] if getattr(executor, "threads", None) else [0]
     (alpha, rate_coef, const), load_details = fit_loaded(batches, cost_model, competing_s, steps)
     load_details["cpu"] = cpu_details
+    delay_const, delay_coef, delay_details = fit_loaded_delay(loaded_rows, fitted, len(traffic),
+                                                              LOADED_SEGMENTS)
     frontend = dataclasses.replace(fitted, batch_overhead_s=overhead_s, serial_busy_factor=factor,
                                    serial_servers=tokenizer_workers(ServerConfig()),
                                    loaded_alpha=alpha, loaded_rate_coef=rate_coef, loaded_const_s=const,
+                                   delay_loaded_s=delay_const, delay_rate_coef_s=delay_coef,
                                    loaded_residuals=tuple(load_details.pop("residuals", ())),
                                    loaded_residual_ref_s=load_details.pop("residual_ref_s", 0.0),
                                    loaded_idle_factors=tuple(load_details.get("idle_factors", ())),
@@ -155,6 +163,7 @@ def measure_serving_path(executor: Any, cost_model: CostModel, *, requests: int 
         "tokenize_texts": len(texts), "tokenize_idle_s": idle_s,
         "tokenize_busy_s": busy_s, "tokenize_idle_samples": len(idle),
         "tokenize_busy_samples": len(busy), "fit": fitted.to_dict(), "loaded": load_details,
+        "loaded_delay": delay_details,
         "wall_s": round(time.perf_counter() - t_start, 2),
     }
     return frontend, details
@@ -182,11 +191,12 @@ def _scheduler_config(executor: Any, padding: Padding) -> SchedulerConfig:
 
 def _serve_and_send(executor: Any, sched: SchedulerConfig, cost_model: CostModel,
                     plan: Sequence[PlannedRequest], loaded_plan: Sequence[PlannedRequest] = (),
-                    ) -> tuple[list[Any], list[float], list[Loaded], tuple[float, dict[str, Any]]]:
+                    ) -> tuple[list[Any], list[float], list[Loaded], tuple[float, dict[str, Any]], list[Any]]:
     """Start uvicorn on a socket bound here (no port race), send ``plan`` one by one, then
     ``loaded_plan`` open-loop from another process, shut down. Also returns each lone batch's slot
-    seconds in the order they ran, each loaded batch's (features, slot seconds), and the CPU seconds
-    per loaded request that competed with the model (``competing_cpu``)."""
+    seconds in the order they ran, each loaded batch's (features, slot seconds), the CPU seconds
+    per loaded request that competed with the model (``competing_cpu``) and the loaded requests'
+    rows (``serving_delay.DelayRow``)."""
     sock, port = bound_socket()
     app = create_app(ServerConfig(port=port, request_timeout_s=30.0, drain_timeout_s=5.0), executor, sched,
                      cost_model)
@@ -200,13 +210,14 @@ def _serve_and_send(executor: Any, sched: SchedulerConfig, cost_model: CostModel
         records = asyncio.run(one_by_one_async(plan, config))
         lone = len(seen)
         cpu: tuple[float, dict[str, Any]] = (0.0, {"note": "no loaded phase"})
+        rows: list[Any] = []
         if loaded_plan:
             before = thread_cpu_s()
-            child_s, shares = send_elsewhere(config.base_url, config.model or "", loaded_plan)
+            child_s, shares, rows = send_elsewhere(config.base_url, config.model or "", loaded_plan)
             time.sleep(0.5)  # the last batches report on the loop
             cpu = competing_cpu(before, thread_cpu_s(), child_s, shares, len(loaded_plan),
                                 model_threads(executor))
-    return records, [b.slot_s for b in seen[:lone]], seen[lone:], cpu
+    return records, [b.slot_s for b in seen[:lone]], seen[lone:], cpu, rows
 
 
 def model_threads(executor: Any) -> int:

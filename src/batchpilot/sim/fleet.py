@@ -163,7 +163,11 @@ def simulate_fleet(
     routed = np.asarray(fleet.routed, dtype=np.int64)
     record, at_batcher = _merge(workload, reps, routed, fe is not None)
     if fe is not None:
-        record.finish_s = (np.asarray(record.finish_s) + fe.delay(workload.input_tokens)).tolist()
+        delay = fe.delay(workload.input_tokens)
+        for k in range(replicas):  # each replica's own traffic loads its own serving path
+            mine = routed == k
+            delay[mine] = fe.delay(workload.input_tokens[mine], workload.arrival_s[mine])
+        record.finish_s = (np.asarray(record.finish_s) + delay).tolist()
     fleet_config = dataclasses.replace(config, num_slots=replicas * config.num_slots)
     run = SimRun(workload, fleet_config, cost_model, reps[0].target.service_model, stats, record, at_batcher)
     return FleetRun(run, replicas, router, config, _summaries(run, reps, routed, stats), routed,

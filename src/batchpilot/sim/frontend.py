@@ -20,6 +20,11 @@ The fields:
   ``server.tokenizer_workers`` (``--tokenizer-workers``) runs with that many (``serving``).
 * ``delay_const_s``, ``delay_per_token_s``: the client's latency minus the ``tokenize`` and ``batcher``
   parts: HTTP, validation, JSON both ways, the client itself.
+* ``delay_loaded_s``, ``delay_rate_coef_s``: how much longer that stage is under open-loop traffic
+  from the load generator in another process than for the lone requests: ``delay_loaded_s +
+  delay_rate_coef_s * rate`` more, ``rate`` the requests that arrived in the ``RATE_WINDOW_S``
+  before (the event loop encodes every response and parses every request, on cores the model
+  shares). Measured by the profile's loaded phase (``serving_load.fit_loaded_delay``); 0: none.
 * ``batch_overhead_s``: what the live driver adds to every batch around the model (the scheduling call,
   collation, the hand-offs between the event loop and the slot's threads): the median, over lone
   requests, of the ``batcher`` part minus the slot's own run time for that batch, clipped at 0.
@@ -69,6 +74,8 @@ from typing import Any
 
 import numpy as np
 
+from .line_fit import fit_line
+
 RATE_WINDOW_S = 1.0  # a batch's request rate: arrivals in this window before it started
 # upper edges of the bins of the idle time before a batch (no batch running); the last bin is >= 0.3 s
 IDLE_EDGES_S = (0.002, 0.01, 0.03, 0.1, 0.3)
@@ -97,6 +104,8 @@ class FrontEnd:
     serial_servers: int = 1
     loaded_idle_factors: tuple[float, ...] = ()
     loaded_token_factors: tuple[tuple[int, float], ...] = ()
+    delay_loaded_s: float = 0.0
+    delay_rate_coef_s: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "loaded_residuals", tuple(sorted(float(r) for r in self.loaded_residuals)))
@@ -164,8 +173,14 @@ class FrontEnd:
             return dataclasses.replace(self, serial_servers=int(tokenizer_workers))
         return self
 
-    def delay(self, tokens: np.ndarray) -> np.ndarray:
-        return self.delay_const_s + self.delay_per_token_s * np.asarray(tokens, dtype=float)
+    def delay(self, tokens: np.ndarray, arrival_s: np.ndarray | None = None) -> np.ndarray:
+        """Each request's ``delay`` stage; with its arrival times (sorted), under serving load: plus
+        ``delay_loaded_s + delay_rate_coef_s * rate``, ``rate`` the requests that arrived in the
+        ``RATE_WINDOW_S`` before it, per second (``rates_at``)."""
+        out = self.delay_const_s + self.delay_per_token_s * np.asarray(tokens, dtype=float)
+        if arrival_s is None:
+            return out
+        return out + self.delay_loaded_s + self.delay_rate_coef_s * rates_at(arrival_s)
 
     @classmethod
     def fit(cls, tokens: np.ndarray, client_s: np.ndarray, tokenize_s: np.ndarray,
@@ -277,23 +292,8 @@ def rates_before(starts: Sequence[float], arrivals: Sequence[float]) -> list[flo
             for s in starts]
 
 
-def fit_line(x: np.ndarray, y: np.ndarray, trim: bool = True) -> tuple[float, float]:
-    """``y ~ a + b x`` by least squares without the worst 10% of residuals (``trim``), with a, b >= 0 (a
-    negative slope or intercept is noise: fall back to the one-parameter fit — the median, or untrimmed
-    the mean, so that the fitted line keeps the mean of ``y``)."""
-    a, b = _lstsq(x, y)
-    keep = np.abs(y - a - b * x) <= np.percentile(np.abs(y - a - b * x), 90)  # drop the scheduler hiccups
-    if trim and keep.sum() >= 3:
-        a, b = _lstsq(x[keep], y[keep])
-    if b < 0 or np.ptp(x) == 0:
-        return max(float(np.median(y) if trim else np.mean(y)), 0.0), 0.0
-    if a < 0:
-        return 0.0, max(float(np.dot(x, y) / np.dot(x, x)), 0.0)
-    return a, b
-
-
-def _lstsq(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-    if np.ptp(x) == 0:
-        return float(np.mean(y)), 0.0
-    coef = np.linalg.lstsq(np.column_stack([np.ones_like(x), x]), y, rcond=None)[0]
-    return float(coef[0]), float(coef[1])
+def rates_at(arrival_s: Sequence[float] | np.ndarray) -> np.ndarray:
+    """Per request (sorted arrival times), the requests that arrived in the ``RATE_WINDOW_S`` before
+    it, per second (itself not counted): the ``rate`` of ``FrontEnd.delay``."""
+    a = np.asarray(arrival_s, dtype=float)
+    return (np.arange(a.size) - np.searchsorted(a, a - RATE_WINDOW_S, side="left")) / RATE_WINDOW_S

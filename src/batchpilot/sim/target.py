@@ -273,5 +273,6 @@ def simulate_encoder(
     stats = engine.run(workload.arrival_s if at_batcher is None else at_batcher)
     if frontend is not None:
         rec = target.record
-        rec.finish_s = (np.asarray(rec.finish_s) + frontend.delay(workload.input_tokens)).tolist()
+        delay = frontend.delay(workload.input_tokens, workload.arrival_s)
+        rec.finish_s = (np.asarray(rec.finish_s) + delay).tolist()
     return SimRun(workload, config, cost_model, target.service_model, stats, target.record, at_batcher)

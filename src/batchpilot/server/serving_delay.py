@@ -1,0 +1,56 @@
+"""The serving path's delay stage under load: ``FrontEnd.delay_loaded_s`` and ``delay_rate_coef_s``.
+
+The profile's lone requests (``serving_profile``, one at a time, the client in the profiler) give the
+``delay`` stage of an idle server: HTTP, validation, JSON both ways, the client. Under open-loop
+traffic it is longer: the event loop parses every arriving request and encodes every response, a
+batch's answers leave one after another, and all of it shares the cores with the model; the load
+generator is another process with many connections open. The loaded phase (``serving_load``) sends
+its traffic from such a process, which reports each answered request (``DelayRow``); here each
+request's delay beyond the lone line (its *excess*) is set against the arrival rate before it.
+
+The fit: per segment of the loaded plan (segments take turns at ``LOADED_SHARES`` of one slot's rate,
+``alternating_arrivals``), the median excess and the median rate; then ``excess ~ delay_loaded_s +
+delay_rate_coef_s * rate`` through those points, both >= 0 (``line_fit.fit_line``). Medians, not
+means: the shift is what moves a prediction's P50, and a few requests held up by a pause of the
+host would pull a mean toward a delay most requests never see.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..sim.frontend import FrontEnd, rates_at
+from ..sim.line_fit import fit_line
+
+# per answered request of the loaded phase: (index in the plan, scheduled_s, latency_s,
+# server_tokenize_s, server_batcher_s, input_tokens)
+DelayRow = tuple[float, float, float, float, float, float]
+MIN_ROWS = 20
+
+
+def fit_loaded_delay(rows: list[DelayRow], frontend: FrontEnd, planned: int,
+                     segments: int) -> tuple[float, float, dict[str, object]]:
+    """``(delay_loaded_s, delay_rate_coef_s, details)`` from the loaded phase's ``rows`` of a plan of
+    ``planned`` requests in ``segments`` segments (module docstring); ``(0, 0, ...)`` with a note when
+    fewer than ``MIN_ROWS`` requests have every part measured."""
+    arr = np.asarray(rows, dtype=float).reshape(-1, 6)
+    arr = arr[np.isfinite(arr).all(axis=1)]
+    if len(arr) < MIN_ROWS or planned <= 0 or segments <= 0:
+        return 0.0, 0.0, {"requests": int(len(arr)), "note": "too few answered requests: not measured"}
+    arr = arr[np.argsort(arr[:, 1], kind="stable")]
+    index, scheduled, latency, tokenize, batcher, tokens = arr.T
+    excess = latency - tokenize - batcher - frontend.delay(tokens)
+    rate = rates_at(scheduled)
+    per = max(planned // segments, 1)
+    segment = np.minimum(index // per, segments - 1)
+    points = [(float(np.median(rate[segment == k])), float(np.median(excess[segment == k])),
+               int((segment == k).sum())) for k in range(segments) if (segment == k).sum() >= 3]
+    x = np.array([p[0] for p in points])
+    y = np.array([p[1] for p in points])
+    const, coef = fit_line(x, y, trim=False) if len(points) >= 2 else (max(float(np.median(excess)), 0.0),
+                                                                        0.0)
+    return const, coef, {
+        "requests": int(len(arr)), "median_excess_s": float(np.median(excess)),
+        "mean_excess_s": float(np.mean(excess)),
+        "segments": [{"rate": r, "median_excess_s": e, "requests": n} for r, e, n in points],
+        "const_s": const, "rate_coef_s": coef}
