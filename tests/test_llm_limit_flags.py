@@ -1,6 +1,6 @@
-"""``serve``'s ``--llm-max-*`` and ``--header-timeout-s`` flags: parsed into the server settings the
-app is built from, their defaults those of ``LLMLimits`` / ``ServerConfig``, and values outside their
-bounds refused at start-up with the flag named."""
+"""``serve``'s ``--llm-max-*``, ``--header-timeout-s`` and ``--keep-alive-s`` flags: parsed into the
+server settings the app is built from, their defaults those of ``LLMLimits`` / ``ServerConfig``, and
+values outside their bounds refused at start-up with the flag named."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ def settings(*argv: str) -> ServerConfig:
 def test_the_defaults_are_llm_limits_and_the_header_deadline_defaults() -> None:
     s = settings()
     assert s.llm_limits == LLMLimits() and s.header_timeout_s == ServerConfig.header_timeout_s == 10.0
+    # idle connections outlive httpx's and the openai client's pool expiry (5 s): the client closes first
+    assert s.keep_alive_s == ServerConfig.keep_alive_s > 5.0
 
 
 def test_every_limit_has_a_flag_that_reaches_the_server_settings() -> None:
@@ -30,6 +32,7 @@ def test_every_limit_has_a_flag_that_reaches_the_server_settings() -> None:
     argv = [part for name, v in values.items() for part in (flag(name), str(v))]
     assert settings(*argv, "--header-timeout-s", "2.5").llm_limits == LLMLimits(**values)
     assert settings("--header-timeout-s", "2.5").header_timeout_s == 2.5
+    assert settings("--keep-alive-s", "7").keep_alive_s == 7.0
 
 
 @pytest.mark.parametrize("name", sorted(LIMITS))
@@ -61,3 +64,8 @@ def test_a_limit_that_is_not_a_whole_number_is_refused(capsys: pytest.CaptureFix
 def test_a_header_timeout_that_is_not_positive_is_refused() -> None:
     with pytest.raises(ValueError, match=r"server.header_timeout_s must be > 0 seconds, got 0.0"):
         settings("--header-timeout-s", "0")
+
+
+def test_a_keep_alive_that_is_not_positive_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"server.keep_alive_s must be > 0 seconds, got -1.0"):
+        settings("--keep-alive-s", "-1")

@@ -3,10 +3,12 @@
 A client that trickles its request head one byte at a time, on a fresh connection or on a kept-alive
 one after a response, is answered 408 ``header_timeout`` and disconnected, while other connections are
 served; a connection that sends nothing is closed without a word; a request whose head arrives at once
-is not touched by the deadline however long its body or its answer take.
+is not touched by the deadline however long its body or its answer take. A kept-alive connection idle
+longer than the head's deadline is still served (idle is the keep-alive timer's), and is closed without
+a word once idle past ``--keep-alive-s``.
 
-The server runs with a 2 s deadline. The only times asserted are bounds no machine's speed can break:
-closed no earlier than the deadline after the connection opened, and no later than 30 s past it.
+The server runs with a 2 s deadline and an 8 s keep-alive. The only times asserted are bounds no
+machine's speed can break: closed no earlier than the timer, and no later than 30 s past it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from conftest import running_server
 from inproc import scrape
 
 DEADLINE_S = 2.0
+KEEP_ALIVE_S = 8.0
 SLACK_S = 30.0  # the server's timer may run late on a loaded machine; only an unbounded hold fails
 NOOP_DELAY_MS = 2500  # an embedding takes longer than the deadline
 TRICKLE_S = 0.25  # one header byte per connection this often: every byte resets any per-byte idle timer
@@ -32,7 +35,7 @@ REFUSED = "batchpilot_http_refusals_total{reason=header_timeout}"
 @pytest.fixture(scope="module")
 def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     args = ["--noop", "--no-warmup", "--noop-delay-ms", str(NOOP_DELAY_MS),
-            "--header-timeout-s", str(DEADLINE_S)]
+            "--header-timeout-s", str(DEADLINE_S), "--keep-alive-s", str(KEEP_ALIVE_S)]
     with running_server(args, tmp_path_factory.mktemp("header-deadline")) as u:
         yield u
 
@@ -148,3 +151,19 @@ def test_a_head_pipelined_behind_a_slow_answer_gets_its_408_after_that_answer(ur
     assert raw.startswith(b"HTTP/1.1 200 "), raw
     first, _, rest = raw.partition(b"HTTP/1.1 408 ")
     assert b'"embedding"' in first and b'"header_timeout"' in rest, raw
+
+
+def test_a_kept_alive_connection_idle_past_the_head_deadline_is_served_then_closed_past_keep_alive(
+        url: str) -> None:
+    """Idle between requests is not a slow head: a request sent after an idle longer than the head's
+    deadline (and shorter than the keep-alive) is answered on the same connection; idle past the
+    keep-alive, the connection is closed without a word."""
+    with connect(url) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
+        assert read_response(s).startswith(b"HTTP/1.1 200 ")
+        time.sleep(DEADLINE_S * 1.5)
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
+        assert read_response(s).startswith(b"HTTP/1.1 200 ")
+        answered = time.monotonic()
+        assert s.recv(65536) == b""  # closed by the server (the socket's timeout is the slack)
+    assert KEEP_ALIVE_S * 0.9 <= time.monotonic() - answered <= KEEP_ALIVE_S + SLACK_S

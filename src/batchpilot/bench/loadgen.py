@@ -45,6 +45,7 @@ __all__ = ["ARM_HEADER", "LIVE_LAG_WARN_S", "PATHS", "SENDERS", "Endpoint", "Loa
            "parse_server_timing", "replay", "replay_async"]
 
 LIVE_LAG_WARN_S = 0.05
+KEEPALIVE_EXPIRY_S = 2.0  # pooled connections idle longer are closed by the client (replay_async)
 
 
 @dataclass(frozen=True)
@@ -159,7 +160,10 @@ async def replay_async(
 ) -> ReplayResult:
     """Fire every planned request at its time; return when all have finished (or ``stop_when`` said so,
     after which nothing more is sent and requests in flight are cancelled and recorded as such)."""
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    # an idle pooled connection is dropped before any server's idle close (uvicorn's default: 5 s, the
+    # same as httpx's): a request sent on a connection the server is closing is lost, not answered
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None,
+                          keepalive_expiry=KEEPALIVE_EXPIRY_S)
     timeout = httpx.Timeout(config.timeout_s, connect=min(config.timeout_s, 10.0))
     path = PATHS[config.endpoint]
     send = SENDERS[config.endpoint]

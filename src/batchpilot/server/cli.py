@@ -73,8 +73,11 @@ def register(subparsers: Any) -> None:
                         help="request bodies over this get 413 (default: %(default)s, 16 MiB)")
     limits.add_argument("--header-timeout-s", type=float, default=ServerConfig.header_timeout_s,
                         help="a request line and headers not complete this long after the connection "
-                             "opened (or its previous response ended) get 408 and the connection closed "
+                             "opened (or the request's first byte) get 408 and the connection closed "
                              "(default: %(default)s)")
+    limits.add_argument("--keep-alive-s", type=float, default=ServerConfig.keep_alive_s,
+                        help="an idle kept-alive connection is closed after this; keep it above the "
+                             "clients' idle expiry (httpx, openai: 5 s) (default: %(default)s)")
     limits.add_argument("--body-timeout-s", type=float, default=ServerConfig.body_timeout_s,
                         help="a body not fully arrived this long after its headers gets 408 and the "
                              "connection closed (default: %(default)s)")
@@ -162,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
     return lifecycle.serve(app, host=settings.host, port=settings.port,
                            drain_timeout_s=settings.drain_timeout_s, log_level=settings.log_level,
                            access_log=args.access_log, log_format=args.log_format,
-                           header_timeout_s=settings.header_timeout_s)
+                           header_timeout_s=settings.header_timeout_s, keep_alive_s=settings.keep_alive_s)
 
 
 def server_config(args: argparse.Namespace, spec: DeploymentSpec) -> ServerConfig:
@@ -174,6 +177,7 @@ def server_config(args: argparse.Namespace, spec: DeploymentSpec) -> ServerConfi
         noop=args.noop, noop_delay_s=args.noop_delay_ms / 1000.0,
         startup_profile=not args.no_startup_profile, api_key=args.api_key,
         max_body_bytes=args.max_body_bytes, header_timeout_s=args.header_timeout_s,
+        keep_alive_s=args.keep_alive_s,
         body_timeout_s=args.body_timeout_s,
         send_timeout_s=args.send_timeout_s, max_json_values=args.max_json_values,
         max_json_containers=args.max_json_containers, max_inputs=args.max_inputs,

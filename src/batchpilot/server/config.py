@@ -47,8 +47,11 @@ class ServerConfig:
     max_input_chars: int = 65536  # per text input (tokenising is paid per character, truncated or not)
     max_input_tokens: int = 8192  # per token-id input, as OpenAI's per-input limit
     # a request's line and headers must be complete this long after the connection opened or the
-    # previous response ended, else 408 and the connection closed (header_timeout.py)
+    # request's first byte, else 408 and the connection closed (header_timeout.py)
     header_timeout_s: float = 10.0
+    # an idle kept-alive connection is closed after this; longer than clients' own idle expiry (httpx,
+    # openai: 5 s), so that a client never reuses a connection the server is closing (header_timeout.py)
+    keep_alive_s: float = 30.0
     body_timeout_s: float = 30.0  # the whole body must arrive within this from its headers, else 408
     send_timeout_s: float = 30.0  # a client that reads nothing of its response for this long is dropped
     max_json_values: int = 2_097_152  # a body's JSON values (about twice 2048 lists of 512 token ids)
@@ -87,8 +90,8 @@ class ServerConfig:
                      "max_json_containers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"server.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("request_timeout_s", "drain_timeout_s", "header_timeout_s", "body_timeout_s",
-                     "send_timeout_s"):
+        for name in ("request_timeout_s", "drain_timeout_s", "header_timeout_s", "keep_alive_s",
+                     "body_timeout_s", "send_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"server.{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.noop_delay_s < 0:

@@ -6,20 +6,23 @@ connection for ever (its keep-alive timer is cancelled by any byte), and so does
 sends nothing (uvicorn arms no timer before the first request). The request middleware's body deadline
 cannot help: it starts when the app is called, after the headers. This protocol adds the deadline:
 
-    connection accepted ─────────────────────┐
-    a response complete, connection kept open ┴─▶ the next request's head must be complete within
-                                                  ``timeout_s``, else the connection is closed:
+    connection accepted ──────────────────────┐
+    first byte of a request on a kept-alive   ┴─▶ that request's head must be complete within
+    connection (idle there is keep-alive's)       ``timeout_s``, else the connection is closed:
         · part of a request arrived: first a 408 ``header_timeout`` in the OpenAI error shape, with
           ``Connection: close`` (no request is being answered on the connection, so it may be
           written), counted by ``on_timeout``
-        · nothing arrived: closed without a word, like uvicorn's idle keep-alive close (which, at 5 s,
-          usually closes an idle kept-alive connection first)
+        · nothing arrived since the connection opened: closed without a word
     head complete ─▶ the deadline is off; the body's own (``--body-timeout-s``) is the middleware's
 
-A pipelined request that arrives while another is answered gets its deadline when that answer ends:
-nothing is written into a response under way. Built on uvicorn's ``HttpToolsProtocol`` (httptools is
-a dependency of the server); ``deadline_protocol(timeout_s, on_timeout)`` is the class to pass as
-``uvicorn.Config(http=...)``. The timer is one ``loop.call_later`` per request head, cancelled by it.
+An idle kept-alive connection is closed by uvicorn's keep-alive timer (``--keep-alive-s``), which must
+outlast the clients' own idle expiry (httpx and the openai client drop a pooled connection after 5 s):
+a server that closes first races a client reusing the connection at that instant, and that request is
+lost (a read error, nothing answered). A pipelined request that arrives while another is answered gets
+its deadline when that answer ends: nothing is written into a response under way. Built on uvicorn's
+``HttpToolsProtocol`` (httptools is a dependency of the server); ``deadline_protocol(timeout_s,
+on_timeout)`` is the class to pass as ``uvicorn.Config(http=...)``. The timer is one ``loop.call_later``
+per request head, cancelled by it.
 """
 
 from __future__ import annotations
@@ -57,6 +60,8 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._head_begun = True
+        if self._deadline is None and self._idle():  # else it runs from the opening, or from the answer
+            self._arm()
 
     def on_headers_complete(self) -> None:
         self._disarm()
@@ -65,9 +70,13 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        # kept alive and not answering a pipelined request already: the next head is awaited
-        if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
+        # a pipelined head begun during the answer, and no request being answered: its deadline starts
+        if self._head_begun and not self.transport.is_closing() and self._idle():
             self._arm()
+
+    def _idle(self) -> bool:
+        """No request is being answered on the connection."""
+        return self.cycle is None or self.cycle.response_complete
 
     def _arm(self) -> None:
         self._disarm()
@@ -82,7 +91,7 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
         self._deadline = None
         if self.transport.is_closing():
             return
-        if self._head_begun and (self.cycle is None or self.cycle.response_complete):
+        if self._head_begun and self._idle():
             self.transport.write(self._timeout_response())
             if self.on_timeout is not None:
                 self.on_timeout()

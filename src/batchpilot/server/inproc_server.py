@@ -18,6 +18,8 @@ from typing import Any
 
 import uvicorn
 
+from .config import ServerConfig
+
 
 def bound_socket() -> tuple[socket.socket, int]:
     """A 127.0.0.1 socket bound to a free port (handed to uvicorn: no race for the port)."""
@@ -31,7 +33,8 @@ def in_thread(app: Any, sock: socket.socket, name: str) -> Iterator[str]:
     """Serve ``app`` with uvicorn on ``sock`` in a thread; yields its URL; drains and joins on exit."""
     port = int(sock.getsockname()[1])
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           access_log=False, lifespan="on"))
+                                           access_log=False, lifespan="on",
+                                           timeout_keep_alive=ServerConfig.keep_alive_s))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name=name)
     thread.start()
     try:

@@ -94,15 +94,18 @@ class GracefulServer(uvicorn.Server):
 
 
 def serve(app: RequestLifecycle, *, host: str, port: int, drain_timeout_s: float, log_level: str = "info",
-          access_log: bool = False, log_format: str = "text", header_timeout_s: float = 10.0) -> int:
+          access_log: bool = False, log_format: str = "text", header_timeout_s: float = 10.0,
+          keep_alive_s: float = 30.0) -> int:
     """Run until SIGTERM/SIGINT, drain, shut down. Returns the exit status: 0, or 1 if the drain timed out
     and in-flight requests had to be failed. Every request's head must arrive within ``header_timeout_s``
-    (``header_timeout.py``; each 408 counted by the app's ``count_header_timeout``)."""
+    (``header_timeout.py``; each 408 counted by the app's ``count_header_timeout``); an idle kept-alive
+    connection is closed after ``keep_alive_s``."""
     # json: keep the handlers logs.configure installed (uvicorn's own config would print plain text)
     log_config = None if log_format == "json" else uvicorn.config.LOGGING_CONFIG
     http = deadline_protocol(header_timeout_s, getattr(app, "count_header_timeout", None))
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
-                            timeout_graceful_shutdown=1, log_config=log_config, http=http)
+                            timeout_graceful_shutdown=1, log_config=log_config, http=http,
+                            timeout_keep_alive=keep_alive_s)
     hooks = list(getattr(getattr(app, "state", None), "drain_timeout_hooks", ()))
 
     async def on_timeout() -> None:  # every engine answers what it still holds (503 / an SSE error event)
