@@ -69,13 +69,19 @@ def trickle_until_closed(socks: list[socket.socket]) -> tuple[list[bytes], list[
 
 def read_response(sock: socket.socket) -> bytes:
     """One whole response with a Content-Length, leaving the connection open."""
+    def more() -> bytes:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise AssertionError("the server closed the connection before a whole response")
+        return chunk
+
     data = b""
     while b"\r\n\r\n" not in data:
-        data += sock.recv(65536)
+        data += more()
     head, _, body = data.partition(b"\r\n\r\n")
     length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
     while len(body) < length:
-        body += sock.recv(65536)
+        body += more()
     return head + b"\r\n\r\n" + body
 
 
