@@ -238,7 +238,7 @@ def test_fit_loaded_measures_how_much_slower_a_batch_runs_after_an_idle_server()
 def test_a_load_generator_that_fails_is_an_error_that_says_so() -> None:
     """The child dies before it reports its CPU (here: an endpoint it does not know): a clear error."""
     from batchpilot.bench.loadgen import PlannedRequest
-    from batchpilot.server.serving_load import send_elsewhere
+    from batchpilot.server.serving_client import send_elsewhere
 
     plan = [PlannedRequest(0, 0.0, 4, 0, {"input": "x"})]
     with pytest.raises(RuntimeError, match="the load generator process exited with 1"):
@@ -270,3 +270,25 @@ def test_fit_loaded_prices_each_thread_count_of_the_plan_apart() -> None:
     assert sum(priced) == pytest.approx(sum(b.slot_s for b in batches), rel=1e-4)
     _, one = fit_loaded(batches, model)  # one count of threads: no token factors, a wider spread
     assert one["token_factors"] == [] and one["residual_std"] > details["residual_std"]
+
+
+def test_lone_requests_come_from_a_child_process_one_at_a_time_with_the_gap_between() -> None:
+    """``serving_client.lone_elsewhere`` against the real app on the no-op model: every request of the
+    plan answered, in plan order, each sent no sooner than the gap after the previous answer."""
+    from batchpilot.bench.loadgen import PlannedRequest
+    from batchpilot.server.app import create_app
+    from batchpilot.server.config import ServerConfig
+    from batchpilot.server.inproc_server import bound_socket, in_thread
+    from batchpilot.server.serving_client import lone_elsewhere
+
+    sock, port = bound_socket()
+    app = create_app(ServerConfig(port=port), NoopExecutor(delay_s=0.001, max_length=64))
+    plan = [PlannedRequest(k, 0.0, 3, 0, {"input": "a b c"}, warmup=k == 0) for k in range(6)]
+    with in_thread(app, sock, "lone-test") as url:
+        records = lone_elsewhere(url, app.state.service.model_name, plan, 0.05)
+    assert [r.index for r in records] == list(range(6)) and all(r.ok for r in records)
+    assert [r.warmup for r in records] == [True] + [False] * 5
+    for before, after in zip(records, records[1:], strict=False):
+        assert after.sent_s - before.done_s >= 0.05
+    with pytest.raises(ValueError, match="gap between lone requests must be >= 0 s"):
+        lone_elsewhere("http://127.0.0.1:9", "m", plan, -1.0)

@@ -248,10 +248,12 @@ async def replay_async(
     return ReplayResult(records, series, wall, stopped, model, origin)
 
 
-async def one_by_one_async(plan: Sequence[PlannedRequest], config: LoadGenConfig) -> list[RequestRecord]:
-    """Send the plan's requests strictly one after another, ignoring their schedule: a *measuring*
-    client (no queueing anywhere, so each latency is the bare serving path; ``batchpilot profile``'s
-    serving-path measurement), never a load test."""
+async def one_by_one_async(plan: Sequence[PlannedRequest], config: LoadGenConfig,
+                           gap_s: float = 0.0) -> list[RequestRecord]:
+    """Send the plan's requests strictly one after another, ignoring their schedule, ``gap_s`` of
+    silence from each answer to the next request: a *measuring* client (no queueing anywhere, so
+    each latency is the bare serving path; ``batchpilot profile``'s serving-path measurement), never
+    a load test."""
     timeout = httpx.Timeout(config.timeout_s, connect=min(config.timeout_s, 10.0))
     path = PATHS[config.endpoint]
     send = SENDERS[config.endpoint]
@@ -269,6 +271,8 @@ async def one_by_one_async(plan: Sequence[PlannedRequest], config: LoadGenConfig
             else:
                 rec.latency_s = rec.done_s - rec.sent_s
             records.append(rec)
+            if gap_s > 0:
+                await asyncio.sleep(gap_s)
     return records
 
 

@@ -39,7 +39,8 @@ from ..sim.traces import Workload
 from .app import create_app
 from .config import ServerConfig
 from .inproc_server import bound_socket, in_thread
-from .serving_load import alternating_arrivals, send_elsewhere
+from .serving_client import send_elsewhere
+from .serving_load import alternating_arrivals
 
 REQUESTS = 12
 OUTPUT_TOKENS = 4

@@ -2,7 +2,7 @@
 
 ``server.serving_profile.measure_serving_path`` (item 3 of its docstring) serves the real app and,
 after its lone requests, replays ``LOADED_REQUESTS`` open-loop from a child process
-(``send_elsewhere``: on the cores the profiler is not pinned to, when there are any). Here:
+(``serving_client.send_elsewhere``: on the cores the profiler is not pinned to, when there are any). Here:
 
 * ``loaded_plan``: the seeded open-loop plan, segments taking turns at ``LOADED_SHARES``
   (``alternating_arrivals``, which the LLM's loaded phase uses too);
@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ..bench.loadgen import LoadGenConfig, PlannedRequest
+from ..bench.loadgen import PlannedRequest
 from ..core.costmodel import BatchShape, CostModel, nonneg_lstsq
 from ..sim.frontend import (
     IDLE_EDGES_S,
@@ -223,62 +223,3 @@ def competing_cpu(before: dict[int, float], after: dict[int, float], child_cpu_s
     return total / requests, {"model_threads": k, "model_threads_cpu_s": model, "other_threads_cpu_s": others,
                               "load_generator_cpu_s": child_cpu_s,
                               "load_generator_shares_cores": child_shares_cores, "requests": requests}
-
-
-def send_elsewhere(url: str, model: str, plan: Sequence[PlannedRequest],
-                   endpoint: str = "embeddings") -> tuple[float, bool, list[Any]]:
-    """Replay ``plan`` open-loop from a child process on the cores this one is not pinned to (if any).
-    Returns the child's CPU seconds while it replayed (its start-up, before the first request, is
-    not traffic), whether it ran on this process's cores, and per answered request ``(index,
-    scheduled_s, latency_s, server_tokenize_s, server_batcher_s, input_tokens)``
-    (``serving_delay.DelayRow``)."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("spawn")
-    receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=replay_child, args=(url, model, list(plan), endpoint, send), daemon=True)
-    child.start()
-    send.close()
-    try:
-        cpu, rows = receive.recv() if receive.poll(600) else (math.nan, [])
-    except EOFError:  # the child ended without reporting: it failed
-        cpu, rows = math.nan, []
-    child.join(60)
-    if child.exitcode != 0 or not math.isfinite(cpu):
-        raise RuntimeError(f"serving path: the load generator process exited with {child.exitcode}")
-    return float(cpu), other_cores() is None, rows
-
-
-def other_cores() -> set[int] | None:
-    """The cores this process is not pinned to, where the load generator runs; None when it is
-    pinned to none of them (it then shares this process's cores)."""
-    import os
-
-    if not hasattr(os, "sched_getaffinity"):
-        return None
-    mine, every = os.sched_getaffinity(0), set(range(os.cpu_count() or 1))
-    rest = every - mine
-    return rest if rest and len(mine) < len(every) else None
-
-
-def replay_child(url: str, model: str, plan: list[PlannedRequest], endpoint: str = "embeddings",
-                 report: Any = None) -> None:
-    """The load generator process: on ``other_cores`` when there are any, then ``replay``; sends the
-    CPU seconds the replay took (all its threads) and its answered requests' rows (``send_elsewhere``)
-    to ``report`` (a pipe's end), if given."""
-    import os
-    import time
-
-    from ..bench.loadgen import replay
-
-    rest = other_cores()
-    if rest is not None:
-        os.sched_setaffinity(0, rest)
-    cpu0 = time.process_time()
-    result = replay(plan, LoadGenConfig(url, endpoint, model=model, timeout_s=120.0,  # type: ignore[arg-type]
-                                        progress=False, scrape_interval_s=0))
-    rows = [(float(r.index), r.scheduled_s, r.latency_s, r.server_tokenize_s, r.server_batcher_s,
-             float(r.input_tokens)) for r in result.records if r.ok and not r.warmup]
-    if report is not None:
-        report.send((time.process_time() - cpu0, rows))
-        report.close()

@@ -6,10 +6,14 @@ free 127.0.0.1 port, and measures three things the simulator's ``sim.frontend.Fr
 
 1. **The two front-end stages.** Real texts of lengths spread from 4 tokens to the model's limit
    (``sim.texts.texts_for_lengths``), each sent ``rounds`` times in a seeded shuffled order, strictly
-   one at a time with httpx (``bench.loadgen.one_by_one_async``): no queueing anywhere, so each
-   request's ``Server-Timing`` split (``tokenize``, ``batcher``) and its client latency are the bare
-   path. ``FrontEnd.fit`` turns them into the serial stage (the tokenizer thread) and the delay (HTTP,
-   JSON, the client). A few unmeasured requests first warm the server up.
+   one at a time, ``LONE_GAP_S`` apart, from a client process placed as ``bench`` places its load
+   generator (``serving_client.lone_elsewhere``): no queueing anywhere, so each request's
+   ``Server-Timing`` split (``tokenize``, ``batcher``) and its client latency are the bare path as a
+   live client sees it. ``FrontEnd.fit`` turns them into the serial stage (the tokenizer thread) and
+   the delay (HTTP, JSON, the client). A few unmeasured requests first warm the server up. A client
+   inside this process, back to back, sees about a millisecond less for MiniLM than the live server's
+   lone requests do (``benchmarks/lone_client.py``; docs/profiler.md): it shares the server's core and
+   interpreter, and neither side ever sleeps.
 2. **The live driver's per-batch overhead.** Each lone request is a batch of one; its ``batcher`` time
    minus its slot's own run time (the batch observer's ``slot_s``: what the cost model stands for) is
    what the driver adds around the model: the scheduling call, collation, the event-loop and thread
@@ -45,7 +49,6 @@ imported here: the caller imports this module lazily.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import random
 import statistics
@@ -56,7 +59,7 @@ from typing import Any
 
 import numpy as np
 
-from ..bench.loadgen import LoadGenConfig, PlannedRequest, one_by_one_async
+from ..bench.loadgen import LoadGenConfig, PlannedRequest
 from ..core.config import Padding, PolicyConfig, SchedulerConfig
 from ..core.costmodel import CostModel
 from ..sim.frontend import FrontEnd
@@ -64,6 +67,7 @@ from .app import create_app
 from .config import ServerConfig
 from .inproc_server import bound_socket, in_thread
 from .service import tokenizer_workers
+from .serving_client import lone_elsewhere, send_elsewhere
 from .serving_delay import fit_loaded_delay
 from .serving_load import (
     LOADED_REQUESTS,
@@ -73,11 +77,11 @@ from .serving_load import (
     fit_loaded,
     loaded_plan,
     one_input,
-    send_elsewhere,
     thread_cpu_s,
 )
 
 WARMUP_REQUESTS = 4
+LONE_GAP_S = 0.2  # silence between two lone requests: both sides sleep, as between a live server's requests
 IDLE_S, BUSY_S, CYCLES = 0.25, 0.5, 4  # contention timing: idle, busy, idle, busy, ... idle
 CONTENTION_BATCH = (4, 128)  # the background thread's batch: 4 inputs of about 128 tokens
 
@@ -193,7 +197,7 @@ def _serve_and_send(executor: Any, sched: SchedulerConfig, cost_model: CostModel
                     plan: Sequence[PlannedRequest], loaded_plan: Sequence[PlannedRequest] = (),
                     ) -> tuple[list[Any], list[float], list[Loaded], tuple[float, dict[str, Any]], list[Any]]:
     """Start uvicorn on a socket bound here (no port race), send ``plan`` one by one, then
-    ``loaded_plan`` open-loop from another process, shut down. Also returns each lone batch's slot
+    ``loaded_plan`` open-loop, both from another process, shut down. Also returns each lone batch's slot
     seconds in the order they ran, each loaded batch's (features, slot seconds), the CPU seconds
     per loaded request that competed with the model (``competing_cpu``) and the loaded requests'
     rows (``serving_delay.DelayRow``)."""
@@ -207,7 +211,7 @@ def _serve_and_send(executor: Any, sched: SchedulerConfig, cost_model: CostModel
     with in_thread(app, sock, "batchpilot-serving-profile") as url:
         config = LoadGenConfig(url, model=app.state.service.model_name, timeout_s=30.0, progress=False,
                                scrape_interval_s=0)
-        records = asyncio.run(one_by_one_async(plan, config))
+        records = lone_elsewhere(config.base_url, config.model or "", plan, LONE_GAP_S)
         lone = len(seen)
         cpu: tuple[float, dict[str, Any]] = (0.0, {"note": "no loaded phase"})
         rows: list[Any] = []
