@@ -1,6 +1,6 @@
 """The serving path's delay stage under load: ``FrontEnd.delay_loaded_s`` and ``delay_rate_coef_s``.
 
-The profile's lone requests (``serving_profile``, one at a time, the client in the profiler) give the
+The profile's lone requests (``serving_profile``, one at a time from a client process) give the
 ``delay`` stage of an idle server: HTTP, validation, JSON both ways, the client. Under open-loop
 traffic it is longer: the event loop parses every arriving request and encodes every response, a
 batch's answers leave one after another, and all of it shares the cores with the model; the load
