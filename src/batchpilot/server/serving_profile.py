@@ -42,7 +42,8 @@ free 127.0.0.1 port, and measures three things the simulator's ``sim.frontend.Fr
    profiler makes them); the ratio of the medians (>= 1) is ``serial_busy_factor``: under load the
    tokenizer thread shares the CPU with a running batch.
 
-Bounded: a few seconds of requests plus ~4 s of contention timing for MiniLM on 2 CPU cores; the
+Bounded: 39-48 s in all for MiniLM on 2 CPU cores (``serving_path.wall_s``; the lone requests' gaps
+and the client process's start are about 12 s of it, the loaded phase most of the rest); the
 server is shut down (drained, thread joined) before it returns. fastapi, uvicorn and httpx are
 imported here: the caller imports this module lazily.
 """
