@@ -13,7 +13,8 @@ prediction). Then the counts within target, for the prediction and for the profi
 A second table checks the serving path outside the batcher per point: the median of each answered
 request's latency minus its `tokenize` and `batcher` parts (records-<load>.csv) beside what the
 profile's `frontend` predicts for the same requests: the lone requests' line alone, and with the
-delay under load (`FrontEnd.delay` at the arrival rate before each request).
+delay under load (`FrontEnd.delay` at the arrival rate before each request), then each line's mean
+|error| and range against the live medians over the points.
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ def delay_table(out: Path) -> None:
     print("\n| workload | cpus | load | outside the batcher, live median ms | lone line ms | "
           "with the delay under load ms |")
     print("|---|---|---|---|---|---|")
+    errors: dict[str, list[float]] = {"the lone line": [], "with the delay under load": []}
     for run in sorted(out.glob("*-*/fidelity.json")):
         name, cpus = run.parent.name.rsplit("-", 1)
         doc = json.loads(run.read_text())
@@ -106,8 +108,14 @@ def delay_table(out: Path) -> None:
             tokens = np.array([float(r["input_tokens"]) for r in rows])
             arrivals = np.array([float(r["scheduled_s"]) for r in rows])
             lone, loaded = np.median(fe.delay(tokens)), np.median(fe.delay(tokens, arrivals))
-            print(f"| {name} | {cpus} | {point['load']:.0%} | {np.median(live) * 1e3:.2f} "
-                  f"| {lone * 1e3:.2f} | {loaded * 1e3:.2f} |")
+            ms = [round(float(x) * 1e3, 2) for x in (np.median(live), lone, loaded)]  # as printed
+            print(f"| {name} | {cpus} | {point['load']:.0%} | {ms[0]:.2f} | {ms[1]:.2f} | {ms[2]:.2f} |")
+            errors["the lone line"].append(ms[1] - ms[0])
+            errors["with the delay under load"].append(ms[2] - ms[0])
+    for label, errs in errors.items():
+        if errs:
+            print(f"{label} minus the live median: mean |error| {np.mean(np.abs(errs)):.2f} ms, "
+                  f"range {min(errs):+.2f} .. {max(errs):+.2f} ms over {len(errs)} points")
 
 
 if __name__ == "__main__":
