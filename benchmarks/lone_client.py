@@ -4,7 +4,8 @@
 
 The profile's lone requests (``server/serving_profile.py``) give the simulator its delay outside the
 batcher. This serves MiniLM in-process as the profile does (bfloat16, one thread, the profile's
-scheduler, ``in_thread``) and sends the profile's lone-request plan, in interleaved rounds, from:
+scheduler, ``in_thread``) and sends the profile's lone-request plan (``serving_profile.lone_plan``, one
+round of its 24 lengths), in interleaved rounds, from:
 
 * ``in-process``: an httpx client in this process, back to back;
 * ``child, gap G``: a client process on the cores this one is not pinned to
@@ -29,7 +30,7 @@ from typing import Any
 
 import httpx
 
-from batchpilot.bench.loadgen import LoadGenConfig, PlannedRequest, one_by_one_async
+from batchpilot.bench.loadgen import LoadGenConfig, one_by_one_async
 from batchpilot.core.costmodel import CostModel
 from batchpilot.models.encoder import EncoderConfig, EncoderExecutor
 from batchpilot.models.threads import plan_for
@@ -37,8 +38,7 @@ from batchpilot.server.app import create_app
 from batchpilot.server.config import ServerConfig
 from batchpilot.server.inproc_server import bound_socket, in_thread
 from batchpilot.server.serving_client import lone_elsewhere
-from batchpilot.server.serving_profile import _scheduler_config
-from batchpilot.sim.texts import texts_for_lengths
+from batchpilot.server.serving_profile import lone_plan, scheduler_config
 
 GAPS = (0.0, 0.05, 0.2, 0.5)
 
@@ -76,14 +76,9 @@ def main() -> int:
     ex = EncoderExecutor(EncoderConfig(dtype="bfloat16"))
     ex.warmup()
     ex.threads = plan_for(ex, 1)
-    wanted = sorted({round(4 + k * (ex.max_length - 4) / 23) for k in range(24)})
-    texts = texts_for_lengths(ex.tokenizer, wanted, seed=0)
-    lengths = [len(ids) for ids in ex.tokenize(texts)]
-    order = [len(texts) - 1, 0, len(texts) // 2, len(texts) - 1] + list(range(len(texts)))  # 4 warm-ups
-    plan = [PlannedRequest(k, 0.0, lengths[i], 0, {"input": texts[i]}, warmup=k < 4)
-            for k, i in enumerate(order)]
+    plan = lone_plan(ex, rounds=1)[2]  # the profile's lone requests, one round of its 24 lengths
     sock, port = bound_socket()
-    app = create_app(ServerConfig(port=port, request_timeout_s=30.0), ex, _scheduler_config(ex, "none"),
+    app = create_app(ServerConfig(port=port, request_timeout_s=30.0), ex, scheduler_config(ex, "none"),
                      CostModel.default_cpu_minilm())
     proc, serve_url = start_serve(args.serve_profile) if args.serve_profile else (None, "")
     results: dict[str, list[float]] = {}

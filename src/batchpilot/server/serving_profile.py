@@ -10,10 +10,7 @@ free 127.0.0.1 port, and measures three things the simulator's ``sim.frontend.Fr
    generator (``serving_client.lone_elsewhere``): no queueing anywhere, so each request's
    ``Server-Timing`` split (``tokenize``, ``batcher``) and its client latency are the bare path as a
    live client sees it. ``FrontEnd.fit`` turns them into the serial stage (the tokenizer thread) and
-   the delay (HTTP, JSON, the client). A few unmeasured requests first warm the server up. A client
-   inside this process, back to back, sees about a millisecond less for MiniLM than the live server's
-   lone requests do (``benchmarks/lone_client.py``; docs/profiler.md): it shares the server's core and
-   interpreter, and neither side ever sleeps.
+   the delay (HTTP, JSON, the client), after a few unmeasured warm-up requests (``lone_plan``).
 2. **The live driver's per-batch overhead.** Each lone request is a batch of one; its ``batcher`` time
    minus its slot's own run time (the batch observer's ``slot_s``: what the cost model stands for) is
    what the driver adds around the model: the scheduling call, collation, the event-loop and thread
@@ -101,22 +98,10 @@ def measure_serving_path(executor: Any, cost_model: CostModel, *, requests: int 
         raise ValueError(f"serving path: requests must be >= 3 and rounds >= 1, got {requests}, {rounds}")
     t_start = time.perf_counter()
     padding = _serving_padding(executor, padding)
-    top = int(executor.max_length)
-    wanted = sorted({int(round(x)) for x in np.linspace(min(4, top), top, requests)})
-    if texts_for_length is None:
-        from ..sim.texts import texts_for_lengths
+    texts, lengths, plan = lone_plan(executor, requests, rounds, seed, texts_for_length)
+    warm = sum(p.warmup for p in plan)
 
-        texts = texts_for_lengths(executor.tokenizer, wanted, seed=seed)
-    else:
-        texts = list(texts_for_length(wanted))
-    lengths = [len(ids) for ids in executor.tokenize(texts)]  # what the server will count
-    order = [i for i in range(len(texts)) for _ in range(rounds)]
-    random.Random(seed).shuffle(order)
-    warm = [len(texts) - 1, 0, len(texts) // 2, len(texts) - 1][:WARMUP_REQUESTS]
-    plan = [PlannedRequest(k, 0.0, lengths[i], 0, {"input": texts[i]}, warmup=k < len(warm))
-            for k, i in enumerate(warm + order)]
-
-    sched = _scheduler_config(executor, padding)
+    sched = scheduler_config(executor, padding)
     traffic = loaded_plan(texts, lengths, cost_model, padding, seed, loaded_requests)
     records, slot_s, batches, (competing_s, cpu_details), loaded_rows = _serve_and_send(
         executor, sched, cost_model, plan, traffic)
@@ -158,7 +143,7 @@ def measure_serving_path(executor: Any, cost_model: CostModel, *, requests: int 
                                    loaded_token_factors=tuple(tuple(x) for x in
                                                               load_details.get("token_factors", ())))
     details = {
-        "requests": len(measured), "ok": len(ok), "warmup_requests": len(warm), "lengths": len(wanted),
+        "requests": len(measured), "ok": len(ok), "warmup_requests": warm, "lengths": len(texts),
         "min_tokens": min(lengths), "max_tokens": max(lengths), "rounds": rounds, "padding": padding,
         "policy": {"name": sched.policy.name, "max_wait_s": sched.policy.max_wait_s},
         "median_client_s": _median(client), "median_tokenize_s": _median(tokenize),
@@ -183,7 +168,31 @@ def _serving_padding(executor: Any, padding: str | None) -> Padding:
     return "none" if supported else "dynamic"
 
 
-def _scheduler_config(executor: Any, padding: Padding) -> SchedulerConfig:
+def lone_plan(executor: Any, requests: int = 24, rounds: int = 2, seed: int = 0,
+              texts_for_length: Callable[[list[int]], list[str]] | None = None,
+              ) -> tuple[list[str], list[int], list[PlannedRequest]]:
+    """The lone requests (item 1 of the module docstring): one text per length of ``requests`` spread
+    from 4 tokens to the model's limit, each ``rounds`` times in a seeded shuffled order, after
+    ``WARMUP_REQUESTS`` unmeasured ones. Returns the texts, their token counts as the server counts
+    them, and the plan."""
+    top = int(executor.max_length)
+    wanted = sorted({int(round(x)) for x in np.linspace(min(4, top), top, requests)})
+    if texts_for_length is None:
+        from ..sim.texts import texts_for_lengths
+
+        texts = texts_for_lengths(executor.tokenizer, wanted, seed=seed)
+    else:
+        texts = list(texts_for_length(wanted))
+    lengths = [len(ids) for ids in executor.tokenize(texts)]  # what the server will count
+    order = [i for i in range(len(texts)) for _ in range(rounds)]
+    random.Random(seed).shuffle(order)
+    warm = [len(texts) - 1, 0, len(texts) // 2, len(texts) - 1][:WARMUP_REQUESTS]
+    plan = [PlannedRequest(k, 0.0, lengths[i], 0, {"input": texts[i]}, warmup=k < len(warm))
+            for k, i in enumerate(warm + order)]
+    return texts, lengths, plan
+
+
+def scheduler_config(executor: Any, padding: Padding) -> SchedulerConfig:
     """The server's defaults with this padding, lengths clamped to the model's (as ``serve`` does), and
     no batching window (a lone request dispatches at once: the window is the policy's, and the
     simulator models it)."""
