@@ -248,7 +248,7 @@ def test_a_load_generator_that_fails_is_an_error_that_says_so() -> None:
 def test_fit_loaded_prices_each_thread_count_of_the_plan_apart() -> None:
     """Batches of 2 threads (from 320 tokens) run 40% slower under load than their price, those of one
     thread at their price: one factor per step of the plan, the totals kept."""
-    from batchpilot.sim.frontend import token_factor
+    from batchpilot.sim.line_fit import step_factor
 
     model = CostModel(latency_coef=(0.0, 0.0, 1e-4, 0.0))
     batches, t = [], 0.0
@@ -264,7 +264,7 @@ def test_fit_loaded_prices_each_thread_count_of_the_plan_apart() -> None:
     long, short = 0.04 * 1.32, 0.01 * 1.32
     expected = ((60 * 0.056 + 10 * long) / (70 * long)) / ((60 * 0.01 + 10 * short) / (70 * short))
     assert steps[1][1] / steps[0][1] == pytest.approx(expected) and 1.25 < expected < 1.4
-    priced = [alpha * 1e-4 * b.features["tokens"] * token_factor(steps, b.features["tokens"])
+    priced = [alpha * 1e-4 * b.features["tokens"] * step_factor(steps, b.features["tokens"])
               * details["idle_factors"][0] for b in batches]
     # the totals kept (to the first batch, which came after idle and has the last bin's factor)
     assert sum(priced) == pytest.approx(sum(b.slot_s for b in batches), rel=1e-4)

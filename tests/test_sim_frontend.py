@@ -272,12 +272,12 @@ def test_idle_factors_price_a_batch_by_the_idle_time_before_it() -> None:
 
 def test_token_factors_price_a_batch_by_the_thread_plan_step_of_its_tokens() -> None:
     from batchpilot.core.config import PolicyConfig, SchedulerConfig
-    from batchpilot.sim.frontend import token_factor
+    from batchpilot.sim.line_fit import step_factor
     from batchpilot.sim.target import simulate_encoder
 
     steps = ((0, 0.9), (320, 1.3))
-    assert [token_factor(steps, t) for t in (0, 319, 320, 5000)] == [0.9, 0.9, 1.3, 1.3]
-    assert token_factor((), 100) == 1.0
+    assert [step_factor(steps, t) for t in (0, 319, 320, 5000)] == [0.9, 0.9, 1.3, 1.3]
+    assert step_factor((), 100) == 1.0
     fe = FrontEnd(loaded_token_factors=steps)
     assert FrontEnd.from_dict(fe.to_dict()) == fe and FrontEnd.from_dict({}).loaded_token_factors == ()
     assert fe.batch_seconds(0.01, 0.0, 0.0, 100) == pytest.approx(0.009)

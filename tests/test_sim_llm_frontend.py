@@ -56,6 +56,45 @@ def test_too_few_steps_add_nothing_but_the_delay_and_bad_values_are_refused() ->
         LLMFrontEnd(step_per_seq_s=-1e-3)
 
 
+@given(st.lists(st.floats(0.6, 1.6), min_size=6, max_size=6), st.floats(0.5, 2.0))
+def test_the_forward_is_priced_per_count_of_sequences(speeds: list[float], alpha: float) -> None:
+    """Steps whose forward runs at a different speed per bin of sequences (as live steps of two or
+    three sequences ran over the step model and the others under it): with many steps in every bin,
+    the fitted forward factor of each bin is its speed, and a bin's steps are priced at their own
+    total; the totals over all steps agree exactly."""
+    bins = (1, 2, 4, 8, 16, 32)
+    counts = [n for lo in bins for n in [lo] * 300]
+    fwd, feats, starts = [], [], []
+    t = 0.0
+    for n in counts:
+        f = StepShape(0, n, 100 * n).features()
+        speed = speeds[max(i for i, lo in enumerate(bins) if n >= lo)]
+        fwd.append(alpha * speed * MODEL.latency(f))
+        feats.append(f)
+        starts.append(t)
+        t += fwd[-1]
+    fe, details = LLMFrontEnd.fit_steps(MODEL, starts, fwd, fwd, counts, feats, [False] * len(counts))
+    priced = [fe.forward_factor(n) * MODEL.latency(f) for n, f in zip(counts, feats, strict=True)]
+    assert sum(priced) == pytest.approx(sum(fwd))
+    for lo, speed in zip(bins, speeds, strict=True):
+        got = fe.forward_factor(lo) / fe.forward_factor(1) * speeds[0]
+        assert got == pytest.approx(speed, rel=0.05)
+    assert [lo for lo, _ in fe.step_seq_factors] == list(bins) and details["seq_factor_steps"] == [300] * 6
+
+
+def test_seq_factors_survive_the_profile_file_and_bad_ones_are_refused(tmp_path: Path) -> None:
+    fe = LLMFrontEnd(0.002, 1.1, 0.001, 1e-4, ((1, 0.9), (2, 1.2), (4, 1.0)))
+    assert [fe.forward_factor(n) for n in (1, 2, 3, 4, 64)] == pytest.approx([0.99, 1.32, 1.32, 1.1, 1.1])
+    assert fe.step_seconds(0.01, 2) == pytest.approx(1.32 * 0.01 + 0.001 + 2e-4)
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"cost_model": {}, "frontend": fe.to_dict()}))
+    assert LLMFrontEnd.from_profile(path) == fe
+    assert LLMFrontEnd(step_alpha=1.3).forward_factor(7) == 1.3  # a profile without factors
+    for bad in (((1, 0.0),), ((2, 1.0), (1, 1.0)), ((1, float("nan")),)):
+        with pytest.raises(ValueError, match="step_seq_factors"):
+            LLMFrontEnd(step_seq_factors=bad)
+
+
 def test_from_profile_reads_the_frontend_entry(tmp_path: Path) -> None:
     path = tmp_path / "p.json"
     entry = {"first_token_delay_s": 0.002, "step_alpha": 1.2, "other": 5}

@@ -9,8 +9,9 @@ while the server writes (whole lines only).
 ``speed_vs_profile`` is what ``bench fidelity --workload conv-llm`` prints beside each load point: the
 logged steps' seconds over what the profile (step model and serving path) predicts for the same step
 shapes. It reports how fast the machine ran against its profile; nothing is fitted on it.
-``speed_by_seqs`` splits it by sequences per step: the forward against ``step_alpha`` times the step
-model, and the rest of the step against the serving path's overhead line, where they part.
+``speed_by_seqs`` splits it by sequences per step: the forward against the profile's forward factor
+(``step_alpha`` and the factor of its count of sequences) times the step model, and the rest of the
+step against the serving path's overhead line, where they part.
 ``python -m batchpilot.bench.llm_steps OUT [PROFILE]`` prints it for a ``bench fidelity --workload
 conv-llm`` output folder (its ``steps.jsonl``, every logged step, against ``PROFILE``, by default the
 ``llm_profile.json`` the command wrote there).
@@ -84,14 +85,15 @@ SEQS_BINS = ((1, 1), (2, 3), (4, 7), (8, 15), (16, 31), (32, 10**9))
 def speed_by_seqs(profile: CostModel, steps: Sequence[LoggedStep],
                   frontend: LLMFrontEnd) -> list[tuple[str, int, float, float]]:
     """Per ``SEQS_BINS`` bin of sequences per step (bins without steps left out): ``(label, steps,
-    forward, overhead)``, ``forward`` the steps' ``forward_s`` over ``frontend.step_alpha`` times the
-    step model's prediction, minus 1, ``overhead`` the rest of their cycle (``step_cycles`` less the
-    forward) over ``step_const_s + step_per_seq_s * seqs``, minus 1 (NaN where that line is 0)."""
+    forward, overhead)``, ``forward`` the steps' ``forward_s`` over ``frontend.forward_factor`` (the
+    speed under load, per count of sequences) times the step model's prediction, minus 1,
+    ``overhead`` the rest of their cycle (``step_cycles`` less the forward) over ``step_const_s +
+    step_per_seq_s * seqs``, minus 1 (NaN where that line is 0)."""
     if not steps:
         return []
     seqs = np.array([s.seqs for s in steps])
     fwd = np.array([s.forward_s for s in steps])
-    pred = np.array([profile.latency(s.features) for s in steps]) * frontend.step_alpha
+    pred = np.array([profile.latency(s.features) * frontend.forward_factor(s.seqs) for s in steps])
     cycles = step_cycles([s.start for s in steps], [s.wall_s for s in steps], [s.after_idle for s in steps])
     rest = cycles - fwd
     line = frontend.step_const_s + frontend.step_per_seq_s * seqs

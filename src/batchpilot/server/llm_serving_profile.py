@@ -5,8 +5,10 @@ real app (``create_app`` with the LLM router, as ``serve --llm`` mounts it) on a
 this process and measures, with its own traffic, before any traffic it predicts:
 
 1. **The first-token delay.** ``REQUESTS`` streamed completions of token-id prompts of spread lengths,
-   sent one at a time (no queueing anywhere); per request the client's TTFT minus the engine's (the
-   ``engine`` part of the first chunk's ``Server-Timing`` header). The median is ``first_token_delay_s``.
+   sent one at a time, ``LONE_GAP_S`` apart, from a client process placed as ``bench`` places its load
+   generator (``serving_client.lone_elsewhere``): no queueing anywhere; per request the client's TTFT
+   minus the engine's (the ``engine`` part of the first chunk's ``Server-Timing`` header). The median
+   is ``first_token_delay_s``.
    Later tokens pay the same path, so it moves every token alike and TPOT is unchanged.
 2. **Steps under load.** ``LOADED_REQUESTS`` streamed completions (prompts spread 16-512 tokens, outputs
    16-128) open-loop from a child process (on the cores this process is not pinned to, when there are
@@ -26,20 +28,19 @@ this process and measures, with its own traffic, before any traffic it predicts:
 
 from __future__ import annotations
 
-import asyncio
 import random
 from typing import Any
 
 import numpy as np
 
-from ..bench.loadgen import LoadGenConfig, build_plan, one_by_one_async
+from ..bench.loadgen import build_plan
 from ..runtime.executor import NoopExecutor
 from ..sim.llm_frontend import LLMFrontEnd
 from ..sim.traces import Workload
 from .app import create_app
 from .config import ServerConfig
 from .inproc_server import bound_socket, in_thread
-from .serving_client import send_elsewhere
+from .serving_client import LONE_GAP_S, lone_elsewhere, send_elsewhere
 from .serving_load import alternating_arrivals
 
 REQUESTS = 12
@@ -72,10 +73,9 @@ def measure_llm_serving_path(engine: Any, cost_model: Any, requests: int = REQUE
                      routers=[lambda registry: make_llm_router(engine, registry)],
                      extra_models=[engine.model_name])
     with in_thread(app, sock, "batchpilot-llm-serving-profile") as url:
-        config = LoadGenConfig(url, "completions", model=engine.model_name, timeout_s=60.0, progress=False,
-                               scrape_interval_s=0)
-        asyncio.run(one_by_one_async(plan[:2], config))  # unmeasured: the first steps allocate
-        records = asyncio.run(one_by_one_async(plan, config))
+        # the first two unmeasured (the first steps allocate); from a client process, as bench's
+        records = lone_elsewhere(url, engine.model_name, plan[:2] + plan, LONE_GAP_S,
+                                 endpoint="completions")[2:]
         steps: list[Any] = []
         streams = burst_streams(engine.config) if burst is None else max(int(burst), 0)
         if loaded_requests > 0:

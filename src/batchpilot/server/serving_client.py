@@ -25,6 +25,7 @@ from typing import Any
 
 from ..bench.loadgen import LoadGenConfig, PlannedRequest
 
+LONE_GAP_S = 0.2  # silence between two lone requests: both sides sleep, as between a live server's requests
 CHILD_TIMEOUT_S = 600.0  # the most a child's traffic may take before the profile gives up on it
 
 

@@ -32,8 +32,8 @@ from ..sim.frontend import (
     idle_times,
     rates_before,
     residual_units,
-    token_factor,
 )
+from ..sim.line_fit import binned_factors, step_factor
 
 LOADED_REQUESTS = 240  # ~10-20 s of traffic for MiniLM on one CPU core
 # of one slot's one-at-a-time rate: three loads, to see how the rate slows a batch, the last past what
@@ -92,7 +92,7 @@ def alternating_arrivals(n: int, mean_gaps_s: Sequence[float], rng: random.Rando
 
 def fit_loaded(batches: list[Loaded], cost_model: CostModel, competing_cpu_s: float = 0.0,
                token_steps: Sequence[int] = (0,)) -> tuple[tuple[float, float, float], dict[str, Any]]:
-    """``slot_s ~ predicted * alpha * (1 + competing_cpu_s * rate) * token_factor(tokens) *
+    """``slot_s ~ predicted * alpha * (1 + competing_cpu_s * rate) * step_factor(tokens) *
     idle_factor(idle) + const`` over the loaded batches, ``rate`` = requests that arrived in the
     ``RATE_WINDOW_S`` before the batch started, per second, ``tokens`` the batch's computed tokens,
     binned at ``token_steps`` (the thread plan's: ``token_factors``), ``idle`` the time no batch ran
@@ -118,7 +118,7 @@ def fit_loaded(batches: list[Loaded], cost_model: CostModel, competing_cpu_s: fl
         tokens = np.array([b.features.get("tokens", 0.0) for b in batches])
         by_tokens, token_counts = token_factors(tokens, token_steps, took_var,
                                                 base * (took_var.sum() / base.sum()))
-        base = base * np.array([token_factor(by_tokens, t) for t in tokens])
+        base = base * np.array([step_factor(by_tokens, t) for t in tokens])
         factors, counts = idle_factors(idle, took_var, base * (took_var.sum() / base.sum()))
         base = base * np.array([idle_factor(factors, t) for t in idle])
     alpha = float(took_var.sum() / base.sum()) if base.sum() > 0 else 1.0
@@ -172,23 +172,6 @@ def token_factors(tokens: np.ndarray, steps: Sequence[int], took: np.ndarray, li
     index = np.searchsorted(np.asarray(steps[1:]), tokens, side="right")
     factors, counts = binned_factors(index, len(steps), took, line, prior)
     return tuple((int(lo), f) for lo, f in zip(steps, factors, strict=True)), counts
-
-
-def binned_factors(index: np.ndarray, bins: int, took: np.ndarray, line: np.ndarray,
-                   prior: float) -> tuple[tuple[float, ...], list[int]]:
-    """Per bin ``k`` (the batches with ``index == k``): ``(sum took + prior * m) / (sum line + prior *
-    m)``, ``m`` the bin's mean line, so a bin of few batches stays near 1 (none: exactly 1).
-    Normalised so that the line times the factors keeps the totals (``sum took``). Returns the
-    factors and the batches per bin."""
-    factors, counts = [], []
-    for k in range(bins):
-        cell = index == k
-        n = int(cell.sum())
-        counts.append(n)
-        m = float(line[cell].mean()) if n else 1.0
-        factors.append((float(took[cell].sum()) + prior * m) / (float(line[cell].sum()) + prior * m))
-    scale = float(line.sum()) / float(sum(line[index == k].sum() * f for k, f in enumerate(factors)))
-    return tuple(f * scale for f in factors), counts
 
 
 def thread_cpu_s() -> dict[int, float]:

@@ -65,7 +65,7 @@ from .app import create_app
 from .config import ServerConfig
 from .inproc_server import bound_socket, in_thread
 from .service import tokenizer_workers
-from .serving_client import lone_elsewhere, send_elsewhere
+from .serving_client import LONE_GAP_S, lone_elsewhere, send_elsewhere
 from .serving_delay import fit_loaded_delay
 from .serving_load import (
     LOADED_REQUESTS,
@@ -79,7 +79,6 @@ from .serving_load import (
 )
 
 WARMUP_REQUESTS = 4
-LONE_GAP_S = 0.2  # silence between two lone requests: both sides sleep, as between a live server's requests
 IDLE_S, BUSY_S, CYCLES = 0.25, 0.5, 4  # contention timing: idle, busy, idle, busy, ... idle
 CONTENTION_BATCH = (4, 128)  # the background thread's batch: 4 inputs of about 128 tokens
 

@@ -74,7 +74,7 @@ from typing import Any
 
 import numpy as np
 
-from .line_fit import fit_line
+from .line_fit import fit_line, step_factor
 
 RATE_WINDOW_S = 1.0  # a batch's request rate: arrivals in this window before it started
 # upper edges of the bins of the idle time before a batch (no batch running); the last bin is >= 0.3 s
@@ -240,13 +240,8 @@ def served_seconds(predicted_s: float, loaded: tuple[float, float, float], rate:
     token_factor + const`` for ``loaded = (alpha, rate_coef, const)``, the factors looked up for its
     idle time and tokens (``FrontEnd.batch_seconds``, the simulator's target: the one formula)."""
     alpha, rate_coef, const = loaded
-    factor = idle_factor(idle_factors, idle_s) * token_factor(token_factors, tokens)
+    factor = idle_factor(idle_factors, idle_s) * step_factor(token_factors, tokens)
     return predicted_s * (alpha + rate_coef * rate) * factor + const
-
-
-def token_factor(steps: Sequence[tuple[int, float]], tokens: float) -> float:
-    """The factor of the last ``(min_tokens, factor)`` of ``steps`` not above ``tokens``; 1 without."""
-    return steps[max(bisect.bisect_right([lo for lo, _ in steps], tokens) - 1, 0)][1] if steps else 1.0
 
 
 def idle_factor(factors: Sequence[float], idle_s: float) -> float:

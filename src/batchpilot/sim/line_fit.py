@@ -1,6 +1,10 @@
-"""A robust straight line for the serving-path fits: ``y ~ a + b x`` with ``a, b >= 0``."""
+"""The serving-path fits' shapes: a robust straight line (``y ~ a + b x`` with ``a, b >= 0``), and factors
+per bin of a step function (``binned_factors``, read back with ``step_factor``)."""
 
 from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -25,3 +29,26 @@ def _lstsq(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
         return float(np.mean(y)), 0.0
     coef = np.linalg.lstsq(np.column_stack([np.ones_like(x), x]), y, rcond=None)[0]
     return float(coef[0]), float(coef[1])
+
+
+def binned_factors(index: np.ndarray, bins: int, took: np.ndarray, line: np.ndarray,
+                   prior: float) -> tuple[tuple[float, ...], list[int]]:
+    """Per bin ``k`` (the rows with ``index == k``): ``(sum took + prior * m) / (sum line + prior * m)``,
+    ``m`` the bin's mean line, so a bin of few rows stays near 1 (none: exactly 1). Normalised so that
+    the line times the factors keeps the totals (``sum took``). Returns the factors and the rows per
+    bin."""
+    factors, counts = [], []
+    for k in range(bins):
+        cell = index == k
+        n = int(cell.sum())
+        counts.append(n)
+        m = float(line[cell].mean()) if n else 1.0
+        factors.append((float(took[cell].sum()) + prior * m) / (float(line[cell].sum()) + prior * m))
+    scale = float(line.sum()) / float(sum(line[index == k].sum() * f for k, f in enumerate(factors)))
+    return tuple(f * scale for f in factors), counts
+
+
+def step_factor(steps: Sequence[tuple[int, float]], x: float) -> float:
+    """The factor of the last ``(lower_bound, factor)`` of ``steps`` (ascending bounds) not above ``x``;
+    1 without steps."""
+    return steps[max(bisect.bisect_right([lo for lo, _ in steps], x) - 1, 0)][1] if steps else 1.0

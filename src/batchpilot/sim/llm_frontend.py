@@ -21,12 +21,21 @@ own traffic (never the traffic it predicts) and writes these fields into the pro
   fraction at one and at 64 sequences would otherwise tilt the line (its slope would price the step
   model's error, paid again on every sequence of every simulated step).
 
+* ``step_seq_factors``: ``(min_seqs, factor)`` per bin of sequences per step (``SEQ_EDGES``: 1, 2-3,
+  4-7, 8-15, 16-31, 32+): the loaded steps' forward over ``step_alpha`` times the prediction, per bin
+  (``line_fit.binned_factors``: each bin weighs ``SEQ_PRIOR_STEPS`` steps at 1 beside its own, so a bin
+  of few steps stays near 1; normalised so the totals agree). The step profile times each shape
+  alone over a synthetic grid; in live runs the steps of two and three sequences ran over it while
+  those of one and of four or more ran under it (docs/benchmarks.md, conv-llm): one ``step_alpha``
+  for all counts puts that shape into every TPOT.
+
 A simulated step takes ``step_seconds(predicted, seqs)``. ``LLMFrontEnd()`` adds nothing.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -36,6 +45,10 @@ import numpy as np
 
 from ..core.costmodel import CostModel, nonneg_lstsq
 from .frontend import check_finite_nonneg
+from .line_fit import binned_factors, step_factor
+
+SEQ_EDGES = (1, 2, 4, 8, 16, 32)  # the lower bounds of the bins of sequences per step
+SEQ_PRIOR_STEPS = 10.0  # a bin's factor weighs this many steps at 1 beside its own
 
 
 @dataclass(frozen=True)
@@ -46,21 +59,36 @@ class LLMFrontEnd:
     step_alpha: float = 1.0
     step_const_s: float = 0.0
     step_per_seq_s: float = 0.0
+    step_seq_factors: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
-        check_finite_nonneg("llm frontend", asdict(self))
+        scalars = {k: v for k, v in asdict(self).items() if k != "step_seq_factors"}
+        check_finite_nonneg("llm frontend", scalars)
+        factors = tuple((int(lo), float(f)) for lo, f in self.step_seq_factors)
+        object.__setattr__(self, "step_seq_factors", factors)
+        if factors and (any(not (math.isfinite(f) and f > 0) for _, f in factors)
+                        or [lo for lo, _ in factors] != sorted({lo for lo, _ in factors})):
+            raise ValueError(f"llm frontend.step_seq_factors = {factors!r}; must be (min_seqs, factor > 0) "
+                             "pairs with ascending min_seqs")
+
+    def forward_factor(self, seqs: int) -> float:
+        """``step_alpha`` times the ``step_seq_factors`` entry of a step of ``seqs`` sequences."""
+        return self.step_alpha * step_factor(self.step_seq_factors, seqs)
 
     def step_seconds(self, predicted_s: float, seqs: int) -> float:
         """A step's time as the streams see it, from the step profile's ``predicted_s``."""
-        return self.step_alpha * predicted_s + self.step_const_s + self.step_per_seq_s * seqs
+        return self.forward_factor(seqs) * predicted_s + self.step_const_s + self.step_per_seq_s * seqs
 
-    def to_dict(self) -> dict[str, float]:
-        return asdict(self)
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = asdict(self)
+        d["step_seq_factors"] = [list(p) for p in self.step_seq_factors]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LLMFrontEnd:
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: float(v) for k, v in d.items() if k in names})
+        names = {f.name for f in fields(cls)} - {"step_seq_factors"}
+        factors = tuple((int(lo), float(f)) for lo, f in d.get("step_seq_factors") or ())
+        return cls(**{k: float(v) for k, v in d.items() if k in names}, step_seq_factors=factors)
 
     @classmethod
     def from_profile(cls, path: str | Path) -> LLMFrontEnd:
@@ -85,12 +113,16 @@ class LLMFrontEnd:
         extra = cycle - fwd  # beyond the step's own forward (module docstring)
         n = np.asarray(seqs, dtype=float)
         const, per_seq = per_level_line(n, extra)
-        line = alpha * pred + const + per_seq * n  # step_seconds over every step
-        return cls(first_token_delay_s, alpha, const, per_seq), {
+        index = np.searchsorted(np.asarray(SEQ_EDGES[1:]), n, side="right")
+        factors, counts = binned_factors(index, len(SEQ_EDGES), fwd, alpha * pred, SEQ_PRIOR_STEPS)
+        fe = cls(first_token_delay_s, alpha, const, per_seq, tuple(zip(SEQ_EDGES, factors, strict=True)))
+        line = np.array([fe.forward_factor(int(k)) for k in n]) * pred + const + per_seq * n  # step_seconds
+        return fe, {
             "steps": len(starts), "mean_seqs": float(n.mean()), "p90_seqs": float(np.percentile(n, 90)),
             "max_seqs": int(n.max()), "seqs_levels": int(np.unique(n).size),
             "forward_over_predicted": alpha, "cycle_over_predicted": float(cycle.sum() / pred.sum()),
             "mean_extra_s": float(extra.mean()), "step_const_s": const, "step_per_seq_s": per_seq,
+            "seq_factors": [list(p) for p in fe.step_seq_factors], "seq_factor_steps": counts,
             "residual_std": float((cycle / line - 1.0).std())}
 
 

@@ -85,7 +85,7 @@ class EncoderTarget:
         the units of a batch of ``loaded_residual_ref_s`` seconds (``FrontEnd.residual_scale``);
         ``loaded_idle_factors``: the line's factor by the idle time before the batch (no batch running
         on any slot; ``sim.frontend.idle_factor``); ``loaded_token_factors``: its factor by the batch's
-        computed tokens (the thread plan's steps; ``sim.frontend.token_factor``).
+        computed tokens (the thread plan's steps; ``sim.line_fit.step_factor``).
         ``stop_after_misses = (sla_s, max_misses, warmup_s)``: stop the run (``StopSimulation``) once more
         than ``max_misses`` measured requests finished later than ``sla_s`` or failed — the tuner's
         early exit when a probe's P99 is already lost for certain."""

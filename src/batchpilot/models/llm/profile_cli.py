@@ -103,5 +103,6 @@ def serving_path(engine: Any, cost_model: Any) -> tuple[dict[str, Any], dict[str
           f"({details['first_token']['ok']} lone streams); under load a step takes "
           f"{frontend.step_alpha:.3f} x the step model + {frontend.step_const_s * 1e3:.2f} ms + "
           f"{frontend.step_per_seq_s * 1e3:.3f} ms per sequence ({details['loaded'].get('steps', 0)} "
-          f"steps) in {time.perf_counter() - t0:.1f} s")
+          f"steps) in {time.perf_counter() - t0:.1f} s; the forward by sequences per step: "
+          + ", ".join(f"x{f:.3f} from {lo}" for lo, f in frontend.step_seq_factors))
     return frontend.to_dict(), details
