@@ -15,6 +15,7 @@ import importlib.util
 import os
 import shlex
 import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,6 +31,7 @@ from batchpilot.server.ray_limits import check_max_ongoing, required_max_ongoing
 FLAGS = ["--noop", "--noop-delay-ms", "100", "--no-warmup", "--replica-cpus", "0.5",
          "--drain-timeout-s", "20"]
 HEADER = "x-batchpilot-replica"
+KEEP_ALIVE_S = 8  # past httpx's 5 s pool expiry, as serve's default (30 s) is
 BODY = {"model": "noop", "input": "a few words to embed"}
 
 
@@ -112,14 +114,16 @@ def ray_url() -> Iterator[str]:
     saved = dict(os.environ)  # start_cluster sets Serve's variables for the raylet it starts
     for var in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT"):  # fixed by default
         os.environ.setdefault(var, str(free_port()))
-    args = parse_serve_flags([*FLAGS, "--ray", "--replicas", "2", "--port", str(port)])
+    args = parse_serve_flags([*FLAGS, "--ray", "--replicas", "2", "--port", str(port),
+                              "--keep-alive-s", str(KEEP_ALIVE_S)])
     spec = spec_from_args(args)
+    settings = server_config(args, spec)
     ingress, _ = choose_ingress("haproxy")
-    start_cluster("127.0.0.1", port, ingress, num_cpus=2)
+    start_cluster("127.0.0.1", port, ingress, num_cpus=2, keep_alive_s=settings.keep_alive_s)
     from ray import serve
 
     try:
-        serve.run(bind_app(args, server_config(args, spec), spec), name=APP_NAME, route_prefix="/")
+        serve.run(bind_app(args, settings, spec), name=APP_NAME, route_prefix="/")
         url = f"http://127.0.0.1:{port}"
         seen: set[str] = set()  # a replica joins the ingress after its health check passes
         wait_for(lambda: bool(seen.add(httpx.get(url + "/health", timeout=10).headers[HEADER]))
@@ -192,6 +196,26 @@ def test_two_replicas_both_serve_and_batch_past_serves_default_of_five(ray_url: 
     for pid, m in metrics.items():
         assert m["batchpilot_batch_size_count"] > 0, pid
         assert some_batch_over(m, 5), (pid, {k: v for k, v in m.items() if "batch_size" in k})
+
+
+def test_the_ingress_keeps_an_idle_connection_for_keep_alive_s_then_closes_it(ray_url: str) -> None:
+    """``--keep-alive-s`` reaches Serve's ingress: a connection idle for less is served again, one
+    idle past it is closed without a word (Serve's own default is 90 s)."""
+    host, port = ray_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=KEEP_ALIVE_S + 20) as s:
+        for idle in (0.0, 2.0):
+            time.sleep(idle)
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
+            data = b""
+            while b'"status"' not in data:
+                chunk = s.recv(65536)
+                assert chunk, f"closed after {idle} s idle, within --keep-alive-s {KEEP_ALIVE_S}"
+                data += chunk
+            assert data.startswith(b"HTTP/1.1 200 ")
+        answered = time.monotonic()
+        while s.recv(65536):  # the rest of the last answer, if any; then the close
+            pass
+    assert KEEP_ALIVE_S * 0.9 <= time.monotonic() - answered <= KEEP_ALIVE_S + 15
 
 
 def test_health_answers_through_the_ingress(ray_url: str) -> None:

@@ -190,7 +190,8 @@ def run_ray(args: argparse.Namespace) -> int:
     if settings.host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
         log.warning("binding %s without --api-key: anyone who can reach this port can use the model",
                     settings.host)
-    start_cluster(settings.host, settings.port, ingress, args.ray_num_cpus, args.ray_address)
+    start_cluster(settings.host, settings.port, ingress, args.ray_num_cpus, args.ray_address,
+                  settings.keep_alive_s)
     log.info("ray: listening on every interface whatever --host says: %s", "; ".join(unbound_listeners(
         ingress)))
     stop = threading.Event()

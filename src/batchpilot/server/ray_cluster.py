@@ -6,7 +6,8 @@ instance and Serve's HTTP listener, bound to the host the user asked for.
     start_cluster(...)         ->  RAY_SERVE_ENABLE_HA_PROXY set before ray.serve is imported (Serve
                                    reads it at import), ray.init(include_dashboard=False, the node's IP
                                    = the host for a specific address), serve.start(http_options
-                                   host/port = --host/--port)
+                                   host/port = --host/--port, keep_alive_timeout_s =
+                                   --keep-alive-s rounded up)
                                    a local Ray: replicas behind HAProxy stay reachable for
                                    DEREGISTER_S (not Serve's 30 s) before they drain, since the
                                    only HAProxy is on this node
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import signal
 import socket
@@ -106,8 +108,10 @@ PROXY_CHECK_TIMEOUT_S = 30.0
 
 
 def start_cluster(host: str, port: int, ingress: str, num_cpus: float | None = None,
-                  address: str | None = None) -> None:
-    """Start (or join, with ``address``) Ray and Serve's HTTP listener on ``host:port``."""
+                  address: str | None = None, keep_alive_s: float | None = None) -> None:
+    """Start (or join, with ``address``) Ray and Serve's HTTP listener on ``host:port``; with
+    ``keep_alive_s`` (``serve --keep-alive-s``), the ingress closes a kept-alive connection idle that
+    long (rounded up to whole seconds: Serve takes an int), else after Serve's default."""
     want = "1" if ingress == "haproxy" else "0"
     if "ray.serve" in sys.modules and os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", "0") != want:
         raise RuntimeError("ray.serve was imported before the ingress was chosen; Serve reads "
@@ -132,7 +136,10 @@ def start_cluster(host: str, port: int, ingress: str, num_cpus: float | None = N
         if node_ip not in ("0.0.0.0", "::", ""):
             kwargs["_node_ip_address"] = node_ip
     ray.init(**kwargs)
-    serve.start(http_options={"host": host, "port": port})
+    http: dict[str, Any] = {"host": host, "port": port}
+    if keep_alive_s is not None:
+        http["keep_alive_timeout_s"] = max(math.ceil(keep_alive_s), 1)
+    serve.start(http_options=http)
 
 
 def stop_cluster(app_name: str, timeout_s: float) -> bool:
