@@ -8,15 +8,15 @@ after its lone requests, replays ``LOADED_REQUESTS`` open-loop from a child proc
   (``alternating_arrivals``, which the LLM's loaded phase uses too);
 * ``thread_cpu_s`` / ``competing_cpu``: the CPU seconds per request that competed with the model
   (every thread of this process but the model's, plus the load generator when it shares the cores);
-* ``fit_loaded``: the line ``predicted * alpha * (1 + slope_s * rate) * idle factor + const`` over the
-  batches the server ran (``slope_s`` measured, at most ``competing_cpu_s``), and their spread
-  around it; ``idle_factors``: how much slower
+* ``fit_loaded``: the line ``predicted * alpha * (1 + competing_cpu_s * rate) * idle factor + const``
+  over the batches the server ran, and their spread around it; ``idle_factors``: how much slower
   than the line a batch runs after the server sat idle for a while than right behind another batch.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import statistics
 from collections.abc import Sequence
@@ -41,7 +41,6 @@ LOADED_REQUESTS = 240  # ~10-20 s of traffic for MiniLM on one CPU core
 LOADED_SHARES = (0.3, 0.75, 1.25)
 LOADED_SEGMENTS = 6  # the loaded traffic takes turns at the shares in this many segments
 IDLE_PRIOR_BATCHES = 10.0  # an idle bin's factor weighs this many batches at 1 beside its own
-SLOPE_STEPS = 21  # the rate slopes tried, from none to the accounted CPU per request
 
 
 def one_input(length: int, padding: str) -> BatchShape:
@@ -93,16 +92,14 @@ def alternating_arrivals(n: int, mean_gaps_s: Sequence[float], rng: random.Rando
 
 def fit_loaded(batches: list[Loaded], cost_model: CostModel, competing_cpu_s: float = 0.0,
                token_steps: Sequence[int] = (0,)) -> tuple[tuple[float, float, float], dict[str, Any]]:
-    """``slot_s ~ predicted * alpha * (1 + slope_s * rate) * step_factor(tokens) * idle_factor(idle) +
-    const`` over the loaded batches, ``rate`` = requests that arrived in the ``RATE_WINDOW_S`` before
-    the batch started, per second, ``tokens`` the batch's computed tokens, binned at ``token_steps``
-    (the thread plan's: ``token_factors``), ``idle`` the time no batch ran before it
-    (``idle_factors``), ``const`` the seconds every batch takes beyond that (``per_batch_const``);
-    ``alpha`` makes the totals agree. ``slope_s``, the model seconds a request takes away, is measured:
-    of ``SLOPE_STEPS`` values from 0 to ``competing_cpu_s`` (the CPU seconds a request cost outside
-    the model, accounted: at most what it can take), the one whose line has the least squared
-    relative error. Returns ``(alpha, alpha * slope_s, const)`` (``FrontEnd``'s loaded line) and what
-    was measured, ``token_factors``, ``idle_factors`` and ``slope_errors`` among it."""
+    """``slot_s ~ predicted * alpha * (1 + competing_cpu_s * rate) * step_factor(tokens) *
+    idle_factor(idle) + const`` over the loaded batches, ``rate`` = requests that arrived in the
+    ``RATE_WINDOW_S`` before the batch started, per second, ``tokens`` the batch's computed tokens,
+    binned at ``token_steps`` (the thread plan's: ``token_factors``), ``idle`` the time no batch ran
+    before it (``idle_factors``), ``const`` the seconds every batch takes beyond that
+    (``per_batch_const``); ``alpha`` makes the totals agree. Returns ``(alpha, alpha *
+    competing_cpu_s, const)`` (``FrontEnd``'s loaded line) and what was measured, ``token_factors``
+    and ``idle_factors`` among it."""
     if len(batches) < 10:
         return (1.0, 0.0, 0.0), {"batches": len(batches), "note": "too few batches: not measured"}
     batches = sorted(batches, key=lambda b: b.start)
@@ -110,31 +107,7 @@ def fit_loaded(batches: list[Loaded], cost_model: CostModel, competing_cpu_s: fl
     pred = np.array([cost_model.latency(b.features) for b in batches])
     took = np.array([b.slot_s for b in batches])
     idle = np.array(idle_times([b.start for b in batches], took.tolist()))
-    tokens = np.array([b.features.get("tokens", 0.0) for b in batches])
-    slopes = np.linspace(0.0, max(competing_cpu_s, 0.0), SLOPE_STEPS if competing_cpu_s > 0 else 1)
-    fits = [_line_at(pred * (1.0 + s * rate), took, tokens, idle, token_steps) for s in slopes]
-    errors = [float(np.sum((took / f[0] - 1.0) ** 2)) for f in fits]
-    best = int(np.argmin(errors))
-    slope, (line, alpha, const, by_tokens, token_counts, factors, counts) = float(slopes[best]), fits[best]
-    ref_s = float(np.median(line))
-    residuals = residual_units(took / line - 1.0, line, ref_s)
-    return (alpha, alpha * slope, const), {
-        "batches": len(batches),
-        "mean_batch_size": float(np.mean([b.features.get("n", 1.0) for b in batches])),
-        "rate_min": float(rate.min()), "rate_max": float(rate.max()), "rate_mean": float(rate.mean()),
-        "slot_over_predicted": float(took.sum() / pred.sum()), "alpha": alpha,
-        "competing_cpu_s": competing_cpu_s, "slope_s": slope, "rate_coef": alpha * slope,
-        "slope_errors": [[float(s), e] for s, e in zip(slopes, errors, strict=True)], "const_s": const,
-        "idle_factors": list(factors), "idle_batches": counts,
-        "token_factors": [list(step) for step in by_tokens], "token_batches": token_counts,
-        "residuals": sorted(float(r) for r in residuals), "residual_std": float(residuals.std()),
-        "residual_ref_s": ref_s}
-
-
-def _line_at(base: np.ndarray, took: np.ndarray, tokens: np.ndarray, idle: np.ndarray,
-             token_steps: Sequence[int]) -> tuple[Any, ...]:
-    """``fit_loaded``'s line for the batches' rate-scaled prices ``base``: ``(line, alpha, const,
-    token factors, batches per token step, idle factors, batches per idle bin)``."""
+    base = pred * (1.0 + competing_cpu_s * rate)
     const = per_batch_const(base, took)
     took_var = np.maximum(took - const, 1e-6)  # the part that scales with the batch
     factors: tuple[float, ...] = ()
@@ -142,13 +115,30 @@ def _line_at(base: np.ndarray, took: np.ndarray, tokens: np.ndarray, idle: np.nd
     by_tokens: tuple[tuple[int, float], ...] = ()
     token_counts: list[int] = []
     if base.sum() > 0 and took_var.sum() > 0:
+        tokens = np.array([b.features.get("tokens", 0.0) for b in batches])
         by_tokens, token_counts = token_factors(tokens, token_steps, took_var,
                                                 base * (took_var.sum() / base.sum()))
         base = base * np.array([step_factor(by_tokens, t) for t in tokens])
         factors, counts = idle_factors(idle, took_var, base * (took_var.sum() / base.sum()))
         base = base * np.array([idle_factor(factors, t) for t in idle])
     alpha = float(took_var.sum() / base.sum()) if base.sum() > 0 else 1.0
-    return alpha * base + const, alpha, const, by_tokens, token_counts, factors, counts
+    # for comparison only: the slope a least-squares fit of ``predicted * (a + b * rate)`` would give
+    w = 1.0 / np.maximum(took, 1e-6)
+    a, b = nonneg_lstsq(np.column_stack([pred, pred * rate]) * w[:, None], took * w)
+    fitted_s = float(b / a) if a > 0 else math.nan
+    line = alpha * base + const
+    ref_s = float(np.median(line))
+    residuals = residual_units(took / line - 1.0, line, ref_s)
+    return (alpha, alpha * competing_cpu_s, const), {
+        "batches": len(batches),
+        "mean_batch_size": float(np.mean([b.features.get("n", 1.0) for b in batches])),
+        "rate_min": float(rate.min()), "rate_max": float(rate.max()), "rate_mean": float(rate.mean()),
+        "slot_over_predicted": float(took.sum() / pred.sum()), "alpha": alpha,
+        "competing_cpu_s": competing_cpu_s, "rate_coef": alpha * competing_cpu_s, "const_s": const,
+        "least_squares_s_per_request": fitted_s, "idle_factors": list(factors), "idle_batches": counts,
+        "token_factors": [list(step) for step in by_tokens], "token_batches": token_counts,
+        "residuals": sorted(float(r) for r in residuals), "residual_std": float(residuals.std()),
+        "residual_ref_s": ref_s}
 
 
 def per_batch_const(base: np.ndarray, took: np.ndarray) -> float:
