@@ -31,7 +31,7 @@ The fields:
 * ``loaded_alpha``, ``loaded_rate_coef``, ``loaded_const_s``: a batch under serving load takes
   ``predicted * (loaded_alpha + loaded_rate_coef * rate) + loaded_const_s``, ``rate`` being the requests
   that reached the server in the second before it started (``RATE_WINDOW_S``). Measured by the profile
-  with its own open-loop traffic at two rates (``server/serving_load.py``): the model runs slower while
+  with its own open-loop traffic at three rates (``server/serving_load.py``): the model runs slower while
   the server handles requests (their HTTP, JSON and tokenising share its cores) than alone in the
   profiler's loop. ``loaded_rate_coef / loaded_alpha`` is the CPU seconds a request costs outside the
   model thread, accounted; ``loaded_alpha`` the speed of the loaded batches against the profile.

@@ -1,0 +1,73 @@
+"""Does a batch slow down with the request rate as its profile says? Every batch of a fidelity matrix.
+
+    .venv/bin/python benchmarks/rate_slope.py DIR [--profiles OTHER_DIR]
+
+For each folder DIR/<workload>-<cpus>/ of `benchmarks/fidelity.py --out DIR`, reads the server's batch
+log (`batches.jsonl`, every load point of the run) and prices each batch as the simulator does
+(`FrontEnd.batch_seconds`: the cost model under serving load at the rate of the second before it,
+after its idle time), against DIR/profile-<cpus>.json, or OTHER_DIR's with `--profiles` (the same
+runs priced by other profiles). It prints the batches' slot seconds over that price by request rate,
+among the batches that started right behind another (under 2 ms idle) and among those after 10-100
+ms idle, so that the idle factors do not mix into the rate: a line whose rate slope is right stays
+flat across the rates. The rate is counted from the batches' own requests (the ones served in the
+second before), a stand-in for the arrivals that the batch log does not hold.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+
+from batchpilot.core.costmodel import CostModel
+from batchpilot.runtime.batch_log import read_batches
+from batchpilot.sim.frontend import FrontEnd, idle_times, rates_before
+
+RATE_BINS = ((0, 10), (10, 20), (20, 30), (30, 45), (45, 10**6))
+IDLE_BINS = (("idle < 2 ms", 0.0, 0.002), ("idle 10-100 ms", 0.01, 0.1))
+MIN_BATCHES = 10  # a cell with fewer is left out
+
+
+def slot_over_price(run: Path, profile: Path) -> dict[str, list[tuple[str, float, int]]]:
+    """Per idle bin, per rate bin with enough batches: (rate bin, slot / price, batches)."""
+    cost_model, frontend = CostModel.load(profile), FrontEnd.from_profile(profile)
+    if frontend is None:
+        raise SystemExit(f"{profile} has no serving path (profiled with --no-serving-path)")
+    batches = sorted(read_batches(run / "batches.jsonl", 0)[0], key=lambda b: b.start)
+    starts = [b.start for b in batches]
+    slot = np.array([b.slot_s for b in batches])
+    rate = np.array(rates_before(starts, [b.start for b in batches for _ in range(b.n)]))
+    idle = np.array(idle_times(starts, slot.tolist()))
+    price = np.array([frontend.batch_seconds(cost_model.latency(b.features), r, t,
+                                             b.features.get("tokens", 0.0))
+                      for b, r, t in zip(batches, rate, idle, strict=True)])
+    out: dict[str, list[tuple[str, float, int]]] = {}
+    for name, lo_idle, hi_idle in IDLE_BINS:
+        cells = []
+        for lo, hi in RATE_BINS:
+            m = (idle >= lo_idle) & (idle < hi_idle) & (rate >= lo) & (rate < hi)
+            if m.sum() >= MIN_BATCHES:
+                label = f"{lo}-{hi}/s" if hi < 10**6 else f">= {lo}/s"
+                cells.append((label, float(slot[m].sum() / price[m].sum()), int(m.sum())))
+        out[name] = cells
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", help="the --out folder of benchmarks/fidelity.py")
+    ap.add_argument("--profiles", help="price the runs with this folder's profile-<cpus>.json instead")
+    args = ap.parse_args()
+    out = Path(args.out)
+    profiles = Path(args.profiles) if args.profiles else out
+    for run in sorted(p for p in out.iterdir() if (p / "batches.jsonl").is_file()):
+        cpus = run.name.rsplit("-", 1)[1]
+        for name, cells in slot_over_price(run, profiles / f"profile-{cpus}.json").items():
+            print(f"{run.name:<16} {name:<15} "
+                  + "; ".join(f"{label}: {r:.3f} ({n})" for label, r, n in cells))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
