@@ -182,12 +182,14 @@ def live_server(executor: Any, config: SchedulerConfig | None = None, *,
         thread.join(15)
 
 
-def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition") -> None:
-    """Poll a condition that the server reaches asynchronously (a bounded wait, not a timing assertion)."""
+def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0,
+             what: str | Callable[[], str] = "condition") -> None:
+    """Poll a condition that the server reaches asynchronously (a bounded wait, not a timing assertion).
+    ``what`` names it in the failure; a callable is called then (to say what was last seen)."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
+            raise AssertionError(f"timed out waiting for {what() if callable(what) else what}")
         time.sleep(0.01)
 
 
