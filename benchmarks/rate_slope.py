@@ -6,11 +6,12 @@ For each folder DIR/<workload>-<cpus>/ of `benchmarks/fidelity.py --out DIR`, re
 log (`batches.jsonl`, every load point of the run) and prices each batch as the simulator does
 (`FrontEnd.batch_seconds`: the cost model under serving load at the rate of the second before it,
 after its idle time), against DIR/profile-<cpus>.json, or OTHER_DIR's with `--profiles` (the same
-runs priced by other profiles). It prints the batches' slot seconds over that price by request rate,
-among the batches that started right behind another (under 2 ms idle) and among those after 10-100
-ms idle, so that the idle factors do not mix into the rate: a line whose rate slope is right stays
-flat across the rates. The rate is counted from the batches' own requests (the ones served in the
-second before), a stand-in for the arrivals that the batch log does not hold.
+runs priced by other profiles). It prints the batches' slot seconds over that price by request rate
+(`run_speed.by_rate`'s bins), among the batches that started right behind another (under 2 ms
+idle) and among those after 10-100 ms idle, so that the idle factors do not mix into the rate: a
+line whose rate slope is right stays flat across the rates. The rate is counted from the batches'
+own requests (the ones served in the second before), a stand-in for the arrivals that the batch
+log does not hold.
 """
 
 from __future__ import annotations
@@ -18,39 +19,30 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import numpy as np
-
+from batchpilot.bench.run_speed import by_rate, idle_before, priced_seconds
 from batchpilot.core.costmodel import CostModel
 from batchpilot.runtime.batch_log import read_batches
-from batchpilot.sim.frontend import FrontEnd, idle_times, rates_before
+from batchpilot.sim.frontend import FrontEnd, rates_before
 
-RATE_BINS = ((0, 10), (10, 20), (20, 30), (30, 45), (45, 10**6))
 IDLE_BINS = (("idle < 2 ms", 0.0, 0.002), ("idle 10-100 ms", 0.01, 0.1))
 MIN_BATCHES = 10  # a cell with fewer is left out
 
 
 def slot_over_price(run: Path, profile: Path) -> dict[str, list[tuple[str, float, int]]]:
-    """Per idle bin, per rate bin with enough batches: (rate bin, slot / price, batches)."""
+    """Per idle bin, per ``run_speed.RATE_BINS`` bin with enough batches: (rate bin, slot / price,
+    batches), the price ``run_speed.priced_seconds``'s."""
     cost_model, frontend = CostModel.load(profile), FrontEnd.from_profile(profile)
     if frontend is None:
         raise SystemExit(f"{profile} has no serving path (profiled with --no-serving-path)")
     batches = sorted(read_batches(run / "batches.jsonl", 0)[0], key=lambda b: b.start)
-    starts = [b.start for b in batches]
-    slot = np.array([b.slot_s for b in batches])
-    rate = np.array(rates_before(starts, [b.start for b in batches for _ in range(b.n)]))
-    idle = np.array(idle_times(starts, slot.tolist()))
-    price = np.array([frontend.batch_seconds(cost_model.latency(b.features), r, t,
-                                             b.features.get("tokens", 0.0))
-                      for b, r, t in zip(batches, rate, idle, strict=True)])
+    rates = rates_before([b.start for b in batches], [b.start for b in batches for _ in range(b.n)])
+    idle = idle_before(batches)
+    price = priced_seconds(batches, cost_model, frontend, rates, idle)
     out: dict[str, list[tuple[str, float, int]]] = {}
-    for name, lo_idle, hi_idle in IDLE_BINS:
-        cells = []
-        for lo, hi in RATE_BINS:
-            m = (idle >= lo_idle) & (idle < hi_idle) & (rate >= lo) & (rate < hi)
-            if m.sum() >= MIN_BATCHES:
-                label = f"{lo}-{hi}/s" if hi < 10**6 else f">= {lo}/s"
-                cells.append((label, float(slot[m].sum() / price[m].sum()), int(m.sum())))
-        out[name] = cells
+    for name, lo, hi in IDLE_BINS:
+        keep = [i for i, t in enumerate(idle) if lo <= t < hi]
+        cells = by_rate([batches[i] for i in keep], [price[i] for i in keep], [rates[i] for i in keep])
+        out[name] = [(label, 1.0 + r, n) for label, n, r in cells if n >= MIN_BATCHES]
     return out
 
 
