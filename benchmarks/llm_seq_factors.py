@@ -7,7 +7,8 @@ sequences per step (``frontend.step_seq_factors``) and with one ``step_alpha`` f
 
 Reads OUT's ``fidelity.json`` (the rows, rate scales, engine config and live measurements) and
 ``llm_profile.json`` (the profile the command made before its server started; with ``--profile P``,
-pass P as the second argument), simulates every point both ways and prints each latency's error
+pass P as the second argument), simulates every point both ways as the command did
+(``bench.llm_fidelity.simulate``) and prints each latency's error
 against the live run. Both predictions use the profile only; the live numbers are the command's own.
 """
 
@@ -18,9 +19,9 @@ import json
 import sys
 from pathlib import Path
 
+from batchpilot.bench.llm_fidelity import simulate
 from batchpilot.core.costmodel import CostModel
 from batchpilot.core.llm_scheduler import LLMSchedulerConfig
-from batchpilot.sim.llm import simulate_llm
 from batchpilot.sim.llm_frontend import LLMFrontEnd
 from batchpilot.sim.workloads import load_workload
 
@@ -46,9 +47,9 @@ def main(argv: list[str]) -> int:
         m = point["measured"]
         measured = (m["ttft"]["p50"], m["ttft"]["p99"], m["tpot"]["p50"], m["tpot"]["p99"])
         for name, fe in (("per count of sequences", frontend), ("one step_alpha", alone)):
-            r = simulate_llm(rows.scale_rate(point["rate_scale"]), config, cost_model, frontend=fe).report()
-            errors = [(p - q) / q for p, q in zip((r.ttft_p50, r.ttft_p99, r.tpot_p50, r.tpot_p99), measured,
-                                                  strict=True)]
+            s, _ = simulate(rows.scale_rate(point["rate_scale"]), config, cost_model, result["sla_s"], fe)
+            predicted = (s.ttft["p50"], s.ttft["p99"], s.tpot["p50"], s.tpot["p99"])
+            errors = [(p - q) / q for p, q in zip(predicted, measured, strict=True)]
             print(f"{point['load']:>5.0%}  {name:<22}" + "".join(f"{e:>+10.1%}" for e in errors)
                   + f"  {sum(abs(e) <= 0.10 for e in errors)}/4")
     return 0
