@@ -23,6 +23,9 @@ from batchpilot.server.serving_load import (
     alternating_arrivals,
     competing_cpu,
     fit_loaded,
+    loaded_plan,
+    loaded_token_steps,
+    log_weights,
     per_batch_const,
 )
 from batchpilot.server.serving_profile import measure_serving_path
@@ -103,8 +106,13 @@ def test_any_executor_with_its_own_texts() -> None:
     loaded = details["loaded"]
     assert loaded["batches"] >= 10 and 0.8 < loaded["slot_over_predicted"] < 3.0
     assert len(frontend.loaded_residuals) == loaded["batches"]
-    assert frontend.batch_seconds(0.002) == pytest.approx(  # right behind another batch
-        frontend.loaded_alpha * 0.002 * frontend.loaded_idle_factors[0] + frontend.loaded_const_s)
+    from batchpilot.sim.line_fit import step_factor
+
+    assert frontend.batch_seconds(0.002) == pytest.approx(  # right behind another batch, of no tokens
+        frontend.loaded_alpha * 0.002 * frontend.loaded_idle_factors[0]
+        * step_factor(frontend.loaded_token_factors, 0.0) + frontend.loaded_const_s)
+    assert [lo for lo, _ in frontend.loaded_token_factors] == [0, 32, 64, 128, 256, 512, 1024]
+    assert len(loaded["measured"]) == loaded["batches"]  # what the line was fitted on, in the file
     # the slope is the CPU each request cost outside the model thread, accounted, times alpha
     cpu = loaded["cpu"]
     assert cpu["requests"] == 30 and cpu["model_threads_cpu_s"] >= 0 and cpu["other_threads_cpu_s"] >= 0
@@ -270,6 +278,33 @@ def test_fit_loaded_prices_each_thread_count_of_the_plan_apart() -> None:
     assert sum(priced) == pytest.approx(sum(b.slot_s for b in batches), rel=1e-4)
     _, one = fit_loaded(batches, model)  # one count of threads: no token factors, a wider spread
     assert one["token_factors"] == [] and one["residual_std"] > details["residual_std"]
+
+
+def test_the_loaded_token_steps_join_the_thread_plan_and_the_size_edges() -> None:
+    from batchpilot.models.threads import ThreadPlan
+
+    class Ex:
+        threads = ThreadPlan(((0, 1), (320, 2)))
+
+    assert loaded_token_steps(Ex()) == [0, 32, 64, 128, 256, 320, 512, 1024]
+    assert loaded_token_steps(object()) == [0, 32, 64, 128, 256, 512, 1024]  # no plan: the edges
+
+
+def test_the_loaded_plan_spreads_its_lengths_evenly_on_a_log_scale() -> None:
+    """The profile's lengths are evenly spaced (4 .. 512 tokens); picked by ``log_weights``, each doubling
+    of length gets about the same share of the loaded requests, so short batches are measured too."""
+    lengths = [int(round(x)) for x in np.linspace(4, 512, 24)]
+    w = log_weights(lengths)
+    assert sum(w) == pytest.approx(math.log(512 / 4))
+    assert w[1] > w[2] > w[-2] > w[-1] > 0  # a longer length covers less of a doubling (the ends: half)
+    assert log_weights([7]) == [pytest.approx(1e-3)] and log_weights([5, 5]) == [pytest.approx(1e-3)] * 2
+    model = CostModel(latency_coef=(0.005, 0.0, 1e-5, 0.0))
+    plan = loaded_plan([f"t{n}" for n in lengths], lengths, model, "none", 0, 7000)
+    bins = [4, 8, 16, 32, 64, 128, 256, 513]
+    share = np.histogram([p.input_tokens for p in plan], bins=bins)[0] / len(plan)
+    # the lengths nearest each doubling: 4 alone up to ~10 tokens, then every ~22 tokens
+    assert share[:2].sum() == pytest.approx(math.log(10.2 / 4) / math.log(128), abs=0.02)
+    assert all(abs(s - 1 / 7) < 0.05 for s in share[4:])  # from 64 tokens on, a seventh each
 
 
 def test_lone_requests_come_from_a_child_process_one_at_a_time_with_the_gap_between() -> None:

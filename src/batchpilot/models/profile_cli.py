@@ -83,7 +83,7 @@ def register(subparsers: Any) -> None:
                    help="skip the serving-path measurement (the profile's 'frontend' entry)")
     p.add_argument("--serving-requests", type=int, default=24,
                    help="serving path: input lengths from 4 tokens to the model's limit, each sent twice")
-    p.add_argument("--loaded-requests", type=int, default=240,
+    p.add_argument("--loaded-requests", type=int, default=360,
                    help="serving path: open-loop requests that measure a batch's time under serving load "
                         "(0 = not measured)")
     p.add_argument("--recheck", default=None, metavar="PROFILE",

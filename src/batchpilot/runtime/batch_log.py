@@ -2,8 +2,8 @@
 
 A batch observer of the ``Batcher`` (``batcher.batch_observers``): for every batch that ran, when the
 scheduler formed it, when its slot started it, how long the slot was busy with it (the executor call
-plus the thread hand-off: what
-the simulator's cost model stands for), its size and its cost-model features. ``bench fidelity``
+plus the thread hand-off: what the simulator's cost model stands for), its size, its cost-model features
+and its requests' arrivals at the scheduler. ``bench fidelity``
 reads it while the server writes (line-buffered; ``read_batches`` takes whole lines only) to report how
 the run's batches compared with the profile. Nothing fits a prediction on it.
 """
@@ -28,7 +28,8 @@ class BatchLog:
             return
         self._f.write(json.dumps({"batch": batch.id, "formed": batch.formed_at, "start": start,
                                   "slot_s": slot_s, "n": batch.size,
-                                  "predicted_s": batch.predicted_s, "features": batch.shape.features()})
+                                  "predicted_s": batch.predicted_s, "features": batch.shape.features(),
+                                  "arrivals": [r.arrival for r in batch.requests]})
                       + "\n")
 
     def close(self) -> None:
@@ -43,6 +44,7 @@ class LoggedBatch:
     features: dict[str, float]
     formed: float = math.nan
     predicted_s: float = math.nan  # what the scheduler predicted (its cost model, no load terms)
+    arrivals: tuple[float, ...] = ()  # its requests' arrivals at the scheduler (the profile's rate clock)
 
 
 def read_batches(path: str | Path, offset: int = 0) -> tuple[list[LoggedBatch], int]:
@@ -57,5 +59,6 @@ def read_batches(path: str | Path, offset: int = 0) -> tuple[list[LoggedBatch], 
             d = json.loads(line)
             out.append(LoggedBatch(float(d["start"]), float(d["slot_s"]), int(d["n"]),
                                    {k: float(v) for k, v in d["features"].items()},
-                                   float(d.get("formed", math.nan)), float(d.get("predicted_s", math.nan))))
+                                   float(d.get("formed", math.nan)), float(d.get("predicted_s", math.nan)),
+                                   tuple(float(a) for a in d.get("arrivals", ()))))
     return out, offset + end

@@ -35,12 +35,16 @@ from ..sim.frontend import (
 )
 from ..sim.line_fit import binned_factors, step_factor
 
-LOADED_REQUESTS = 240  # ~10-20 s of traffic for MiniLM on one CPU core
+LOADED_REQUESTS = 360  # ~10-20 s of traffic for MiniLM on one CPU core
 # of one slot's one-at-a-time rate: three loads, to see how the rate slows a batch, the last past what
 # one slot serves alone, where a batching server's capacity (the rate its predictions are used at) lies
 LOADED_SHARES = (0.3, 0.75, 1.25)
 LOADED_SEGMENTS = 6  # the loaded traffic takes turns at the shares in this many segments
 IDLE_PRIOR_BATCHES = 10.0  # an idle bin's factor weighs this many batches at 1 beside its own
+# computed tokens per batch at which the loaded line's token factors change, beside the thread plan's
+# steps: under load a batch's time over its lone price depends on its size (the hand-offs and the
+# threads' synchronisation weigh most on short multi-threaded batches), not only on its thread count
+LOADED_TOKEN_EDGES = (32, 64, 128, 256, 512, 1024)
 
 
 def one_input(length: int, padding: str) -> BatchShape:
@@ -59,16 +63,31 @@ class Loaded:
 
 def loaded_plan(texts: list[str], lengths: list[int], cost_model: CostModel, padding: str,
                 seed: int, n: int) -> list[PlannedRequest]:
-    """``n`` of the texts, seeded, at ``alternating_arrivals`` taking turns at the ``LOADED_SHARES`` of
-    the rate at which one slot serves them alone (the cost model's mean lone latency)."""
+    """``n`` of the texts, seeded, picked with ``log_weights`` (the same share of requests in every
+    doubling of length, so every ``LOADED_TOKEN_EDGES`` bin sees batches), at ``alternating_arrivals``
+    taking turns at the ``LOADED_SHARES`` of the rate at which one slot serves them alone (the cost
+    model's mean lone latency)."""
     if n <= 0:
         return []
     rng = random.Random(seed + 7)
-    pick = [rng.randrange(len(texts)) for _ in range(n)]
+    pick = rng.choices(range(len(texts)), weights=log_weights(lengths), k=n)
     alone = max(statistics.mean(cost_model.latency(one_input(lengths[i], padding)) for i in pick), 1e-4)
     times = alternating_arrivals(n, tuple(alone / share for share in LOADED_SHARES), rng)
     return [PlannedRequest(k, t, lengths[i], 0, {"input": texts[i]})
             for k, (t, i) in enumerate(zip(times, pick, strict=True))]
+
+
+def log_weights(lengths: Sequence[int]) -> list[float]:
+    """Per length, the log-width of the lengths nearer to it than to its neighbours (cut at their
+    geometric means, within the shortest and the longest): picked with these weights, lengths spread
+    evenly on a log scale."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    xs = [max(float(lengths[i]), 1.0) for i in order]
+    cuts = [xs[0], *(math.sqrt(a * b) for a, b in zip(xs, xs[1:], strict=False)), xs[-1]]
+    out = [0.0] * len(lengths)
+    for k, i in enumerate(order):
+        out[i] = max(math.log(cuts[k + 1] / cuts[k]), 1e-3)  # one length alone, or two equal: still picked
+    return out
 
 
 def alternating_arrivals(n: int, mean_gaps_s: Sequence[float], rng: random.Random,
@@ -95,7 +114,7 @@ def fit_loaded(batches: list[Loaded], cost_model: CostModel, competing_cpu_s: fl
     """``slot_s ~ predicted * alpha * (1 + competing_cpu_s * rate) * step_factor(tokens) *
     idle_factor(idle) + const`` over the loaded batches, ``rate`` = requests that arrived in the
     ``RATE_WINDOW_S`` before the batch started, per second, ``tokens`` the batch's computed tokens,
-    binned at ``token_steps`` (the thread plan's: ``token_factors``), ``idle`` the time no batch ran
+    binned at ``token_steps`` (``loaded_token_steps``: ``token_factors``), ``idle`` the time no batch ran
     before it (``idle_factors``), ``const`` the seconds every batch takes beyond that
     (``per_batch_const``); ``alpha`` makes the totals agree. Returns ``(alpha, alpha *
     competing_cpu_s, const)`` (``FrontEnd``'s loaded line) and what was measured, ``token_factors``
@@ -138,7 +157,9 @@ def fit_loaded(batches: list[Loaded], cost_model: CostModel, competing_cpu_s: fl
         "least_squares_s_per_request": fitted_s, "idle_factors": list(factors), "idle_batches": counts,
         "token_factors": [list(step) for step in by_tokens], "token_batches": token_counts,
         "residuals": sorted(float(r) for r in residuals), "residual_std": float(residuals.std()),
-        "residual_ref_s": ref_s}
+        "residual_ref_s": ref_s,
+        "measured": [{"start": b.start, "slot_s": b.slot_s, "features": b.features, "arrivals": b.arrivals}
+                     for b in batches]}
 
 
 def per_batch_const(base: np.ndarray, took: np.ndarray) -> float:
@@ -163,9 +184,16 @@ def idle_factors(idle: np.ndarray, took: np.ndarray, line: np.ndarray,
     return binned_factors(index, len(IDLE_EDGES_S) + 1, took, line, prior)
 
 
+def loaded_token_steps(executor: Any) -> list[int]:
+    """The loaded line's token steps: 0, the executor's thread plan's steps (``models/threads.py``; none
+    without a plan) and ``LOADED_TOKEN_EDGES``."""
+    plan = getattr(executor, "threads", None)
+    return sorted({0, *(int(lo) for lo, _ in (plan.steps if plan is not None else ())), *LOADED_TOKEN_EDGES})
+
+
 def token_factors(tokens: np.ndarray, steps: Sequence[int], took: np.ndarray, line: np.ndarray,
                   prior: float = IDLE_PRIOR_BATCHES) -> tuple[tuple[tuple[int, float], ...], list[int]]:
-    """Per step of ``steps`` (min tokens, ascending from 0: the thread plan's), the batches' time over
+    """Per step of ``steps`` (min tokens, ascending from 0: ``token_steps``), the batches' time over
     their ``line`` (``binned_factors``), as ``FrontEnd.loaded_token_factors``; none for one step."""
     if len(steps) < 2:
         return (), [len(tokens)]

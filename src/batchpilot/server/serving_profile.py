@@ -74,6 +74,7 @@ from .serving_load import (
     competing_cpu,
     fit_loaded,
     loaded_plan,
+    loaded_token_steps,
     one_input,
     thread_cpu_s,
 )
@@ -127,8 +128,8 @@ def measure_serving_path(executor: Any, cost_model: CostModel, *, requests: int 
     idle, busy = _contention(executor, texts, lengths, padding)
     idle_s, busy_s = statistics.median(idle), statistics.median(busy)
     factor = max(busy_s / idle_s, 1.0) if idle_s > 0 else 1.0
-    steps = [lo for lo, _ in executor.threads.steps] if getattr(executor, "threads", None) else [0]
-    (alpha, rate_coef, const), load_details = fit_loaded(batches, cost_model, competing_s, steps)
+    (alpha, rate_coef, const), load_details = fit_loaded(batches, cost_model, competing_s,
+                                                         loaded_token_steps(executor))
     load_details["cpu"] = cpu_details
     delay_const, delay_coef, delay_details = fit_loaded_delay(loaded_rows, fitted, len(traffic),
                                                               LOADED_SEGMENTS)
