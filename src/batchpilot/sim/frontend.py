@@ -46,8 +46,10 @@ The fields:
   Measured by the profile on the same loaded batches (``server.serving_load.idle_factors``); none
   (old profiles): 1 at every idle time.
 * ``loaded_token_factors``: ``(min_tokens, factor)`` steps from 0 at the thread plan's steps
-  (``models/threads.py``): a batch's loaded term is also multiplied by its step's factor, since a batch on
-  two threads contends with the front end for the second core and one on one thread does not.
+  (``models/threads.py``) and every doubling from 32 tokens (``serving_load.loaded_token_steps``): a
+  batch's loaded term is also multiplied by its step's factor, since a batch on two threads contends
+  with the front end for the second core and one on one thread does not, and a short batch feels the
+  hand-offs and the threads' synchronisation more than a long one.
   Measured on the same loaded batches (``serving_load.fit_loaded``); none: 1 at every size.
 * ``serial_busy_factor``: how much slower the tokenizer is while the model runs a batch (both share
   the CPU) than on an idle machine, >= 1; under load the model is nearly always busy, so the serial
