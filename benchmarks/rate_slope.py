@@ -1,6 +1,6 @@
 """Does a batch slow down with the request rate as its profile says? Every batch of a fidelity matrix.
 
-    .venv/bin/python benchmarks/rate_slope.py DIR [--profiles OTHER_DIR]
+    .venv/bin/python benchmarks/rate_slope.py DIR [--profiles OTHER_DIR] [--flat]
 
 For each folder DIR/<workload>-<cpus>/ of `benchmarks/fidelity.py --out DIR`, reads the server's batch
 log (`batches.jsonl`, every load point of the run) and prices each batch as the simulator does
@@ -17,6 +17,8 @@ log does not hold.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 from pathlib import Path
 
 from batchpilot.bench.run_speed import by_rate, idle_before, priced_seconds
@@ -28,14 +30,20 @@ IDLE_BINS = (("idle < 2 ms", 0.0, 0.002), ("idle 10-100 ms", 0.01, 0.1))
 MIN_BATCHES = 10  # a cell with fewer is left out
 
 
-def slot_over_price(run: Path, profile: Path) -> dict[str, list[tuple[str, float, int]]]:
+def slot_over_price(run: Path, profile: Path, flat: bool = False) -> dict[str, list[tuple[str, float, int]]]:
     """Per idle bin, per ``run_speed.RATE_BINS`` bin with enough batches: (rate bin, slot / price,
-    batches), the price ``run_speed.priced_seconds``'s."""
+    batches), the price ``run_speed.priced_seconds``'s (``flat``: without the rate slope)."""
     cost_model, frontend = CostModel.load(profile), FrontEnd.from_profile(profile)
     if frontend is None:
         raise SystemExit(f"{profile} has no serving path (profiled with --no-serving-path)")
+    if flat:
+        mean = json.loads(profile.read_text())["serving_path"]["loaded"]["rate_mean"]
+        frontend = dataclasses.replace(frontend, loaded_rate_coef=0.0,
+                                       loaded_alpha=frontend.loaded_alpha + frontend.loaded_rate_coef * mean)
     batches = sorted(read_batches(run / "batches.jsonl", 0)[0], key=lambda b: b.start)
-    rates = rates_before([b.start for b in batches], [b.start for b in batches for _ in range(b.n)])
+    arrivals = [a for b in batches for a in b.arrivals] if all(b.arrivals for b in batches) else \
+        [b.start for b in batches for _ in range(b.n)]
+    rates = rates_before([b.start for b in batches], arrivals)
     idle = idle_before(batches)
     price = priced_seconds(batches, cost_model, frontend, rates, idle)
     out: dict[str, list[tuple[str, float, int]]] = {}
@@ -50,12 +58,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", help="the --out folder of benchmarks/fidelity.py")
     ap.add_argument("--profiles", help="price the runs with this folder's profile-<cpus>.json instead")
+    ap.add_argument("--flat", action="store_true", help="price without the rate slope (module docstring)")
     args = ap.parse_args()
     out = Path(args.out)
     profiles = Path(args.profiles) if args.profiles else out
     for run in sorted(p for p in out.iterdir() if (p / "batches.jsonl").is_file()):
         cpus = run.name.rsplit("-", 1)[1]
-        for name, cells in slot_over_price(run, profiles / f"profile-{cpus}.json").items():
+        for name, cells in slot_over_price(run, profiles / f"profile-{cpus}.json", args.flat).items():
             print(f"{run.name:<16} {name:<15} "
                   + "; ".join(f"{label}: {r:.3f} ({n})" for label, r, n in cells))
     return 0
