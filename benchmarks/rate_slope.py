@@ -23,14 +23,22 @@ from pathlib import Path
 
 from batchpilot.bench.run_speed import by_rate, idle_before, priced_seconds
 from batchpilot.core.costmodel import CostModel
-from batchpilot.runtime.batch_log import read_batches
+from batchpilot.runtime.batch_log import LoggedBatch, read_batches
 from batchpilot.sim.frontend import FrontEnd, rates_before
 
-IDLE_BINS = (("idle < 2 ms", 0.0, 0.002), ("idle 10-100 ms", 0.01, 0.1))
+IDLE_BINS = (("any idle", 0.0, float("inf")), ("idle < 2 ms", 0.0, 0.002), ("idle 10-100 ms", 0.01, 0.1))
 MIN_BATCHES = 10  # a cell with fewer is left out
 
 
-def slot_over_price(run: Path, profile: Path, flat: bool = False) -> dict[str, list[tuple[str, float, int]]]:
+def own_batches(profile: Path) -> list[LoggedBatch]:
+    """The loaded batches the profile fitted its line on (none when it does not keep them)."""
+    loaded = json.loads(profile.read_text()).get("serving_path", {}).get("loaded", {})
+    return [LoggedBatch(b["start"], b["slot_s"], int(b["features"].get("n", 1)), b["features"],
+                        arrivals=tuple(b["arrivals"])) for b in loaded.get("measured", ())]
+
+
+def slot_over_price(batches: list[LoggedBatch], profile: Path,
+                    flat: bool = False) -> dict[str, list[tuple[str, float, int]]]:
     """Per idle bin, per ``run_speed.RATE_BINS`` bin with enough batches: (rate bin, slot / price,
     batches), the price ``run_speed.priced_seconds``'s (``flat``: without the rate slope)."""
     cost_model, frontend = CostModel.load(profile), FrontEnd.from_profile(profile)
@@ -40,7 +48,7 @@ def slot_over_price(run: Path, profile: Path, flat: bool = False) -> dict[str, l
         mean = json.loads(profile.read_text())["serving_path"]["loaded"]["rate_mean"]
         frontend = dataclasses.replace(frontend, loaded_rate_coef=0.0,
                                        loaded_alpha=frontend.loaded_alpha + frontend.loaded_rate_coef * mean)
-    batches = sorted(read_batches(run / "batches.jsonl", 0)[0], key=lambda b: b.start)
+    batches = sorted(batches, key=lambda b: b.start)
     arrivals = [a for b in batches for a in b.arrivals] if all(b.arrivals for b in batches) else \
         [b.start for b in batches for _ in range(b.n)]
     rates = rates_before([b.start for b in batches], arrivals)
@@ -62,10 +70,15 @@ def main() -> int:
     args = ap.parse_args()
     out = Path(args.out)
     profiles = Path(args.profiles) if args.profiles else out
+    sets = [(p.stem, own_batches(p), p) for p in sorted(profiles.glob("profile-*.json"))]
     for run in sorted(p for p in out.iterdir() if (p / "batches.jsonl").is_file()):
         cpus = run.name.rsplit("-", 1)[1]
-        for name, cells in slot_over_price(run, profiles / f"profile-{cpus}.json", args.flat).items():
-            print(f"{run.name:<16} {name:<15} "
+        sets.append((run.name, read_batches(run / "batches.jsonl", 0)[0], profiles / f"profile-{cpus}.json"))
+    for label_, batches, profile in sets:
+        if not batches:
+            continue
+        for name, cells in slot_over_price(batches, profile, args.flat).items():
+            print(f"{label_:<16} {name:<15} "
                   + "; ".join(f"{label}: {r:.3f} ({n})" for label, r, n in cells))
     return 0
 
