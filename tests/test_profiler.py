@@ -130,9 +130,7 @@ def test_cli_writes_a_profile_the_server_can_load(tmp_path: Path, capsys: pytest
     frontend = FrontEnd.from_profile(out)  # the serving path, measured on the real app in-process
     assert frontend is not None and frontend.serial_busy_factor >= 1.0
     assert all(math.isfinite(v) and v >= 0 for k, v in frontend.to_dict().items()
-               if k not in ("loaded_residuals", "loaded_idle_factors", "loaded_token_factors",
-                            "loaded_rate_coef"))
-    assert frontend.batch_seconds(0.01, frontend.loaded_rate_max) > 0  # a slope of either sign, bounded
+               if k not in ("loaded_residuals", "loaded_idle_factors", "loaded_token_factors"))
     assert all(r > -1 for r in frontend.loaded_residuals)
     assert len(frontend.loaded_idle_factors) == len(IDLE_EDGES_S) + 1  # one per idle bin, all > 0
     assert all(f > 0 for f in frontend.loaded_idle_factors)

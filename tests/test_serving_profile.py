@@ -50,9 +50,6 @@ def _check(frontend: FrontEnd, details: dict[str, Any], requests: int, rounds: i
         if name == "loaded_token_factors":  # (min tokens, factor) at the thread plan's steps, or none
             assert all(f > 0 for _, f in value) and [lo for lo, _ in value[:1]] in ([], [0])
             continue
-        if name == "loaded_rate_coef":  # measured: either sign, the line positive up to loaded_rate_max
-            assert math.isfinite(value) and frontend.loaded_alpha + value * frontend.loaded_rate_max > 0
-            continue
         assert math.isfinite(value) and value >= 0.0, name
     assert frontend.serial_busy_factor >= 1.0
     assert details["requests"] == requests * rounds and details["ok"] == requests * rounds
@@ -116,11 +113,10 @@ def test_any_executor_with_its_own_texts() -> None:
         * step_factor(frontend.loaded_token_factors, 0.0) + frontend.loaded_const_s)
     assert [lo for lo, _ in frontend.loaded_token_factors] == [0, 32, 64, 128, 256, 512, 1024]
     assert len(loaded["measured"]) == loaded["batches"]  # what the line was fitted on, in the file
-    # the slope measured on those batches, bounded by the highest rate they saw; the CPU accounted beside
+    # the slope is the CPU each request cost outside the model thread, accounted, times alpha
     cpu = loaded["cpu"]
     assert cpu["requests"] == 30 and cpu["model_threads_cpu_s"] >= 0 and cpu["other_threads_cpu_s"] >= 0
-    assert (frontend.loaded_rate_coef, frontend.loaded_rate_max) == (loaded["rate_coef"], loaded["rate_max"])
-    assert loaded["competing_cpu_s"] >= 0
+    assert frontend.loaded_rate_coef == pytest.approx(frontend.loaded_alpha * loaded["competing_cpu_s"])
 
 
 def test_competing_cpu_is_every_thread_but_the_busiest_plus_a_sharing_load_generator() -> None:
@@ -136,42 +132,26 @@ def test_competing_cpu_is_every_thread_but_the_busiest_plus_a_sharing_load_gener
     assert competing_cpu({}, {}, 1.0, True, 10)[0] == 0.0  # no /proc: not measured, no slope
 
 
-@pytest.mark.parametrize("slope", [0.03, -0.02, 0.0])
-def test_fit_loaded_measures_the_speed_and_the_rate_slope_of_either_sign(slope: float) -> None:
-    """Batches that take ``alpha * (1 + slope * rate)`` times their price, at 0-30 requests in the second
-    before them: the fit finds both, whatever the CPU accounted (here 0.5 s a request: not used)."""
+def test_fit_loaded_recovers_the_speed_given_the_accounted_slope() -> None:
     model = CostModel(latency_coef=(0.01, 0.0, 0.001, 0.0))
-    batches, alpha = [], 1.7
+    batches, c, alpha = [], 0.003, 1.7
     for k in range(40):
         start = 1.0 + 0.1 * k
-        arrivals = [start - 0.05 * j for j in range(1 + k % 5)]  # 1-5 requests a batch
+        arrivals = [start - 0.05 * j for j in range(1 + k % 5)]  # 1-5 requests in the second before
         features = {"const": 1.0, "n": 1.0, "tokens": float(10 + k), "attn": float((10 + k) ** 2)}
         batches.append(Loaded(features, 0.0, start, arrivals))
-    arr, rates = sorted(a for b in batches for a in b.arrivals), []
+    rates = []
+    arr = sorted(a for b in batches for a in b.arrivals)
     for b in batches:
-        rates.append(sum(1 for a in arr if b.start - 1.0 <= a < b.start))
-        b.slot_s = model.latency(b.features) * alpha * (1 + slope * rates[-1])
-    (a, coef, const), details = fit_loaded(batches, model, 0.5)
-    assert a == pytest.approx(alpha, rel=1e-6) and coef == pytest.approx(alpha * slope, abs=1e-6)
+        rate = sum(1 for a in arr if b.start - 1.0 <= a < b.start)
+        rates.append(rate)
+        b.slot_s = model.latency(b.features) * alpha * (1 + c * rate)
+    (a, coef, const), details = fit_loaded(batches, model, c)
+    assert a == pytest.approx(alpha) and coef == pytest.approx(alpha * c)
     assert const == pytest.approx(0.0, abs=1e-9)  # proportional times: no fixed cost
-    assert max(abs(r) for r in details["residuals"]) < 1e-6
-    assert (details["rate_min"], details["rate_max"]) == (min(rates), max(rates))
-    assert details["competing_cpu_s"] == 0.5
-    assert fit_loaded(batches[:5], model, 0.5)[0] == (1.0, 0.0, 0.0)  # too few batches: the defaults
-
-
-def test_a_rate_slope_needs_a_span_of_rates_and_a_line_that_stays_positive() -> None:
-    from batchpilot.sim.line_fit import rate_line
-
-    shaped = np.full(20, 0.01)
-    rate = np.array([10.0, 12.0] * 10)  # 10-12 requests/s: too narrow to tell a slope from a speed
-    took = shaped * (2.0 - 0.05 * rate)
-    assert rate_line(shaped, took, took, rate) == (pytest.approx(float(took.sum() / shaped.sum())), 0.0)
-    rate = np.array([1.0, 10.0] * 10)
-    assert rate_line(shaped, shaped * (2.0 - 0.05 * rate), shaped, rate) == (pytest.approx(2.0),
-                                                                               pytest.approx(-0.05))
-    steep = shaped * (2.0 - 0.19 * rate)  # at 10/s a twentieth of its level: noise, not a speed
-    assert rate_line(shaped, steep, steep, rate)[1] == 0.0
+    assert max(abs(r) for r in details["residuals"]) < 1e-8
+    assert details["least_squares_s_per_request"] == pytest.approx(c)  # the comparison fit agrees here
+    assert fit_loaded(batches[:5], model, c)[0] == (1.0, 0.0, 0.0)  # too few batches: the defaults
 
 
 def test_fit_loaded_measures_a_fixed_cost_per_batch() -> None:
@@ -237,7 +217,7 @@ def test_alternating_arrivals_switch_rates_by_segment_with_a_pause_between() -> 
 
 
 def test_fit_loaded_measures_how_much_slower_a_batch_runs_after_an_idle_server() -> None:
-    from batchpilot.sim.line_fit import idle_factor
+    from batchpilot.sim.frontend import idle_factor
 
     model = CostModel(latency_coef=(0.01, 0.0, 0.0, 0.0))
     feats = {"const": 1.0, "n": 1.0, "tokens": 8.0, "attn": 64.0}
@@ -285,19 +265,15 @@ def test_fit_loaded_prices_each_thread_count_of_the_plan_apart() -> None:
         took = 1e-4 * tokens * (1.0 if k % 2 else 1.4)
         batches.append(Loaded({"const": 1.0, "n": 1.0, "tokens": tokens, "attn": 0.0}, took, t, [t]))
         t += took
-    (alpha, coef, _), details = fit_loaded(batches, model, token_steps=(0, 320))
-    assert abs(coef) * details["rate_max"] < 0.01 * alpha  # the rate (rising in the first second): no cause
+    (alpha, _, _), details = fit_loaded(batches, model, token_steps=(0, 320))
     steps = tuple((int(lo), f) for lo, f in details["token_factors"])
     assert [lo for lo, _ in steps] == [0, 320] and details["token_batches"] == [60, 60]
     # per step (took + 10 lines) / (its lines + 10 lines), the lines scaled to the totals (x 1.32)
     long, short = 0.04 * 1.32, 0.01 * 1.32
     expected = ((60 * 0.056 + 10 * long) / (70 * long)) / ((60 * 0.01 + 10 * short) / (70 * short))
-    assert steps[1][1] / steps[0][1] == pytest.approx(expected, rel=1e-4) and 1.25 < expected < 1.4
-    from batchpilot.sim.frontend import rates_before
-
-    rates = rates_before([b.start for b in batches], [b.start for b in batches])
-    priced = [(alpha + coef * r) * 1e-4 * b.features["tokens"] * step_factor(steps, b.features["tokens"])
-              * details["idle_factors"][0] for b, r in zip(batches, rates, strict=True)]
+    assert steps[1][1] / steps[0][1] == pytest.approx(expected) and 1.25 < expected < 1.4
+    priced = [alpha * 1e-4 * b.features["tokens"] * step_factor(steps, b.features["tokens"])
+              * details["idle_factors"][0] for b in batches]
     # the totals kept (to the first batch, which came after idle and has the last bin's factor)
     assert sum(priced) == pytest.approx(sum(b.slot_s for b in batches), rel=1e-4)
     _, one = fit_loaded(batches, model)  # one count of threads: no token factors, a wider spread

@@ -245,8 +245,7 @@ def test_a_frontend_with_unknown_fields_is_refused_with_what_to_do() -> None:
 
 def test_idle_factors_price_a_batch_by_the_idle_time_before_it() -> None:
     from batchpilot.core.config import PolicyConfig, SchedulerConfig
-    from batchpilot.sim.frontend import IDLE_EDGES_S, idle_times
-    from batchpilot.sim.line_fit import idle_factor
+    from batchpilot.sim.frontend import IDLE_EDGES_S, idle_factor, idle_times
     from batchpilot.sim.target import simulate_encoder
 
     factors = (0.9, 0.95, 1.0, 1.05, 1.1, 1.3)
@@ -304,20 +303,3 @@ def test_with_two_slots_a_batch_finds_no_idle_time_while_the_other_slot_runs() -
     run = simulate_encoder(_workload([0.0, 0.0, 1.0], [8] * 3), cfg, cm, frontend=fe)
     assert sorted(run.record.b_duration[:2]) == pytest.approx([0.005, 0.02])
     assert run.record.b_duration[2] == pytest.approx(0.02)
-
-
-def test_a_negative_rate_slope_needs_the_rate_it_was_measured_up_to() -> None:
-    """Batches that ran faster at higher rates: the line falls with the rate up to the highest rate the
-    profile measured and holds there (never extrapolated to nothing); a falling line with no bound, or
-    one that reaches 0 within it, is refused."""
-    fe = FrontEnd(loaded_alpha=1.2, loaded_rate_coef=-0.004, loaded_rate_max=50.0)
-    assert fe.batch_seconds(0.01, 0.0) == pytest.approx(0.012)
-    assert fe.batch_seconds(0.01, 25.0) == pytest.approx(0.01 * (1.2 - 0.1))
-    assert fe.batch_seconds(0.01, 500.0) == fe.batch_seconds(0.01, 50.0) == pytest.approx(0.01)
-    assert FrontEnd.from_dict(fe.to_dict()) == fe
-    rising = FrontEnd(loaded_alpha=1.0, loaded_rate_coef=0.01)  # an old profile: no bound, rising
-    assert rising.batch_seconds(0.01, 100.0) == pytest.approx(0.02)
-    with pytest.raises(ValueError, match="loaded_rate_max must bound"):
-        FrontEnd(loaded_alpha=1.0, loaded_rate_coef=-0.01)
-    with pytest.raises(ValueError, match="loaded_rate_max must bound"):
-        FrontEnd(loaded_alpha=1.0, loaded_rate_coef=-0.01, loaded_rate_max=100.0)

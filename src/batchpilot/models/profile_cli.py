@@ -232,8 +232,7 @@ def _serving_path(ex: Any, model: CostModel, args: argparse.Namespace,
           f"+ {frontend.delay_loaded_s * 1e3:.2f} ms + {frontend.delay_rate_coef_s * 1e3:.3f} ms "
           "x requests/s), driver overhead "
           f"{frontend.batch_overhead_s * 1e3:.2f} ms/batch; under load a batch takes "
-          f"the cost model x ({frontend.loaded_alpha:.3f} {frontend.loaded_rate_coef:+.4f} x requests/s, "
-          f"up to {frontend.loaded_rate_max:g}/s) + "
+          f"the cost model x ({frontend.loaded_alpha:.3f} + {frontend.loaded_rate_coef:.4f} x requests/s) + "
           f"{frontend.loaded_const_s * 1e3:.2f} ms"
           + "".join(f", x{f:.2f} from {lo} tokens" for lo, f in frontend.loaded_token_factors)
           + f", spread {details['loaded'].get('residual_std', 0.0):.1%} "

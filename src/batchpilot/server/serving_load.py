@@ -8,10 +8,9 @@ after its lone requests, replays ``LOADED_REQUESTS`` open-loop from a child proc
   (``alternating_arrivals``, which the LLM's loaded phase uses too);
 * ``thread_cpu_s`` / ``competing_cpu``: the CPU seconds per request that competed with the model
   (every thread of this process but the model's, plus the load generator when it shares the cores);
-* ``fit_loaded``: the line ``predicted * (alpha + rate_coef * rate) * token factor * idle factor + const``
-  over the batches the server ran (``rate_line``: the slope measured, of either sign), and their
-  spread around it; ``idle_factors``: how much slower than the line a batch runs after the server sat
-  idle for a while than right behind another batch; ``token_factors``: how a batch's size moves it.
+* ``fit_loaded``: the line ``predicted * alpha * (1 + competing_cpu_s * rate) * idle factor + const``
+  over the batches the server ran, and their spread around it; ``idle_factors``: how much slower
+  than the line a batch runs after the server sat idle for a while than right behind another batch.
 """
 
 from __future__ import annotations
@@ -28,11 +27,13 @@ import numpy as np
 from ..bench.loadgen import PlannedRequest
 from ..core.costmodel import BatchShape, CostModel, nonneg_lstsq
 from ..sim.frontend import (
+    IDLE_EDGES_S,
+    idle_factor,
     idle_times,
     rates_before,
     residual_units,
 )
-from ..sim.line_fit import IDLE_EDGES_S, binned_factors, idle_factor, rate_line, step_factor
+from ..sim.line_fit import binned_factors, step_factor
 
 LOADED_REQUESTS = 360  # ~10-20 s of traffic for MiniLM on one CPU core
 # of one slot's one-at-a-time rate: three loads, to see how the rate slows a batch, the last past what
@@ -110,17 +111,14 @@ def alternating_arrivals(n: int, mean_gaps_s: Sequence[float], rng: random.Rando
 
 def fit_loaded(batches: list[Loaded], cost_model: CostModel, competing_cpu_s: float = 0.0,
                token_steps: Sequence[int] = (0,)) -> tuple[tuple[float, float, float], dict[str, Any]]:
-    """``slot_s ~ predicted * (alpha + rate_coef * rate) * step_factor(tokens) * idle_factor(idle) +
-    const`` over the loaded batches, ``rate`` = requests that arrived in the ``RATE_WINDOW_S`` before
-    the batch started, per second, ``tokens`` the batch's computed tokens, binned at ``token_steps``
-    (``loaded_token_steps``: ``token_factors``), ``idle`` the time no batch ran before it
-    (``idle_factors``), ``const`` the seconds every batch takes beyond that (``per_batch_const``).
-    ``alpha`` and ``rate_coef`` are least squares on relative errors (``rate_line``), scaled so that
-    the totals agree; the factors are measured around that line and the line again with them, twice.
-    ``competing_cpu_s`` (the CPU seconds a request cost outside the model, accounted) is reported
-    beside the slope, not used: the slowdown it could cause was not the slope the batches showed.
-    Returns ``(alpha, rate_coef, const)`` (``FrontEnd``'s loaded line; ``rate_max`` of the details
-    bounds it) and what was measured, ``token_factors`` and ``idle_factors`` among it."""
+    """``slot_s ~ predicted * alpha * (1 + competing_cpu_s * rate) * step_factor(tokens) *
+    idle_factor(idle) + const`` over the loaded batches, ``rate`` = requests that arrived in the
+    ``RATE_WINDOW_S`` before the batch started, per second, ``tokens`` the batch's computed tokens,
+    binned at ``token_steps`` (``loaded_token_steps``: ``token_factors``), ``idle`` the time no batch ran
+    before it (``idle_factors``), ``const`` the seconds every batch takes beyond that
+    (``per_batch_const``); ``alpha`` makes the totals agree. Returns ``(alpha, alpha *
+    competing_cpu_s, const)`` (``FrontEnd``'s loaded line) and what was measured, ``token_factors``
+    and ``idle_factors`` among it."""
     if len(batches) < 10:
         return (1.0, 0.0, 0.0), {"batches": len(batches), "note": "too few batches: not measured"}
     batches = sorted(batches, key=lambda b: b.start)
@@ -128,39 +126,35 @@ def fit_loaded(batches: list[Loaded], cost_model: CostModel, competing_cpu_s: fl
     pred = np.array([cost_model.latency(b.features) for b in batches])
     took = np.array([b.slot_s for b in batches])
     idle = np.array(idle_times([b.start for b in batches], took.tolist()))
-    tokens = np.array([b.features.get("tokens", 0.0) for b in batches])
-    if pred.sum() <= 0:
-        return (1.0, 0.0, 0.0), {"batches": len(batches), "note": "the cost model prices them at 0"}
-    alpha, rate_coef = rate_line(pred, took, took, rate)
-    const = per_batch_const(pred * (alpha + rate_coef * rate), took)
+    base = pred * (1.0 + competing_cpu_s * rate)
+    const = per_batch_const(base, took)
     took_var = np.maximum(took - const, 1e-6)  # the part that scales with the batch
-    alpha, rate_coef = rate_line(pred, took_var, took, rate)
-    by_tokens: tuple[tuple[int, float], ...] = ()
     factors: tuple[float, ...] = ()
-    token_counts: list[int] = []
     counts: list[int] = []
-    shaped = pred
-    for _ in range(2):
-        line = pred * (alpha + rate_coef * rate)
-        if line.sum() <= 0:
-            break
+    by_tokens: tuple[tuple[int, float], ...] = ()
+    token_counts: list[int] = []
+    if base.sum() > 0 and took_var.sum() > 0:
+        tokens = np.array([b.features.get("tokens", 0.0) for b in batches])
         by_tokens, token_counts = token_factors(tokens, token_steps, took_var,
-                                                line * (took_var.sum() / line.sum()))
-        shaped = pred * np.array([step_factor(by_tokens, t) for t in tokens])
-        line = shaped * (alpha + rate_coef * rate)
-        factors, counts = idle_factors(idle, took_var, line * (took_var.sum() / line.sum()))
-        shaped = shaped * np.array([idle_factor(factors, t) for t in idle])
-        alpha, rate_coef = rate_line(shaped, took_var, took, rate)
-    line = shaped * (alpha + rate_coef * rate) + const
+                                                base * (took_var.sum() / base.sum()))
+        base = base * np.array([step_factor(by_tokens, t) for t in tokens])
+        factors, counts = idle_factors(idle, took_var, base * (took_var.sum() / base.sum()))
+        base = base * np.array([idle_factor(factors, t) for t in idle])
+    alpha = float(took_var.sum() / base.sum()) if base.sum() > 0 else 1.0
+    # for comparison only: the slope a least-squares fit of ``predicted * (a + b * rate)`` would give
+    w = 1.0 / np.maximum(took, 1e-6)
+    a, b = nonneg_lstsq(np.column_stack([pred, pred * rate]) * w[:, None], took * w)
+    fitted_s = float(b / a) if a > 0 else math.nan
+    line = alpha * base + const
     ref_s = float(np.median(line))
     residuals = residual_units(took / line - 1.0, line, ref_s)
-    return (alpha, rate_coef, const), {
+    return (alpha, alpha * competing_cpu_s, const), {
         "batches": len(batches),
         "mean_batch_size": float(np.mean([b.features.get("n", 1.0) for b in batches])),
         "rate_min": float(rate.min()), "rate_max": float(rate.max()), "rate_mean": float(rate.mean()),
         "slot_over_predicted": float(took.sum() / pred.sum()), "alpha": alpha,
-        "competing_cpu_s": competing_cpu_s, "rate_coef": rate_coef, "const_s": const,
-        "idle_factors": list(factors), "idle_batches": counts,
+        "competing_cpu_s": competing_cpu_s, "rate_coef": alpha * competing_cpu_s, "const_s": const,
+        "least_squares_s_per_request": fitted_s, "idle_factors": list(factors), "idle_batches": counts,
         "token_factors": [list(step) for step in by_tokens], "token_batches": token_counts,
         "residuals": sorted(float(r) for r in residuals), "residual_std": float(residuals.std()),
         "residual_ref_s": ref_s,

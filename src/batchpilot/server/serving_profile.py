@@ -24,13 +24,13 @@ free 127.0.0.1 port, and measures three things the simulator's ``sim.frontend.Fr
    still up, a load generator in another process (on the cores this process is not pinned to, when
    there are any, as ``bench`` runs it) sends ``LOADED_REQUESTS`` of the same texts open-loop, in
    segments taking turns at three rates (``LOADED_SHARES``, the last past what one slot serves one
-   at a time). A batch's time under load is ``predicted * (loaded_alpha + loaded_rate_coef * rate)``
-   (a slope of either sign, the rate bounded by ``loaded_rate_max``, the highest measured), times a
-   factor per size step (``loaded_token_factors``) and per idle time before it, plus
-   ``loaded_const_s`` a batch (the driver's fixed cost, ``serving_load.per_batch_const``);
-   ``loaded_residuals`` are the spread around that line. The CPU each request costs outside the
-   model is accounted and reported beside it (``competing_cpu_s``: this process's threads less the
-   model's, plus the load generator's when it shares the cores). The load
+   at a time). The CPU each request costs outside the model thread is
+   accounted (``competing_cpu_s``: this process's threads from ``/proc`` less the model's, plus the
+   load generator's while it replays when it shares the cores), not fitted (a least-squares slope is
+   unstable; docs/profiler.md). A batch's time under load is ``predicted * loaded_alpha * (1 +
+   competing_cpu_s * rate)``, times a factor per thread count of the plan (``loaded_token_factors``)
+   and per idle time before it, plus ``loaded_const_s`` a batch (the driver's fixed cost under load,
+   ``serving_load.per_batch_const``); ``loaded_residuals`` are the spread around that line. The load
    generator reports every answered request, and how much longer its time outside the batcher was
    than a lone request's is the delay stage under load (``delay_loaded_s``, ``delay_rate_coef_s``:
    ``server/serving_delay.py``). This traffic is the profile's own, made before any run it predicts.
@@ -136,7 +136,6 @@ def measure_serving_path(executor: Any, cost_model: CostModel, *, requests: int 
     frontend = dataclasses.replace(fitted, batch_overhead_s=overhead_s, serial_busy_factor=factor,
                                    serial_servers=tokenizer_workers(ServerConfig()),
                                    loaded_alpha=alpha, loaded_rate_coef=rate_coef, loaded_const_s=const,
-                                   loaded_rate_max=load_details.get("rate_max", 0.0),
                                    delay_loaded_s=delay_const, delay_rate_coef_s=delay_coef,
                                    loaded_residuals=tuple(load_details.pop("residuals", ())),
                                    loaded_residual_ref_s=load_details.pop("residual_ref_s", 0.0),

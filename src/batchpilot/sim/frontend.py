@@ -28,15 +28,13 @@ The fields:
 * ``batch_overhead_s``: what the live driver adds to every batch around the model (the scheduling call,
   collation, the hand-offs between the event loop and the slot's threads): the median, over lone
   requests, of the ``batcher`` part minus the slot's own run time for that batch, clipped at 0.
-* ``loaded_alpha``, ``loaded_rate_coef``, ``loaded_const_s``, ``loaded_rate_max``: a batch under serving
-  load takes ``predicted * (loaded_alpha + loaded_rate_coef * min(rate, loaded_rate_max)) +
-  loaded_const_s``, ``rate`` being the requests that reached the server in the second before it
-  started (``RATE_WINDOW_S``). Measured by the profile with its own open-loop traffic at three rates
-  (``server/serving_load.py``): the model runs at another speed while the server handles requests
-  (their HTTP, JSON and tokenising share its cores; busy cores stay awake) than alone in the
-  profiler's loop. ``loaded_rate_coef`` may be negative (batches ran faster at higher rates);
-  ``loaded_rate_max`` is the highest rate the profile measured at, above which the line is not
-  extrapolated (0: no bound; required with a negative slope).
+* ``loaded_alpha``, ``loaded_rate_coef``, ``loaded_const_s``: a batch under serving load takes
+  ``predicted * (loaded_alpha + loaded_rate_coef * rate) + loaded_const_s``, ``rate`` being the requests
+  that reached the server in the second before it started (``RATE_WINDOW_S``). Measured by the profile
+  with its own open-loop traffic at three rates (``server/serving_load.py``): the model runs slower while
+  the server handles requests (their HTTP, JSON and tokenising share its cores) than alone in the
+  profiler's loop. ``loaded_rate_coef / loaded_alpha`` is the CPU seconds a request costs outside the
+  model thread, accounted; ``loaded_alpha`` the speed of the loaded batches against the profile.
 * ``loaded_residuals``, ``loaded_residual_ref_s``: the spread of those batches around that line
   (``slot / line - 1``, sorted) in the units of a batch of ``loaded_residual_ref_s`` seconds (their
   median; 0: relative at every length; ``residual_units``). The simulator draws every batch's time
@@ -78,9 +76,11 @@ from typing import Any
 
 import numpy as np
 
-from .line_fit import IDLE_EDGES_S, fit_line, served_seconds
+from .line_fit import fit_line, step_factor
 
 RATE_WINDOW_S = 1.0  # a batch's request rate: arrivals in this window before it started
+# upper edges of the bins of the idle time before a batch (no batch running); the last bin is >= 0.3 s
+IDLE_EDGES_S = (0.002, 0.01, 0.03, 0.1, 0.3)
 
 
 def check_finite_nonneg(what: str, values: dict[str, float]) -> None:
@@ -101,7 +101,6 @@ class FrontEnd:
     loaded_alpha: float = 1.0
     loaded_rate_coef: float = 0.0
     loaded_const_s: float = 0.0
-    loaded_rate_max: float = 0.0
     loaded_residuals: tuple[float, ...] = ()
     loaded_residual_ref_s: float = 0.0
     serial_servers: int = 1
@@ -128,12 +127,7 @@ class FrontEnd:
                              f"factors (one per idle bin) or none, got {factors!r}")
         check_finite_nonneg("frontend", {k: v for k, v in asdict(self).items()
                                          if k not in ("loaded_residuals", "loaded_idle_factors",
-                                                      "loaded_token_factors", "loaded_rate_coef")})
-        alpha, coef, top = self.loaded_alpha, self.loaded_rate_coef, self.loaded_rate_max
-        if not math.isfinite(coef) or (coef < 0 and not (top > 0 and alpha + coef * top > 0)):
-            raise ValueError(f"frontend.loaded_rate_coef = {coef!r}; must be finite, and when negative "
-                             "loaded_rate_max must bound the rate where the line stays positive "
-                             f"(loaded_alpha {alpha!r}, loaded_rate_max {top!r})")
+                                                      "loaded_token_factors")})
         if int(self.serial_servers) != self.serial_servers or self.serial_servers < 1:
             raise ValueError(f"frontend.serial_servers = {self.serial_servers!r}; must be an integer >= 1")
         if self.serial_busy_factor < 1.0:
@@ -166,14 +160,8 @@ class FrontEnd:
         """A batch's slot time under serving load, from the cost model's prediction for it, the
         request rate (per second, over the ``RATE_WINDOW_S`` before it starts), how long no batch
         ran before it (``idle_s``) and the tokens it computes."""
-        return served_seconds(predicted_s, self.loaded, rate, idle_s, tokens, self.loaded_idle_factors,
-                              self.loaded_token_factors)
-
-    @property
-    def loaded(self) -> tuple[float, float, float, float]:
-        """``(loaded_alpha, loaded_rate_coef, loaded_const_s, loaded_rate_max)``: ``served_seconds``'s
-        line."""
-        return self.loaded_alpha, self.loaded_rate_coef, self.loaded_const_s, self.loaded_rate_max
+        return served_seconds(predicted_s, (self.loaded_alpha, self.loaded_rate_coef, self.loaded_const_s),
+                              rate, idle_s, tokens, self.loaded_idle_factors, self.loaded_token_factors)
 
     def residual_scale(self, line_s: float) -> float:
         """What a drawn ``loaded_residuals`` entry is multiplied by for a batch of ``line_s`` seconds
@@ -245,6 +233,23 @@ class FrontEnd:
         doc = json.loads(Path(path).read_text())
         entry = doc.get("frontend") if isinstance(doc, dict) else None
         return None if entry is None else cls.from_dict(entry)
+
+
+def served_seconds(predicted_s: float, loaded: tuple[float, float, float], rate: float,
+                   idle_s: float = 0.0, tokens: float = 0.0, idle_factors: Sequence[float] = (),
+                   token_factors: Sequence[tuple[int, float]] = ()) -> float:
+    """A batch's line under serving load: ``predicted * (alpha + rate_coef * rate) * idle_factor *
+    token_factor + const`` for ``loaded = (alpha, rate_coef, const)``, the factors looked up for its
+    idle time and tokens (``FrontEnd.batch_seconds``, the simulator's target: the one formula)."""
+    alpha, rate_coef, const = loaded
+    factor = idle_factor(idle_factors, idle_s) * step_factor(token_factors, tokens)
+    return predicted_s * (alpha + rate_coef * rate) * factor + const
+
+
+def idle_factor(factors: Sequence[float], idle_s: float) -> float:
+    """The factor of ``factors`` (one per ``IDLE_EDGES_S`` bin) for a batch after ``idle_s`` seconds
+    with no batch running (``inf``: the first); 1 without factors."""
+    return factors[bisect.bisect_right(IDLE_EDGES_S, idle_s)] if factors else 1.0
 
 
 def idle_times(starts: Sequence[float], slot_s: Sequence[float]) -> list[float]:

@@ -26,8 +26,7 @@ from ..core.costmodel import CostModel
 from ..core.request import Request
 from ..core.scheduler import Batch, BatchScheduler, Rejection
 from .engine import Engine, EngineStats, Job, StopSimulation
-from .frontend import RATE_WINDOW_S, FrontEnd, residual_scale
-from .line_fit import served_seconds
+from .frontend import RATE_WINDOW_S, FrontEnd, residual_scale, served_seconds
 from .traces import Workload
 
 DONE, PENDING, REJECTED, DROPPED = 1, 0, 2, 3
@@ -71,7 +70,7 @@ class EncoderTarget:
         request_sla_s: float | None = None,
         stop_after_misses: tuple[float, int, float] | None = None,
         batch_overhead_s: float = 0.0,
-        loaded: tuple[float, float, float, float] = (1.0, 0.0, 0.0, 0.0),
+        loaded: tuple[float, float, float] = (1.0, 0.0, 0.0),
         loaded_residuals: tuple[float, ...] = (),
         loaded_residual_ref_s: float = 0.0,
         loaded_idle_factors: tuple[float, ...] = (),
@@ -79,13 +78,13 @@ class EncoderTarget:
     ) -> None:
         """``batch_overhead_s``: seconds the live driver adds to every batch outside the model (thread
         hand-offs, the event loop; the profile's ``frontend.batch_overhead_s``). ``loaded``: (alpha,
-        rate coefficient, const, highest rate) of a batch's time under serving load, ``cost model *
-        (alpha + coef * min(rate, highest)) + const`` with ``rate`` the arrivals of the last
-        ``RATE_WINDOW_S`` per second (``FrontEnd.loaded``, from the profile); ``loaded_residuals``: the
-        served batches' spread around it, drawn from for every batch (seeded) in place of the profile's
-        residuals, in the units of a batch of ``loaded_residual_ref_s`` seconds (``FrontEnd.residual_scale``);
+        rate coefficient, const) of a batch's time under serving load, ``cost model * (alpha + coef *
+        rate) + const`` with ``rate`` the arrivals of the last ``RATE_WINDOW_S`` per second (the
+        profile's ``frontend.loaded_*``); ``loaded_residuals``: the served batches'
+        spread around it, drawn from for every batch (seeded) in place of the profile's residuals, in
+        the units of a batch of ``loaded_residual_ref_s`` seconds (``FrontEnd.residual_scale``);
         ``loaded_idle_factors``: the line's factor by the idle time before the batch (no batch running
-        on any slot; ``sim.line_fit.idle_factor``); ``loaded_token_factors``: its factor by the batch's
+        on any slot; ``sim.frontend.idle_factor``); ``loaded_token_factors``: its factor by the batch's
         computed tokens (the thread plan's steps; ``sim.line_fit.step_factor``).
         ``stop_after_misses = (sla_s, max_misses, warmup_s)``: stop the run (``StopSimulation``) once more
         than ``max_misses`` measured requests finished later than ``sla_s`` or failed — the tuner's
@@ -226,7 +225,7 @@ def served_batch_terms(frontend: FrontEnd | None) -> dict[str, Any]:
     if frontend is None:
         return {}
     return {"batch_overhead_s": frontend.batch_overhead_s,
-            "loaded": frontend.loaded,
+            "loaded": (frontend.loaded_alpha, frontend.loaded_rate_coef, frontend.loaded_const_s),
             "loaded_residuals": frontend.loaded_residuals,
             "loaded_residual_ref_s": frontend.loaded_residual_ref_s,
             "loaded_idle_factors": frontend.loaded_idle_factors,
