@@ -1,6 +1,6 @@
 """Does a live ``batchpilot serve`` process run loaded batches as the profile's loaded phase saw them?
 
-    .venv/bin/python benchmarks/loaded_level.py --profile PROFILE.json [--rounds 3] [--requests 240]
+    .venv/bin/python benchmarks/loaded_level.py --profile PROFILE.json [--rounds 3] [--requests N]
 
 The profile prices a batch under load from its loaded phase (``server/serving_profile.py``): the
 model served in the profiling process (``in_thread``) with the profile's scheduler, the seeded loaded
@@ -41,7 +41,7 @@ from batchpilot.server.build import profiled_threads
 from batchpilot.server.config import ServerConfig
 from batchpilot.server.inproc_server import bound_socket, in_thread
 from batchpilot.server.serving_client import send_elsewhere
-from batchpilot.server.serving_load import loaded_plan
+from batchpilot.server.serving_load import LOADED_REQUESTS, loaded_plan
 from batchpilot.server.serving_profile import lone_plan, scheduler_config
 from batchpilot.sim.frontend import FrontEnd, rates_before
 
@@ -59,7 +59,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", required=True, help="a `batchpilot profile` file (padding none)")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--requests", type=int, default=240, help="loaded requests a round (the profile's 240)")
+    ap.add_argument("--requests", type=int, default=LOADED_REQUESTS,
+                    help=f"loaded requests a round (the profile's {LOADED_REQUESTS})")
     args = ap.parse_args()
     cost_model = CostModel.load(args.profile)
     frontend = FrontEnd.from_profile(args.profile)
