@@ -1,6 +1,6 @@
 """Does a batch slow down with the request rate as its profile says? Every batch of a fidelity matrix.
 
-    .venv/bin/python benchmarks/rate_slope.py DIR [--profiles OTHER_DIR] [--flat]
+    .venv/bin/python benchmarks/rate_slope.py DIR [--profiles OTHER_DIR] [--flat] [--by tokens]
 
 For each folder DIR/<workload>-<cpus>/ of `benchmarks/fidelity.py --out DIR`, reads the server's batch
 log (`batches.jsonl`, every load point of the run) and prices each batch as the simulator does
@@ -21,9 +21,10 @@ import dataclasses
 import json
 from pathlib import Path
 
-from batchpilot.bench.run_speed import by_rate, idle_before, priced_seconds
+from batchpilot.bench.run_speed import by_rate, idle_before, priced_seconds, split
 from batchpilot.core.costmodel import CostModel
 from batchpilot.runtime.batch_log import LoggedBatch, read_batches
+from batchpilot.server.serving_load import LOADED_TOKEN_EDGES
 from batchpilot.sim.frontend import FrontEnd, rates_before
 
 IDLE_BINS = (("any idle", 0.0, float("inf")), ("idle < 2 ms", 0.0, 0.002), ("idle 10-100 ms", 0.01, 0.1))
@@ -37,8 +38,8 @@ def own_batches(profile: Path) -> list[LoggedBatch]:
                         arrivals=tuple(b["arrivals"])) for b in loaded.get("measured", ())]
 
 
-def slot_over_price(batches: list[LoggedBatch], profile: Path,
-                    flat: bool = False) -> dict[str, list[tuple[str, float, int]]]:
+def slot_over_price(batches: list[LoggedBatch], profile: Path, flat: bool = False,
+                    by: str = "rate") -> dict[str, list[tuple[str, float, int]]]:
     """Per idle bin, per ``run_speed.RATE_BINS`` bin with enough batches: (rate bin, slot / price,
     batches), the price ``run_speed.priced_seconds``'s (``flat``: without the rate slope)."""
     cost_model, frontend = CostModel.load(profile), FrontEnd.from_profile(profile)
@@ -54,6 +55,12 @@ def slot_over_price(batches: list[LoggedBatch], profile: Path,
     rates = rates_before([b.start for b in batches], arrivals)
     idle = idle_before(batches)
     price = priced_seconds(batches, cost_model, frontend, rates, idle)
+    if by == "tokens":
+        edges = (0, *LOADED_TOKEN_EDGES, float("inf"))
+        bins = [(lo, hi, f"{lo:g}+" if hi == float("inf") else f"{lo:g}-{hi:g}")
+                for lo, hi in zip(edges, edges[1:], strict=False)]
+        cells = split(batches, price, [b.features.get("tokens", 0.0) for b in batches], bins)
+        return {"tokens": [(label, 1.0 + r, n) for label, n, r in cells if n >= MIN_BATCHES]}
     out: dict[str, list[tuple[str, float, int]]] = {}
     for name, lo, hi in IDLE_BINS:
         keep = [i for i, t in enumerate(idle) if lo <= t < hi]
@@ -67,6 +74,7 @@ def main() -> int:
     ap.add_argument("out", help="the --out folder of benchmarks/fidelity.py")
     ap.add_argument("--profiles", help="price the runs with this folder's profile-<cpus>.json instead")
     ap.add_argument("--flat", action="store_true", help="price without the rate slope (module docstring)")
+    ap.add_argument("--by", choices=("rate", "tokens"), default="rate")
     args = ap.parse_args()
     out = Path(args.out)
     profiles = Path(args.profiles) if args.profiles else out
@@ -77,7 +85,7 @@ def main() -> int:
     for label_, batches, profile in sets:
         if not batches:
             continue
-        for name, cells in slot_over_price(batches, profile, args.flat).items():
+        for name, cells in slot_over_price(batches, profile, args.flat, args.by).items():
             print(f"{label_:<16} {name:<15} "
                   + "; ".join(f"{label}: {r:.3f} ({n})" for label, r, n in cells))
     return 0
