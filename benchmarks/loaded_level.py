@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from batchpilot.bench.loadgen import LoadGenConfig, replay
-from batchpilot.bench.run_speed import idle_before, priced_seconds
+from batchpilot.bench.run_speed import idle_before, logged_rates, priced_seconds
 from batchpilot.bench.serverproc import serve
 from batchpilot.core.costmodel import CostModel
 from batchpilot.models.encoder import EncoderConfig, EncoderExecutor
@@ -43,14 +43,13 @@ from batchpilot.server.inproc_server import bound_socket, in_thread
 from batchpilot.server.serving_client import send_elsewhere
 from batchpilot.server.serving_load import LOADED_REQUESTS, loaded_plan
 from batchpilot.server.serving_profile import lone_plan, scheduler_config
-from batchpilot.sim.frontend import FrontEnd, rates_before
+from batchpilot.sim.frontend import FrontEnd
 
 
 def level(log: Path, offset: int, cost_model: CostModel, frontend: FrontEnd) -> tuple[float, int, float]:
     """(slot seconds / priced seconds, batches, mean batch size) of the batches logged from ``offset``."""
     batches = sorted(read_batches(log, offset)[0], key=lambda b: b.start)
-    rates = rates_before([b.start for b in batches], [a for b in batches for a in b.arrivals])
-    priced = priced_seconds(batches, cost_model, frontend, rates, idle_before(batches))
+    priced = priced_seconds(batches, cost_model, frontend, logged_rates(batches), idle_before(batches))
     return (sum(b.slot_s for b in batches) / sum(priced), len(batches),
             statistics.mean(b.n for b in batches))
 

@@ -21,11 +21,11 @@ import dataclasses
 import json
 from pathlib import Path
 
-from batchpilot.bench.run_speed import by_rate, idle_before, priced_seconds, split
+from batchpilot.bench.run_speed import by_rate, idle_before, logged_rates, priced_seconds, split
 from batchpilot.core.costmodel import CostModel
 from batchpilot.runtime.batch_log import LoggedBatch, read_batches
 from batchpilot.server.serving_load import LOADED_TOKEN_EDGES
-from batchpilot.sim.frontend import FrontEnd, rates_before
+from batchpilot.sim.frontend import FrontEnd
 
 IDLE_BINS = (("any idle", 0.0, float("inf")), ("idle < 2 ms", 0.0, 0.002), ("idle 10-100 ms", 0.01, 0.1))
 MIN_BATCHES = 10  # a cell with fewer is left out
@@ -50,9 +50,7 @@ def slot_over_price(batches: list[LoggedBatch], profile: Path, flat: bool = Fals
         frontend = dataclasses.replace(frontend, loaded_rate_coef=0.0,
                                        loaded_alpha=frontend.loaded_alpha + frontend.loaded_rate_coef * mean)
     batches = sorted(batches, key=lambda b: b.start)
-    arrivals = [a for b in batches for a in b.arrivals] if all(b.arrivals for b in batches) else \
-        [b.start for b in batches for _ in range(b.n)]
-    rates = rates_before([b.start for b in batches], arrivals)
+    rates = logged_rates(batches)
     idle = idle_before(batches)
     price = priced_seconds(batches, cost_model, frontend, rates, idle)
     if by == "tokens":

@@ -87,3 +87,13 @@ def test_batches_are_priced_after_their_idle_time_in_start_order(tmp_path: Path)
     log.write_text("".join(json.dumps(r) + "\n" for r in rows))
     rs = run_speed(log, 0, cm, fe, [0.0])
     assert rs.batches == 2 and math.isclose(rs.speed, 0.03 / (0.01 + 0.03) - 1.0)
+
+
+def test_logged_rates_count_the_logged_arrivals_else_each_batch_at_its_start() -> None:
+    from batchpilot.bench.run_speed import logged_rates
+
+    with_arrivals = [LoggedBatch(1.0, 0.1, 2, {}, arrivals=(0.2, 0.9)),
+                     LoggedBatch(1.5, 0.1, 1, {}, arrivals=(1.4,))]
+    assert logged_rates(with_arrivals) == [2.0, 2.0]  # (0.2 and 0.9), then (0.9 and 1.4) in the second before
+    old_log = [LoggedBatch(1.0, 0.1, 2, {}), LoggedBatch(1.5, 0.1, 1, {})]
+    assert logged_rates(old_log) == [0.0, 2.0]  # the first batch's two requests counted at its start

@@ -62,6 +62,14 @@ def priced_seconds(batches: Sequence[LoggedBatch], cost_model: CostModel, fronte
             else cost_model.latency(b.features) for b, r, t in zip(batches, rates, idle, strict=True)]
 
 
+def logged_rates(batches: Sequence[LoggedBatch]) -> list[float]:
+    """Per batch (in start order), the request rate of the second before it from the arrivals the batch
+    log holds (``rates_before``); a log without them counts each batch's requests at its start."""
+    arrivals = ([a for b in batches for a in b.arrivals] if all(b.arrivals for b in batches)
+                else [b.start for b in batches for _ in range(b.n)])
+    return rates_before([b.start for b in batches], arrivals)
+
+
 def speed_of(batches: Sequence[LoggedBatch], priced: Sequence[float]) -> RunSpeed:
     """The ratio of the totals, and per ``WINDOW_S`` window from the first batch's start."""
     took, want = sum(b.slot_s for b in batches), sum(priced)

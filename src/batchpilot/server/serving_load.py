@@ -4,13 +4,15 @@
 after its lone requests, replays ``LOADED_REQUESTS`` open-loop from a child process
 (``serving_client.send_elsewhere``: on the cores the profiler is not pinned to, when there are any). Here:
 
-* ``loaded_plan``: the seeded open-loop plan, segments taking turns at ``LOADED_SHARES``
-  (``alternating_arrivals``, which the LLM's loaded phase uses too);
+* ``loaded_plan``: the seeded open-loop plan, its lengths spread on a log scale (``log_weights``),
+  segments taking turns at ``LOADED_SHARES`` (``alternating_arrivals``, which the LLM's loaded phase
+  uses too);
 * ``thread_cpu_s`` / ``competing_cpu``: the CPU seconds per request that competed with the model
   (every thread of this process but the model's, plus the load generator when it shares the cores);
-* ``fit_loaded``: the line ``predicted * alpha * (1 + competing_cpu_s * rate) * idle factor + const``
-  over the batches the server ran, and their spread around it; ``idle_factors``: how much slower
-  than the line a batch runs after the server sat idle for a while than right behind another batch.
+* ``fit_loaded``: the line ``predicted * alpha * (1 + competing_cpu_s * rate) * size factor * idle
+  factor + const`` over the batches the server ran, and their spread around it; ``token_factors``:
+  how a batch's size (``loaded_token_steps``) moves it off the line; ``idle_factors``: how much
+  slower than the line a batch runs after the server sat idle for a while than right behind another.
 """
 
 from __future__ import annotations
