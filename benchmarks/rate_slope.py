@@ -1,17 +1,22 @@
 """Does a batch slow down with the request rate as its profile says? Every batch of a fidelity matrix.
 
-    .venv/bin/python benchmarks/rate_slope.py DIR [--profiles OTHER_DIR] [--flat] [--by tokens]
+    .venv/bin/python benchmarks/rate_slope.py DIR [--profiles OTHER_DIR] [--flat] [--refit]
+        [--by rate|tokens|busy|point]
 
 For each folder DIR/<workload>-<cpus>/ of `benchmarks/fidelity.py --out DIR`, reads the server's batch
 log (`batches.jsonl`, every load point of the run) and prices each batch as the simulator does
 (`FrontEnd.batch_seconds`: the cost model under serving load at the rate of the second before it,
-after its idle time), against DIR/profile-<cpus>.json, or OTHER_DIR's with `--profiles` (the same
-runs priced by other profiles). It prints the batches' slot seconds over that price by request rate
-(`run_speed.by_rate`'s bins), among the batches that started right behind another (under 2 ms
-idle) and among those after 10-100 ms idle, so that the idle factors do not mix into the rate: a
-line whose rate slope is right stays flat across the rates. The rate is counted from the batches'
-own requests (the ones served in the second before), a stand-in for the arrivals that the batch
-log does not hold.
+after its idle time, at its size and busy share), against DIR/profile-<cpus>.json, or OTHER_DIR's
+with `--profiles` (the same runs priced by other profiles); the profiles' own loaded batches are
+priced too. It prints the batches' slot seconds over that price by request rate (`run_speed.by_rate`'s
+bins), among the batches that started right behind another (under 2 ms idle) and among those after
+10-100 ms idle, so that the idle factors do not mix into the rate: a line whose rate slope is right
+stays flat across the rates. `--by tokens` bins by computed tokens instead, `--by busy` by the busy
+share (`sim.before_batch`), `--by point` prints one ratio per load point of each run (its run speed
+with the logged arrivals) and their mean distance from 1. `--refit` prices with each profile's loaded
+line fitted again from the batches it kept, by this checkout's code: a change to the line's shape,
+tried on matrices already run before a new one is. The rate is counted from the logged arrivals
+(`run_speed.logged_rates`).
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from pathlib import Path
 from batchpilot.bench.run_speed import by_rate, idle_before, logged_rates, priced_seconds, split
 from batchpilot.core.costmodel import CostModel
 from batchpilot.runtime.batch_log import LoggedBatch, read_batches
-from batchpilot.server.serving_load import LOADED_TOKEN_EDGES
+from batchpilot.server.serving_load import LOADED_TOKEN_EDGES, Loaded, fit_loaded, frontend_fields
+from batchpilot.sim.before_batch import BUSY_EDGES, busy_shares
 from batchpilot.sim.frontend import FrontEnd
 
 IDLE_BINS = (("any idle", 0.0, float("inf")), ("idle < 2 ms", 0.0, 0.002), ("idle 10-100 ms", 0.01, 0.1))
@@ -38,13 +44,42 @@ def own_batches(profile: Path) -> list[LoggedBatch]:
                         arrivals=tuple(b["arrivals"])) for b in loaded.get("measured", ())]
 
 
-def slot_over_price(batches: list[LoggedBatch], profile: Path, flat: bool = False,
-                    by: str = "rate") -> dict[str, list[tuple[str, float, int]]]:
-    """Per idle bin, per ``run_speed.RATE_BINS`` bin with enough batches: (rate bin, slot / price,
-    batches), the price ``run_speed.priced_seconds``'s (``flat``: without the rate slope)."""
+def priced_by(profile: Path, refit: bool = False) -> tuple[CostModel, FrontEnd]:
+    """The profile's cost model and serving path; ``refit``: its loaded line fitted again from the
+    batches it kept, by this checkout's ``fit_loaded`` (same competing CPU and token steps)."""
     cost_model, frontend = CostModel.load(profile), FrontEnd.from_profile(profile)
     if frontend is None:
         raise SystemExit(f"{profile} has no serving path (profiled with --no-serving-path)")
+    if refit:
+        loaded = json.loads(profile.read_text())["serving_path"]["loaded"]
+        kept = [Loaded(b.features, b.slot_s, b.start, list(b.arrivals)) for b in own_batches(profile)]
+        line, details = fit_loaded(kept, cost_model, loaded["competing_cpu_s"],
+                                   [lo for lo, _ in loaded["token_factors"]] or [0])
+        frontend = dataclasses.replace(frontend, **frontend_fields(line, details))
+    return cost_model, frontend
+
+
+def by_point(run: Path, profile: Path, refit: bool) -> list[tuple[str, float, int]]:
+    """Per load point of a fidelity run (its ``fidelity.json``: the last batches of the log, as many
+    as each point's run speed counted), (load, slot / price, batches)."""
+    cost_model, frontend = priced_by(profile, refit)
+    batches = sorted(read_batches(run / "batches.jsonl", 0)[0], key=lambda b: b.start)
+    price = priced_seconds(batches, cost_model, frontend, logged_rates(batches))
+    points = json.loads((run / "fidelity.json").read_text())["points"]
+    out, end = [], len(batches)
+    for point in reversed(points):
+        begin = end - point["run_speed"]["batches"]
+        took = sum(b.slot_s for b in batches[begin:end])
+        out.append((f"{point['load']:.0%}", took / sum(price[begin:end]), end - begin))
+        end = begin
+    return out[::-1]
+
+
+def slot_over_price(batches: list[LoggedBatch], profile: Path, flat: bool = False,
+                    by: str = "rate", refit: bool = False) -> dict[str, list[tuple[str, float, int]]]:
+    """Per idle bin, per ``run_speed.RATE_BINS`` bin with enough batches: (rate bin, slot / price,
+    batches), the price ``run_speed.priced_seconds``'s (``flat``: without the rate slope)."""
+    cost_model, frontend = priced_by(profile, refit)
     if flat:
         mean = json.loads(profile.read_text())["serving_path"]["loaded"]["rate_mean"]
         frontend = dataclasses.replace(frontend, loaded_rate_coef=0.0,
@@ -53,12 +88,14 @@ def slot_over_price(batches: list[LoggedBatch], profile: Path, flat: bool = Fals
     rates = logged_rates(batches)
     idle = idle_before(batches)
     price = priced_seconds(batches, cost_model, frontend, rates, idle)
-    if by == "tokens":
-        edges = (0, *LOADED_TOKEN_EDGES, float("inf"))
+    if by in ("tokens", "busy"):
+        edges = (0, *LOADED_TOKEN_EDGES, float("inf")) if by == "tokens" else (0, *BUSY_EDGES, float("inf"))
         bins = [(lo, hi, f"{lo:g}+" if hi == float("inf") else f"{lo:g}-{hi:g}")
                 for lo, hi in zip(edges, edges[1:], strict=False)]
-        cells = split(batches, price, [b.features.get("tokens", 0.0) for b in batches], bins)
-        return {"tokens": [(label, 1.0 + r, n) for label, n, r in cells if n >= MIN_BATCHES]}
+        keys = ([b.features.get("tokens", 0.0) for b in batches] if by == "tokens"
+                else busy_shares([b.start for b in batches], [b.slot_s for b in batches]))
+        cells = split(batches, price, keys, bins)
+        return {by: [(label, 1.0 + r, n) for label, n, r in cells if n >= MIN_BATCHES]}
     out: dict[str, list[tuple[str, float, int]]] = {}
     for name, lo, hi in IDLE_BINS:
         keep = [i for i, t in enumerate(idle) if lo <= t < hi]
@@ -72,7 +109,10 @@ def main() -> int:
     ap.add_argument("out", help="the --out folder of benchmarks/fidelity.py")
     ap.add_argument("--profiles", help="price the runs with this folder's profile-<cpus>.json instead")
     ap.add_argument("--flat", action="store_true", help="price without the rate slope (module docstring)")
-    ap.add_argument("--by", choices=("rate", "tokens"), default="rate")
+    ap.add_argument("--by", choices=("rate", "tokens", "busy", "point"), default="rate",
+                    help="bin by request rate (and idle time), computed tokens, busy share, or load point")
+    ap.add_argument("--refit", action="store_true",
+                    help="refit each profile's loaded line from the batches it kept (`priced_by`)")
     args = ap.parse_args()
     out = Path(args.out)
     profiles = Path(args.profiles) if args.profiles else out
@@ -80,10 +120,18 @@ def main() -> int:
     for run in sorted(p for p in out.iterdir() if (p / "batches.jsonl").is_file()):
         cpus = run.name.rsplit("-", 1)[1]
         sets.append((run.name, read_batches(run / "batches.jsonl", 0)[0], profiles / f"profile-{cpus}.json"))
+    if args.by == "point":
+        errors = []
+        for run in sorted(p for p in out.iterdir() if (p / "fidelity.json").is_file()):
+            cells = by_point(run, profiles / f"profile-{run.name.rsplit('-', 1)[1]}.json", args.refit)
+            errors += [abs(r - 1.0) for _, r, _ in cells]
+            print(f"{run.name:<16} " + "; ".join(f"{label}: {r:.3f} ({n})" for label, r, n in cells))
+        print(f"mean |slot / price - 1| {sum(errors) / len(errors):.2%}, worst {max(errors):.2%}")
+        return 0
     for label_, batches, profile in sets:
         if not batches:
             continue
-        for name, cells in slot_over_price(batches, profile, args.flat, args.by).items():
+        for name, cells in slot_over_price(batches, profile, args.flat, args.by, args.refit).items():
             print(f"{label_:<16} {name:<15} "
                   + "; ".join(f"{label}: {r:.3f} ({n})" for label, r, n in cells))
     return 0

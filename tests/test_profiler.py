@@ -30,7 +30,8 @@ from batchpilot.models.profiler import (
     profile_grid,
 )
 from batchpilot.models.threads import PROBE_SHAPES, ThreadPlan
-from batchpilot.sim.frontend import IDLE_EDGES_S, FrontEnd
+from batchpilot.sim.before_batch import BUSY_EDGES, IDLE_EDGES_S
+from batchpilot.sim.frontend import FACTOR_FIELDS, FrontEnd
 
 
 @pytest.fixture(scope="module")
@@ -130,10 +131,12 @@ def test_cli_writes_a_profile_the_server_can_load(tmp_path: Path, capsys: pytest
     frontend = FrontEnd.from_profile(out)  # the serving path, measured on the real app in-process
     assert frontend is not None and frontend.serial_busy_factor >= 1.0
     assert all(math.isfinite(v) and v >= 0 for k, v in frontend.to_dict().items()
-               if k not in ("loaded_residuals", "loaded_idle_factors", "loaded_token_factors"))
+               if k not in FACTOR_FIELDS)
     assert all(r > -1 for r in frontend.loaded_residuals)
     assert len(frontend.loaded_idle_factors) == len(IDLE_EDGES_S) + 1  # one per idle bin, all > 0
     assert all(f > 0 for f in frontend.loaded_idle_factors)
+    assert len(frontend.loaded_busy_factors) == len(BUSY_EDGES) + 1  # one per busy-share bin, all > 0
+    assert all(f > 0 for f in frontend.loaded_busy_factors)
     assert doc["serving_path"]["requests"] == 2 * 3 and doc["serving_path"]["padding"] == "dynamic"
     prepare = doc["cost_model"]["meta"]["prepare_s"]  # the median collation time of the grid's batches
     assert prepare == pytest.approx(statistics.median(p["prepare_s"] for p in doc["points"]))

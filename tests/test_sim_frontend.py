@@ -245,7 +245,7 @@ def test_a_frontend_with_unknown_fields_is_refused_with_what_to_do() -> None:
 
 def test_idle_factors_price_a_batch_by_the_idle_time_before_it() -> None:
     from batchpilot.core.config import PolicyConfig, SchedulerConfig
-    from batchpilot.sim.frontend import IDLE_EDGES_S, idle_factor, idle_times
+    from batchpilot.sim.before_batch import IDLE_EDGES_S, idle_factor, idle_times
     from batchpilot.sim.target import simulate_encoder
 
     factors = (0.9, 0.95, 1.0, 1.05, 1.1, 1.3)

@@ -21,7 +21,8 @@ from pathlib import Path
 
 from ..core.costmodel import CostModel
 from ..runtime.batch_log import LoggedBatch, read_batches
-from ..sim.frontend import IDLE_EDGES_S, FrontEnd, idle_times, rates_before
+from ..sim.before_batch import IDLE_EDGES_S, busy_shares, idle_times
+from ..sim.frontend import FrontEnd, rates_before
 
 WINDOW_S = 15.0
 MIN_WINDOW_BATCHES = 10  # a window with fewer batches is left out of the spread
@@ -54,12 +55,15 @@ class RunSpeed:
 
 def priced_seconds(batches: Sequence[LoggedBatch], cost_model: CostModel, frontend: FrontEnd | None,
                    rates: Sequence[float], idle: Sequence[float] | None = None) -> list[float]:
-    """What the profile says each batch takes: under serving load at its rate and after its idle time
-    (``idle_before``) and at its size with ``frontend``, else the bare cost model."""
+    """What the profile says each batch takes (``batches`` in start order): under serving load at its
+    rate, after its idle time (``idle_before``), at its size and busy share (``sim.before_batch``) with
+    ``frontend``, else the bare cost model."""
     idle = idle_before(batches) if idle is None else idle
-    return [frontend.batch_seconds(cost_model.latency(b.features), r, t, b.features.get("tokens", 0.0))
-            if frontend is not None
-            else cost_model.latency(b.features) for b, r, t in zip(batches, rates, idle, strict=True)]
+    if frontend is None:
+        return [cost_model.latency(b.features) for b in batches]
+    busy = busy_shares([b.start for b in batches], [b.slot_s for b in batches])
+    return [frontend.batch_seconds(cost_model.latency(b.features), r, t, b.features.get("tokens", 0.0), s)
+            for b, r, t, s in zip(batches, rates, idle, busy, strict=True)]
 
 
 def logged_rates(batches: Sequence[LoggedBatch]) -> list[float]:

@@ -10,9 +10,11 @@ after its lone requests, replays ``LOADED_REQUESTS`` open-loop from a child proc
 * ``thread_cpu_s`` / ``competing_cpu``: the CPU seconds per request that competed with the model
   (every thread of this process but the model's, plus the load generator when it shares the cores);
 * ``fit_loaded``: the line ``predicted * alpha * (1 + competing_cpu_s * rate) * size factor * idle
-  factor + const`` over the batches the server ran, and their spread around it; ``token_factors``:
-  how a batch's size (``loaded_token_steps``) moves it off the line; ``idle_factors``: how much
-  slower than the line a batch runs after the server sat idle for a while than right behind another.
+  factor * busy factor + const`` over the batches the server ran, and their spread around it: the
+  size factors per step of a batch's computed tokens (``loaded_token_steps``), the idle factors
+  per bin of the time no batch ran before it, the busy factors per bin of the share of the second
+  before it in which a batch ran (``sim.before_batch``), all three fitted together
+  (``line_fit.backfit_factors``).
 """
 
 from __future__ import annotations
@@ -28,14 +30,9 @@ import numpy as np
 
 from ..bench.loadgen import PlannedRequest
 from ..core.costmodel import BatchShape, CostModel, nonneg_lstsq
-from ..sim.frontend import (
-    IDLE_EDGES_S,
-    idle_factor,
-    idle_times,
-    rates_before,
-    residual_units,
-)
-from ..sim.line_fit import binned_factors, step_factor
+from ..sim.before_batch import BUSY_EDGES, IDLE_EDGES_S, busy_shares, idle_times
+from ..sim.frontend import rates_before, residual_units
+from ..sim.line_fit import backfit_factors
 
 LOADED_REQUESTS = 360  # ~10-20 s of traffic for MiniLM on one CPU core
 # of one slot's one-at-a-time rate: three loads, to see how the rate slows a batch, the last past what
@@ -114,34 +111,40 @@ def alternating_arrivals(n: int, mean_gaps_s: Sequence[float], rng: random.Rando
 def fit_loaded(batches: list[Loaded], cost_model: CostModel, competing_cpu_s: float = 0.0,
                token_steps: Sequence[int] = (0,)) -> tuple[tuple[float, float, float], dict[str, Any]]:
     """``slot_s ~ predicted * alpha * (1 + competing_cpu_s * rate) * step_factor(tokens) *
-    idle_factor(idle) + const`` over the loaded batches, ``rate`` = requests that arrived in the
-    ``RATE_WINDOW_S`` before the batch started, per second, ``tokens`` the batch's computed tokens,
-    binned at ``token_steps`` (``loaded_token_steps``: ``token_factors``), ``idle`` the time no batch ran
-    before it (``idle_factors``), ``const`` the seconds every batch takes beyond that
-    (``per_batch_const``); ``alpha`` makes the totals agree. Returns ``(alpha, alpha *
-    competing_cpu_s, const)`` (``FrontEnd``'s loaded line) and what was measured, ``token_factors``
-    and ``idle_factors`` among it."""
+    idle_factor(idle) * busy_factor(busy) + const`` over the loaded batches: ``rate`` the requests that
+    arrived in the ``RATE_WINDOW_S`` before the batch started, per second; ``tokens`` the batch's
+    computed tokens, binned at ``token_steps`` (``loaded_token_steps``); ``idle`` the time no batch
+    ran before it (binned at ``IDLE_EDGES_S``); ``busy`` the share of the second before it
+    in which a batch ran (``sim.before_batch.busy_shares``, a factor per ``BUSY_EDGES`` bin);
+    ``const`` the seconds every batch takes beyond that (``per_batch_const``); ``alpha`` makes the
+    totals agree. Returns ``(alpha, alpha * competing_cpu_s, const)`` (``FrontEnd``'s loaded line)
+    and what was measured, the factors among it (``frontend_fields`` makes ``FrontEnd`` fields of
+    both)."""
     if len(batches) < 10:
         return (1.0, 0.0, 0.0), {"batches": len(batches), "note": "too few batches: not measured"}
     batches = sorted(batches, key=lambda b: b.start)
     rate = np.array(rates_before([b.start for b in batches], [a for b in batches for a in b.arrivals]))
     pred = np.array([cost_model.latency(b.features) for b in batches])
     took = np.array([b.slot_s for b in batches])
-    idle = np.array(idle_times([b.start for b in batches], took.tolist()))
+    starts = [b.start for b in batches]
+    idle = np.array(idle_times(starts, took.tolist()))
     base = pred * (1.0 + competing_cpu_s * rate)
     const = per_batch_const(base, took)
     took_var = np.maximum(took - const, 1e-6)  # the part that scales with the batch
-    factors: tuple[float, ...] = ()
-    counts: list[int] = []
-    by_tokens: tuple[tuple[int, float], ...] = ()
-    token_counts: list[int] = []
+    tokens = np.array([b.features.get("tokens", 0.0) for b in batches])
+    sets = [(np.searchsorted(np.asarray(IDLE_EDGES_S), idle, side="right"), len(IDLE_EDGES_S) + 1),
+            (np.searchsorted(np.asarray(BUSY_EDGES), busy_shares(starts, took.tolist()), side="right"),
+             len(BUSY_EDGES) + 1)]
+    if len(token_steps) > 1:
+        sets.append((np.searchsorted(np.asarray(token_steps[1:]), tokens, side="right"), len(token_steps)))
+    fitted = [((), [])] * 3
     if base.sum() > 0 and took_var.sum() > 0:
-        tokens = np.array([b.features.get("tokens", 0.0) for b in batches])
-        by_tokens, token_counts = token_factors(tokens, token_steps, took_var,
-                                                base * (took_var.sum() / base.sum()))
-        base = base * np.array([step_factor(by_tokens, t) for t in tokens])
-        factors, counts = idle_factors(idle, took_var, base * (took_var.sum() / base.sum()))
-        base = base * np.array([idle_factor(factors, t) for t in idle])
+        fitted = backfit_factors(sets, took_var, base, IDLE_PRIOR_BATCHES)
+        for (index, _), (factors, _) in zip(sets, fitted, strict=False):
+            base = base * np.asarray(factors)[index]
+    (idle_f, idle_n), (busy_f, busy_n) = fitted[:2]
+    token_f, token_n = fitted[2] if len(fitted) > 2 else ((), [len(batches)])
+    by_tokens = tuple((int(lo), f) for lo, f in zip(token_steps, token_f, strict=False))
     alpha = float(took_var.sum() / base.sum()) if base.sum() > 0 else 1.0
     # for comparison only: the slope a least-squares fit of ``predicted * (a + b * rate)`` would give
     w = 1.0 / np.maximum(took, 1e-6)
@@ -156,12 +159,25 @@ def fit_loaded(batches: list[Loaded], cost_model: CostModel, competing_cpu_s: fl
         "rate_min": float(rate.min()), "rate_max": float(rate.max()), "rate_mean": float(rate.mean()),
         "slot_over_predicted": float(took.sum() / pred.sum()), "alpha": alpha,
         "competing_cpu_s": competing_cpu_s, "rate_coef": alpha * competing_cpu_s, "const_s": const,
-        "least_squares_s_per_request": fitted_s, "idle_factors": list(factors), "idle_batches": counts,
-        "token_factors": [list(step) for step in by_tokens], "token_batches": token_counts,
+        "least_squares_s_per_request": fitted_s, "idle_factors": list(idle_f), "idle_batches": idle_n,
+        "token_factors": [list(step) for step in by_tokens], "token_batches": token_n,
+        "busy_factors": list(busy_f), "busy_batches": busy_n,
         "residuals": sorted(float(r) for r in residuals), "residual_std": float(residuals.std()),
         "residual_ref_s": ref_s,
         "measured": [{"start": b.start, "slot_s": b.slot_s, "features": b.features, "arrivals": b.arrivals}
                      for b in batches]}
+
+
+def frontend_fields(loaded: tuple[float, float, float], details: dict[str, Any]) -> dict[str, Any]:
+    """``FrontEnd``'s ``loaded_*`` fields from ``fit_loaded``'s result; takes the residuals out of
+    ``details`` (they are written once, in the front end)."""
+    alpha, rate_coef, const = loaded
+    return {"loaded_alpha": alpha, "loaded_rate_coef": rate_coef, "loaded_const_s": const,
+            "loaded_residuals": tuple(details.pop("residuals", ())),
+            "loaded_residual_ref_s": details.pop("residual_ref_s", 0.0),
+            "loaded_idle_factors": tuple(details.get("idle_factors", ())),
+            "loaded_busy_factors": tuple(details.get("busy_factors", ())),
+            "loaded_token_factors": tuple(tuple(x) for x in details.get("token_factors", ()))}
 
 
 def per_batch_const(base: np.ndarray, took: np.ndarray) -> float:
@@ -178,30 +194,11 @@ def per_batch_const(base: np.ndarray, took: np.ndarray) -> float:
     return float(min(const, 0.5 * float(np.median(took))))
 
 
-def idle_factors(idle: np.ndarray, took: np.ndarray, line: np.ndarray,
-                 prior: float = IDLE_PRIOR_BATCHES) -> tuple[tuple[float, ...], list[int]]:
-    """Per ``IDLE_EDGES_S`` bin of ``idle``, the batches' time over their ``line`` (``binned_factors``).
-    Returns the factors and the batches per bin."""
-    index = np.searchsorted(np.asarray(IDLE_EDGES_S), idle, side="right")
-    return binned_factors(index, len(IDLE_EDGES_S) + 1, took, line, prior)
-
-
 def loaded_token_steps(executor: Any) -> list[int]:
     """The loaded line's token steps: 0, the executor's thread plan's steps (``models/threads.py``; none
     without a plan) and ``LOADED_TOKEN_EDGES``."""
     plan = getattr(executor, "threads", None)
     return sorted({0, *(int(lo) for lo, _ in (plan.steps if plan is not None else ())), *LOADED_TOKEN_EDGES})
-
-
-def token_factors(tokens: np.ndarray, steps: Sequence[int], took: np.ndarray, line: np.ndarray,
-                  prior: float = IDLE_PRIOR_BATCHES) -> tuple[tuple[tuple[int, float], ...], list[int]]:
-    """Per step of ``steps`` (min tokens, ascending from 0: ``token_steps``), the batches' time over
-    their ``line`` (``binned_factors``), as ``FrontEnd.loaded_token_factors``; none for one step."""
-    if len(steps) < 2:
-        return (), [len(tokens)]
-    index = np.searchsorted(np.asarray(steps[1:]), tokens, side="right")
-    factors, counts = binned_factors(index, len(steps), took, line, prior)
-    return tuple((int(lo), f) for lo, f in zip(steps, factors, strict=True)), counts
 
 
 def thread_cpu_s() -> dict[int, float]:

@@ -73,6 +73,7 @@ from .serving_load import (
     Loaded,
     competing_cpu,
     fit_loaded,
+    frontend_fields,
     loaded_plan,
     loaded_token_steps,
     one_input,
@@ -128,20 +129,14 @@ def measure_serving_path(executor: Any, cost_model: CostModel, *, requests: int 
     idle, busy = _contention(executor, texts, lengths, padding)
     idle_s, busy_s = statistics.median(idle), statistics.median(busy)
     factor = max(busy_s / idle_s, 1.0) if idle_s > 0 else 1.0
-    (alpha, rate_coef, const), load_details = fit_loaded(batches, cost_model, competing_s,
-                                                         loaded_token_steps(executor))
+    loaded, load_details = fit_loaded(batches, cost_model, competing_s, loaded_token_steps(executor))
     load_details["cpu"] = cpu_details
     delay_const, delay_coef, delay_details = fit_loaded_delay(loaded_rows, fitted, len(traffic),
                                                               LOADED_SEGMENTS)
     frontend = dataclasses.replace(fitted, batch_overhead_s=overhead_s, serial_busy_factor=factor,
                                    serial_servers=tokenizer_workers(ServerConfig()),
-                                   loaded_alpha=alpha, loaded_rate_coef=rate_coef, loaded_const_s=const,
                                    delay_loaded_s=delay_const, delay_rate_coef_s=delay_coef,
-                                   loaded_residuals=tuple(load_details.pop("residuals", ())),
-                                   loaded_residual_ref_s=load_details.pop("residual_ref_s", 0.0),
-                                   loaded_idle_factors=tuple(load_details.get("idle_factors", ())),
-                                   loaded_token_factors=tuple(tuple(x) for x in
-                                                              load_details.get("token_factors", ())))
+                                   **frontend_fields(loaded, load_details))
     details = {
         "requests": len(measured), "ok": len(ok), "warmup_requests": warm, "lengths": len(texts),
         "min_tokens": min(lengths), "max_tokens": max(lengths), "rounds": rounds, "padding": padding,

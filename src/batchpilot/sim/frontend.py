@@ -51,6 +51,10 @@ The fields:
   with the front end for the second core and one on one thread does not, and a short batch feels the
   hand-offs and the threads' synchronisation more than a long one.
   Measured on the same loaded batches (``serving_load.fit_loaded``); none: 1 at every size.
+* ``loaded_busy_factors``: one factor per bin of the share of the second before a batch in which a
+  batch ran (``sim.busy``: ``BUSY_EDGES``), by which its loaded term is also multiplied: under
+  sustained load a batch runs faster than between short bursts. Measured on the same loaded batches
+  (``serving_load.fit_loaded``); none: 1 at every share.
 * ``serial_busy_factor``: how much slower the tokenizer is while the model runs a batch (both share
   the CPU) than on an idle machine, >= 1; under load the model is nearly always busy, so the serial
   stage's service time is scaled by it.
@@ -76,11 +80,11 @@ from typing import Any
 
 import numpy as np
 
+from .before_batch import BUSY_EDGES, IDLE_EDGES_S, busy_factor, idle_factor
 from .line_fit import fit_line, step_factor
 
 RATE_WINDOW_S = 1.0  # a batch's request rate: arrivals in this window before it started
-# upper edges of the bins of the idle time before a batch (no batch running); the last bin is >= 0.3 s
-IDLE_EDGES_S = (0.002, 0.01, 0.03, 0.1, 0.3)
+FACTOR_FIELDS = ("loaded_residuals", "loaded_idle_factors", "loaded_token_factors", "loaded_busy_factors")
 
 
 def check_finite_nonneg(what: str, values: dict[str, float]) -> None:
@@ -108,10 +112,17 @@ class FrontEnd:
     loaded_token_factors: tuple[tuple[int, float], ...] = ()
     delay_loaded_s: float = 0.0
     delay_rate_coef_s: float = 0.0
+    loaded_busy_factors: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "loaded_residuals", tuple(sorted(float(r) for r in self.loaded_residuals)))
-        object.__setattr__(self, "loaded_idle_factors", tuple(float(f) for f in self.loaded_idle_factors))
+        for name, edges in (("loaded_idle_factors", IDLE_EDGES_S), ("loaded_busy_factors", BUSY_EDGES)):
+            factors = tuple(float(f) for f in getattr(self, name))
+            object.__setattr__(self, name, factors)
+            if factors and (len(factors) != len(edges) + 1
+                            or not all(math.isfinite(f) and f > 0 for f in factors)):
+                raise ValueError(f"frontend.{name} must be {len(edges) + 1} positive factors (one per bin) "
+                                 f"or none, got {factors!r}")
         steps = tuple((int(lo), float(f)) for lo, f in self.loaded_token_factors)
         object.__setattr__(self, "loaded_token_factors", steps)
         if steps and (steps[0][0] != 0 or any(b[0] <= a[0] for a, b in zip(steps, steps[1:], strict=False))
@@ -120,14 +131,7 @@ class FrontEnd:
                              f"from 0 tokens with positive factors, got {steps!r}")
         if any(not math.isfinite(r) or r <= -1.0 for r in self.loaded_residuals):
             raise ValueError("frontend.loaded_residuals must be finite relative errors > -1")
-        factors = self.loaded_idle_factors
-        if factors and (len(factors) != len(IDLE_EDGES_S) + 1
-                        or not all(math.isfinite(f) and f > 0 for f in factors)):
-            raise ValueError(f"frontend.loaded_idle_factors must be {len(IDLE_EDGES_S) + 1} positive "
-                             f"factors (one per idle bin) or none, got {factors!r}")
-        check_finite_nonneg("frontend", {k: v for k, v in asdict(self).items()
-                                         if k not in ("loaded_residuals", "loaded_idle_factors",
-                                                      "loaded_token_factors")})
+        check_finite_nonneg("frontend", {k: v for k, v in asdict(self).items() if k not in FACTOR_FIELDS})
         if int(self.serial_servers) != self.serial_servers or self.serial_servers < 1:
             raise ValueError(f"frontend.serial_servers = {self.serial_servers!r}; must be an integer >= 1")
         if self.serial_busy_factor < 1.0:
@@ -156,12 +160,13 @@ class FrontEnd:
         return out
 
     def batch_seconds(self, predicted_s: float, rate: float = 0.0, idle_s: float = 0.0,
-                      tokens: float = 0.0) -> float:
+                      tokens: float = 0.0, busy: float = 0.0) -> float:
         """A batch's slot time under serving load, from the cost model's prediction for it, the
         request rate (per second, over the ``RATE_WINDOW_S`` before it starts), how long no batch
-        ran before it (``idle_s``) and the tokens it computes."""
+        ran before it (``idle_s``), the tokens it computes and its busy share (``sim.busy``)."""
         return served_seconds(predicted_s, (self.loaded_alpha, self.loaded_rate_coef, self.loaded_const_s),
-                              rate, idle_s, tokens, self.loaded_idle_factors, self.loaded_token_factors)
+                              rate, idle_s, tokens, self.loaded_idle_factors, self.loaded_token_factors,
+                              busy, self.loaded_busy_factors)
 
     def residual_scale(self, line_s: float) -> float:
         """What a drawn ``loaded_residuals`` entry is multiplied by for a batch of ``line_s`` seconds
@@ -208,16 +213,17 @@ class FrontEnd:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d["loaded_residuals"] = list(self.loaded_residuals)
-        d["loaded_idle_factors"] = list(self.loaded_idle_factors)
+        for name in ("loaded_residuals", "loaded_idle_factors", "loaded_busy_factors"):
+            d[name] = list(d[name])
         d["loaded_token_factors"] = [list(step) for step in self.loaded_token_factors]
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> FrontEnd:
         """The inverse of ``to_dict``; fields it lacks keep their defaults."""
-        conv: dict[str, Any] = {"loaded_residuals": lambda v: tuple(float(x) for x in v),
-                                "loaded_idle_factors": lambda v: tuple(float(x) for x in v),
+        floats = lambda v: tuple(float(x) for x in v)  # noqa: E731
+        conv: dict[str, Any] = {"loaded_residuals": floats, "loaded_idle_factors": floats,
+                                "loaded_busy_factors": floats,
                                 "loaded_token_factors": lambda v: tuple((int(lo), float(f)) for lo, f in v),
                                 "serial_servers": int}
         unknown = sorted(set(d) - {f.name for f in fields(cls)})
@@ -237,28 +243,16 @@ class FrontEnd:
 
 def served_seconds(predicted_s: float, loaded: tuple[float, float, float], rate: float,
                    idle_s: float = 0.0, tokens: float = 0.0, idle_factors: Sequence[float] = (),
-                   token_factors: Sequence[tuple[int, float]] = ()) -> float:
+                   token_factors: Sequence[tuple[int, float]] = (), busy: float = 0.0,
+                   busy_factors: Sequence[float] = ()) -> float:
     """A batch's line under serving load: ``predicted * (alpha + rate_coef * rate) * idle_factor *
-    token_factor + const`` for ``loaded = (alpha, rate_coef, const)``, the factors looked up for its
-    idle time and tokens (``FrontEnd.batch_seconds``, the simulator's target: the one formula)."""
+    token_factor * busy_factor + const`` for ``loaded = (alpha, rate_coef, const)``, the factors
+    looked up for its idle time, tokens and busy share (``FrontEnd.batch_seconds``, the simulator's
+    target: the one formula)."""
     alpha, rate_coef, const = loaded
-    factor = idle_factor(idle_factors, idle_s) * step_factor(token_factors, tokens)
+    factor = (idle_factor(idle_factors, idle_s) * step_factor(token_factors, tokens)
+              * busy_factor(busy_factors, busy))
     return predicted_s * (alpha + rate_coef * rate) * factor + const
-
-
-def idle_factor(factors: Sequence[float], idle_s: float) -> float:
-    """The factor of ``factors`` (one per ``IDLE_EDGES_S`` bin) for a batch after ``idle_s`` seconds
-    with no batch running (``inf``: the first); 1 without factors."""
-    return factors[bisect.bisect_right(IDLE_EDGES_S, idle_s)] if factors else 1.0
-
-
-def idle_times(starts: Sequence[float], slot_s: Sequence[float]) -> list[float]:
-    """Per batch (in start order), how long no batch ran before it started: ``inf`` for the first."""
-    out, busy_until = [], -math.inf
-    for start, took in zip(starts, slot_s, strict=True):
-        out.append(max(start - busy_until, 0.0))
-        busy_until = max(busy_until, start + took)
-    return out
 
 
 def residual_units(rel: np.ndarray, line_s: np.ndarray, ref_s: float) -> np.ndarray:

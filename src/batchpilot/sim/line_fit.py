@@ -52,3 +52,21 @@ def step_factor(steps: Sequence[tuple[int, float]], x: float) -> float:
     """The factor of the last ``(lower_bound, factor)`` of ``steps`` (ascending bounds) not above ``x``;
     1 without steps."""
     return steps[max(bisect.bisect_right([lo for lo, _ in steps], x) - 1, 0)][1] if steps else 1.0
+
+
+def backfit_factors(bins: Sequence[tuple[np.ndarray, int]], took: np.ndarray, base: np.ndarray,
+                    prior: float, rounds: int = 8) -> list[tuple[tuple[float, ...], list[int]]]:
+    """Several sets of ``binned_factors`` at once: per set ``(index, bins)``, the factors of
+    ``took ~ base * (product of every set's factor for the row)``, each set refitted in turn against
+    ``base`` times the others' factors (backfitting, ``rounds`` times), so that a cause that two sets
+    both see (a batch after an idle server is also one after a sparse second) lands on the set that
+    explains it rather than on the one fitted first. Returns per set its factors and rows per bin."""
+    out: list[tuple[tuple[float, ...], list[int]]] = [((1.0,) * n, []) for _, n in bins]
+    for _ in range(rounds if len(bins) > 1 else 1):
+        for k, (index, n) in enumerate(bins):
+            line = base.copy()
+            for j, (other, _) in enumerate(bins):
+                if j != k:
+                    line *= np.asarray(out[j][0])[other]
+            out[k] = binned_factors(index, n, took, line * (took.sum() / line.sum()), prior)
+    return out

@@ -3,8 +3,8 @@
 It only moves data: a workload row becomes a ``Request`` and goes to ``submit``; ``schedule`` returns
 batches, each becomes a ``Job`` lasting ``CostModel.latency(batch.shape)`` (or ``sample_latency`` with
 a seeded residual when ``noise`` is on); when the job ends, ``on_batch_done`` gets the elapsed time.
-Every decision is the scheduler's. What it records (per request and per batch, as flat lists that
-``metrics.summarize`` turns into numpy arrays) is everything the report needs.
+Every decision is the scheduler's. It records (per request and per batch, flat lists that
+``metrics.summarize`` turns into arrays) everything the report needs.
 
 ``service_model`` is the *true* cost of a batch (what the simulated hardware does); the scheduler is
 built with its own ``cost_model`` (what it believes). They are the same object unless a study wants
@@ -13,6 +13,7 @@ to see what a wrong belief costs.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import deque
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from ..core.config import SchedulerConfig
 from ..core.costmodel import CostModel
 from ..core.request import Request
 from ..core.scheduler import Batch, BatchScheduler, Rejection
+from .before_batch import BusyWindow
 from .engine import Engine, EngineStats, Job, StopSimulation
 from .frontend import RATE_WINDOW_S, FrontEnd, residual_scale, served_seconds
 from .traces import Workload
@@ -75,6 +77,7 @@ class EncoderTarget:
         loaded_residual_ref_s: float = 0.0,
         loaded_idle_factors: tuple[float, ...] = (),
         loaded_token_factors: tuple[tuple[int, float], ...] = (),
+        loaded_busy_factors: tuple[float, ...] = (),
     ) -> None:
         """``batch_overhead_s``: seconds the live driver adds to every batch outside the model (thread
         hand-offs, the event loop; the profile's ``frontend.batch_overhead_s``). ``loaded``: (alpha,
@@ -84,8 +87,10 @@ class EncoderTarget:
         spread around it, drawn from for every batch (seeded) in place of the profile's residuals, in
         the units of a batch of ``loaded_residual_ref_s`` seconds (``FrontEnd.residual_scale``);
         ``loaded_idle_factors``: the line's factor by the idle time before the batch (no batch running
-        on any slot; ``sim.frontend.idle_factor``); ``loaded_token_factors``: its factor by the batch's
-        computed tokens (the thread plan's steps; ``sim.line_fit.step_factor``).
+        on any slot; ``sim.before_batch.idle_factor``); ``loaded_token_factors``: its factor by the batch's
+        computed tokens (the thread plan's steps; ``sim.line_fit.step_factor``);
+        ``loaded_busy_factors``: its factor by the share of the second before the batch starts in
+        which a batch ran (``sim.before_batch.BusyWindow``).
         ``stop_after_misses = (sla_s, max_misses, warmup_s)``: stop the run (``StopSimulation``) once more
         than ``max_misses`` measured requests finished later than ``sla_s`` or failed — the tuner's
         early exit when a probe's P99 is already lost for certain."""
@@ -108,6 +113,10 @@ class EncoderTarget:
         self._rate_coef = loaded[1]
         self._idle_factors = loaded_idle_factors
         self._token_factors = loaded_token_factors
+        self._busy_factors = loaded_busy_factors
+        self._busy = BusyWindow() if loaded_busy_factors else None
+        self._ends: list[float] = []  # the batches in flight: when each ends (only with busy factors)
+        self._slots = scheduler.config.num_slots
         self._in_flight = 0  # batches started (or collated behind a running one) and not done
         self._last_end = -math.inf  # when the last batch done so far ended
         self._recent: deque[float] = deque()  # arrivals in the last RATE_WINDOW_S (only with a rate coef)
@@ -152,6 +161,8 @@ class EncoderTarget:
     def on_job_done(self, job: Job, now: float) -> None:
         batch: Batch = job.payload
         self._in_flight -= 1
+        if self._ends:
+            heapq.heappop(self._ends)
         self._last_end = max(self._last_end, now)
         rec = self.record
         finish, status = rec.finish_s, rec.status
@@ -181,19 +192,30 @@ class EncoderTarget:
             rate = len(recent) / RATE_WINDOW_S
         # a batch started while another runs (or behind it) found no idle time
         idle_s = 0.0 if self._in_flight else now - self._last_end
+        busy, start = 0.0, now
+        if self._busy is not None:  # with every slot busy the batch starts when the first one ends
+            start = max(now, self._ends[0]) if self._in_flight >= self._slots and self._ends else now
+            busy = self._busy.share(start)
         self._in_flight += 1
         mean = served_seconds(self.service_model.batch_latency(shape.n, shape.tokens, shape.attn),
                               self._loaded, rate, idle_s, shape.tokens, self._idle_factors,
-                              self._token_factors)
+                              self._token_factors, busy, self._busy_factors)
+        took = self._draw(mean) + self._overhead
+        if self._busy is not None:
+            self._busy.add(start, start + took)
+            heapq.heappush(self._ends, start + took)
+        return took
+
+    def _draw(self, mean: float) -> float:
+        """A batch's time around its line ``mean`` (the line itself without residuals or noise): the draw
+        of ``CostModel.sample_latency``, the residual scaled down for a batch longer than their reference."""
         if not self.noise or not self._residuals:
-            return mean + self._overhead
+            return mean
         if not self._u:
             self._u = self._rng.random(4096).tolist()
-        # the same draw as CostModel.sample_latency: the residual picked by u, scaling the mean (a
-        # batch longer than the residuals' reference varies less, relative to its length)
         res = self._residuals
         r = res[min(int(self._u.pop() * len(res)), len(res) - 1)] * residual_scale(mean, self._ref_s)
-        return max(mean * (1.0 + r), 0.0) + self._overhead
+        return max(mean * (1.0 + r), 0.0)
 
     def _fail(self, rej: Rejection, kind: int, now: float) -> None:
         rec = self.record
@@ -229,7 +251,8 @@ def served_batch_terms(frontend: FrontEnd | None) -> dict[str, Any]:
             "loaded_residuals": frontend.loaded_residuals,
             "loaded_residual_ref_s": frontend.loaded_residual_ref_s,
             "loaded_idle_factors": frontend.loaded_idle_factors,
-            "loaded_token_factors": frontend.loaded_token_factors}
+            "loaded_token_factors": frontend.loaded_token_factors,
+            "loaded_busy_factors": frontend.loaded_busy_factors}
 
 
 @dataclass
