@@ -97,3 +97,35 @@ def test_logged_rates_count_the_logged_arrivals_else_each_batch_at_its_start() -
     assert logged_rates(with_arrivals) == [2.0, 2.0]  # (0.2 and 0.9), then (0.9 and 1.4) in the second before
     old_log = [LoggedBatch(1.0, 0.1, 2, {}), LoggedBatch(1.5, 0.1, 1, {})]
     assert logged_rates(old_log) == [0.0, 2.0]  # the first batch's two requests counted at its start
+
+
+def test_run_speed_counts_the_rate_from_the_logged_arrivals_when_the_log_has_them(tmp_path: Path) -> None:
+    import json
+
+    from batchpilot.bench.run_speed import run_speed
+
+    cm = CostModel(latency_coef=(0.01, 0.0, 0.0, 0.0))
+    fe = FrontEnd(loaded_rate_coef=0.1)  # 10 ms * (1 + 0.1 * rate)
+    feats = {"const": 1.0}
+    log = tmp_path / "b.jsonl"
+    rows = [{"start": 1.0, "slot_s": 0.02, "n": 1, "features": feats, "arrivals": [0.5]},
+            {"start": 1.5, "slot_s": 0.03, "n": 1, "features": feats, "arrivals": [1.4]}]
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # at the scheduler: 1 then 2 arrivals in the second before; the send times (none) are not used
+    rs = run_speed(log, 0, cm, fe, [])
+    assert rs.batches == 2 and math.isclose(rs.speed, 0.05 / (0.011 + 0.012) - 1.0)
+    rows = [{k: v for k, v in r.items() if k != "arrivals"} for r in rows]  # an older log: send times
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert math.isclose(run_speed(log, 0, cm, fe, [0.1, 0.2, 0.3, 1.2]).speed, 0.05 / (0.013 + 0.011) - 1.0)
+
+
+def test_by_busy_splits_the_speed_by_the_busy_share_before_each_batch() -> None:
+    from batchpilot.bench.run_speed import by_busy
+
+    feats = {"const": 1.0}
+    sparse = [LoggedBatch(float(k), 0.012, 1, feats) for k in range(3)]  # 1 s apart: busy share ~0.01
+    dense = [LoggedBatch(5.0 + 0.01 * k, 0.009, 1, feats) for k in range(200)]  # back to back from 5 s
+    bins = {label: (n, r) for label, n, r in by_busy(sparse + dense, [0.01] * 203)}
+    n = bins["0-0.15"][0]  # the sparse three, slow, and the dense stretch's first few, fast
+    assert 3 < n <= 25 and math.isclose(bins["0-0.15"][1], (3 * 0.012 + (n - 3) * 0.009) / (n * 0.01) - 1)
+    assert bins[">= 0.65"][0] > 100 and math.isclose(bins[">= 0.65"][1], -0.1)  # fast when it is busy

@@ -250,7 +250,7 @@ def main(args: argparse.Namespace) -> int:
                                  + (f", at the speed checked before it ({checked:+.1%})" if check else "")))
             print(format_summary(live.summary, f"live at {load:.0%} of capacity (x{k:.3f})"))
             splits = (("idle time before the batch", rs.by_idle), ("requests in the batch", rs.by_size),
-                      ("request rate before the batch", rs.by_rate))
+                      ("request rate before the batch", rs.by_rate), ("busy share before it", rs.by_busy))
             print(f"the run's {rs.batches} batches took {speed:+.1%} against the profile "
                   f"({WINDOW_S:g} s windows: {rs.spread}); "
                   + "; ".join(f"by {what}: " + ", ".join(f"{lab} {r:+.1%} ({n})" for lab, n, r in cells)

@@ -2,10 +2,11 @@
 
 The server's batch log (``serve --batch-log``) holds every batch's slot seconds and features. The
 profile prices each of them as the simulator does: ``FrontEnd.batch_seconds`` of the cost model's
-prediction at the request rate of the second before the batch started (``rates_before``), counted from the
-load generator's send times (the same monotonic clock as the log), and after the time no batch ran
-before it (``idle_before``, the profile's idle factors). ``RunSpeed`` is the ratio of the
-totals, minus 1 (+5%: the batches took 5% longer than the profile says), and the same ratio over
+prediction at the request rate of the second before the batch started (``rates_before``), counted from
+the requests' arrivals at the scheduler that the log holds (as the profile counts it; an older log
+without them: the load generator's send times, the same monotonic clock), after the time no batch
+ran before it (``idle_before``) and at its busy share (``sim.before_batch``). ``RunSpeed`` is the
+ratio of the totals, minus 1 (+5%: the batches took 5% longer than the profile says), and the same ratio over
 ``WINDOW_S`` windows of the run, so a drift within the run shows as a spread between its windows.
 
 It is a report, never an input of the prediction: a prediction uses the profile file only.
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from ..core.costmodel import CostModel
 from ..runtime.batch_log import LoggedBatch, read_batches
-from ..sim.before_batch import IDLE_EDGES_S, busy_shares, idle_times
+from ..sim.before_batch import BUSY_EDGES, IDLE_EDGES_S, busy_shares, idle_times
 from ..sim.frontend import FrontEnd, rates_before
 
 WINDOW_S = 15.0
@@ -39,6 +40,7 @@ class RunSpeed:
     by_idle: tuple[tuple[str, int, float], ...] = ()  # (idle bin, batches, ratio - 1) per IDLE_BINS_S bin
     by_size: tuple[tuple[str, int, float], ...] = ()  # (size bin, batches, ratio - 1) per SIZE_BINS bin
     by_rate: tuple[tuple[str, int, float], ...] = ()  # (rate bin, batches, ratio - 1) per RATE_BINS bin
+    by_busy: tuple[tuple[str, int, float], ...] = ()  # (busy bin, batches, ratio - 1) per BUSY_EDGES bin
 
     @property
     def spread(self) -> str:
@@ -50,7 +52,8 @@ class RunSpeed:
     def to_dict(self) -> dict[str, object]:
         return {"speed_vs_profile": self.speed, "batches": self.batches, "window_s": WINDOW_S,
                 "windows": list(self.windows), "by_idle": [list(b) for b in self.by_idle],
-                "by_size": [list(b) for b in self.by_size], "by_rate": [list(b) for b in self.by_rate]}
+                "by_size": [list(b) for b in self.by_size], "by_rate": [list(b) for b in self.by_rate],
+                "by_busy": [list(b) for b in self.by_busy]}
 
 
 def priced_seconds(batches: Sequence[LoggedBatch], cost_model: CostModel, frontend: FrontEnd | None,
@@ -92,7 +95,7 @@ def speed_of(batches: Sequence[LoggedBatch], priced: Sequence[float]) -> RunSpee
 
 def idle_before(batches: Sequence[LoggedBatch]) -> list[float]:
     """Per batch, in start order, how long the server sat with no batch running before it started
-    (the first batch's is infinite): ``sim.frontend.idle_times``."""
+    (the first batch's is infinite): ``sim.before_batch.idle_times``."""
     return idle_times([b.start for b in batches], [b.slot_s for b in batches])
 
 
@@ -135,16 +138,28 @@ def by_rate(batches: Sequence[LoggedBatch], priced: Sequence[float],
     return split(batches, priced, rates, bins)
 
 
+def by_busy(batches: Sequence[LoggedBatch], priced: Sequence[float]) -> tuple[tuple[str, int, float], ...]:
+    """Per ``BUSY_EDGES`` bin of the busy share of the second before the batch (``sim.before_batch``):
+    flat when the profile's busy factors price how a busy second speeds the next batch."""
+    edges = (0.0, *BUSY_EDGES, math.inf)
+    bins = [(lo, hi, f">= {lo:g}" if math.isinf(hi) else f"{lo:g}-{hi:g}")
+            for lo, hi in zip(edges, edges[1:], strict=False)]
+    return split(batches, priced, busy_shares([b.start for b in batches], [b.slot_s for b in batches]), bins)
+
+
 def run_speed(batch_log: Path, offset: int, cost_model: CostModel, frontend: FrontEnd | None,
               sent_s: Sequence[float]) -> RunSpeed:
-    """The batches logged from byte ``offset`` on against the profile, each at the rate of the
-    ``sent_s`` (the run's send times, warm-up included) before it; by idle time before the batch and
-    by batch size too."""
+    """The batches logged from byte ``offset`` on against the profile, each at the request rate of the
+    second before it: from the arrivals at the scheduler the log holds (``logged_rates``: the clock
+    the profile counts its rate on), else from ``sent_s`` (the run's send times, warm-up included);
+    by idle time before the batch, by batch size and by rate too."""
     if not batch_log.exists():
         return RunSpeed(math.nan, 0)
     batches, _ = read_batches(batch_log, offset)
     batches.sort(key=lambda b: b.start)  # logged as they finish: with several slots not in start order
-    rates = rates_before([b.start for b in batches], sent_s)
+    rates = (logged_rates(batches) if batches and all(b.arrivals for b in batches)
+             else rates_before([b.start for b in batches], sent_s))
     priced = priced_seconds(batches, cost_model, frontend, rates)
     return dataclasses.replace(speed_of(batches, priced), by_idle=by_idle(batches, priced),
-                               by_size=by_size(batches, priced), by_rate=by_rate(batches, priced, rates))
+                               by_size=by_size(batches, priced), by_rate=by_rate(batches, priced, rates),
+                               by_busy=by_busy(batches, priced))

@@ -235,6 +235,8 @@ def _serving_path(ex: Any, model: CostModel, args: argparse.Namespace,
           f"the cost model x ({frontend.loaded_alpha:.3f} + {frontend.loaded_rate_coef:.4f} x requests/s) + "
           f"{frontend.loaded_const_s * 1e3:.2f} ms"
           + "".join(f", x{f:.2f} from {lo} tokens" for lo, f in frontend.loaded_token_factors)
+          + (", busy share " + "/".join(f"x{f:.2f}" for f in frontend.loaded_busy_factors)
+             if frontend.loaded_busy_factors else "")
           + f", spread {details['loaded'].get('residual_std', 0.0):.1%} "
           f"({details['loaded'].get('batches', 0)} batches)")
     return frontend.to_dict(), details

@@ -28,9 +28,10 @@ free 127.0.0.1 port, and measures three things the simulator's ``sim.frontend.Fr
    accounted (``competing_cpu_s``: this process's threads from ``/proc`` less the model's, plus the
    load generator's while it replays when it shares the cores), not fitted (a least-squares slope is
    unstable; docs/profiler.md). A batch's time under load is ``predicted * loaded_alpha * (1 +
-   competing_cpu_s * rate)``, times a factor per thread count of the plan (``loaded_token_factors``)
-   and per idle time before it, plus ``loaded_const_s`` a batch (the driver's fixed cost under load,
-   ``serving_load.per_batch_const``); ``loaded_residuals`` are the spread around that line. The load
+   competing_cpu_s * rate)``, times a factor per size step (``loaded_token_factors``), per idle
+   time before it and per busy share of the second before it (``sim.before_batch``), plus
+   ``loaded_const_s`` a batch (the driver's fixed cost under load, ``serving_load.per_batch_const``);
+   ``loaded_residuals`` are the spread around that line. The load
    generator reports every answered request, and how much longer its time outside the batcher was
    than a lone request's is the delay stage under load (``delay_loaded_s``, ``delay_rate_coef_s``:
    ``server/serving_delay.py``). This traffic is the profile's own, made before any run it predicts.

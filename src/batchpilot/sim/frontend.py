@@ -43,7 +43,7 @@ The fields:
   2 ms, 2-10 ms, 10-30 ms, 30-100 ms, 100-300 ms, 300 ms or more, the first batch included), by
   which that batch's loaded term (before ``loaded_const_s``) is multiplied: a batch right behind
   another finds the model's weights and the CPU warm, one after the server sat idle does not.
-  Measured by the profile on the same loaded batches (``server.serving_load.idle_factors``); none
+  Measured by the profile on the same loaded batches (``server.serving_load.fit_loaded``); none
   (old profiles): 1 at every idle time.
 * ``loaded_token_factors``: ``(min_tokens, factor)`` steps from 0 at the thread plan's steps
   (``models/threads.py``) and every doubling from 32 tokens (``serving_load.loaded_token_steps``): a
