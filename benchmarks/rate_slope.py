@@ -31,7 +31,7 @@ from batchpilot.core.costmodel import CostModel
 from batchpilot.runtime.batch_log import LoggedBatch, read_batches
 from batchpilot.server.serving_load import LOADED_TOKEN_EDGES, Loaded, fit_loaded, frontend_fields
 from batchpilot.sim.before_batch import BUSY_EDGES, busy_shares
-from batchpilot.sim.frontend import FrontEnd
+from batchpilot.sim.frontend import FACTOR_FIELDS, FrontEnd
 
 IDLE_BINS = (("any idle", 0.0, float("inf")), ("idle < 2 ms", 0.0, 0.002), ("idle 10-100 ms", 0.01, 0.1))
 MIN_BATCHES = 10  # a cell with fewer is left out
@@ -47,16 +47,19 @@ def own_batches(profile: Path) -> list[LoggedBatch]:
 def priced_by(profile: Path, refit: bool = False) -> tuple[CostModel, FrontEnd]:
     """The profile's cost model and serving path; ``refit``: its loaded line fitted again from the
     batches it kept, by this checkout's ``fit_loaded`` (same competing CPU and token steps)."""
-    cost_model, frontend = CostModel.load(profile), FrontEnd.from_profile(profile)
-    if frontend is None:
+    doc = json.loads(profile.read_text())
+    if doc.get("frontend") is None:
         raise SystemExit(f"{profile} has no serving path (profiled with --no-serving-path)")
-    if refit:
-        loaded = json.loads(profile.read_text())["serving_path"]["loaded"]
-        kept = [Loaded(b.features, b.slot_s, b.start, list(b.arrivals)) for b in own_batches(profile)]
-        line, details = fit_loaded(kept, cost_model, loaded["competing_cpu_s"],
-                                   [lo for lo, _ in loaded["token_factors"]] or [0])
-        frontend = dataclasses.replace(frontend, **frontend_fields(line, details))
-    return cost_model, frontend
+    cost_model = CostModel.load(profile)
+    if not refit:
+        return cost_model, FrontEnd.from_dict(doc["frontend"])
+    # the factors are fitted again below: a profile from another line shape (other bins) loads too
+    frontend = FrontEnd.from_dict({k: v for k, v in doc["frontend"].items() if k not in FACTOR_FIELDS})
+    loaded = doc["serving_path"]["loaded"]
+    kept = [Loaded(b.features, b.slot_s, b.start, list(b.arrivals)) for b in own_batches(profile)]
+    line, details = fit_loaded(kept, cost_model, loaded["competing_cpu_s"],
+                               [lo for lo, _ in loaded["token_factors"]] or [0])
+    return cost_model, dataclasses.replace(frontend, **frontend_fields(line, details))
 
 
 def by_point(run: Path, profile: Path, refit: bool) -> list[tuple[str, float, int]]:

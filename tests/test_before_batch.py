@@ -52,16 +52,15 @@ def test_busy_shares_are_the_covered_part_of_the_window_before_each_start(gaps: 
 
 
 def test_busy_factors_price_a_batch_by_its_busy_share_and_are_checked() -> None:
-    factors = (1.2, 1.0, 0.95, 0.9)
+    factors = (1.2, 0.9)
     assert len(factors) == len(BUSY_EDGES) + 1
-    assert [busy_factor(factors, s) for s in (0.0, 0.149, 0.15, 0.5, 0.65, 1.0)] == \
-        [1.2, 1.2, 1.0, 0.95, 0.9, 0.9]
+    assert [busy_factor(factors, s) for s in (0.0, 0.399, 0.4, 1.0)] == [1.2, 1.2, 0.9, 0.9]
     assert busy_factor((), 0.7) == 1.0
     fe = FrontEnd(loaded_busy_factors=factors)
     assert FrontEnd.from_dict(fe.to_dict()) == fe and FrontEnd.from_dict({}).loaded_busy_factors == ()
     assert fe.batch_seconds(0.01, busy=0.9) == pytest.approx(0.009)
     assert fe.batch_seconds(0.01, busy=0.0) == pytest.approx(0.012)
-    for bad in ((1.0,) * 3, (1.0, 1.0, math.nan, 1.0), (1.0, 0.0, 1.0, 1.0)):
+    for bad in ((1.0,) * 3, (1.0, math.nan), (0.0, 1.0)):
         with pytest.raises(ValueError, match="loaded_busy_factors"):
             FrontEnd(loaded_busy_factors=bad)
 
@@ -74,7 +73,7 @@ def test_the_simulator_prices_each_batch_at_the_busy_share_its_own_log_shows(max
     bursts = (rng.uniform(0, 2, 60), rng.uniform(3, 3.4, 80), rng.uniform(5, 9, 40))
     arrivals = np.sort(np.concatenate(bursts))
     tokens = rng.integers(8, 200, arrivals.size)
-    factors = (1.3, 1.1, 0.9, 0.7)
+    factors = tuple(np.linspace(1.3, 0.7, len(BUSY_EDGES) + 1).tolist())
     fe = FrontEnd(loaded_busy_factors=factors)
     cm = CostModel(latency_coef=(0.004, 0.0, 0.0001, 0.0))
     cfg = SchedulerConfig(policy=PolicyConfig(name="window", max_batch_size=max_batch, max_wait_s=0.002))

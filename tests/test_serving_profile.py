@@ -335,9 +335,9 @@ def test_lone_requests_come_from_a_child_process_one_at_a_time_with_the_gap_betw
 
 def test_fit_loaded_measures_how_much_faster_a_batch_runs_after_a_busy_second() -> None:
     """Batches of one price, in dense stretches (back to back) and in sparse pairs 250 ms apart: a
-    batch whose busy share is 0.65 or more runs 20% under its price, any other at it. The idle time
-    cannot tell them apart (the second of a pair is right behind the first too); the busy factors,
-    fitted with the idle factors, do."""
+    batch in the last busy bin runs 20% under its price, any other at it. The idle time cannot tell
+    them apart (the second of a pair is right behind the first too); the busy factors, fitted with
+    the idle factors, do."""
     from batchpilot.sim.before_batch import (
         BUSY_EDGES,
         BusyWindow,
@@ -352,7 +352,7 @@ def test_fit_loaded_measures_how_much_faster_a_batch_runs_after_a_busy_second() 
     batches, t, window = [], 0.0, BusyWindow()
 
     def run_one() -> float:
-        took = 0.01 * (0.8 if window.share(t) >= 0.65 else 1.0)
+        took = 0.01 * (0.8 if window.share(t) >= BUSY_EDGES[-1] else 1.0)
         batches.append(Loaded(feats, took, t, [t]))
         window.add(t, t + took)
         return took

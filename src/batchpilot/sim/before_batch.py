@@ -25,7 +25,9 @@ from collections.abc import Sequence
 # upper edges of the bins of the idle time before a batch (no batch running); the last bin is >= 0.3 s
 IDLE_EDGES_S = (0.002, 0.01, 0.03, 0.1, 0.3)
 BUSY_WINDOW_S = 1.0  # a batch's busy share: the part of this window before it in which a batch ran
-BUSY_EDGES = (0.15, 0.4, 0.65)  # upper edges of the busy-share bins; the last bin is >= 0.65
+# upper edges of the busy-share bins; the last bin is >= 0.4. Two bins: the profile's loaded phase
+# holds ~200 batches, and finer bins' factors moved by 10 points between profiles of one machine
+BUSY_EDGES = (0.4,)
 
 
 class BusyWindow:

@@ -122,7 +122,8 @@ class FrontEnd:
             if factors and (len(factors) != len(edges) + 1
                             or not all(math.isfinite(f) and f > 0 for f in factors)):
                 raise ValueError(f"frontend.{name} must be {len(edges) + 1} positive factors (one per bin) "
-                                 f"or none, got {factors!r}")
+                                 f"or none, got {factors!r}; a profile from another batchpilot version: "
+                                 "run `batchpilot profile` again")
         steps = tuple((int(lo), float(f)) for lo, f in self.loaded_token_factors)
         object.__setattr__(self, "loaded_token_factors", steps)
         if steps and (steps[0][0] != 0 or any(b[0] <= a[0] for a, b in zip(steps, steps[1:], strict=False))
