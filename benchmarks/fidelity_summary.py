@@ -13,21 +13,26 @@ prediction). Then the counts within target, for the prediction and for the profi
 A second table checks the serving path outside the batcher per point: the median of each answered
 request's latency minus its `tokenize` and `batcher` parts (records-<load>.csv) beside what the
 profile's `frontend` predicts for the same requests: the lone requests' line alone, and with the
-delay under load (`FrontEnd.delay` at the arrival rate before each request), then each line's mean
-|error| and range against the live medians over the points.
+delay under load (`FrontEnd.delay` at the arrival rate before each request), and with that delay
+fitted through the profile's loaded segments below one slot's rate only (`below_one_slot`: what the
+profile's own line is since `serving_delay` leaves the others out, and what an older profile's
+would be), then each line's mean |error| and range against the live medians over the points.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import statistics
 from pathlib import Path
 
 import numpy as np
 
+from batchpilot.server.serving_load import LOADED_SHARES
 from batchpilot.sim.frontend import FrontEnd
+from batchpilot.sim.line_fit import fit_line
 
 SCORED = ("P50 ms", "P99 ms", "throughput req/s", "rejected")
 
@@ -90,13 +95,15 @@ def main() -> int:
 
 def delay_table(out: Path) -> None:
     print("\n| workload | cpus | load | outside the batcher, live median ms | lone line ms | "
-          "with the delay under load ms |")
-    print("|---|---|---|---|---|---|")
-    errors: dict[str, list[float]] = {"the lone line": [], "with the delay under load": []}
+          "with the delay under load ms | with it through the segments below one slot's rate ms |")
+    print("|---|---|---|---|---|---|---|")
+    errors: dict[str, list[float]] = {"the lone line": [], "with the delay under load": [],
+                                      "through the segments below one slot's rate": []}
     for run in sorted(out.glob("*-*/fidelity.json")):
         name, cpus = run.parent.name.rsplit("-", 1)
         doc = json.loads(run.read_text())
         fe = FrontEnd.from_profile(doc["profile"])
+        below = below_one_slot(fe, json.loads(Path(doc["profile"]).read_text()))
         for point in doc["points"]:
             path = run.parent / f"records-{int(point['load'] * 100)}.csv"
             if fe is None or not path.exists():
@@ -108,14 +115,29 @@ def delay_table(out: Path) -> None:
             tokens = np.array([float(r["input_tokens"]) for r in rows])
             arrivals = np.array([float(r["scheduled_s"]) for r in rows])
             lone, loaded = np.median(fe.delay(tokens)), np.median(fe.delay(tokens, arrivals))
-            ms = [round(float(x) * 1e3, 2) for x in (np.median(live), lone, loaded)]  # as printed
-            print(f"| {name} | {cpus} | {point['load']:.0%} | {ms[0]:.2f} | {ms[1]:.2f} | {ms[2]:.2f} |")
-            errors["the lone line"].append(ms[1] - ms[0])
-            errors["with the delay under load"].append(ms[2] - ms[0])
+            ms = [round(float(x) * 1e3, 2) for x in (np.median(live), lone, loaded,
+                                                     np.median(below.delay(tokens, arrivals)))]  # as printed
+            print(f"| {name} | {cpus} | {point['load']:.0%} | {ms[0]:.2f} | {ms[1]:.2f} | {ms[2]:.2f} | "
+                  f"{ms[3]:.2f} |")
+            for label, value in zip(errors, ms[1:], strict=True):
+                errors[label].append(value - ms[0])
     for label, errs in errors.items():
         if errs:
             print(f"{label} minus the live median: mean |error| {np.mean(np.abs(errs)):.2f} ms, "
                   f"range {min(errs):+.2f} .. {max(errs):+.2f} ms over {len(errs)} points")
+
+
+def below_one_slot(fe: FrontEnd, profile: dict) -> FrontEnd:
+    """``fe`` with its delay under load fitted again through the loaded segments below one slot's
+    rate only (``serving_delay``), from the segments the profile kept: the same line for a profile
+    written since the fit leaves the others out, the line it would have had for an older one."""
+    segments = profile.get("serving_path", {}).get("loaded_delay", {}).get("segments", [])
+    keep = [s for k, s in enumerate(segments) if s.get("share", LOADED_SHARES[k % len(LOADED_SHARES)]) < 1.0]
+    if len(keep) < 2:
+        return fe
+    rates, excess = (np.array([s[k] for s in keep]) for k in ("rate", "median_excess_s"))
+    const, coef = fit_line(rates, excess, trim=False)
+    return dataclasses.replace(fe, delay_loaded_s=const, delay_rate_coef_s=coef)
 
 
 if __name__ == "__main__":

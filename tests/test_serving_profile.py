@@ -376,3 +376,23 @@ def test_fit_loaded_measures_how_much_faster_a_batch_runs_after_a_busy_second() 
     assert max(abs(r) for r in details["residuals"]) < 0.06  # without the busy factors: -20%
     _, sparse = fit_loaded(batches[:40], model)  # sparse only: every busy factor 1
     assert sparse["busy_factors"] == pytest.approx([1.0] * (len(BUSY_EDGES) + 1))
+
+
+def test_the_delay_under_load_leaves_out_the_segments_past_one_slots_rate() -> None:
+    """Segments at shares 0.3, 0.75 and 1.25 of one slot's rate: the two overloaded ones carry 5 ms
+    more; the line goes through the other four and finds 1 ms + 0.1 ms per request/s back."""
+    from batchpilot.server.serving_delay import fit_loaded_delay
+
+    lone = FrontEnd(delay_const_s=0.002)
+    rows, index, t = [], 0, 0.0
+    for gap, over in ((0.2, 0.0), (0.05, 0.0), (0.04, 0.005)) * 2:
+        for _ in range(40):
+            t += gap
+            rows.append((float(index), t, 0.002 + 0.013 + 0.001 + 0.0001 / gap + over, 0.003, 0.010, 50.0))
+            index += 1
+        t += 1.0
+    const, coef, details = fit_loaded_delay(rows, lone, 240, 6, (0.3, 0.75, 1.25))
+    assert const == pytest.approx(0.001, abs=1e-4) and coef == pytest.approx(0.0001, rel=0.05)
+    assert [s["fitted"] for s in details["segments"]] == [True, True, False] * 2
+    every = fit_loaded_delay(rows, lone, 240, 6)  # through every segment: pulled up at high rates
+    assert every[0] + 20 * every[1] > 0.001 + 20 * 0.0001 + 0.001

@@ -10,12 +10,19 @@ request's delay beyond the lone line (its *excess*) is set against the arrival r
 
 The fit: per segment of the loaded plan (segments take turns at ``LOADED_SHARES`` of one slot's rate,
 ``alternating_arrivals``), the median excess and the median rate; then ``excess ~ delay_loaded_s +
-delay_rate_coef_s * rate`` through those points, both >= 0 (``line_fit.fit_line``). Medians, not
-means: the shift is what moves a prediction's P50, and a few requests held up by a pause of the
-host would pull a mean toward a delay most requests never see.
+delay_rate_coef_s * rate`` through the points of the segments below one slot's one-at-a-time rate
+(share < 1), both >= 0 (``line_fit.fit_line``). Medians, not means: the shift is what moves a
+prediction's P50, and a few requests held up by a pause of the host would pull a mean toward a
+delay most requests never see. Not the segments past one slot's rate: there the model runs without
+a break while the queue grows, and the excess measured in them (0.6-4.8 ms in the profiles of the
+fidelity matrices in docs/benchmarks.md) is not what a server at 50-80% of its predicted capacity
+sees: fitted through them, the line put the live median outside the batcher 0.6-1.1 ms too high
+on average in each of those matrices (docs/profiler.md, "The delay under load").
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -28,11 +35,13 @@ DelayRow = tuple[float, float, float, float, float, float]
 MIN_ROWS = 20
 
 
-def fit_loaded_delay(rows: list[DelayRow], frontend: FrontEnd, planned: int,
-                     segments: int) -> tuple[float, float, dict[str, object]]:
+def fit_loaded_delay(rows: list[DelayRow], frontend: FrontEnd, planned: int, segments: int,
+                     shares: Sequence[float] = ()) -> tuple[float, float, dict[str, object]]:
     """``(delay_loaded_s, delay_rate_coef_s, details)`` from the loaded phase's ``rows`` of a plan of
-    ``planned`` requests in ``segments`` segments (module docstring); ``(0, 0, ...)`` with a note when
-    fewer than ``MIN_ROWS`` requests have every part measured."""
+    ``planned`` requests in ``segments`` segments taking turns at ``shares`` of one slot's rate
+    (module docstring: the line goes through the segments below 1; all of them without shares, or
+    when none is below 1); ``(0, 0, ...)`` with a note when fewer than ``MIN_ROWS`` requests have
+    every part measured."""
     arr = np.asarray(rows, dtype=float).reshape(-1, 6)
     arr = arr[np.isfinite(arr).all(axis=1)]
     if len(arr) < MIN_ROWS or planned <= 0 or segments <= 0:
@@ -44,13 +53,16 @@ def fit_loaded_delay(rows: list[DelayRow], frontend: FrontEnd, planned: int,
     per = max(planned // segments, 1)
     segment = np.minimum(index // per, segments - 1)
     points = [(float(np.median(rate[segment == k])), float(np.median(excess[segment == k])),
-               int((segment == k).sum())) for k in range(segments) if (segment == k).sum() >= 3]
-    x = np.array([p[0] for p in points])
-    y = np.array([p[1] for p in points])
-    const, coef = fit_line(x, y, trim=False) if len(points) >= 2 else (max(float(np.median(excess)), 0.0),
-                                                                        0.0)
+               int((segment == k).sum()), shares[k % len(shares)] if shares else 0.0)
+              for k in range(segments) if (segment == k).sum() >= 3]
+    below = [p for p in points if p[3] < 1.0] or points
+    x = np.array([p[0] for p in below])
+    y = np.array([p[1] for p in below])
+    const, coef = fit_line(x, y, trim=False) if len(below) >= 2 else (max(float(np.median(excess)), 0.0),
+                                                                       0.0)
     return const, coef, {
         "requests": int(len(arr)), "median_excess_s": float(np.median(excess)),
         "mean_excess_s": float(np.mean(excess)),
-        "segments": [{"rate": r, "median_excess_s": e, "requests": n} for r, e, n in points],
+        "segments": [{"rate": r, "median_excess_s": e, "requests": n, "share": s, "fitted": p in below}
+                     for p in points for r, e, n, s in [p]],
         "const_s": const, "rate_coef_s": coef}

@@ -71,6 +71,7 @@ from .serving_delay import fit_loaded_delay
 from .serving_load import (
     LOADED_REQUESTS,
     LOADED_SEGMENTS,
+    LOADED_SHARES,
     Loaded,
     competing_cpu,
     fit_loaded,
@@ -133,7 +134,7 @@ def measure_serving_path(executor: Any, cost_model: CostModel, *, requests: int 
     loaded, load_details = fit_loaded(batches, cost_model, competing_s, loaded_token_steps(executor))
     load_details["cpu"] = cpu_details
     delay_const, delay_coef, delay_details = fit_loaded_delay(loaded_rows, fitted, len(traffic),
-                                                              LOADED_SEGMENTS)
+                                                              LOADED_SEGMENTS, LOADED_SHARES)
     frontend = dataclasses.replace(fitted, batch_overhead_s=overhead_s, serial_busy_factor=factor,
                                    serial_servers=tokenizer_workers(ServerConfig()),
                                    delay_loaded_s=delay_const, delay_rate_coef_s=delay_coef,
