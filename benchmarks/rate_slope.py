@@ -26,11 +26,11 @@ import dataclasses
 import json
 from pathlib import Path
 
-from batchpilot.bench.run_speed import by_rate, idle_before, logged_rates, priced_seconds, split
+from batchpilot.bench.run_speed import busy_before, by_rate, idle_before, logged_rates, priced_seconds, split
 from batchpilot.core.costmodel import CostModel
 from batchpilot.runtime.batch_log import LoggedBatch, read_batches
 from batchpilot.server.serving_load import LOADED_TOKEN_EDGES, Loaded, fit_loaded, frontend_fields
-from batchpilot.sim.before_batch import BUSY_EDGES, busy_shares
+from batchpilot.sim.before_batch import BUSY_EDGES
 from batchpilot.sim.frontend import FACTOR_FIELDS, FrontEnd
 
 IDLE_BINS = (("any idle", 0.0, float("inf")), ("idle < 2 ms", 0.0, 0.002), ("idle 10-100 ms", 0.01, 0.1))
@@ -96,7 +96,7 @@ def slot_over_price(batches: list[LoggedBatch], profile: Path, flat: bool = Fals
         bins = [(lo, hi, f"{lo:g}+" if hi == float("inf") else f"{lo:g}-{hi:g}")
                 for lo, hi in zip(edges, edges[1:], strict=False)]
         keys = ([b.features.get("tokens", 0.0) for b in batches] if by == "tokens"
-                else busy_shares([b.start for b in batches], [b.slot_s for b in batches]))
+                else busy_before(batches))
         cells = split(batches, price, keys, bins)
         return {by: [(label, 1.0 + r, n) for label, n, r in cells if n >= MIN_BATCHES]}
     out: dict[str, list[tuple[str, float, int]]] = {}

@@ -57,14 +57,15 @@ class RunSpeed:
 
 
 def priced_seconds(batches: Sequence[LoggedBatch], cost_model: CostModel, frontend: FrontEnd | None,
-                   rates: Sequence[float], idle: Sequence[float] | None = None) -> list[float]:
+                   rates: Sequence[float], idle: Sequence[float] | None = None,
+                   busy: Sequence[float] | None = None) -> list[float]:
     """What the profile says each batch takes (``batches`` in start order): under serving load at its
-    rate, after its idle time (``idle_before``), at its size and busy share (``sim.before_batch``) with
+    rate, after its idle time (``idle_before``), at its size and busy share (``busy_before``) with
     ``frontend``, else the bare cost model."""
-    idle = idle_before(batches) if idle is None else idle
     if frontend is None:
         return [cost_model.latency(b.features) for b in batches]
-    busy = busy_shares([b.start for b in batches], [b.slot_s for b in batches])
+    idle = idle_before(batches) if idle is None else idle
+    busy = busy_before(batches) if busy is None else busy
     return [frontend.batch_seconds(cost_model.latency(b.features), r, t, b.features.get("tokens", 0.0), s)
             for b, r, t, s in zip(batches, rates, idle, busy, strict=True)]
 
@@ -138,13 +139,19 @@ def by_rate(batches: Sequence[LoggedBatch], priced: Sequence[float],
     return split(batches, priced, rates, bins)
 
 
-def by_busy(batches: Sequence[LoggedBatch], priced: Sequence[float]) -> tuple[tuple[str, int, float], ...]:
-    """Per ``BUSY_EDGES`` bin of the busy share of the second before the batch (``sim.before_batch``):
-    flat when the profile's busy factors price how a busy second speeds the next batch."""
+def busy_before(batches: Sequence[LoggedBatch]) -> list[float]:
+    """Per batch, in start order, the busy share of the second before it (``sim.before_batch``)."""
+    return busy_shares([b.start for b in batches], [b.slot_s for b in batches])
+
+
+def by_busy(batches: Sequence[LoggedBatch], priced: Sequence[float],
+            busy: Sequence[float] | None = None) -> tuple[tuple[str, int, float], ...]:
+    """Per ``BUSY_EDGES`` bin of the busy share of the second before the batch (``busy_before``, or
+    ``busy``): flat when the profile's busy factors price how a busy second speeds the next batch."""
     edges = (0.0, *BUSY_EDGES, math.inf)
     bins = [(lo, hi, f">= {lo:g}" if math.isinf(hi) else f"{lo:g}-{hi:g}")
             for lo, hi in zip(edges, edges[1:], strict=False)]
-    return split(batches, priced, busy_shares([b.start for b in batches], [b.slot_s for b in batches]), bins)
+    return split(batches, priced, busy_before(batches) if busy is None else busy, bins)
 
 
 def run_speed(batch_log: Path, offset: int, cost_model: CostModel, frontend: FrontEnd | None,
@@ -159,7 +166,8 @@ def run_speed(batch_log: Path, offset: int, cost_model: CostModel, frontend: Fro
     batches.sort(key=lambda b: b.start)  # logged as they finish: with several slots not in start order
     rates = (logged_rates(batches) if batches and all(b.arrivals for b in batches)
              else rates_before([b.start for b in batches], sent_s))
-    priced = priced_seconds(batches, cost_model, frontend, rates)
+    busy = busy_before(batches)
+    priced = priced_seconds(batches, cost_model, frontend, rates, busy=busy)
     return dataclasses.replace(speed_of(batches, priced), by_idle=by_idle(batches, priced),
                                by_size=by_size(batches, priced), by_rate=by_rate(batches, priced, rates),
-                               by_busy=by_busy(batches, priced))
+                               by_busy=by_busy(batches, priced, busy))

@@ -63,6 +63,6 @@ def fit_loaded_delay(rows: list[DelayRow], frontend: FrontEnd, planned: int, seg
     return const, coef, {
         "requests": int(len(arr)), "median_excess_s": float(np.median(excess)),
         "mean_excess_s": float(np.mean(excess)),
-        "segments": [{"rate": r, "median_excess_s": e, "requests": n, "share": s, "fitted": p in below}
-                     for p in points for r, e, n, s in [p]],
+        "segments": [{"rate": p[0], "median_excess_s": p[1], "requests": p[2], "share": p[3],
+                      "fitted": p in below} for p in points],
         "const_s": const, "rate_coef_s": coef}
