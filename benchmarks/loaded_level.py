@@ -45,13 +45,19 @@ from batchpilot.server.serving_load import LOADED_REQUESTS, loaded_plan
 from batchpilot.server.serving_profile import lone_plan, scheduler_config
 from batchpilot.sim.frontend import FrontEnd
 
+SHORT_TOKENS = 32  # the short batches' ratio is printed apart: a fixed cost per batch shows there most
 
-def level(log: Path, offset: int, cost_model: CostModel, frontend: FrontEnd) -> tuple[float, int, float]:
-    """(slot seconds / priced seconds, batches, mean batch size) of the batches logged from ``offset``."""
+
+def level(log: Path, offset: int, cost_model: CostModel,
+          frontend: FrontEnd) -> tuple[float, int, float, float]:
+    """(slot seconds / priced seconds, batches, mean batch size, the ratio among the batches of fewer
+    than ``SHORT_TOKENS`` computed tokens) of the batches logged from ``offset``."""
     batches = sorted(read_batches(log, offset)[0], key=lambda b: b.start)
     priced = priced_seconds(batches, cost_model, frontend, logged_rates(batches), idle_before(batches))
-    return (sum(b.slot_s for b in batches) / sum(priced), len(batches),
-            statistics.mean(b.n for b in batches))
+    short = [(b.slot_s, p) for b, p in zip(batches, priced, strict=True)
+             if b.features.get("tokens", 0.0) < SHORT_TOKENS]
+    return (sum(b.slot_s for b in batches) / sum(priced), len(batches), statistics.mean(b.n for b in batches),
+            sum(s for s, _ in short) / sum(p for _, p in short) if short else float("nan"))
 
 
 def main() -> int:
@@ -103,13 +109,16 @@ def main() -> int:
                 senders[name]()
                 time.sleep(0.5)  # the last batches reach the log
                 results.setdefault(name, []).append(level(logs[name], offset, cost_model, frontend))
-                print(f"round {r + 1} {name:24s} slot/priced {results[name][-1][0]:.3f}", flush=True)
+                print(f"round {r + 1} {name:24s} slot/priced {results[name][-1][0]:.3f} "
+                      f"short {results[name][-1][3]:.3f}", flush=True)
     print(f"\n{args.requests} loaded requests a round, {args.rounds} rounds, profile {args.profile}")
-    print(f"{'variant':24s} {'slot/priced':>11s} {'rounds':>15s} {'batches':>8s} {'mean size':>9s}")
+    print(f"{'variant':24s} {'slot/priced':>11s} {'rounds':>15s} {'batches':>8s} {'mean size':>9s} "
+          f"{'< ' + str(SHORT_TOKENS) + ' tokens':>11s}")
     for name, xs in results.items():
         ratios = [x[0] for x in xs]
         print(f"{name:24s} {statistics.median(ratios):11.3f} {min(ratios):7.3f}..{max(ratios):.3f} "
-              f"{statistics.mean(x[1] for x in xs):8.0f} {statistics.mean(x[2] for x in xs):9.2f}")
+              f"{statistics.mean(x[1] for x in xs):8.0f} {statistics.mean(x[2] for x in xs):9.2f} "
+              f"{statistics.median(x[3] for x in xs):11.3f}")
     return 0
 
 

@@ -83,9 +83,9 @@ def register(subparsers: Any) -> None:
                    help="skip the serving-path measurement (the profile's 'frontend' entry)")
     p.add_argument("--serving-requests", type=int, default=24,
                    help="serving path: input lengths from 4 tokens to the model's limit, each sent twice")
-    p.add_argument("--loaded-requests", type=int, default=360,
+    p.add_argument("--loaded-requests", type=int, default=None,
                    help="serving path: open-loop requests that measure a batch's time under serving load "
-                        "(0 = not measured)")
+                        "(default: serving_load.LOADED_REQUESTS, 1080; 0 = not measured)")
     p.add_argument("--recheck", default=None, metavar="PROFILE",
                    help="instead of profiling: time PROFILE's smaller grid batches again (seconds, --repeats "
                         "calls each) and write it to --output at this machine's speed now "
@@ -218,8 +218,9 @@ def _serving_path(ex: Any, model: CostModel, args: argparse.Namespace,
                       f"({exc}); the profile has no 'frontend' entry")
         return None
     try:
+        loaded = {} if args.loaded_requests is None else {"loaded_requests": args.loaded_requests}
         frontend, details = measure_serving_path(ex, model, requests=args.serving_requests, seed=args.seed,
-                                                 padding=args.padding, loaded_requests=args.loaded_requests)
+                                                 padding=args.padding, **loaded)
     except (RuntimeError, ValueError, OSError) as exc:
         console.print(f"[yellow]warning:[/] serving path not measured: {exc}; the profile has no "
                       "'frontend' entry")

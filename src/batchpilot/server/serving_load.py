@@ -34,11 +34,13 @@ from ..sim.before_batch import BUSY_EDGES, IDLE_EDGES_S, busy_shares, idle_times
 from ..sim.frontend import rates_before, residual_units
 from ..sim.line_fit import backfit_factors
 
-LOADED_REQUESTS = 360  # ~10-20 s of traffic for MiniLM on one CPU core
+# ~40-60 s of traffic for MiniLM on one CPU core: the phase is the profile's look at the machine's speed
+# under load, and on a shared VM that speed wanders by a few percent over seconds (docs/profiler.md)
+LOADED_REQUESTS = 1080
 # of one slot's one-at-a-time rate: three loads, to see how the rate slows a batch, the last past what
 # one slot serves alone, where a batching server's capacity (the rate its predictions are used at) lies
 LOADED_SHARES = (0.3, 0.75, 1.25)
-LOADED_SEGMENTS = 6  # the loaded traffic takes turns at the shares in this many segments
+LOADED_SEGMENTS = 12  # the loaded traffic takes turns at the shares in this many segments
 IDLE_PRIOR_BATCHES = 10.0  # an idle bin's factor weighs this many batches at 1 beside its own
 # computed tokens per batch at which the loaded line's token factors change, beside the thread plan's
 # steps: under load a batch's time over its lone price depends on its size (the hand-offs and the
