@@ -12,11 +12,14 @@ priced too. It prints the batches' slot seconds over that price by request rate 
 bins), among the batches that started right behind another (under 2 ms idle) and among those after
 10-100 ms idle, so that the idle factors do not mix into the rate: a line whose rate slope is right
 stays flat across the rates. `--by tokens` bins by computed tokens instead, `--by busy` by the busy
-share (`sim.before_batch`), `--by point` prints one ratio per load point of each run (its run speed
-with the logged arrivals) and their mean distance from 1. `--refit` prices with each profile's loaded
+share (`sim.before_batch`), `--by window` prints how far the machine's speed wanders within a run
+over windows of 6, 18 and 54 s (the profile's loaded phase is one such look), `--by point` one
+ratio per load point of each run (its run speed with the logged arrivals) and their mean distance
+from 1. `--refit` prices with each profile's loaded
 line fitted again from the batches it kept, by this checkout's code: a change to the line's shape,
-tried on matrices already run before a new one is. The rate is counted from the logged arrivals
-(`run_speed.logged_rates`).
+tried on matrices already run before a new one is; `--part 0 0.33` refits it from the batches of the
+first third of the loaded phase only (how far a shorter look at the machine puts the same runs).
+The rate is counted from the logged arrivals (`run_speed.logged_rates`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+import statistics
 from pathlib import Path
 
 from batchpilot.bench.run_speed import busy_before, by_rate, idle_before, logged_rates, priced_seconds, split
@@ -35,6 +40,8 @@ from batchpilot.sim.frontend import FACTOR_FIELDS, FrontEnd
 
 IDLE_BINS = (("any idle", 0.0, float("inf")), ("idle < 2 ms", 0.0, 0.002), ("idle 10-100 ms", 0.01, 0.1))
 MIN_BATCHES = 10  # a cell with fewer is left out
+GAP_S = 5.0  # --by window: a pause this long ends a stretch of traffic (a load point)
+WINDOWS_S = (6.0, 18.0, 54.0)
 
 
 def own_batches(profile: Path) -> list[LoggedBatch]:
@@ -44,9 +51,12 @@ def own_batches(profile: Path) -> list[LoggedBatch]:
                         arrivals=tuple(b["arrivals"])) for b in loaded.get("measured", ())]
 
 
-def priced_by(profile: Path, refit: bool = False) -> tuple[CostModel, FrontEnd]:
+def priced_by(profile: Path, refit: bool = False,
+              part: tuple[float, float] = (0.0, 1.0)) -> tuple[CostModel, FrontEnd]:
     """The profile's cost model and serving path; ``refit``: its loaded line fitted again from the
-    batches it kept, by this checkout's ``fit_loaded`` (same competing CPU and token steps)."""
+    batches it kept, by this checkout's ``fit_loaded`` (same competing CPU and token steps), from those
+    that started in the ``part`` of its loaded phase only (fractions of its span: a shorter look at the
+    machine)."""
     doc = json.loads(profile.read_text())
     if doc.get("frontend") is None:
         raise SystemExit(f"{profile} has no serving path (profiled with --no-serving-path)")
@@ -56,16 +66,20 @@ def priced_by(profile: Path, refit: bool = False) -> tuple[CostModel, FrontEnd]:
     # the factors are fitted again below: a profile from another line shape (other bins) loads too
     frontend = FrontEnd.from_dict({k: v for k, v in doc["frontend"].items() if k not in FACTOR_FIELDS})
     loaded = doc["serving_path"]["loaded"]
-    kept = [Loaded(b.features, b.slot_s, b.start, list(b.arrivals)) for b in own_batches(profile)]
+    own = own_batches(profile)
+    t0, t1 = min(b.start for b in own), max(b.start for b in own)
+    kept = [Loaded(b.features, b.slot_s, b.start, list(b.arrivals)) for b in own
+            if t0 + part[0] * (t1 - t0) <= b.start <= t0 + part[1] * (t1 - t0)]
     line, details = fit_loaded(kept, cost_model, loaded["competing_cpu_s"],
                                [lo for lo, _ in loaded["token_factors"]] or [0])
     return cost_model, dataclasses.replace(frontend, **frontend_fields(line, details))
 
 
-def by_point(run: Path, profile: Path, refit: bool) -> list[tuple[str, float, int]]:
+def by_point(run: Path, profile: Path, refit: bool,
+             part: tuple[float, float] = (0.0, 1.0)) -> list[tuple[str, float, int]]:
     """Per load point of a fidelity run (its ``fidelity.json``: the last batches of the log, as many
     as each point's run speed counted), (load, slot / price, batches)."""
-    cost_model, frontend = priced_by(profile, refit)
+    cost_model, frontend = priced_by(profile, refit, part)
     batches = sorted(read_batches(run / "batches.jsonl", 0)[0], key=lambda b: b.start)
     price = priced_seconds(batches, cost_model, frontend, logged_rates(batches))
     points = json.loads((run / "fidelity.json").read_text())["points"]
@@ -76,6 +90,30 @@ def by_point(run: Path, profile: Path, refit: bool) -> list[tuple[str, float, in
         out.append((f"{point['load']:.0%}", took / sum(price[begin:end]), end - begin))
         end = begin
     return out[::-1]
+
+
+def window_spread(batches: list[LoggedBatch], profile: Path, window_s: float) -> list[float]:
+    """Per stretch of traffic (a load point: batches less than ``GAP_S`` apart), the log of each full
+    ``window_s`` window's slot / price less the stretch's mean: how far the machine's speed wanders
+    within a run over windows of that length (the last, partial window and windows of fewer than
+    ``MIN_BATCHES`` batches left out)."""
+    cost_model, frontend = priced_by(profile)
+    batches = sorted(batches, key=lambda b: b.start)
+    price = priced_seconds(batches, cost_model, frontend, logged_rates(batches))
+    stretches: list[list[tuple[LoggedBatch, float]]] = [[]]
+    for b, p in zip(batches, price, strict=True):
+        if stretches[-1] and b.start - stretches[-1][-1][0].start > GAP_S:
+            stretches.append([])
+        stretches[-1].append((b, p))
+    out: list[float] = []
+    for stretch in stretches:
+        cells: dict[int, list[float]] = {}
+        for b, p in stretch:
+            cell = cells.setdefault(int((b.start - stretch[0][0].start) // window_s), [0.0, 0.0, 0.0])
+            cell[0], cell[1], cell[2] = cell[0] + b.slot_s, cell[1] + p, cell[2] + 1
+        logs = [math.log(t / p) for _, (t, p, n) in sorted(cells.items())[:-1] if n >= MIN_BATCHES and p > 0]
+        out += [x - statistics.mean(logs) for x in logs] if len(logs) > 1 else []
+    return out
 
 
 def slot_over_price(batches: list[LoggedBatch], profile: Path, flat: bool = False,
@@ -112,10 +150,13 @@ def main() -> int:
     ap.add_argument("out", help="the --out folder of benchmarks/fidelity.py")
     ap.add_argument("--profiles", help="price the runs with this folder's profile-<cpus>.json instead")
     ap.add_argument("--flat", action="store_true", help="price without the rate slope (module docstring)")
-    ap.add_argument("--by", choices=("rate", "tokens", "busy", "point"), default="rate",
-                    help="bin by request rate (and idle time), computed tokens, busy share, or load point")
+    ap.add_argument("--by", choices=("rate", "tokens", "busy", "point", "window"), default="rate",
+                    help="bin by request rate (and idle time), computed tokens, busy share, or load point; "
+                         "window: how far the speed wanders within a run (`window_spread`)")
     ap.add_argument("--refit", action="store_true",
                     help="refit each profile's loaded line from the batches it kept (`priced_by`)")
+    ap.add_argument("--part", type=float, nargs=2, default=(0.0, 1.0), metavar=("FROM", "TO"),
+                    help="--by point: refit from the batches of this part of the loaded phase only")
     args = ap.parse_args()
     out = Path(args.out)
     profiles = Path(args.profiles) if args.profiles else out
@@ -126,10 +167,20 @@ def main() -> int:
     if args.by == "point":
         errors = []
         for run in sorted(p for p in out.iterdir() if (p / "fidelity.json").is_file()):
-            cells = by_point(run, profiles / f"profile-{run.name.rsplit('-', 1)[1]}.json", args.refit)
+            cells = by_point(run, profiles / f"profile-{run.name.rsplit('-', 1)[1]}.json",
+                             args.refit or tuple(args.part) != (0.0, 1.0), tuple(args.part))
             errors += [abs(r - 1.0) for _, r, _ in cells]
             print(f"{run.name:<16} " + "; ".join(f"{label}: {r:.3f} ({n})" for label, r, n in cells))
         print(f"mean |slot / price - 1| {sum(errors) / len(errors):.2%}, worst {max(errors):.2%}")
+        return 0
+    if args.by == "window":
+        for cpus in sorted({p.stem.split("-", 1)[1] for _, _, p in sets}):
+            runs = [(b, p) for name, b, p in sets
+                    if p.stem == f"profile-{cpus}" and not name.startswith("profile")]
+            for window_s in WINDOWS_S:
+                logs = [x for b, p in runs for x in window_spread(b, p, window_s)]
+                print(f"cpus {cpus:<5} {window_s:3g} s windows: {len(logs):4d}, standard deviation of "
+                      f"the log of slot / price around their run's mean {statistics.pstdev(logs):.2%}")
         return 0
     for label_, batches, profile in sets:
         if not batches:

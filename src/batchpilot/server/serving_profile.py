@@ -40,10 +40,10 @@ free 127.0.0.1 port, and measures three things the simulator's ``sim.frontend.Fr
    profiler makes them); the ratio of the medians (>= 1) is ``serial_busy_factor``: under load the
    tokenizer thread shares the CPU with a running batch.
 
-Bounded: 34-38 s in all for MiniLM on 2 CPU cores (``serving_path.wall_s``; the gaps between the 52 lone
-requests of the default 24 lengths x 2 rounds + 4 warm-ups are 10 s of it); the
-server is shut down (drained, thread joined) before it returns. fastapi, uvicorn and httpx are
-imported here: the caller imports this module lazily.
+Bounded: about 70 s in all for MiniLM on one pinned CPU core (``serving_path.wall_s``; the loaded
+phase about 55 s of it, the gaps between the 52 lone requests of the default 24 lengths x 2 rounds +
+4 warm-ups 10 s); the server is shut down (drained, thread joined) before it returns. fastapi,
+uvicorn and httpx are imported here: the caller imports this module lazily.
 """
 
 from __future__ import annotations
