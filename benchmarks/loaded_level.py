@@ -75,7 +75,7 @@ def main() -> int:
     ex.warmup()
     texts, lengths, _ = lone_plan(ex)
     plan = loaded_plan(texts, lengths, cost_model, "none", 0, args.requests)
-    sched = scheduler_config(ex, "none")
+    sched = scheduler_config(ex, "none", cost_model)
     tmp = Path(tempfile.mkdtemp(prefix="loaded-level-"))
     (tmp / "sched.yaml").write_text(json.dumps({"encoder": sched.to_dict()}))  # JSON is YAML
     model = ex.model_name

@@ -78,8 +78,9 @@ def main() -> int:
     ex.threads = plan_for(ex, 1)
     plan = lone_plan(ex, rounds=1)[2]  # the profile's lone requests, one round of its 24 lengths
     sock, port = bound_socket()
-    app = create_app(ServerConfig(port=port, request_timeout_s=30.0), ex, scheduler_config(ex, "none"),
-                     CostModel.default_cpu_minilm())
+    cost_model = CostModel.default_cpu_minilm()
+    app = create_app(ServerConfig(port=port, request_timeout_s=30.0), ex,
+                     scheduler_config(ex, "none", cost_model), cost_model)
     proc, serve_url = start_serve(args.serve_profile) if args.serve_profile else (None, "")
     results: dict[str, list[float]] = {}
     try:

@@ -165,7 +165,7 @@ def fit_loaded(batches: list[Loaded], cost_model: CostModel, competing_cpu_s: fl
         "token_factors": [list(step) for step in by_tokens], "token_batches": token_n,
         "busy_factors": list(busy_f), "busy_batches": busy_n,
         "residuals": sorted(float(r) for r in residuals), "residual_std": float(residuals.std()),
-        "residual_ref_s": ref_s,
+        "residual_ref_s": ref_s, "turnaround_s": turnaround(batches),
         "measured": [{"start": b.start, "slot_s": b.slot_s, "features": b.features, "arrivals": b.arrivals}
                      for b in batches]}
 
@@ -179,7 +179,20 @@ def frontend_fields(loaded: tuple[float, float, float], details: dict[str, Any])
             "loaded_residual_ref_s": details.pop("residual_ref_s", 0.0),
             "loaded_idle_factors": tuple(details.get("idle_factors", ())),
             "loaded_busy_factors": tuple(details.get("busy_factors", ())),
-            "loaded_token_factors": tuple(tuple(x) for x in details.get("token_factors", ()))}
+            "loaded_token_factors": tuple(tuple(x) for x in details.get("token_factors", ())),
+            "batch_gap_s": details.get("turnaround_s", 0.0)}
+
+
+def turnaround(batches: Sequence[Loaded], min_gaps: int = 10) -> float:
+    """The mean seconds from a batch's end to the next batch's start, over the next batches whose first
+    request arrived before that end (it waited: nothing but the driver stood between the two, on a
+    server without a batching window); at least 0, and 0 with fewer than ``min_gaps`` of them. The
+    slot's turnaround under load: the scheduling call, collation, the hand-offs, and the event loop's
+    other work (answering the batch that ended, the arriving requests) before it gets to them."""
+    ordered = sorted(batches, key=lambda b: b.start)
+    gaps = [b.start - (a.start + a.slot_s) for a, b in zip(ordered, ordered[1:], strict=False)
+            if b.arrivals and min(b.arrivals) < a.start + a.slot_s]
+    return max(float(np.mean(gaps)), 0.0) if len(gaps) >= min_gaps else 0.0
 
 
 def per_batch_const(base: np.ndarray, took: np.ndarray) -> float:

@@ -13,28 +13,27 @@ free 127.0.0.1 port, and measures three things the simulator's ``sim.frontend.Fr
    the delay (HTTP, JSON, the client), after a few unmeasured warm-up requests (``lone_plan``).
 2. **The live driver's per-batch overhead.** Each lone request is a batch of one; its ``batcher`` time
    minus its slot's own run time (the batch observer's ``slot_s``: what the cost model stands for) is
-   what the driver adds around the model: the scheduling call, collation, the event-loop and thread
-   hand-offs. Measured against the slot's time, not the cost model's prediction, so an error of the
-   fit does not land in it. The median, clipped at 0, is ``batch_overhead_s``. The server dispatches
-   without a batching window (``max_wait_s = 0``) so that the window, which the simulator models by
-   itself, is not counted here.
+   what the driver adds around the model (the scheduling call, collation, the event-loop and thread
+   hand-offs); the median, clipped at 0, is ``batch_overhead_s``. Under load, the driver's turnaround
+   from a batch's end to the next one's start while requests wait for it is ``batch_gap_s``
+   (``serving_load.turnaround``, from phase 3). The server runs the deployment ``serve`` resolves
+   from this profile (``scheduler_config``) without a batching window (``max_wait_s = 0``): the
+   window is the policy's, which the simulator models by itself.
 3. **Batches under serving load** (``server/serving_load.py``). The model runs slower while the
    server handles traffic than alone in the profiler's loop: the other requests' HTTP, JSON and
    tokenising share its cores, and the machine's speed has moved since the grid. With the server
    still up, a load generator in another process (on the cores this process is not pinned to, when
    there are any, as ``bench`` runs it) sends ``LOADED_REQUESTS`` of the same texts open-loop, in
    segments taking turns at three rates (``LOADED_SHARES``, the last past what one slot serves one
-   at a time). The CPU each request costs outside the model thread is
-   accounted (``competing_cpu_s``: this process's threads from ``/proc`` less the model's, plus the
-   load generator's while it replays when it shares the cores), not fitted (a least-squares slope is
-   unstable; docs/profiler.md). A batch's time under load is ``predicted * loaded_alpha * (1 +
-   competing_cpu_s * rate)``, times a factor per size step (``loaded_token_factors``), per idle
-   time before it and per busy share of the second before it (``sim.before_batch``), plus
-   ``loaded_const_s`` a batch (the driver's fixed cost under load, ``serving_load.per_batch_const``);
-   ``loaded_residuals`` are the spread around that line. The load
-   generator reports every answered request, and how much longer its time outside the batcher was
-   than a lone request's is the delay stage under load (``delay_loaded_s``, ``delay_rate_coef_s``:
-   ``server/serving_delay.py``). This traffic is the profile's own, made before any run it predicts.
+   at a time). The CPU each request costs outside the model thread is accounted (``competing_cpu_s``:
+   this process's threads from ``/proc`` less the model's, plus the load generator's while it
+   replays when it shares the cores), not fitted (docs/profiler.md). A batch's time under load is
+   ``predicted * loaded_alpha * (1 + competing_cpu_s * rate)``, times a factor per size step
+   (``loaded_token_factors``), per idle time before it and per busy share of the second before it
+   (``sim.before_batch``), plus ``loaded_const_s`` a batch (``serving_load.per_batch_const``);
+   ``loaded_residuals`` are the spread around that line. How much longer the load generator's
+   requests spent outside the batcher than lone ones is the delay stage under load
+   (``server/serving_delay.py``). This traffic is the profile's own, made before any run it predicts.
 4. **Tokenizer/model contention.** ``executor.tokenize`` of a fixed list of texts is timed with the
    model idle and while another thread runs model batches back to back (``prepare + run``, as the
    profiler makes them); the ratio of the medians (>= 1) is ``serial_busy_factor``: under load the
@@ -61,8 +60,10 @@ import numpy as np
 from ..bench.loadgen import LoadGenConfig, PlannedRequest
 from ..core.config import Padding, PolicyConfig, SchedulerConfig
 from ..core.costmodel import CostModel
+from ..core.deployment import DeploymentSpec, ModelLimits, resolve_deployment
 from ..sim.frontend import FrontEnd
 from .app import create_app
+from .build import device_memory_bytes
 from .config import ServerConfig
 from .inproc_server import bound_socket, in_thread
 from .service import tokenizer_workers
@@ -104,7 +105,7 @@ def measure_serving_path(executor: Any, cost_model: CostModel, *, requests: int 
     texts, lengths, plan = lone_plan(executor, requests, rounds, seed, texts_for_length)
     warm = sum(p.warmup for p in plan)
 
-    sched = scheduler_config(executor, padding)
+    sched = scheduler_config(executor, padding, cost_model)
     traffic = loaded_plan(texts, lengths, cost_model, padding, seed, loaded_requests)
     records, slot_s, batches, (competing_s, cpu_details), loaded_rows = _serve_and_send(
         executor, sched, cost_model, plan, traffic)
@@ -189,15 +190,17 @@ def lone_plan(executor: Any, requests: int = 24, rounds: int = 2, seed: int = 0,
     return texts, lengths, plan
 
 
-def scheduler_config(executor: Any, padding: Padding) -> SchedulerConfig:
-    """The server's defaults with this padding, lengths clamped to the model's (as ``serve`` does), and
+def scheduler_config(executor: Any, padding: Padding, cost_model: CostModel) -> SchedulerConfig:
+    """The deployment ``serve`` resolves from this profile by default (``core.deployment``: lengths
+    clamped to the model's, pipelining as the grid's collation share decides), with this padding and
     no batching window (a lone request dispatches at once: the window is the policy's, and the
-    simulator models it)."""
-    base, top = SchedulerConfig(), int(executor.max_length)
-    planner = dataclasses.replace(base.planner, padding=padding, max_len=min(base.planner.max_len, top))
-    admission = dataclasses.replace(base.admission, max_length=min(base.admission.max_length, top))
-    return dataclasses.replace(base, policy=PolicyConfig(max_wait_s=0.0), planner=planner,
-                               admission=admission)
+    simulator models it). The loaded phase measures batches as the server will run them."""
+    base = SchedulerConfig()
+    cfg = dataclasses.replace(base, policy=PolicyConfig(max_wait_s=0.0),
+                              planner=dataclasses.replace(base.planner, padding=padding))
+    supports = getattr(executor, "supports_padding_free", lambda: True)()
+    limits = ModelLimits(int(executor.max_length), bool(supports), device_memory_bytes(executor))
+    return resolve_deployment(DeploymentSpec(encoder=cfg), cost_model, limits).scheduler
 
 
 def _serve_and_send(executor: Any, sched: SchedulerConfig, cost_model: CostModel,

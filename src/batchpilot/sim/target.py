@@ -6,9 +6,8 @@ a seeded residual when ``noise`` is on); when the job ends, ``on_batch_done`` ge
 Every decision is the scheduler's. It records (per request and per batch, flat lists that
 ``metrics.summarize`` turns into arrays) everything the report needs.
 
-``service_model`` is the *true* cost of a batch (what the simulated hardware does); the scheduler is
-built with its own ``cost_model`` (what it believes). They are the same object unless a study wants
-to see what a wrong belief costs.
+``service_model`` is the *true* cost of a batch (what the simulated hardware does); the scheduler's
+``cost_model`` is what it believes: the same object unless a study wants to see what a wrong belief costs.
 """
 
 from __future__ import annotations
@@ -72,6 +71,7 @@ class EncoderTarget:
         request_sla_s: float | None = None,
         stop_after_misses: tuple[float, int, float] | None = None,
         batch_overhead_s: float = 0.0,
+        batch_gap_s: float = 0.0,
         loaded: tuple[float, float, float] = (1.0, 0.0, 0.0),
         loaded_residuals: tuple[float, ...] = (),
         loaded_residual_ref_s: float = 0.0,
@@ -80,7 +80,9 @@ class EncoderTarget:
         loaded_busy_factors: tuple[float, ...] = (),
     ) -> None:
         """``batch_overhead_s``: seconds the live driver adds to every batch outside the model (thread
-        hand-offs, the event loop; the profile's ``frontend.batch_overhead_s``). ``loaded``: (alpha,
+        hand-offs, the event loop; the profile's ``frontend.batch_overhead_s``); ``batch_gap_s``: in
+        its place for a batch that starts as the one before it ends, the driver's turnaround under
+        load (``frontend.batch_gap_s``; 0: ``batch_overhead_s``). ``loaded``: (alpha,
         rate coefficient, const) of a batch's time under serving load, ``cost model * (alpha + coef *
         rate) + const`` with ``rate`` the arrivals of the last ``RATE_WINDOW_S`` per second (the
         profile's ``frontend.loaded_*``); ``loaded_residuals``: the served batches'
@@ -108,7 +110,7 @@ class EncoderTarget:
         self._ref_s = loaded_residual_ref_s if loaded_residuals else 0.0
         self.noise = noise or bool(loaded_residuals)
         self._stop = stop_after_misses
-        self._overhead = batch_overhead_s
+        self._overhead, self._gap = batch_overhead_s, batch_gap_s or batch_overhead_s
         self._loaded = loaded
         self._rate_coef = loaded[1]
         self._idle_factors = loaded_idle_factors
@@ -200,7 +202,7 @@ class EncoderTarget:
         mean = served_seconds(self.service_model.batch_latency(shape.n, shape.tokens, shape.attn),
                               self._loaded, rate, idle_s, shape.tokens, self._idle_factors,
                               self._token_factors, busy, self._busy_factors)
-        took = self._draw(mean) + self._overhead
+        took = self._draw(mean) + (self._gap if idle_s == 0.0 else self._overhead)
         if self._busy is not None:
             self._busy.add(start, start + took)
             heapq.heappush(self._ends, start + took)
@@ -246,13 +248,10 @@ def served_batch_terms(frontend: FrontEnd | None) -> dict[str, Any]:
     costs beyond the cost model (none without a front end)."""
     if frontend is None:
         return {}
-    return {"batch_overhead_s": frontend.batch_overhead_s,
-            "loaded": (frontend.loaded_alpha, frontend.loaded_rate_coef, frontend.loaded_const_s),
-            "loaded_residuals": frontend.loaded_residuals,
-            "loaded_residual_ref_s": frontend.loaded_residual_ref_s,
-            "loaded_idle_factors": frontend.loaded_idle_factors,
-            "loaded_token_factors": frontend.loaded_token_factors,
-            "loaded_busy_factors": frontend.loaded_busy_factors}
+    names = ("batch_overhead_s", "batch_gap_s", "loaded_residuals", "loaded_residual_ref_s",
+             "loaded_idle_factors", "loaded_token_factors", "loaded_busy_factors")
+    return {"loaded": (frontend.loaded_alpha, frontend.loaded_rate_coef, frontend.loaded_const_s),
+            **{name: getattr(frontend, name) for name in names}}
 
 
 @dataclass
