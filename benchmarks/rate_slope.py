@@ -13,7 +13,9 @@ bins), among the batches that started right behind another (under 2 ms idle) and
 10-100 ms idle, so that the idle factors do not mix into the rate: a line whose rate slope is right
 stays flat across the rates. `--by tokens` bins by computed tokens instead, `--by busy` by the busy
 share (`sim.before_batch`), `--by window` prints how far the machine's speed wanders within a run
-over windows of 6, 18 and 54 s (the profile's loaded phase is one such look), `--by point` one
+over windows of 6, 18 and 54 s (the profile's loaded phase is one such look), `--by turnaround` the
+driver's mean time from a batch's end to the next one's start where the next one's requests waited
+(what the simulator charges such a batch: `batch_gap_s`), `--by point` one
 ratio per load point of each run (its run speed with the logged arrivals) and their mean distance
 from 1. `--refit` prices with each profile's loaded
 line fitted again from the batches it kept, by this checkout's code: a change to the line's shape,
@@ -34,7 +36,7 @@ from pathlib import Path
 from batchpilot.bench.run_speed import busy_before, by_rate, idle_before, logged_rates, priced_seconds, split
 from batchpilot.core.costmodel import CostModel
 from batchpilot.runtime.batch_log import LoggedBatch, read_batches
-from batchpilot.server.serving_load import LOADED_TOKEN_EDGES, Loaded, fit_loaded, frontend_fields
+from batchpilot.server.serving_load import LOADED_TOKEN_EDGES, Loaded, fit_loaded, frontend_fields, turnaround
 from batchpilot.sim.before_batch import BUSY_EDGES
 from batchpilot.sim.frontend import FACTOR_FIELDS, FrontEnd
 
@@ -150,9 +152,13 @@ def main() -> int:
     ap.add_argument("out", help="the --out folder of benchmarks/fidelity.py")
     ap.add_argument("--profiles", help="price the runs with this folder's profile-<cpus>.json instead")
     ap.add_argument("--flat", action="store_true", help="price without the rate slope (module docstring)")
-    ap.add_argument("--by", choices=("rate", "tokens", "busy", "point", "window"), default="rate",
+    ap.add_argument("--by", choices=("rate", "tokens", "busy", "point", "window", "turnaround"),
+                    default="rate",
                     help="bin by request rate (and idle time), computed tokens, busy share, or load point; "
-                         "window: how far the speed wanders within a run (`window_spread`)")
+                         "window: how far the speed wanders within a run (`window_spread`); turnaround: "
+                         "the driver's turnaround between batches (`serving_load.turnaround`)")
+    ap.add_argument("--window-ms", type=float, default=5.0,
+                    help="--by turnaround: the runs' batching window (bench fidelity's deployment: 5 ms)")
     ap.add_argument("--refit", action="store_true",
                     help="refit each profile's loaded line from the batches it kept (`priced_by`)")
     ap.add_argument("--part", type=float, nargs=2, default=(0.0, 1.0), metavar=("FROM", "TO"),
@@ -172,6 +178,12 @@ def main() -> int:
             errors += [abs(r - 1.0) for _, r, _ in cells]
             print(f"{run.name:<16} " + "; ".join(f"{label}: {r:.3f} ({n})" for label, r, n in cells))
         print(f"mean |slot / price - 1| {sum(errors) / len(errors):.2%}, worst {max(errors):.2%}")
+        return 0
+    if args.by == "turnaround":
+        for name, batches, _ in sets:  # the profiles' own loaded phases serve without a window
+            window_s = 0.0 if name.startswith("profile") else args.window_ms / 1e3
+            print(f"{name:<16} {turnaround(batches, window_s=window_s) * 1e3:.2f} ms from a batch's end "
+                  f"to the next one's start, the next one's requests waiting")
         return 0
     if args.by == "window":
         for cpus in sorted({p.stem.split("-", 1)[1] for _, _, p in sets}):

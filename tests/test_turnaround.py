@@ -33,6 +33,7 @@ def test_the_turnaround_is_the_mean_gap_before_batches_whose_requests_waited() -
     assert turnaround(batches) == pytest.approx(float(np.mean(gaps)))
     assert turnaround(list(reversed(batches))) == pytest.approx(float(np.mean(gaps)))  # in start order
     assert turnaround(batches[:5]) == 0.0  # too few to say
+    assert turnaround(batches, window_s=0.002) == 0.0  # they waited 1 ms: a 2 ms window could hold them
     pipelined = [_batch(0.01 * k, 0.012, [0.01 * k - 0.005]) for k in range(20)]  # starts before the end
     assert turnaround(pipelined) == 0.0
 

@@ -183,15 +183,15 @@ def frontend_fields(loaded: tuple[float, float, float], details: dict[str, Any])
             "batch_gap_s": details.get("turnaround_s", 0.0)}
 
 
-def turnaround(batches: Sequence[Loaded], min_gaps: int = 10) -> float:
+def turnaround(batches: Sequence[Loaded], min_gaps: int = 10, window_s: float = 0.0) -> float:
     """The mean seconds from a batch's end to the next batch's start, over the next batches whose first
-    request arrived before that end (it waited: nothing but the driver stood between the two, on a
-    server without a batching window); at least 0, and 0 with fewer than ``min_gaps`` of them. The
-    slot's turnaround under load: the scheduling call, collation, the hand-offs, and the event loop's
-    other work (answering the batch that ended, the arriving requests) before it gets to them."""
+    request arrived more than ``window_s`` (the batching window) before that end: nothing but the driver
+    stood between the two; at least 0, and 0 with fewer than ``min_gaps`` of them. The slot's
+    turnaround under load: the scheduling call, collation, the hand-offs, and the event loop's other
+    work (answering the batch that ended, the arriving requests) before it gets to them."""
     ordered = sorted(batches, key=lambda b: b.start)
     gaps = [b.start - (a.start + a.slot_s) for a, b in zip(ordered, ordered[1:], strict=False)
-            if b.arrivals and min(b.arrivals) < a.start + a.slot_s]
+            if b.arrivals and min(b.arrivals) < a.start + a.slot_s - window_s]
     return max(float(np.mean(gaps)), 0.0) if len(gaps) >= min_gaps else 0.0
 
 
