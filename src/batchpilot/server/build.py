@@ -47,10 +47,9 @@ def build_app(settings: ServerConfig, spec: DeploymentSpec | SchedulerConfig | N
         plan = profiled_threads(profiled, dtype) if profiled is not None else None
         executor = load_executor(settings, model, dtype, spec.model.min_cosine, spec.model.backend, cache,
                                  plan)
-        supports = getattr(executor, "supports_padding_free", lambda: True)()
-        padding = spec.encoder.planner.padding if supports else "dynamic"
+        limits = model_limits(executor)
+        padding = spec.encoder.planner.padding if limits.supports_padding_free else "dynamic"
         cost_model = choose_cost_model(settings, model, executor, padding, profiled)
-        limits = ModelLimits(int(executor.max_length), bool(supports), device_memory_bytes(executor))
         deployment = resolve_deployment(spec, cost_model, limits)
         name = model.name or getattr(executor, "model_name", "model")
         for note in deployment.notes:
@@ -90,6 +89,12 @@ def served_arm(settings: ServerConfig, model: ModelSpec, arm: DeploymentSpec, pr
         log.info("deployment %s arm %s: %s", name, arm_name, note)
     log.info("deployment %s arm %s: %s", name, arm_name, deployment.describe())
     return ServedArm(executor, deployment.scheduler)
+
+
+def model_limits(executor: Any) -> ModelLimits:
+    """What a loaded executor allows, for ``core.deployment.resolve_deployment``."""
+    supports = getattr(executor, "supports_padding_free", lambda: True)()
+    return ModelLimits(int(executor.max_length), bool(supports), device_memory_bytes(executor))
 
 
 def device_memory_bytes(executor: Any) -> float:

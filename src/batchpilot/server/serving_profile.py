@@ -60,10 +60,10 @@ import numpy as np
 from ..bench.loadgen import LoadGenConfig, PlannedRequest
 from ..core.config import Padding, PolicyConfig, SchedulerConfig
 from ..core.costmodel import CostModel
-from ..core.deployment import DeploymentSpec, ModelLimits, resolve_deployment
+from ..core.deployment import DeploymentSpec, resolve_deployment
 from ..sim.frontend import FrontEnd
 from .app import create_app
-from .build import device_memory_bytes
+from .build import model_limits
 from .config import ServerConfig
 from .inproc_server import bound_socket, in_thread
 from .service import tokenizer_workers
@@ -198,9 +198,7 @@ def scheduler_config(executor: Any, padding: Padding, cost_model: CostModel) -> 
     base = SchedulerConfig()
     cfg = dataclasses.replace(base, policy=PolicyConfig(max_wait_s=0.0),
                               planner=dataclasses.replace(base.planner, padding=padding))
-    supports = getattr(executor, "supports_padding_free", lambda: True)()
-    limits = ModelLimits(int(executor.max_length), bool(supports), device_memory_bytes(executor))
-    return resolve_deployment(DeploymentSpec(encoder=cfg), cost_model, limits).scheduler
+    return resolve_deployment(DeploymentSpec(encoder=cfg), cost_model, model_limits(executor)).scheduler
 
 
 def _serve_and_send(executor: Any, sched: SchedulerConfig, cost_model: CostModel,
