@@ -12,7 +12,8 @@ opposite direction every other round (the CPU's speed moves by tens of percent o
 Every config gets a short warm-up run (4 other prompts of 8-512 tokens, 4 tokens each) right before
 its timed run. A round's ratio is batchpilot's best-of-grid tok/s over each baseline's best-of-grid.
 
-* batchpilot: ``LLMEngine`` (engine thread, paged KV, chunked prefill, fcfs) through its async API.
+* batchpilot: ``LLMEngine`` (engine thread, paged KV, chunked prefill, fcfs, the runner's row plan
+  measured as ``serve`` measures it: ``models/llm/row_plan.py``) through its async API.
   Limits: ``max_num_batched_tokens`` in the grid (``--grid-tokens``, default 128/256/512/1024),
   ``max_num_seqs`` 64, ``num_kv_blocks`` 2048 x ``block_size`` 16, ``max_model_len`` 2048, no prefix
   caching. Token times are taken as each streamed item reaches the client's event loop.
@@ -138,6 +139,7 @@ def run_batchpilot(hf: Any, reqs: Requests, warm: Requests, max_tokens: int,
     config = LLMSchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_tokens,
                                 num_kv_blocks=args.kv_blocks, block_size=BLOCK_SIZE, max_model_len=2048)
     runner = LLMModelRunner(LlamaWeights.from_hf(hf), config.num_kv_blocks, config.block_size)
+    runner.plan_rows()  # as build_llm_engine (serve) does: the row counts the matmuls run fastest at
     engine = LLMEngine(runner, build_tokenizer(hf.config.vocab_size), config, sampler=Sampler(0)).start()
 
     async def one(prompt: list[int], n: int, t0: float) -> list[float]:

@@ -17,6 +17,7 @@ from batchpilot.core.sequence import SamplingParams, Sequence
 from batchpilot.models.llm.config import LLMModelConfig
 from batchpilot.models.llm.detokenizer import IncrementalDetokenizer, make_decode
 from batchpilot.models.llm.model_runner import LLMModelRunner
+from batchpilot.models.llm.row_plan import RowPlan
 from batchpilot.models.llm.sampler import Sampler, filter_logits
 from batchpilot.models.llm.tokenizer import CHAT_TEMPLATE, EOS_ID, build_tokenizer
 from batchpilot.models.llm.weights import LlamaWeights, load_hf_llama
@@ -55,7 +56,7 @@ def reference(hf: Any, prompts: list[list[int]]) -> list[list[int]]:
     return refs
 
 
-def run_greedy(hf: Any, prompts: list[list[int]], late: int = 0,
+def run_greedy(hf: Any, prompts: list[list[int]], late: int = 0, row_plan: RowPlan | None = None,
                **cfg: Any) -> tuple[list[list[int]], LLMScheduler]:
     """Drive scheduler + runner to completion; the last ``late`` prompts arrive after 3 steps."""
     config = LLMSchedulerConfig(block_size=8, max_model_len=2048, **cfg)
@@ -63,6 +64,7 @@ def run_greedy(hf: Any, prompts: list[list[int]], late: int = 0,
     # groups of >= 2 decodes, so the grouped decode attention is exercised with a handful of sequences
     runner = LLMModelRunner(LlamaWeights.from_hf(hf), config.num_kv_blocks, config.block_size,
                             min_decode_group=2)
+    runner.row_plan = row_plan or RowPlan()
     sampler = Sampler()
     seqs = [Sequence(i, p, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True), arrival=i)
             for i, p in enumerate(prompts)]
@@ -91,6 +93,16 @@ def test_mixed_batch_with_late_arrivals_matches_hf(hf: Any, prompts: list[list[i
 
 def test_chunked_prefill_matches_hf(hf: Any, prompts: list[list[int]], reference: list[list[int]]) -> None:
     out, sched = run_greedy(hf, prompts, num_kv_blocks=256, max_num_batched_tokens=16)
+    assert out == reference
+
+
+def test_padded_rows_match_hf(hf: Any, prompts: list[list[int]], reference: list[list[int]]) -> None:
+    # every step's token rows padded by three (decodes, prefill chunks, preemption's recompute alike): the
+    # padding rows must change no real row's tokens and leave the cache as it would be without them
+    pad_all = RowPlan(tuple(t + 3 if t else 0 for t in range(1025)))
+    out, sched = run_greedy(hf, prompts, late=2, row_plan=pad_all, num_kv_blocks=10,
+                            max_num_batched_tokens=16)
+    assert sched.num_preemptions > 0
     assert out == reference
 
 

@@ -403,8 +403,11 @@ def test_step_shape_counts_the_kv_the_runner_gathers() -> None:
     shape = plan.shape
     assert (shape.decode_seqs, shape.prefill_tokens) == (3, 10)
     assert shape.kv_tokens == 3 * 380 + 10
+    assert shape.decode_ctx_sq == 3 * 380**2  # the prefill's context is not a decode's
     many = StepPlan(0, [dec(i, 100 + i) for i in range(16)])  # two groups of 8, each padded to its own max
     assert many.shape.kv_tokens == 8 * 107 + 8 * 115
+    assert many.shape.decode_ctx_sq == 8 * 107**2 + 8 * 115**2
+    assert many.shape.features()["decode_ctx_sq"] == many.shape.decode_ctx_sq
 
 
 def test_a_preempted_recompute_longer_than_the_budget_is_chunked_even_with_chunking_off() -> None:

@@ -90,12 +90,14 @@ class StepPlan:
         cannot see."""
         prefill = [c for c in self.chunks if not c.is_decode]
         ctx = sorted(c.context_len for c in self.chunks if c.is_decode)
-        padded = sum((b - a) * ctx[b - 1] for a, b in decode_groups(len(ctx)))
+        groups = decode_groups(len(ctx))
+        padded = sum((b - a) * ctx[b - 1] for a, b in groups)
         return StepShape(
             prefill_tokens=sum(c.num_tokens for c in prefill),
             decode_seqs=len(ctx),
             kv_tokens=padded + sum(c.context_len for c in prefill),
             prefill_attn=sum(c.num_tokens * c.context_len for c in prefill),
+            decode_ctx_sq=sum((b - a) * ctx[b - 1] ** 2 for a, b in groups),
         )
 
 

@@ -37,7 +37,9 @@ def build_llm_engine(model_path: str | None = None, spec: DeploymentSpec | None 
     "bfloat16", "float16"), ``model_name``, ``sampler_seed``, ``threads`` (torch intra-op threads,
     0 = leave as is), ``tokenizer_threads`` (the prompt tokenising pool, 0 = one per core), ``start``
     (default True), ``memory_profile`` (an LLM profile file or ``MemoryProfile`` the KV pool is planned
-    from: ``runtime/llm_memory.py``). Unknown keys are errors.
+    from: ``runtime/llm_memory.py``), ``plan_rows`` (default True: the runner pads a step's token rows
+    to the counts its matmuls run fastest at, measured here: ``models/llm/row_plan.py``). Unknown keys
+    are errors.
 
     The KV pool is sized by ``core.kv_plan.plan_kv`` (``kv_cache_memory``, ``memory_utilization`` of the
     free memory read before the model loads, or ``num_kv_blocks``) and checked there; a pool too small
@@ -61,6 +63,7 @@ def build_llm_engine(model_path: str | None = None, spec: DeploymentSpec | None 
     threads = int(cfg.pop("threads", 0))
     tokenizer_threads = int(cfg.pop("tokenizer_threads", 0))
     memory_profile = cfg.pop("memory_profile", None)
+    plan_rows = bool(cfg.pop("plan_rows", True))
     if threads:  # process-wide; 1 is steadier than torch's default when other jobs share the cores
         torch.set_num_threads(threads)
     model_fields = {f.name for f in dataclasses.fields(LLMModelConfig)}
@@ -101,6 +104,8 @@ def build_llm_engine(model_path: str | None = None, spec: DeploymentSpec | None 
     runner = LLMModelRunner(weights, config.num_kv_blocks, config.block_size, device=device, dtype=dtype,
                             num_swap_blocks=config.num_swap_blocks)
     runner.max_gather_tokens = gather_tokens(config)
+    if plan_rows:
+        log.info("llm rows: token rows padded (rows: padded to) %s", runner.plan_rows().padded() or "none")
     engine = LLMEngine(runner, tokenizer, config, model_name=name, sampler=Sampler(sampler_seed),
                        tokenizer_threads=tokenizer_threads)
     engine.memory_plan, engine.memory_profile = plan, memory  # type: ignore[attr-defined]
@@ -171,6 +176,7 @@ def build_llm_arm(engine: LLMEngine, start: bool = True, sampler_seed: int = 0,
     runner = LLMModelRunner(r.w, config.num_kv_blocks, config.block_size, device=str(r.device), dtype=r.dtype,
                             num_swap_blocks=config.num_swap_blocks)
     runner.max_gather_tokens = gather_tokens(config)
+    runner.row_plan = r.row_plan  # the same weights and device: the primary's measured plan
     arm = LLMEngine(runner, engine.tokenizer, config, model_name=engine.model_name,
                     sampler=Sampler(sampler_seed), tokenizer_threads=1)  # the routes tokenise on engine's
     arm.hf_model = getattr(engine, "hf_model", None)  # type: ignore[attr-defined]

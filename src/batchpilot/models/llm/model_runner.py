@@ -1,7 +1,9 @@
 """Runs one scheduler step on a Llama-family decoder over a paged KV cache.
 
 Every token of the step (prefill chunks and decodes alike) goes through the dense layers as one
-packed ``[T, D]`` matrix: no padding, two fused matmuls per block (qkv, gate_up) plus o and down.
+packed ``[T, D]`` matrix: no padding between chunks, two fused matmuls per block (qkv, gate_up) plus o
+and down; ``row_plan`` (``row_plan.py``) may add up to three rows to ``T`` where the matmuls run
+faster with them, rows never written to the cache, attended to or sampled.
 Only attention differs by chunk kind, and it reads keys/values through block tables:
 
 * decodes (1-token chunks): sorted by context length and split into up to 4 equal-count groups, one
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 
 from ...core.llm_scheduler import DECODE_MAX_GROUPS, DECODE_MIN_GROUP, ScheduledChunk, decode_groups
 from ...core.preemption import PreemptionCosts
+from .row_plan import RowPlan
 from .weights import LlamaWeights
 
 
@@ -75,6 +78,7 @@ class LLMModelRunner:
                  max_decode_groups: int = DECODE_MAX_GROUPS,
                  min_decode_group: int = DECODE_MIN_GROUP, num_swap_blocks: int = 0) -> None:
         self.max_decode_groups = max_decode_groups
+        self.row_plan = RowPlan()  # the row counts the dense layers run (row_plan.py; none padded)
         self.max_gather_tokens = 0  # the most context tokens one gather holds (0: unbounded doubling)
         self._buffers = [torch.empty(0, dtype=dtype, device=device) for _ in range(2)]
         self.min_decode_group = min_decode_group
@@ -106,6 +110,14 @@ class LLMModelRunner:
         self.cos = (emb.cos() * w.attention_scaling).to(self.device, dtype)
         self.sin = (emb.sin() * w.attention_scaling).to(self.device, dtype)
         self.scale = self.head_dim**-0.5
+
+    def plan_rows(self) -> RowPlan:
+        """Measure and keep the row counts the dense layers run fastest at (``RowPlan.measure`` on the
+        first layer's matrices)."""
+        layer = self.w.layers[0]
+        dense = [layer.qkv, layer.o, layer.gate_up, layer.down]
+        self.row_plan = RowPlan.measure(dense, self.device, self.dtype)
+        return self.row_plan
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -188,6 +200,10 @@ class LLMModelRunner:
             positions.extend(range(c.start, c.context_len))
             slot_parts.append(self._slots(c.block_table, c.start, c.context_len))
         slots = torch.cat(slot_parts).to(dev)
+        real = len(ids)  # the step's token rows; the dense layers run row_plan.rows(real) (row_plan.py)
+        pad = self.row_plan.rows(real) - real
+        ids.extend([0] * pad)
+        positions.extend([0] * pad)
         pos_t = torch.tensor(positions, device=dev)
         cos, sin = self.cos[pos_t][:, None, :], self.sin[pos_t][:, None, :]
 
@@ -228,11 +244,13 @@ class LLMModelRunner:
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             kc, vc = self.k_cache[li], self.v_cache[li]
-            kc.index_copy_(0, slots, k)
-            vc.index_copy_(0, slots, v)
+            kc.index_copy_(0, slots, k[:real])
+            vc.index_copy_(0, slots, v[:real])
             # gather whole blocks (bs * KV * hd contiguous values each), not single slots
             kb, vb = kc.view(-1, bs, KV, hd), vc.view(-1, bs, KV, hd)
             out = torch.empty(T, H, hd, dtype=x.dtype, device=dev)
+            if pad:
+                out[real:] = 0  # padding rows: computed by the dense layers, read by nothing
             for g0, g1, blocks, dmask, length in decode_groups:
                 n = g1 - g0
                 kd = self._gather(kb, blocks, 0).view(n, length, KV, hd).transpose(1, 2)
