@@ -61,9 +61,9 @@ def run_greedy(hf: Any, prompts: list[list[int]], late: int = 0, row_plan: RowPl
     """Drive scheduler + runner to completion; the last ``late`` prompts arrive after 3 steps."""
     config = LLMSchedulerConfig(block_size=8, max_model_len=2048, **cfg)
     sched = LLMScheduler(config)
-    # groups of >= 2 decodes, so the grouped decode attention is exercised with a handful of sequences
+    # a small bound on a decode run's keys, so a handful of sequences runs in several padded runs
     runner = LLMModelRunner(LlamaWeights.from_hf(hf), config.num_kv_blocks, config.block_size,
-                            min_decode_group=2)
+                            decode_group_tokens=64)
     runner.row_plan = row_plan or RowPlan()
     sampler = Sampler()
     seqs = [Sequence(i, p, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True), arrival=i)

@@ -379,21 +379,23 @@ def test_the_same_scheduler_runs_in_the_simulator() -> None:
     assert run.record.step_duration[0] > default_llm_cost_model().latency_coef[0]
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.integers(0, 200), st.integers(1, 6), st.integers(1, 12))
-def test_decode_groups_partition_the_decodes(n: int, max_groups: int, min_group: int) -> None:
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(1, 3000), max_size=80), st.integers(1, 4096))
+def test_decode_groups_partition_the_decodes_within_the_token_bound(ctx: list[int], bound: int) -> None:
     from batchpilot.core.llm_scheduler import decode_groups
 
-    groups = decode_groups(n, max_groups, min_group)
-    assert [i for a, b in groups for i in range(a, b)] == list(range(n))  # a partition, in order
-    assert len(groups) <= max(max_groups, 1)
-    if len(groups) > 1:
-        assert min(b - a for a, b in groups) >= min_group - 1  # equal counts, rounding aside
+    ctx = sorted(ctx)
+    groups = decode_groups(ctx, bound)
+    assert [i for a, b in groups for i in range(a, b)] == list(range(len(ctx)))  # a partition, in order
+    for a, b in groups:  # each run's padded keys within the bound, or one decode alone
+        assert (b - a) * ctx[b - 1] <= bound or b - a == 1
+    for (a, b), (c, _) in zip(groups, groups[1:], strict=False):  # a run ends where the next would pass it
+        assert (b - a + 1) * ctx[c] > bound
 
 
 def test_step_shape_counts_the_kv_the_runner_gathers() -> None:
     """Decodes are padded to the longest context of their group: 120/250/380 read 3 x 380."""
-    from batchpilot.core.llm_scheduler import ScheduledChunk
+    from batchpilot.core.llm_scheduler import DECODE_GROUP_TOKENS, ScheduledChunk
 
     def dec(i: int, ctx: int) -> ScheduledChunk:
         return ScheduledChunk(i, ctx - 1, [5], [0], True, True)
@@ -404,9 +406,13 @@ def test_step_shape_counts_the_kv_the_runner_gathers() -> None:
     assert (shape.decode_seqs, shape.prefill_tokens) == (3, 10)
     assert shape.kv_tokens == 3 * 380 + 10
     assert shape.decode_ctx_sq == 3 * 380**2  # the prefill's context is not a decode's
-    many = StepPlan(0, [dec(i, 100 + i) for i in range(16)])  # two groups of 8, each padded to its own max
-    assert many.shape.kv_tokens == 8 * 107 + 8 * 115
-    assert many.shape.decode_ctx_sq == 8 * 107**2 + 8 * 115**2
+    # 30 decodes at 100-129: a run takes decodes while its padded keys stay within the bound
+    many = StepPlan(0, [dec(i, 100 + i) for i in range(30)])
+    first = max(k for k in range(1, 31) if k * (99 + k) <= DECODE_GROUP_TOKENS)
+    assert first < 30
+    rest = 30 - first
+    assert many.shape.kv_tokens == first * (99 + first) + rest * 129
+    assert many.shape.decode_ctx_sq == first * (99 + first) ** 2 + rest * 129**2
     assert many.shape.features()["decode_ctx_sq"] == many.shape.decode_ctx_sq
 
 

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from .costmodel import StepShape
@@ -85,12 +86,12 @@ class StepPlan:
         """What the cost model needs: prefill tokens, decoding sequences, KV read, prefill attention.
 
         The KV read of the decodes is what the runner gathers: decodes sorted by context, split by
-        ``decode_groups``, each group padded to its longest context. Three decodes at 120/250/380
+        ``decode_groups``, each group padded to its longest context. Three decodes at 120/250/380 in one group
         tokens read 3 x 380, not 750: they cost more than three at 250, which a sum of contexts
         cannot see."""
         prefill = [c for c in self.chunks if not c.is_decode]
         ctx = sorted(c.context_len for c in self.chunks if c.is_decode)
-        groups = decode_groups(len(ctx))
+        groups = decode_groups(ctx)
         padded = sum((b - a) * ctx[b - 1] for a, b in groups)
         return StepShape(
             prefill_tokens=sum(c.num_tokens for c in prefill),
@@ -101,18 +102,27 @@ class StepPlan:
         )
 
 
-DECODE_MAX_GROUPS = 4
-DECODE_MIN_GROUP = 8
+DECODE_GROUP_TOKENS = 2048
 
 
-def decode_groups(n: int, max_groups: int = DECODE_MAX_GROUPS,
-                  min_group: int = DECODE_MIN_GROUP) -> list[tuple[int, int]]:
-    """How a runner splits ``n`` decodes sorted by context into ``[start, end)`` runs of equal count (at
-    most ``max_groups``, each at least ``min_group`` when there are more than one), each run padded to
-    its own longest context: far fewer keys gathered than padding all to the step's longest. Shared
-    with the cost model's KV feature, so the two agree on what a step reads."""
-    if n <= 0:
-        return []
-    k = max(1, min(max_groups, n // min_group))
-    bounds = [round(i * n / k) for i in range(k + 1)]
-    return [(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+def decode_groups(ctx_sorted: Seq[int], max_tokens: int = DECODE_GROUP_TOKENS) -> list[tuple[int, int]]:
+    """How a runner splits decodes sorted by context (ascending) into ``[start, end)`` runs, each
+    gathered and attended as one batch padded to its own longest context: from the shortest on, a run
+    takes the next decode while its padded keys (members x the longest context) stay within
+    ``max_tokens``; a decode longer than that runs alone. Shared with the cost model's KV features, so
+    the two agree on what a step reads.
+
+    Why a bound in tokens: a run's gathered keys and values are one buffer, and past a few MiB it leaves
+    the CPU's caches. On an AMD EPYC (tiny Llama, fp32: 2 KiB of K and V per token and layer) one run of
+    12 decodes at context 1000 took 47 ms, the same decodes in three runs 33 ms; at context 200 the
+    split saved nothing (docs/llm.md, "Decode groups"). Runs within a few MiB also cost the same per
+    token at any context, so the step model prices them with a line."""
+    groups: list[tuple[int, int]] = []
+    start = 0
+    for i in range(1, len(ctx_sorted)):
+        if (i + 1 - start) * ctx_sorted[i] > max_tokens:
+            groups.append((start, i))
+            start = i
+    if ctx_sorted:
+        groups.append((start, len(ctx_sorted)))
+    return groups

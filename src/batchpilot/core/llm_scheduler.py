@@ -38,12 +38,12 @@ from .block_manager import BlockManager, BlockStats
 from .llm_admission import past_deadline
 from .llm_config import LLMPolicy, LLMSchedulerConfig, PreemptionMode
 from .llm_fits import never_fits
-from .llm_plan import DECODE_MAX_GROUPS, DECODE_MIN_GROUP, ScheduledChunk, SeqOutput, StepPlan, decode_groups
+from .llm_plan import DECODE_GROUP_TOKENS, ScheduledChunk, SeqOutput, StepPlan, decode_groups
 from .preemption import PreemptionCosts, PreemptionCounters, choose
 from .sequence import FinishReason, SeqStatus, Sequence
 from .swap_space import SwapSpace
 
-__all__ = ["DECODE_MAX_GROUPS", "DECODE_MIN_GROUP", "LLMPolicy", "LLMScheduler", "LLMSchedulerConfig",
+__all__ = ["DECODE_GROUP_TOKENS", "LLMPolicy", "LLMScheduler", "LLMSchedulerConfig",
            "PreemptionCosts", "PreemptionMode", "ScheduledChunk", "SeqOutput", "StepPlan", "decode_groups"]
 
 

@@ -86,7 +86,7 @@ def read_tokens(plan: StepPlan) -> int:
     occupies memory."""
     ctx = sorted(c.context_len for c in plan.chunks if c.is_decode)
     late = [c.context_len for c in plan.chunks if not c.is_decode and c.start > 0]
-    return max([(b - a) * ctx[b - 1] for a, b in decode_groups(len(ctx))] + late, default=0)
+    return max([(b - a) * ctx[b - 1] for a, b in decode_groups(ctx)] + late, default=0)
 
 
 def attn_units(plan: StepPlan) -> int:
