@@ -98,17 +98,16 @@ def test_shapes_count_padding() -> None:
 
 
 def test_llm_step_shapes_fit_too() -> None:
-    truth = CostModel(feature_names=LLM_FEATURES, latency_coef=(0.01, 1e-4, 5e-4, 1e-6, 1e-8, 0.006, 2e-10),
-                      memory_coef=(0.0,) * 7)
+    truth = CostModel(feature_names=LLM_FEATURES, latency_coef=(0.01, 1e-4, 5e-4, 1e-6, 1e-8, 0.006),
+                      memory_coef=(0.0,) * 6)
     rnd = random.Random(3)
     pts = []
     for i in range(40):
         if i % 4 == 0:  # one decode alone: the single-row step that tells const from multi_row
-            ctx = rnd.randint(1, 2048)
-            s = StepShape(0, 1, ctx, 0, ctx**2)
+            s = StepShape(0, 1, rnd.randint(1, 2048), 0)
         else:
             s = StepShape(rnd.randint(0, 2048), rnd.randint(2, 64), rnd.randint(0, 50_000),
-                          rnd.randint(0, 10**6), rnd.randint(0, 10**8))
+                          rnd.randint(0, 10**6))
         pts.append(ProfilePoint(s.features(), truth.latency(s)))
     assert StepShape(0, 1, 10).features()["multi_row"] == 0.0
     assert StepShape(2, 0, 2).features()["multi_row"] == StepShape(0, 2, 10).features()["multi_row"] == 1.0

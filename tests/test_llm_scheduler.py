@@ -405,15 +405,12 @@ def test_step_shape_counts_the_kv_the_runner_gathers() -> None:
     shape = plan.shape
     assert (shape.decode_seqs, shape.prefill_tokens) == (3, 10)
     assert shape.kv_tokens == 3 * 380 + 10
-    assert shape.decode_ctx_sq == 3 * 380**2  # the prefill's context is not a decode's
     # 30 decodes at 100-129: a run takes decodes while its padded keys stay within the bound
     many = StepPlan(0, [dec(i, 100 + i) for i in range(30)])
     first = max(k for k in range(1, 31) if k * (99 + k) <= DECODE_GROUP_TOKENS)
     assert first < 30
     rest = 30 - first
     assert many.shape.kv_tokens == first * (99 + first) + rest * 129
-    assert many.shape.decode_ctx_sq == first * (99 + first) ** 2 + rest * 129**2
-    assert many.shape.features()["decode_ctx_sq"] == many.shape.decode_ctx_sq
 
 
 def test_a_preempted_recompute_longer_than_the_budget_is_chunked_even_with_chunking_off() -> None:

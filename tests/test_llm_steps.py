@@ -14,7 +14,7 @@ from batchpilot.core.costmodel import LLM_FEATURES, CostModel
 from batchpilot.runtime.llm_engine import StepLog, StepRecord
 
 TRUE = {"const": 0.008, "prefill_tokens": 4e-4, "decode_seqs": 6e-4, "kv_tokens": 2e-6, "prefill_attn": 0.0,
-        "multi_row": 0.005, "decode_ctx_sq": 1e-10}
+        "multi_row": 0.005}
 PROFILE = CostModel(LLM_FEATURES, tuple(TRUE[f] for f in LLM_FEATURES), (0.0,) * len(LLM_FEATURES),
                     meta={"source": "p"})
 

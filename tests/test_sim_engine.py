@@ -201,7 +201,7 @@ class MiniLLMTarget:
 
 
 def test_an_iteration_level_llm_scheduler_runs_in_the_same_loop() -> None:
-    step = CostModel(feature_names=LLM_FEATURES, latency_coef=(0.01, 0.001, 0.002, 0.0, 0.0, 0.0, 0.0),
+    step = CostModel(feature_names=LLM_FEATURES, latency_coef=(0.01, 0.001, 0.002, 0.0, 0.0, 0.0),
                      memory_coef=(0.0,) * len(LLM_FEATURES))
     prompts, outputs = [40, 100, 8, 30], [5, 3, 12, 1]
     alone = MiniLLMTarget(prompts[:1], outputs[:1], step)

@@ -138,7 +138,7 @@ def test_auto_swaps_exactly_when_the_round_trip_is_cheaper_than_the_recompute() 
 
 def test_costs_from_a_step_cost_model_and_its_profile_meta() -> None:
     coef = {"const": 0.01, "prefill_tokens": 2e-4, "decode_seqs": 5e-4, "kv_tokens": 1e-6,
-            "prefill_attn": 3e-9, "multi_row": 0.002, "decode_ctx_sq": 1e-10}
+            "prefill_attn": 3e-9, "multi_row": 0.002}
     cm = CostModel(LLM_FEATURES, tuple(coef[f] for f in LLM_FEATURES), (0.0,) * len(LLM_FEATURES),
                    meta={"swap_out_s_per_block": 4e-5, "swap_in_s_per_block": 5e-5})
     costs = PreemptionCosts.from_cost_model(cm)

@@ -257,7 +257,7 @@ def test_step_log_records_every_step_with_its_shape(server: tuple[str, LLMEngine
     assert all(0 < s.forward_s <= s.wall_s for s in steps if s.seqs)
     for a, b in zip(steps, steps[1:], strict=False):
         assert b.start >= a.start + a.wall_s  # steps never overlap: one engine thread
-    profile = CostModel(LLM_FEATURES, (0.001, 1e-5, 1e-5, 0.0, 0.0, 0.002, 0.0), (0.0,) * len(LLM_FEATURES))
+    profile = CostModel(LLM_FEATURES, (0.001, 1e-5, 1e-5, 0.0, 0.0, 0.002), (0.0,) * len(LLM_FEATURES))
     assert math.isfinite(speed_vs_profile(profile, steps)) and speed_vs_profile(profile, steps) > -1.0
 
 

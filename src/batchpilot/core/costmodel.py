@@ -28,7 +28,7 @@ import numpy as np
 
 ENCODER_FEATURES: tuple[str, ...] = ("const", "n", "tokens", "attn")
 LLM_FEATURES: tuple[str, ...] = ("const", "prefill_tokens", "decode_seqs", "kv_tokens", "prefill_attn",
-                                 "multi_row", "decode_ctx_sq")
+                                 "multi_row")
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +63,6 @@ class StepShape:
     decode_seqs: int
     kv_tokens: int
     prefill_attn: int = 0
-    decode_ctx_sq: int = 0  # the decodes' padded context lengths, each squared, summed (features())
 
     def features(self) -> dict[str, float]:
         return {
@@ -76,11 +75,6 @@ class StepShape:
             # two rows or more take the matrix x matrix path, a fixed step up in cost on CPU that the
             # other features cannot express.
             "multi_row": float(self.prefill_tokens + self.decode_seqs >= 2),
-            # On CPU a decode's attention costs more per context token the longer its context (its keys
-            # and values leave the caches): on an AMD EPYC, 16 decodes' step grew by 1.2 us per token
-            # of context from 64 to 256 tokens and by 2.1 us from 512 to 1024. A line in kv_tokens
-            # through short and long contexts prices the middle high; this term bends it.
-            "decode_ctx_sq": float(self.decode_ctx_sq),
         }
 
 

@@ -98,7 +98,6 @@ class StepPlan:
             decode_seqs=len(ctx),
             kv_tokens=padded + sum(c.context_len for c in prefill),
             prefill_attn=sum(c.num_tokens * c.context_len for c in prefill),
-            decode_ctx_sq=sum((b - a) * ctx[b - 1] ** 2 for a, b in groups),
         )
 
 
@@ -115,7 +114,7 @@ def decode_groups(ctx_sorted: Seq[int], max_tokens: int = DECODE_GROUP_TOKENS) -
     Why a bound in tokens: a run's gathered keys and values are one buffer, and past a few MiB it leaves
     the CPU's caches. On an AMD EPYC (tiny Llama, fp32: 2 KiB of K and V per token and layer) one run of
     12 decodes at context 1000 took 47 ms, the same decodes in three runs 33 ms; at context 200 the
-    split saved nothing (docs/llm.md, "Decode groups"). Runs within a few MiB also cost the same per
+    split saved nothing (docs/llm.md, "Decode runs"). Runs within a few MiB also cost about the same per
     token at any context, so the step model prices them with a line."""
     groups: list[tuple[int, int]] = []
     start = 0

@@ -119,8 +119,7 @@ def burst_seconds(cost_model: Any, prompts: Any, outputs: Any) -> float:
     total = sum(cost_model.latency(StepShape(int(x), 0, int(x), int(x) ** 2)) for x in p)
     for j in range(1, int(o.max(initial=0))):
         live = o > j
-        total += cost_model.latency(StepShape(0, int(live.sum()), int((p[live] + j).sum()),
-                                              decode_ctx_sq=int(((p[live] + j) ** 2).sum())))
+        total += cost_model.latency(StepShape(0, int(live.sum()), int((p[live] + j).sum())))
     return float(total)
 
 
@@ -148,8 +147,7 @@ def loaded_workload(config: Any, cost_model: Any, seed: int, n: int, burst: int)
     prompts = rng.integers(16, top + 1, n)
     outputs = rng.integers(OUTPUT_RANGE[0], OUTPUT_RANGE[1] + 1, n)
     alone = float(np.mean([cost_model.latency(StepShape(int(p), 0, int(p), int(p) ** 2))
-                           + (int(o) - 1) * cost_model.latency(StepShape(0, 1, int(p + o // 2),
-                                                                         decode_ctx_sq=int(p + o // 2) ** 2))
+                           + (int(o) - 1) * cost_model.latency(StepShape(0, 1, int(p + o // 2)))
                            for p, o in zip(prompts, outputs, strict=True)])) if n > 0 else 0.0
     gaps = (alone / LOADED_SHARES[0], alone / LOADED_SHARES[1])
     arrivals = alternating_arrivals(n, gaps, random.Random(seed + 13), LOADED_SEGMENTS) if n > 0 else []
@@ -158,7 +156,7 @@ def loaded_workload(config: Any, cost_model: Any, seed: int, n: int, burst: int)
         fit = _burst_blocks(config) // burst * int(config.block_size) - OUTPUT_RANGE[1]
         prefill = OUTPUT_RANGE[0] // 2 * int(config.max_num_batched_tokens)  # tokens, all prompts together
         b_top = max(min(top, fit, 2 * prefill // burst - 16), 16)
-        window = BURST_WINDOW_STEPS * cost_model.latency(StepShape(0, 1, 16, decode_ctx_sq=16 ** 2))
+        window = BURST_WINDOW_STEPS * cost_model.latency(StepShape(0, 1, 16))
         start = (arrivals[-1] if arrivals else 0.0) + 2.0 * alone + 1.0
         for _ in range(BURST_ROUNDS):
             b_prompts = rng.integers(16, b_top + 1, burst)

@@ -52,8 +52,8 @@ def default_llm_cost_model() -> CostModel:
     """
     return CostModel(
         feature_names=LLM_FEATURES,
-        latency_coef=(0.012, 2.5e-4, 6.0e-4, 2.0e-7, 2.0e-9, 0.0, 0.0),
-        memory_coef=(0.0,) * 7,
+        latency_coef=(0.012, 2.5e-4, 6.0e-4, 2.0e-7, 2.0e-9, 0.0),
+        memory_coef=(0.0,) * 6,
         rel_residuals=(-0.1, 0.0, 0.1, 0.3),
         meta={"source": "default_llm_cost_model", "swap_out_s_per_block": 5e-5, "swap_in_s_per_block": 5e-5},
     )

@@ -3,8 +3,8 @@
 Synthetic steps over the runner's own KV cache: pure prefills of several lengths, pure decode batches
 at several context lengths, and mixes of both. Each point is timed (forward + greedy sampling, the
 engine's hot path) and ``CostModel.fit(points, LLM_FEATURES)`` turns them into
-``const + prefill_tokens + decode_seqs + kv_tokens + prefill_attn + multi_row + decode_ctx_sq``
-coefficients, JSON-serialisable, loadable by ``batchpilot simulate --workload conv-llm --profile``.
+``const + prefill_tokens + decode_seqs + kv_tokens + prefill_attn + multi_row`` coefficients,
+JSON-serialisable, loadable by ``batchpilot simulate --workload conv-llm --profile``.
 A runner with swap space also gets its block copies timed (``measure_swap``), recorded in the profile's
 ``meta`` (``core.preemption.SWAP_META_KEYS``).
 
@@ -78,10 +78,9 @@ def profile_llm_steps(runner: LLMModelRunner, *,
     fixed cost undetermined, 8 ms in one profile and 13 ms in the next on the same machine. Ten prompt
     lengths: with six, the split between ``prefill_tokens`` and ``prefill_attn`` moved 17x between two
     profiles. Decode counts between the powers of two: the runner's matmuls run whole tiles of rows
-    (``row_plan.py``), so a step's cost climbs in stairs with its sequences, and a grid of powers of two
-    sits on the stairs' cheap edges (a step model fitted on it priced decode steps of 1-48 sequences
-    3.6% high on average, 0.9% with these counts and ``decode_ctx_sq``). Context 512 beside 64, 256
-    and 1024: the decode attention's cost bends with the context (``StepShape.features``)."""
+    (``row_plan.py``), so a step's cost climbs in stairs with its sequences, and powers of two alone
+    sit on the stairs' cheap edges. Context 512 beside 64, 256 and 1024: where a conversation's decodes
+    mostly run. ``benchmarks/llm_step_model.py`` prices shapes outside the grid with the fitted model."""
     points = []
     shapes: list[tuple[list[int], int, int]] = []
     shapes += [([n], 0, 1) for n in prefill_lengths]
