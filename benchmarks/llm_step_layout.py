@@ -9,7 +9,7 @@ the runner's layout of a step:
 * ``previous`` (the baseline): exact row counts, and decodes in runs of equal count, at least 8 each and
   at most 4 runs, each padded to its longest context (the rule this replaced, re-created here);
 * ``rows``: the measured row plan (``models/llm/row_plan.py``), decode runs as ``previous``;
-* ``current``: the row plan and decode runs of at most ``DECODE_GROUP_TOKENS`` padded keys
+* ``current``: the row plan and decode runs of at most ``DECODE_RUN_TOKENS`` padded keys
   (``core.llm_plan.decode_groups``): what ``serve --llm`` runs.
 
 1. **Steps**: decode-only steps of 1-48 sequences at contexts 256 and 700 and at contexts drawn from

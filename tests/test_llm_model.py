@@ -63,7 +63,7 @@ def run_greedy(hf: Any, prompts: list[list[int]], late: int = 0, row_plan: RowPl
     sched = LLMScheduler(config)
     # a small bound on a decode run's keys, so a handful of sequences runs in several padded runs
     runner = LLMModelRunner(LlamaWeights.from_hf(hf), config.num_kv_blocks, config.block_size,
-                            decode_group_tokens=64)
+                            decode_run_tokens=64)
     runner.row_plan = row_plan or RowPlan()
     sampler = Sampler()
     seqs = [Sequence(i, p, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True), arrival=i)

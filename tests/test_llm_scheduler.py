@@ -395,7 +395,7 @@ def test_decode_groups_partition_the_decodes_within_the_token_bound(ctx: list[in
 
 def test_step_shape_counts_the_kv_the_runner_gathers() -> None:
     """Decodes are padded to the longest context of their group: 120/250/380 read 3 x 380."""
-    from batchpilot.core.llm_scheduler import DECODE_GROUP_TOKENS, ScheduledChunk
+    from batchpilot.core.llm_scheduler import DECODE_RUN_TOKENS, ScheduledChunk
 
     def dec(i: int, ctx: int) -> ScheduledChunk:
         return ScheduledChunk(i, ctx - 1, [5], [0], True, True)
@@ -407,10 +407,28 @@ def test_step_shape_counts_the_kv_the_runner_gathers() -> None:
     assert shape.kv_tokens == 3 * 380 + 10
     # 30 decodes at 100-129: a run takes decodes while its padded keys stay within the bound
     many = StepPlan(0, [dec(i, 100 + i) for i in range(30)])
-    first = max(k for k in range(1, 31) if k * (99 + k) <= DECODE_GROUP_TOKENS)
+    first = max(k for k in range(1, 31) if k * (99 + k) <= DECODE_RUN_TOKENS)
     assert first < 30
     rest = 30 - first
     assert many.shape.kv_tokens == first * (99 + first) + rest * 129
+
+
+def test_the_configured_decode_run_bound_reaches_the_plan_and_its_shape() -> None:
+    from batchpilot.core.llm_scheduler import LLMScheduler
+
+    kv = {}
+    for bound in (2048, 100):
+        sched = LLMScheduler(LLMSchedulerConfig(decode_run_tokens=bound, max_model_len=256))
+        for i, prompt in enumerate((30, 40, 90)):
+            assert sched.add(Sequence(i, [5] * prompt, SamplingParams(max_tokens=4, ignore_eos=True))) is None
+        prefill = sched.schedule()
+        sched.update(prefill, {c.seq_id: 9 for c in prefill.chunks if c.sample})
+        decode = sched.schedule()  # three decodes at contexts 31, 41, 91
+        assert decode.decode_run_tokens == bound and decode.shape.decode_seqs == 3
+        kv[bound] = decode.shape.kv_tokens
+    assert kv == {2048: 3 * 91, 100: 2 * 41 + 91}  # 100: runs [31, 41] and [91]
+    with pytest.raises(ValueError, match="decode_run_tokens"):
+        LLMSchedulerConfig(decode_run_tokens=0)
 
 
 def test_a_preempted_recompute_longer_than_the_budget_is_chunked_even_with_chunking_off() -> None:

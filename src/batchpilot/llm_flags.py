@@ -12,7 +12,7 @@ from .core.llm_config import PREEMPTION_MODES
 
 LLM_FLAGS: dict[str, type] = {"max_num_seqs": int, "max_num_batched_tokens": int, "max_model_len": int,
                               "block_size": int, "num_kv_blocks": int, "max_waiting_seqs": int,
-                              "max_priority_wait_s": float}
+                              "max_priority_wait_s": float, "decode_run_tokens": int}
 
 
 def add_llm_args(p: argparse.ArgumentParser) -> None:

@@ -3,7 +3,7 @@
 Plain data, validated on construction. Three groups of fields:
 
 * **batching**: ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``, ``policy``,
-  ``enable_chunked_prefill``, ``enable_prefix_caching``, ``max_priority_wait_s``;
+  ``enable_chunked_prefill``, ``enable_prefix_caching``, ``max_priority_wait_s``, ``decode_run_tokens``;
 * **admission**: ``max_waiting_seqs``, ``request_timeout_s``;
 * **memory**: ``num_kv_blocks`` x ``block_size`` token slots of KV cache, or a memory budget the
   engine sizes the pool from (``kv_cache_memory`` bytes, else ``memory_utilization``, a share of the
@@ -22,6 +22,7 @@ from typing import Literal
 LLMPolicy = Literal["fcfs", "priority"]
 PreemptionMode = Literal["recompute", "swap", "auto"]
 PREEMPTION_MODES: tuple[PreemptionMode, ...] = ("recompute", "swap", "auto")
+DECODE_RUN_TOKENS = 2048  # decode_run_tokens's default (core/llm_plan.py, docs/llm.md "Decode runs")
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,12 @@ class LLMSchedulerConfig:
     ``swap`` (copy its blocks to host memory and back), or ``auto`` (swap when the copy is cheaper than
     recomputing its tokens and host blocks are free, else recompute). ``swap_space`` (bytes; None = not
     given: ``num_swap_blocks`` is kept) is the host memory for swapped blocks; ``num_swap_blocks`` is
-    what the memory plan makes of it (0 bytes: no swap)."""
+    what the memory plan makes of it (0 bytes: no swap).
+
+    ``decode_run_tokens``: the most padded keys one run of decodes gathers and attends at once
+    (``core.llm_plan.decode_groups``: the runner's layout and the step model's KV features alike).
+    The default was measured on CPU, where a run's buffer past a few MiB leaves the caches; a GPU,
+    where each run is a kernel launch per layer, wants far larger runs."""
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
@@ -64,9 +70,11 @@ class LLMSchedulerConfig:
     preemption: PreemptionMode = "auto"
     swap_space: int | None = None
     num_swap_blocks: int = 0
+    decode_run_tokens: int = DECODE_RUN_TOKENS
 
     def __post_init__(self) -> None:
-        limits = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size", "max_model_len")
+        limits = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size", "max_model_len",
+                  "decode_run_tokens")
         for name in limits:
             if getattr(self, name) < 1:
                 raise ValueError(f"llm_scheduler.{name} must be >= 1, got {getattr(self, name)}")

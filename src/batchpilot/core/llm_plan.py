@@ -14,6 +14,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from .costmodel import StepShape
+from .llm_config import DECODE_RUN_TOKENS
 from .sequence import FinishReason, Sequence
 
 
@@ -62,7 +63,9 @@ class StepPlan:
     a step has one kind or the other, never both. A device block a swap-out frees may appear in this
     step's chunks (another sequence's new block), so the copies must come first. ``preempted`` lists
     every sequence preempted this step, ``swapped_out`` those of them whose KV went to host blocks (the
-    rest recompute), ``swapped_in`` the sequences whose KV comes back (each has a chunk in this step)."""
+    rest recompute), ``swapped_in`` the sequences whose KV comes back (each has a chunk in this step).
+    ``decode_run_tokens``: the bound of the runs its decodes are gathered in (``decode_groups``; the
+    scheduler's ``config.decode_run_tokens``)."""
 
     step_id: int
     chunks: list[ScheduledChunk] = field(default_factory=list)
@@ -71,6 +74,7 @@ class StepPlan:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     swapped_out: list[int] = field(default_factory=list)
     swapped_in: list[int] = field(default_factory=list)
+    decode_run_tokens: int = DECODE_RUN_TOKENS
 
     @property
     def is_empty(self) -> bool:
@@ -91,7 +95,7 @@ class StepPlan:
         cannot see."""
         prefill = [c for c in self.chunks if not c.is_decode]
         ctx = sorted(c.context_len for c in self.chunks if c.is_decode)
-        groups = decode_groups(ctx)
+        groups = decode_groups(ctx, self.decode_run_tokens)
         padded = sum((b - a) * ctx[b - 1] for a, b in groups)
         return StepShape(
             prefill_tokens=sum(c.num_tokens for c in prefill),
@@ -101,10 +105,9 @@ class StepPlan:
         )
 
 
-DECODE_GROUP_TOKENS = 2048
 
 
-def decode_groups(ctx_sorted: Seq[int], max_tokens: int = DECODE_GROUP_TOKENS) -> list[tuple[int, int]]:
+def decode_groups(ctx_sorted: Seq[int], max_tokens: int = DECODE_RUN_TOKENS) -> list[tuple[int, int]]:
     """How a runner splits decodes sorted by context (ascending) into ``[start, end)`` runs, each
     gathered and attended as one batch padded to its own longest context: from the shortest on, a run
     takes the next decode while its padded keys (members x the longest context) stay within

@@ -36,14 +36,14 @@ from collections.abc import Collection, Mapping
 
 from .block_manager import BlockManager, BlockStats
 from .llm_admission import past_deadline
-from .llm_config import LLMPolicy, LLMSchedulerConfig, PreemptionMode
+from .llm_config import DECODE_RUN_TOKENS, LLMPolicy, LLMSchedulerConfig, PreemptionMode
 from .llm_fits import never_fits
-from .llm_plan import DECODE_GROUP_TOKENS, ScheduledChunk, SeqOutput, StepPlan, decode_groups
+from .llm_plan import ScheduledChunk, SeqOutput, StepPlan, decode_groups
 from .preemption import PreemptionCosts, PreemptionCounters, choose
 from .sequence import FinishReason, SeqStatus, Sequence
 from .swap_space import SwapSpace
 
-__all__ = ["DECODE_GROUP_TOKENS", "LLMPolicy", "LLMScheduler", "LLMSchedulerConfig",
+__all__ = ["DECODE_RUN_TOKENS", "LLMPolicy", "LLMScheduler", "LLMSchedulerConfig",
            "PreemptionCosts", "PreemptionMode", "ScheduledChunk", "SeqOutput", "StepPlan", "decode_groups"]
 
 
@@ -209,7 +209,7 @@ class LLMScheduler:
             self._age(now)
         c = self.config
         bm = self.block_manager
-        plan = StepPlan(step_id=self._step_id)
+        plan = StepPlan(step_id=self._step_id, decode_run_tokens=self.config.decode_run_tokens)
         self._step_id += 1
         budget = c.max_num_batched_tokens
         served: list[tuple[Sequence, int]] = []

@@ -102,7 +102,8 @@ def build_llm_engine(model_path: str | None = None, spec: DeploymentSpec | None 
     config, plan = deployment.config, deployment.plan
     assert plan is not None  # planned from a memory profile
     runner = LLMModelRunner(weights, config.num_kv_blocks, config.block_size, device=device, dtype=dtype,
-                            num_swap_blocks=config.num_swap_blocks)
+                            num_swap_blocks=config.num_swap_blocks,
+                            decode_run_tokens=config.decode_run_tokens)
     runner.max_gather_tokens = gather_tokens(config)
     if plan_rows:
         log.info("llm rows: token rows padded (rows: padded to) %s", runner.plan_rows().padded() or "none")
@@ -174,7 +175,8 @@ def build_llm_arm(engine: LLMEngine, start: bool = True, sampler_seed: int = 0,
     plan = plan_kv(config, memory, free_memory_bytes(r.device), swap_on_device=r.device.type == "cpu")
     config = plan.resolve(config)
     runner = LLMModelRunner(r.w, config.num_kv_blocks, config.block_size, device=str(r.device), dtype=r.dtype,
-                            num_swap_blocks=config.num_swap_blocks)
+                            num_swap_blocks=config.num_swap_blocks,
+                            decode_run_tokens=config.decode_run_tokens)
     runner.max_gather_tokens = gather_tokens(config)
     runner.row_plan = r.row_plan  # the same weights and device: the primary's measured plan
     arm = LLMEngine(runner, engine.tokenizer, config, model_name=engine.model_name,

@@ -125,7 +125,8 @@ def profile_engine_memory(engine: Any, burst_seqs: int = 32, burst_prompt: int =
     memory, points = measure_memory(engine.runner)
     if device.type == "cpu":
         ctx = [burst_prompt + burst_output] * burst_seqs
-        group = max(b - a for a, b in decode_groups(ctx))  # the largest gather, as the plan counts
+        runs = decode_groups(ctx, engine.config.decode_run_tokens)
+        group = max(b - a for a, b in runs)  # the largest gather, as the plan counts
         burst_activation = memory.activation_bytes(engine.config.max_num_batched_tokens, group * ctx[0])
         overhead += max(0.0, grown - burst_activation)
     return dataclasses.replace(memory, overhead_bytes=overhead), points

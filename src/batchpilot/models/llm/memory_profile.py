@@ -86,7 +86,8 @@ def read_tokens(plan: StepPlan) -> int:
     occupies memory."""
     ctx = sorted(c.context_len for c in plan.chunks if c.is_decode)
     late = [c.context_len for c in plan.chunks if not c.is_decode and c.start > 0]
-    return max([(b - a) * ctx[b - 1] for a, b in decode_groups(ctx)] + late, default=0)
+    runs = decode_groups(ctx, plan.decode_run_tokens)
+    return max([(b - a) * ctx[b - 1] for a, b in runs] + late, default=0)
 
 
 def attn_units(plan: StepPlan) -> int:
@@ -106,7 +107,7 @@ def _plan(runner: LLMModelRunner, prefill: int, decodes: int, ctx: int, start: i
         blocks = -(-(start + prefill) // bs)
         chunks.append(ScheduledChunk(decodes, start, [7] * prefill, [(nxt + j) % nb for j in range(blocks)],
                                      True, False))
-    return StepPlan(step_id=0, chunks=chunks)
+    return StepPlan(step_id=0, chunks=chunks, decode_run_tokens=runner.decode_run_tokens)
 
 
 def _measure(runner: LLMModelRunner, plan: StepPlan) -> float:

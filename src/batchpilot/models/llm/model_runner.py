@@ -7,7 +7,7 @@ faster with them, rows never written to the cache, attended to or sampled.
 Only attention differs by chunk kind, and it reads keys/values through block tables:
 
 * decodes (1-token chunks): sorted by context length and split into runs of at most
-  ``decode_group_tokens`` padded keys (``core.llm_plan.decode_groups``), one
+  ``decode_run_tokens`` padded keys (``core.llm_plan.decode_groups``), one
   batched SDPA each (so short contexts are not padded to the longest). Keys are gathered block-wise
   into ``[B, KV, L_max, hd]`` with a length mask; the query heads of a GQA group are folded into the query
   axis (``[B, KV, G, hd]``) so the KV heads are never repeated.
@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from ...core.llm_scheduler import DECODE_GROUP_TOKENS, ScheduledChunk, decode_groups
+from ...core.llm_scheduler import DECODE_RUN_TOKENS, ScheduledChunk, decode_groups
 from ...core.preemption import PreemptionCosts
 from .row_plan import RowPlan
 from .weights import LlamaWeights
@@ -76,8 +76,8 @@ class LLMModelRunner:
 
     def __init__(self, weights: LlamaWeights, num_kv_blocks: int, block_size: int,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 decode_group_tokens: int = DECODE_GROUP_TOKENS, num_swap_blocks: int = 0) -> None:
-        self.decode_group_tokens = decode_group_tokens
+                 decode_run_tokens: int = DECODE_RUN_TOKENS, num_swap_blocks: int = 0) -> None:
+        self.decode_run_tokens = decode_run_tokens
         self.row_plan = RowPlan()  # the row counts the dense layers run (row_plan.py; none padded)
         self.max_gather_tokens = 0  # the most context tokens one gather holds (0: unbounded doubling)
         self._buffers = [torch.empty(0, dtype=dtype, device=device) for _ in range(2)]
@@ -179,7 +179,7 @@ class LLMModelRunner:
     def _decode_groups(self, ctx_sorted: list[int]) -> list[tuple[int, int]]:
         """Split decodes (sorted by context) into runs padded to their own longest context: the core's
         rule (``core.llm_scheduler.decode_groups``), which the cost model's KV features count too."""
-        return decode_groups(ctx_sorted, self.decode_group_tokens)
+        return decode_groups(ctx_sorted, self.decode_run_tokens)
 
     @torch.inference_mode()
     def forward(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:

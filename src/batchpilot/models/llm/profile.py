@@ -49,7 +49,7 @@ def _plan(runner: LLMModelRunner, prefills: Sequence[int], decodes: int, decode_
     for n in prefills:
         chunks.append(ScheduledChunk(sid, 0, [7] * n, table(n), True, False))
         sid += 1
-    return StepPlan(step_id=0, chunks=chunks)
+    return StepPlan(step_id=0, chunks=chunks, decode_run_tokens=runner.decode_run_tokens)
 
 
 def time_step(runner: LLMModelRunner, plan: StepPlan, repeats: int = 3) -> float:
