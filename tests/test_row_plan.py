@@ -17,7 +17,7 @@ def tiled(t: int) -> float:
 
 def test_pads_the_dear_counts_to_the_next_tile() -> None:
     plan = RowPlan.from_times([0.0] + [tiled(t) for t in range(1, MAX_ROWS + LOOKAHEAD + 1)])
-    assert plan.rows(3) == 4 and plan.rows(7) == 8 and plan.rows(63) == 64
+    assert plan.rows(3) == 4 and plan.rows(7) == 8 and plan.rows(MAX_ROWS - 1) == MAX_ROWS
     assert plan.rows(4) == 4 and plan.rows(5) == 5 and plan.rows(1) == 1  # no faster count within reach
     assert plan.rows(MAX_ROWS + 1) == MAX_ROWS + 1 and plan.rows(500) == 500  # beyond the plan: exact
     assert plan.padded() == {t: t + 1 for t in range(3, MAX_ROWS, 4)}

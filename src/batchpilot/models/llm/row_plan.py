@@ -2,18 +2,19 @@
 
 Every token of a step goes through the dense layers as one ``[T, D]`` matrix (``model_runner``). A
 matrix multiply's time is not monotone in its row count: the BLAS kernels work in tiles of rows,
-and on an AMD EPYC in float32 the four matmuls of the tiny Llama's six layers took 9.9 ms for 3
-rows and 7.9 ms for 4, 10.2 ms for 7 and 9.2 ms for 8 (``RowPlan.measure`` on one layer, times six).
-A decode step of three sequences was priced by a step model linear in its sequences 15% under what it
-took, one of four 11% over: no line through the counts holds both.
+and on an AMD EPYC in float32 the four matmuls of the tiny Llama's six layers took 10.1 ms for 3
+rows and 7.9 ms for 4, 10.2 ms for 7 and 9.5 ms for 8, 5.8 ms for one (a matrix x vector). A decode
+step of three sequences was priced by a step model linear in its sequences 15% under what it took,
+one of four 11% over: no line through the counts holds both.
 
-``RowPlan.measure`` times one layer's matmuls (qkv, o, gate_up, down: what every token row pays) for
-each row count up to ``MAX_ROWS + LOOKAHEAD``, and ``rows(t)`` is the count the runner pads a step of
-``t`` rows to: the cheapest count in ``[t, t + LOOKAHEAD]`` when it is at least ``MARGIN`` faster
-than ``t`` itself, else ``t``. The padding rows are computed and discarded (``model_runner``: never
-written to the KV cache, never attended to, never sampled). Above ``MAX_ROWS`` (prefill chunks of
-hundreds of tokens, where a few rows are a small share of the tile) rows are not padded.
-``RowPlan()`` pads nothing: a runner built without a plan runs its exact row counts.
+``RowPlan.measure`` times the matmuls every token row pays (qkv, o, gate_up, down of every layer: all
+of them, so the weights stream from memory as in a step; one layer alone stays in the caches and
+times one row as dear as four) for each row count up to ``MAX_ROWS + LOOKAHEAD``, and ``rows(t)`` is
+the count the runner pads a step of ``t`` rows to: the cheapest count in ``[t, t + LOOKAHEAD]`` when
+it is at least ``MARGIN`` faster than ``t`` itself, else ``t``. The padding rows are computed and
+discarded (``model_runner``: never written to the KV cache, never attended to, never sampled). Above
+``MAX_ROWS`` (mostly steps with a prefill chunk, where a few rows are a small share) rows are not
+padded. ``RowPlan()`` pads nothing: a runner built without a plan runs its exact row counts.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-MAX_ROWS = 64  # padded up to here (decodes and short chunks: where a tile's rows are a large share)
+MAX_ROWS = 32  # padded up to here (decodes and short chunks: where a tile's rows are a large share)
 LOOKAHEAD = 3  # at most this many padding rows
 MARGIN = 0.03  # pad only when the padded count is at least this much faster
 REPEATS = 3  # timed runs per row count (median); one untimed run first
@@ -65,7 +66,7 @@ class RowPlan:
     @classmethod
     def measure(cls, weights: Sequence[torch.Tensor], device: torch.device, dtype: torch.dtype,
                 max_rows: int = MAX_ROWS, lookahead: int = LOOKAHEAD, repeats: int = REPEATS) -> RowPlan:
-        """Time ``x @ w.T`` for every ``w`` of ``weights`` (one layer's dense matrices, ``[out, in]``)
+        """Time ``x @ w.T`` for every ``w`` of ``weights`` (the dense matrices, ``[out, in]``)
         at each row count, round-robin over the counts ``repeats`` times (a drift in the machine's speed
         then moves every count alike), and plan from the medians."""
         counts = range(1, max_rows + lookahead + 1)
