@@ -12,9 +12,10 @@ shapes. It reports how fast the machine ran against its profile; nothing is fitt
 ``speed_by_seqs`` splits it by sequences per step: the forward against the profile's forward factor
 (``step_alpha`` and the factor of its count of sequences) times the step model, and the rest of the
 step against the serving path's overhead line, where they part.
-``python -m batchpilot.bench.llm_steps OUT [PROFILE]`` prints it for a ``bench fidelity --workload
-conv-llm`` output folder (its ``steps.jsonl``, every logged step, against ``PROFILE``, by default the
-``llm_profile.json`` the command wrote there).
+``python -m batchpilot.bench.llm_steps OUT [PROFILE] [--by-count]`` prints it for a ``bench fidelity
+--workload conv-llm`` output folder (its ``steps.jsonl``, every logged step, against ``PROFILE``, by
+default the ``llm_profile.json`` the command wrote there); ``--by-count`` splits it by each count of
+sequences from 1 to 32 (steps of more in one row).
 """
 
 from __future__ import annotations
@@ -82,13 +83,14 @@ def speed_vs_profile(profile: CostModel, steps: Sequence[LoggedStep],
 SEQS_BINS = ((1, 1), (2, 3), (4, 7), (8, 15), (16, 31), (32, 10**9))
 
 
-def speed_by_seqs(profile: CostModel, steps: Sequence[LoggedStep],
-                  frontend: LLMFrontEnd) -> list[tuple[str, int, float, float]]:
-    """Per ``SEQS_BINS`` bin of sequences per step (bins without steps left out): ``(label, steps,
-    forward, overhead)``, ``forward`` the steps' ``forward_s`` over ``frontend.forward_factor`` (the
-    speed under load, per count of sequences) times the step model's prediction, minus 1,
-    ``overhead`` the rest of their cycle (``step_cycles`` less the forward) over ``step_const_s +
-    step_per_seq_s * seqs``, minus 1 (NaN where that line is 0)."""
+def speed_by_seqs(profile: CostModel, steps: Sequence[LoggedStep], frontend: LLMFrontEnd,
+                  bins: Sequence[tuple[int, int]] = SEQS_BINS) -> list[tuple[str, int, float, float]]:
+    """Per bin of sequences per step (``bins``: ``(lo, hi)`` both included, default ``SEQS_BINS``; bins
+    without steps left out): ``(label, steps, forward, overhead)``, ``forward`` the steps'
+    ``forward_s`` over ``frontend.forward_factor`` (the speed under load, per count of sequences)
+    times the step model's prediction, minus 1, ``overhead`` the rest of their cycle (``step_cycles``
+    less the forward) over ``step_const_s + step_per_seq_s * seqs``, minus 1 (NaN where that line
+    is 0)."""
     if not steps:
         return []
     seqs = np.array([s.seqs for s in steps])
@@ -98,7 +100,7 @@ def speed_by_seqs(profile: CostModel, steps: Sequence[LoggedStep],
     rest = cycles - fwd
     line = frontend.step_const_s + frontend.step_per_seq_s * seqs
     out = []
-    for lo, hi in SEQS_BINS:
+    for lo, hi in bins:
         m = (seqs >= lo) & (seqs <= hi)
         if not m.any():
             continue
@@ -116,9 +118,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Print ``speed_by_seqs`` for a ``bench fidelity --workload conv-llm`` output folder (and the profile
     it ran with, when it was given one with ``--profile``)."""
     args = list(sys.argv[1:] if argv is None else argv)
+    by_count = "--by-count" in args
+    args = [a for a in args if a != "--by-count"]
     if len(args) not in (1, 2):
-        print("usage: python -m batchpilot.bench.llm_steps OUT [PROFILE]  (OUT: a bench fidelity --workload "
-              "conv-llm folder; PROFILE: the LLM profile it ran with, OUT/llm_profile.json by default)")
+        print("usage: python -m batchpilot.bench.llm_steps OUT [PROFILE] [--by-count]  (OUT: a bench "
+              "fidelity --workload conv-llm folder; PROFILE: the LLM profile it ran with, "
+              "OUT/llm_profile.json by default; --by-count: each count of sequences per step apart)")
         return 2
     out = Path(args[0])
     profile = Path(args[1]) if len(args) == 2 else out / "llm_profile.json"
@@ -127,7 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"llm_steps: {path} does not exist (with bench fidelity --profile P, pass P as PROFILE)")
             return 2
     steps = read_steps(out / "steps.jsonl")[0]
-    rows = speed_by_seqs(CostModel.load(profile), steps, LLMFrontEnd.from_profile(profile))
+    bins = [(k, k) for k in range(1, 33)] + [(33, 10**9)] if by_count else SEQS_BINS
+    rows = speed_by_seqs(CostModel.load(profile), steps, LLMFrontEnd.from_profile(profile), bins)
     print(f"{len(steps)} engine steps against {profile}, by sequences per step:")
     for label, n, f, o in rows:
         print(f"  {label:>6} seqs  {n:7d} steps  forward {f:+7.1%}  overhead {o:+7.1%}")
