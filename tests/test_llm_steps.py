@@ -132,13 +132,16 @@ def test_speed_by_seqs_splits_the_forward_from_the_overhead_per_count_of_sequenc
     assert rows[0][2:] == pytest.approx((0.0, 1.0)) and rows[1][2] == pytest.approx(0.1)
     assert rows[1][3] == pytest.approx(0.0, abs=0.02)  # the last step's cycle is its wall time: exact too
     assert speed_by_seqs(PROFILE, [], fe) == []
+    by_count = speed_by_seqs(PROFILE, steps, fe, [(1, 1), (2, 39), (40, 40)])  # an empty bin is left out
+    assert [(r[0], r[1]) for r in by_count] == [("1", 10), ("40", 10)]
+    assert by_count[1][2] == pytest.approx(0.1)
     log = StepLog(str(tmp_path / "steps.jsonl"))
     for k, s in enumerate(steps):
         log(StepRecord(k, s.start, s.wall_s, s.forward_s, s.seqs, s.features, s.after_idle))
     log.close()
     (tmp_path / "llm_profile.json").write_text(json.dumps({"cost_model": PROFILE.to_dict(),
                                                             "frontend": fe.to_dict()}))
-    assert main([str(tmp_path)]) == 0 and main([]) == 2
+    assert main([str(tmp_path)]) == 0 and main([]) == 2 and main([str(tmp_path), "--by-count"]) == 0
     profile = tmp_path / "llm_profile.json"
     assert main([str(tmp_path), str(profile)]) == 0
     assert main([str(tmp_path), str(tmp_path / "missing.json")]) == 2
