@@ -2,7 +2,7 @@
 
 The random model uses ``initializer_range=0.06`` (not HF's 0.02): at 0.02 a random model's top-2
 logits can be 3e-4 apart, so float noise from a different batch composition flips greedy ties
-(DESIGN.md). At 0.06 the smallest gap measured was 1.6e-3, far above packing/gather noise.
+(docs/llm.md, "Tests"). At 0.06 the smallest gap measured was 1.6e-3, far above packing/gather noise.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The standard workloads as DESIGN.md defines them, and real texts of an exact token length."""
+"""The standard workloads as docs/design.md ("Standard workloads") defines them, and real texts of an
+exact token length."""
 
 from __future__ import annotations
 
