@@ -20,6 +20,11 @@ the runner's layout of a step:
    from the trace, EOS ignored), ``--rounds`` rounds, the arms' order rotated each round, a warm-up
    batch before each run. Printed: output tok/s and TPOT P50 per run, each arm's median tok/s over
    ``previous``'s, and whether every arm produced the same tokens (greedy decoding).
+
+``--bounds N [N ...]``: instead, decode steps only (contexts 100, 250, 500, 1000 and drawn from 50-900,
+4-48 sequences), the row plan with decode runs bounded at each ``N`` padded keys, beside
+``previous``; printed per step and the sum over every step, each bound's over ``previous``'s: how the
+default bound (``DECODE_RUN_TOKENS``) was chosen.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import numpy as np
 import torch
 
 from batchpilot.core.llm_config import LLMSchedulerConfig
-from batchpilot.core.llm_plan import ScheduledChunk, StepPlan
+from batchpilot.core.llm_plan import ScheduledChunk, StepPlan, decode_groups
 from batchpilot.core.sequence import SamplingParams
 from batchpilot.models.llm.config import LLMModelConfig
 from batchpilot.models.llm.model_runner import LLMModelRunner
@@ -84,11 +89,12 @@ def decode_step(runner: LLMModelRunner, contexts: list[int]) -> StepPlan:
     return StepPlan(0, chunks)
 
 
-def time_steps(runner: LLMModelRunner, arms: dict[str, Callable[[], None]],
-               repeats: int) -> dict[tuple[str, int, int | str], float]:
+def time_steps(runner: LLMModelRunner, arms: dict[str, Callable[[], None]], repeats: int,
+               counts: tuple[int, ...] = COUNTS,
+               contexts: tuple[int | str, ...] = CONTEXTS) -> dict[tuple[str, int, int | str], float]:
     rng = np.random.default_rng(3)
     steps = {(n, c): decode_step(runner, [c] * n if isinstance(c, int) else rng.integers(50, 901, n).tolist())
-             for c in CONTEXTS for n in COUNTS}
+             for c in contexts for n in counts}
     times: dict[tuple[str, int, int | str], list[float]] = {(a, *k): [] for a in arms for k in steps}
     with torch.inference_mode():
         for r in range(repeats + 1):  # the first round warms every shape up, untimed
@@ -124,6 +130,29 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]],
     return sum(len(t) for t, _ in res) / makespan, float(np.median(tpot)), [ids for _, ids in res]
 
 
+def sweep_bounds(runner: LLMModelRunner, bounds: list[int], repeats: int) -> None:
+    base = layouts(runner)["previous"]
+    plan = runner.row_plan
+
+    def bounded(n: int) -> Callable[[], None]:
+        def apply() -> None:
+            runner.row_plan = plan
+            runner._decode_groups = lambda ctx: decode_groups(ctx, n)  # type: ignore[method-assign]
+        return apply
+
+    arms = {"previous": base, **{f"<={n}": bounded(n) for n in bounds}}
+    counts, contexts = (4, 8, 12, 16, 24, 32, 48), (100, 250, 500, 1000, "50-900")
+    med = time_steps(runner, arms, repeats, counts, contexts)
+    print(f"\ndecode steps, median of {repeats} (ms), decode runs bounded at each count of padded keys:")
+    print(f"{'seqs':>5} {'context':>8}" + "".join(f"{a:>10}" for a in arms))
+    for c in contexts:
+        for n in counts:
+            print(f"{n:>5} {c!s:>8}" + "".join(f"{med[(a, n, c)] * 1e3:10.2f}" for a in arms))
+    total = {a: sum(med[(a, n, c)] for n in counts for c in contexts) for a in arms}
+    print("sum over every step (ms): " + ", ".join(f"{a} {t * 1e3:.1f}" for a, t in total.items()))
+    print("over previous: " + ", ".join(f"{a} {total[a] / total['previous']:.3f}" for a in list(arms)[1:]))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=1)
@@ -131,6 +160,8 @@ def main() -> int:
     ap.add_argument("--num-requests", type=int, default=48)
     ap.add_argument("--start", type=int, default=0, help="first conv-llm row of the slice")
     ap.add_argument("--step-repeats", type=int, default=7)
+    ap.add_argument("--bounds", type=int, nargs="+", default=None,
+                    help="time decode steps with runs bounded at each of these padded keys instead")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     hf = load_hf_llama(None, LLMModelConfig(), dtype=torch.float32)
@@ -140,6 +171,9 @@ def main() -> int:
     measured = runner.plan_rows()
     print(f"torch threads {torch.get_num_threads()}; row plan (rows: padded to): "
           f"{measured.padded() or 'none'}")
+    if args.bounds:
+        sweep_bounds(runner, args.bounds, args.step_repeats)
+        return 0
     arms = layouts(runner)
 
     med = time_steps(runner, arms, args.step_repeats)

@@ -115,9 +115,9 @@ def decode_groups(ctx_sorted: Seq[int], max_tokens: int = DECODE_RUN_TOKENS) -> 
     the two agree on what a step reads.
 
     Why a bound in tokens: a run's gathered keys and values are one buffer, and past a few MiB it leaves
-    the CPU's caches. On an AMD EPYC (tiny Llama, fp32: 2 KiB of K and V per token and layer) one run of
-    12 decodes at context 1000 took 47 ms, the same decodes in three runs 33 ms; at context 200 the
-    split saved nothing (docs/llm.md, "Decode runs"). Runs within a few MiB also cost about the same per
+    the CPU's caches. On an AMD EPYC (tiny Llama, fp32: 2 KiB of K and V per token and layer) 12 decodes
+    at context 700 took 34.94 ms as one run, 27.67 ms in runs of at most 2,048 keys; at context 256
+    the split saved nothing (docs/llm.md, "Decode runs"). Runs within a few MiB also cost about the same per
     token at any context, so the step model prices them with a line."""
     groups: list[tuple[int, int]] = []
     start = 0

@@ -2,19 +2,19 @@
 
 Every token of a step goes through the dense layers as one ``[T, D]`` matrix (``model_runner``). A
 matrix multiply's time is not monotone in its row count: the BLAS kernels work in tiles of rows,
-and on an AMD EPYC in float32 the four matmuls of the tiny Llama's six layers took 10.1 ms for 3
-rows and 7.9 ms for 4, 10.2 ms for 7 and 9.5 ms for 8, 5.8 ms for one (a matrix x vector). A decode
-step of three sequences was priced by a step model linear in its sequences 15% under what it took,
-one of four 11% over: no line through the counts holds both.
+and on an AMD EPYC in float32 a decode step of the tiny Llama took 13.87 ms with 3 sequences and
+11.87 ms with 4, 16.07 ms with 7 and 15.33 ms with 8 (context 256, exact rows:
+``benchmarks/llm_step_layout.py``). No step model linear in the sequences prices both 3 and 4.
 
 ``RowPlan.measure`` times the matmuls every token row pays (qkv, o, gate_up, down of every layer: all
-of them, so the weights stream from memory as in a step; one layer alone stays in the caches and
-times one row as dear as four) for each row count up to ``MAX_ROWS + LOOKAHEAD``, and ``rows(t)`` is
-the count the runner pads a step of ``t`` rows to: the cheapest count in ``[t, t + LOOKAHEAD]`` when
-it is at least ``MARGIN`` faster than ``t`` itself, else ``t``. The padding rows are computed and
-discarded (``model_runner``: never written to the KV cache, never attended to, never sampled). Above
-``MAX_ROWS`` (mostly steps with a prefill chunk, where a few rows are a small share) rows are not
-padded. ``RowPlan()`` pads nothing: a runner built without a plan runs its exact row counts.
+of them, so the weights stream from memory as in a step, where one layer's alone would stay in the
+caches and misjudge one row, a matrix x vector, against four) for each row count up to ``MAX_ROWS +
+LOOKAHEAD``, and ``rows(t)`` is the count the runner pads a step of ``t`` rows to: the cheapest count
+in ``[t, t + LOOKAHEAD]`` when it is at least ``MARGIN`` faster than ``t`` itself, else ``t``. The
+padding rows are computed and discarded (``model_runner``: never written to the KV cache, never
+attended to, never sampled). Above ``MAX_ROWS`` (mostly steps with a prefill chunk, where a few rows
+are a small share) rows are not padded. ``RowPlan()`` pads nothing: a runner built without a plan
+runs its exact row counts.
 """
 
 from __future__ import annotations
