@@ -7,7 +7,7 @@ logits can be 3e-4 apart, so float noise from a different batch composition flip
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -99,11 +99,30 @@ def test_chunked_prefill_matches_hf(hf: Any, prompts: list[list[int]], reference
 def test_padded_rows_match_hf(hf: Any, prompts: list[list[int]], reference: list[list[int]]) -> None:
     # every step's token rows padded by three (decodes, prefill chunks, preemption's recompute alike): the
     # padding rows must change no real row's tokens and leave the cache as it would be without them
-    pad_all = RowPlan(tuple(t + 3 if t else 0 for t in range(1025)))
+    class PadAll(RowPlan):
+        asked: ClassVar[list[int]] = []
+
+        def rows(self, t: int) -> int:
+            PadAll.asked.append(t)
+            return super().rows(t)
+
+    pad_all = PadAll(tuple(t + 3 if t else 0 for t in range(1025)))
     out, sched = run_greedy(hf, prompts, late=2, row_plan=pad_all, num_kv_blocks=10,
                             max_num_batched_tokens=16)
     assert sched.num_preemptions > 0
+    assert len(PadAll.asked) > 10 and min(PadAll.asked) >= 1  # every step's forward asked
     assert out == reference
+    # one step by hand: the padded runner ran three rows more and its logits are the exact runner's
+    from batchpilot.core.llm_scheduler import ScheduledChunk
+
+    chunks = [ScheduledChunk(0, 0, prompts[0], [0, 1, 2, 3], True, False)]
+    logits = []
+    for plan in (RowPlan(), pad_all):
+        runner = LLMModelRunner(LlamaWeights.from_hf(hf), 8, 8)
+        runner.row_plan = plan
+        logits.append(runner.forward(chunks))
+        assert runner.rows_run == len(prompts[0]) + (3 if plan is pad_all else 0)
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
 
 
 def test_forced_preemption_matches_hf(hf: Any, prompts: list[list[int]], reference: list[list[int]]) -> None:

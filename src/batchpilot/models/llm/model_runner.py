@@ -79,6 +79,7 @@ class LLMModelRunner:
                  decode_run_tokens: int = DECODE_RUN_TOKENS, num_swap_blocks: int = 0) -> None:
         self.decode_run_tokens = decode_run_tokens
         self.row_plan = RowPlan()  # the row counts the dense layers run (row_plan.py; none padded)
+        self.rows_run = 0  # the token rows the last forward's dense layers ran, padding included
         self.max_gather_tokens = 0  # the most context tokens one gather holds (0: unbounded doubling)
         self._buffers = [torch.empty(0, dtype=dtype, device=device) for _ in range(2)]
         self.device = torch.device(device)
@@ -200,6 +201,7 @@ class LLMModelRunner:
         slots = torch.cat(slot_parts).to(dev)
         real = len(ids)  # the step's token rows; the dense layers run row_plan.rows(real) (row_plan.py)
         pad = self.row_plan.rows(real) - real
+        self.rows_run = real + pad
         ids.extend([0] * pad)
         positions.extend([0] * pad)
         pos_t = torch.tensor(positions, device=dev)
