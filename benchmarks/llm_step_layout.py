@@ -40,10 +40,11 @@ import numpy as np
 import torch
 
 from batchpilot.core.llm_config import LLMSchedulerConfig
-from batchpilot.core.llm_plan import ScheduledChunk, StepPlan, decode_groups
+from batchpilot.core.llm_plan import decode_groups
 from batchpilot.core.sequence import SamplingParams
 from batchpilot.models.llm.config import LLMModelConfig
 from batchpilot.models.llm.model_runner import LLMModelRunner
+from batchpilot.models.llm.profile import step_plan
 from batchpilot.models.llm.row_plan import RowPlan
 from batchpilot.models.llm.sampler import Sampler
 from batchpilot.models.llm.tokenizer import build_tokenizer
@@ -79,21 +80,12 @@ def layouts(runner: LLMModelRunner) -> dict[str, Callable[[], None]]:
             "current": setter(plan, runs)}
 
 
-def decode_step(runner: LLMModelRunner, contexts: list[int]) -> StepPlan:
-    chunks, nxt = [], 0
-    for i, c in enumerate(contexts):
-        nb = -(-c // runner.block_size)
-        table = [(nxt + j) % runner.num_kv_blocks for j in range(nb)]
-        nxt += nb
-        chunks.append(ScheduledChunk(i, c - 1, [5], table, True, True))
-    return StepPlan(0, chunks)
-
-
 def time_steps(runner: LLMModelRunner, arms: dict[str, Callable[[], None]], repeats: int,
                counts: tuple[int, ...] = COUNTS,
                contexts: tuple[int | str, ...] = CONTEXTS) -> dict[tuple[str, int, int | str], float]:
     rng = np.random.default_rng(3)
-    steps = {(n, c): decode_step(runner, [c] * n if isinstance(c, int) else rng.integers(50, 901, n).tolist())
+    steps = {(n, c): step_plan(runner, [], [c] * n if isinstance(c, int)
+                               else rng.integers(50, 901, n).tolist())
              for c in contexts for n in counts}
     times: dict[tuple[str, int, int | str], list[float]] = {(a, *k): [] for a in arms for k in steps}
     with torch.inference_mode():

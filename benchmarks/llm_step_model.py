@@ -26,24 +26,12 @@ import time
 import numpy as np
 import torch
 
-from batchpilot.core.llm_plan import ScheduledChunk, StepPlan
-from batchpilot.models.llm.profile import _plan, profile_llm_steps
+from batchpilot.models.llm.profile import _plan, profile_llm_steps, step_plan
 from batchpilot.runtime.llm_build import build_llm_engine
 
 COUNTS = tuple(range(1, 17)) + (19, 20, 23, 24, 28, 31, 32, 40, 48)
 CONTEXTS: tuple[int | str, ...] = (128, 320, 480, 700, "50-900")
 MIXED = tuple((p, b) for p in (20, 60, 200) for b in (2, 5, 11))
-
-
-def drawn(runner: object, contexts: list[int]) -> StepPlan:
-    """A decode step of these contexts over the runner's pool (block tables wrap around it)."""
-    bs, blocks = runner.block_size, runner.num_kv_blocks  # type: ignore[attr-defined]
-    chunks, nxt = [], 0
-    for i, c in enumerate(contexts):
-        nb = -(-c // bs)
-        chunks.append(ScheduledChunk(i, c - 1, [5], [(nxt + j) % blocks for j in range(nb)], True, True))
-        nxt += nb
-    return StepPlan(0, chunks)
 
 
 def main() -> int:
@@ -57,7 +45,7 @@ def main() -> int:
     grid = profile.meta["step_points"]
     rng = np.random.default_rng(5)
     held = [_plan(runner, [], b, c) if isinstance(c, int)
-            else drawn(runner, rng.integers(50, 901, b).tolist()) for b in COUNTS for c in CONTEXTS]
+            else step_plan(runner, [], rng.integers(50, 901, b).tolist()) for b in COUNTS for c in CONTEXTS]
     held += [_plan(runner, [p], b, 300) for p, b in MIXED]
     times: list[list[float]] = [[] for _ in held]
     with torch.inference_mode():

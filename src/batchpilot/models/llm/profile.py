@@ -31,6 +31,13 @@ from .model_runner import LLMModelRunner
 
 
 def _plan(runner: LLMModelRunner, prefills: Sequence[int], decodes: int, decode_ctx: int) -> StepPlan:
+    return step_plan(runner, prefills, [decode_ctx] * decodes)
+
+
+def step_plan(runner: LLMModelRunner, prefills: Sequence[int], decode_contexts: Sequence[int]) -> StepPlan:
+    """A synthetic step over ``runner``'s pool (block tables wrap around it): one decode at each of
+    ``decode_contexts`` and a fresh prefill chunk of each of ``prefills`` tokens, its decodes in runs
+    of the runner's ``decode_run_tokens``."""
     bs = runner.block_size
     next_block = 0
     chunks = []
@@ -43,8 +50,8 @@ def _plan(runner: LLMModelRunner, prefills: Sequence[int], decodes: int, decode_
         return blocks
 
     sid = 0
-    for _ in range(decodes):
-        chunks.append(ScheduledChunk(sid, decode_ctx - 1, [5], table(decode_ctx), True, True))
+    for ctx in decode_contexts:
+        chunks.append(ScheduledChunk(sid, ctx - 1, [5], table(ctx), True, True))
         sid += 1
     for n in prefills:
         chunks.append(ScheduledChunk(sid, 0, [7] * n, table(n), True, False))
