@@ -33,6 +33,7 @@ def test_read_steps_takes_whole_lines_and_resumes(tmp_path: Path) -> None:
     log = StepLog(str(tmp_path / "s.jsonl"))
     log(StepRecord(0, 1.0, 0.01, 0.008, 1, _feats(16, 0, 0), True))
     log(StepRecord(1, 1.02, 0.01, 0.008, 2, _feats(0, 2, 40), False))
+    log.flush()  # what the log's writer thread does every json_lines.FLUSH_S
     steps, off = read_steps(tmp_path / "s.jsonl")
     assert [s.start for s in steps] == [1.0, 1.02] and steps[0].after_idle and not steps[1].after_idle
     assert steps[1].seqs == 2 and steps[1].features == _feats(0, 2, 40)

@@ -42,6 +42,7 @@ from typing import Any
 from ..config_file import add_deployment_args, deployment_flags, spec_from_args
 from ..core.config import SchedulerConfig
 from ..core.costmodel import CostModel
+from ..runtime.json_lines import wait_written
 from ..sim.draws import DEFAULT_DRAWS
 from ..sim.frontend import FrontEnd
 from ..sim.traces import Workload
@@ -241,8 +242,10 @@ def main(args: argparse.Namespace) -> int:
                 pred = alone
             if args.warmup_requests:
                 warm_up(url, scaled, texts, args.warmup_requests)
+            wait_written()  # the warm-up's batches are in the log: the point's start after them
             offset = batch_log.stat().st_size if batch_log.exists() else 0
             live = measure(url, scaled, texts, args.sla, 0, not args.no_progress, f"{load:.0%} live")
+            wait_written()
             rs = run_speed(batch_log, offset, cost_model, frontend, live.sent_monotonic())
             speed = rs.speed
             print(format_summary(pred.summary, f"predicted at {load:.0%} of capacity (x{k:.3f}), medians "
@@ -269,9 +272,11 @@ def main(args: argparse.Namespace) -> int:
                                      "measured": live.summary.to_dict(), "server": live.server, "repeats": []}
             for j in range(2, args.live_repeats + 1):
                 wait_idle(url, 10.0)
+                wait_written()
                 offset = batch_log.stat().st_size if batch_log.exists() else 0
                 again = measure(url, scaled, texts, args.sla, 0, not args.no_progress,
                                 f"{load:.0%} live #{j}")
+                wait_written()
                 rs_again = run_speed(batch_log, offset, cost_model, frontend, again.sent_monotonic())
                 repeats += repeat_rows(load, live, again, (rs.speed, rs_again.speed))
                 point["repeats"].append({"measured": again.summary.to_dict(), "server": again.server,

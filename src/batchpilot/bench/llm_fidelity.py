@@ -39,6 +39,7 @@ from typing import Any
 
 from ..core.costmodel import CostModel
 from ..core.llm_scheduler import LLMSchedulerConfig
+from ..runtime.json_lines import wait_written
 from ..sim.llm_frontend import LLMFrontEnd
 from ..sim.traces import Workload
 from .capacity import CapacityConfig, probe_workload, search_capacity, wait_idle
@@ -233,11 +234,13 @@ def main(args: argparse.Namespace) -> int:
                 warm = rows_wl.slice(0, min(warmup, len(rows_wl)))
                 replay(build_plan(warm, "completions", warmup_requests=len(warm)), quiet)
                 wait_idle(url, 30.0)
+            wait_written()  # the warm-up's steps are in the log: the point's start after them
             offset = step_log.stat().st_size if step_log.exists() else 0
             res = replay(build_plan(rows_wl, "completions", seed=seed),
                          LoadGenConfig(url, "completions", progress=not opt("no_progress", False)),
                          description=f"{load:.0%} live")
             wait_idle(url, 30.0)
+            wait_written()
             meas = summarize(res.records, sla)
             steps = read_steps(step_log, offset)[0] if step_log.exists() else []
             speed = speed_vs_profile(cost_model, steps, frontend)

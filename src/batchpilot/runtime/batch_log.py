@@ -3,9 +3,10 @@
 A batch observer of the ``Batcher`` (``batcher.batch_observers``): for every batch that ran, when the
 scheduler formed it, when its slot started it, how long the slot was busy with it (the executor call
 plus the thread hand-off: what the simulator's cost model stands for), its size, its cost-model features
-and its requests' arrivals at the scheduler. ``bench fidelity``
-reads it while the server writes (line-buffered; ``read_batches`` takes whole lines only) to report how
-the run's batches compared with the profile. Nothing fits a prediction on it.
+and its requests' arrivals at the scheduler. The event loop only queues the batch; a writer thread
+formats and writes the lines (``json_lines.JsonLines``), within ``json_lines.FLUSH_S`` of the batch.
+``bench fidelity`` reads it while the server writes (``read_batches`` takes whole lines only) to report
+how the run's batches compared with the profile. Nothing fits a prediction on it.
 """
 
 from __future__ import annotations
@@ -14,26 +15,32 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import Any
 
 from ..core.scheduler import Batch
+from .json_lines import JsonLines
+
+
+def batch_line(item: tuple[Batch, float, float]) -> dict[str, Any]:
+    """One batch's line: what ``read_batches`` reads back."""
+    batch, start, slot_s = item
+    return {"batch": batch.id, "formed": batch.formed_at, "start": start, "slot_s": slot_s, "n": batch.size,
+            "predicted_s": batch.predicted_s, "features": batch.shape.features(),
+            "arrivals": [r.arrival for r in batch.requests]}
 
 
 class BatchLog:
     def __init__(self, path: str) -> None:
-        self._f: IO[str] = open(path, "a", buffering=1)  # noqa: SIM115 - line-buffered; close() on shutdown
+        self._lines = JsonLines(path, batch_line, name="batch-log")
 
     def __call__(self, batch: Batch, start: float, slot_s: float) -> None:
-        if self._f.closed:
-            return
-        self._f.write(json.dumps({"batch": batch.id, "formed": batch.formed_at, "start": start,
-                                  "slot_s": slot_s, "n": batch.size,
-                                  "predicted_s": batch.predicted_s, "features": batch.shape.features(),
-                                  "arrivals": [r.arrival for r in batch.requests]})
-                      + "\n")
+        self._lines.append((batch, start, slot_s))
+
+    def flush(self) -> None:
+        self._lines.flush()
 
     def close(self) -> None:
-        self._f.close()
+        self._lines.close()
 
 
 @dataclass(frozen=True)

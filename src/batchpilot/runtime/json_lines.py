@@ -1,0 +1,98 @@
+"""Append one JSON line per item from a thread that must not do I/O: ``JsonLines``.
+
+The engine thread logs every step (``StepLog``, ``serve --llm-step-log``) and the batcher every batch
+(``BatchLog``, ``serve --batch-log``). A write on the thread that runs the model is a system call that
+releases the GIL: on shared cores another thread (the event loop, with a step's tokens to stream) takes
+it there and the next step waits until that thread lets go. Measured with ``serve --llm`` unpinned on
+two cores, a line written per step made each step 0.2-0.7 ms longer, the more sequences the longer:
+the log slowed the server it was there to observe.
+
+So ``append`` only queues the item (a ``deque`` append: no lock, no system call, nothing formatted). A
+writer thread turns the queued items into lines (``to_json``, serialised with orjson) and writes them
+together every ``FLUSH_S`` seconds, and once more at ``close()``. Contract for readers: while the
+process runs, an item is in the file ``FLUSH_S`` seconds after its ``append`` at the latest, give or
+take the writer's turn on the GIL (``wait_written`` waits that long, with a margin); lines are whole
+(readers still take whole lines only); after ``close()`` every appended item is written and later
+``append`` calls are dropped.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("batchpilot.runtime")
+
+FLUSH_S = 0.1  # the writer's period
+WRITTEN_MARGIN = 3.0  # ``wait_written`` waits this many periods
+
+
+class JsonLines:
+    """A JSON-lines file appended to off the caller's thread (module docstring)."""
+
+    def __init__(self, path: str | Path, to_json: Callable[[Any], dict[str, Any]], name: str = "json-lines",
+                 flush_s: float = FLUSH_S) -> None:
+        import orjson  # the server's extra: only a server writes these logs
+
+        if not flush_s > 0:
+            raise ValueError(f"{name}: the flush period must be > 0 s, got {flush_s}")
+        self._dumps = lambda d: orjson.dumps(d, option=orjson.OPT_SERIALIZE_NUMPY)
+        self._f = open(path, "ab")  # noqa: SIM115 - closed by close()
+        self._to_json = to_json
+        self._items: collections.deque[Any] = collections.deque()
+        self._closed = False
+        self._io = threading.Lock()  # the writer thread's flush vs close()
+        self._stop = threading.Event()
+        self._flush_s = float(flush_s)
+        self._thread = threading.Thread(target=self._run, daemon=True, name=name)
+        self._thread.start()
+
+    def append(self, item: Any) -> None:
+        """Queue ``item`` for the writer (dropped once closed). Cheap and I/O-free: any thread."""
+        if not self._closed:
+            self._items.append(item)
+
+    def flush(self) -> int:
+        """Write every queued item now (the writer thread does this every ``flush_s``); the lines written."""
+        with self._io:
+            if self._f.closed:
+                return 0
+            lines = []
+            while self._items:
+                item = self._items.popleft()
+                try:
+                    lines.append(self._dumps(self._to_json(item)))
+                except Exception:  # one bad item must not lose the others, nor stop the writer
+                    log.exception("%s: an item could not be written; dropped", self._thread.name)
+            if lines:
+                self._f.write(b"\n".join(lines) + b"\n")
+                self._f.flush()
+            return len(lines)
+
+    def close(self) -> None:
+        """Write what is queued and close the file. Idempotent; ``append`` is a no-op afterwards."""
+        self._closed = True
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(5.0)
+        self.flush()
+        with self._io:
+            self._f.close()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._flush_s):
+            try:
+                self.flush()
+            except OSError:  # disk full, file gone: say so once per period, keep serving
+                log.exception("%s: writing failed", self._thread.name)
+
+
+def wait_written(flush_s: float = FLUSH_S) -> None:
+    """Sleep until a ``JsonLines`` writer (of ``flush_s``), in this or another process, has written
+    everything appended before the call: what a reader does before it takes an offset or reads."""
+    time.sleep(WRITTEN_MARGIN * flush_s)
