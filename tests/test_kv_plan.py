@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from batchpilot.core.kv_plan import MIB, KVPlanError, MemoryProfile, plan_kv
 from batchpilot.core.llm_config import LLMSchedulerConfig
+from batchpilot.core.llm_plan import largest_gather
 
 MEM = MemoryProfile(weights_bytes=80 * MIB, kv_bytes_per_token=12288, activation_fixed_bytes=1e6,
                     activation_bytes_per_token=40e3, activation_bytes_per_read_token=2048, source="measured")
@@ -31,8 +32,12 @@ def test_memory_utilization_leaves_weights_and_the_activation_peak_out_of_the_sh
     c = LLMSchedulerConfig(memory_utilization=0.5, max_num_seqs=8, max_model_len=1024)
     free = 4e9
     plan = plan_kv(c, MEM, free_bytes=free)
-    activation = MEM.activation_bytes(c.max_num_batched_tokens, 8 * 1024)
+    activation = MEM.activation_bytes(c.max_num_batched_tokens, largest_gather(c),
+                                      c.max_num_batched_tokens * c.max_model_len)
     assert plan.activation_bytes == pytest.approx(activation)
+    # a run of 7 decodes at 292 tokens (7 x 292 <= decode_run_tokens 2,048) in blocks of 16: 7 x 304;
+    # not every sequence at max_model_len (8 x 1,024)
+    assert largest_gather(c) == 7 * 304
     assert plan.planned_bytes <= 0.5 * free < plan.planned_bytes + plan.block_bytes
     with pytest.raises(KVPlanError, match="needs the device's free memory"):
         plan_kv(c, MEM, free_bytes=None)
@@ -79,4 +84,4 @@ def test_a_plan_that_is_made_fits_the_share_and_holds_one_full_sequence(
         return
     assert plan.planned_bytes + plan.swap_bytes <= util * free
     assert plan.num_kv_tokens >= length
-    assert plan.activation_bytes >= MEM.activation_bytes(tokens, seqs * length) - 1e-6
+    assert plan.activation_bytes >= MEM.activation_bytes(tokens, largest_gather(c)) - 1e-6

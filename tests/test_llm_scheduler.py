@@ -393,6 +393,32 @@ def test_decode_groups_partition_the_decodes_within_the_token_bound(ctx: list[in
         assert (b - a + 1) * ctx[c] > bound
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 96), st.sampled_from([256, 512, 1000, 2048, 4096]), st.sampled_from([1, 8, 16, 32]),
+       st.integers(64, 8192), st.data())
+def test_largest_gather_bounds_every_gather_and_is_reached(seqs: int, length: int, block: int, bound: int,
+                                                           data: st.DataObject) -> None:
+    """What the memory plan reserves for a gather (``largest_gather``) holds every run ``decode_groups``
+    makes of any running set, and one full sequence, in whole blocks; and some running set reaches it."""
+    from batchpilot.core.llm_plan import largest_gather
+    from batchpilot.core.llm_scheduler import decode_groups
+
+    c = LLMSchedulerConfig(max_num_seqs=seqs, max_model_len=length, block_size=block, decode_run_tokens=bound,
+                           num_kv_blocks=seqs * -(-length // block))
+    peak = largest_gather(c)
+
+    def blocks(t: int) -> int:
+        return -(-t // block) * block
+
+    assert blocks(length) <= peak <= seqs * blocks(length)
+    ctx = sorted(data.draw(st.lists(st.integers(1, length), min_size=1, max_size=seqs)))
+    assert max((b - a) * blocks(ctx[b - 1]) for a, b in decode_groups(ctx, bound)) <= peak
+    runs = [(1, length)] + [(m, min(bound // m, length)) for m in range(2, seqs + 1) if bound // m >= 1]
+    m, each = max(runs, key=lambda r: r[0] * blocks(r[1]))  # m decodes at context `each` (1: one alone)
+    same = [each] * m
+    assert max((b - a) * blocks(same[b - 1]) for a, b in decode_groups(same, bound)) == peak
+
+
 def test_step_shape_counts_the_kv_the_runner_gathers() -> None:
     """Decodes are padded to the longest context of their group: 120/250/380 read 3 x 380."""
     from batchpilot.core.llm_scheduler import DECODE_RUN_TOKENS, ScheduledChunk

@@ -13,8 +13,8 @@ the builder computed from the model's tensors):
  activation peak = fixed_bytes + per_token x max_num_batched_tokens + per_read_token x kv_read_max
                    + per_attn x max_num_batched_tokens x max_model_len   (a prefill chunk at the end
                                                    of the longest sequence: its mask and scores)
- kv_read_max     = max_num_seqs x max_model_len   (the decode gather: a group of up to every running
-                                                   sequence, padded to the longest context)
+ kv_read_max     = llm_plan.largest_gather(config)   (the largest gather of a step: one sequence of
+                   max_model_len, or a run of decodes within decode_run_tokens padded keys, in blocks)
  num_kv_blocks   = kv // (kv_bytes_per_token x block_size)
 ```
 
@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .llm_config import LLMSchedulerConfig
+from .llm_plan import largest_gather
 
 MIB = 1 << 20
 
@@ -149,7 +150,7 @@ def plan_kv(config: LLMSchedulerConfig, memory: MemoryProfile, free_bytes: float
     small for it lowers it to the pool's capacity (``KVPlan.max_model_len``) instead of failing."""
     c = config
     block_bytes = memory.kv_bytes_per_token * c.block_size
-    activation = memory.activation_bytes(c.max_num_batched_tokens, c.max_num_seqs * c.max_model_len,
+    activation = memory.activation_bytes(c.max_num_batched_tokens, largest_gather(c),
                                          c.max_num_batched_tokens * c.max_model_len)
     num_swap = int(c.swap_space // block_bytes) if c.swap_space is not None else c.num_swap_blocks
     fixed = (memory.weights_bytes + memory.overhead_bytes + activation
@@ -170,10 +171,10 @@ def plan_kv(config: LLMSchedulerConfig, memory: MemoryProfile, free_bytes: float
                 f"memory_utilization {c.memory_utilization} of {_mib(free_bytes)} free is {_mib(budget)}, "
                 f"which the weights ({_mib(memory.weights_bytes)}), the overhead "
                 f"({_mib(memory.overhead_bytes)}), the activation peak ({_mib(activation)}, "
-                f"{c.max_num_batched_tokens} batched tokens, {c.max_num_seqs} seqs x {c.max_model_len}) and "
+                f"{c.max_num_batched_tokens} batched tokens, a gather of {largest_gather(c)} tokens) and "
                 f"the swap space ({_mib(num_swap * block_bytes if swap_on_device else 0)}) leave no room for "
-                f"KV; raise memory_utilization, or lower max_num_batched_tokens, max_num_seqs, max_model_len "
-                f"or swap_space")
+                f"KV; raise memory_utilization, or lower max_num_batched_tokens, max_model_len, "
+                f"decode_run_tokens or swap_space")
     else:
         source, kv = "num_kv_blocks", float(c.num_kv_blocks * block_bytes)
     num_blocks = int(kv // block_bytes)

@@ -6,6 +6,8 @@
     SeqOutput        what one sequence produced in a step: a new token, and maybe its end
     decode_groups    how the runner splits a step's decodes into runs padded to their own longest
                      context (shared with the cost model's KV feature, so both agree on a step's reads)
+    largest_gather   the most context tokens one gather of a step can hold under a config (what the
+                     memory plan reserves for it, and the runner's gather buffers never outgrow)
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from .costmodel import StepShape
-from .llm_config import DECODE_RUN_TOKENS
+from .llm_config import DECODE_RUN_TOKENS, LLMSchedulerConfig
 from .sequence import FinishReason, Sequence
 
 
@@ -128,3 +130,26 @@ def decode_groups(ctx_sorted: Seq[int], max_tokens: int = DECODE_RUN_TOKENS) -> 
     if ctx_sorted:
         groups.append((start, len(ctx_sorted)))
     return groups
+
+
+def largest_gather(config: LLMSchedulerConfig) -> int:
+    """The most context tokens one gather of a step can hold under ``config``, in whole blocks (the
+    runner gathers whole blocks): one sequence's context (a late prefill chunk, or a decode that runs
+    alone) up to ``max_model_len``; or a run of ``m >= 2`` decodes (``decode_groups``), whose longest
+    context ``L`` keeps ``m * L <= decode_run_tokens`` and ``L <= max_model_len``, gathered as ``m``
+    times ``L`` rounded up to blocks. The gathers of a step run one after another into the same
+    buffers, so the largest is the peak. Never more than ``max_num_seqs`` sequences of
+    ``max_model_len``, the bound without runs."""
+    bs = int(config.block_size)
+    longest = int(config.max_model_len)
+
+    def blocks(tokens: int) -> int:
+        return -(-tokens // bs) * bs
+
+    peak = blocks(longest)
+    for m in range(2, int(config.max_num_seqs) + 1):
+        ctx = min(int(config.decode_run_tokens) // m, longest)
+        if ctx < 1:
+            break
+        peak = max(peak, m * blocks(ctx))
+    return peak

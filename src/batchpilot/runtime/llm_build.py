@@ -140,9 +140,11 @@ def built_overhead(engine: LLMEngine) -> float:
 
 
 def gather_tokens(config: LLMSchedulerConfig) -> int:
-    """The most context tokens one decode gather can hold: every running sequence padded to
-    ``max_model_len`` in whole blocks (``core.kv_plan`` plans the activation peak with it)."""
-    return config.max_num_seqs * -(-config.max_model_len // config.block_size) * config.block_size
+    """The most context tokens one gather can hold (``core.llm_plan.largest_gather``: what
+    ``core.kv_plan`` reserves for it, so the runner's buffers never outgrow the plan)."""
+    from ..core.llm_plan import largest_gather
+
+    return largest_gather(config)
 
 
 def build_llm_arm(engine: LLMEngine, start: bool = True, sampler_seed: int = 0,
