@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.deployment import DeploymentSpec
 from ..core.llm_deployment import LLMModelLimits
+from ..core.llm_plan import largest_gather
 from ..core.llm_scheduler import LLMSchedulerConfig
 
 log = logging.getLogger("batchpilot.llm")
@@ -104,7 +105,7 @@ def build_llm_engine(model_path: str | None = None, spec: DeploymentSpec | None 
     runner = LLMModelRunner(weights, config.num_kv_blocks, config.block_size, device=device, dtype=dtype,
                             num_swap_blocks=config.num_swap_blocks,
                             decode_run_tokens=config.decode_run_tokens)
-    runner.max_gather_tokens = gather_tokens(config)
+    runner.max_gather_tokens = largest_gather(config)  # what core.kv_plan reserves
     if plan_rows:
         log.info("llm rows: token rows padded (rows: padded to) %s", runner.plan_rows().padded() or "none")
     engine = LLMEngine(runner, tokenizer, config, model_name=name, sampler=Sampler(sampler_seed),
@@ -139,14 +140,6 @@ def built_overhead(engine: LLMEngine) -> float:
     return float(max(0.0, held - plan.weights_bytes - r.kv_cache_bytes))
 
 
-def gather_tokens(config: LLMSchedulerConfig) -> int:
-    """The most context tokens one gather can hold (``core.llm_plan.largest_gather``: what
-    ``core.kv_plan`` reserves for it, so the runner's buffers never outgrow the plan)."""
-    from ..core.llm_plan import largest_gather
-
-    return largest_gather(config)
-
-
 def build_llm_arm(engine: LLMEngine, start: bool = True, sampler_seed: int = 0,
                   **scheduler: Any) -> LLMEngine:
     """Another engine over ``engine``'s weights, tokenizer and HF module (no copy): ``engine``'s
@@ -179,7 +172,7 @@ def build_llm_arm(engine: LLMEngine, start: bool = True, sampler_seed: int = 0,
     runner = LLMModelRunner(r.w, config.num_kv_blocks, config.block_size, device=str(r.device), dtype=r.dtype,
                             num_swap_blocks=config.num_swap_blocks,
                             decode_run_tokens=config.decode_run_tokens)
-    runner.max_gather_tokens = gather_tokens(config)
+    runner.max_gather_tokens = largest_gather(config)  # what core.kv_plan reserves
     runner.row_plan = r.row_plan  # the same weights and device: the primary's measured plan
     arm = LLMEngine(runner, engine.tokenizer, config, model_name=engine.model_name,
                     sampler=Sampler(sampler_seed), tokenizer_threads=1)  # the routes tokenise on engine's
