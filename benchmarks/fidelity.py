@@ -1,13 +1,17 @@
-"""Simulator vs live server over a matrix: three workloads, unpinned and pinned, one profile per setting.
+"""Simulator vs live server over a matrix: three workloads, unpinned and pinned, each run profiled first.
 
     .venv/bin/python benchmarks/fidelity.py [--requests 1000] [--workloads conv-embed mmpp bimodal]
                                             [--pinnings none 1] [--out bench-out/fidelity]
 
 For each pinning (``none``: server and load generator share both cores, torch on every core; ``1``:
-the server and the profiler on core 1, the load generator on core 0), ``batchpilot profile`` runs once,
-first; then ``batchpilot bench fidelity`` runs each workload with that profile at 50% and 80% of the
-predicted capacity (its own table: P50, P99, throughput, rejected, mean batch size, with the
-machine's speed against the profile beside each point). The prediction uses the profile file only.
+the server and the profiler on core 1, the load generator on core 0) and each workload, ``batchpilot
+profile`` runs first (``<workload>-<cpus>/profile.json``), then ``batchpilot bench fidelity`` runs
+that workload with that profile at 50% and 80% of the predicted capacity (its own table: P50, P99,
+throughput, rejected, mean batch size, with the machine's speed against the profile beside each
+point). The prediction uses the profile file only; a profile made right before its run is the
+freshest look at the machine's speed a prediction can have (on a shared VM that speed moves by
+several percent within minutes). ``--profile-once``: one profile per pinning, first, for all its
+workloads (``profile-<cpus>.json``).
 This script prints every table and one summary of cells within target. Pass ``-- --live-repeats 2``
 to replay each point a second time on the same server and see how far the live run agrees with itself,
 ``-- --speed-check`` to predict each point from a recheck of the profile made right before it (the
@@ -34,12 +38,25 @@ WORKLOADS = {
 }
 
 
+def make_profile(cli: list[str], path: Path, label: str) -> Path:
+    """``batchpilot profile`` (``cli``: the command, pinned or not) written to ``path``."""
+    t0 = time.monotonic()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run([*cli, "profile", "--padding", "none", "-o", str(path)], check=True,
+                   stdout=subprocess.DEVNULL)
+    print(f"profile ({label}): {path} in {time.monotonic() - t0:.0f} s", flush=True)
+    return path
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=1000, help="rows per load point")
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     ap.add_argument("--pinnings", nargs="+", default=["none", "1"], help="'none' or taskset cores")
     ap.add_argument("--out", default="bench-out/fidelity")
+    ap.add_argument("--profile-once", action="store_true",
+                    help="one profile per pinning for all its workloads, instead of one made right before "
+                         "each workload's run")
     ap.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more `bench fidelity` options")
     args = ap.parse_args()
     out = Path(args.out)
@@ -49,14 +66,12 @@ def main() -> int:
     summary = []
     for pin in args.pinnings:
         cpus = [] if pin == "none" else ["--cpus", pin]
-        profile = out / f"profile-{pin}.json"
         taskset = [] if pin == "none" else ["taskset", "-c", pin]
-        t0 = time.monotonic()
-        subprocess.run([*taskset, *cli, "profile", "--padding", "none", "-o", str(profile)], check=True,
-                       stdout=subprocess.DEVNULL)
-        print(f"profile ({pin}): {profile} in {time.monotonic() - t0:.0f} s", flush=True)
+        shared = make_profile([*taskset, *cli], out / f"profile-{pin}.json", pin) if args.profile_once \
+            else None
         for name in args.workloads:
             run_out = out / f"{name}-{pin}"
+            profile = shared or make_profile([*taskset, *cli], run_out / "profile.json", f"{name}, {pin}")
             cmd = [*cli, "bench", "fidelity", *WORKLOADS[name], "--requests", str(args.requests),
                    "--profile", str(profile), *cpus, "--no-progress", "--out", str(run_out), *extra]
             print(f"\n$ {' '.join(cmd)}", flush=True)

@@ -5,23 +5,24 @@
 
 For each folder DIR/<workload>-<cpus>/ of `benchmarks/fidelity.py --out DIR`, reads the server's batch
 log (`batches.jsonl`, every load point of the run) and prices each batch as the simulator does
-(`FrontEnd.batch_seconds`: the cost model under serving load at the rate of the second before it,
-after its idle time, at its size and busy share), against DIR/profile-<cpus>.json, or OTHER_DIR's
-with `--profiles` (the same runs priced by other profiles); the profiles' own loaded batches are
-priced too. It prints the batches' slot seconds over that price by request rate (`run_speed.by_rate`'s
-bins), among the batches that started right behind another (under 2 ms idle) and among those after
-10-100 ms idle, so that the idle factors do not mix into the rate: a line whose rate slope is right
-stays flat across the rates. `--by tokens` bins by computed tokens instead, `--by busy` by the busy
-share (`sim.before_batch`), `--by window` prints how far the machine's speed wanders within a run
-over windows of 6, 18 and 54 s (the profile's loaded phase is one such look), `--by turnaround` the
-driver's mean time from a batch's end to the next one's start where the next one's requests waited
-(what the simulator charges such a batch: `batch_gap_s`), `--by point` one
-ratio per load point of each run (its run speed with the logged arrivals) and their mean distance
-from 1. `--refit` prices with each profile's loaded
-line fitted again from the batches it kept, by this checkout's code: a change to the line's shape,
-tried on matrices already run before a new one is; `--part 0 0.33` refits it from the batches of the
-first third of the loaded phase only (how far a shorter look at the machine puts the same runs).
-The rate is counted from the logged arrivals (`run_speed.logged_rates`).
+(`FrontEnd.batch_seconds`: the cost model under serving load at the rate of the second before it, after
+its idle time, at its size and busy share), against the profile it was predicted from
+(DIR/<workload>-<cpus>/profile.json, or DIR/profile-<cpus>.json for a matrix run with `--profile-once`),
+or OTHER_DIR's profile-<cpus>.json with `--profiles` (the same runs priced by other profiles); the
+profiles' own loaded batches are priced too. It prints the batches' slot seconds over that price by
+request rate (`run_speed.by_rate`'s bins), among the batches that started right behind another (under 2
+ms idle) and among those after 10-100 ms idle, so that the idle factors do not mix into the rate: a line
+whose rate slope is right stays flat across the rates. `--by tokens` bins by computed tokens instead,
+`--by busy` by the busy share (`sim.before_batch`), `--by window` prints how far the machine's speed
+wanders within a run over windows of 6, 18 and 54 s (the profile's loaded phase is one such look), `--by
+turnaround` the driver's mean time from a batch's end to the next one's start where the next one's
+requests waited (what the simulator charges such a batch: `batch_gap_s`), `--by point` one ratio per
+load point of each run (its run speed with the logged arrivals) and their mean distance from 1.
+`--refit` prices with each profile's loaded line fitted again from the batches it kept, by this
+checkout's code: a change to the line's shape, tried on matrices already run before a new one is;
+`--part 0 0.33` refits it from the batches of the first third of the loaded phase only (how far a
+shorter look at the machine puts the same runs). The rate is counted from the logged arrivals
+(`run_speed.logged_rates`).
 """
 
 from __future__ import annotations
@@ -147,6 +148,13 @@ def slot_over_price(batches: list[LoggedBatch], profile: Path, flat: bool = Fals
     return out
 
 
+def run_profile(run: Path, profiles: Path, given: str | None) -> Path:
+    """The profile a run of the matrix was predicted from: its own (``RUN/profile.json``, made right
+    before it) unless ``--profiles`` was given, else ``profile-<cpus>.json`` of ``profiles``."""
+    own = run / "profile.json"
+    return own if own.is_file() and not given else profiles / f"profile-{run.name.rsplit('-', 1)[1]}.json"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", help="the --out folder of benchmarks/fidelity.py")
@@ -166,14 +174,16 @@ def main() -> int:
     args = ap.parse_args()
     out = Path(args.out)
     profiles = Path(args.profiles) if args.profiles else out
-    sets = [(p.stem, own_batches(p), p) for p in sorted(profiles.glob("profile-*.json"))]
-    for run in sorted(p for p in out.iterdir() if (p / "batches.jsonl").is_file()):
-        cpus = run.name.rsplit("-", 1)[1]
-        sets.append((run.name, read_batches(run / "batches.jsonl", 0)[0], profiles / f"profile-{cpus}.json"))
+    runs = sorted(p for p in out.iterdir() if (p / "batches.jsonl").is_file())
+    own = [] if args.profiles else [r / "profile.json" for r in runs if (r / "profile.json").is_file()]
+    sets = [(p.stem if p.parent == profiles else f"profile {p.parent.name}", own_batches(p), p)
+            for p in [*sorted(profiles.glob("profile-*.json")), *own]]
+    sets += [(run.name, read_batches(run / "batches.jsonl", 0)[0], run_profile(run, profiles, args.profiles))
+             for run in runs]
     if args.by == "point":
         errors = []
         for run in sorted(p for p in out.iterdir() if (p / "fidelity.json").is_file()):
-            cells = by_point(run, profiles / f"profile-{run.name.rsplit('-', 1)[1]}.json",
+            cells = by_point(run, run_profile(run, profiles, args.profiles),
                              args.refit or tuple(args.part) != (0.0, 1.0), tuple(args.part))
             errors += [abs(r - 1.0) for _, r, _ in cells]
             print(f"{run.name:<16} " + "; ".join(f"{label}: {r:.3f} ({n})" for label, r, n in cells))
@@ -186,11 +196,11 @@ def main() -> int:
                   f"to the next one's start, the next one's requests waiting")
         return 0
     if args.by == "window":
-        for cpus in sorted({p.stem.split("-", 1)[1] for _, _, p in sets}):
-            runs = [(b, p) for name, b, p in sets
-                    if p.stem == f"profile-{cpus}" and not name.startswith("profile")]
+        for cpus in sorted({run.name.rsplit("-", 1)[1] for run in runs}):
+            logged = [(b, p) for name, b, p in sets
+                      if not name.startswith("profile") and name.rsplit("-", 1)[1] == cpus]
             for window_s in WINDOWS_S:
-                logs = [x for b, p in runs for x in window_spread(b, p, window_s)]
+                logs = [x for b, p in logged for x in window_spread(b, p, window_s)]
                 print(f"cpus {cpus:<5} {window_s:3g} s windows: {len(logs):4d}, standard deviation of "
                       f"the log of slot / price around their run's mean {statistics.pstdev(logs):.2%}")
         return 0
