@@ -16,8 +16,12 @@ traffic and not a fidelity workload), in interleaved rounds with the order rotat
 * ``serve``: a ``batchpilot serve --llm`` process, the same child-process load;
 * ``serve, again``: a second such process, the same flags (how far two processes differ);
 * ``serve, no fallbacks``: one with ``--llm-fallback off --no-encoder-fallback``;
+* ``serve, huge pages`` and ``serve, huge pages again``: two with ``THP_MEM_ALLOC_ENABLE=1`` (torch's
+  CPU allocator asks the kernel for transparent huge pages for its large blocks, the KV pool's among
+  them; where ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise`` nothing else gets them);
 * ``serve, bench client``: the first ``serve`` process, the load sent by this process's load generator
-  as ``bench fidelity`` sends it (``/metrics`` every 0.5 s, the progress bar).
+  as ``bench fidelity`` sends it (``/metrics`` every 0.5 s, the progress bar; the child's model and
+  120 s timeout).
 
 ``--variants`` picks some of them (default: all).
 
@@ -53,10 +57,13 @@ from batchpilot.server.serving_client import send_elsewhere
 from batchpilot.sim.llm_frontend import LLMFrontEnd
 from batchpilot.sim.traces import Workload
 
-SERVES = {  # each a `batchpilot serve --llm` process of its own, with these flags besides
-    "serve": [],
-    "serve, again": [],  # a second process with the same flags: how far two processes differ
-    "serve, no fallbacks": ["--llm-fallback", "off", "--no-encoder-fallback"],
+THP = {"THP_MEM_ALLOC_ENABLE": "1"}  # torch's CPU allocator asks for transparent huge pages (>= 2 MiB)
+SERVES: dict[str, tuple[list[str], dict[str, str]]] = {  # a `serve --llm` process each: flags, environment
+    "serve": ([], {}),
+    "serve, again": ([], {}),  # a second process with the same flags: how far two processes differ
+    "serve, no fallbacks": (["--llm-fallback", "off", "--no-encoder-fallback"], {}),
+    "serve, huge pages": ([], THP),
+    "serve, huge pages again": ([], THP),
 }
 VARIANTS = ("in-process", *SERVES, "serve, bench client")
 
@@ -98,12 +105,12 @@ def main() -> int:
         here = stack.enter_context(in_thread(app, sock, "llm-loaded-level"))
         send_elsewhere(here, engine.model_name, warm, endpoint="completions")
         servers: dict[str, tuple[str, Path]] = {}
-        for i, (name, flags) in enumerate(SERVES.items()):
+        for i, (name, (flags, env)) in enumerate(SERVES.items()):
             if name in variants or (name == "serve" and "serve, bench client" in variants):
                 log = folder / f"steps-{i}.jsonl"
                 url = stack.enter_context(serve(["--llm", "--log-level", "warning", "--no-warmup",
                                                  "--llm-step-log", str(log), *flags],
-                                                log_path=log.with_suffix(".log")))
+                                                log_path=log.with_suffix(".log"), env=env))
                 replay(warm, LoadGenConfig(url, "completions", progress=False, scrape_interval_s=0))
                 servers[name] = (url, log)
         servers["serve, bench client"] = servers.get("serve", ("", folder / "none"))
@@ -123,7 +130,8 @@ def main() -> int:
                     wait_written()
                     offset = log.stat().st_size if log.exists() else 0
                     if variant == "serve, bench client":
-                        replay(plan, LoadGenConfig(url, "completions"), description=f"round {r + 1}")
+                        replay(plan, LoadGenConfig(url, "completions", model=engine.model_name,
+                                                   timeout_s=120.0), description=f"round {r + 1}")
                     else:
                         send_elsewhere(url, engine.model_name, plan, endpoint="completions")
                     wait_written()
