@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from step_log_cost import workload
 
 from batchpilot.bench.llm_steps import LoggedStep, read_steps, speed_by_seqs, speed_vs_profile
 from batchpilot.bench.loadgen import LoadGenConfig, build_plan, replay
@@ -69,11 +70,7 @@ VARIANTS = ("in-process", *SERVES, "serve, bench client")
 
 
 def stream_load(n: int, rate: float, seed: int) -> Workload:
-    rng = np.random.default_rng(seed)
-    arrivals = np.cumsum(rng.exponential(1.0 / rate, n))
-    return Workload.from_columns("llm-loaded-level", [float(a) for a in arrivals],
-                                 [int(x) for x in rng.integers(16, 1025, n)],
-                                 [int(x) for x in rng.integers(64, 321, n)])
+    return workload(rate, n, seed, prompts=(16, 1024), outputs=(64, 320), name="llm-loaded-level")
 
 
 def logged(record: Any) -> LoggedStep:

@@ -62,12 +62,15 @@ class LinePerStep:
         self._f.close()
 
 
-def workload(rate: float, n: int, seed: int) -> Workload:
+def workload(rate: float, n: int, seed: int, prompts: tuple[int, int] = (16, 512),
+             outputs: tuple[int, int] = (16, 128), name: str = "step-log-cost") -> Workload:
+    """``n`` streams, seeded: Poisson arrivals at ``rate`` per second, prompt and output tokens uniform
+    over ``prompts`` and ``outputs`` (both ends included)."""
     rng = np.random.default_rng(seed)
     arrivals = np.cumsum(rng.exponential(1.0 / rate, n))
-    return Workload.from_columns("step-log-cost", [float(a) for a in arrivals],
-                                 [int(p) for p in rng.integers(16, 513, n)],
-                                 [int(o) for o in rng.integers(16, 129, n)])
+    return Workload.from_columns(name, [float(a) for a in arrivals],
+                                 [int(p) for p in rng.integers(prompts[0], prompts[1] + 1, n)],
+                                 [int(o) for o in rng.integers(outputs[0], outputs[1] + 1, n)])
 
 
 def run_arm(engine: Any, url: str, arm: str, plan: list[Any], tmp: Path) -> list[StepRecord]:
