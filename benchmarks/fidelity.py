@@ -1,7 +1,7 @@
 """Simulator vs live server over a matrix: three workloads, unpinned and pinned, each run profiled first.
 
     .venv/bin/python benchmarks/fidelity.py [--requests 1000] [--workloads conv-embed mmpp bimodal]
-                                            [--pinnings none 1] [--out bench-out/fidelity]
+                                            [--pinnings none 1] [--profile-once] [--out bench-out/fidelity]
 
 For each pinning (``none``: server and load generator share both cores, torch on every core; ``1``:
 the server and the profiler on core 1, the load generator on core 0) and each workload, ``batchpilot
