@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 from step_log_cost import workload
 
-from batchpilot.bench.llm_steps import LoggedStep, read_steps, speed_by_seqs, speed_vs_profile
+from batchpilot.bench.llm_steps import LoggedStep, format_by_seqs, read_steps, speed_by_seqs, speed_vs_profile
 from batchpilot.bench.loadgen import LoadGenConfig, build_plan, replay
 from batchpilot.bench.serverproc import serve
 from batchpilot.core.costmodel import CostModel
@@ -140,14 +140,13 @@ def main() -> int:
     engine.shutdown()
     print(f"\n{args.requests} streams at {args.rate:g}/s, {args.rounds} rounds; against {args.profile} "
           "(forward: against step_alpha x the count's factor x the step model; overhead: the rest of "
-          "the cycle against the overhead line)")
+          "the cycle against the overhead line; steps in parentheses)")
     for variant in variants:
         runs = results[variant]
         cycle = statistics.median(speed_vs_profile(cost_model, run, frontend) for run in runs)
         every = [s for run in runs for s in run]
-        rows = speed_by_seqs(cost_model, every, frontend)
         print(f"{variant:>20}: cycle {cycle:+.1%} (median of rounds); "
-              + "; ".join(f"{label}: fwd {f:+.1%} ovh {o:+.1%} ({n})" for label, n, f, o in rows))
+              + format_by_seqs(speed_by_seqs(cost_model, every, frontend)))
     return 0
 
 
