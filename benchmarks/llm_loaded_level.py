@@ -15,7 +15,8 @@ traffic and not a fidelity workload), in interleaved rounds with the order rotat
   profiles, the real app in a thread, the load from a child process);
 * ``serve``: a ``batchpilot serve --llm`` process, the same child-process load;
 * ``serve, again``: a second such process, the same flags (how far two processes differ);
-* ``serve, no fallbacks``: one with ``--llm-fallback off --no-encoder-fallback``;
+* ``serve, no fallbacks`` and ``serve, no fallbacks again``: two with ``--llm-fallback off
+  --no-encoder-fallback``;
 * ``serve, huge pages`` and ``serve, huge pages again``: two with ``THP_MEM_ALLOC_ENABLE=1`` (torch's
   CPU allocator asks the kernel for transparent huge pages for its large blocks, the KV pool's among
   them; where ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise`` nothing else gets them);
@@ -63,6 +64,7 @@ SERVES: dict[str, tuple[list[str], dict[str, str]]] = {  # a `serve --llm` proce
     "serve": ([], {}),
     "serve, again": ([], {}),  # a second process with the same flags: how far two processes differ
     "serve, no fallbacks": (["--llm-fallback", "off", "--no-encoder-fallback"], {}),
+    "serve, no fallbacks again": (["--llm-fallback", "off", "--no-encoder-fallback"], {}),
     "serve, huge pages": ([], THP),
     "serve, huge pages again": ([], THP),
 }

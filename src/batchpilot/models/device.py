@@ -14,6 +14,7 @@ import contextlib
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -48,6 +49,21 @@ def configure_threads(num_threads: int | None) -> int:
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
     return n
+
+
+def bind_threads(device: Any, num_threads: int | None) -> int | None:
+    """``configure_threads(num_threads)`` for the calling thread when ``device`` is a CPU (else nothing,
+    None): the first thing a thread that runs a model does.
+
+    torch keeps an intra-op thread count per thread. A thread's count is taken at its first op from the
+    last process-wide ``torch.set_num_threads``, whichever thread made it and for whichever model, and
+    is kept for the thread's life; later calls from other threads do not reach it. A server's LLM
+    engine thread that did not set its own ran with what the encoder's thread plan had last set for a
+    short batch (one thread), in the processes where that came last, 8-12% slower than the others
+    (docs/profiler.md, "Threads")."""
+    if device is None or torch.device(device).type != "cpu":
+        return None
+    return configure_threads(num_threads)
 
 
 @dataclass

@@ -35,12 +35,12 @@ def build_llm_engine(model_path: str | None = None, spec: DeploymentSpec | None 
     ``enable_chunked_prefill``, ``enable_prefix_caching``, ``max_waiting_seqs``, ``request_timeout_s``),
     any ``LLMModelConfig`` field for the random default model (``num_hidden_layers``, ``hidden_size``,
     ``seed``, ``initializer_range``, ...), and ``device`` ("cpu", "cuda"), ``dtype`` ("float32",
-    "bfloat16", "float16"), ``model_name``, ``sampler_seed``, ``threads`` (torch intra-op threads,
-    0 = leave as is), ``tokenizer_threads`` (the prompt tokenising pool, 0 = one per core), ``start``
-    (default True), ``memory_profile`` (an LLM profile file or ``MemoryProfile`` the KV pool is planned
-    from: ``runtime/llm_memory.py``), ``plan_rows`` (default True: the runner pads a step's token rows
-    to the counts its matmuls run fastest at, measured here: ``models/llm/row_plan.py``). Unknown keys
-    are errors.
+    "bfloat16", "float16"), ``model_name``, ``sampler_seed``, ``threads`` (torch intra-op threads of
+    every thread that runs the model, 0 = every core this process may use), ``tokenizer_threads`` (the
+    prompt tokenising pool, 0 = one per core), ``start`` (default True), ``memory_profile`` (an LLM
+    profile file or ``MemoryProfile`` the KV pool is planned from: ``runtime/llm_memory.py``),
+    ``plan_rows`` (default True: the runner pads a step's token rows to the counts its matmuls run
+    fastest at, measured here: ``models/llm/row_plan.py``). Unknown keys are errors.
 
     The KV pool is sized by ``core.kv_plan.plan_kv`` (``kv_cache_memory``, ``memory_utilization`` of the
     free memory read before the model loads, or ``num_kv_blocks``) and checked there; a pool too small
@@ -65,8 +65,6 @@ def build_llm_engine(model_path: str | None = None, spec: DeploymentSpec | None 
     tokenizer_threads = int(cfg.pop("tokenizer_threads", 0))
     memory_profile = cfg.pop("memory_profile", None)
     plan_rows = bool(cfg.pop("plan_rows", True))
-    if threads:  # process-wide; 1 is steadier than torch's default when other jobs share the cores
-        torch.set_num_threads(threads)
     model_fields = {f.name for f in dataclasses.fields(LLMModelConfig)}
     model_kw = {k: cfg.pop(k) for k in list(cfg) if k in model_fields}
     sched_kw = {k: cfg.pop(k) for k in list(cfg) if k in _SCHED_FIELDS}
@@ -77,8 +75,12 @@ def build_llm_engine(model_path: str | None = None, spec: DeploymentSpec | None 
     if cfg:
         raise ValueError(f"build_llm_engine: unknown option(s) {sorted(cfg)}; see the docstring for the keys")
     model_cfg = LLMModelConfig(**model_kw)
-    from ..models.device import free_memory_bytes, used_memory_bytes
+    from ..models.device import configure_threads, free_memory_bytes, used_memory_bytes
 
+    if device == "cpu" or threads:  # 1 is steadier than every core when other jobs share them; set
+        # here for the start-up measurements (row plan, preemption costs) and again by each thread that
+        # runs the model (the runner's ``threads``, ``models.device.bind_threads``)
+        configure_threads(threads or None)
     free_bytes = free_memory_bytes(device)  # before the model loads: the plan's budget is a share of it
     held_before = used_memory_bytes(device)
     if device == "cpu":
@@ -106,6 +108,7 @@ def build_llm_engine(model_path: str | None = None, spec: DeploymentSpec | None 
                             num_swap_blocks=config.num_swap_blocks,
                             decode_run_tokens=config.decode_run_tokens)
     runner.max_gather_tokens = largest_gather(config)  # what core.kv_plan reserves
+    runner.threads = threads or None
     if plan_rows:
         log.info("llm rows: token rows padded (rows: padded to) %s", runner.plan_rows().padded() or "none")
     engine = LLMEngine(runner, tokenizer, config, model_name=name, sampler=Sampler(sampler_seed),
@@ -173,6 +176,7 @@ def build_llm_arm(engine: LLMEngine, start: bool = True, sampler_seed: int = 0,
                             num_swap_blocks=config.num_swap_blocks,
                             decode_run_tokens=config.decode_run_tokens)
     runner.max_gather_tokens = largest_gather(config)  # what core.kv_plan reserves
+    runner.threads = r.threads  # an arm runs as the primary does
     runner.row_plan = r.row_plan  # the same weights and device: the primary's measured plan
     arm = LLMEngine(runner, engine.tokenizer, config, model_name=engine.model_name,
                     sampler=Sampler(sampler_seed), tokenizer_threads=1)  # the routes tokenise on engine's
@@ -212,8 +216,10 @@ def build_fallback(engine: LLMEngine, max_batch_size: int = 8, sampler_seed: int
     model = getattr(engine, "hf_model", None)
     if model is None:
         raise ValueError("this engine keeps no HF model to fall back on; build it with build_llm_engine")
-    return StaticFallback(model, engine.tokenizer, engine.config, engine.model_name, max_batch_size,
-                          Sampler(sampler_seed)).start()
+    fallback = StaticFallback(model, engine.tokenizer, engine.config, engine.model_name, max_batch_size,
+                              Sampler(sampler_seed))
+    fallback.threads = getattr(engine.runner, "threads", None)
+    return fallback.start()
 
 
 FALLBACKS = ("static", "off")

@@ -31,6 +31,7 @@ from ..core.llm_admission import LLMAdmission, past_deadline
 from ..core.llm_scheduler import LLMScheduler, LLMSchedulerConfig, PreemptionCosts, StepPlan
 from ..core.request import IdCounter
 from ..core.sequence import SamplingParams, Sequence
+from ..models.device import bind_threads
 from ..models.llm.detokenizer import make_decode
 from ..models.llm.profile import engine_preemption_costs
 from .llm_build import build_llm_engine
@@ -191,6 +192,8 @@ class LLMEngine(AdmissionFront):
 
     def _loop(self) -> None:
         try:
+            # this thread's own torch thread count, not what another model left (models.device.bind_threads)
+            bind_threads(getattr(self.runner, "device", None), getattr(self.runner, "threads", None))
             while not self._stopping:
                 self._iterate()
         except BaseException as exc:  # noqa: BLE001 - anything: the requests must hear of it

@@ -37,6 +37,7 @@ from ..core.llm_admission import LLMAdmission, past_deadline
 from ..core.llm_scheduler import LLMSchedulerConfig
 from ..core.request import IdCounter
 from ..core.sequence import SamplingParams, Sequence
+from ..models.device import bind_threads
 from ..models.llm.detokenizer import make_decode
 from ..models.llm.sampler import Sampler
 from .llm_errors import EngineStopped, GenerationFailed, RequestTimedOut
@@ -58,6 +59,7 @@ class StaticFallback(AdmissionFront):
         self.config = config
         self.model_name = model_name
         self.max_batch_size = max_batch_size
+        self.threads: int | None = None  # CPU intra-op threads of its thread (the engine runner's)
         self.sampler = sampler or Sampler()
         self.admission = LLMAdmission(config)  # the main engine's rules and bound, under ``_lock``
         self._decode = make_decode(tokenizer)
@@ -119,6 +121,7 @@ class StaticFallback(AdmissionFront):
         new = StaticFallback(self.model, self.tokenizer, self.config, self.model_name, self.max_batch_size,
                              Sampler(self.sampler.base_seed))
         new.step_observers = self.step_observers
+        new.threads = self.threads
         new.admission.refused = self.admission.refused  # the refusal counts go on
         return new.start()
 
@@ -144,6 +147,7 @@ class StaticFallback(AdmissionFront):
     # -- the fallback thread -----------------------------------------------------------------------
     def _loop(self) -> None:
         try:
+            bind_threads(getattr(self.model, "device", None), self.threads)  # as the engine's thread does
             while not self._stopping:
                 batch = self._next_batch()
                 if batch:

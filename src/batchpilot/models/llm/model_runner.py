@@ -78,6 +78,7 @@ class LLMModelRunner:
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  decode_run_tokens: int = DECODE_RUN_TOKENS, num_swap_blocks: int = 0) -> None:
         self.decode_run_tokens = decode_run_tokens
+        self.threads: int | None = None  # CPU intra-op threads of the threads that run it (None: every core)
         self.row_plan = RowPlan()  # the row counts the dense layers run (row_plan.py; none padded)
         self.rows_run = 0  # the token rows the last forward's dense layers ran, padding included
         self.max_gather_tokens = 0  # the most context tokens one gather holds (0: unbounded doubling)
