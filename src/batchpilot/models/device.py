@@ -60,7 +60,7 @@ def bind_threads(device: Any, num_threads: int | None) -> int | None:
     is kept for the thread's life; later calls from other threads do not reach it. A server's LLM
     engine thread that did not set its own ran with what the encoder's thread plan had last set for a
     short batch (one thread), in the processes where that came last, 8-12% slower than the others
-    (docs/profiler.md, "Threads")."""
+    (docs/profiler.md, "Threads and OpenMP waiting")."""
     if device is None or torch.device(device).type != "cpu":
         return None
     return configure_threads(num_threads)
