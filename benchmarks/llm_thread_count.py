@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -32,19 +31,10 @@ from pathlib import Path
 import httpx
 
 from batchpilot.bench.serverproc import serve
+from batchpilot.server.serving_load import thread_cpu_s
 
 PLAN = {"steps": [[0, 1], [1024, 2]], "measured_ms": {}}
 MODEL = "batchpilot-tiny-llama"
-
-
-def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds of each thread of ``pid`` (user + system)."""
-    out = {}
-    tick = os.sysconf("SC_CLK_TCK")
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        out[task.name] = (int(fields[11]) + int(fields[12])) / tick
-    return out
 
 
 def server_pid(port: int) -> int:
@@ -69,12 +59,12 @@ def measure(url: str, bursts: int) -> tuple[int, float]:
     """(threads with >= 0.2 s CPU during the load, the load's wall seconds)."""
     pid = server_pid(int(url.rsplit(":", 1)[1]))
     complete(url, "warm up", 20)
-    before, t0 = thread_cpu(pid), time.perf_counter()
+    before, t0 = thread_cpu_s(pid), time.perf_counter()
     with ThreadPoolExecutor(8) as pool:
         for b in range(bursts):
             prompts = [f"burst {b} request {i}: a long story of the sea" for i in range(8)]
             list(pool.map(lambda p: complete(url, p, 150), prompts))
-    wall, after = time.perf_counter() - t0, thread_cpu(pid)
+    wall, after = time.perf_counter() - t0, thread_cpu_s(pid)
     busy = sum(1 for t, s in after.items() if s - before.get(t, 0.0) >= 0.2)
     return busy, wall
 

@@ -216,15 +216,16 @@ def loaded_token_steps(executor: Any) -> list[int]:
     return sorted({0, *(int(lo) for lo, _ in (plan.steps if plan is not None else ())), *LOADED_TOKEN_EDGES})
 
 
-def thread_cpu_s() -> dict[int, float]:
-    """CPU seconds (user + system) of each thread of this process; empty where ``/proc`` is not."""
+def thread_cpu_s(pid: int | str = "self") -> dict[int, float]:
+    """CPU seconds (user + system) of each thread of process ``pid`` (default this one); empty where
+    ``/proc`` is not."""
     import os
 
     tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     out: dict[int, float] = {}
     try:
-        for tid in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{tid}/stat") as f:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
             out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14, 15)
     except OSError:
