@@ -18,6 +18,7 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from batchpilot.bench.llm_fidelity import simulate
 from batchpilot.core.costmodel import CostModel
@@ -28,32 +29,44 @@ from batchpilot.sim.workloads import load_workload
 METRICS = ("TTFT P50", "TTFT P99", "TPOT P50", "TPOT P99")
 
 
+def load_run(out: Path, profile: Path
+             ) -> tuple[dict[str, Any], LLMSchedulerConfig, Any, CostModel, LLMFrontEnd]:
+    """OUT's ``fidelity.json``, its engine config and rows, and ``profile``'s step model and serving path."""
+    result = json.loads((out / "fidelity.json").read_text())
+    config = LLMSchedulerConfig(**{k: tuple(v) if isinstance(v, list) else v
+                                   for k, v in result["config"].items()})
+    rows = load_workload("conv-llm", 1.0, int(result["start"]), int(result["requests"]))
+    return result, config, rows, CostModel.load(profile), LLMFrontEnd.from_profile(profile)
+
+
+def errors(point: dict[str, Any], rows: Any, config: LLMSchedulerConfig, cost_model: CostModel,
+           frontend: LLMFrontEnd, sla_s: float) -> list[float]:
+    """The simulated ``METRICS`` of ``point``'s rows (as ``bench fidelity`` simulates them) against the
+    point's live measurement: (predicted - measured) / measured each."""
+    m = point["measured"]
+    measured = (m["ttft"]["p50"], m["ttft"]["p99"], m["tpot"]["p50"], m["tpot"]["p99"])
+    s, _ = simulate(rows.scale_rate(point["rate_scale"]), config, cost_model, sla_s, frontend)
+    predicted = (s.ttft["p50"], s.ttft["p99"], s.tpot["p50"], s.tpot["p99"])
+    return [(p - q) / q for p, q in zip(predicted, measured, strict=True)]
+
+
 def main(argv: list[str]) -> int:
     if len(argv) not in (1, 2):
         print(__doc__)
         return 2
     out = Path(argv[0])
     profile = Path(argv[1]) if len(argv) == 2 else out / "llm_profile.json"
-    result = json.loads((out / "fidelity.json").read_text())
-    config = LLMSchedulerConfig(**{k: tuple(v) if isinstance(v, list) else v
-                                   for k, v in result["config"].items()})
-    rows = load_workload("conv-llm", 1.0, int(result["start"]), int(result["requests"]))
-    cost_model, frontend = CostModel.load(profile), LLMFrontEnd.from_profile(profile)
+    result, config, rows, cost_model, frontend = load_run(out, profile)
     alone = dataclasses.replace(frontend, step_seq_factors=())
     print(f"{profile}: forward factors by sequences per step "
           + ", ".join(f"x{f:.3f} from {lo}" for lo, f in frontend.step_seq_factors))
     print(f"{'load':>5}  {'forward priced':<22}" + "".join(f"{m:>10}" for m in METRICS) + "  within 10%")
     for point in result["points"]:
-        m = point["measured"]
-        measured = (m["ttft"]["p50"], m["ttft"]["p99"], m["tpot"]["p50"], m["tpot"]["p99"])
         for name, fe in (("per count of sequences", frontend), ("one step_alpha", alone)):
-            s, _ = simulate(rows.scale_rate(point["rate_scale"]), config, cost_model, result["sla_s"], fe)
-            predicted = (s.ttft["p50"], s.ttft["p99"], s.tpot["p50"], s.tpot["p99"])
-            errors = [(p - q) / q for p, q in zip(predicted, measured, strict=True)]
-            print(f"{point['load']:>5.0%}  {name:<22}" + "".join(f"{e:>+10.1%}" for e in errors)
-                  + f"  {sum(abs(e) <= 0.10 for e in errors)}/4")
+            e = errors(point, rows, config, cost_model, fe, result["sla_s"])
+            print(f"{point['load']:>5.0%}  {name:<22}" + "".join(f"{x:>+10.1%}" for x in e)
+                  + f"  {sum(abs(x) <= 0.10 for x in e)}/4")
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main(sys.argv[1:]))

@@ -3,6 +3,7 @@ keeps as many sequences running as the engine batches (up to ``BURST_MAX_SEQS``)
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from batchpilot.core.costmodel import CostModel, StepShape
@@ -10,6 +11,8 @@ from batchpilot.core.llm_config import LLMSchedulerConfig
 from batchpilot.server.llm_serving_profile import (
     BURST_MAX_SEQS,
     BURST_ROUNDS,
+    LOADED_SEGMENTS,
+    LOADED_SHARES,
     OUTPUT_RANGE,
     burst_seconds,
     burst_streams,
@@ -82,3 +85,14 @@ def test_no_burst_when_asked_for_none() -> None:
     assert len(wl.arrival_s) == 12
     only_bursts = loaded_workload(LLMSchedulerConfig(), MODEL, seed=0, n=0, burst=5)
     assert len(only_bursts.arrival_s) == 5 * BURST_ROUNDS
+
+
+def test_each_open_loop_segment_arrives_at_its_share_of_the_one_at_a_time_rate() -> None:
+    n = 3000 * LOADED_SEGMENTS
+    arrivals = loaded_workload(LLMSchedulerConfig(), MODEL, seed=1, n=n, burst=0).arrival_s
+    per = n // LOADED_SEGMENTS
+    gaps = [float(np.diff(arrivals[k * per:(k + 1) * per]).mean()) for k in range(LOADED_SEGMENTS)]
+    for k, gap in enumerate(gaps):  # the segments take turns at the shares, every one of them used
+        share = LOADED_SHARES[k % len(LOADED_SHARES)]
+        assert gap * share == pytest.approx(gaps[0] * LOADED_SHARES[0], rel=0.1)
+    assert len({LOADED_SHARES[k % len(LOADED_SHARES)] for k in range(LOADED_SEGMENTS)}) == len(LOADED_SHARES)

@@ -11,19 +11,21 @@ this process and measures, with its own traffic, before any traffic it predicts:
    is ``first_token_delay_s``.
    Later tokens pay the same path, so it moves every token alike and TPOT is unchanged.
 2. **Steps under load.** ``LOADED_REQUESTS`` streamed completions (prompts spread 16-512 tokens, outputs
-   16-128) open-loop from a child process (on the cores this process is not pinned to, when there are
-   any, as ``bench`` runs its load generator), seeded Poisson in segments alternating between
-   ``LOADED_SHARES`` of the rate at which the engine would serve them one at a time (from the step
-   profile): about 1 to 5 sequences per step. Then ``BURST_ROUNDS`` bursts, one after another, of
-   ``burst_streams`` streams (the engine's ``max_num_seqs``, at most ``BURST_MAX_SEQS``, as many as its
-   KV pool holds) arriving within ``BURST_WINDOW_STEPS`` one-sequence decode steps: every stream of a
-   burst runs at once and, as their outputs (16-128 tokens) end, the steps walk down from that many
-   sequences to one, the batch sizes a loaded server runs. Every engine step is observed
-   (``engine.step_observers``); ``LLMFrontEnd.fit_steps`` turns them into the speed of the forward
-   under load (``step_alpha``) and what a busy step costs beyond it (``step_const_s + step_per_seq_s *
-   seqs``: scheduling, detokenising and delivering each token, the event loop streaming it on the same
-   cores, the gap to the next step), measured over the sequences per step observed (``loaded``:
-   ``mean_seqs``, ``p90_seqs``, ``max_seqs``).
+   16-128) open-loop from a child process (on the cores this process is not pinned to, when there are any, as
+   ``bench`` runs its load generator), seeded Poisson in segments alternating between ``LOADED_SHARES`` of the
+   rate at which the engine would serve them one at a time (from the step profile): about 1, 3-5 and 10-30
+   sequences per step, with requests arriving while they run. A live step of many sequences usually has new
+   requests arriving beside it (their HTTP, tokenising, first chunks on the same cores), and such steps ran
+   slower than those of a burst's walk-down, where every stream arrived at the start (docs/benchmarks.md,
+   conv-llm). Then ``BURST_ROUNDS`` bursts, one after another, of ``burst_streams`` streams (the engine's
+   ``max_num_seqs``, at most ``BURST_MAX_SEQS``, as many as its KV pool holds) arriving within
+   ``BURST_WINDOW_STEPS`` one-sequence decode steps: every stream of a burst runs at once and, as their
+   outputs (16-128 tokens) end, the steps walk down from that many sequences to one, the batch sizes a loaded
+   server runs. Every engine step is observed (``engine.step_observers``); ``LLMFrontEnd.fit_steps`` turns
+   them into the speed of the forward under load (``step_alpha``) and what a busy step costs beyond it
+   (``step_const_s + step_per_seq_s * seqs``: scheduling, detokenising and delivering each token, the event
+   loop streaming it on the same cores, the gap to the next step), measured over the sequences per step
+   observed (``loaded``: ``mean_seqs``, ``p90_seqs``, ``max_seqs``).
 """
 
 from __future__ import annotations
@@ -45,9 +47,9 @@ from .serving_load import alternating_arrivals
 
 REQUESTS = 12
 OUTPUT_TOKENS = 4
-LOADED_REQUESTS = 40  # ~20-40 s for the tiny Llama on one CPU core
-LOADED_SHARES = (1.0, 3.0)  # of the one-at-a-time rate: about 1 and 3-5 sequences running
-LOADED_SEGMENTS = 4
+LOADED_REQUESTS = 90  # ~30-50 s for the tiny Llama on one CPU core
+LOADED_SHARES = (1.0, 3.0, 10.0)  # of the one-at-a-time rate: about 1, 3-5 and 10-30 sequences running
+LOADED_SEGMENTS = 3
 BURST_MAX_SEQS = 64  # the streams of a burst: the engine's max_num_seqs, at most this
 BURST_WINDOW_STEPS = 8  # the burst arrives within this many one-sequence decode steps (outputs >= 16)
 BURST_ROUNDS = 3  # ~20 s in all for the tiny Llama on one CPU core, 1-3 steps at each count of sequences
@@ -149,7 +151,7 @@ def loaded_workload(config: Any, cost_model: Any, seed: int, n: int, burst: int)
     alone = float(np.mean([cost_model.latency(StepShape(int(p), 0, int(p), int(p) ** 2))
                            + (int(o) - 1) * cost_model.latency(StepShape(0, 1, int(p + o // 2)))
                            for p, o in zip(prompts, outputs, strict=True)])) if n > 0 else 0.0
-    gaps = (alone / LOADED_SHARES[0], alone / LOADED_SHARES[1])
+    gaps = tuple(alone / share for share in LOADED_SHARES)
     arrivals = alternating_arrivals(n, gaps, random.Random(seed + 13), LOADED_SEGMENTS) if n > 0 else []
     arrivals = list(arrivals)
     if burst > 0:
