@@ -42,6 +42,7 @@ class FakeServer:
         self.delay_s = 0.0
         self.arrived: list[float] = []
         self.replied: list[float] = []
+        self.ports: list[int] = []  # the client port of each request: one per connection
         self.lock: asyncio.Lock | None = None
         self.waiting = 0
         self.registry = CollectorRegistry()
@@ -59,6 +60,7 @@ class FakeServer:
         async def embeddings(req: Request) -> JSONResponse:
             body = await req.json()
             self.arrived.append(time.monotonic())
+            self.ports.append(req.client.port if req.client else -1)
             if "FAIL" in body["input"]:
                 return JSONResponse({"error": {"message": "overloaded", "type": "server_error"}}, 503)
             if self.lock is None:
@@ -408,3 +410,26 @@ def test_model_discovery_picks_the_card_that_fits_the_endpoint() -> None:
     assert asyncio.run(pick(both, "embeddings")) == "emb"
     assert asyncio.run(pick([{"id": "other"}], "embeddings")) == "other"  # no dimensions field anywhere
     assert asyncio.run(pick([], "completions")) == "default"
+
+
+def test_a_load_generator_keeps_its_connections_under_the_servers_keep_alive() -> None:
+    from batchpilot.bench.serverproc import KEEPALIVE_MARGIN_S, client_keepalive_s
+    from batchpilot.server.config import ServerConfig
+
+    assert client_keepalive_s() == ServerConfig.keep_alive_s - KEEPALIVE_MARGIN_S
+    assert client_keepalive_s(["--profile", "p.json", "--keep-alive-s", "60"]) == 60 - KEEPALIVE_MARGIN_S
+    assert client_keepalive_s(["--keep-alive-s=3"]) == 1.5  # a short keep-alive: half of it
+    assert LoadGenConfig("http://h:1", keepalive_s=25.0).keepalive_s == 25.0
+    with pytest.raises(ValueError, match="keepalive_s"):
+        LoadGenConfig("http://h:1", keepalive_s=0.0)
+
+
+def test_replay_keeps_an_idle_connection_for_keepalive_s_and_no_longer(fake: tuple[str, FakeServer]) -> None:
+    url, state = fake
+    wl = _workload([0.0, 0.8])  # one connection suffices; idle 0.8 s between the two requests
+    for keep, connections in ((0.3, 2), (10.0, 1)):
+        state.ports = []
+        res = replay(build_plan(wl, texts=_texts(2)),
+                     LoadGenConfig(url, progress=False, scrape_interval_s=0, keepalive_s=keep))
+        assert all(r.ok for r in res.records)
+        assert len(set(state.ports)) == connections, (keep, state.ports)

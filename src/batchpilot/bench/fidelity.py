@@ -13,16 +13,15 @@
    ``core.deployment.resolve_deployment`` for the simulator and, unchanged, to ``batchpilot serve``.
 3. Capacity from the simulator: the highest rate scale of the rows whose predicted P99 meets ``--sla``
    (the tuner's own search). Each load point (default 50% and 80% of it) is the same rows at that rate.
-4. Per point: with ``--speed-check``, a speed check first (``batchpilot profile --recheck``, pinned
-   like the server, before any of the point's traffic: the profile's own grid batches timed again,
-   seconds) writes the profile at the machine's speed now, and the point is predicted from it (the
-   table shows the error of the profile alone beside); the server keeps scheduling by the profile it
-   was started with, and so does the simulator: only the batches' times move. Then the
-   simulator's prediction (each metric's median over ``--draws`` service-noise draws, with the 5-95%
-   band one live run should fall in: ``sim.draws``), then the live replay of the same rows at the same
-   times. The table holds P50, P99, throughput, rejected count and mean batch size with their targets.
-   Beside each point: how the run's own batches compared with the profile (``serve --batch-log``:
-   the machine's speed during the run), reported, never used to correct the prediction.
+4. Per point: with ``--speed-check``, the profile's own grid batches are timed again first (``batchpilot
+   profile --recheck``, pinned like the server, before any of the point's traffic) and the point is predicted
+   from the profile at the machine's speed now (the table shows the profile alone's error beside; server and
+   simulator keep scheduling by the first). Then the prediction (each metric's median over ``--draws``
+   service-noise draws, with the 5-95% band one live run should fall in: ``sim.draws``) and the live replay of
+   the same rows at the same times, from a load generator that keeps its idle connections while the server
+   does (``serverproc.client_keepalive_s``). The table: P50, P99, throughput, rejected count and mean batch
+   size with their targets, and beside each point the run's own batches against the profile (``serve
+   --batch-log``: the machine's speed during the run), reported, never used to correct the prediction.
 """
 
 from __future__ import annotations
@@ -53,7 +52,7 @@ from .loadgen import build_plan, load_tokenizer
 from .records import Summary, format_summary, write_csv
 from .report import RunData, html_table, write_report
 from .run_speed import WINDOW_S, run_speed
-from .serverproc import pin_load_generator, pinned, serve
+from .serverproc import client_keepalive_s, pin_load_generator, pinned, serve
 
 DEFAULT_REQUESTS = 1000
 
@@ -228,6 +227,7 @@ def main(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {"workload": wl.name, "requests": len(wl), "profile": str(profile),
                               "deployment": deployment.describe(), "capacity_scale": cap.capacity,
                               "capacity_rps": cap.rps, "cpus": args.cpus, "points": []}
+    keep = client_keepalive_s(serve_args)  # the load generator pools connections as a gateway would
     with serve(serve_args, log_path=out / "serve.log", cpus=args.cpus) as url:
         for load in args.loads:
             k = load * cap.capacity
@@ -241,10 +241,10 @@ def main(args: argparse.Namespace) -> int:
             else:
                 pred = alone
             if args.warmup_requests:
-                warm_up(url, scaled, texts, args.warmup_requests)
+                warm_up(url, scaled, texts, args.warmup_requests, keep)
             wait_written()  # the warm-up's batches are in the log: the point's start after them
             offset = batch_log.stat().st_size if batch_log.exists() else 0
-            live = measure(url, scaled, texts, args.sla, 0, not args.no_progress, f"{load:.0%} live")
+            live = measure(url, scaled, texts, args.sla, 0, not args.no_progress, f"{load:.0%} live", keep)
             wait_written()
             rs = run_speed(batch_log, offset, cost_model, frontend, live.sent_monotonic())
             speed = rs.speed
@@ -275,7 +275,7 @@ def main(args: argparse.Namespace) -> int:
                 wait_written()
                 offset = batch_log.stat().st_size if batch_log.exists() else 0
                 again = measure(url, scaled, texts, args.sla, 0, not args.no_progress,
-                                f"{load:.0%} live #{j}")
+                                f"{load:.0%} live #{j}", keep)
                 wait_written()
                 rs_again = run_speed(batch_log, offset, cost_model, frontend, again.sent_monotonic())
                 repeats += repeat_rows(load, live, again, (rs.speed, rs_again.speed))

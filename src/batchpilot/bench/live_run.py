@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from ..sim.traces import Workload
 from .capacity import wait_idle
-from .loadgen import LoadGenConfig, build_plan, replay
+from .loadgen import KEEPALIVE_EXPIRY_S, LoadGenConfig, build_plan, replay
 from .records import RequestRecord, Summary, summarize
 from .scrape import MetricsSeries
 
@@ -41,12 +41,13 @@ def histogram_mean(series: MetricsSeries, name: str) -> float:
 
 
 def measure(url: str, workload: Workload, texts: list[str], sla_s: float, warmup_requests: int,
-            progress: bool, label: str) -> Measurement:
-    """Warm the server with a few unmeasured requests, let it drain, then replay ``workload`` exactly."""
+            progress: bool, label: str, keepalive_s: float = KEEPALIVE_EXPIRY_S) -> Measurement:
+    """Warm the server with a few unmeasured requests, let it drain, then replay ``workload`` exactly
+    (idle pooled connections closed after ``keepalive_s``: ``LoadGenConfig.keepalive_s``)."""
     if warmup_requests:
-        warm_up(url, workload, texts, warmup_requests)
+        warm_up(url, workload, texts, warmup_requests, keepalive_s)
     plan = build_plan(workload, texts=texts[: len(workload)])  # a cut slice is a prefix of the texts' rows
-    res = replay(plan, LoadGenConfig(url, progress=progress), description=label)
+    res = replay(plan, LoadGenConfig(url, progress=progress, keepalive_s=keepalive_s), description=label)
     m = Measurement(summarize(res.records, sla_s), res.records, res.metrics, origin_s=res.origin_s)
     if res.metrics is not None:
         m.server = {k: histogram_mean(res.metrics, v) for k, v in SERVER_HISTOGRAMS.items()}
@@ -57,10 +58,11 @@ def measure(url: str, workload: Workload, texts: list[str], sla_s: float, warmup
     return m
 
 
-def warm_up(url: str, workload: Workload, texts: list[str], n: int) -> None:
+def warm_up(url: str, workload: Workload, texts: list[str], n: int,
+            keepalive_s: float = KEEPALIVE_EXPIRY_S) -> None:
     """Send the first ``n`` rows (unmeasured) and wait for the queue to drain: the first calls of a fresh
     server are slow (allocator, kernels for new shapes), which is not what a fidelity check measures."""
     warm = workload.slice(0, min(n, len(workload)))
     replay(build_plan(warm, texts=texts[: len(warm)], warmup_requests=len(warm)),
-           LoadGenConfig(url, progress=False, scrape_interval_s=0))
+           LoadGenConfig(url, progress=False, scrape_interval_s=0, keepalive_s=keepalive_s))
     wait_idle(url, 10.0)

@@ -49,7 +49,7 @@ from .llm_steps import format_by_seqs, read_steps, speed_by_seqs, speed_vs_profi
 from .loadgen import LoadGenConfig, build_plan, replay
 from .records import Summary, format_summary, summarize, write_csv
 from .report import RunData, html_table, write_report
-from .serverproc import serve
+from .serverproc import client_keepalive_s, serve
 
 DEFAULT_REQUESTS = 200
 TARGETS = {"TTFT": 0.10, "TPOT": 0.10, "output": 0.05}
@@ -215,7 +215,8 @@ def main(args: argparse.Namespace) -> int:
     rows: list[list[Any]] = []
     runs: list[RunData] = []
     with serve(serve_args, log_path=out / "serve-llm.log", cpus=cpus) as url:
-        quiet = LoadGenConfig(url, "completions", progress=False, scrape_interval_s=0)
+        keep = client_keepalive_s(serve_args)  # the load generator pools connections as a gateway would
+        quiet = LoadGenConfig(url, "completions", progress=False, scrape_interval_s=0, keepalive_s=keep)
         first = wl.slice(0, min(2, len(wl)))  # the server's first steps allocate: not measured
         replay(build_plan(first, "completions", warmup_requests=len(first)), quiet)
         wait_idle(url, 30.0)
@@ -237,7 +238,8 @@ def main(args: argparse.Namespace) -> int:
             wait_written()  # the warm-up's steps are in the log: the point's start after them
             offset = step_log.stat().st_size if step_log.exists() else 0
             res = replay(build_plan(rows_wl, "completions", seed=seed),
-                         LoadGenConfig(url, "completions", progress=not opt("no_progress", False)),
+                         LoadGenConfig(url, "completions", progress=not opt("no_progress", False),
+                                       keepalive_s=keep),
                          description=f"{load:.0%} live")
             wait_idle(url, 30.0)
             wait_written()

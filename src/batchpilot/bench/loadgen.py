@@ -45,7 +45,9 @@ __all__ = ["ARM_HEADER", "LIVE_LAG_WARN_S", "PATHS", "SENDERS", "Endpoint", "Loa
            "parse_server_timing", "replay", "replay_async"]
 
 LIVE_LAG_WARN_S = 0.05
-KEEPALIVE_EXPIRY_S = 2.0  # pooled connections idle longer are closed by the client (replay_async)
+# the default idle time after which the client closes a pooled connection (replay_async): under any server's
+# own idle close (uvicorn's default: 5 s), so that no request is sent on a connection the server is closing
+KEEPALIVE_EXPIRY_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -59,14 +61,19 @@ class LoadGenConfig:
     start_delay_s: float = 0.2  # time to spawn the dispatcher before the first request is due
     scrape_interval_s: float = 0.5  # /metrics polling (0 = off); only if the server exposes it
     progress: bool = True
+    # a pooled connection idle this long is closed; keep it under the server's keep-alive
+    # (``serverproc.client_keepalive_s`` for a ``batchpilot serve`` started by bench)
+    keepalive_s: float = KEEPALIVE_EXPIRY_S
 
     def __post_init__(self) -> None:
         if self.endpoint not in PATHS:
             raise ValueError(f"loadgen.endpoint = {self.endpoint!r}; choose one of {', '.join(PATHS)}")
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"loadgen.url must start with http:// or https://, got {self.url!r}")
-        if self.timeout_s <= 0 or self.start_delay_s < 0 or self.scrape_interval_s < 0:
-            raise ValueError("loadgen: timeout_s must be > 0, start_delay_s and scrape_interval_s >= 0")
+        positive = self.timeout_s > 0 and self.keepalive_s > 0
+        if not positive or min(self.start_delay_s, self.scrape_interval_s) < 0:
+            raise ValueError("loadgen: timeout_s and keepalive_s must be > 0, start_delay_s and "
+                             "scrape_interval_s >= 0")
 
     @property
     def base_url(self) -> str:
@@ -160,10 +167,10 @@ async def replay_async(
 ) -> ReplayResult:
     """Fire every planned request at its time; return when all have finished (or ``stop_when`` said so,
     after which nothing more is sent and requests in flight are cancelled and recorded as such)."""
-    # an idle pooled connection is dropped before any server's idle close (uvicorn's default: 5 s, the
-    # same as httpx's): a request sent on a connection the server is closing is lost, not answered
+    # an idle pooled connection is dropped before the server's idle close (``config.keepalive_s``): a
+    # request sent on a connection the server is closing is lost, not answered
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None,
-                          keepalive_expiry=KEEPALIVE_EXPIRY_S)
+                          keepalive_expiry=config.keepalive_s)
     timeout = httpx.Timeout(config.timeout_s, connect=min(config.timeout_s, 10.0))
     path = PATHS[config.endpoint]
     send = SENDERS[config.endpoint]

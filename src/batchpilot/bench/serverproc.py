@@ -101,3 +101,25 @@ def pin_load_generator(cpus: str | None) -> None:
     if rest:
         os.sched_setaffinity(0, rest)
         print(f"load generator pinned to cores {sorted(rest)}, server and profiler to {sorted(server)}")
+
+
+KEEPALIVE_MARGIN_S = 5.0  # a client closes an idle connection this long before the server would
+
+
+def client_keepalive_s(serve_args: Sequence[str] = ()) -> float:
+    """How long a load generator keeps an idle pooled connection to a ``batchpilot serve`` started with
+    ``serve_args``: the server's keep-alive (``--keep-alive-s``, else ``ServerConfig.keep_alive_s``) less
+    ``KEEPALIVE_MARGIN_S``, at least half of it. Like a gateway that pools its upstream connections,
+    the client then reuses them across the idle gaps of bursty traffic, and never sends on one the
+    server is closing. The simulator prices requests on open connections; a new connection costs the
+    server CPU that no profile measures (docs/loadgen.md)."""
+    from ..server.config import ServerConfig
+
+    server = ServerConfig.keep_alive_s
+    args = list(serve_args)
+    for i, a in enumerate(args):
+        if a == "--keep-alive-s" and i + 1 < len(args):
+            server = float(args[i + 1])
+        elif a.startswith("--keep-alive-s="):
+            server = float(a.partition("=")[2])
+    return max(server - KEEPALIVE_MARGIN_S, server / 2)

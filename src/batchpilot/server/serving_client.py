@@ -93,12 +93,13 @@ def replay_child(url: str, model: str, plan: list[PlannedRequest], endpoint: str
     import time
 
     from ..bench.loadgen import one_by_one_async, replay
+    from ..bench.serverproc import client_keepalive_s  # the in-process server keeps ServerConfig's
 
     rest = other_cores()
     if rest is not None:
         os.sched_setaffinity(0, rest)
     config = LoadGenConfig(url, endpoint, model=model, timeout_s=120.0,  # type: ignore[arg-type]
-                           progress=False, scrape_interval_s=0)
+                           progress=False, scrape_interval_s=0, keepalive_s=client_keepalive_s())
     out: tuple[float, list[Any]]
     if gap_s is not None:
         out = (math.nan, asyncio.run(one_by_one_async(plan, config, gap_s=gap_s)))
