@@ -48,6 +48,9 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout", type=float, default=60.0, help="per-request timeout (s)")
     g.add_argument("--out", default="bench-out", help="directory for records, summary and report")
     g.add_argument("--no-progress", action="store_true")
+    g.add_argument("--keepalive-s", type=float, default=None,
+                   help="the load generator closes a connection idle this long (default: 2 s against --url, "
+                        "the server's keep-alive less 5 s against a server bench starts)")
     g.add_argument("--serve-args", default="", help="extra args for `batchpilot serve` when a YAML is given")
 
 
@@ -144,10 +147,10 @@ def _label(target: str) -> str:
 
 
 def main_run(args: argparse.Namespace) -> int:
-    from .loadgen import LoadGenConfig, build_plan, load_tokenizer, replay
+    from .loadgen import KEEPALIVE_EXPIRY_S, LoadGenConfig, build_plan, load_tokenizer, replay
     from .records import format_summary, summarize, write_csv
     from .report import RunData, write_report
-    from .serverproc import serve
+    from .serverproc import client_keepalive_s, serve
 
     targets = args.compare or ([args.url] if args.url else [])
     if not targets:
@@ -164,15 +167,18 @@ def main_run(args: argparse.Namespace) -> int:
     summaries: dict[str, Any] = {}
     for target in targets:
         is_url = target.startswith(("http://", "https://"))
-        ctx = nullcontext(target) if is_url else serve(["--config", target, *shlex.split(args.serve_args)],
-                                                       log_path=out / f"serve-{_label(target)}.log")
+        serve_args = ["--config", target, *shlex.split(args.serve_args)]
+        log = out / f"serve-{_label(target)}.log"
+        ctx = nullcontext(target) if is_url else serve(serve_args, log_path=log)
         with ctx as url:
             for k in args.rate_scale:
                 wl = base.scale_rate(k) if k != 1.0 else base
                 plan = build_plan(wl, endpoint, texts=texts, prompt=args.prompt, seed=args.seed,  # type: ignore[arg-type]
                                   warmup_requests=args.warmup, warmup_s=args.warmup_s / k)
                 label = _label(target) + (f" x{k:g}" if len(args.rate_scale) > 1 else "")
-                cfg = LoadGenConfig(url, endpoint, args.model, args.timeout, progress=not args.no_progress)  # type: ignore[arg-type]
+                cfg = LoadGenConfig(url, endpoint, args.model, args.timeout, progress=not args.no_progress,  # type: ignore[arg-type]
+                                    keepalive_s=args.keepalive_s or (KEEPALIVE_EXPIRY_S if is_url else
+                                                                     client_keepalive_s(serve_args)))
                 res = replay(plan, cfg, description=label)
                 s = summarize(res.records, args.sla)
                 print(format_summary(s, label))
@@ -190,12 +196,13 @@ def main_run(args: argparse.Namespace) -> int:
 
 def main_capacity(args: argparse.Namespace) -> int:
     from .capacity import CapacityConfig, live_capacity
-    from .loadgen import LoadGenConfig
+    from .loadgen import KEEPALIVE_EXPIRY_S, LoadGenConfig
     from .report import write_report
 
     cfg = CapacityConfig(sla_s=args.sla, start=args.start_scale, lo=args.lo, hi=args.hi, rel_tol=args.tol,
                          max_probes=args.max_probes, probe_s=args.probe_s, warmup_requests=args.warmup)
-    lg = LoadGenConfig(args.url, _endpoint(args), args.model, args.timeout, progress=not args.no_progress)  # type: ignore[arg-type]
+    lg = LoadGenConfig(args.url, _endpoint(args), args.model, args.timeout, progress=not args.no_progress,  # type: ignore[arg-type]
+                       keepalive_s=args.keepalive_s or KEEPALIVE_EXPIRY_S)
     wl = load_args_workload(args)
 
     def show(p: Any) -> None:
