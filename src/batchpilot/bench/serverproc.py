@@ -111,8 +111,8 @@ def client_keepalive_s(serve_args: Sequence[str] = ()) -> float:
     ``serve_args``: the server's keep-alive (``--keep-alive-s``, else ``ServerConfig.keep_alive_s``) less
     ``KEEPALIVE_MARGIN_S``, at least half of it. Like a gateway that pools its upstream connections,
     the client then reuses them across the idle gaps of bursty traffic, and never sends on one the
-    server is closing. The simulator prices requests on open connections; a new connection costs the
-    server CPU that no profile measures (docs/loadgen.md)."""
+    server is closing. The profile's load, a steady stream, reaches its server on open connections,
+    and the prediction is made for such requests (docs/loadgen.md, "Connections")."""
     from ..server.config import ServerConfig
 
     server = ServerConfig.keep_alive_s
