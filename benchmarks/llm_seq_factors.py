@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,23 +51,34 @@ def errors(point: dict[str, Any], rows: Any, config: LLMSchedulerConfig, cost_mo
     return [(p - q) / q for p, q in zip(predicted, measured, strict=True)]
 
 
-def main(argv: list[str]) -> int:
+def table(argv: list[str], usage: str, head: str,
+          variants: Callable[[LLMFrontEnd], list[tuple[str, LLMFrontEnd]]], intro: bool = False) -> int:
+    """For ``argv`` (OUT [PROFILE]), each load point simulated once per ``variants(frontend)`` entry, a
+    row of its ``METRICS`` errors against the live run under the column ``head``."""
     if len(argv) not in (1, 2):
-        print(__doc__)
+        print(usage)
         return 2
     out = Path(argv[0])
     profile = Path(argv[1]) if len(argv) == 2 else out / "llm_profile.json"
     result, config, rows, cost_model, frontend = load_run(out, profile)
-    alone = dataclasses.replace(frontend, step_seq_factors=())
-    print(f"{profile}: forward factors by sequences per step "
-          + ", ".join(f"x{f:.3f} from {lo}" for lo, f in frontend.step_seq_factors))
-    print(f"{'load':>5}  {'forward priced':<22}" + "".join(f"{m:>10}" for m in METRICS) + "  within 10%")
+    if intro:
+        print(f"{profile}: forward factors by sequences per step "
+              + ", ".join(f"x{f:.3f} from {lo}" for lo, f in frontend.step_seq_factors))
+    width = max(len(head), *(len(name) for name, _ in variants(frontend)))
+    print(f"{'load':>5}  {head:<{width}}" + "".join(f"{m:>10}" for m in METRICS) + "  within 10%")
     for point in result["points"]:
-        for name, fe in (("per count of sequences", frontend), ("one step_alpha", alone)):
+        for name, fe in variants(frontend):
             e = errors(point, rows, config, cost_model, fe, result["sla_s"])
-            print(f"{point['load']:>5.0%}  {name:<22}" + "".join(f"{x:>+10.1%}" for x in e)
+            print(f"{point['load']:>5.0%}  {name:<{width}}" + "".join(f"{x:>+10.1%}" for x in e)
                   + f"  {sum(abs(x) <= 0.10 for x in e)}/4")
     return 0
+
+
+def main(argv: list[str]) -> int:
+    return table(argv, __doc__ or "", "forward priced",
+                 lambda fe: [("per count of sequences", fe),
+                             ("one step_alpha", dataclasses.replace(fe, step_seq_factors=()))], intro=True)
+
 
 if __name__ == "__main__":
     raise SystemExit(main(sys.argv[1:]))

@@ -17,28 +17,16 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from pathlib import Path
 
-from llm_seq_factors import METRICS, errors, load_run
+from llm_seq_factors import table
 
 SCALES = (0.95, 1.0, 1.05, 1.1)
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) not in (1, 2):
-        print(__doc__)
-        return 2
-    out = Path(argv[0])
-    profile = Path(argv[1]) if len(argv) == 2 else out / "llm_profile.json"
-    result, config, rows, cost_model, frontend = load_run(out, profile)
-    print(f"{'load':>5}  {'forward x':>9}" + "".join(f"{m:>10}" for m in METRICS) + "  within 10%")
-    for point in result["points"]:
-        for scale in SCALES:
-            fe = dataclasses.replace(frontend, step_alpha=frontend.step_alpha * scale)
-            e = errors(point, rows, config, cost_model, fe, result["sla_s"])
-            print(f"{point['load']:>5.0%}  {scale:>9.2f}" + "".join(f"{x:>+10.1%}" for x in e)
-                  + f"  {sum(abs(x) <= 0.10 for x in e)}/4")
-    return 0
+    return table(argv, __doc__ or "", "forward x",
+                 lambda fe: [(f"{k:.2f}", dataclasses.replace(fe, step_alpha=fe.step_alpha * k))
+                             for k in SCALES])
 
 
 if __name__ == "__main__":
