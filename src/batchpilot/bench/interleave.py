@@ -18,7 +18,7 @@ from typing import Any
 
 from ..sim.traces import Workload
 from .capacity import CapacityConfig, CapacityResult, live_capacity
-from .loadgen import LoadGenConfig
+from .loadgen import KEEPALIVE_EXPIRY_S, LoadGenConfig
 
 
 class Turns:
@@ -57,9 +57,11 @@ class Turns:
 
 def interleaved_capacity(workload: Workload, urls: dict[str, str], config: CapacityConfig,
                          texts: list[str], starts: dict[str, float] | None = None,
-                         log: Any = print) -> dict[str, CapacityResult]:
+                         log: Any = print, keepalive_s: float = KEEPALIVE_EXPIRY_S
+                         ) -> dict[str, CapacityResult]:
     """A capacity search per server at ``urls[name]``, probes interleaved (one at a time, round-robin).
-    ``starts[name]`` is each search's first rate scale (e.g. its predicted capacity)."""
+    ``starts[name]`` is each search's first rate scale (e.g. its predicted capacity); ``keepalive_s``:
+    the load generator's ``LoadGenConfig.keepalive_s``."""
     turns = Turns(list(urls))
     results: dict[str, CapacityResult] = {}
     errors: list[BaseException] = []
@@ -69,7 +71,7 @@ def interleaved_capacity(workload: Workload, urls: dict[str, str], config: Capac
                                             config.lo), config.hi))
         try:
             results[name] = live_capacity(
-                workload, LoadGenConfig(url, progress=False), cfg, texts=texts,
+                workload, LoadGenConfig(url, progress=False, keepalive_s=keepalive_s), cfg, texts=texts,
                 on_probe=lambda p: log(f"  {name}: x{p.rate_scale:.3f} P99 {p.summary.p99 * 1e3:.0f} ms "
                                        f"{'pass' if p.passed else 'FAIL'}"),
                 turn=lambda: turns.turn(name))

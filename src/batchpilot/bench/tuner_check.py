@@ -50,7 +50,7 @@ from .fidelity import load_workload, run_profile, run_recheck
 from .fidelity_table import text_table
 from .interleave import interleaved_capacity
 from .loadgen import build_plan, load_tokenizer
-from .serverproc import pin_load_generator, serve
+from .serverproc import client_keepalive_s, pin_load_generator, serve
 
 HEAD = ["tuner rank", "config", "kind", "profile", "predicted req/s", "live req/s", "live probes"]
 
@@ -174,7 +174,8 @@ def main(args: argparse.Namespace) -> int:
             urls[name] = stack.enter_context(serve(serve_args, log_path=out / f"serve-{name}.log",
                                                    cpus=args.cpus))
         starts = {names[id(c)]: 0.9 * c.capacity for c in chosen}
-        live = interleaved_capacity(wl, urls, ccfg, texts, starts)
+        keep = args.keepalive_s or client_keepalive_s(shlex.split(args.serve_args))  # as bench fidelity's
+        live = interleaved_capacity(wl, urls, ccfg, texts, starts, keepalive_s=keep)
     rows, pred, meas = [], [], []
     for c in chosen:
         res = live[names[id(c)]]
