@@ -47,7 +47,7 @@ from .serving_load import alternating_arrivals
 
 REQUESTS = 12
 OUTPUT_TOKENS = 4
-LOADED_REQUESTS = 90  # ~30-50 s for the tiny Llama on one CPU core
+LOADED_REQUESTS = 90  # with the lone streams and bursts, ~60 s for the tiny Llama on one CPU core
 LOADED_SHARES = (1.0, 3.0, 10.0)  # of the one-at-a-time rate: about 1, 3-5 and 10-30 sequences running
 LOADED_SEGMENTS = 3
 BURST_MAX_SEQS = 64  # the streams of a burst: the engine's max_num_seqs, at most this
