@@ -419,6 +419,8 @@ def test_a_load_generator_keeps_its_connections_under_the_servers_keep_alive() -
     assert client_keepalive_s() == ServerConfig.keep_alive_s - KEEPALIVE_MARGIN_S
     assert client_keepalive_s(["--profile", "p.json", "--keep-alive-s", "60"]) == 60 - KEEPALIVE_MARGIN_S
     assert client_keepalive_s(["--keep-alive-s=3"]) == 1.5  # a short keep-alive: half of it
+    assert client_keepalive_s(["--keep-alive-s", "60"], given=7.0) == 7.0  # bench --keepalive-s wins
+    assert client_keepalive_s(given=0.0) == 0.0  # passed on as given: LoadGenConfig refuses it below
     assert LoadGenConfig("http://h:1", keepalive_s=25.0).keepalive_s == 25.0
     with pytest.raises(ValueError, match="keepalive_s"):
         LoadGenConfig("http://h:1", keepalive_s=0.0)

@@ -169,6 +169,8 @@ def main_run(args: argparse.Namespace) -> int:
         is_url = target.startswith(("http://", "https://"))
         serve_args = ["--config", target, *shlex.split(args.serve_args)]
         log = out / f"serve-{_label(target)}.log"
+        keep = client_keepalive_s(serve_args, args.keepalive_s) if not is_url else \
+            KEEPALIVE_EXPIRY_S if args.keepalive_s is None else args.keepalive_s
         ctx = nullcontext(target) if is_url else serve(serve_args, log_path=log)
         with ctx as url:
             for k in args.rate_scale:
@@ -177,8 +179,7 @@ def main_run(args: argparse.Namespace) -> int:
                                   warmup_requests=args.warmup, warmup_s=args.warmup_s / k)
                 label = _label(target) + (f" x{k:g}" if len(args.rate_scale) > 1 else "")
                 cfg = LoadGenConfig(url, endpoint, args.model, args.timeout, progress=not args.no_progress,  # type: ignore[arg-type]
-                                    keepalive_s=args.keepalive_s or (KEEPALIVE_EXPIRY_S if is_url else
-                                                                     client_keepalive_s(serve_args)))
+                                    keepalive_s=keep)
                 res = replay(plan, cfg, description=label)
                 s = summarize(res.records, args.sla)
                 print(format_summary(s, label))
@@ -202,7 +203,7 @@ def main_capacity(args: argparse.Namespace) -> int:
     cfg = CapacityConfig(sla_s=args.sla, start=args.start_scale, lo=args.lo, hi=args.hi, rel_tol=args.tol,
                          max_probes=args.max_probes, probe_s=args.probe_s, warmup_requests=args.warmup)
     lg = LoadGenConfig(args.url, _endpoint(args), args.model, args.timeout, progress=not args.no_progress,  # type: ignore[arg-type]
-                       keepalive_s=args.keepalive_s or KEEPALIVE_EXPIRY_S)
+                       keepalive_s=KEEPALIVE_EXPIRY_S if args.keepalive_s is None else args.keepalive_s)
     wl = load_args_workload(args)
 
     def show(p: Any) -> None:

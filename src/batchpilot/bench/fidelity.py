@@ -227,7 +227,7 @@ def main(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {"workload": wl.name, "requests": len(wl), "profile": str(profile),
                               "deployment": deployment.describe(), "capacity_scale": cap.capacity,
                               "capacity_rps": cap.rps, "cpus": args.cpus, "points": []}
-    keep = args.keepalive_s or client_keepalive_s(serve_args)  # pooled as a gateway pools them
+    keep = client_keepalive_s(serve_args, args.keepalive_s)  # pooled as a gateway pools them
     with serve(serve_args, log_path=out / "serve.log", cpus=args.cpus) as url:
         for load in args.loads:
             k = load * cap.capacity

@@ -215,7 +215,7 @@ def main(args: argparse.Namespace) -> int:
     rows: list[list[Any]] = []
     runs: list[RunData] = []
     with serve(serve_args, log_path=out / "serve-llm.log", cpus=cpus) as url:
-        keep = opt("keepalive_s") or client_keepalive_s(serve_args)  # pooled as a gateway pools them
+        keep = client_keepalive_s(serve_args, opt("keepalive_s"))  # pooled as a gateway pools them
         quiet = LoadGenConfig(url, "completions", progress=False, scrape_interval_s=0, keepalive_s=keep)
         first = wl.slice(0, min(2, len(wl)))  # the server's first steps allocate: not measured
         replay(build_plan(first, "completions", warmup_requests=len(first)), quiet)

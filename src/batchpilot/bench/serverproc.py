@@ -106,15 +106,18 @@ def pin_load_generator(cpus: str | None) -> None:
 KEEPALIVE_MARGIN_S = 5.0  # a client closes an idle connection this long before the server would
 
 
-def client_keepalive_s(serve_args: Sequence[str] = ()) -> float:
-    """How long a load generator keeps an idle pooled connection to a ``batchpilot serve`` started with
-    ``serve_args``: the server's keep-alive (``--keep-alive-s``, else ``ServerConfig.keep_alive_s``) less
-    ``KEEPALIVE_MARGIN_S``, at least half of it. Like a gateway that pools its upstream connections,
-    the client then reuses them across the idle gaps of bursty traffic, and never sends on one the
-    server is closing. The profile's load, a steady stream, reaches its server on open connections,
-    and the prediction is made for such requests (docs/loadgen.md, "Connections")."""
+def client_keepalive_s(serve_args: Sequence[str] = (), given: float | None = None) -> float:
+    """``given`` (``bench --keepalive-s``) when it is not None, else how long a load generator keeps an
+    idle pooled connection to a ``batchpilot serve`` started with ``serve_args``: the server's
+    keep-alive (``--keep-alive-s``, else ``ServerConfig.keep_alive_s``) less ``KEEPALIVE_MARGIN_S``, at
+    least half of it. Like a gateway that pools its upstream connections, the client then reuses them
+    across the idle gaps of bursty traffic, and never sends on one the server is closing. The profile's
+    load, a steady stream, reaches its server on open connections, and the prediction is made for such
+    requests (docs/loadgen.md, "Connections")."""
     from ..server.config import ServerConfig
 
+    if given is not None:
+        return float(given)  # LoadGenConfig rejects one that is not > 0
     server = ServerConfig.keep_alive_s
     args = list(serve_args)
     for i, a in enumerate(args):

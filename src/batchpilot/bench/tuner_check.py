@@ -174,7 +174,7 @@ def main(args: argparse.Namespace) -> int:
             urls[name] = stack.enter_context(serve(serve_args, log_path=out / f"serve-{name}.log",
                                                    cpus=args.cpus))
         starts = {names[id(c)]: 0.9 * c.capacity for c in chosen}
-        keep = args.keepalive_s or client_keepalive_s(shlex.split(args.serve_args))  # as bench fidelity's
+        keep = client_keepalive_s(shlex.split(args.serve_args), args.keepalive_s)  # as bench fidelity's
         live = interleaved_capacity(wl, urls, ccfg, texts, starts, keepalive_s=keep)
     rows, pred, meas = [], [], []
     for c in chosen:
