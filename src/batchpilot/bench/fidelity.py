@@ -31,7 +31,6 @@ import dataclasses
 import json
 import math
 import shlex
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -49,10 +48,11 @@ from .capacity import wait_idle
 from .fidelity_table import HEAD, REPEAT_HEAD, comparison_rows, predicted_bands, repeat_rows, text_table
 from .live_run import measure, warm_up
 from .loadgen import build_plan, load_tokenizer
+from .profile_run import run_profile, run_recheck
 from .records import Summary, format_summary, write_csv
 from .report import RunData, html_table, write_report
 from .run_speed import WINDOW_S, run_speed
-from .serverproc import client_keepalive_s, pin_load_generator, pinned, serve
+from .serverproc import client_keepalive_s, pin_load_generator, serve
 
 DEFAULT_REQUESTS = 1000
 
@@ -151,27 +151,6 @@ def predicted_capacity(workload: Workload, cost_model: CostModel, spec: Any, fro
     cand = Candidate("config", spec.encoder)
     tuner.capacity(cand, workload, rel_tol=0.02, start=1.0)
     return cand
-
-
-def run_profile(out: Path, padding: str, extra: str = "", cpus: str | None = None,
-                name: str = "profile.json") -> Path:
-    """``batchpilot profile -o out/name`` in a subprocess, pinned like the server (before any traffic)."""
-    path = out / name
-    cmd = [*pinned(cpus), sys.executable, "-m", "batchpilot.cli", "profile", "--output", str(path),
-           "--padding", "none" if padding == "none" else "dynamic", *shlex.split(extra)]
-    print("profiling:", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True)
-    return path
-
-
-def run_recheck(out: Path, profile: Path, cpus: str | None, name: str) -> float:
-    """``batchpilot profile --recheck`` in a subprocess pinned like the server: the machine's speed
-    against ``profile`` right now (``SpeedCheck.speed``), its rescaled profile written to out/name."""
-    path = out / name
-    cmd = [*pinned(cpus), sys.executable, "-m", "batchpilot.cli", "profile", "--recheck", str(profile),
-           "--output", str(path)]
-    subprocess.run(cmd, check=True, stderr=subprocess.DEVNULL)
-    return float(json.loads(path.read_text())["speed_check"]["ratio"]) - 1.0
 
 
 def main(args: argparse.Namespace) -> int:

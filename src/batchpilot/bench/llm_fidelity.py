@@ -43,10 +43,10 @@ from ..runtime.json_lines import wait_written
 from ..sim.llm_frontend import LLMFrontEnd
 from ..sim.traces import Workload
 from .capacity import CapacityConfig, probe_workload, search_capacity, wait_idle
-from .fidelity import run_recheck
 from .fidelity_table import text_table
 from .llm_steps import format_by_seqs, read_steps, speed_by_seqs, speed_vs_profile
 from .loadgen import LoadGenConfig, build_plan, replay
+from .profile_run import run_recheck
 from .records import Summary, format_summary, summarize, write_csv
 from .report import RunData, html_table, write_report
 from .serverproc import client_keepalive_s, serve

@@ -46,10 +46,11 @@ from ..config_file import add_deployment_args, dump_spec, spec_from_args
 from ..core.costmodel import CostModel
 from ..sim.frontend import FrontEnd
 from .capacity import CapacityConfig
-from .fidelity import load_workload, run_profile, run_recheck
+from .fidelity import load_workload
 from .fidelity_table import text_table
 from .interleave import interleaved_capacity
 from .loadgen import build_plan, load_tokenizer
+from .profile_run import run_profile, run_recheck
 from .serverproc import client_keepalive_s, pin_load_generator, serve
 
 HEAD = ["tuner rank", "config", "kind", "profile", "predicted req/s", "live req/s", "live probes"]
