@@ -30,6 +30,7 @@ import numpy as np
 
 from ..bench.loadgen import PlannedRequest
 from ..core.costmodel import BatchShape, CostModel, nonneg_lstsq
+from ..sim.batch_noise import split_wander
 from ..sim.before_batch import BUSY_EDGES, IDLE_EDGES_S, busy_shares, idle_times
 from ..sim.frontend import rates_before, residual_units
 from ..sim.line_fit import backfit_factors
@@ -121,7 +122,8 @@ def fit_loaded(batches: list[Loaded], cost_model: CostModel, competing_cpu_s: fl
     ``const`` the seconds every batch takes beyond that (``per_batch_const``); ``alpha`` makes the
     totals agree. Returns ``(alpha, alpha * competing_cpu_s, const)`` (``FrontEnd``'s loaded line)
     and what was measured, the factors among it (``frontend_fields`` makes ``FrontEnd`` fields of
-    both)."""
+    both); the residuals around the line are split into the wander of the speed between windows and
+    the part of each batch (``sim.batch_noise.split_wander``)."""
     if len(batches) < 10:
         return (1.0, 0.0, 0.0), {"batches": len(batches), "note": "too few batches: not measured"}
     batches = sorted(batches, key=lambda b: b.start)
@@ -154,7 +156,8 @@ def fit_loaded(batches: list[Loaded], cost_model: CostModel, competing_cpu_s: fl
     fitted_s = float(b / a) if a > 0 else math.nan
     line = alpha * base + const
     ref_s = float(np.median(line))
-    residuals = residual_units(took / line - 1.0, line, ref_s)
+    wander, within, windows = split_wander(starts, took / line - 1.0)
+    residuals = residual_units(within, line, ref_s)
     return (alpha, alpha * competing_cpu_s, const), {
         "batches": len(batches),
         "mean_batch_size": float(np.mean([b.features.get("n", 1.0) for b in batches])),
@@ -165,7 +168,8 @@ def fit_loaded(batches: list[Loaded], cost_model: CostModel, competing_cpu_s: fl
         "token_factors": [list(step) for step in by_tokens], "token_batches": token_n,
         "busy_factors": list(busy_f), "busy_batches": busy_n,
         "residuals": sorted(float(r) for r in residuals), "residual_std": float(residuals.std()),
-        "residual_ref_s": ref_s, "turnaround_s": turnaround(batches),
+        "residual_ref_s": ref_s, "wander": wander, "wander_windows": windows,
+        "turnaround_s": turnaround(batches),
         "measured": [{"start": b.start, "slot_s": b.slot_s, "features": b.features, "arrivals": b.arrivals}
                      for b in batches]}
 
@@ -180,7 +184,7 @@ def frontend_fields(loaded: tuple[float, float, float], details: dict[str, Any])
             "loaded_idle_factors": tuple(details.get("idle_factors", ())),
             "loaded_busy_factors": tuple(details.get("busy_factors", ())),
             "loaded_token_factors": tuple(tuple(x) for x in details.get("token_factors", ())),
-            "batch_gap_s": details.get("turnaround_s", 0.0)}
+            "batch_gap_s": details.get("turnaround_s", 0.0), "loaded_wander": details.get("wander", 0.0)}
 
 
 def turnaround(batches: Sequence[Loaded], min_gaps: int = 10, window_s: float = 0.0) -> float:

@@ -31,8 +31,9 @@ free 127.0.0.1 port, and measures three things the simulator's ``sim.frontend.Fr
    ``predicted * loaded_alpha * (1 + competing_cpu_s * rate)``, times a factor per size step
    (``loaded_token_factors``), per idle time before it and per busy share of the second before it
    (``sim.before_batch``), plus ``loaded_const_s`` a batch (``serving_load.per_batch_const``);
-   ``loaded_residuals`` are the spread around that line. How much longer the load generator's
-   requests spent outside the batcher than lone ones is the delay stage under load
+   ``loaded_residuals`` are the spread around that line, less the wander of the machine's speed that
+   batches of the same two seconds share (``loaded_wander``, ``sim.batch_noise``). How much longer the
+   load generator's requests spent outside the batcher than lone ones is the delay stage under load
    (``server/serving_delay.py``). This traffic is the profile's own, made before any run it predicts.
 4. **Tokenizer/model contention.** ``executor.tokenize`` of a fixed list of texts is timed with the
    model idle and while another thread runs model batches back to back (``prepare + run``, as the

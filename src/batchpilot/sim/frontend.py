@@ -41,6 +41,8 @@ The fields:
   (``slot / line - 1``, sorted) in the units of a batch of ``loaded_residual_ref_s`` seconds (their
   median; 0: relative at every length; ``residual_units``). The simulator draws every batch's time
   from them (seeded), scaled to the batch's length: the served model's variance, not the profiler's.
+  ``loaded_wander``: the part of that spread the batches of the same ``WANDER_WINDOW_S`` share (the
+  machine's speed moving), drawn per window of simulated time (``sim.batch_noise``); 0: none.
 * ``loaded_idle_factors``: one factor per bin of the idle time before a batch (``IDLE_EDGES_S``: under
   2 ms, 2-10 ms, 10-30 ms, 30-100 ms, 100-300 ms, 300 ms or more, the first batch included), by
   which that batch's loaded term (before ``loaded_const_s``) is multiplied: a batch right behind
@@ -116,6 +118,7 @@ class FrontEnd:
     delay_rate_coef_s: float = 0.0
     loaded_busy_factors: tuple[float, ...] = ()
     batch_gap_s: float = 0.0
+    loaded_wander: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "loaded_residuals", tuple(sorted(float(r) for r in self.loaded_residuals)))

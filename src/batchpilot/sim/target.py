@@ -25,9 +25,10 @@ from ..core.config import SchedulerConfig
 from ..core.costmodel import CostModel
 from ..core.request import Request
 from ..core.scheduler import Batch, BatchScheduler, Rejection
+from .batch_noise import BatchNoise
 from .before_batch import BusyWindow
 from .engine import Engine, EngineStats, Job, StopSimulation
-from .frontend import RATE_WINDOW_S, FrontEnd, residual_scale, served_seconds
+from .frontend import RATE_WINDOW_S, FrontEnd, served_seconds
 from .traces import Workload
 
 DONE, PENDING, REJECTED, DROPPED = 1, 0, 2, 3
@@ -78,6 +79,7 @@ class EncoderTarget:
         loaded_idle_factors: tuple[float, ...] = (),
         loaded_token_factors: tuple[tuple[int, float], ...] = (),
         loaded_busy_factors: tuple[float, ...] = (),
+        loaded_wander: float = 0.0,
     ) -> None:
         """``batch_overhead_s``: seconds the live driver adds to every batch outside the model (thread
         hand-offs, the event loop; the profile's ``frontend.batch_overhead_s``); ``batch_gap_s``: in
@@ -92,7 +94,8 @@ class EncoderTarget:
         on any slot; ``sim.before_batch.idle_factor``); ``loaded_token_factors``: its factor by the batch's
         computed tokens (the thread plan's steps; ``sim.line_fit.step_factor``);
         ``loaded_busy_factors``: its factor by the share of the second before the batch starts in
-        which a batch ran (``sim.before_batch.BusyWindow``).
+        which a batch ran (``sim.before_batch.BusyWindow``); ``loaded_wander``: the machine's speed
+        wander between windows of simulated time (``sim.batch_noise``), drawn with the residuals.
         ``stop_after_misses = (sla_s, max_misses, warmup_s)``: stop the run (``StopSimulation``) once more
         than ``max_misses`` measured requests finished later than ``sla_s`` or failed — the tuner's
         early exit when a probe's P99 is already lost for certain."""
@@ -100,15 +103,14 @@ class EncoderTarget:
         self.workload = workload
         self.service_model = service_model or scheduler.cost_model
         self.noise = noise
-        self._rng = np.random.default_rng(seed)
-        self._u: list[float] = []
         self.request_sla_s = request_sla_s
         self.record = EncoderRecord(len(workload))
         self._lengths = workload.input_tokens.tolist()
         self._prio = workload.priority.tolist()
-        self._residuals = loaded_residuals or self.service_model.rel_residuals
-        self._ref_s = loaded_residual_ref_s if loaded_residuals else 0.0
         self.noise = noise or bool(loaded_residuals)
+        self._noise = BatchNoise(loaded_residuals or self.service_model.rel_residuals,
+                                 loaded_residual_ref_s if loaded_residuals else 0.0,
+                                 loaded_wander if loaded_residuals else 0.0, seed) if self.noise else None
         self._stop = stop_after_misses
         self._overhead, self._gap = batch_overhead_s, batch_gap_s or batch_overhead_s
         self._loaded = loaded
@@ -202,22 +204,12 @@ class EncoderTarget:
         mean = served_seconds(self.service_model.batch_latency(shape.n, shape.tokens, shape.attn),
                               self._loaded, rate, idle_s, shape.tokens, self._idle_factors,
                               self._token_factors, busy, self._busy_factors)
-        took = self._draw(mean) + (self._gap if idle_s == 0.0 else self._overhead)
+        took = (self._noise.draw(mean, start) if self._noise is not None else mean) \
+            + (self._gap if idle_s == 0.0 else self._overhead)
         if self._busy is not None:
             self._busy.add(start, start + took)
             heapq.heappush(self._ends, start + took)
         return took
-
-    def _draw(self, mean: float) -> float:
-        """A batch's time around its line ``mean`` (the line itself without residuals or noise): the draw
-        of ``CostModel.sample_latency``, the residual scaled down for a batch longer than their reference."""
-        if not self.noise or not self._residuals:
-            return mean
-        if not self._u:
-            self._u = self._rng.random(4096).tolist()
-        res = self._residuals
-        r = res[min(int(self._u.pop() * len(res)), len(res) - 1)] * residual_scale(mean, self._ref_s)
-        return max(mean * (1.0 + r), 0.0)
 
     def _fail(self, rej: Rejection, kind: int, now: float) -> None:
         rec = self.record
@@ -249,7 +241,7 @@ def served_batch_terms(frontend: FrontEnd | None) -> dict[str, Any]:
     if frontend is None:
         return {}
     names = ("batch_overhead_s", "batch_gap_s", "loaded_residuals", "loaded_residual_ref_s",
-             "loaded_idle_factors", "loaded_token_factors", "loaded_busy_factors")
+             "loaded_idle_factors", "loaded_token_factors", "loaded_busy_factors", "loaded_wander")
     return {"loaded": (frontend.loaded_alpha, frontend.loaded_rate_coef, frontend.loaded_const_s),
             **{name: getattr(frontend, name) for name in names}}
 
