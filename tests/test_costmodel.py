@@ -9,6 +9,7 @@ import pytest
 from batchpilot.core.costmodel import (
     ENCODER_FEATURES,
     LLM_FEATURES,
+    PROFILED_ENCODER_FEATURES,
     BatchShape,
     CostModel,
     ProfilePoint,
@@ -88,6 +89,33 @@ def test_fast_path_matches_the_shape_api() -> None:
     # the stated default: batch 1 at 16 / 128 / 512 tokens
     got = [model.latency(BatchShape.padded([L], L)) for L in (16, 128, 512)]
     assert got == pytest.approx([0.0243, 0.0500, 0.1760], abs=5e-4)
+
+
+def test_tokens_sq_is_fitted_from_tokens_and_priced_on_both_paths() -> None:
+    """A batch of thousands of tokens costs more per token than the linear features say: the profiler
+    fits ``tokens_sq`` too; shapes and logged features carry only ``tokens``, from which it is derived."""
+    sq = 3.0e-9
+    truth = CostModel(PROFILED_ENCODER_FEATURES, (*TRUE, sq), (1e6, 0.0, 18_432.0, 48.0, 0.5))
+    shapes = [*grid(), BatchShape.ragged([300] * 16), BatchShape.ragged([5, 40, 250])]
+    pts = [ProfilePoint(s.features(), truth.latency(s), truth.memory(s)) for s in shapes]
+    assert "tokens_sq" not in shapes[0].features()
+    model = CostModel.fit(pts, PROFILED_ENCODER_FEATURES)
+    assert model.latency_coef == pytest.approx((*TRUE, sq), rel=1e-5)
+    assert model.memory_coef[-1] == pytest.approx(0.5, rel=1e-5)
+    big = BatchShape.ragged([300] * 16)
+    assert model.latency(big) == pytest.approx(CostModel(latency_coef=TRUE, memory_coef=TRUE).latency(big)
+                                               + sq * big.tokens ** 2)
+    for shape in shapes:
+        assert model.batch_latency(shape.n, shape.tokens, shape.attn) == pytest.approx(model.latency(shape))
+        assert model.batch_memory(shape.n, shape.tokens, shape.attn) == pytest.approx(model.memory(shape))
+        assert model.latency(dict(shape.features())) == pytest.approx(model.latency(shape))
+    assert model.encoder_latency_coef == pytest.approx(TRUE)  # the planner's per-request slopes: linear
+    # points with no quadratic cost give it none
+    flat = CostModel(latency_coef=TRUE)
+    linear = CostModel.fit([ProfilePoint(s.features(), flat.latency(s)) for s in shapes],
+                           PROFILED_ENCODER_FEATURES)
+    assert linear.latency_coef[-1] == pytest.approx(0.0, abs=1e-15)
+    assert CostModel.from_dict(model.to_dict()).latency(big) == pytest.approx(model.latency(big))
 
 
 def test_shapes_count_padding() -> None:

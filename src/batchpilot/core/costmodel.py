@@ -8,7 +8,11 @@ Two shape kinds share the machinery:
 
 * ``BatchShape`` (encoders): ``const, n, tokens, attn`` where ``tokens`` are the tokens *computed*
   (``n * padded_len`` padded, ``sum(L)`` padding-free) and ``attn`` the attention work
-  (``n * padded_len**2`` padded, ``sum(L**2)`` padding-free).
+  (``n * padded_len**2`` padded, ``sum(L**2)`` padding-free). The profiler also fits ``tokens_sq``
+  (``tokens**2``, derived from ``tokens``: shapes and batch logs need not carry it): per token, a batch
+  of thousands of tokens runs slower than one of hundreds once its activations outgrow the CPU's
+  caches (docs/profiler.md). The planner's per-request slopes (``encoder_latency_coef``) leave it out;
+  every batch's predicted time and memory (``batch_latency``, ``latency``) include it.
 * ``StepShape`` (LLM iterations): ``const, prefill_tokens, decode_seqs, kv_tokens, prefill_attn``.
 
 The high quantile is ``mean * (1 + q)`` where ``q`` is that quantile of the fit's relative residuals,
@@ -27,6 +31,7 @@ from typing import Any
 import numpy as np
 
 ENCODER_FEATURES: tuple[str, ...] = ("const", "n", "tokens", "attn")
+PROFILED_ENCODER_FEATURES: tuple[str, ...] = (*ENCODER_FEATURES, "tokens_sq")  # what the profiler fits
 LLM_FEATURES: tuple[str, ...] = ("const", "prefill_tokens", "decode_seqs", "kv_tokens", "prefill_attn",
                                  "multi_row")
 
@@ -87,6 +92,14 @@ class ProfilePoint:
     memory_bytes: float = 0.0
 
 
+def feature_value(feats: Mapping[str, float], name: str) -> float:
+    """A shape's value of the feature ``name``: its own, or derived (``tokens_sq`` from ``tokens``)."""
+    value = feats.get(name)
+    if value is not None:
+        return float(value)
+    return float(feats.get("tokens", 0.0)) ** 2 if name == "tokens_sq" else 0.0
+
+
 def nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Least squares with coefficients >= 0 (a tiny active-set loop; a handful of features)."""
     active = list(range(x.shape[1]))
@@ -115,6 +128,7 @@ class CostModel:
     # Coefficients of (const, n, tokens, attn) picked out once, for the scheduler's hot path.
     _lat4: tuple[float, float, float, float] = field(default=(0.0, 0.0, 0.0, 0.0), init=False, repr=False)
     _mem4: tuple[float, float, float, float] = field(default=(0.0, 0.0, 0.0, 0.0), init=False, repr=False)
+    _sq: tuple[float, float] = field(default=(0.0, 0.0), init=False, repr=False)  # tokens_sq: latency, memory
 
     def __post_init__(self) -> None:
         k = len(self.feature_names)
@@ -129,6 +143,9 @@ class CostModel:
         self._q_factor = 1.0 + max(q, 0.0)
         self._lat4 = self._pick(self.latency_coef)
         self._mem4 = self._pick(self.memory_coef)
+        names = self.feature_names
+        self._sq = ((self.latency_coef[names.index("tokens_sq")], self.memory_coef[names.index("tokens_sq")])
+                    if "tokens_sq" in names else (0.0, 0.0))
 
     def _pick(self, coef: Sequence[float]) -> tuple[float, float, float, float]:
         by_name = dict(zip(self.feature_names, coef, strict=True))
@@ -154,17 +171,18 @@ class CostModel:
     def batch_latency(self, n: float, tokens: float, attn: float) -> float:
         """Mean seconds of an encoder batch given its ``n``, computed ``tokens`` and ``attn`` work."""
         c0, c1, c2, c3 = self._lat4
-        return c0 + c1 * n + c2 * tokens + c3 * attn
+        return c0 + c1 * n + (c2 + self._sq[0] * tokens) * tokens + c3 * attn
 
     def batch_memory(self, n: float, tokens: float, attn: float) -> float:
         """Peak bytes of an encoder batch (same features as ``batch_latency``)."""
         c0, c1, c2, c3 = self._mem4
-        return c0 + c1 * n + c2 * tokens + c3 * attn
+        return c0 + c1 * n + (c2 + self._sq[1] * tokens) * tokens + c3 * attn
 
     # -- prediction --------------------------------------------------------------------------
     def _dot(self, coef: Sequence[float], shape: BatchShape | StepShape | Mapping[str, float]) -> float:
         feats = shape if isinstance(shape, Mapping) else shape.features()
-        return float(sum(c * feats.get(name, 0.0) for name, c in zip(self.feature_names, coef, strict=True)))
+        return float(sum(c * feature_value(feats, name)
+                         for name, c in zip(self.feature_names, coef, strict=True)))
 
     def latency(self, shape: BatchShape | StepShape | Mapping[str, float]) -> float:
         """Mean predicted seconds for one call on this shape."""
@@ -200,7 +218,7 @@ class CostModel:
             raise ValueError(
                 f"cost model fit: need at least {len(feature_names)} profile points, got {len(pts)}"
             )
-        x = np.array([[p.features.get(f, 0.0) for f in feature_names] for p in pts], dtype=float)
+        x = np.array([[feature_value(p.features, f) for f in feature_names] for p in pts], dtype=float)
         y = np.array([p.latency_s for p in pts], dtype=float)
         if (y <= 0).any():
             raise ValueError("cost model fit: every latency must be > 0 seconds")

@@ -25,7 +25,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..core.costmodel import BatchShape, CostModel, ProfilePoint
+from ..core.costmodel import ENCODER_FEATURES, PROFILED_ENCODER_FEATURES, BatchShape, CostModel, ProfilePoint
 
 QUICK_BATCH_SIZES = (1, 4, 16)
 QUICK_LENGTHS = (16, 64, 256, 512)
@@ -35,6 +35,14 @@ QUICK_LENGTHS = (16, 64, 256, 512)
 STANDARD_BATCH_SIZES = (1, 2, 4, 8, 16)
 STANDARD_LENGTHS = (16, 32, 64, 128, 256, 512)
 MIX_SPREAD = 0.25  # a grid batch's lengths spread over L * (1 +- this) (grid_lengths)
+# with fewer points (a budget-cut or custom grid) the fit keeps the linear features: tokens_sq needs
+# shapes from hundreds to thousands of tokens beside the four it shares them with
+MIN_POINTS_TOKENS_SQ = 10
+
+
+def fitted_features(points: int) -> tuple[str, ...]:
+    """The encoder features a profile of ``points`` shapes is fitted on (docs/profiler.md)."""
+    return PROFILED_ENCODER_FEATURES if points >= MIN_POINTS_TOKENS_SQ else ENCODER_FEATURES
 
 
 @dataclass
@@ -185,7 +193,7 @@ def profile_grid(executor: Any, batch_sizes: tuple[int, ...], lengths: tuple[int
             # collation against the run, per shape: whether pipelining can pay (core.deployment)
             "prepare_share": statistics.median(m.prepare_s / m.latency_s for m in out),
             **model_limits(executor)}
-    return CostModel.fit([m.point() for m in out], meta=meta), out
+    return CostModel.fit([m.point() for m in out], fitted_features(len(out)), meta=meta), out
 
 
 def grid_lengths(n: int, length: int, limit: int, rng: random.Random) -> list[int]:
@@ -218,7 +226,8 @@ def leave_one_out(points: list[Measurement]) -> list[float]:
     errs = []
     for i, m in enumerate(points):
         rest = [p.point() for j, p in enumerate(points) if j != i]
-        errs.append(CostModel.fit(rest).latency(m.features) / m.latency_s - 1.0)
+        names = fitted_features(len(points))
+        errs.append(CostModel.fit(rest, names).latency(m.features) / m.latency_s - 1.0)
     return errs
 
 
