@@ -18,8 +18,9 @@ wanders within a run over windows of 6, 18 and 54 s (the profile's loaded phase 
 turnaround` the driver's mean time from a batch's end to the next one's start where the next one's
 requests waited (what the simulator charges such a batch: `batch_gap_s`), `--by point` one ratio per
 load point of each run (its run speed with the logged arrivals) and their mean distance from 1.
-`--refit` prices with each profile's loaded line fitted again from the batches it kept, by this
-checkout's code: a change to the line's shape, tried on matrices already run before a new one is;
+`--refit` prices with each profile fitted again by this checkout's code, its cost model from its grid
+points (`--linear`: on the four linear features, no `tokens_sq`) and its loaded line from the batches
+it kept: a change to the model's shape, tried on matrices already run before a new one is;
 `--part 0 0.33` refits it from the batches of the first third of the loaded phase only (how far a
 shorter look at the machine puts the same runs). The rate is counted from the logged arrivals
 (`run_speed.logged_rates`).
@@ -34,8 +35,12 @@ import math
 import statistics
 from pathlib import Path
 
+import numpy as np
+
+import batchpilot.server.serving_load as serving_load
 from batchpilot.bench.run_speed import busy_before, by_rate, idle_before, logged_rates, priced_seconds, split
-from batchpilot.core.costmodel import CostModel
+from batchpilot.core.costmodel import ENCODER_FEATURES, CostModel, ProfilePoint
+from batchpilot.models.profiler import fitted_features
 from batchpilot.runtime.batch_log import LoggedBatch, read_batches
 from batchpilot.server.serving_load import LOADED_TOKEN_EDGES, Loaded, fit_loaded, frontend_fields, turnaround
 from batchpilot.sim.before_batch import BUSY_EDGES
@@ -54,18 +59,23 @@ def own_batches(profile: Path) -> list[LoggedBatch]:
                         arrivals=tuple(b["arrivals"])) for b in loaded.get("measured", ())]
 
 
-def priced_by(profile: Path, refit: bool = False,
-              part: tuple[float, float] = (0.0, 1.0)) -> tuple[CostModel, FrontEnd]:
-    """The profile's cost model and serving path; ``refit``: its loaded line fitted again from the
-    batches it kept, by this checkout's ``fit_loaded`` (same competing CPU and token steps), from those
-    that started in the ``part`` of its loaded phase only (fractions of its span: a shorter look at the
-    machine)."""
+def priced_by(profile: Path, refit: bool = False, part: tuple[float, float] = (0.0, 1.0),
+              linear: bool = False, wander: bool = True, slope: bool = True) -> tuple[CostModel, FrontEnd]:
+    """The profile's cost model and serving path; ``refit``: both fitted again by this checkout's code
+    from what the profile measured itself, the cost model from its grid points (on
+    ``models.profiler.fitted_features``; ``linear``: the four linear features) and the loaded line from
+    the batches it kept (``fit_loaded``, same competing CPU and token steps; ``slope`` False: without
+    the competing CPU, the level in ``loaded_alpha``; ``wander`` False: no speed wander, the residuals
+    whole), from the batches that started in the ``part`` of its loaded phase only (fractions of its
+    span: a shorter look at the machine)."""
     doc = json.loads(profile.read_text())
     if doc.get("frontend") is None:
         raise SystemExit(f"{profile} has no serving path (profiled with --no-serving-path)")
     cost_model = CostModel.load(profile)
     if not refit:
         return cost_model, FrontEnd.from_dict(doc["frontend"])
+    points = [ProfilePoint(q["features"], q["latency_s"], q.get("memory_bytes", 0.0)) for q in doc["points"]]
+    cost_model = CostModel.fit(points, ENCODER_FEATURES if linear else fitted_features(len(points)))
     # the factors are fitted again below: a profile from another line shape (other bins) loads too
     frontend = FrontEnd.from_dict({k: v for k, v in doc["frontend"].items() if k not in FACTOR_FIELDS})
     loaded = doc["serving_path"]["loaded"]
@@ -73,16 +83,23 @@ def priced_by(profile: Path, refit: bool = False,
     t0, t1 = min(b.start for b in own), max(b.start for b in own)
     kept = [Loaded(b.features, b.slot_s, b.start, list(b.arrivals)) for b in own
             if t0 + part[0] * (t1 - t0) <= b.start <= t0 + part[1] * (t1 - t0)]
-    line, details = fit_loaded(kept, cost_model, loaded["competing_cpu_s"],
-                               [lo for lo, _ in loaded["token_factors"]] or [0])
+    split = serving_load.split_wander
+    if not wander:  # the residuals around the line kept whole, no window's offset taken out
+        serving_load.split_wander = lambda starts, rel: (0.0, np.asarray(rel, dtype=float), 0)
+    try:
+        line, details = fit_loaded(kept, cost_model, loaded["competing_cpu_s"] if slope else 0.0,
+                                   [lo for lo, _ in loaded["token_factors"]] or [0])
+    finally:
+        serving_load.split_wander = split
     return cost_model, dataclasses.replace(frontend, **frontend_fields(line, details))
 
 
-def by_point(run: Path, profile: Path, refit: bool,
-             part: tuple[float, float] = (0.0, 1.0)) -> list[tuple[str, float, int]]:
+def by_point(run: Path, profile: Path, refit: bool, part: tuple[float, float] = (0.0, 1.0),
+             models: tuple[CostModel, FrontEnd] | None = None) -> list[tuple[str, float, int]]:
     """Per load point of a fidelity run (its ``fidelity.json``: the last batches of the log, as many
-    as each point's run speed counted), (load, slot / price, batches)."""
-    cost_model, frontend = priced_by(profile, refit, part)
+    as each point's run speed counted), (load, slot / price, batches); priced by ``models`` (a cost
+    model and serving path) when given, else by the profile's (``priced_by``)."""
+    cost_model, frontend = models or priced_by(profile, refit, part)
     batches = sorted(read_batches(run / "batches.jsonl", 0)[0], key=lambda b: b.start)
     price = priced_seconds(batches, cost_model, frontend, logged_rates(batches))
     points = json.loads((run / "fidelity.json").read_text())["points"]
@@ -119,11 +136,12 @@ def window_spread(batches: list[LoggedBatch], profile: Path, window_s: float) ->
     return out
 
 
-def slot_over_price(batches: list[LoggedBatch], profile: Path, flat: bool = False,
-                    by: str = "rate", refit: bool = False) -> dict[str, list[tuple[str, float, int]]]:
+def slot_over_price(batches: list[LoggedBatch], profile: Path, flat: bool = False, by: str = "rate",
+                    refit: bool = False, linear: bool = False) -> dict[str, list[tuple[str, float, int]]]:
     """Per idle bin, per ``run_speed.RATE_BINS`` bin with enough batches: (rate bin, slot / price,
-    batches), the price ``run_speed.priced_seconds``'s (``flat``: without the rate slope)."""
-    cost_model, frontend = priced_by(profile, refit)
+    batches), the price ``run_speed.priced_seconds``'s (``flat``: without the rate slope; ``refit``,
+    ``linear``: as ``priced_by``)."""
+    cost_model, frontend = priced_by(profile, refit, linear=linear)
     if flat:
         mean = json.loads(profile.read_text())["serving_path"]["loaded"]["rate_mean"]
         frontend = dataclasses.replace(frontend, loaded_rate_coef=0.0,
@@ -167,6 +185,8 @@ def main() -> int:
                          "the driver's turnaround between batches (`serving_load.turnaround`)")
     ap.add_argument("--window-ms", type=float, default=5.0,
                     help="--by turnaround: the runs' batching window (bench fidelity's deployment: 5 ms)")
+    ap.add_argument("--linear", action="store_true",
+                    help="with --refit: the cost model on the four linear features (no tokens_sq)")
     ap.add_argument("--refit", action="store_true",
                     help="refit each profile's loaded line from the batches it kept (`priced_by`)")
     ap.add_argument("--part", type=float, nargs=2, default=(0.0, 1.0), metavar=("FROM", "TO"),
@@ -207,7 +227,8 @@ def main() -> int:
     for label_, batches, profile in sets:
         if not batches:
             continue
-        for name, cells in slot_over_price(batches, profile, args.flat, args.by, args.refit).items():
+        for name, cells in slot_over_price(batches, profile, args.flat, args.by, args.refit,
+                                           args.linear).items():
             print(f"{label_:<16} {name:<15} "
                   + "; ".join(f"{label}: {r:.3f} ({n})" for label, r, n in cells))
     return 0
