@@ -25,10 +25,11 @@ free 127.0.0.1 port, and measures three things the simulator's ``sim.frontend.Fr
    still up, a load generator in another process (on the cores this process is not pinned to, when
    there are any, as ``bench`` runs it) sends ``LOADED_REQUESTS`` of the same texts open-loop, in
    segments taking turns at three rates (``LOADED_SHARES``, the last past what one slot serves one
-   at a time). The CPU each request costs outside the model thread is accounted (``competing_cpu_s``:
-   this process's threads from ``/proc`` less the model's, plus the load generator's while it
-   replays when it shares the cores), not fitted (docs/profiler.md). A batch's time under load is
-   ``predicted * loaded_alpha * (1 + competing_cpu_s * rate)``, times a factor per size step
+   at a time). The CPU each request costs outside the model thread is accounted and reported
+   (``cpu.competing_cpu_s``: this process's threads from ``/proc`` less the model's, plus the load
+   generator's while it replays when it shares the cores); it is not a slope of the line, which the
+   loaded batches do not show beside the factors (docs/profiler.md). A batch's time under load is
+   ``predicted * loaded_alpha``, times a factor per size step
    (``loaded_token_factors``), per idle time before it and per busy share of the second before it
    (``sim.before_batch``), plus ``loaded_const_s`` a batch (``serving_load.per_batch_const``);
    ``loaded_residuals`` are the spread around that line, less the wander of the machine's speed that
@@ -133,8 +134,8 @@ def measure_serving_path(executor: Any, cost_model: CostModel, *, requests: int 
     idle, busy = _contention(executor, texts, lengths, padding)
     idle_s, busy_s = statistics.median(idle), statistics.median(busy)
     factor = max(busy_s / idle_s, 1.0) if idle_s > 0 else 1.0
-    loaded, load_details = fit_loaded(batches, cost_model, competing_s, loaded_token_steps(executor))
-    load_details["cpu"] = cpu_details
+    loaded, load_details = fit_loaded(batches, cost_model, 0.0, loaded_token_steps(executor))  # no slope
+    load_details["cpu"] = {**cpu_details, "competing_cpu_s": competing_s}
     delay_const, delay_coef, delay_details = fit_loaded_delay(loaded_rows, fitted, len(traffic),
                                                               LOADED_SEGMENTS, LOADED_SHARES)
     frontend = dataclasses.replace(fitted, batch_overhead_s=overhead_s, serial_busy_factor=factor,
