@@ -35,9 +35,6 @@ import math
 import statistics
 from pathlib import Path
 
-import numpy as np
-
-import batchpilot.server.serving_load as serving_load
 from batchpilot.bench.run_speed import busy_before, by_rate, idle_before, logged_rates, priced_seconds, split
 from batchpilot.core.costmodel import ENCODER_FEATURES, CostModel, ProfilePoint
 from batchpilot.models.profiler import fitted_features
@@ -83,14 +80,8 @@ def priced_by(profile: Path, refit: bool = False, part: tuple[float, float] = (0
     t0, t1 = min(b.start for b in own), max(b.start for b in own)
     kept = [Loaded(b.features, b.slot_s, b.start, list(b.arrivals)) for b in own
             if t0 + part[0] * (t1 - t0) <= b.start <= t0 + part[1] * (t1 - t0)]
-    split = serving_load.split_wander
-    if not wander:  # the residuals around the line kept whole, no window's offset taken out
-        serving_load.split_wander = lambda starts, rel: (0.0, np.asarray(rel, dtype=float), 0)
-    try:
-        line, details = fit_loaded(kept, cost_model, loaded["competing_cpu_s"] if slope else 0.0,
-                                   [lo for lo, _ in loaded["token_factors"]] or [0])
-    finally:
-        serving_load.split_wander = split
+    line, details = fit_loaded(kept, cost_model, loaded["competing_cpu_s"] if slope else 0.0,
+                               [lo for lo, _ in loaded["token_factors"]] or [0], wander)
     return cost_model, dataclasses.replace(frontend, **frontend_fields(line, details))
 
 

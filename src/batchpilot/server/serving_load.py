@@ -112,7 +112,8 @@ def alternating_arrivals(n: int, mean_gaps_s: Sequence[float], rng: random.Rando
 
 
 def fit_loaded(batches: list[Loaded], cost_model: CostModel, competing_cpu_s: float = 0.0,
-               token_steps: Sequence[int] = (0,)) -> tuple[tuple[float, float, float], dict[str, Any]]:
+               token_steps: Sequence[int] = (0,),
+               wander: bool = True) -> tuple[tuple[float, float, float], dict[str, Any]]:
     """``slot_s ~ predicted * alpha * (1 + competing_cpu_s * rate) * step_factor(tokens) *
     idle_factor(idle) * busy_factor(busy) + const`` over the loaded batches: ``rate`` the requests that
     arrived in the ``RATE_WINDOW_S`` before the batch started, per second; ``tokens`` the batch's
@@ -123,7 +124,7 @@ def fit_loaded(batches: list[Loaded], cost_model: CostModel, competing_cpu_s: fl
     totals agree. Returns ``(alpha, alpha * competing_cpu_s, const)`` (``FrontEnd``'s loaded line)
     and what was measured, the factors among it (``frontend_fields`` makes ``FrontEnd`` fields of
     both); the residuals around the line are split into the wander of the speed between windows and
-    the part of each batch (``sim.batch_noise.split_wander``)."""
+    the part of each batch (``sim.batch_noise.split_wander``; ``wander`` False: kept whole)."""
     if len(batches) < 10:
         return (1.0, 0.0, 0.0), {"batches": len(batches), "note": "too few batches: not measured"}
     batches = sorted(batches, key=lambda b: b.start)
@@ -156,7 +157,8 @@ def fit_loaded(batches: list[Loaded], cost_model: CostModel, competing_cpu_s: fl
     fitted_s = float(b / a) if a > 0 else math.nan
     line = alpha * base + const
     ref_s = float(np.median(line))
-    wander, within, windows = split_wander(starts, took / line - 1.0)
+    rel = took / line - 1.0
+    sigma, within, windows = split_wander(starts, rel) if wander else (0.0, rel, 0)
     residuals = residual_units(within, line, ref_s)
     return (alpha, alpha * competing_cpu_s, const), {
         "batches": len(batches),
@@ -168,7 +170,7 @@ def fit_loaded(batches: list[Loaded], cost_model: CostModel, competing_cpu_s: fl
         "token_factors": [list(step) for step in by_tokens], "token_batches": token_n,
         "busy_factors": list(busy_f), "busy_batches": busy_n,
         "residuals": sorted(float(r) for r in residuals), "residual_std": float(residuals.std()),
-        "residual_ref_s": ref_s, "wander": wander, "wander_windows": windows,
+        "residual_ref_s": ref_s, "wander": sigma, "wander_windows": windows,
         "turnaround_s": turnaround(batches),
         "measured": [{"start": b.start, "slot_s": b.slot_s, "features": b.features, "arrivals": b.arrivals}
                      for b in batches]}
