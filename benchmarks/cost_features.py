@@ -3,11 +3,11 @@
     .venv/bin/python benchmarks/cost_features.py PROFILE.json [PROFILE.json ...]
 
 For each `batchpilot profile` file (encoder), every grid point is predicted by a cost model fitted on
-all the others (leave-one-out, ``CostModel.fit`` as the profiler fits), once with the linear features
-(``ENCODER_FEATURES``) and once with ``tokens_sq`` beside them (``PROFILED_ENCODER_FEATURES``, what the
-profiler fits). Printed per profile and feature set: the median |error| over all points, and the mean
-signed error and largest |error| over the points of 1,000 computed tokens or more (positive: the fit
-prices them too low). Nothing is timed: the points are the profile's.
+all the others (``models.profiler.leave_one_out``), once with the linear features
+(``ENCODER_FEATURES``) and once with ``tokens_sq`` beside them (``PROFILED_ENCODER_FEATURES``, what
+the profiler fits). Printed per profile and feature set: the median |error| over all points, and the
+mean signed error and largest |error| over the points of 1,000 computed tokens or more (positive: the
+fit prices them too low). Nothing is timed: the points are the profile's.
 """
 
 from __future__ import annotations
@@ -17,15 +17,15 @@ import statistics
 import sys
 from pathlib import Path
 
-from batchpilot.core.costmodel import ENCODER_FEATURES, PROFILED_ENCODER_FEATURES, CostModel, ProfilePoint
+from batchpilot.core.costmodel import ENCODER_FEATURES, PROFILED_ENCODER_FEATURES, ProfilePoint
+from batchpilot.models.profiler import leave_one_out
 
 BIG_TOKENS = 1000
 
 
 def loo(points: list[ProfilePoint], names: tuple[str, ...]) -> list[float]:
-    """Each point's relative error (measured / predicted - 1) from a fit on all the others."""
-    return [p.latency_s / CostModel.fit(points[:i] + points[i + 1:], names).latency(p.features) - 1.0
-            for i, p in enumerate(points)]
+    """Each point's relative error, measured / predicted - 1, from a fit on all the others."""
+    return [1.0 / (1.0 + e) - 1.0 for e in leave_one_out(points, names)]
 
 
 def main() -> int:

@@ -170,7 +170,7 @@ def profile_one(args: argparse.Namespace, backend: str, dtype: str, output: str)
     model, points = profile_grid(ex, tuple(args.batch_sizes), tuple(args.lengths), args.repeats,
                                  args.budget_s, args.padding, not args.no_memory, True, args.seed,
                                  args.max_batch_tokens or None)
-    loo = leave_one_out(points) if len(points) > len(model.feature_names) else []
+    loo = leave_one_out([m.point() for m in points]) if len(points) > len(model.feature_names) else []
     rng = random.Random(args.seed + 1)
     held: list[tuple[Measurement, float]] = []
     top = min(max(args.lengths), ex.max_length)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -221,14 +222,12 @@ def model_limits(executor: Any) -> dict[str, Any]:
             "device_memory_bytes": memory_bytes(executor.device)}
 
 
-def leave_one_out(points: list[Measurement]) -> list[float]:
-    """Relative error of each point predicted by a model fitted on all the others."""
-    errs = []
-    for i, m in enumerate(points):
-        rest = [p.point() for j, p in enumerate(points) if j != i]
-        names = fitted_features(len(points))
-        errs.append(CostModel.fit(rest, names).latency(m.features) / m.latency_s - 1.0)
-    return errs
+def leave_one_out(points: Sequence[ProfilePoint], names: tuple[str, ...] | None = None) -> list[float]:
+    """Relative error (predicted / measured - 1) of each point predicted by a model fitted on all the
+    others, on ``names`` (default: what a profile of that many shapes is fitted on, ``fitted_features``)."""
+    names = names or fitted_features(len(points))
+    return [CostModel.fit([*points[:i], *points[i + 1:]], names).latency(p.features) / p.latency_s - 1.0
+            for i, p in enumerate(points)]
 
 
 class _progress:
