@@ -8,7 +8,10 @@ errors, the P99 band of the draws (5th-95th percentile) and whether the live P99
 throughput error, the rejected counts, the mean batch size, the speed the recheck measured before the
 point (the prediction is made at it) and the P50 / P99 errors of the profile alone (no recheck), the
 run's speed against the profile and the errors at the run's own speed (hindsight, never the
-prediction). Then the counts within target, for the prediction and for the profile alone.
+prediction), and how many requests took the live P99 or longer and in how many distinct seconds of
+the schedule they arrived (``records.tail_seconds``: one or two seconds means the P99 is one burst's,
+and moves with the machine's state in that second). Then the counts within target, for the
+prediction and for the profile alone.
 
 A second table checks the serving path outside the batcher per point: the median of each answered
 request's latency minus its `tokenize` and `batcher` parts (records-<load>.csv) beside what the
@@ -30,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from batchpilot.bench.records import read_csv, tail_seconds
 from batchpilot.server.serving_load import LOADED_SHARES
 from batchpilot.sim.frontend import FrontEnd
 from batchpilot.sim.line_fit import fit_line
@@ -44,8 +48,9 @@ def main() -> int:
     print("| workload | cpus | load | P50 pred / meas ms | P50 err | P99 pred / meas ms | P99 err "
           "| P99 band of the draws ms | thr err | rejected pred / meas | batch pred / meas "
           "| speed checked before | P50 / P99 err, profile alone "
-          "| speed vs profile (15 s windows) | P50 / P99 err at the run's speed |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| speed vs profile (15 s windows) | P50 / P99 err at the run's speed "
+          "| slowest 1%: requests / seconds they arrived in |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     within = {k: [0, 0] for k in SCORED}
     hindsight: dict[str, list[float]] = {"P50 ms": [], "P99 ms": []}
     in_band = [0, 0]
@@ -75,9 +80,12 @@ def main() -> int:
                     v[1] += 1
                     v[0] += abs(float(r[k][12].rstrip("%"))) <= 10.0
             rej, size = r["rejected"], r["mean batch size"]
+            records = run.parent / f"records-{load.rstrip('%')}.csv"
+            tail = "{} / {}".format(*tail_seconds(read_csv(records))) if records.exists() else "-"
             print(f"| {name} | {cpus} | {load} | {p50[3]} / {p50[4]} | {p50[5]} | {p99[3]} / {p99[4]} "
                   f"| {p99[5]} | {band} ({inside}) | {r['throughput req/s'][5]} | {rej[3]} / {rej[4]} "
-                  f"| {size[3]} / {size[4]} | {checked} | {first} | {p50[8]} | {p50[9]} / {p99[9]} |")
+                  f"| {size[3]} / {size[4]} | {checked} | {first} | {p50[8]} | {p50[9]} / {p99[9]} "
+                  f"| {tail} |")
     total = sum(v[0] for v in within.values())
     scored = sum(v[1] for v in within.values())
     print(f"\n{total} of {scored} scored cells within target: "

@@ -1,0 +1,40 @@
+"""``records.tail_seconds``: how many seconds of arrivals a run's slowest requests came from."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from batchpilot.bench.records import RequestRecord, tail_seconds
+
+
+def rec(i: int, scheduled_s: float, latency_s: float, status: int = 200,
+        warmup: bool = False) -> RequestRecord:
+    return RequestRecord(index=i, scheduled_s=scheduled_s, input_tokens=8, status=status,
+                         latency_s=latency_s, warmup=warmup)
+
+
+def test_one_burst_sets_the_tail() -> None:
+    # 200 fast requests over 100 s, then 5 slow ones arriving within one second
+    rs = [rec(i, i * 0.5, 0.01) for i in range(200)] + [rec(200 + k, 50.2 + k * 0.1, 1.0) for k in range(5)]
+    assert tail_seconds(rs) == (5, 1)
+
+
+def test_a_spread_tail_counts_every_second() -> None:
+    rs = [rec(i, float(i), 0.01) for i in range(300)] + [rec(300 + k, 10.0 * k + 0.5, 1.0) for k in range(6)]
+    assert tail_seconds(rs) == (6, 6)
+
+
+def test_failed_and_warmup_requests_are_left_out() -> None:
+    rs = [rec(i, float(i), 0.01 + i * 1e-4) for i in range(100)]
+    rs += [rec(100, 5.0, 9.0, status=503), rec(101, 6.0, 9.0, warmup=True)]
+    assert tail_seconds(rs) == (1, 1)  # request 99, the slowest that was answered and measured
+    assert tail_seconds([]) == (0, 0)
+
+
+@given(st.lists(st.tuples(st.floats(0, 1000), st.floats(1e-4, 10)), min_size=1, max_size=300))
+def test_bounds(rows: list[tuple[float, float]]) -> None:
+    rs = [rec(i, t, lat) for i, (t, lat) in enumerate(rows)]
+    n, seconds = tail_seconds(rs)
+    assert 1 <= seconds <= n <= len(rs)
+    assert n >= len(rs) // 100  # at least the top 1%
