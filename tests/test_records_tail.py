@@ -38,3 +38,21 @@ def test_bounds(rows: list[tuple[float, float]]) -> None:
     n, seconds = tail_seconds(rs)
     assert 1 <= seconds <= n <= len(rs)
     assert n >= len(rs) // 100  # at least the top 1%
+
+
+def test_a_repeat_reports_each_replay_s_tail() -> None:
+    from batchpilot.bench.fidelity_table import repeat_rows
+    from batchpilot.bench.live_run import Measurement
+    from batchpilot.bench.records import summarize
+
+    def measured(rs: list[RequestRecord]) -> Measurement:
+        for r in rs:
+            r.sent_s, r.done_s = r.scheduled_s, r.scheduled_s + r.latency_s
+        return Measurement(summarize(rs), rs, None)
+
+    fast = [rec(i, i * 0.5, 0.01) for i in range(200)]
+    burst = fast + [rec(200 + k, 50.2 + k * 0.1, 1.0) for k in range(5)]
+    spread = [rec(i, i * 0.5, 0.01) for i in range(200)] + [rec(200 + k, 10.0 * k, 1.0) for k in range(5)]
+    rows = repeat_rows(0.5, measured(burst), measured(spread), (0.01, -0.02))
+    assert rows[-1] == ["50%", "slowest 1%: requests / seconds", "5 / 1", "5 / 5", ""]
+    assert rows[-2][1] == "speed vs profile"

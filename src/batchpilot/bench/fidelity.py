@@ -260,6 +260,7 @@ def main(args: argparse.Namespace) -> int:
                 repeats += repeat_rows(load, live, again, (rs.speed, rs_again.speed))
                 point["repeats"].append({"measured": again.summary.to_dict(), "server": again.server,
                                          "run_speed": rs_again.to_dict()})
+                write_csv(again.records, out / f"records-{int(load * 100)}-again{j}.csv")
             result["points"].append(point)
             write_csv(live.records, out / f"records-{int(load * 100)}.csv")
             runs.append(RunData(f"live {load:.0%}", live.records, live.summary, live.metrics,

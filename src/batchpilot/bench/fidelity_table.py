@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 from .live_run import Measurement
+from .records import tail_seconds
 
 TARGETS = {"P50": 0.10, "P99": 0.10, "throughput": 0.05}
 METRICS = ("P50 ms", "P99 ms", "throughput req/s", "rejected", "mean batch size")  # what each point reports
@@ -96,4 +97,6 @@ def repeat_rows(load: float, first: Measurement, again: Measurement,
         rows.append([f"{load:.0%}", name, f"{a:.2f}", f"{b:.2f}", diff])
     a, b = speeds
     rows.append([f"{load:.0%}", "speed vs profile", f"{a:+.1%}", f"{b:+.1%}", f"{(b - a) * 100:+.1f} pts"])
+    (n, s1), (m, s2) = tail_seconds(first.records), tail_seconds(again.records)
+    rows.append([f"{load:.0%}", "slowest 1%: requests / seconds", f"{n} / {s1}", f"{m} / {s2}", ""])
     return rows
