@@ -14,10 +14,11 @@ delay_rate_coef_s * rate`` through the points of the segments below one slot's o
 (share < 1), both >= 0 (``line_fit.fit_line``). Medians, not means: the shift is what moves a
 prediction's P50, and a few requests held up by a pause of the host would pull a mean toward a
 delay most requests never see. Not the segments past one slot's rate: there the model runs without
-a break while the queue grows, and the excess measured in them (0.6-4.8 ms in the profiles of the
-fidelity matrices in docs/benchmarks.md) is not what a server at 50-80% of its predicted capacity
-sees: fitted through them, the line put the live median outside the batcher 0.6-1.1 ms too high
-on average in each of those matrices (docs/profiler.md, "The delay under load").
+a break while the queue grows, and the excess measured in them (0.6-4.8 ms in the profiles of three
+fidelity matrices, ``benchmarks/fidelity.py`` at commits 43f68a3, 566b02d and f5c37f3) is not what
+a server at 50-80% of its predicted capacity sees: fitted through them, the line put the live median
+outside the batcher 0.6-1.1 ms too high on average in each of those matrices (docs/profiler.md, "The
+delay under load").
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ own traffic (never the traffic it predicts) and writes these fields into the pro
   (``line_fit.binned_factors``: each bin weighs ``SEQ_PRIOR_STEPS`` steps at 1 beside its own, so a bin
   of few steps stays near 1; normalised so the totals agree). The step profile times each shape
   alone over a synthetic grid; in live runs the steps of two and three sequences ran over it while
-  those of one and of four or more ran under it (docs/benchmarks.md, conv-llm): one ``step_alpha``
-  for all counts puts that shape into every TPOT.
+  those of one and of four or more ran under it (``python -m batchpilot.bench.llm_steps DIR
+  --by-count`` on conv-llm runs): one ``step_alpha`` for all counts puts that shape into every TPOT.
 
 A simulated step takes ``step_seconds(predicted, seqs)``. ``LLMFrontEnd()`` adds nothing.
 """
