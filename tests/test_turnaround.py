@@ -10,9 +10,9 @@ import pytest
 from batchpilot.core.config import PolicyConfig, SchedulerConfig
 from batchpilot.core.costmodel import CostModel
 from batchpilot.runtime.executor import NoopExecutor
-from batchpilot.server.serving_load import Loaded, frontend_fields, turnaround, turnaround_line
+from batchpilot.server.serving_load import Loaded, frontend_fields, turnaround
 from batchpilot.server.serving_profile import scheduler_config
-from batchpilot.sim.frontend import FrontEnd, rates_before
+from batchpilot.sim.frontend import FrontEnd
 from batchpilot.sim.target import simulate_encoder
 from batchpilot.sim.traces import Workload
 
@@ -67,36 +67,3 @@ def test_the_profile_serves_the_deployment_serve_resolves() -> None:
     assert on.pipeline == "on" and on.pipeline_lead_s > 0
     assert on.policy.max_wait_s == 0.0 and on.planner.padding == "none"
     assert on.admission.timeout_s > 0  # the server's request timeout, as serve resolves it
-
-
-def test_the_turnaround_line_follows_the_request_rate() -> None:
-    # a batch starts every 20 ms, its request in during the batch before; other requests arrive at 20,
-    # then 60, then 100 req/s; the gap before a batch is 0.5 ms + 20 us per request/s of the second
-    # before its start (every arrival counted, as the simulator counts them)
-    starts = np.arange(0.0, 9.0, 0.020)
-    own = starts - 0.005
-    extra = np.concatenate([np.arange(3.0 * k, 3.0 * (k + 1), 1.0 / r) for k, r in enumerate((20, 60, 100))])
-    rates = rates_before(starts, [*own, *extra])
-    gaps = 0.0005 + 20e-6 * np.asarray(rates)
-    batches = [_batch(float(s0), float(s1 - s0 - g1), [float(a)])
-               for s0, s1, g1, a in zip(starts, starts[1:], gaps[1:], own, strict=False)]
-    batches[0].arrivals.extend(float(t) for t in extra)  # any batch may carry them: only the times count
-    const, coef = turnaround_line(batches)
-    assert coef == pytest.approx(20e-6, rel=1e-3)
-    assert const == pytest.approx(0.0005, rel=1e-2)
-    flat = [_batch(0.02 * k, 0.010, [0.02 * k - 0.001]) for k in range(30)]  # 10 ms gaps, any rate
-    assert turnaround_line(flat) == pytest.approx((turnaround(flat), 0.0))
-    assert turnaround_line(flat[:5]) == (0.0, 0.0)
-
-
-def test_the_simulator_adds_the_turnaround_per_request_rate() -> None:
-    # 30 requests at t=0 (rate 30/s for the next second), one batch of one after another
-    workload = Workload.from_columns("t", [0.0] * 30, [16] * 30)
-    cm = CostModel(latency_coef=(0.010, 0.0, 0.0, 0.0))
-    cfg = SchedulerConfig(policy=PolicyConfig(name="window", max_batch_size=1, max_wait_s=0.0))
-    fe = FrontEnd(batch_overhead_s=0.001, batch_gap_s=0.0, batch_gap_rate_coef_s=1e-4)
-    took = np.asarray(simulate_encoder(workload, cfg, cm, frontend=fe).record.b_duration)
-    behind = np.sort(took)[1:10]  # started behind another within the first second: 30 req/s before them
-    assert behind == pytest.approx(0.010 + 30 * 1e-4)
-    fields = frontend_fields((1.0, 0.0, 0.0), {"turnaround_line": [0.0004, 2e-5]})
-    assert (fields["batch_gap_s"], fields["batch_gap_rate_coef_s"]) == (0.0004, 2e-5)

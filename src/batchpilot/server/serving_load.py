@@ -33,7 +33,7 @@ from ..core.costmodel import BatchShape, CostModel, nonneg_lstsq
 from ..sim.batch_noise import split_wander
 from ..sim.before_batch import BUSY_EDGES, IDLE_EDGES_S, busy_shares, idle_times
 from ..sim.frontend import rates_before, residual_units
-from ..sim.line_fit import backfit_factors, fit_line
+from ..sim.line_fit import backfit_factors
 
 # ~40-60 s of traffic for MiniLM on one CPU core: the phase is the profile's look at the machine's speed
 # under load, and on a shared VM that speed wanders by a few percent over seconds (docs/profiler.md)
@@ -171,7 +171,7 @@ def fit_loaded(batches: list[Loaded], cost_model: CostModel, competing_cpu_s: fl
         "busy_factors": list(busy_f), "busy_batches": busy_n,
         "residuals": sorted(float(r) for r in residuals), "residual_std": float(residuals.std()),
         "residual_ref_s": ref_s, "wander": sigma, "wander_windows": windows,
-        "turnaround_s": turnaround(batches), "turnaround_line": list(turnaround_line(batches)),
+        "turnaround_s": turnaround(batches),
         "measured": [{"start": b.start, "slot_s": b.slot_s, "features": b.features, "arrivals": b.arrivals}
                      for b in batches]}
 
@@ -186,18 +186,7 @@ def frontend_fields(loaded: tuple[float, float, float], details: dict[str, Any])
             "loaded_idle_factors": tuple(details.get("idle_factors", ())),
             "loaded_busy_factors": tuple(details.get("busy_factors", ())),
             "loaded_token_factors": tuple(tuple(x) for x in details.get("token_factors", ())),
-            "batch_gap_s": details.get("turnaround_line", (details.get("turnaround_s", 0.0),))[0],
-            "batch_gap_rate_coef_s": details.get("turnaround_line", (0.0, 0.0))[1],
-            "loaded_wander": details.get("wander", 0.0)}
-
-
-def _gaps(batches: Sequence[Loaded], window_s: float) -> tuple[list[float], list[float]]:
-    """The turnarounds (a batch's end to the next one's start, where the next one's first request
-    arrived more than ``window_s`` before that end) and the next batches' starts."""
-    ordered = sorted(batches, key=lambda b: b.start)
-    pairs = [(b.start - (a.start + a.slot_s), b.start) for a, b in zip(ordered, ordered[1:], strict=False)
-             if b.arrivals and min(b.arrivals) < a.start + a.slot_s - window_s]
-    return [g for g, _ in pairs], [t for _, t in pairs]
+            "batch_gap_s": details.get("turnaround_s", 0.0), "loaded_wander": details.get("wander", 0.0)}
 
 
 def turnaround(batches: Sequence[Loaded], min_gaps: int = 10, window_s: float = 0.0) -> float:
@@ -206,22 +195,10 @@ def turnaround(batches: Sequence[Loaded], min_gaps: int = 10, window_s: float = 
     stood between the two; at least 0, and 0 with fewer than ``min_gaps`` of them. The slot's
     turnaround under load: the scheduling call, collation, the hand-offs, and the event loop's other
     work (answering the batch that ended, the arriving requests) before it gets to them."""
-    gaps, _ = _gaps(batches, window_s)
+    ordered = sorted(batches, key=lambda b: b.start)
+    gaps = [b.start - (a.start + a.slot_s) for a, b in zip(ordered, ordered[1:], strict=False)
+            if b.arrivals and min(b.arrivals) < a.start + a.slot_s - window_s]
     return max(float(np.mean(gaps)), 0.0) if len(gaps) >= min_gaps else 0.0
-
-
-def turnaround_line(batches: Sequence[Loaded], min_gaps: int = 10) -> tuple[float, float]:
-    """``(const_s, per_rate_s)``: the same turnarounds as a line in the request rate of the second
-    before the next batch (``rates_before``), least squares with both at least 0 (``fit_line``, not
-    trimmed, so the line keeps the turnarounds' mean at their mean rate, and a slope of 0 is
-    ``turnaround``). The event loop answers and takes in every request on the cores the driver
-    shares: the more requests a second brings, the later it gets back to the queue. (0, 0) with
-    fewer than ``min_gaps`` turnarounds."""
-    gaps, starts = _gaps(batches, 0.0)
-    if len(gaps) < min_gaps:
-        return 0.0, 0.0
-    rates = rates_before(starts, [t for b in batches for t in b.arrivals])
-    return fit_line(np.asarray(rates), np.maximum(np.asarray(gaps), 0.0), trim=False)
 
 
 def per_batch_const(base: np.ndarray, took: np.ndarray) -> float:

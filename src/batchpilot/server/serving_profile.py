@@ -15,10 +15,10 @@ free 127.0.0.1 port, and measures three things the simulator's ``sim.frontend.Fr
    minus its slot's own run time (the batch observer's ``slot_s``: what the cost model stands for) is
    what the driver adds around the model (the scheduling call, collation, the event-loop and thread
    hand-offs); the median, clipped at 0, is ``batch_overhead_s``. Under load, the driver's turnaround
-   from a batch's end to the next one's start while requests wait for it is ``batch_gap_s`` plus
-   ``batch_gap_rate_coef_s`` per request/s (``serving_load.turnaround_line``, from phase 3). The server
-   runs the deployment ``serve`` resolves from this profile (``scheduler_config``) without a batching
-   window (``max_wait_s = 0``): the window is the policy's, which the simulator models by itself.
+   from a batch's end to the next one's start while requests wait for it is ``batch_gap_s``
+   (``serving_load.turnaround``, from phase 3). The server runs the deployment ``serve`` resolves
+   from this profile (``scheduler_config``) without a batching window (``max_wait_s = 0``): the
+   window is the policy's, which the simulator models by itself.
 3. **Batches under serving load** (``server/serving_load.py``). The model runs slower while the
    server handles traffic than alone in the profiler's loop: the other requests' HTTP, JSON and
    tokenising share its cores, and the machine's speed has moved since the grid. With the server

@@ -80,13 +80,11 @@ class EncoderTarget:
         loaded_token_factors: tuple[tuple[int, float], ...] = (),
         loaded_busy_factors: tuple[float, ...] = (),
         loaded_wander: float = 0.0,
-        batch_gap_rate_coef_s: float = 0.0,
     ) -> None:
         """``batch_overhead_s``: seconds the live driver adds to every batch outside the model (thread
         hand-offs, the event loop; the profile's ``frontend.batch_overhead_s``); ``batch_gap_s``: in
         its place for a batch that starts as the one before it ends, the driver's turnaround under
-        load, plus ``batch_gap_rate_coef_s`` per request/s of the rate below (``frontend.batch_gap_*``;
-        both 0: ``batch_overhead_s``). ``loaded``: (alpha,
+        load (``frontend.batch_gap_s``; 0: ``batch_overhead_s``). ``loaded``: (alpha,
         rate coefficient, const) of a batch's time under serving load, ``cost model * (alpha + coef *
         rate) + const`` with ``rate`` the arrivals of the last ``RATE_WINDOW_S`` per second (the
         profile's ``frontend.loaded_*``); ``loaded_residuals``: the served batches'
@@ -114,12 +112,9 @@ class EncoderTarget:
                                  loaded_residual_ref_s if loaded_residuals else 0.0,
                                  loaded_wander if loaded_residuals else 0.0, seed) if self.noise else None
         self._stop = stop_after_misses
-        self._overhead = batch_overhead_s
-        self._gap = batch_gap_s if batch_gap_s or batch_gap_rate_coef_s else batch_overhead_s
-        self._gap_coef = batch_gap_rate_coef_s
+        self._overhead, self._gap = batch_overhead_s, batch_gap_s or batch_overhead_s
         self._loaded = loaded
         self._rate_coef = loaded[1]
-        self._counts_rate = bool(loaded[1] or batch_gap_rate_coef_s)
         self._idle_factors = loaded_idle_factors
         self._token_factors = loaded_token_factors
         self._busy_factors = loaded_busy_factors
@@ -136,7 +131,7 @@ class EncoderTarget:
         return self.scheduler.num_waiting > 0
 
     def on_arrival(self, index: int, now: float) -> None:
-        if self._counts_rate:
+        if self._rate_coef:
             self._recent.append(now)
         req = Request(index, now, self._lengths[index], self._prio[index], None, self.request_sla_s)
         rejection = self.scheduler.submit(req, now)
@@ -194,7 +189,7 @@ class EncoderTarget:
     def _duration(self, batch: Batch, now: float) -> float:
         shape = batch.shape
         rate = 0.0
-        if self._counts_rate:
+        if self._rate_coef:
             recent, start = self._recent, now - RATE_WINDOW_S
             while recent and recent[0] < start:
                 recent.popleft()
@@ -210,7 +205,7 @@ class EncoderTarget:
                               self._loaded, rate, idle_s, shape.tokens, self._idle_factors,
                               self._token_factors, busy, self._busy_factors)
         took = (self._noise.draw(mean, start) if self._noise is not None else mean) \
-            + (self._gap + self._gap_coef * rate if idle_s == 0.0 else self._overhead)
+            + (self._gap if idle_s == 0.0 else self._overhead)
         if self._busy is not None:
             self._busy.add(start, start + took)
             heapq.heappush(self._ends, start + took)
@@ -245,9 +240,8 @@ def served_batch_terms(frontend: FrontEnd | None) -> dict[str, Any]:
     costs beyond the cost model (none without a front end)."""
     if frontend is None:
         return {}
-    names = ("batch_overhead_s", "batch_gap_s", "batch_gap_rate_coef_s", "loaded_residuals",
-             "loaded_residual_ref_s", "loaded_idle_factors", "loaded_token_factors", "loaded_busy_factors",
-             "loaded_wander")
+    names = ("batch_overhead_s", "batch_gap_s", "loaded_residuals", "loaded_residual_ref_s",
+             "loaded_idle_factors", "loaded_token_factors", "loaded_busy_factors", "loaded_wander")
     return {"loaded": (frontend.loaded_alpha, frontend.loaded_rate_coef, frontend.loaded_const_s),
             **{name: getattr(frontend, name) for name in names}}
 
