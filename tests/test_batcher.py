@@ -124,28 +124,6 @@ def test_requests_arriving_during_a_run_form_the_next_batch() -> None:
     run(main())
 
 
-@pytest.mark.parametrize("pipeline", [False, True])
-def test_the_next_batch_is_running_before_the_finished_batch_is_answered(pipeline: bool) -> None:
-    """A run's end dispatches the next batch first: its callers' handlers (encoding, writing) must not
-    hold the model's next run back on the event loop."""
-
-    async def main() -> None:
-        ex = GatedExecutor()
-        zero = CostModel(latency_coef=(0.0, 0.0, 0.0, 0.0))  # a pipelined slot takes the next one at once
-        b = Batcher(ex, config(max_batch_size=1), zero, pipeline=pipeline)
-        first = asyncio.ensure_future(b.submit(1, 4))
-        await wait_thread_event(ex.started)
-        second = b.submit_nowait(2, 4)
-        await asyncio.sleep(0)
-        ex.gate.set()
-        assert await first == 2
-        assert b.num_running == 1  # the caller of the first woke with the second batch already on the slot
-        assert await second == 4
-        await b.shutdown()
-
-    run(main())
-
-
 def test_max_wait_window_dispatches_a_lone_request_without_another_event() -> None:
     async def main() -> None:
         b = Batcher(CallableExecutor(lambda xs: xs), config(max_batch_size=8, max_wait_s=0.02, pays=False))

@@ -8,12 +8,6 @@ the prepare thread meanwhile. On an idle slot there is nothing to overlap with, 
 single thread hop (what a request at light load pays). ``StageTimes`` records, per request, when its
 (last) batch was dispatched and ran, for the server's ``Server-Timing`` header.
 
-When a batch's run ends, the driver is asked for the next batch before the finished batch's callers
-are answered: answering wakes one handler per input (response encoding, the socket write), and the
-next run must not wait behind them on the event loop. The slot's turnaround so stays one scheduling
-call and one thread hop whatever the size of the batch before (the simulator's constant
-``batch_gap_s``), and the answers are written while the next batch runs.
-
 A mixin of ``Batcher`` (``runtime/batcher.py``): it uses the Batcher's pending map, observer and
 scheduler, and answers callers through ``_finish`` / ``_deliver``.
 """
@@ -21,7 +15,6 @@ scheduler, and answers callers through ``_finish`` / ``_deliver``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 from collections.abc import Callable
@@ -89,9 +82,6 @@ class BatchExecution:
     def _set_health(self, state: str) -> None:
         raise NotImplementedError
 
-    def _schedule_once(self, now: float) -> float | None:
-        raise NotImplementedError
-
     async def _prepare(self, pool: Any, batch: Batch) -> tuple[Any, Exception | None]:
         try:
             return await asyncio.get_running_loop().run_in_executor(pool, self.executor.prepare, batch), None
@@ -100,7 +90,6 @@ class BatchExecution:
 
     async def _execute(self, slot: Slot, batch: Batch) -> None:
         reported = False  # the scheduler counts a dispatched batch as backlog until it hears of it once
-        answers: list[list[Any]] = []  # the batch's results, handed out once the next batch has left
         try:
             if not self._run_is_async and slot.running is None and not slot.run_lock.locked():
                 prepared, prep_exc = _NOT_YET, None  # idle slot: nothing to overlap, one hop
@@ -117,22 +106,19 @@ class BatchExecution:
                 self.observer.on_slot_busy(slot.index, True)
                 self._wake.set()
                 try:
-                    await self._run_isolating(slot, batch, prepared, prep_exc, may_recover=True,
-                                              answers=answers)
+                    await self._run_isolating(slot, batch, prepared, prep_exc, may_recover=True)
                 finally:
                     now = self.clock()
                     took = slot.on_run_end(batch, now)
                     self.observer.on_slot_busy(slot.index, False)
                     reported = True
                     self.scheduler.on_batch_done(batch, now, took)
-                    self._next_now(now)
+                    self._wake.set()
                     for observe in self.batch_observers:
                         try:
                             observe(batch, now - took, took)
                         except Exception:  # a log that cannot be written must not stop the others
                             log.exception("batch observer %r failed", observe)
-            if answers:  # after the lock's release too: a pipelined next batch wakes first
-                self._deliver(batch, answers[0])
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a runtime bug: answer the batch's callers, never leave them hanging
@@ -142,13 +128,6 @@ class BatchExecution:
         finally:
             if not reported:
                 self.scheduler.on_batch_done(batch, self.clock(), 0.0, ran=False)
-
-    def _next_now(self, now: float) -> None:
-        """A run ended: dispatch the next batch now, ahead of the answers (the driver wakes too, to
-        set its timer; a scheduling error is left to it, which fails the queue)."""
-        with contextlib.suppress(Exception):
-            self._schedule_once(now)
-        self._wake.set()
 
     def _mark(self, batch: Batch, t: float, stage: str) -> None:
         for r in batch.requests:
@@ -176,9 +155,8 @@ class BatchExecution:
         return list(await loop.run_in_executor(slot.run_pool, self.executor.run, prepared))
 
     async def _run_isolating(self, slot: Slot, batch: Batch, prepared: Any, prep_exc: Exception | None,
-                             may_recover: bool, answers: list[list[Any]] | None = None) -> None:
-        """Run; on failure bisect until each failing request is alone, so only poison requests fail.
-        With ``answers``, a whole batch's results go there for the caller to hand out, else out now."""
+                             may_recover: bool) -> None:
+        """Run; on failure bisect until each failing request is alone, so only poison requests fail."""
         t0 = self.clock()
         try:
             if prep_exc is not None:
@@ -190,7 +168,7 @@ class BatchExecution:
             self.observer.on_batch_done(batch, self.clock() - t0, False)
             if may_recover and await self._recover(slot, exc):
                 prepared, prep_exc = await self._prepare(slot.run_pool, batch)
-                await self._run_isolating(slot, batch, prepared, prep_exc, may_recover=False, answers=answers)
+                await self._run_isolating(slot, batch, prepared, prep_exc, may_recover=False)
                 return
             for r in batch.requests:
                 self._finish(r.id, exc=ExecutionError(f"the executor crashed: {exc}"))
@@ -213,10 +191,7 @@ class BatchExecution:
         self.observer.on_batch_done(batch, self.clock() - t0, True)
         if self.health == "degraded":
             self._set_health("ok")
-        if answers is None:
-            self._deliver(batch, results)
-        else:
-            answers.append(results)
+        self._deliver(batch, results)
 
     def _sub_batch(self, batch: Batch, requests: list[Request]) -> Batch:
         """A retry of part of ``batch``: same id and padded length (valid for every padding mode)."""
