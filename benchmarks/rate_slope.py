@@ -16,7 +16,9 @@ whose rate slope is right stays flat across the rates. `--by tokens` bins by com
 `--by busy` by the busy share (`sim.before_batch`), `--by window` prints how far the machine's speed
 wanders within a run over windows of 6, 18 and 54 s (the profile's loaded phase is one such look), `--by
 turnaround` the driver's mean time from a batch's end to the next one's start where the next one's
-requests waited (what the simulator charges such a batch: `batch_gap_s`), `--by point` one ratio per
+requests waited (what the simulator charges such a batch: `batch_gap_s`), then that gap by the size of
+the batch before it and its least-squares line in that size (a driver that answers a batch before it
+starts the next one has a slope), `--by point` one ratio per
 load point of each run (its run speed with the logged arrivals) and their mean distance from 1.
 `--refit` prices with each profile fitted again by this checkout's code, its cost model from its grid
 points (`--linear`: on the four linear features, no `tokens_sq`) and its loaded line from the batches
@@ -39,6 +41,7 @@ from batchpilot.bench.run_speed import busy_before, by_rate, idle_before, logged
 from batchpilot.core.costmodel import ENCODER_FEATURES, CostModel, ProfilePoint
 from batchpilot.models.profiler import fitted_features
 from batchpilot.runtime.batch_log import LoggedBatch, read_batches
+from batchpilot.server import serving_load as sl
 from batchpilot.server.serving_load import LOADED_TOKEN_EDGES, Loaded, fit_loaded, frontend_fields, turnaround
 from batchpilot.sim.before_batch import BUSY_EDGES
 from batchpilot.sim.frontend import FACTOR_FIELDS, FrontEnd
@@ -54,6 +57,19 @@ def own_batches(profile: Path) -> list[LoggedBatch]:
     loaded = json.loads(profile.read_text()).get("serving_path", {}).get("loaded", {})
     return [LoggedBatch(b["start"], b["slot_s"], int(b["features"].get("n", 1)), b["features"],
                         arrivals=tuple(b["arrivals"])) for b in loaded.get("measured", ())]
+
+
+def gaps_by_size(batches: list[LoggedBatch], window_s: float) -> str:
+    """``serving_load.turnaround_gaps`` by the size of the batch before (1, 2-4, 5-8, 9+: mean ms and
+    count), and ``turnaround_line``'s ``const + slope * size`` in ms."""
+    pairs = sl.turnaround_gaps(batches, window_s)
+    cells = []
+    for lo, hi, label in ((1, 1, "1"), (2, 4, "2-4"), (5, 8, "5-8"), (9, math.inf, "9+")):
+        gaps = [g for n, g in pairs if lo <= n <= hi]
+        if gaps:
+            cells.append(f"{label}: {statistics.mean(gaps) * 1e3:.2f} ({len(gaps)})")
+    const, slope = sl.turnaround_line(batches, window_s=window_s)
+    return "; ".join(cells) + f"; line {const * 1e3:.2f} + {slope * 1e3:.3f} ms per input before"
 
 
 def priced_by(profile: Path, refit: bool = False, part: tuple[float, float] = (0.0, 1.0),
@@ -204,7 +220,8 @@ def main() -> int:
         for name, batches, _ in sets:  # the profiles' own loaded phases serve without a window
             window_s = 0.0 if name.startswith("profile") else args.window_ms / 1e3
             print(f"{name:<16} {turnaround(batches, window_s=window_s) * 1e3:.2f} ms from a batch's end "
-                  f"to the next one's start, the next one's requests waiting")
+                  f"to the next one's start, the next one's requests waiting; by the size of the batch "
+                  f"before, {gaps_by_size(batches, window_s)}")
         return 0
     if args.by == "window":
         for cpus in sorted({run.name.rsplit("-", 1)[1] for run in runs}):

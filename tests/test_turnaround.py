@@ -1,6 +1,6 @@
 """The driver's turnaround between batches: measured by the profile's loaded phase on the deployment the
-server runs (``serving_load.turnaround``, ``serving_profile.scheduler_config``), charged by the simulator
-to a batch that starts as the one before it ends (``sim.target``)."""
+server runs (``serving_load.turnaround``, ``turnaround_line``, ``serving_profile.scheduler_config``),
+charged by the simulator to a batch that starts as the one before it ends (``sim.target``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from batchpilot.core.config import PolicyConfig, SchedulerConfig
 from batchpilot.core.costmodel import CostModel
 from batchpilot.runtime.executor import NoopExecutor
-from batchpilot.server.serving_load import Loaded, frontend_fields, turnaround
+from batchpilot.server.serving_load import Loaded, frontend_fields, turnaround, turnaround_line
 from batchpilot.server.serving_profile import scheduler_config
 from batchpilot.sim.frontend import FrontEnd
 from batchpilot.sim.target import simulate_encoder
@@ -39,9 +39,43 @@ def test_the_turnaround_is_the_mean_gap_before_batches_whose_requests_waited() -
 
 
 def test_frontend_fields_carry_the_turnaround() -> None:
-    fields = frontend_fields((1.0, 0.0, 0.0), {"turnaround_s": 0.0007})
-    assert FrontEnd(**fields).batch_gap_s == 0.0007
+    fields = frontend_fields((1.0, 0.0, 0.0), {"turnaround_s": 0.0007})  # a profile without the line
+    assert FrontEnd(**fields).batch_gap_s == 0.0007 and fields["batch_gap_per_input_s"] == 0.0
+    fields = frontend_fields((1.0, 0.0, 0.0), {"turnaround_s": 0.0007, "turnaround_line": [0.0004, 0.0001]})
+    assert (fields["batch_gap_s"], fields["batch_gap_per_input_s"]) == (0.0004, 0.0001)
     assert frontend_fields((1.0, 0.0, 0.0), {})["batch_gap_s"] == 0.0
+
+
+def test_the_turnaround_line_follows_the_size_of_the_batch_before() -> None:
+    # batches of 1..6 inputs in turn, each 10 ms; the gap after a batch of n is 0.4 ms + 0.1 ms * n
+    batches, t = [], 0.0
+    for k in range(60):
+        n = 1 + k % 6
+        batches.append(_batch(t, 0.010, [t - 0.002] * n))  # its requests waited: the gap is a turnaround
+        t += 0.010 + 0.0004 + 0.0001 * n
+    const, per_input = turnaround_line(batches)
+    assert const == pytest.approx(0.0004, abs=1e-9) and per_input == pytest.approx(0.0001, rel=1e-6)
+    assert turnaround_line(batches[:5]) == (0.0, 0.0)  # too few to say
+    flat = [_batch(0.02 * k, 0.010, [0.02 * k - 0.001] * (1 + k % 3)) for k in range(30)]  # 10 ms, any size
+    assert turnaround_line(flat) == pytest.approx((turnaround(flat), 0.0))
+
+
+@pytest.mark.parametrize("pipeline", ["off", "on"])
+def test_the_simulator_adds_the_turnaround_per_input_of_the_batch_before(pipeline: str) -> None:
+    # a burst of 7 at t=0 served in batches of at most 3 (3, 3, 1), then one request after idling; a
+    # pipelined slot takes its next batch while the one before still runs (which it is answered after)
+    workload = Workload.from_columns("t", [0.0] * 7 + [5.0], [16] * 8)
+    cm = CostModel(latency_coef=(0.010, 0.0, 0.0, 0.0))
+    cfg = SchedulerConfig(policy=PolicyConfig(name="window", max_batch_size=3, max_wait_s=0.0),
+                          pipeline=pipeline)  # type: ignore[arg-type]
+    fe = FrontEnd(batch_overhead_s=0.001, batch_gap_s=0.0005, batch_gap_per_input_s=0.0002)
+    run = simulate_encoder(workload, cfg, cm, frontend=fe)
+    order = np.argsort(run.record.b_start, kind="stable")
+    took = np.asarray(run.record.b_duration)[order]
+    assert list(np.asarray(run.record.b_size)[order]) == [3, 3, 1, 1]
+    # the first and the lone batch after idling pay the overhead; the others 0.5 ms + 0.2 ms per input
+    # of the batch before them (3 each time)
+    assert took == pytest.approx([0.011, 0.010 + 0.0011, 0.010 + 0.0011, 0.011])
 
 
 @pytest.mark.parametrize("gap", [0.005, 0.0])

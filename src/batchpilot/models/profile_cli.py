@@ -232,10 +232,10 @@ def _serving_path(ex: Any, model: CostModel, args: argparse.Namespace,
           f"{frontend.delay_per_token_s * 1e6:.2f} us/token (under load "
           f"+ {frontend.delay_loaded_s * 1e3:.2f} ms + {frontend.delay_rate_coef_s * 1e3:.3f} ms "
           "x requests/s), driver overhead "
-          f"{frontend.batch_overhead_s * 1e3:.2f} ms/batch ({frontend.batch_gap_s * 1e3:.2f} ms from one "
-          "batch to the next under load); under load a batch takes "
-          f"the cost model x ({frontend.loaded_alpha:.3f} + {frontend.loaded_rate_coef:.4f} x requests/s) + "
-          f"{frontend.loaded_const_s * 1e3:.2f} ms"
+          f"{frontend.batch_overhead_s * 1e3:.2f} ms/batch ({frontend.batch_gap_s * 1e3:.2f} ms + "
+          f"{frontend.batch_gap_per_input_s * 1e3:.3f} ms per input before, batch to batch under load); "
+          f"under load a batch takes the cost model x ({frontend.loaded_alpha:.3f} + "
+          f"{frontend.loaded_rate_coef:.4f} x requests/s) + {frontend.loaded_const_s * 1e3:.2f} ms"
           + "".join(f", x{f:.2f} from {lo} tokens" for lo, f in frontend.loaded_token_factors)
           + (", busy share " + "/".join(f"x{f:.2f}" for f in frontend.loaded_busy_factors)
              if frontend.loaded_busy_factors else "")

@@ -33,7 +33,7 @@ from ..core.costmodel import BatchShape, CostModel, nonneg_lstsq
 from ..sim.batch_noise import split_wander
 from ..sim.before_batch import BUSY_EDGES, IDLE_EDGES_S, busy_shares, idle_times
 from ..sim.frontend import rates_before, residual_units
-from ..sim.line_fit import backfit_factors
+from ..sim.line_fit import backfit_factors, fit_line
 
 # ~40-60 s of traffic for MiniLM on one CPU core: the phase is the profile's look at the machine's speed
 # under load, and on a shared VM that speed wanders by a few percent over seconds (docs/profiler.md)
@@ -171,7 +171,7 @@ def fit_loaded(batches: list[Loaded], cost_model: CostModel, competing_cpu_s: fl
         "busy_factors": list(busy_f), "busy_batches": busy_n,
         "residuals": sorted(float(r) for r in residuals), "residual_std": float(residuals.std()),
         "residual_ref_s": ref_s, "wander": sigma, "wander_windows": windows,
-        "turnaround_s": turnaround(batches),
+        "turnaround_s": turnaround(batches), "turnaround_line": list(turnaround_line(batches)),
         "measured": [{"start": b.start, "slot_s": b.slot_s, "features": b.features, "arrivals": b.arrivals}
                      for b in batches]}
 
@@ -186,19 +186,41 @@ def frontend_fields(loaded: tuple[float, float, float], details: dict[str, Any])
             "loaded_idle_factors": tuple(details.get("idle_factors", ())),
             "loaded_busy_factors": tuple(details.get("busy_factors", ())),
             "loaded_token_factors": tuple(tuple(x) for x in details.get("token_factors", ())),
-            "batch_gap_s": details.get("turnaround_s", 0.0), "loaded_wander": details.get("wander", 0.0)}
+            "batch_gap_s": details.get("turnaround_line", (details.get("turnaround_s", 0.0),))[0],
+            "batch_gap_per_input_s": details.get("turnaround_line", (0.0, 0.0))[1],
+            "loaded_wander": details.get("wander", 0.0)}
+
+
+def turnaround_gaps(batches: Sequence[Loaded], window_s: float = 0.0) -> list[tuple[float, float]]:
+    """``(inputs of the batch before, gap)`` for every batch whose first request arrived more than
+    ``window_s`` (the batching window) before the batch before it ended: the gap from that end to its
+    start, where nothing but the driver stood between the two. In start order."""
+    ordered = sorted(batches, key=lambda b: b.start)
+    return [(a.features.get("n", 1.0), b.start - (a.start + a.slot_s))
+            for a, b in zip(ordered, ordered[1:], strict=False)
+            if b.arrivals and min(b.arrivals) < a.start + a.slot_s - window_s]
 
 
 def turnaround(batches: Sequence[Loaded], min_gaps: int = 10, window_s: float = 0.0) -> float:
-    """The mean seconds from a batch's end to the next batch's start, over the next batches whose first
-    request arrived more than ``window_s`` (the batching window) before that end: nothing but the driver
-    stood between the two; at least 0, and 0 with fewer than ``min_gaps`` of them. The slot's
-    turnaround under load: the scheduling call, collation, the hand-offs, and the event loop's other
-    work (answering the batch that ended, the arriving requests) before it gets to them."""
-    ordered = sorted(batches, key=lambda b: b.start)
-    gaps = [b.start - (a.start + a.slot_s) for a, b in zip(ordered, ordered[1:], strict=False)
-            if b.arrivals and min(b.arrivals) < a.start + a.slot_s - window_s]
+    """The mean of ``turnaround_gaps``: the slot's turnaround under load (the scheduling call, the
+    hand-offs, and the event loop's other work before it gets to the queue); at least 0, and 0 with
+    fewer than ``min_gaps`` of them."""
+    gaps = [g for _, g in turnaround_gaps(batches, window_s)]
     return max(float(np.mean(gaps)), 0.0) if len(gaps) >= min_gaps else 0.0
+
+
+def turnaround_line(batches: Sequence[Loaded], min_gaps: int = 10,
+                    window_s: float = 0.0) -> tuple[float, float]:
+    """``(const_s, per_input_s)``: ``turnaround_gaps`` as a line in the inputs of the batch before,
+    least squares with both at least 0 (``fit_line``, not trimmed: the line keeps the gaps' mean at
+    their mean size; a slope of 0 is ``turnaround``). The batch that ended is answered on the event
+    loop, one handler per input (its response encoded and written), on the cores the slot's thread
+    shares: the bigger it was, the later the next run begins. (0, 0) with fewer than ``min_gaps``."""
+    pairs = turnaround_gaps(batches, window_s)
+    if len(pairs) < min_gaps:
+        return 0.0, 0.0
+    sizes, gaps = np.asarray([n for n, _ in pairs]), np.maximum(np.asarray([g for _, g in pairs]), 0.0)
+    return fit_line(sizes, gaps, trim=False)
 
 
 def per_batch_const(base: np.ndarray, took: np.ndarray) -> float:

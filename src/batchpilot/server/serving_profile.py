@@ -14,11 +14,11 @@ free 127.0.0.1 port, and measures three things the simulator's ``sim.frontend.Fr
 2. **The live driver's per-batch overhead.** Each lone request is a batch of one; its ``batcher`` time
    minus its slot's own run time (the batch observer's ``slot_s``: what the cost model stands for) is
    what the driver adds around the model (the scheduling call, collation, the event-loop and thread
-   hand-offs); the median, clipped at 0, is ``batch_overhead_s``. Under load, the driver's turnaround
-   from a batch's end to the next one's start while requests wait for it is ``batch_gap_s``
-   (``serving_load.turnaround``, from phase 3). The server runs the deployment ``serve`` resolves
-   from this profile (``scheduler_config``) without a batching window (``max_wait_s = 0``): the
-   window is the policy's, which the simulator models by itself.
+   hand-offs); the median, clipped at 0, is ``batch_overhead_s``. Under load, the turnaround from a
+   batch's end to the next one's start while requests wait is ``batch_gap_s`` plus
+   ``batch_gap_per_input_s`` per input of the batch before (``serving_load.turnaround_line``, phase
+   3). The server runs the deployment ``serve`` resolves from this profile (``scheduler_config``)
+   without a batching window (``max_wait_s = 0``): the policy's, which the simulator models itself.
 3. **Batches under serving load** (``server/serving_load.py``). The model runs slower while the
    server handles traffic than alone in the profiler's loop: the other requests' HTTP, JSON and
    tokenising share its cores, and the machine's speed has moved since the grid. With the server

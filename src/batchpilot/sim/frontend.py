@@ -28,8 +28,9 @@ The fields:
 * ``batch_overhead_s``: what the live driver adds to every batch around the model (the scheduling call,
   collation, the hand-offs between the event loop and the slot's threads): the median, over lone
   requests, of the ``batcher`` part minus the slot's own run time for that batch, clipped at 0.
-  ``batch_gap_s``: in its place for a batch that starts as the one before it ends, the mean turnaround
-  between the two in the profile's loaded phase (``serving_load.turnaround``); 0: none measured.
+  ``batch_gap_s + batch_gap_per_input_s * n``: in its place for a batch that starts as the one before
+  it ends (of ``n`` inputs, answered on the event loop first), the turnaround between the two in the
+  profile's loaded phase as a line in ``n`` (``serving_load.turnaround_line``); 0: none measured.
 * ``loaded_alpha``, ``loaded_rate_coef``, ``loaded_const_s``: a batch under serving load takes
   ``predicted * (loaded_alpha + loaded_rate_coef * rate) + loaded_const_s``, ``rate`` being the requests
   that reached the server in the second before it started (``RATE_WINDOW_S``). Measured by the profile
@@ -119,6 +120,7 @@ class FrontEnd:
     loaded_busy_factors: tuple[float, ...] = ()
     batch_gap_s: float = 0.0
     loaded_wander: float = 0.0
+    batch_gap_per_input_s: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "loaded_residuals", tuple(sorted(float(r) for r in self.loaded_residuals)))

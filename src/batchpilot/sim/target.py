@@ -80,11 +80,13 @@ class EncoderTarget:
         loaded_token_factors: tuple[tuple[int, float], ...] = (),
         loaded_busy_factors: tuple[float, ...] = (),
         loaded_wander: float = 0.0,
+        batch_gap_per_input_s: float = 0.0,
     ) -> None:
         """``batch_overhead_s``: seconds the live driver adds to every batch outside the model (thread
         hand-offs, the event loop; the profile's ``frontend.batch_overhead_s``); ``batch_gap_s``: in
         its place for a batch that starts as the one before it ends, the driver's turnaround under
-        load (``frontend.batch_gap_s``; 0: ``batch_overhead_s``). ``loaded``: (alpha,
+        load, plus ``batch_gap_per_input_s`` per input of the batch that ended last (``frontend``'s;
+        both 0: ``batch_overhead_s``). ``loaded``: (alpha,
         rate coefficient, const) of a batch's time under serving load, ``cost model * (alpha + coef *
         rate) + const`` with ``rate`` the arrivals of the last ``RATE_WINDOW_S`` per second (the
         profile's ``frontend.loaded_*``); ``loaded_residuals``: the served batches'
@@ -112,7 +114,9 @@ class EncoderTarget:
                                  loaded_residual_ref_s if loaded_residuals else 0.0,
                                  loaded_wander if loaded_residuals else 0.0, seed) if self.noise else None
         self._stop = stop_after_misses
-        self._overhead, self._gap = batch_overhead_s, batch_gap_s or batch_overhead_s
+        self._overhead, self._per_input = batch_overhead_s, batch_gap_per_input_s
+        self._gap = batch_gap_s if batch_gap_s or batch_gap_per_input_s else batch_overhead_s
+        self._answered = self._started = 0  # inputs of the batch that ended last / that started last
         self._loaded = loaded
         self._rate_coef = loaded[1]
         self._idle_factors = loaded_idle_factors
@@ -168,6 +172,7 @@ class EncoderTarget:
         if self._ends:
             heapq.heappop(self._ends)
         self._last_end = max(self._last_end, now)
+        self._answered = job.payload.shape.n
         rec = self.record
         finish, status = rec.finish_s, rec.status
         for r in batch.requests:
@@ -196,6 +201,8 @@ class EncoderTarget:
             rate = len(recent) / RATE_WINDOW_S
         # a batch started while another runs (or behind it) found no idle time
         idle_s = 0.0 if self._in_flight else now - self._last_end
+        # answered on the event loop before this batch begins: the batch it starts behind, else the last
+        answered, self._started = self._started if self._in_flight else self._answered, shape.n
         busy, start = 0.0, now
         if self._busy is not None:  # with every slot busy the batch starts when the first one ends
             start = max(now, self._ends[0]) if self._in_flight >= self._slots and self._ends else now
@@ -205,7 +212,7 @@ class EncoderTarget:
                               self._loaded, rate, idle_s, shape.tokens, self._idle_factors,
                               self._token_factors, busy, self._busy_factors)
         took = (self._noise.draw(mean, start) if self._noise is not None else mean) \
-            + (self._gap if idle_s == 0.0 else self._overhead)
+            + (self._gap + self._per_input * answered if idle_s == 0.0 else self._overhead)
         if self._busy is not None:
             self._busy.add(start, start + took)
             heapq.heappush(self._ends, start + took)
@@ -240,8 +247,9 @@ def served_batch_terms(frontend: FrontEnd | None) -> dict[str, Any]:
     costs beyond the cost model (none without a front end)."""
     if frontend is None:
         return {}
-    names = ("batch_overhead_s", "batch_gap_s", "loaded_residuals", "loaded_residual_ref_s",
-             "loaded_idle_factors", "loaded_token_factors", "loaded_busy_factors", "loaded_wander")
+    names = ("batch_overhead_s", "batch_gap_s", "batch_gap_per_input_s", "loaded_residuals",
+             "loaded_residual_ref_s", "loaded_idle_factors", "loaded_token_factors", "loaded_busy_factors",
+             "loaded_wander")
     return {"loaded": (frontend.loaded_alpha, frontend.loaded_rate_coef, frontend.loaded_const_s),
             **{name: getattr(frontend, name) for name in names}}
 
