@@ -11,8 +11,8 @@ speed wander to 0 and leaves the residuals whole; ``--no-rate-slope`` fits the l
 accounted CPU per request, the level in ``loaded_alpha``). Every point is then predicted again at its
 run's own speed (the run's batches against the refitted profile, as `bench fidelity` measures it):
 hindsight on the speed, nothing else taken from the live run; ``--at-profile``: at the profile's
-speed, the prediction itself. Printed per point: the P50 and P99 errors, the P99 band of the draws
-and whether the live P99 fell in it; then the counts within 10%. Variants of the model are scored on
+speed, the prediction itself. Printed per point: the P50 and P99 errors, the bands of the draws (5-95%)
+and whether the live P50 and P99 fell in them; then the counts. Variants of the model are scored on
 the same live runs, so the live P99's spread from run to run does not enter the comparison.
 """
 
@@ -59,15 +59,18 @@ def main() -> int:
                             0.0 if args.at_profile else speed - 1.0, args.draws)
             live, got = point["measured"]["latency"], pred.summary.latency
             lo, hi = pred.drawn.band("p99")
+            lo50, hi50 = pred.drawn.band("p50")
             e50, e99 = got["p50"] / live["p50"] - 1.0, got["p99"] / live["p99"] - 1.0
-            inside = lo <= live["p99"] <= hi
-            tally.append((abs(e50) <= 0.1, abs(e99) <= 0.1, inside))
+            inside, inside50 = lo <= live["p99"] <= hi, lo50 <= live["p50"] <= hi50
+            tally.append((abs(e50) <= 0.1, abs(e99) <= 0.1, inside, inside50))
             print(f"{run.name:16s} {point['load']:.0%}  speed {speed - 1:+.1%}  "
                   f"wander {frontend.loaded_wander:.3f}  "
-                  f"P50 {e50:+.1%}  P99 {got['p99'] * 1e3:6.1f} / {live['p99'] * 1e3:6.1f} ms {e99:+.1%}  "
+                  f"P50 {e50:+.1%} band {lo50 * 1e3:.0f}..{hi50 * 1e3:.0f} {'in' if inside50 else 'out'}  "
+                  f"P99 {got['p99'] * 1e3:6.1f} / {live['p99'] * 1e3:6.1f} ms {e99:+.1%}  "
                   f"band {lo * 1e3:.0f}..{hi * 1e3:.0f} {'in' if inside else 'out'}", flush=True)
     n = len(tally)
     print(f"within 10%: P50 {sum(t[0] for t in tally)}/{n}, P99 {sum(t[1] for t in tally)}/{n}; "
+          f"live P50 in the draws' band {sum(t[3] for t in tally)}/{n}, "
           f"live P99 in the draws' band {sum(t[2] for t in tally)}/{n}")
     return 0
 

@@ -88,7 +88,9 @@ def priced_by(profile: Path, refit: bool = False, part: tuple[float, float] = (0
     if not refit:
         return cost_model, FrontEnd.from_dict(doc["frontend"])
     points = [ProfilePoint(q["features"], q["latency_s"], q.get("memory_bytes", 0.0)) for q in doc["points"]]
-    cost_model = CostModel.fit(points, ENCODER_FEATURES if linear else fitted_features(len(points)))
+    # the profile's measurements beside the fit (collation's share: the deployment pipelines by it)
+    cost_model = dataclasses.replace(CostModel.fit(points, ENCODER_FEATURES if linear else
+                                                   fitted_features(len(points))), meta=cost_model.meta)
     # the factors are fitted again below: a profile from another line shape (other bins) loads too
     frontend = FrontEnd.from_dict({k: v for k, v in doc["frontend"].items() if k not in FACTOR_FIELDS})
     loaded = doc["serving_path"]["loaded"]
