@@ -4,7 +4,8 @@
 
 Reads DIR/<workload>-<cpus>/fidelity.json (what `batchpilot bench fidelity` writes) and prints, per
 point: P50 and P99 predicted (the median over the simulator's noise draws) and measured with their
-errors, the P99 band of the draws (5th-95th percentile) and whether the live P99 fell in it, the
+errors, the P99 band of the draws (5th-95th percentile) and whether the live P99 fell in it (and
+below the table, how many live P50s fell in theirs), the
 throughput error, the rejected counts, the mean batch size, the speed the recheck measured before the
 point (the prediction is made at it) and the P50 / P99 errors of the profile alone (no recheck), the
 run's speed against the profile and the errors at the run's own speed (hindsight, never the
@@ -53,7 +54,7 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     within = {k: [0, 0] for k in SCORED}
     hindsight: dict[str, list[float]] = {"P50 ms": [], "P99 ms": []}
-    in_band = [0, 0]
+    in_band, p50_band = [0, 0], [0, 0]
     alone = {"P50 ms": [0, 0], "P99 ms": [0, 0]}  # within 10% without the recheck
     for run in sorted(Path(args.out).glob("*-*/fidelity.json")):
         name, cpus = run.parent.name.rsplit("-", 1)
@@ -73,6 +74,10 @@ def main() -> int:
                 inside = "yes" if lo <= float(r["P99 ms"][4]) <= hi else "no"
                 in_band[0] += inside == "yes"
                 in_band[1] += 1
+            if len(r["P50 ms"]) > 10 and r["P50 ms"][10] != "-":
+                lo, hi = (float(x) for x in r["P50 ms"][10].split(" .. "))
+                p50_band[0] += lo <= float(r["P50 ms"][4]) <= hi
+                p50_band[1] += 1
             p50, p99 = r["P50 ms"], r["P99 ms"]
             checked, first = (p50[11], f"{p50[12]} / {p99[12]}") if len(p50) > 12 else ("-", "-")
             for k, v in alone.items():
@@ -90,7 +95,8 @@ def main() -> int:
     scored = sum(v[1] for v in within.values())
     print(f"\n{total} of {scored} scored cells within target: "
           + ", ".join(f"{k.split()[0]} {v[0]}/{v[1]}" for k, v in within.items()))
-    print(f"live P99 inside the band of the draws: {in_band[0]}/{in_band[1]}")
+    print(f"live P99 inside the band of the draws: {in_band[0]}/{in_band[1]}; "
+          f"live P50 inside its band: {p50_band[0]}/{p50_band[1]}")
     if alone["P50 ms"][1]:
         print("the profile alone (no recheck) within 10%: "
               + ", ".join(f"{k.split()[0]} {v[0]}/{v[1]}" for k, v in alone.items()))
