@@ -9,8 +9,9 @@
 2. Soak: open-loop Poisson arrivals (seeded) at ``--overload`` x capacity for ``--duration-s``.
    Every request must get exactly one answer: 200, or 429/503 *with* Retry-After. A client timeout,
    a reset connection or any other status is a failure. The client holds ``--connections`` requests
-   in flight at most; the rest wait in the client (counted in its latency), so the server sees at
-   most that many at once.
+   in flight at most (default: twice what the server completes at its capacity within the SLA, at
+   least 64, so that the server holds more work than the SLA allows and has to refuse); the rest
+   wait in the client (counted in its latency), so the server sees at most that many at once.
 3. Admitted requests: P99 latency against ``--sla-s``, measured by the server (its
    ``batchpilot_request_latency_seconds`` histogram: admission to result of every admitted input; the
    bucket bound that holds 99 %), because on a shared 2-core machine the load generator itself falls behind
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import subprocess
@@ -215,7 +217,8 @@ def main() -> int:
     ap.add_argument("--capacity-s", type=float, default=20.0)
     ap.add_argument("--overload", type=float, default=3.0, help="offered load as a multiple of capacity")
     ap.add_argument("--clients", type=int, default=32, help="closed-loop clients for the capacity phase")
-    ap.add_argument("--connections", type=int, default=64, help="soak: the client's connection pool")
+    ap.add_argument("--connections", type=int, default=None,
+                    help="soak: the client's connection pool (default: 2 x capacity x SLA, at least 64)")
     ap.add_argument("--sla-s", type=float, default=1.0)
     ap.add_argument("--noop-delay-ms", type=float, default=None, help="serve the no-op model instead")
     ap.add_argument("--threads", type=int, default=1, help="server torch threads (real model)")
@@ -248,11 +251,15 @@ def main() -> int:
         print(f"server: {' '.join(serve[serve.index('-m') + 1:])}  (log {log_path})")
         cap = asyncio.run(capacity(url, texts, args.clients, args.capacity_s))
         rate = cap * args.overload
+        # fewer in flight than the server completes within the SLA would never overload it: it would
+        # admit them all and the excess would queue in the client
+        connections = args.connections or max(64, math.ceil(2.0 * cap * args.sla_s))
         print(f"capacity {cap:.1f} req/s (closed loop, {args.clients} clients); "
-              f"soak at {args.overload:g}x = {rate:.1f} req/s for {args.duration_s:.0f} s")
+              f"soak at {args.overload:g}x = {rate:.1f} req/s for {args.duration_s:.0f} s, "
+              f"{connections} connections")
         before = scrape(url)
         outcomes, rss = asyncio.run(soak(url, texts, rate, args.duration_s, proc.pid, args.seed,
-                                         max(60.0, 10 * args.sla_s), args.connections))
+                                         max(60.0, 10 * args.sla_s), connections))
         after = scrape(url)
         server_p99 = histogram_quantile(before, after, "batchpilot_request_latency_seconds", 0.99)
         http_p50 = histogram_quantile(before, after, "batchpilot_http_request_duration_seconds", 0.5)
