@@ -172,7 +172,7 @@ class EncoderTarget:
         if self._ends:
             heapq.heappop(self._ends)
         self._last_end = max(self._last_end, now)
-        self._answered = job.payload.shape.n
+        self._answered = batch.shape.n
         rec = self.record
         finish, status = rec.finish_s, rec.status
         for r in batch.requests:
