@@ -14,6 +14,11 @@ the schedule they arrived (``records.tail_seconds``: one or two seconds means th
 and moves with the machine's state in that second). Then the counts within target, for the
 prediction and for the profile alone.
 
+Where the points were replayed (``benchmarks/fidelity.py ... -- --live-repeats 2``), a table of the
+second replay against the first, counted under the same targets, beside the prediction counted
+against each replay: how often the live server meets the targets against itself, back to back on
+one server, which bounds how often any prediction made before the run can.
+
 A second table checks the serving path outside the batcher per point: the median of each answered
 request's latency minus its `tokenize` and `batcher` parts (records-<load>.csv) beside what the
 profile's `frontend` predicts for the same requests: the lone requests' line alone, and with the
@@ -103,8 +108,62 @@ def main() -> int:
     if all(hindsight.values()):
         print("median |error| at the run's speed: "
               + ", ".join(f"{k.split()[0]} {statistics.median(v):.1f}%" for k, v in hindsight.items()))
+    repeat_table(Path(args.out))
     delay_table(Path(args.out))
     return 0
+
+
+def _live(summary: dict) -> list[float]:
+    """P50 ms, P99 ms, throughput and refused or failed requests of a measured run's summary."""
+    return [summary["latency"]["p50"] * 1e3, summary["latency"]["p99"] * 1e3, summary["throughput_rps"],
+            summary["num_requests"] - summary["num_ok"]]
+
+
+def _hit(metric: str, a: float, b: float) -> bool:
+    """Whether ``a`` is within the target of ``b``, the value it is scored against."""
+    if metric == "rejected":
+        return abs(a - b) <= max(5, 0.10 * b)
+    return abs(a - b) <= (0.05 if metric.startswith("throughput") else 0.10) * b
+
+
+def repeat_table(out: Path) -> None:
+    """Where the points were replayed (``-- --live-repeats 2``): the second replay against the first
+    under the same targets (how far the live run agrees with itself, back to back on one server) beside
+    the prediction against each replay."""
+    head = True
+    counts = {k: {"again vs first": 0, "predicted vs first": 0, "predicted vs again": 0} for k in SCORED}
+    points = 0
+    for run in sorted(out.glob("*-*/fidelity.json")):
+        name, cpus = run.parent.name.rsplit("-", 1)
+        doc = json.loads(run.read_text())
+        rows = doc["table"]["rows"]
+        for point in doc["points"]:
+            if not point.get("repeats"):
+                continue
+            if head:
+                print("\n| workload | cpus | load | P50 first / again / predicted ms | P50 again vs first "
+                      "| P99 first / again / predicted ms | P99 again vs first "
+                      "| speed vs profile, first / again |")
+                print("|---|---|---|---|---|---|---|---|")
+                head = False
+            load = f"{point['load']:.0%}"
+            r = {x[2]: x for x in rows if x[0] == load}
+            first, again = _live(point["measured"]), _live(point["repeats"][0]["measured"])
+            pred = [float(r[k][3]) for k in SCORED]
+            points += 1
+            for i, k in enumerate(SCORED):
+                c = counts[k]
+                c["again vs first"] += _hit(k, again[i], first[i])
+                c["predicted vs first"] += _hit(k, pred[i], first[i])
+                c["predicted vs again"] += _hit(k, pred[i], again[i])
+            speeds = point["speed_vs_profile"], point["repeats"][0]["run_speed"]["speed_vs_profile"]
+            print(f"| {name} | {cpus} | {load} | {first[0]:.2f} / {again[0]:.2f} / {pred[0]:.2f} "
+                  f"| {again[0] / first[0] - 1:+.1%} | {first[1]:.2f} / {again[1]:.2f} / {pred[1]:.2f} "
+                  f"| {again[1] / first[1] - 1:+.1%} | {speeds[0]:+.1%} / {speeds[1]:+.1%} |")
+    if points:
+        for who in ("again vs first", "predicted vs first", "predicted vs again"):
+            print(f"{who}, within target over {points} points: "
+                  + ", ".join(f"{k.split()[0]} {counts[k][who]}" for k in SCORED))
 
 
 def delay_table(out: Path) -> None:

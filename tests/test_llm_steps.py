@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from batchpilot.bench.llm_fidelity import comparison_rows, simulate
+from batchpilot.bench.llm_fidelity import simulate
+from batchpilot.bench.llm_fidelity_table import comparison_rows, repeat_rows
 from batchpilot.bench.llm_steps import LoggedStep, read_steps, speed_vs_profile
 from batchpilot.core.costmodel import LLM_FEATURES, CostModel
 from batchpilot.runtime.llm_engine import StepLog, StepRecord
@@ -94,6 +96,29 @@ def test_comparison_rows_targets_and_speed_column() -> None:
     checked = comparison_rows(0.5, 0.25, pred, 0, meas, 0.071, 0.05, (pred, 3))
     assert all(r[9] == "+5.0%" for r in checked)
     assert checked[0][10] == checked[0][5] and checked[-1][10] == "+2"  # alone = pred here; 3 vs 1 refused
+
+
+def test_repeat_rows_score_the_second_replay_against_the_first() -> None:
+    """A replay is scored against the first under the prediction's targets: 10% on the latencies, 5% on
+    the tokens per second, 10% or 5 on the refusals."""
+    from batchpilot.bench.records import RequestRecord, summarize
+
+    def run(ttft: float, latency: float, refused: int) -> Any:
+        recs = [RequestRecord(i, i * 0.5, 32, 8, sent_s=i * 0.5, done_s=i * 0.5 + latency, status=200,
+                              latency_s=latency, ttft_s=ttft, tokens_received=8) for i in range(20)]
+        recs += [RequestRecord(20 + i, 10.0, 40, 6, sent_s=10.0, done_s=10.01, status=503, latency_s=0.01)
+                 for i in range(refused)]
+        return summarize(recs, 2.0)
+
+    first = run(0.050, 0.2, 0)
+    rows = repeat_rows(0.8, first, run(0.053, 0.2, 4), (0.02, -0.01))
+    assert [r[1] for r in rows] == ["TTFT P50 ms", "TTFT P99 ms", "TPOT P50 ms", "TPOT P99 ms",
+                                    "output tok/s", "rejected"]
+    assert rows[0][2:6] == ["50.00", "53.00", "+6.0%", "yes"]
+    assert rows[2][5] == "yes"  # TPOT: the same 0.2 s less a TTFT 3 ms longer, over the same tokens
+    assert rows[-1][2:6] == ["0", "4", "+4", "yes"] and all(r[6] == "+2.0% / -1.0%" for r in rows)
+    slow = repeat_rows(0.8, first, run(0.060, 0.3, 9), (math.nan, math.nan))
+    assert slow[0][5] == slow[2][5] == slow[-1][5] == "no" and slow[0][6] == "- / -"
 
 
 def test_speed_vs_profile_with_the_serving_path_counts_the_interval_to_the_next_busy_step() -> None:

@@ -44,6 +44,7 @@ from ..sim.llm_frontend import LLMFrontEnd
 from ..sim.traces import Workload
 from .capacity import CapacityConfig, probe_workload, search_capacity, wait_idle
 from .fidelity_table import text_table
+from .llm_fidelity_table import HEAD, REPEAT_HEAD, comparison_rows, repeat_rows
 from .llm_steps import format_by_seqs, read_steps, speed_by_seqs, speed_vs_profile
 from .loadgen import LoadGenConfig, build_plan, replay
 from .profile_run import run_recheck
@@ -52,9 +53,6 @@ from .report import RunData, html_table, write_report
 from .serverproc import client_keepalive_s, serve
 
 DEFAULT_REQUESTS = 200
-TARGETS = {"TTFT": 0.10, "TPOT": 0.10, "output": 0.05}
-HEAD = ["load", "rate scale", "metric", "predicted", "measured", "error", "target", "within",
-        "speed vs profile", "speed checked before", "error of the profile alone"]
 
 
 def add_llm_arguments(p: argparse.ArgumentParser) -> None:
@@ -129,42 +127,15 @@ def simulate(workload: Workload, config: LLMSchedulerConfig, cost_model: CostMod
     return s, rep
 
 
-def _err(p: float, m: float) -> float:
-    return (p - m) / m if m and math.isfinite(m) and math.isfinite(p) else math.nan
-
-
-def _values(s: Summary) -> list[float]:
-    return [s.ttft["p50"], s.ttft["p99"], s.tpot["p50"], s.tpot["p99"], s.output_tokens_per_s]
-
-
-def comparison_rows(load: float, k: float, pred: Summary, rejected_pred: int, meas: Summary,
-                    speed: float, checked: float = math.nan,
-                    alone: tuple[Summary, int] | None = None) -> list[list[Any]]:
-    """Predicted vs measured with targets: TTFT and TPOT 10%, output tokens/s 5%, rejected within 10%
-    or 5 requests; every row of the point carries its speed vs profile, the speed the recheck before
-    the point measured (``pred`` is made at it) and the error of ``alone``, the prediction from the
-    profile as it was (summary, rejected)."""
-    sp = f"{speed:+.1%}" if math.isfinite(speed) else "-"
-    ck = f"{checked:+.1%}" if math.isfinite(checked) else "-"
-    first = _values(alone[0]) if alone else [math.nan] * 5
-    measured = [meas.ttft.get("p50", math.nan), meas.ttft.get("p99", math.nan),
-                meas.tpot.get("p50", math.nan), meas.tpot.get("p99", math.nan), meas.output_tokens_per_s]
-    rows: list[list[Any]] = []
-    for metric, p, m, f in zip(("TTFT P50 ms", "TTFT P99 ms", "TPOT P50 ms", "TPOT P99 ms", "output tok/s"),
-                               _values(pred), measured, first, strict=True):
-        unit = 1.0 if metric == "output tok/s" else 1e3
-        e, target, ef = _err(p, m), TARGETS[metric.split()[0]], _err(f, m)
-        rows.append([f"{load:.0%}", f"{k:.3f}", metric, f"{p * unit:.2f}", f"{m * unit:.2f}",
-                     f"{e:+.1%}" if math.isfinite(e) else "-", f"{target:.0%}",
-                     "yes" if math.isfinite(e) and abs(e) <= target else "no", sp, ck,
-                     f"{ef:+.1%}" if math.isfinite(ef) else "-"])
-    rejected = meas.num_requests - meas.num_ok
-    ok = abs(rejected_pred - rejected) <= max(5, 0.10 * rejected)
-    rows.append([f"{load:.0%}", f"{k:.3f}", "rejected", str(rejected_pred), str(rejected),
-                 f"{rejected_pred - rejected:+d}", "10% or 5", "yes" if ok else "no", sp, ck,
-                 f"{alone[1] - rejected:+d}" if alone else "-"])
-    return rows
-
+def _replay(plan: Any, config: LoadGenConfig, step_log: Path, label: str) -> tuple[Any, list[Any]]:
+    """Replay ``plan`` on the server and wait until it is idle: the replay's result and the engine
+    steps it logged."""
+    wait_written()  # what ran before is in the log: this replay's steps start after it
+    offset = step_log.stat().st_size if step_log.exists() else 0
+    res = replay(plan, config, description=label)
+    wait_idle(config.base_url, 30.0)
+    wait_written()
+    return res, (read_steps(step_log, offset)[0] if step_log.exists() else [])
 
 
 def main(args: argparse.Namespace) -> int:
@@ -213,6 +184,7 @@ def main(args: argparse.Namespace) -> int:
         serve_args += ["--threads", str(len(cores(cpus)))]
     max_live_s, warmup = opt("max_live_s"), int(opt("warmup_requests", 0) or 0)
     rows: list[list[Any]] = []
+    repeats: list[list[Any]] = []
     runs: list[RunData] = []
     with serve(serve_args, log_path=out / "serve-llm.log", cpus=cpus) as url:
         keep = client_keepalive_s(serve_args, opt("keepalive_s"))  # pooled as a gateway pools them
@@ -235,16 +207,10 @@ def main(args: argparse.Namespace) -> int:
                 warm = rows_wl.slice(0, min(warmup, len(rows_wl)))
                 replay(build_plan(warm, "completions", warmup_requests=len(warm)), quiet)
                 wait_idle(url, 30.0)
-            wait_written()  # the warm-up's steps are in the log: the point's start after them
-            offset = step_log.stat().st_size if step_log.exists() else 0
-            res = replay(build_plan(rows_wl, "completions", seed=seed),
-                         LoadGenConfig(url, "completions", progress=not opt("no_progress", False),
-                                       keepalive_s=keep),
-                         description=f"{load:.0%} live")
-            wait_idle(url, 30.0)
-            wait_written()
+            live = LoadGenConfig(url, "completions", progress=not opt("no_progress", False), keepalive_s=keep)
+            plan = build_plan(rows_wl, "completions", seed=seed)
+            res, steps = _replay(plan, live, step_log, f"{load:.0%} live")
             meas = summarize(res.records, sla)
-            steps = read_steps(step_log, offset)[0] if step_log.exists() else []
             speed = speed_vs_profile(cost_model, steps, frontend)
             print(format_summary(meas, f"live conv-llm at {load:.0%} of capacity (x{k:.3f}, "
                                        f"{len(rows_wl)} rows)"))
@@ -253,6 +219,13 @@ def main(args: argparse.Namespace) -> int:
                   f"sequences per step: {format_by_seqs(by_seqs)}", flush=True)
             rows += comparison_rows(load, k, pred, rep.num_rejected, meas, speed, checked,
                                     (alone[0], alone[1].num_rejected) if check else None)
+            again: list[dict[str, Any]] = []
+            for j in range(2, int(opt("live_repeats", 1) or 1) + 1):  # never predicted: the live run's floor
+                res2, steps2 = _replay(plan, live, step_log, f"{load:.0%} live #{j}")
+                meas2, speed2 = summarize(res2.records, sla), speed_vs_profile(cost_model, steps2, frontend)
+                repeats += repeat_rows(load, meas, meas2, (speed, speed2))
+                again.append({"measured": meas2.to_dict(), "speed_vs_profile": speed2, "steps": len(steps2)})
+                write_csv(res2.records, out / f"records-llm-{int(round(load * 100))}-again{j}.csv")
             write_csv(res.records, out / f"records-llm-{int(round(load * 100))}.csv")
             runs.append(RunData(f"llm live {load:.0%}", res.records, meas, res.metrics, {"rate_scale": k}))
             result["points"].append({"load": load, "rate_scale": k, "rows": len(rows_wl),
@@ -261,13 +234,19 @@ def main(args: argparse.Namespace) -> int:
                                      "speed_by_seqs": by_seqs,
                                      "predicted": pred.to_dict(), "predicted_rejected": rep.num_rejected,
                                      "measured": meas.to_dict(),
-                                     "measured_rejected": meas.num_requests - meas.num_ok,
+                                     "measured_rejected": meas.num_requests - meas.num_ok, "repeats": again,
                                      "load_average_1m": os.getloadavg()[0]})
     within, scored = sum(r[7] == "yes" for r in rows), sum(r[7] in ("yes", "no") for r in rows)
     made = "the profile rechecked before each point" if check else "the profile alone"
     print(f"\nLLM fidelity: prediction ({made}) vs live measurement, {within} of {scored} cells within "
           f"target\n{text_table(HEAD, rows)}", flush=True)
     result["table"] = {"head": HEAD, "rows": rows}
+    if repeats:
+        hits = sum(r[5] == "yes" for r in repeats)
+        print(f"\nThe live run against itself (the same rows replayed again on the same server): {hits} of "
+              f"{len(repeats)} cells within the prediction's targets\n{text_table(REPEAT_HEAD, repeats)}",
+              flush=True)
+        result["repeat_table"] = {"head": REPEAT_HEAD, "rows": repeats}
     (out / "fidelity.json").write_text(json.dumps(result, indent=2, default=str))
     report = write_report(out, runs, title="fidelity: conv-llm", sla_s=None,
                           sections=[("LLM fidelity: predicted vs measured", html_table(HEAD, rows))])
