@@ -39,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
+from batchpilot.bench.fidelity_table import within_target
 from batchpilot.bench.records import read_csv, tail_seconds
 from batchpilot.server.serving_load import LOADED_SHARES
 from batchpilot.sim.frontend import FrontEnd
@@ -119,13 +120,6 @@ def _live(summary: dict) -> list[float]:
             summary["num_requests"] - summary["num_ok"]]
 
 
-def _hit(metric: str, a: float, b: float) -> bool:
-    """Whether ``a`` is within the target of ``b``, the value it is scored against."""
-    if metric == "rejected":
-        return abs(a - b) <= max(5, 0.10 * b)
-    return abs(a - b) <= (0.05 if metric.startswith("throughput") else 0.10) * b
-
-
 def repeat_table(out: Path) -> None:
     """Where the points were replayed (``-- --live-repeats 2``): the second replay against the first
     under the same targets (how far the live run agrees with itself, back to back on one server) beside
@@ -153,9 +147,9 @@ def repeat_table(out: Path) -> None:
             points += 1
             for i, k in enumerate(SCORED):
                 c = counts[k]
-                c["again vs first"] += _hit(k, again[i], first[i])
-                c["predicted vs first"] += _hit(k, pred[i], first[i])
-                c["predicted vs again"] += _hit(k, pred[i], again[i])
+                c["again vs first"] += bool(within_target(k, again[i], first[i]))
+                c["predicted vs first"] += bool(within_target(k, pred[i], first[i]))
+                c["predicted vs again"] += bool(within_target(k, pred[i], again[i]))
             speeds = point["speed_vs_profile"], point["repeats"][0]["run_speed"]["speed_vs_profile"]
             print(f"| {name} | {cpus} | {load} | {first[0]:.2f} / {again[0]:.2f} / {pred[0]:.2f} "
                   f"| {again[0] / first[0] - 1:+.1%} | {first[1]:.2f} / {again[1]:.2f} / {pred[1]:.2f} "

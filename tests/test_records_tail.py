@@ -54,5 +54,10 @@ def test_a_repeat_reports_each_replay_s_tail() -> None:
     burst = fast + [rec(200 + k, 50.2 + k * 0.1, 1.0) for k in range(5)]
     spread = [rec(i, i * 0.5, 0.01) for i in range(200)] + [rec(200 + k, 10.0 * k, 1.0) for k in range(5)]
     rows = repeat_rows(0.5, measured(burst), measured(spread), (0.01, -0.02))
-    assert rows[-1] == ["50%", "slowest 1%: requests / seconds", "5 / 1", "5 / 5", ""]
+    assert rows[-1] == ["50%", "slowest 1%: requests / seconds", "5 / 1", "5 / 5", "", ""]
     assert rows[-2][1] == "speed vs profile"
+    scored = {r[1]: r[5] for r in rows[:-2]}  # the again run scored against the first
+    assert scored["throughput req/s"] == scored["rejected"] == "yes" and scored["mean batch size"] == "-"
+    assert scored["P99 ms"] == "yes"  # the same five slow requests, from one burst or spread out
+    quiet = repeat_rows(0.5, measured(burst), measured([rec(i, i * 0.5, 0.01) for i in range(205)]))
+    assert {r[1]: r[5] for r in quiet[:-2]}["P99 ms"] == "no"  # without them the P99 is 10 ms, not 1 s

@@ -274,7 +274,9 @@ def main(args: argparse.Namespace) -> int:
           f"target\n{table}", flush=True)
     result["table"] = {"head": HEAD, "rows": rows}
     if repeats:
-        print(f"\nThe live run against itself (the same rows replayed again on the same server)\n"
+        hits = sum(r[5] == "yes" for r in repeats)
+        print(f"\nThe live run against itself (the same rows replayed again on the same server): {hits} of "
+              f"{sum(r[5] in ('yes', 'no') for r in repeats)} cells within the prediction's targets\n"
               f"{text_table(REPEAT_HEAD, repeats)}", flush=True)
         result["repeat_table"] = {"head": REPEAT_HEAD, "rows": repeats}
     (out / "fidelity.json").write_text(json.dumps(result, indent=2, default=str))

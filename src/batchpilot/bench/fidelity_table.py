@@ -21,6 +21,20 @@ def _err(pred: float, meas: float) -> float:
     return (pred - meas) / meas if meas and math.isfinite(meas) and math.isfinite(pred) else math.nan
 
 
+def within_target(metric: str, value: float, reference: float,
+                  targets: dict[str, float] = TARGETS) -> bool | None:
+    """Whether ``value`` is within ``metric``'s target of ``reference``, the value it is scored against:
+    the rejected count within 10% or 5 requests, any other metric within ``targets`` of its first word
+    (a relative error); None for a metric without a target."""
+    if metric == "rejected":
+        return abs(value - reference) <= max(5, 0.10 * reference)
+    target = targets.get(metric.split()[0])
+    if target is None:
+        return None
+    e = _err(value, reference)
+    return math.isfinite(e) and abs(e) <= target
+
+
 def _metrics(pred: Any) -> list[float]:
     """A prediction's value of each of ``METRICS``: its median over the draws (``fidelity.Prediction``)."""
     return [pred.drawn.median(name) * k for name, k in zip(_DRAWN, _SCALE, strict=True)]
@@ -51,18 +65,18 @@ def comparison_rows(load: float, k: float, pred: Any, live: Measurement, speed: 
     for i, metric in enumerate(METRICS):
         a, b, h, f = predicted[i], measured[i], later[i], first[i]
         lo, hi = bands[metric]
+        ok = within_target(metric, a, b)
+        verdict = "-" if ok is None else ("yes" if ok else "no")
         if metric == "rejected":
-            ok = abs(a - b) <= max(5, 0.10 * b)
             rows.append([f"{load:.0%}", f"{k:.3f}", metric, f"{a:.0f}", f"{b:.0f}", f"{a - b:+.0f}",
-                         "10% or 5", "yes" if ok else "no", speed_cell,
+                         "10% or 5", verdict, speed_cell,
                          f"{h - b:+.0f}" if math.isfinite(h) else "-", f"{lo:.0f} .. {hi:.0f}", check_cell,
                          f"{f - b:+.0f}" if math.isfinite(f) else "-"])
             continue
         e = _err(a, b)
         target = TARGETS.get(metric.split()[0])
-        within = "-" if target is None else ("yes" if math.isfinite(e) and abs(e) <= target else "no")
         rows.append([f"{load:.0%}", f"{k:.3f}", metric, f"{a:.2f}", f"{b:.2f}", f"{e:+.1%}",
-                     f"{target:.0%}" if target else "-", within, speed_cell,
+                     f"{target:.0%}" if target else "-", verdict, speed_cell,
                      f"{_err(h, b):+.1%}" if math.isfinite(h) else "-", f"{lo:.2f} .. {hi:.2f}", check_cell,
                      f"{_err(f, b):+.1%}" if math.isfinite(f) else "-"])
     return rows
@@ -83,20 +97,24 @@ def measured_metrics(live: Measurement) -> list[float]:
             live.server.get("batch_size", math.nan)]
 
 
-REPEAT_HEAD = ["load", "metric", "live", "live again", "difference"]
+REPEAT_HEAD = ["load", "metric", "live", "live again", "difference", "within target"]
 
 
 def repeat_rows(load: float, first: Measurement, again: Measurement,
                 speeds: tuple[float, float] = (math.nan, math.nan)) -> list[list[Any]]:
     """The same rows replayed twice on the same server: how far the live run agrees with itself, the
-    floor under any prediction's error on this machine (``bench fidelity --live-repeats``), and each
-    run's speed against the profile (``speeds``)."""
+    floor under any prediction's error on this machine (``bench fidelity --live-repeats``), with the
+    again run scored against the first under the prediction's targets, and each run's speed against
+    the profile (``speeds``)."""
     rows: list[list[Any]] = []
     for name, a, b in zip(METRICS, measured_metrics(first), measured_metrics(again), strict=True):
         diff = f"{b - a:+.0f}" if name == "rejected" else f"{_err(b, a):+.1%}"
-        rows.append([f"{load:.0%}", name, f"{a:.2f}", f"{b:.2f}", diff])
+        ok = within_target(name, b, a)
+        verdict = "-" if ok is None else ("yes" if ok else "no")
+        rows.append([f"{load:.0%}", name, f"{a:.2f}", f"{b:.2f}", diff, verdict])
     a, b = speeds
-    rows.append([f"{load:.0%}", "speed vs profile", f"{a:+.1%}", f"{b:+.1%}", f"{(b - a) * 100:+.1f} pts"])
+    rows.append([f"{load:.0%}", "speed vs profile", f"{a:+.1%}", f"{b:+.1%}", f"{(b - a) * 100:+.1f} pts",
+                 ""])
     (n, s1), (m, s2) = tail_seconds(first.records), tail_seconds(again.records)
-    rows.append([f"{load:.0%}", "slowest 1%: requests / seconds", f"{n} / {s1}", f"{m} / {s2}", ""])
+    rows.append([f"{load:.0%}", "slowest 1%: requests / seconds", f"{n} / {s1}", f"{m} / {s2}", "", ""])
     return rows

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from .fidelity_table import within_target
 from .records import Summary
 
 TARGETS = {"TTFT": 0.10, "TPOT": 0.10, "output": 0.05}
@@ -40,10 +41,10 @@ def comparison_rows(load: float, k: float, pred: Summary, rejected_pred: int, me
         e, target, ef = _err(p, m), TARGETS[metric.split()[0]], _err(f, m)
         rows.append([f"{load:.0%}", f"{k:.3f}", metric, f"{p * unit:.2f}", f"{m * unit:.2f}",
                      f"{e:+.1%}" if math.isfinite(e) else "-", f"{target:.0%}",
-                     "yes" if math.isfinite(e) and abs(e) <= target else "no", sp, ck,
+                     "yes" if within_target(metric, p, m, TARGETS) else "no", sp, ck,
                      f"{ef:+.1%}" if math.isfinite(ef) else "-"])
     rejected = meas.num_requests - meas.num_ok
-    ok = abs(rejected_pred - rejected) <= max(5, 0.10 * rejected)
+    ok = within_target("rejected", rejected_pred, rejected)
     rows.append([f"{load:.0%}", f"{k:.3f}", "rejected", str(rejected_pred), str(rejected),
                  f"{rejected_pred - rejected:+d}", "10% or 5", "yes" if ok else "no", sp, ck,
                  f"{alone[1] - rejected:+d}" if alone else "-"])
@@ -59,11 +60,11 @@ def repeat_rows(load: float, first: Summary, again: Summary, speeds: tuple[float
     rows: list[list[Any]] = []
     for metric, a, b in zip(METRICS, _values(first), _values(again), strict=True):
         unit = 1.0 if metric == "output tok/s" else 1e3
-        e, target = _err(b, a), TARGETS[metric.split()[0]]
+        e = _err(b, a)
         rows.append([f"{load:.0%}", metric, f"{a * unit:.2f}", f"{b * unit:.2f}",
                      f"{e:+.1%}" if math.isfinite(e) else "-",
-                     "yes" if math.isfinite(e) and abs(e) <= target else "no", sp])
+                     "yes" if within_target(metric, b, a, TARGETS) else "no", sp])
     r1, r2 = first.num_requests - first.num_ok, again.num_requests - again.num_ok
     rows.append([f"{load:.0%}", "rejected", str(r1), str(r2), f"{r2 - r1:+d}",
-                 "yes" if abs(r2 - r1) <= max(5, 0.10 * r1) else "no", sp])
+                 "yes" if within_target("rejected", r2, r1) else "no", sp])
     return rows
