@@ -52,6 +52,7 @@ class StubScheduler:
     def __init__(self) -> None:
         self.queue: deque = deque()
         self.cost_model = CostModel.default_cpu_minilm()
+        self.config = SchedulerConfig()  # one slot: what the target reads of the scheduler's config
         self.ids = 0
 
     @property
