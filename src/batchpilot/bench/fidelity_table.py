@@ -17,7 +17,8 @@ _DRAWN = ("p50", "p99", "throughput_rps", "failed", "mean_batch_size")  # sim.dr
 _SCALE = (1e3, 1e3, 1.0, 1.0, 1.0)
 
 
-def _err(pred: float, meas: float) -> float:
+def relative_error(pred: float, meas: float) -> float:
+    """``(pred - meas) / meas``; NaN where either is not finite or ``meas`` is 0."""
     return (pred - meas) / meas if meas and math.isfinite(meas) and math.isfinite(pred) else math.nan
 
 
@@ -31,7 +32,7 @@ def within_target(metric: str, value: float, reference: float,
     target = targets.get(metric.split()[0])
     if target is None:
         return None
-    e = _err(value, reference)
+    e = relative_error(value, reference)
     return math.isfinite(e) and abs(e) <= target
 
 
@@ -73,12 +74,13 @@ def comparison_rows(load: float, k: float, pred: Any, live: Measurement, speed: 
                          f"{h - b:+.0f}" if math.isfinite(h) else "-", f"{lo:.0f} .. {hi:.0f}", check_cell,
                          f"{f - b:+.0f}" if math.isfinite(f) else "-"])
             continue
-        e = _err(a, b)
+        e = relative_error(a, b)
         target = TARGETS.get(metric.split()[0])
         rows.append([f"{load:.0%}", f"{k:.3f}", metric, f"{a:.2f}", f"{b:.2f}", f"{e:+.1%}",
                      f"{target:.0%}" if target else "-", verdict, speed_cell,
-                     f"{_err(h, b):+.1%}" if math.isfinite(h) else "-", f"{lo:.2f} .. {hi:.2f}", check_cell,
-                     f"{_err(f, b):+.1%}" if math.isfinite(f) else "-"])
+                     f"{relative_error(h, b):+.1%}" if math.isfinite(h) else "-", f"{lo:.2f} .. {hi:.2f}",
+                     check_cell,
+                     f"{relative_error(f, b):+.1%}" if math.isfinite(f) else "-"])
     return rows
 
 
@@ -108,7 +110,7 @@ def repeat_rows(load: float, first: Measurement, again: Measurement,
     the profile (``speeds``)."""
     rows: list[list[Any]] = []
     for name, a, b in zip(METRICS, measured_metrics(first), measured_metrics(again), strict=True):
-        diff = f"{b - a:+.0f}" if name == "rejected" else f"{_err(b, a):+.1%}"
+        diff = f"{b - a:+.0f}" if name == "rejected" else f"{relative_error(b, a):+.1%}"
         ok = within_target(name, b, a)
         verdict = "-" if ok is None else ("yes" if ok else "no")
         rows.append([f"{load:.0%}", name, f"{a:.2f}", f"{b:.2f}", diff, verdict])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from .fidelity_table import relative_error as _err
 from .fidelity_table import within_target
 from .records import Summary
 
@@ -13,10 +14,6 @@ METRICS = ("TTFT P50 ms", "TTFT P99 ms", "TPOT P50 ms", "TPOT P99 ms", "output t
 HEAD = ["load", "rate scale", "metric", "predicted", "measured", "error", "target", "within",
         "speed vs profile", "speed checked before", "error of the profile alone"]
 REPEAT_HEAD = ["load", "metric", "live", "live again", "difference", "within target", "speed vs profile"]
-
-
-def _err(p: float, m: float) -> float:
-    return (p - m) / m if m and math.isfinite(m) and math.isfinite(p) else math.nan
 
 
 def _values(s: Summary) -> list[float]:
