@@ -10,7 +10,7 @@ Reads OUT's ``steps.jsonl`` (every engine step of the live run) and the profile 
 just arrived: its HTTP request, tokenising and first chunk ran on the same cores shortly before or
 beside that step. For the decode-only steps of at least ``MIN_SEQS`` sequences, grouped by the steps
 since the last one with a prefill chunk, it prints their forward seconds over what the profile prices
-them at (``frontend.forward_factor`` times the step model, as ``bench.llm_steps.speed_by_seqs``) and
+them at (``frontend.forward_factor`` times ``StepPricer``'s price, as ``bench.llm_steps.speed_by_seqs``) and
 their mean sequences per step. Then the same for the steps with a prefill chunk, by sequences per
 step. Nothing is fitted; the numbers are the run's own against its profile.
 """
@@ -25,6 +25,7 @@ import numpy as np
 from batchpilot.bench.llm_steps import read_steps
 from batchpilot.core.costmodel import CostModel
 from batchpilot.sim.llm_frontend import LLMFrontEnd
+from batchpilot.sim.llm_step_shape import StepPricer
 
 MIN_SEQS = 4
 SINCE_BINS = ((1, 1), (2, 5), (6, 20), (21, 100), (101, 10**9))  # steps since the last prefill step
@@ -45,8 +46,10 @@ def main() -> int:
     cost, frontend = CostModel.load(profile), LLMFrontEnd.from_profile(profile)
     seqs = np.array([s.seqs for s in steps])
     fwd = np.array([s.forward_s for s in steps])
-    price = np.array([cost.latency(s.features) * frontend.forward_factor(s.seqs) for s in steps])
     prefill = np.array([s.features.get("prefill_tokens", 0.0) > 0 for s in steps])
+    pricer = StepPricer(cost)
+    price = np.array([pricer.latency(s.features) * frontend.forward_factor(s.seqs, bool(p))
+                      for s, p in zip(steps, prefill, strict=True)])
     since = np.zeros(len(steps), dtype=int)
     last = -10**9
     for i, p in enumerate(prefill):

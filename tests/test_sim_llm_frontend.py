@@ -82,13 +82,43 @@ def test_the_forward_is_priced_per_count_of_sequences(speeds: list[float], alpha
     assert [lo for lo, _ in fe.step_seq_factors] == list(bins) and details["seq_factor_steps"] == [300] * 6
 
 
+@given(st.floats(0.6, 1.6), st.floats(0.6, 1.6), st.floats(0.6, 1.6), st.integers(20, 200))
+def test_steps_with_a_prefill_are_priced_apart_from_the_decodes(decode_lo: float, decode_hi: float,
+                                                                 prefill: float, prefill_steps: int) -> None:
+    """Decode-only steps that run at one speed under 8 sequences and another from 8, and steps with a
+    prefill chunk at a third speed at every count, in any mix: each kind is priced at its own speed
+    (the prefill factor within its prior's pull towards ``step_alpha``), and the decodes' factors are
+    not pulled towards the prefills' speed by sharing a bin with them."""
+    rows = [(n, False) for n in (2, 12) for _ in range(300)] + [(n, True) for n in (2, 12)
+                                                               for _ in range(prefill_steps)]
+    fwd, feats, counts = [], [], []
+    for n, with_prefill in rows:
+        f = StepShape(64 if with_prefill else 0, n, 100 * n).features()
+        speed = prefill if with_prefill else (decode_lo if n < 8 else decode_hi)
+        fwd.append(speed * MODEL.latency(f))
+        feats.append(f)
+        counts.append(n)
+    starts = list(range(len(rows)))
+    fe, details = LLMFrontEnd.fit_steps(MODEL, starts, fwd, fwd, counts, feats, [False] * len(rows))
+    assert fe.forward_factor(2) == pytest.approx(decode_lo, rel=0.05)  # 300 steps beside a prior of 10
+    assert fe.forward_factor(12) == pytest.approx(decode_hi, rel=0.05)
+    pull = 10.0 / (10.0 + prefill_steps * 2)  # SEQ_PRIOR_STEPS steps at 1 beside the prefill steps
+    assert abs(fe.forward_factor(2, prefill=True) - prefill) <= abs(fe.step_alpha - prefill) * pull + 1e-9
+    assert fe.forward_factor(12, prefill=True) == fe.forward_factor(2, prefill=True)
+    assert details["prefill_steps"] == 2 * prefill_steps and sum(details["seq_factor_steps"]) == 600
+
+
 def test_seq_factors_survive_the_profile_file_and_bad_ones_are_refused(tmp_path: Path) -> None:
     fe = LLMFrontEnd(0.002, 1.1, 0.001, 1e-4, ((1, 0.9), (2, 1.2), (4, 1.0)))
     assert [fe.forward_factor(n) for n in (1, 2, 3, 4, 64)] == pytest.approx([0.99, 1.32, 1.32, 1.1, 1.1])
     assert fe.step_seconds(0.01, 2) == pytest.approx(1.32 * 0.01 + 0.001 + 2e-4)
+    assert fe.step_seconds(0.01, 2, prefill=True) == pytest.approx(1.1 * 0.01 + 0.001 + 2e-4)
     path = tmp_path / "p.json"
     path.write_text(json.dumps({"cost_model": {}, "frontend": fe.to_dict()}))
     assert LLMFrontEnd.from_profile(path) == fe
+    with_prefill = LLMFrontEnd(step_alpha=2.0, prefill_factor=0.9)
+    path.write_text(json.dumps({"cost_model": {}, "frontend": with_prefill.to_dict()}))
+    assert LLMFrontEnd.from_profile(path).forward_factor(3, prefill=True) == pytest.approx(1.8)
     assert LLMFrontEnd(step_alpha=1.3).forward_factor(7) == 1.3  # a profile without factors
     for bad in (((1, 0.0),), ((2, 1.0), (1, 1.0)), ((1, float("nan")),)):
         with pytest.raises(ValueError, match="step_seq_factors"):

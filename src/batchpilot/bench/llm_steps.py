@@ -31,6 +31,7 @@ import numpy as np
 
 from ..core.costmodel import CostModel
 from ..sim.llm_frontend import LLMFrontEnd, step_cycles
+from ..sim.llm_step_shape import StepPricer
 
 
 @dataclass(frozen=True)
@@ -67,17 +68,24 @@ def speed_vs_profile(profile: CostModel, steps: Sequence[LoggedStep],
     against what the simulator prices a step at, ``frontend.step_seconds``, and a step's seconds are the
     interval to the next step's start while the engine went straight on (its own ``wall_s`` before an
     idle wait: ``sim.llm_frontend.step_cycles``, as the profile measured them); without, ``wall_s``
-    against the bare step model."""
+    against the bare step model; both priced by ``StepPricer``."""
     if not steps:
         return math.nan
+    pricer = StepPricer(profile)
     if frontend is None:
-        predicted = sum(profile.latency(s.features) for s in steps)
+        predicted = sum(pricer.latency(s.features) for s in steps)
         took = sum(s.wall_s for s in steps)
     else:
-        predicted = sum(frontend.step_seconds(profile.latency(s.features), s.seqs) for s in steps)
+        predicted = sum(frontend.step_seconds(pricer.latency(s.features), s.seqs, is_prefill(s))
+                        for s in steps)
         took = float(step_cycles([s.start for s in steps], [s.wall_s for s in steps],
                                  [s.after_idle for s in steps]).sum())
     return took / predicted - 1.0 if predicted > 0 else math.nan
+
+
+def is_prefill(step: LoggedStep) -> bool:
+    """Whether the step carried a prefill chunk (its forward is priced by ``prefill_factor``)."""
+    return step.features.get("prefill_tokens", 0.0) > 0
 
 
 SEQS_BINS = ((1, 1), (2, 3), (4, 7), (8, 15), (16, 31), (32, 10**9))
@@ -87,15 +95,17 @@ def speed_by_seqs(profile: CostModel, steps: Sequence[LoggedStep], frontend: LLM
                   bins: Sequence[tuple[int, int]] = SEQS_BINS) -> list[tuple[str, int, float, float]]:
     """Per bin of sequences per step (``bins``: ``(lo, hi)`` both included, default ``SEQS_BINS``; bins
     without steps left out): ``(label, steps, forward, overhead)``, ``forward`` the steps'
-    ``forward_s`` over ``frontend.forward_factor`` (the speed under load, per count of sequences)
-    times the step model's prediction, minus 1, ``overhead`` the rest of their cycle (``step_cycles``
-    less the forward) over ``step_const_s + step_per_seq_s * seqs``, minus 1 (NaN where that line
-    is 0)."""
+    ``forward_s`` over ``frontend.forward_factor`` (the speed under load, per count of sequences and
+    kind of step) times ``StepPricer``'s prediction, minus 1, ``overhead`` the rest of their cycle
+    (``step_cycles`` less the forward) over ``step_const_s + step_per_seq_s * seqs``, minus 1 (NaN
+    where that line is 0)."""
     if not steps:
         return []
     seqs = np.array([s.seqs for s in steps])
     fwd = np.array([s.forward_s for s in steps])
-    pred = np.array([profile.latency(s.features) * frontend.forward_factor(s.seqs) for s in steps])
+    pricer = StepPricer(profile)
+    pred = np.array([pricer.latency(s.features) * frontend.forward_factor(s.seqs, is_prefill(s))
+                     for s in steps])
     cycles = step_cycles([s.start for s in steps], [s.wall_s for s in steps], [s.after_idle for s in steps])
     rest = cycles - fwd
     line = frontend.step_const_s + frontend.step_per_seq_s * seqs

@@ -1,8 +1,10 @@
 """The LLM target: the real ``LLMScheduler`` in the simulator's event loop, each step timed by a cost model.
 
 One slot (one engine), one job per iteration (docs/simulator.md): ``schedule`` asks the scheduler for a
-step and returns ``Job(frontend.step_seconds(cost_model.latency(plan.shape), seqs), plan)`` (the
-serving path's step terms, ``sim.llm_frontend``; nothing added without one); when the job ends,
+step and returns ``Job(frontend.step_seconds(price, seqs, prefill), plan)``, ``price`` the step model's
+line times the step profile's measured shape (``sim.llm_step_shape.StepPricer``), ``prefill`` whether
+the step carries a prefill chunk (the serving path's step terms, ``sim.llm_frontend``; nothing added
+without one); when the job ends,
 ``on_job_done`` feeds ``update`` a dummy token for every sampling chunk (EOS is ignored, as in
 conv-llm, so only lengths matter), and records first-token and finish times. The scheduler, block
 manager, budgets and preemption are the ones the live engine runs, so TTFT and TPOT predicted here
@@ -39,6 +41,7 @@ from ..core.sequence import SamplingParams, Sequence
 from .engine import Engine, EngineStats, Job
 from .llm_frontend import LLMFrontEnd
 from .llm_report import LLMRecord, LLMSimReport, summarize_llm
+from .llm_step_shape import StepPricer
 from .traces import Workload
 
 
@@ -83,6 +86,7 @@ class LLMTarget:
         self.admission = LLMAdmission(scheduler.config)
         self.workload = workload
         self.cost_model = cost_model
+        self.pricer = StepPricer(cost_model)
         self.preemption_costs = preemption_costs or sim_preemption_costs(cost_model,
                                                                          scheduler.config.block_size)
         self.noise = noise
@@ -128,9 +132,9 @@ class LLMTarget:
         if plan.is_empty:
             return [], None
         shape = plan.shape
-        predicted = (self.cost_model.sample_latency(shape, float(self._rng.random())) if self.noise
-                     else self.cost_model.latency(shape))
-        duration = self.frontend.step_seconds(predicted, len(plan.chunks))
+        predicted = (self.pricer.sample_latency(shape, float(self._rng.random())) if self.noise
+                     else self.pricer.latency(shape))
+        duration = self.frontend.step_seconds(predicted, len(plan.chunks), shape.prefill_tokens > 0)
         duration += self.preemption_costs.swap_s(len(plan.swap_out), len(plan.swap_in))
         rec = self.record
         rec.step_start.append(now)

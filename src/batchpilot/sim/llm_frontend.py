@@ -22,14 +22,20 @@ own traffic (never the traffic it predicts) and writes these fields into the pro
   model's error, paid again on every sequence of every simulated step).
 
 * ``step_seq_factors``: ``(min_seqs, factor)`` per bin of sequences per step (``SEQ_EDGES``: 1, 2-3,
-  4-7, 8-15, 16-31, 32+): the loaded steps' forward over ``step_alpha`` times the prediction, per bin
-  (``line_fit.binned_factors``: each bin weighs ``SEQ_PRIOR_STEPS`` steps at 1 beside its own, so a bin
-  of few steps stays near 1; normalised so the totals agree). The step profile times each shape
-  alone over a synthetic grid; in live runs the steps of two and three sequences ran over it while
-  those of one and of four or more ran under it (``python -m batchpilot.bench.llm_steps DIR
-  --by-count`` on conv-llm runs): one ``step_alpha`` for all counts puts that shape into every TPOT.
+  4-7, 8-15, 16-31, 32+), for steps of decodes only: their forward over ``step_alpha`` times the
+  prediction, per bin (``line_fit.binned_factors``: each bin weighs ``SEQ_PRIOR_STEPS`` steps at 1
+  beside its own, so a bin of few steps stays near 1). Streaming more sequences' tokens on the same
+  cores slows the forward beside it: in conv-llm runs a loaded decode step's forward ran from about
+  0.9 of its price at one sequence to 1.1 at 32 (``python -m batchpilot.bench.llm_steps DIR``).
+* ``prefill_factor``: the same ratio for the steps that carry a prefill chunk, one for every count.
+  Such a step is mostly prompt work, which does not follow the decodes' curve; a factor per count
+  pooled over both kinds is priced by the profile's mix of them (its loaded phase runs many prefills
+  beside few decodes; a loaded server runs mostly decodes) and misprices the other mix.
 
-A simulated step takes ``step_seconds(predicted, seqs)``. ``LLMFrontEnd()`` adds nothing.
+The prediction these ratios are taken against is ``StepPricer``'s (``sim.llm_step_shape``): the step
+model's line times the step profile's own measured shape, so that they hold only what load adds.
+
+A simulated step takes ``step_seconds(predicted, seqs, prefill)``. ``LLMFrontEnd()`` adds nothing.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ import numpy as np
 from ..core.costmodel import CostModel, nonneg_lstsq
 from .frontend import check_finite_nonneg
 from .line_fit import binned_factors, step_factor
+from .llm_step_shape import StepPricer
 
 SEQ_EDGES = (1, 2, 4, 8, 16, 32)  # the lower bounds of the bins of sequences per step
 SEQ_PRIOR_STEPS = 10.0  # a bin's factor weighs this many steps at 1 beside its own
@@ -60,6 +67,7 @@ class LLMFrontEnd:
     step_const_s: float = 0.0
     step_per_seq_s: float = 0.0
     step_seq_factors: tuple[tuple[int, float], ...] = ()
+    prefill_factor: float = 1.0
 
     def __post_init__(self) -> None:
         scalars = {k: v for k, v in asdict(self).items() if k != "step_seq_factors"}
@@ -71,13 +79,16 @@ class LLMFrontEnd:
             raise ValueError(f"llm frontend.step_seq_factors = {factors!r}; must be (min_seqs, factor > 0) "
                              "pairs with ascending min_seqs")
 
-    def forward_factor(self, seqs: int) -> float:
-        """``step_alpha`` times the ``step_seq_factors`` entry of a step of ``seqs`` sequences."""
-        return self.step_alpha * step_factor(self.step_seq_factors, seqs)
+    def forward_factor(self, seqs: int, prefill: bool = False) -> float:
+        """``step_alpha`` times ``prefill_factor`` for a step with a prefill chunk, else the
+        ``step_seq_factors`` entry of a step of ``seqs`` sequences."""
+        factor = self.prefill_factor if prefill else step_factor(self.step_seq_factors, seqs)
+        return self.step_alpha * factor
 
-    def step_seconds(self, predicted_s: float, seqs: int) -> float:
-        """A step's time as the streams see it, from the step profile's ``predicted_s``."""
-        return self.forward_factor(seqs) * predicted_s + self.step_const_s + self.step_per_seq_s * seqs
+    def step_seconds(self, predicted_s: float, seqs: int, prefill: bool = False) -> float:
+        """A step's time as the streams see it, from ``StepPricer``'s ``predicted_s``."""
+        forward = self.forward_factor(seqs, prefill) * predicted_s
+        return forward + self.step_const_s + self.step_per_seq_s * seqs
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = asdict(self)
@@ -100,13 +111,16 @@ class LLMFrontEnd:
                   wall_s: Sequence[float], seqs: Sequence[int], features: Sequence[dict[str, float]],
                   after_idle: Sequence[bool],
                   first_token_delay_s: float = 0.0) -> tuple[LLMFrontEnd, dict[str, Any]]:
-        """Fit the step fields on logged loaded steps, in order (module docstring); a step's cost to the
-        streams is ``step_cycles``. Returns the fields and a JSON-ready dict of the fit, with the
-        sequences per step it covered: ``mean_seqs``, ``p90_seqs``, ``max_seqs`` and ``seqs_levels``
-        (distinct counts)."""
+        """Fit the step fields on logged loaded steps, in order (module docstring), each priced by
+        ``StepPricer(cost_model)``; a step's cost to the streams is ``step_cycles``. Returns the fields
+        and a JSON-ready dict of the fit, with the sequences per step it covered: ``mean_seqs``,
+        ``p90_seqs``, ``max_seqs`` and ``seqs_levels`` (distinct counts), and the steps with a prefill
+        chunk (``prefill_steps``)."""
         if len(starts) < 10:
             return cls(first_token_delay_s), {"steps": len(starts), "note": "too few steps: not measured"}
-        pred = np.array([cost_model.latency(f) for f in features])
+        pricer = StepPricer(cost_model)
+        pred = np.array([pricer.latency(f) for f in features])
+        prefill = np.array([f.get("prefill_tokens", 0.0) > 0 for f in features])
         fwd = np.asarray(forward_s, dtype=float)
         cycle = step_cycles(starts, wall_s, after_idle)
         alpha = float(fwd.sum() / pred.sum()) if pred.sum() > 0 else 1.0
@@ -114,15 +128,26 @@ class LLMFrontEnd:
         n = np.asarray(seqs, dtype=float)
         const, per_seq = per_level_line(n, extra)
         index = np.searchsorted(np.asarray(SEQ_EDGES[1:]), n, side="right")
-        factors, counts = binned_factors(index, len(SEQ_EDGES), fwd, alpha * pred, SEQ_PRIOR_STEPS)
-        fe = cls(first_token_delay_s, alpha, const, per_seq, tuple(zip(SEQ_EDGES, factors, strict=True)))
-        line = np.array([fe.forward_factor(int(k)) for k in n]) * pred + const + per_seq * n  # step_seconds
+        dec = ~prefill
+        factors, counts = ((1.0,) * len(SEQ_EDGES), [0] * len(SEQ_EDGES))
+        if dec.any():  # binned_factors keeps its line's total: give it the decodes' own
+            share = float(fwd[dec].sum() / (alpha * pred[dec]).sum())
+            factors, counts = binned_factors(index[dec], len(SEQ_EDGES), fwd[dec], share * alpha * pred[dec],
+                                             SEQ_PRIOR_STEPS)
+            factors = tuple(f * share for f in factors)
+        with_prefill = alpha * pred[prefill]
+        prior = SEQ_PRIOR_STEPS * (float(with_prefill.mean()) if with_prefill.size else 1.0)
+        pre = (float(fwd[prefill].sum()) + prior) / (float(with_prefill.sum()) + prior)
+        fe = cls(first_token_delay_s, alpha, const, per_seq, tuple(zip(SEQ_EDGES, factors, strict=True)), pre)
+        factor = np.array([fe.forward_factor(int(k), bool(p)) for k, p in zip(n, prefill, strict=True)])
+        line = factor * pred + const + per_seq * n  # step_seconds
         return fe, {
             "steps": len(starts), "mean_seqs": float(n.mean()), "p90_seqs": float(np.percentile(n, 90)),
             "max_seqs": int(n.max()), "seqs_levels": int(np.unique(n).size),
             "forward_over_predicted": alpha, "cycle_over_predicted": float(cycle.sum() / pred.sum()),
             "mean_extra_s": float(extra.mean()), "step_const_s": const, "step_per_seq_s": per_seq,
             "seq_factors": [list(p) for p in fe.step_seq_factors], "seq_factor_steps": counts,
+            "prefill_factor": pre, "prefill_steps": int(prefill.sum()),
             "residual_std": float((cycle / line - 1.0).std())}
 
 
