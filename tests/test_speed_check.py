@@ -138,5 +138,12 @@ def test_an_llm_profile_rechecks_its_own_steps(monkeypatch: pytest.MonkeyPatch) 
     assert out["frontend"]["step_per_seq_s"] == pytest.approx(0.0001 * check.ratio)
     assert out["frontend"]["step_alpha"] == 1.1 and out["frontend"]["first_token_delay_s"] == 0.005
     assert out["cost_model"]["latency_coef"] == pytest.approx([c * check.ratio for c in model.latency_coef])
+    # every step, the grid's own shape included (sim.llm_step_shape), is priced at the checked speed
+    from batchpilot.sim.llm_step_shape import StepPricer, step_point_shape
+
+    before, after = StepPricer(model), StepPricer(CostModel.from_dict(out["cost_model"]))
+    for p in points:
+        shape = step_point_shape(p["prefills"], p["decodes"], p["context"])
+        assert after.latency(shape) == pytest.approx(check.ratio * before.latency(shape))
     with pytest.raises(ValueError, match="no step points"):
         speed_check.check_llm_speed({"kind": "llm", "cost_model": {"meta": {}}})

@@ -98,6 +98,10 @@ def rescaled(doc: dict[str, Any], check: SpeedCheck, source: str = "") -> dict[s
     r = check.ratio / float(doc.get("speed_check", {}).get("ratio", 1.0))  # a rechecked one: undo its own
     cm = out["cost_model"]
     cm["latency_coef"] = [c * r for c in cm["latency_coef"]]
+    if out.get("kind") == "llm" and "step_points" in cm.get("meta", {}):
+        # the grid keeps its own times (the next recheck compares against them); the step model's shape
+        # table reads them at this speed (``sim.llm_step_shape``)
+        cm["meta"]["step_points_speed"] = check.ratio
     front = out.get("frontend") or {}
     for key in ("step_const_s", "step_per_seq_s") if out.get("kind") == "llm" else ("loaded_const_s",):
         if key in front:  # seconds per batch or step: the machine's speed moves them too

@@ -21,7 +21,9 @@ them (linearly, in the logarithms of the axes, held at the table's edges beyond 
 ``StepPricer`` is the price every LLM prediction takes: the line times the table's factor. The
 simulator (``sim.llm``), the serving-path fit (``LLMFrontEnd.fit_steps``) and the step log's
 comparison with the profile (``bench.llm_steps``) all price a step through it. A profile without
-``step_points`` in its ``meta`` (an older one, or the stated default) gets factor 1.
+``step_points`` in its ``meta`` (an older one, or the stated default) gets factor 1. A rechecked profile
+(``batchpilot profile --recheck``) keeps the grid's original times beside its rescaled line and
+records the ratio as ``meta.step_points_speed``; the table reads the times at that speed.
 """
 
 from __future__ import annotations
@@ -85,12 +87,13 @@ class StepShapeTable:
         pre: dict[float, float] = {}
         dec: dict[tuple[float, float], float] = {}
         mix: dict[tuple[float, float], float] = {}
+        speed = float(cost_model.meta.get("step_points_speed", 1.0))  # a rechecked profile's ratio
         for p in cost_model.meta.get("step_points") or ():
             prompts, b, ctx = [int(n) for n in p["prefills"]], int(p["decodes"]), int(p["context"])
             line = cost_model.latency(step_point_shape(prompts, b, ctx))
             if line <= 0 or float(p["latency_s"]) <= 0 or len(prompts) > 1:
                 continue
-            r = math.log(float(p["latency_s"]) / line)
+            r = math.log(float(p["latency_s"]) * speed / line)
             if prompts and b == 0:
                 pre[float(prompts[0])] = r
             elif prompts:
