@@ -171,3 +171,27 @@ def test_speed_by_seqs_splits_the_forward_from_the_overhead_per_count_of_sequenc
     profile = tmp_path / "llm_profile.json"
     assert main([str(tmp_path), str(profile)]) == 0
     assert main([str(tmp_path), str(tmp_path / "missing.json")]) == 2
+    assert main([str(tmp_path), "--by-kind"]) == 0
+
+
+def test_speed_by_seqs_by_kind_keeps_each_steps_cycle_to_the_next_logged_step() -> None:
+    """Decode-only steps alternating with steps that carry a prefill: each kind's rows price only its
+    own steps, and a step's overhead is still its interval to the very next step, whatever its kind
+    (a filtered list would stretch each cycle over the other kind's step)."""
+    from batchpilot.bench.llm_steps import speed_by_seqs
+    from batchpilot.sim.llm_frontend import LLMFrontEnd
+
+    fe = LLMFrontEnd(step_alpha=1.0, step_const_s=0.001, step_per_seq_s=0.0, prefill_factor=2.0)
+    steps, t = [], 0.0
+    for k in range(20):
+        with_prefill = k % 2 == 1
+        f = _feats(64 if with_prefill else 0, 4, 100)
+        forward = _cost(f) * (2.0 if with_prefill else 1.0)  # each kind at its own factor
+        steps.append(LoggedStep(t, forward + 0.001, forward, 4, False, f))
+        t += forward + (0.003 if with_prefill else 0.001)  # prefill steps: three times the overhead
+    decode = speed_by_seqs(PROFILE, steps, fe, prefill=False)
+    prefill = speed_by_seqs(PROFILE, steps, fe, prefill=True)
+    assert [(r[0], r[1]) for r in decode] == [("4-7", 10)]
+    assert [(r[0], r[1]) for r in prefill] == [("4-7", 10)]
+    assert decode[0][2:] == pytest.approx((0.0, 0.0)) and prefill[0][2] == pytest.approx(0.0)
+    assert prefill[0][3] == pytest.approx(1.8)  # nine of ten at 3x; the last one's own wall time

@@ -12,10 +12,11 @@ shapes. It reports how fast the machine ran against its profile; nothing is fitt
 ``speed_by_seqs`` splits it by sequences per step: the forward against the profile's forward factor
 (``step_alpha`` and the factor of its count of sequences) times the step model, and the rest of the
 step against the serving path's overhead line, where they part.
-``python -m batchpilot.bench.llm_steps OUT [PROFILE] [--by-count]`` prints it for a ``bench fidelity
---workload conv-llm`` output folder (its ``steps.jsonl``, every logged step, against ``PROFILE``, by
-default the ``llm_profile.json`` the command wrote there); ``--by-count`` splits it by each count of
-sequences from 1 to 32 (steps of more in one row).
+``python -m batchpilot.bench.llm_steps OUT [PROFILE] [--by-count] [--by-kind]`` prints it for a ``bench
+fidelity --workload conv-llm`` output folder (its ``steps.jsonl``, every logged step, against
+``PROFILE``, by default the ``llm_profile.json`` the command wrote there); ``--by-count`` splits it by
+each count of sequences from 1 to 32 (steps of more in one row), ``--by-kind`` into decode-only steps
+and steps with a prefill chunk, the two kinds whose forward the profile prices apart.
 """
 
 from __future__ import annotations
@@ -92,13 +93,15 @@ SEQS_BINS = ((1, 1), (2, 3), (4, 7), (8, 15), (16, 31), (32, 10**9))
 
 
 def speed_by_seqs(profile: CostModel, steps: Sequence[LoggedStep], frontend: LLMFrontEnd,
-                  bins: Sequence[tuple[int, int]] = SEQS_BINS) -> list[tuple[str, int, float, float]]:
+                  bins: Sequence[tuple[int, int]] = SEQS_BINS,
+                  prefill: bool | None = None) -> list[tuple[str, int, float, float]]:
     """Per bin of sequences per step (``bins``: ``(lo, hi)`` both included, default ``SEQS_BINS``; bins
     without steps left out): ``(label, steps, forward, overhead)``, ``forward`` the steps'
     ``forward_s`` over ``frontend.forward_factor`` (the speed under load, per count of sequences and
     kind of step) times ``StepPricer``'s prediction, minus 1, ``overhead`` the rest of their cycle
     (``step_cycles`` less the forward) over ``step_const_s + step_per_seq_s * seqs``, minus 1 (NaN
-    where that line is 0)."""
+    where that line is 0). ``prefill``: only the steps with a prefill chunk (True) or only the
+    decode-only ones (False); every step's cycle is still its interval to the next logged step."""
     if not steps:
         return []
     seqs = np.array([s.seqs for s in steps])
@@ -110,8 +113,9 @@ def speed_by_seqs(profile: CostModel, steps: Sequence[LoggedStep], frontend: LLM
     rest = cycles - fwd
     line = frontend.step_const_s + frontend.step_per_seq_s * seqs
     out = []
+    kind = np.array([prefill is None or is_prefill(s) == prefill for s in steps])
     for lo, hi in bins:
-        m = (seqs >= lo) & (seqs <= hi)
+        m = (seqs >= lo) & (seqs <= hi) & kind
         if not m.any():
             continue
         label = str(lo) if lo == hi else (f"{lo}-{hi}" if hi < 10**9 else f"{lo}+")
@@ -128,12 +132,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Print ``speed_by_seqs`` for a ``bench fidelity --workload conv-llm`` output folder (and the profile
     it ran with, when it was given one with ``--profile``)."""
     args = list(sys.argv[1:] if argv is None else argv)
-    by_count = "--by-count" in args
-    args = [a for a in args if a != "--by-count"]
+    by_count, by_kind = "--by-count" in args, "--by-kind" in args
+    args = [a for a in args if a not in ("--by-count", "--by-kind")]
     if len(args) not in (1, 2):
-        print("usage: python -m batchpilot.bench.llm_steps OUT [PROFILE] [--by-count]  (OUT: a bench "
-              "fidelity --workload conv-llm folder; PROFILE: the LLM profile it ran with, "
-              "OUT/llm_profile.json by default; --by-count: each count of sequences per step apart)")
+        print("usage: python -m batchpilot.bench.llm_steps OUT [PROFILE] [--by-count] [--by-kind]  (OUT: a "
+              "bench fidelity --workload conv-llm folder; PROFILE: the LLM profile it ran with, "
+              "OUT/llm_profile.json by default; --by-count: each count of sequences per step apart; "
+              "--by-kind: decode-only steps and steps with a prefill chunk apart)")
         return 2
     out = Path(args[0])
     profile = Path(args[1]) if len(args) == 2 else out / "llm_profile.json"
@@ -143,10 +148,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
     steps = read_steps(out / "steps.jsonl")[0]
     bins = [(k, k) for k in range(1, 33)] + [(33, 10**9)] if by_count else SEQS_BINS
-    rows = speed_by_seqs(CostModel.load(profile), steps, LLMFrontEnd.from_profile(profile), bins)
-    print(f"{len(steps)} engine steps against {profile}, by sequences per step:")
-    for label, n, f, o in rows:
-        print(f"  {label:>6} seqs  {n:7d} steps  forward {f:+7.1%}  overhead {o:+7.1%}")
+    model, frontend = CostModel.load(profile), LLMFrontEnd.from_profile(profile)
+    kinds: list[tuple[str, bool | None]] = [("", None)]
+    if by_kind:  # the two kinds the forward is priced apart (sim.llm_frontend)
+        kinds = [("decode-only ", False), ("with a prefill chunk ", True)]
+    for name, kind in kinds:
+        count = sum(kind is None or is_prefill(s) == kind for s in steps)
+        print(f"{count} {name}engine steps against {profile}, by sequences per step:")
+        for label, n, f, o in speed_by_seqs(model, steps, frontend, bins, kind):
+            print(f"  {label:>6} seqs  {n:7d} steps  forward {f:+7.1%}  overhead {o:+7.1%}")
     return 0
 
 

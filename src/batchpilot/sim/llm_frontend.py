@@ -115,7 +115,7 @@ class LLMFrontEnd:
         ``StepPricer(cost_model)``; a step's cost to the streams is ``step_cycles``. Returns the fields
         and a JSON-ready dict of the fit, with the sequences per step it covered: ``mean_seqs``,
         ``p90_seqs``, ``max_seqs`` and ``seqs_levels`` (distinct counts), and the steps with a prefill
-        chunk (``prefill_steps``)."""
+        chunk (``prefill_steps``, and per bin of ``SEQ_EDGES``: ``prefill_steps_by_bin``)."""
         if len(starts) < 10:
             return cls(first_token_delay_s), {"steps": len(starts), "note": "too few steps: not measured"}
         pricer = StepPricer(cost_model)
@@ -148,6 +148,7 @@ class LLMFrontEnd:
             "mean_extra_s": float(extra.mean()), "step_const_s": const, "step_per_seq_s": per_seq,
             "seq_factors": [list(p) for p in fe.step_seq_factors], "seq_factor_steps": counts,
             "prefill_factor": pre, "prefill_steps": int(prefill.sum()),
+            "prefill_steps_by_bin": np.bincount(index[prefill], minlength=len(SEQ_EDGES)).tolist(),
             "residual_std": float((cycle / line - 1.0).std())}
 
 
