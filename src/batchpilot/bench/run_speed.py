@@ -29,7 +29,7 @@ WINDOW_S = 15.0
 MIN_WINDOW_BATCHES = 10  # a window with fewer batches is left out of the spread
 IDLE_BINS_S = (0.0, *IDLE_EDGES_S, math.inf)  # idle before a batch, for ``by_idle`` (the profile's bins)
 SIZE_BINS = ((1, 1), (2, 2), (3, 4), (5, 8), (9, 10**9))  # requests in a batch, for ``by_size``
-RATE_BINS = (0.0, 5.0, 10.0, 20.0, 30.0, math.inf)  # requests/s in the second before a batch, ``by_rate``
+RATE_BINS = (0.0, 5.0, 10.0, 20.0, 30.0, 45.0, 60.0, 75.0, math.inf)  # req/s in the second before a batch
 
 
 @dataclass(frozen=True)
