@@ -25,8 +25,9 @@ own traffic (never the traffic it predicts) and writes these fields into the pro
   4-7, 8-15, 16-31, 32+), for steps of decodes only: their forward over ``step_alpha`` times the
   prediction, per bin (``line_fit.binned_factors``: each bin weighs ``SEQ_PRIOR_STEPS`` steps at 1
   beside its own, so a bin of few steps stays near 1). Streaming more sequences' tokens on the same
-  cores slows the forward beside it: in conv-llm runs a loaded decode step's forward ran from about
-  0.9 of its price at one sequence to 1.1 at 32 (``python -m batchpilot.bench.llm_steps DIR``).
+  cores slows the forward beside it: conv-llm profiles put a loaded decode step's forward at about
+  0.9 of its price at one sequence and 1.1 at 16-31 (their ``frontend.step_seq_factors``,
+  docs/benchmarks.md "LLM: conv-llm").
 * ``prefill_factor``: the same ratio for the steps that carry a prefill chunk, one for every count.
   Such a step is mostly prompt work, which does not follow the decodes' curve; a factor per count
   pooled over both kinds is priced by the profile's mix of them (its loaded phase runs many prefills
