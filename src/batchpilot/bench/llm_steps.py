@@ -10,8 +10,9 @@ while the server writes (whole lines only).
 logged steps' seconds over what the profile (step model and serving path) predicts for the same step
 shapes. It reports how fast the machine ran against its profile; nothing is fitted on it.
 ``speed_by_seqs`` splits it by sequences per step: the forward against the profile's forward factor
-(``step_alpha`` and the factor of its count of sequences) times the step model, and the rest of the
-step against the serving path's overhead line, where they part.
+(``step_alpha`` and the factor of its count of sequences, or its prefill factor) times the step's
+price (``sim.llm_step_shape.StepPricer``), and the rest of the step against the serving path's
+overhead line, where they part.
 ``python -m batchpilot.bench.llm_steps OUT [PROFILE] [--by-count] [--by-kind]`` prints it for a ``bench
 fidelity --workload conv-llm`` output folder (its ``steps.jsonl``, every logged step, against
 ``PROFILE``, by default the ``llm_profile.json`` the command wrote there); ``--by-count`` splits it by
