@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from batchpilot.bench.llm_steps import read_steps
+from batchpilot.bench.llm_steps import is_prefill, read_steps
 from batchpilot.core.costmodel import CostModel
 from batchpilot.sim.llm_frontend import LLMFrontEnd
 from batchpilot.sim.llm_step_shape import StepPricer
@@ -46,7 +46,7 @@ def main() -> int:
     cost, frontend = CostModel.load(profile), LLMFrontEnd.from_profile(profile)
     seqs = np.array([s.seqs for s in steps])
     fwd = np.array([s.forward_s for s in steps])
-    prefill = np.array([s.features.get("prefill_tokens", 0.0) > 0 for s in steps])
+    prefill = np.array([is_prefill(s) for s in steps])
     pricer = StepPricer(cost)
     price = np.array([pricer.latency(s.features) * frontend.forward_factor(s.seqs, bool(p))
                       for s, p in zip(steps, prefill, strict=True)])

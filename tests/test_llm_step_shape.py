@@ -67,3 +67,15 @@ def test_a_profile_without_its_grid_prices_at_the_line() -> None:
     for shape in (StepShape(100, 0, 100, 10**4), StepShape(0, 8, 800), StepShape(50, 3, 400, 2500)):
         assert pricer.latency(shape) == line.latency(shape)
     assert StepShapeTable.from_cost_model(line).factor({"const": 1.0}) == 1.0
+
+
+@given(st.floats(-1.0, 6.0), st.floats(-1.0, 8.0))
+def test_the_two_row_interpolation_is_the_bilinear_one_over_every_row(x: float, y: float) -> None:
+    """``Grid2`` reads only the two rows around ``x``: the same value as interpolating every row at
+    ``y`` and then the column at ``x`` (held at the edges on both axes)."""
+    import numpy as np
+
+    grid = StepShapeTable.from_cost_model(model()).decode
+    assert grid is not None
+    column = np.array([np.interp(y, grid.y, row) for row in grid.z])
+    assert grid(x, y) == pytest.approx(float(np.interp(x, grid.x, column)), abs=1e-12)

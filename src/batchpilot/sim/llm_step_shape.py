@@ -54,8 +54,16 @@ class Grid2:
     z: np.ndarray
 
     def __call__(self, x: float, y: float) -> float:
-        col = np.array([np.interp(y, self.y, row) for row in self.z])
-        return float(np.interp(x, self.x, col))
+        # only the two rows around x: the same bilinear value as interpolating every row, at two calls
+        hi = min(max(int(np.searchsorted(self.x, x)), 1), len(self.x) - 1) if len(self.x) > 1 else 0
+        lo = max(hi - 1, 0)
+        z_lo, z_hi = (float(np.interp(y, self.y, self.z[k])) for k in (lo, hi))
+        if hi == lo or x <= self.x[lo]:
+            return z_lo
+        if x >= self.x[hi]:
+            return z_hi
+        w = (x - self.x[lo]) / (self.x[hi] - self.x[lo])
+        return z_lo + w * (z_hi - z_lo)
 
 
 def _table(points: dict[tuple[float, float], float]) -> Grid2 | None:
