@@ -11,6 +11,7 @@ from batchpilot.core.llm_config import LLMSchedulerConfig
 from batchpilot.server.llm_serving_profile import (
     BURST_MAX_SEQS,
     BURST_ROUNDS,
+    LOADED_REQUESTS,
     LOADED_SEGMENTS,
     LOADED_SHARES,
     OUTPUT_RANGE,
@@ -96,3 +97,20 @@ def test_each_open_loop_segment_arrives_at_its_share_of_the_one_at_a_time_rate()
         share = LOADED_SHARES[k % len(LOADED_SHARES)]
         assert gap * share == pytest.approx(gaps[0] * LOADED_SHARES[0], rel=0.1)
     assert len({LOADED_SHARES[k % len(LOADED_SHARES)] for k in range(LOADED_SEGMENTS)}) == len(LOADED_SHARES)
+
+
+def test_the_loaded_phase_runs_hundreds_of_decode_steps_at_each_count_a_loaded_server_runs_most() -> None:
+    """Simulated on the stated default step model, the open-loop segments and bursts give every bin of
+    ``step_seq_factors`` from 4 to 31 sequences at least 200 decode-only steps (the factors' fit)."""
+    from batchpilot.sim.llm import default_llm_cost_model, simulate_llm
+    from batchpilot.sim.llm_frontend import SEQ_EDGES
+
+    config, model = LLMSchedulerConfig(), default_llm_cost_model()
+    wl = loaded_workload(config, model, seed=0, n=LOADED_REQUESTS, burst=burst_streams(config))
+    record = simulate_llm(wl, config, model).record
+    seqs, tokens = np.array(record.step_seqs), np.array(record.step_tokens)
+    decode = tokens == seqs
+    edges = [*SEQ_EDGES, 10**9]
+    steps = {lo: int((decode & (seqs >= lo) & (seqs < hi)).sum())
+             for lo, hi in zip(edges, edges[1:], strict=False)}
+    assert all(steps[lo] >= 200 for lo in (4, 8, 16)), steps
