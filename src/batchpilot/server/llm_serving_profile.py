@@ -13,7 +13,7 @@ this process and measures, with its own traffic, before any traffic it predicts:
 2. **Steps under load.** ``LOADED_REQUESTS`` streamed completions (prompts spread 16-512 tokens, outputs
    16-128) open-loop from a child process (on the cores this process is not pinned to, when there are any, as
    ``bench`` runs its load generator), seeded Poisson in segments alternating between ``LOADED_SHARES`` of the
-   rate at which the engine would serve them one at a time (from the step profile): about 1, 3-5, 5-15 and
+   rate at which the engine would serve them one at a time (from the step profile): about 1, 5-15, 3-5 and
    10-30 sequences per step, with requests arriving while they run. Each share runs in two segments of
    its own, so that the decode-only steps at 4-31 sequences, the counts a loaded server runs most,
    number several hundred per bin of ``step_seq_factors`` and are spread over the phase, not taken in
@@ -51,7 +51,7 @@ from .serving_load import alternating_arrivals
 REQUESTS = 12
 OUTPUT_TOKENS = 4
 LOADED_REQUESTS = 240  # with the lone streams and bursts, ~100 s for the tiny Llama on one CPU core
-LOADED_SHARES = (1.0, 5.0, 3.0, 10.0)  # of the one-at-a-time rate: about 1, 3-5, 5-15 and 10-30 sequences
+LOADED_SHARES = (1.0, 5.0, 3.0, 10.0)  # of the one-at-a-time rate: about 1, 5-15, 3-5 and 10-30 sequences
 LOADED_SEGMENTS = 8  # each share twice, taking turns: a drift of the CPU's speed reaches every share alike
 BURST_MAX_SEQS = 64  # the streams of a burst: the engine's max_num_seqs, at most this
 BURST_WINDOW_STEPS = 8  # the burst arrives within this many one-sequence decode steps (outputs >= 16)
