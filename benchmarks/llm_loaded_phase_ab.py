@@ -6,7 +6,7 @@
     .venv/bin/python benchmarks/llm_seq_factors.py RUN OUT/ab-old-1.json   # and the other three
 
 Builds the engine ``bench fidelity --workload conv-llm`` builds (unpinned), times its step profile once,
-then measures the serving path (``server/llm_serving_profile.py``) four times on fresh engines, in the
+then measures the serving path (``measure_llm_serving_path``) four times on fresh engines, in the
 order old, new, new, old: ``old`` 90 streams in three segments at 1x, 3x and 10x the one-stream rate,
 ``new`` the module's own constants (240 streams in eight segments at 1x, 5x, 3x and 10x). Writes
 ``OUT/ab-{old,new}-{1,2}.json``, each the same step model with its own ``frontend``, and prints each
@@ -24,7 +24,6 @@ from pathlib import Path
 import batchpilot.server.llm_serving_profile as lsp
 from batchpilot.config_file import spec_from_args
 from batchpilot.models.llm.profile import profile_llm_steps
-from batchpilot.models.llm.profile_cli import serving_path
 from batchpilot.runtime.llm_engine import build_llm_engine
 
 PHASES = {"old": (90, (1.0, 3.0, 10.0), 3),
@@ -45,9 +44,16 @@ def main(argv: list[str]) -> int:
     del engine
     for k, name in enumerate(("old", "new", "new", "old")):
         n, shares, segments = PHASES[name]
-        lsp.LOADED_REQUESTS, lsp.LOADED_SHARES, lsp.LOADED_SEGMENTS = n, shares, segments
-        lsp.measure_llm_serving_path.__defaults__ = (lsp.REQUESTS, 0, n, None)  # serving_path's call
-        entry, details = serving_path(build_llm_engine(None, spec, start=False, threads=0), cost_model)
+        lsp.LOADED_SHARES, lsp.LOADED_SEGMENTS = shares, segments  # loaded_workload reads them per call
+        engine = build_llm_engine(None, spec, start=False, threads=0)
+        engine.start()
+        try:
+            frontend, details = lsp.measure_llm_serving_path(engine, cost_model, loaded_requests=n)
+        finally:
+            engine.shutdown()
+        entry = frontend.to_dict()
+        print(f"{name}: forward by sequences per step "
+              + ", ".join(f"x{f:.3f} from {lo}" for lo, f in frontend.step_seq_factors), flush=True)
         path = out / f"ab-{name}-{1 if k < 2 else 2}.json"
         path.write_text(json.dumps({"kind": "llm", "cost_model": cost_model.to_dict(), "frontend": entry,
                                     "serving_path": details}, indent=2))
