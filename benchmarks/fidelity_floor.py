@@ -1,6 +1,6 @@
 """How often can a prediction meet the 10% latency targets at a matrix's points? The noise at each point.
 
-    .venv/bin/python benchmarks/fidelity_floor.py DIR [--draws 40]
+    .venv/bin/python benchmarks/fidelity_floor.py DIR [--draws 40] [--requests N]
 
 DIR is a `benchmarks/fidelity.py --out DIR -- --live-repeats 2` run. A 10% target on P50 and P99 is
 checked against one live replay, and a replay is one draw of what the server does with those rows: its
@@ -18,6 +18,8 @@ Two measures of that draw's spread per point, beside the prediction's own score:
 * **the live run against itself**: the second replay against the first, under the same target.
 
 The sums bound the score a prediction made before the run can be expected to reach at these points.
+``--requests N`` predicts N rows per point instead of the run's (the live columns stay the run's):
+how many rows a point would need for the draws to agree within the targets.
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
     ap.add_argument("--draws", type=int, default=40)
+    ap.add_argument("--requests", type=int, default=0,
+                    help="rows per point to predict (default: the run's); more rows, at the point's rate, "
+                         "show how long a point must run for the draws to agree within the targets")
     args = ap.parse_args()
     print("| workload | cpus | load | P50: draws within 10% of their median | P99: the same | P99 draws, "
           "5-95% over their median | live again vs first, P50 / P99 | prediction vs first, P50 / P99 |")
@@ -60,7 +65,7 @@ def main() -> int:
         fj = json.loads((run / "fidelity.json").read_text())
         workload, cpus = run.name.rsplit("-", 1)
         ns = build_parser().parse_args(["bench", "fidelity", *WORKLOADS[workload],
-                                        "--requests", str(fj["requests"])])
+                                        "--requests", str(args.requests or fj["requests"])])
         spec = spec_from_args(ns)
         cost_model = CostModel.load(run / "profile.json")
         served = FrontEnd.from_profile(run / "profile.json").serving(spec.server.tokenizer_workers)
