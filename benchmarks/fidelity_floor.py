@@ -36,17 +36,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fidelity import WORKLOADS  # noqa: E402
 
 from batchpilot.bench.fidelity import load_workload, simulate, spec_from_args  # noqa: E402
+from batchpilot.bench.fidelity_table import within_target  # noqa: E402
 from batchpilot.cli import build_parser  # noqa: E402
 from batchpilot.core.costmodel import CostModel  # noqa: E402
 from batchpilot.sim.cli import resolve  # noqa: E402
 from batchpilot.sim.frontend import FrontEnd  # noqa: E402
 
-TARGET = 0.10
 METRICS = (("P50", "p50"), ("P99", "p99"))
-
-
-def within(pred: float, meas: float) -> bool:
-    return bool(meas > 0 and abs(pred / meas - 1.0) <= TARGET)
 
 
 def main() -> int:
@@ -77,7 +73,10 @@ def main() -> int:
             again = (point.get("repeats") or [{}])[0].get("measured", {}).get("latency")
             pred = point["predicted"]["latency"]
             shares, agree, hits = [], [], []
-            for i, (_, key) in enumerate(METRICS):
+            for i, (name, key) in enumerate(METRICS):
+                def within(pred: float, meas: float, name: str = name) -> bool:
+                    return bool(within_target(name, pred, meas))
+
                 values = drawn.values(key)
                 median = float(np.median(values))
                 shares.append(float(np.mean([within(median, v) for v in values])))
