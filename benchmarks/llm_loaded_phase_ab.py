@@ -24,6 +24,7 @@ from pathlib import Path
 import batchpilot.server.llm_serving_profile as lsp
 from batchpilot.config_file import spec_from_args
 from batchpilot.models.llm.profile import profile_llm_steps
+from batchpilot.models.llm.profile_cli import serving_path
 from batchpilot.runtime.llm_engine import build_llm_engine
 
 PHASES = {"old": (90, (1.0, 3.0, 10.0), 3),
@@ -46,14 +47,7 @@ def main(argv: list[str]) -> int:
         n, shares, segments = PHASES[name]
         lsp.LOADED_SHARES, lsp.LOADED_SEGMENTS = shares, segments  # loaded_workload reads them per call
         engine = build_llm_engine(None, spec, start=False, threads=0)
-        engine.start()
-        try:
-            frontend, details = lsp.measure_llm_serving_path(engine, cost_model, loaded_requests=n)
-        finally:
-            engine.shutdown()
-        entry = frontend.to_dict()
-        print(f"{name}: forward by sequences per step "
-              + ", ".join(f"x{f:.3f} from {lo}" for lo, f in frontend.step_seq_factors), flush=True)
+        entry, details = serving_path(engine, cost_model, loaded_requests=n)  # as `profile --llm` does
         path = out / f"ab-{name}-{1 if k < 2 else 2}.json"
         path.write_text(json.dumps({"kind": "llm", "cost_model": cost_model.to_dict(), "frontend": entry,
                                     "serving_path": details}, indent=2))

@@ -50,7 +50,7 @@ from .serving_load import alternating_arrivals
 
 REQUESTS = 12
 OUTPUT_TOKENS = 4
-LOADED_REQUESTS = 240  # with the lone streams and bursts, ~100 s for the tiny Llama on one CPU core
+LOADED_REQUESTS = 240  # with the lone streams and bursts, about two minutes for the tiny Llama on 2 CPU cores
 LOADED_SHARES = (1.0, 5.0, 3.0, 10.0)  # of the one-at-a-time rate: about 1, 5-15, 3-5 and 10-30 sequences
 LOADED_SEGMENTS = 8  # each share twice, taking turns: a drift of the CPU's speed reaches every share alike
 BURST_MAX_SEQS = 64  # the streams of a burst: the engine's max_num_seqs, at most this

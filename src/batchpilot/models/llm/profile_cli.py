@@ -88,15 +88,16 @@ def run_llm(args: argparse.Namespace) -> int:
 
 
 
-def serving_path(engine: Any, cost_model: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+def serving_path(engine: Any, cost_model: Any, **measure: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """Start ``engine`` (built, never started), measure its serving path through the real app and shut
-    it down; returns the ``frontend`` entry and what was measured (``serving_path``)."""
+    it down; returns the ``frontend`` entry and what was measured (``serving_path``). ``measure``:
+    keyword arguments of ``measure_llm_serving_path`` (``loaded_requests``, ...)."""
     from ...server.llm_serving_profile import measure_llm_serving_path
 
     t0 = time.perf_counter()
     engine.start()
     try:
-        frontend, details = measure_llm_serving_path(engine, cost_model)
+        frontend, details = measure_llm_serving_path(engine, cost_model, **measure)
     finally:
         engine.shutdown()
     print(f"serving path: first token {frontend.first_token_delay_s * 1e3:.2f} ms after the engine's "
