@@ -16,7 +16,7 @@ __all__ = ["Batcher", "batch", "__version__"]
 def __getattr__(name: str) -> object:
     # Lazy, so `import batchpilot` (and the CLI's --help) stays free of asyncio-side imports.
     if name in ("batch", "Batcher"):
-        from . import runtime
+        from batchpilot import runtime
 
         return getattr(runtime, name)
     raise AttributeError(f"module 'batchpilot' has no attribute {name!r}")

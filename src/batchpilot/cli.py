@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-from . import __version__
+from batchpilot import __version__
 
 # module -> subcommands it registers (listed here so --help can name them before importing)
 SUBCOMMANDS: dict[str, tuple[str, ...]] = {

@@ -35,10 +35,10 @@ from typing import Any
 
 import yaml
 
-from .core.config import PADDINGS, POLICIES, _build
-from .core.deployment import BACKENDS, PRECISIONS, DeploymentSpec
-from .core.rollout import ASSIGNMENTS, ArmSpec, RollbackRules, RolloutSpec
-from .llm_flags import LLM_FLAGS, add_llm_args, llm_from_args
+from batchpilot.core.config import PADDINGS, POLICIES, _build
+from batchpilot.core.deployment import BACKENDS, PRECISIONS, DeploymentSpec
+from batchpilot.core.rollout import ASSIGNMENTS, ArmSpec, RollbackRules, RolloutSpec
+from batchpilot.llm_flags import LLM_FLAGS, add_llm_args, llm_from_args
 
 __all__ = ["LLM_FLAGS", "add_deployment_args", "add_llm_args", "add_precision_args", "add_rollout_args",
            "candidate_spec", "deployment_flags", "dump_spec", "llm_from_args", "load_rollout", "load_spec",

@@ -7,8 +7,8 @@ import argparse
 import dataclasses
 from collections.abc import Callable
 
-from .core.deployment import DeploymentSpec
-from .core.llm_config import PREEMPTION_MODES
+from batchpilot.core.deployment import DeploymentSpec
+from batchpilot.core.llm_config import PREEMPTION_MODES
 
 LLM_FLAGS: dict[str, type] = {"max_num_seqs": int, "max_num_batched_tokens": int, "max_model_len": int,
                               "block_size": int, "num_kv_blocks": int, "max_waiting_seqs": int,
@@ -17,7 +17,7 @@ LLM_FLAGS: dict[str, type] = {"max_num_seqs": int, "max_num_batched_tokens": int
 
 def add_llm_args(p: argparse.ArgumentParser) -> None:
     """The LLM engine's settings as flags (serve --llm, simulate --target llm): override ``llm:``."""
-    from .core.llm_scheduler import LLMSchedulerConfig
+    from batchpilot.core.llm_scheduler import LLMSchedulerConfig
 
     g = p.add_argument_group("LLM engine (override the config file's llm: section; docs/llm.md)")
     d = LLMSchedulerConfig()
@@ -50,7 +50,7 @@ def add_llm_args(p: argparse.ArgumentParser) -> None:
 
 
 def _size(default_unit: str) -> Callable[[str], int]:
-    from .core.sizes import parse_bytes
+    from batchpilot.core.sizes import parse_bytes
 
     def parse(text: str) -> int:
         try:

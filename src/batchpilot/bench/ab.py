@@ -25,11 +25,11 @@ from typing import Any
 import httpx
 import numpy as np
 
-from ..core.abtest import ArmComparison, ArmSample, compare_arms
-from ..core.rollout import PRIMARY
-from ..sim.arms import client_keys
-from .loadgen import PlannedRequest
-from .records import RequestRecord
+from batchpilot.bench.loadgen import PlannedRequest
+from batchpilot.bench.records import RequestRecord
+from batchpilot.core.abtest import ArmComparison, ArmSample, compare_arms
+from batchpilot.core.rollout import PRIMARY
+from batchpilot.sim.arms import client_keys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -82,8 +82,8 @@ def main(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from .cli import _endpoint, load_args_workload
-    from .loadgen import LoadGenConfig, build_plan, load_tokenizer, replay
+    from batchpilot.bench.cli import _endpoint, load_args_workload
+    from batchpilot.bench.loadgen import LoadGenConfig, build_plan, load_tokenizer, replay
 
     console = Console()
     workload = load_args_workload(args, args.rate_scale)

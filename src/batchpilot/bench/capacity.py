@@ -27,10 +27,10 @@ from typing import Any
 import httpx
 import numpy as np
 
-from ..sim.traces import Workload
-from .loadgen import LoadGenConfig, build_plan, replay
-from .records import RequestRecord, Summary, summarize
-from .scrape import QUEUE_HINTS, parse_metrics
+from batchpilot.bench.loadgen import LoadGenConfig, build_plan, replay
+from batchpilot.bench.records import RequestRecord, Summary, summarize
+from batchpilot.bench.scrape import QUEUE_HINTS, parse_metrics
+from batchpilot.sim.traces import Workload
 
 
 @dataclass(frozen=True)

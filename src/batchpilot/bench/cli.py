@@ -82,19 +82,19 @@ def register(subparsers: Any) -> None:
     c.add_argument("--max-probes", type=int, default=10)
     c.set_defaults(func=main_capacity)
     f = sub.add_parser("fidelity", help="simulated vs measured P50/P99/throughput/batch size")
-    from .fidelity import add_arguments
+    from batchpilot.bench.fidelity import add_arguments
 
     add_arguments(f)
     _workload_args(f)
     f.set_defaults(func=_fidelity)
     t = sub.add_parser("tuner", help="the tuner's ranking against live goodput (Spearman), interleaved")
-    from .tuner_check import add_arguments as add_tuner_arguments
+    from batchpilot.bench.tuner_check import add_arguments as add_tuner_arguments
 
     add_tuner_arguments(t)
     _workload_args(t)
     t.set_defaults(func=_tuner)
     ab = sub.add_parser("ab", help="the arms of a server compared: which is better, and is it significant")
-    from .ab import add_arguments as add_ab_arguments
+    from batchpilot.bench.ab import add_arguments as add_ab_arguments
 
     add_ab_arguments(ab)
     _workload_args(ab)
@@ -107,25 +107,25 @@ def register(subparsers: Any) -> None:
 
 
 def _padding(args: argparse.Namespace) -> int:
-    from . import padding  # imported only when asked for
+    from batchpilot.bench import padding  # imported only when asked for
 
     return int(padding.main(list(args.args)) or 0)
 
 
 def _fidelity(args: argparse.Namespace) -> int:
-    from .fidelity import main
+    from batchpilot.bench.fidelity import main
 
     return main(args)
 
 
 def _tuner(args: argparse.Namespace) -> int:
-    from .tuner_check import main
+    from batchpilot.bench.tuner_check import main
 
     return main(args)
 
 
 def _ab(args: argparse.Namespace) -> int:
-    from .ab import main
+    from batchpilot.bench.ab import main
 
     return main(args)
 
@@ -135,7 +135,7 @@ def _endpoint(args: argparse.Namespace) -> str:
 
 
 def load_args_workload(args: argparse.Namespace, rate_scale: float = 1.0) -> Any:
-    from ..sim.workloads import load_workload
+    from batchpilot.sim.workloads import load_workload
 
     return load_workload(args.workload, rate_scale, args.start, args.requests, trace=args.trace)
 
@@ -147,10 +147,10 @@ def _label(target: str) -> str:
 
 
 def main_run(args: argparse.Namespace) -> int:
-    from .loadgen import KEEPALIVE_EXPIRY_S, LoadGenConfig, build_plan, load_tokenizer, replay
-    from .records import format_summary, summarize, write_csv
-    from .report import RunData, write_report
-    from .serverproc import client_keepalive_s, serve
+    from batchpilot.bench.loadgen import KEEPALIVE_EXPIRY_S, LoadGenConfig, build_plan, load_tokenizer, replay
+    from batchpilot.bench.records import format_summary, summarize, write_csv
+    from batchpilot.bench.report import RunData, write_report
+    from batchpilot.bench.serverproc import client_keepalive_s, serve
 
     targets = args.compare or ([args.url] if args.url else [])
     if not targets:
@@ -196,9 +196,9 @@ def main_run(args: argparse.Namespace) -> int:
 
 
 def main_capacity(args: argparse.Namespace) -> int:
-    from .capacity import CapacityConfig, live_capacity
-    from .loadgen import KEEPALIVE_EXPIRY_S, LoadGenConfig
-    from .report import write_report
+    from batchpilot.bench.capacity import CapacityConfig, live_capacity
+    from batchpilot.bench.loadgen import KEEPALIVE_EXPIRY_S, LoadGenConfig
+    from batchpilot.bench.report import write_report
 
     cfg = CapacityConfig(sla_s=args.sla, start=args.start_scale, lo=args.lo, hi=args.hi, rel_tol=args.tol,
                          max_probes=args.max_probes, probe_s=args.probe_s, warmup_requests=args.warmup)

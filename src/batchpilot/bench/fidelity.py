@@ -37,22 +37,29 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config_file import add_deployment_args, deployment_flags, spec_from_args
-from ..core.config import SchedulerConfig
-from ..core.costmodel import CostModel
-from ..runtime.json_lines import wait_written
-from ..sim.draws import DEFAULT_DRAWS
-from ..sim.frontend import FrontEnd
-from ..sim.traces import Workload
-from .capacity import wait_idle
-from .fidelity_table import HEAD, REPEAT_HEAD, comparison_rows, predicted_bands, repeat_rows, text_table
-from .live_run import measure, warm_up
-from .loadgen import build_plan, load_tokenizer
-from .profile_run import run_profile, run_recheck
-from .records import Summary, format_summary, write_csv
-from .report import RunData, html_table, write_report
-from .run_speed import WINDOW_S, run_speed
-from .serverproc import client_keepalive_s, pin_load_generator, serve
+from batchpilot.bench.capacity import wait_idle
+from batchpilot.bench.fidelity_table import (
+    HEAD,
+    REPEAT_HEAD,
+    comparison_rows,
+    predicted_bands,
+    repeat_rows,
+    text_table,
+)
+from batchpilot.bench.live_run import measure, warm_up
+from batchpilot.bench.loadgen import build_plan, load_tokenizer
+from batchpilot.bench.profile_run import run_profile, run_recheck
+from batchpilot.bench.records import Summary, format_summary, write_csv
+from batchpilot.bench.report import RunData, html_table, write_report
+from batchpilot.bench.run_speed import WINDOW_S, run_speed
+from batchpilot.bench.serverproc import client_keepalive_s, pin_load_generator, serve
+from batchpilot.config_file import add_deployment_args, deployment_flags, spec_from_args
+from batchpilot.core.config import SchedulerConfig
+from batchpilot.core.costmodel import CostModel
+from batchpilot.runtime.json_lines import wait_written
+from batchpilot.sim.draws import DEFAULT_DRAWS
+from batchpilot.sim.frontend import FrontEnd
+from batchpilot.sim.traces import Workload
 
 DEFAULT_REQUESTS = 1000
 
@@ -85,14 +92,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpus", default=None,
                    help="pin the profiler and the server to these cores (taskset -c syntax, e.g. 1); the "
                         "load generator runs on the others")
-    from .llm_fidelity import add_llm_arguments
+    from batchpilot.bench.llm_fidelity import add_llm_arguments
 
     add_llm_arguments(p)
 
 
 def load_workload(args: argparse.Namespace) -> Workload:
     """A standard workload or trace (rows ``--start``..), or a synthetic spec with ``--lengths``."""
-    from ..sim.cli import resolve_workload
+    from batchpilot.sim.cli import resolve_workload
 
     ns = argparse.Namespace(workload=args.workload, trace=args.trace, rate_scale=1.0, start=args.start,
                             requests=args.requests or DEFAULT_REQUESTS, lengths=args.lengths, priorities="",
@@ -114,8 +121,8 @@ def simulate(workload: Workload, config: SchedulerConfig, cost_model: CostModel,
     report. ``speed``: batches take ``1 + speed`` times the profile's time while the scheduler still
     believes the profile, as the live server does (the speed checked before the point, or in hindsight
     the run's own)."""
-    from ..sim.draws import encoder_draws
-    from ..sim.target import draws_batch_times
+    from batchpilot.sim.draws import encoder_draws
+    from batchpilot.sim.target import draws_batch_times
 
     service = None
     if speed and frontend is not None:  # every served batch (1 + speed) times what the profile says
@@ -145,7 +152,7 @@ def simulate(workload: Workload, config: SchedulerConfig, cost_model: CostModel,
 def predicted_capacity(workload: Workload, cost_model: CostModel, spec: Any, frontend: FrontEnd | None,
                        sla_s: float) -> Any:
     """The tuner's capacity search for the deployment: a ``sim.tune.Candidate`` (``capacity``, ``rps``)."""
-    from ..sim.tune import Candidate, TuneConfig, Tuner
+    from batchpilot.sim.tune import Candidate, TuneConfig, Tuner
 
     tuner = Tuner(workload, cost_model, TuneConfig(sla_p99_s=sla_s), spec=spec, frontend=frontend)
     cand = Candidate("config", spec.encoder)
@@ -154,10 +161,10 @@ def predicted_capacity(workload: Workload, cost_model: CostModel, spec: Any, fro
 
 
 def main(args: argparse.Namespace) -> int:
-    from ..sim.cli import resolve
+    from batchpilot.sim.cli import resolve
 
     if args.workload == "conv-llm":
-        from .llm_fidelity import main as llm_main
+        from batchpilot.bench.llm_fidelity import main as llm_main
 
         return llm_main(args)
     if args.draws < 1:

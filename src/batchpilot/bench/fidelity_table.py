@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .live_run import Measurement
-from .records import tail_seconds
+from batchpilot.bench.live_run import Measurement
+from batchpilot.bench.records import tail_seconds
 
 TARGETS = {"P50": 0.10, "P99": 0.10, "throughput": 0.05}
 METRICS = ("P50 ms", "P99 ms", "throughput req/s", "rejected", "mean batch size")  # what each point reports

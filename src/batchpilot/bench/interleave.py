@@ -16,9 +16,9 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
-from ..sim.traces import Workload
-from .capacity import CapacityConfig, CapacityResult, live_capacity
-from .loadgen import KEEPALIVE_EXPIRY_S, LoadGenConfig
+from batchpilot.bench.capacity import CapacityConfig, CapacityResult, live_capacity
+from batchpilot.bench.loadgen import KEEPALIVE_EXPIRY_S, LoadGenConfig
+from batchpilot.sim.traces import Workload
 
 
 class Turns:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..sim.traces import Workload
-from .capacity import wait_idle
-from .loadgen import KEEPALIVE_EXPIRY_S, LoadGenConfig, build_plan, replay
-from .records import RequestRecord, Summary, summarize
-from .scrape import MetricsSeries
+from batchpilot.bench.capacity import wait_idle
+from batchpilot.bench.loadgen import KEEPALIVE_EXPIRY_S, LoadGenConfig, build_plan, replay
+from batchpilot.bench.records import RequestRecord, Summary, summarize
+from batchpilot.bench.scrape import MetricsSeries
+from batchpilot.sim.traces import Workload
 
 
 @dataclass

@@ -37,20 +37,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..core.costmodel import CostModel
-from ..core.llm_scheduler import LLMSchedulerConfig
-from ..runtime.json_lines import wait_written
-from ..sim.llm_frontend import LLMFrontEnd
-from ..sim.traces import Workload
-from .capacity import CapacityConfig, probe_workload, search_capacity, wait_idle
-from .fidelity_table import text_table
-from .llm_fidelity_table import HEAD, REPEAT_HEAD, comparison_rows, repeat_rows
-from .llm_steps import format_by_seqs, read_steps, speed_by_seqs, speed_vs_profile
-from .loadgen import LoadGenConfig, build_plan, replay
-from .profile_run import run_recheck
-from .records import Summary, format_summary, summarize, write_csv
-from .report import RunData, html_table, write_report
-from .serverproc import client_keepalive_s, serve
+from batchpilot.bench.capacity import CapacityConfig, probe_workload, search_capacity, wait_idle
+from batchpilot.bench.fidelity_table import text_table
+from batchpilot.bench.llm_fidelity_table import HEAD, REPEAT_HEAD, comparison_rows, repeat_rows
+from batchpilot.bench.llm_steps import format_by_seqs, read_steps, speed_by_seqs, speed_vs_profile
+from batchpilot.bench.loadgen import LoadGenConfig, build_plan, replay
+from batchpilot.bench.profile_run import run_recheck
+from batchpilot.bench.records import Summary, format_summary, summarize, write_csv
+from batchpilot.bench.report import RunData, html_table, write_report
+from batchpilot.bench.serverproc import client_keepalive_s, serve
+from batchpilot.core.costmodel import CostModel
+from batchpilot.core.llm_scheduler import LLMSchedulerConfig
+from batchpilot.runtime.json_lines import wait_written
+from batchpilot.sim.llm_frontend import LLMFrontEnd
+from batchpilot.sim.traces import Workload
 
 DEFAULT_REQUESTS = 200
 
@@ -68,11 +68,11 @@ def engine_config_and_profile(out: Path, spec: Any, profile: str | None, cpus: s
     loaded from ``profile``, or profiled here on that engine's runner (on ``cpus``, as the server runs),
     and the serving path around it (``server.llm_serving_profile``; nothing added when the profile lacks it).
     """
-    from ..runtime.llm_engine import build_llm_engine
+    from batchpilot.runtime.llm_engine import build_llm_engine
 
     saved = os.sched_getaffinity(0) if cpus and hasattr(os, "sched_getaffinity") else None
     if saved is not None:
-        from .serverproc import cores
+        from batchpilot.bench.serverproc import cores
 
         os.sched_setaffinity(0, cores(cpus))  # type: ignore[arg-type]
     try:
@@ -83,8 +83,8 @@ def engine_config_and_profile(out: Path, spec: Any, profile: str | None, cpus: s
             cost_model = CostModel.load(profile)
             frontend = LLMFrontEnd.from_profile(profile)
         else:
-            from ..models.llm.profile import profile_llm_steps
-            from ..models.llm.profile_cli import serving_path
+            from batchpilot.models.llm.profile import profile_llm_steps
+            from batchpilot.models.llm.profile_cli import serving_path
 
             print("profiling LLM steps (models.llm.profile.profile_llm_steps) ...", flush=True)
             cost_model = profile_llm_steps(engine.runner)
@@ -111,7 +111,7 @@ def simulate(workload: Workload, config: LLMSchedulerConfig, cost_model: CostMod
              sla_s: float, frontend: LLMFrontEnd | None = None) -> tuple[Summary, Any]:
     """The simulated run as a ``Summary`` whose latency percentiles are TTFT (what the SLA is on), and
     the simulator's own report (``num_rejected``)."""
-    from ..sim.llm import simulate_llm
+    from batchpilot.sim.llm import simulate_llm
 
     rep = simulate_llm(workload, config, cost_model, frontend=frontend).report()
     ttft = {"p50": rep.ttft_p50, "p90": math.nan, "p99": rep.ttft_p99, "p99.9": math.nan}
@@ -139,9 +139,9 @@ def _replay(plan: Any, config: LoadGenConfig, step_log: Path, label: str) -> tup
 
 
 def main(args: argparse.Namespace) -> int:
-    from ..config_file import deployment_flags, spec_from_args
-    from ..sim.workloads import load_workload
-    from .serverproc import cores, pin_load_generator
+    from batchpilot.bench.serverproc import cores, pin_load_generator
+    from batchpilot.config_file import deployment_flags, spec_from_args
+    from batchpilot.sim.workloads import load_workload
 
     def opt(name: str, default: Any = None) -> Any:  # the shared options may be absent
         return getattr(args, name, default)

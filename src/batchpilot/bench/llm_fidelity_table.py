@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .fidelity_table import relative_error as _err
-from .fidelity_table import within_target
-from .records import Summary
+from batchpilot.bench.fidelity_table import relative_error as _err
+from batchpilot.bench.fidelity_table import within_target
+from batchpilot.bench.records import Summary
 
 TARGETS = {"TTFT": 0.10, "TPOT": 0.10, "output": 0.05}
 METRICS = ("TTFT P50 ms", "TTFT P99 ms", "TPOT P50 ms", "TPOT P99 ms", "output tok/s")

@@ -31,9 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..core.costmodel import CostModel
-from ..sim.llm_frontend import LLMFrontEnd, step_cycles
-from ..sim.llm_step_shape import StepPricer
+from batchpilot.core.costmodel import CostModel
+from batchpilot.sim.llm_frontend import LLMFrontEnd, step_cycles
+from batchpilot.sim.llm_step_shape import StepPricer
 
 
 @dataclass(frozen=True)

@@ -34,11 +34,19 @@ from typing import Any, Literal
 import httpx
 import numpy as np
 
-from ..sim.traces import Workload
-from .progress import ReplayProgress
-from .records import RequestRecord
-from .scrape import MetricsScraper, MetricsSeries
-from .senders import ARM_HEADER, PATHS, SENDERS, Endpoint, discover_model, error_text, parse_server_timing
+from batchpilot.bench.progress import ReplayProgress
+from batchpilot.bench.records import RequestRecord
+from batchpilot.bench.scrape import MetricsScraper, MetricsSeries
+from batchpilot.bench.senders import (
+    ARM_HEADER,
+    PATHS,
+    SENDERS,
+    Endpoint,
+    discover_model,
+    error_text,
+    parse_server_timing,
+)
+from batchpilot.sim.traces import Workload
 
 __all__ = ["ARM_HEADER", "LIVE_LAG_WARN_S", "PATHS", "SENDERS", "Endpoint", "LoadGenConfig", "PlannedRequest",
            "ReplayResult", "build_plan", "error_text", "load_tokenizer", "one_by_one_async",
@@ -138,7 +146,7 @@ def build_plan(
     lengths = workload.input_tokens.tolist()
     need_text = endpoint == "embeddings" or prompt == "text"
     if need_text and texts is None:
-        from ..sim.texts import texts_for_lengths
+        from batchpilot.sim.texts import texts_for_lengths
 
         tok = tokenizer if tokenizer is not None else load_tokenizer()
         texts = texts_for_lengths(tok, lengths, seed=seed)

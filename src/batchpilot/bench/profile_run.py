@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .serverproc import pinned
+from batchpilot.bench.serverproc import pinned
 
 
 def run_profile(out: Path, padding: str, extra: str = "", cpus: str | None = None,

@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from .capacity import CapacityResult
-from .records import RequestRecord, Summary
-from .scrape import MetricsSeries
+from batchpilot.bench.capacity import CapacityResult
+from batchpilot.bench.records import RequestRecord, Summary
+from batchpilot.bench.scrape import MetricsSeries
 
 
 @dataclass

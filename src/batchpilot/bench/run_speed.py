@@ -20,10 +20,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..core.costmodel import CostModel
-from ..runtime.batch_log import LoggedBatch, read_batches
-from ..sim.before_batch import BUSY_EDGES, IDLE_EDGES_S, busy_shares, idle_times
-from ..sim.frontend import FrontEnd, rates_before
+from batchpilot.core.costmodel import CostModel
+from batchpilot.runtime.batch_log import LoggedBatch, read_batches
+from batchpilot.sim.before_batch import BUSY_EDGES, IDLE_EDGES_S, busy_shares, idle_times
+from batchpilot.sim.frontend import FrontEnd, rates_before
 
 WINDOW_S = 15.0
 MIN_WINDOW_BATCHES = 10  # a window with fewer batches is left out of the spread

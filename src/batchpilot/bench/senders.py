@@ -15,7 +15,7 @@ from typing import Any, Literal
 import httpx
 import numpy as np
 
-from .records import RequestRecord
+from batchpilot.bench.records import RequestRecord
 
 Endpoint = Literal["embeddings", "rerank", "completions"]
 ARM_HEADER = "x-batchpilot-arm"  # the arm that answered, on a server with arms (server/arms.py)

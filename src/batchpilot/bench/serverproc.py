@@ -114,7 +114,7 @@ def client_keepalive_s(serve_args: Sequence[str] = (), given: float | None = Non
     across the idle gaps of bursty traffic, and never sends on one the server is closing. The profile's
     load, a steady stream, reaches its server on open connections, and the prediction is made for such
     requests (docs/loadgen.md, "Connections")."""
-    from ..server.config import ServerConfig
+    from batchpilot.server.config import ServerConfig
 
     if given is not None:
         return float(given)  # LoadGenConfig rejects one that is not > 0

@@ -42,16 +42,16 @@ from typing import Any
 
 import numpy as np
 
-from ..config_file import add_deployment_args, dump_spec, spec_from_args
-from ..core.costmodel import CostModel
-from ..sim.frontend import FrontEnd
-from .capacity import CapacityConfig
-from .fidelity import load_workload
-from .fidelity_table import text_table
-from .interleave import interleaved_capacity
-from .loadgen import build_plan, load_tokenizer
-from .profile_run import run_profile, run_recheck
-from .serverproc import client_keepalive_s, pin_load_generator, serve
+from batchpilot.bench.capacity import CapacityConfig
+from batchpilot.bench.fidelity import load_workload
+from batchpilot.bench.fidelity_table import text_table
+from batchpilot.bench.interleave import interleaved_capacity
+from batchpilot.bench.loadgen import build_plan, load_tokenizer
+from batchpilot.bench.profile_run import run_profile, run_recheck
+from batchpilot.bench.serverproc import client_keepalive_s, pin_load_generator, serve
+from batchpilot.config_file import add_deployment_args, dump_spec, spec_from_args
+from batchpilot.core.costmodel import CostModel
+from batchpilot.sim.frontend import FrontEnd
 
 HEAD = ["tuner rank", "config", "kind", "profile", "predicted req/s", "live req/s", "live probes"]
 
@@ -111,7 +111,7 @@ def ranked_candidates(wl: Any, profiles: dict[str, Path], tc: Any,
                       spec: Any) -> tuple[list[Any], dict[int, Path]]:
     """One tuner search per profile over the padding modes it measured, merged best first; and the
     profile that priced each candidate (``id`` -> path)."""
-    from ..sim.tune import Tuner
+    from batchpilot.sim.tune import Tuner
 
     merged, source = [], {}
     for family, path in profiles.items():
@@ -127,7 +127,7 @@ def ranked_candidates(wl: Any, profiles: dict[str, Path], tc: Any,
 
 
 def main(args: argparse.Namespace) -> int:
-    from ..sim.tune import TuneConfig
+    from batchpilot.sim.tune import TuneConfig
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

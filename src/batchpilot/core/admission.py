@@ -20,10 +20,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .arrivals import GapAverage
-from .config import AdmissionConfig, PlannerConfig
-from .costmodel import CostModel
-from .request import Request
+from batchpilot.core.arrivals import GapAverage
+from batchpilot.core.config import AdmissionConfig, PlannerConfig
+from batchpilot.core.costmodel import CostModel
+from batchpilot.core.request import Request
 
 OFFER_GAP_ALPHA = 1.0 / 16  # the moving average of the gaps between offered requests
 

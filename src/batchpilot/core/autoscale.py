@@ -55,7 +55,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
-from .scheduler import BatchScheduler
+from batchpilot.core.scheduler import BatchScheduler
 
 __all__ = ["AutoscaleConfig", "Autoscaler", "ReplicaSignal", "signal_of"]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .admission import Rejection
-from .costmodel import BatchShape
-from .request import Request
+from batchpilot.core.admission import Rejection
+from batchpilot.core.costmodel import BatchShape
+from batchpilot.core.request import Request
 
 
 @dataclass(slots=True)

@@ -19,8 +19,8 @@ from collections import deque
 
 import numpy as np
 
-from .config import BucketingConfig
-from .costmodel import CostModel
+from batchpilot.core.config import BucketingConfig
+from batchpilot.core.costmodel import CostModel
 
 
 class Bucketer:

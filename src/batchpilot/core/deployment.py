@@ -34,10 +34,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import SchedulerConfig, _build, _positive
-from .costmodel import CostModel
-from .llm_scheduler import LLMSchedulerConfig
-from .sizes import parse_bytes
+from batchpilot.core.config import SchedulerConfig, _build, _positive
+from batchpilot.core.costmodel import CostModel
+from batchpilot.core.llm_scheduler import LLMSchedulerConfig
+from batchpilot.core.sizes import parse_bytes
 
 MIN_PIPELINE_LEAD_S = 0.0005  # covers the thread hand-off even when collation is nearly free
 # Pipelining saves at most the collation per batch and costs the requests that arrive while a batch

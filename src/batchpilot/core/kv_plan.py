@@ -30,8 +30,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from .llm_config import LLMSchedulerConfig
-from .llm_plan import largest_gather
+from batchpilot.core.llm_config import LLMSchedulerConfig
+from batchpilot.core.llm_plan import largest_gather
 
 MIB = 1 << 20
 

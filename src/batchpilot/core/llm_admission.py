@@ -29,9 +29,9 @@ import collections
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .llm_config import LLMSchedulerConfig
-from .llm_fits import never_fits
-from .sequence import Sequence
+from batchpilot.core.llm_config import LLMSchedulerConfig
+from batchpilot.core.llm_fits import never_fits
+from batchpilot.core.sequence import Sequence
 
 NEVER_FITS = "context_length_exceeded"
 QUEUE_FULL = "queue_full"

@@ -30,9 +30,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from .deployment import DeploymentSpec
-from .kv_plan import KVPlan, KVPlanError, MemoryProfile, plan_kv
-from .llm_config import LLMSchedulerConfig
+from batchpilot.core.deployment import DeploymentSpec
+from batchpilot.core.kv_plan import KVPlan, KVPlanError, MemoryProfile, plan_kv
+from batchpilot.core.llm_config import LLMSchedulerConfig
 
 
 @dataclass(frozen=True)

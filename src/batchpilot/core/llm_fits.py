@@ -8,8 +8,8 @@ the engine it always runs to the end, which is what lets the scheduler promise p
 
 from __future__ import annotations
 
-from .llm_config import LLMSchedulerConfig
-from .sequence import Sequence
+from batchpilot.core.llm_config import LLMSchedulerConfig
+from batchpilot.core.sequence import Sequence
 
 
 def never_fits(c: LLMSchedulerConfig, seq: Sequence) -> str | None:

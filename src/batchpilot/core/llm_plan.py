@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from .costmodel import StepShape
-from .llm_config import DECODE_RUN_TOKENS, LLMSchedulerConfig
-from .sequence import FinishReason, Sequence
+from batchpilot.core.costmodel import StepShape
+from batchpilot.core.llm_config import DECODE_RUN_TOKENS, LLMSchedulerConfig
+from batchpilot.core.sequence import FinishReason, Sequence
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,14 +34,14 @@ import bisect
 import math
 from collections.abc import Collection, Mapping
 
-from .block_manager import BlockManager, BlockStats
-from .llm_admission import past_deadline
-from .llm_config import DECODE_RUN_TOKENS, LLMPolicy, LLMSchedulerConfig, PreemptionMode
-from .llm_fits import never_fits
-from .llm_plan import ScheduledChunk, SeqOutput, StepPlan, decode_groups
-from .preemption import PreemptionCosts, PreemptionCounters, choose
-from .sequence import FinishReason, SeqStatus, Sequence
-from .swap_space import SwapSpace
+from batchpilot.core.block_manager import BlockManager, BlockStats
+from batchpilot.core.llm_admission import past_deadline
+from batchpilot.core.llm_config import DECODE_RUN_TOKENS, LLMPolicy, LLMSchedulerConfig, PreemptionMode
+from batchpilot.core.llm_fits import never_fits
+from batchpilot.core.llm_plan import ScheduledChunk, SeqOutput, StepPlan, decode_groups
+from batchpilot.core.preemption import PreemptionCosts, PreemptionCounters, choose
+from batchpilot.core.sequence import FinishReason, SeqStatus, Sequence
+from batchpilot.core.swap_space import SwapSpace
 
 __all__ = ["DECODE_RUN_TOKENS", "LLMPolicy", "LLMScheduler", "LLMSchedulerConfig",
            "PreemptionCosts", "PreemptionMode", "ScheduledChunk", "SeqOutput", "StepPlan", "decode_groups"]

@@ -30,12 +30,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
-from .admission import pad_length
-from .bucketing import Bucketer
-from .config import PlannerConfig
-from .costmodel import BatchShape, CostModel
-from .request import Request
-from .sorted_groups import PartitionCache, best_group, partition
+from batchpilot.core.admission import pad_length
+from batchpilot.core.bucketing import Bucketer
+from batchpilot.core.config import PlannerConfig
+from batchpilot.core.costmodel import BatchShape, CostModel
+from batchpilot.core.request import Request
+from batchpilot.core.sorted_groups import PartitionCache, best_group, partition
 
 
 @dataclass(slots=True)

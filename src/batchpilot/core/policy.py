@@ -21,10 +21,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .admission import pad_length
-from .arrivals import GapAverage
-from .config import PlannerConfig, PolicyConfig
-from .costmodel import CostModel
+from batchpilot.core.admission import pad_length
+from batchpilot.core.arrivals import GapAverage
+from batchpilot.core.config import PlannerConfig, PolicyConfig
+from batchpilot.core.costmodel import CostModel
 
 _INF = math.inf
 

@@ -36,8 +36,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from .costmodel import CostModel
-from .llm_config import PreemptionMode
+from batchpilot.core.costmodel import CostModel
+from batchpilot.core.llm_config import PreemptionMode
 
 Preemption = Literal["swap", "recompute"]
 

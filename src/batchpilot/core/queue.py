@@ -27,9 +27,9 @@ import heapq
 import math
 from collections.abc import Iterable, Iterator, Sequence
 
-from .config import QUEUE_ORDERS, QueueOrder
-from .request import Request
-from .time_heap import Entry, TimeEntry, before, clean_top, compact
+from batchpilot.core.config import QUEUE_ORDERS, QueueOrder
+from batchpilot.core.request import Request
+from batchpilot.core.time_heap import Entry, TimeEntry, before, clean_top, compact
 
 _INF = math.inf
 # New requests go straight to the front list while the heap is empty and the front is short; past

@@ -39,8 +39,8 @@ from enum import Enum
 
 import numpy as np
 
-from .arm_assign import arm_for, key_point
-from .deployment import DeploymentSpec
+from batchpilot.core.arm_assign import arm_for, key_point
+from batchpilot.core.deployment import DeploymentSpec
 
 __all__ = ["ASSIGNMENTS", "PRIMARY", "ArmSpec", "ArmWindow", "Outcome", "Rollback", "RollbackRules",
            "RolloutGuard", "RolloutSpec", "arm_for", "key_point"]

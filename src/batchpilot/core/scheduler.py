@@ -25,17 +25,17 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from .admission import AdmissionController, LoadState, Rejection, RejectReason, pad_length
-from .batch import Batch, SchedulerOutput
-from .bucketing import Bucketer
-from .config import SchedulerConfig
-from .costmodel import CostModel
-from .in_flight import WORK_SCALE_ALPHA, WORK_SCALE_MAX, WORK_SCALE_MIN, InFlight
-from .planner import BatchPlanner
-from .policy import Dispatch, Policy, QueueState, Wait, make_policy
-from .queue import RequestQueue
-from .request import Request
-from .scheduler_stats import SchedulerStats
+from batchpilot.core.admission import AdmissionController, LoadState, Rejection, RejectReason, pad_length
+from batchpilot.core.batch import Batch, SchedulerOutput
+from batchpilot.core.bucketing import Bucketer
+from batchpilot.core.config import SchedulerConfig
+from batchpilot.core.costmodel import CostModel
+from batchpilot.core.in_flight import WORK_SCALE_ALPHA, WORK_SCALE_MAX, WORK_SCALE_MIN, InFlight
+from batchpilot.core.planner import BatchPlanner
+from batchpilot.core.policy import Dispatch, Policy, QueueState, Wait, make_policy
+from batchpilot.core.queue import RequestQueue
+from batchpilot.core.request import Request
+from batchpilot.core.scheduler_stats import SchedulerStats
 
 __all__ = ["WORK_SCALE_ALPHA", "WORK_SCALE_MAX", "WORK_SCALE_MIN", "Batch", "BatchScheduler", "RejectReason",
            "Rejection", "SchedulerOutput", "SchedulerStats", "pad_length"]

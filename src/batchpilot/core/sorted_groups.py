@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from .request import Request
+from batchpilot.core.request import Request
 
 _INF = float("inf")
 Group = tuple[int, int]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from .block_manager import BlockManager
+from batchpilot.core.block_manager import BlockManager
 
 
 class NoFreeSwapBlocksError(RuntimeError):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Mapping
 
-from .request import Request
+from batchpilot.core.request import Request
 
 # An entry of the queue's dispatch order: (key0, key1, seq, request); seq is unique so requests are
 # never compared.

@@ -32,11 +32,11 @@ import numpy as np
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from ..core.scheduler import Batch
-from ..runtime.errors import InvalidInput
-from .device import HostToDevice, Staged, configure_threads, resolve_device
-from .encoder import _FAIRSEQ_POSITIONS, DTYPES, _default_name, make_batch
-from .tokens import TextTokenizer
+from batchpilot.core.scheduler import Batch
+from batchpilot.models.device import HostToDevice, Staged, configure_threads, resolve_device
+from batchpilot.models.encoder import _FAIRSEQ_POSITIONS, DTYPES, _default_name, make_batch
+from batchpilot.models.tokens import TextTokenizer
+from batchpilot.runtime.errors import InvalidInput
 
 Activation = Literal["sigmoid", "softmax", "none"]
 _ST_ACTIVATIONS: dict[str, Activation] = {"Sigmoid": "sigmoid", "Identity": "none", "Softmax": "softmax"}

@@ -34,12 +34,12 @@ import numpy as np
 import torch
 from transformers import AutoModel, AutoTokenizer
 
-from ..core.scheduler import Batch
-from .device import HostToDevice, Staged, configure_threads, resolve_device
-from .forward_choice import ForwardChoice
-from .pooling import PoolingConfig, pool
-from .threads import ThreadPlan
-from .tokens import TextTokenizer
+from batchpilot.core.scheduler import Batch
+from batchpilot.models.device import HostToDevice, Staged, configure_threads, resolve_device
+from batchpilot.models.forward_choice import ForwardChoice
+from batchpilot.models.pooling import PoolingConfig, pool
+from batchpilot.models.threads import ThreadPlan
+from batchpilot.models.tokens import TextTokenizer
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 PRECISIONS = (*DTYPES, "int8")  # int8: fp32 weights with dynamic int8 linear layers (CPU)
@@ -252,8 +252,8 @@ def quantize_int8(model: torch.nn.Module, device: torch.device) -> torch.nn.Modu
 
 def make_batch(ids: list[list[int]], padding: str, max_length: int, batch_id: int = 0) -> Batch:
     """A hand-built ``Batch`` (what the planner would make): for ``encode``, the profiler and tests."""
-    from ..core.costmodel import BatchShape
-    from ..core.request import Request
+    from batchpilot.core.costmodel import BatchShape
+    from batchpilot.core.request import Request
 
     reqs = [Request(id=i, arrival=0.0, length=len(x), payload=x) for i, x in enumerate(ids)]
     lengths = [len(x) for x in ids]

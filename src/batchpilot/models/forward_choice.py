@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .pooling import PoolingConfig, pool
+from batchpilot.models.pooling import PoolingConfig, pool
 
 
 class ForwardChoice:
@@ -43,7 +43,7 @@ class ForwardChoice:
         kwargs = {"pooling": self._simple_pooling() or "mean", "normalize": self.pooling.normalize}
         lean: Any = None
         try:
-            from .ragged import RaggedEncoder
+            from batchpilot.models.ragged import RaggedEncoder
 
             lean = RaggedEncoder.from_hf(self.model, **kwargs)
         except ImportError:
@@ -53,7 +53,7 @@ class ForwardChoice:
             return None
         if lean is None:
             try:
-                from .lean import LeanEncoder
+                from batchpilot.models.lean import LeanEncoder
 
                 lean = LeanEncoder.from_hf(self.model, **kwargs)
             except (ImportError, ValueError, AttributeError) as exc:
@@ -108,7 +108,7 @@ class ForwardChoice:
                 self._ragged = self.lean  # one weight copy serves the padded and the padding-free forward
             else:
                 try:
-                    from .ragged import RaggedEncoder
+                    from batchpilot.models.ragged import RaggedEncoder
                 except ImportError as exc:
                     raise RuntimeError(
                         "padding 'none' needs the padding-free encoder (batchpilot.models.ragged), which is "

@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .encoder import EncoderConfig, EncoderExecutor, PreparedBatch
-from .pooling import pool
+from batchpilot.models.encoder import EncoderConfig, EncoderExecutor, PreparedBatch
+from batchpilot.models.pooling import pool
 
 log = logging.getLogger("batchpilot.models")
 

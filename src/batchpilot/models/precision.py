@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..core.deployment import PRECISIONS, ModelOptions
+from batchpilot.core.deployment import PRECISIONS, ModelOptions
 
 log = logging.getLogger("batchpilot.models")
 
@@ -81,7 +81,7 @@ def candidates(device: torch.device, backend: str = "torch") -> list[str]:
 
 
 def probe_texts(tokenizer: Any) -> list[str]:
-    from ..sim.texts import texts_for_lengths
+    from batchpilot.sim.texts import texts_for_lengths
 
     return texts_for_lengths(tokenizer, list(PROBE_LENGTHS), seed=7)
 
@@ -103,7 +103,7 @@ def _embed(executor: Any, texts: list[str]) -> dict[str, np.ndarray]:
 
 def probe_ms(executor: Any, repeats: int = 3) -> float:
     """Milliseconds for the probe shapes, the median of ``repeats`` runs each after a warm-up."""
-    from .profiler import measure
+    from batchpilot.models.profiler import measure
 
     rng = random.Random(0)
     total = 0.0

@@ -29,10 +29,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..core.costmodel import CostModel
-from ..core.deployment import BACKENDS, ModelOptions
-from ..core.deployment import PRECISIONS as PRECISION_CHOICES
-from .profiler import (
+from batchpilot.core.costmodel import CostModel
+from batchpilot.core.deployment import BACKENDS, ModelOptions
+from batchpilot.core.deployment import PRECISIONS as PRECISION_CHOICES
+from batchpilot.models.profiler import (
     STANDARD_BATCH_SIZES,
     STANDARD_LENGTHS,
     Measurement,
@@ -95,7 +95,7 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.recheck:
-        from .speed_check import recheck
+        from batchpilot.models.speed_check import recheck
 
         try:
             recheck(args.recheck, args.output, args.repeats, args.seed)
@@ -104,12 +104,12 @@ def run(args: argparse.Namespace) -> int:
             return 2
         return 0
     if args.llm:
-        from .llm.profile_cli import run_llm
+        from batchpilot.models.llm.profile_cli import run_llm
 
         return run_llm(args)
     if not args.all_backends:
         return profile_one(args, args.backend, args.dtype, args.output)
-    from .device import resolve_device
+    from batchpilot.models.device import resolve_device
 
     written = []
     for backend, dtype in variants(resolve_device(args.device)):
@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
 def variants(device: Any) -> list[tuple[str, str]]:
     """Every (backend, precision) worth profiling here: torch at each candidate precision and int8,
     onnx at float32 and int8 (where onnxruntime is installed and the device is the CPU)."""
-    from .precision import candidates
+    from batchpilot.models.precision import candidates
 
     out = [("torch", d) for d in candidates(device)] + ([("torch", "int8")] if device.type == "cpu" else [])
     return out + ([("onnx", "float32"), ("onnx", "int8")] if device.type == "cpu" else [])
@@ -142,10 +142,10 @@ def variant_path(output: str, backend: str, dtype: str) -> str:
 def profile_one(args: argparse.Namespace, backend: str, dtype: str, output: str) -> int:
     from rich.console import Console
 
-    from .device import resolve_device
-    from .encoder import EncoderConfig, EncoderExecutor
-    from .precision import choose_precision
-    from .threads import plan_for
+    from batchpilot.models.device import resolve_device
+    from batchpilot.models.encoder import EncoderConfig, EncoderExecutor
+    from batchpilot.models.precision import choose_precision
+    from batchpilot.models.threads import plan_for
 
     console = Console(stderr=True)
     t0 = time.perf_counter()
@@ -154,7 +154,7 @@ def profile_one(args: argparse.Namespace, backend: str, dtype: str, output: str)
         cfg = EncoderConfig(model_path=args.model, device=args.device, dtype=d,  # type: ignore[arg-type]
                             num_threads=args.threads, max_length=args.max_length)
         if backend == "onnx":
-            from .onnx_encoder import OnnxEncoderExecutor
+            from batchpilot.models.onnx_encoder import OnnxEncoderExecutor
 
             return OnnxEncoderExecutor(cfg, Path(output).resolve().parent)
         return EncoderExecutor(cfg)
@@ -212,7 +212,7 @@ def _serving_path(ex: Any, model: CostModel, args: argparse.Namespace,
     ``serving_path`` entries; None, with a warning, when the server stack is missing or it failed (the
     cost model is still written)."""
     try:
-        from ..server.serving_profile import measure_serving_path
+        from batchpilot.server.serving_profile import measure_serving_path
     except ImportError as exc:
         console.print(f"[yellow]warning:[/] serving path not measured: the server stack is not importable "
                       f"({exc}); the profile has no 'frontend' entry")

@@ -26,7 +26,13 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..core.costmodel import ENCODER_FEATURES, PROFILED_ENCODER_FEATURES, BatchShape, CostModel, ProfilePoint
+from batchpilot.core.costmodel import (
+    ENCODER_FEATURES,
+    PROFILED_ENCODER_FEATURES,
+    BatchShape,
+    CostModel,
+    ProfilePoint,
+)
 
 QUICK_BATCH_SIZES = (1, 4, 16)
 QUICK_LENGTHS = (16, 64, 256, 512)
@@ -93,8 +99,8 @@ class TimedBatch:
 
     def __init__(self, executor: Any, lengths: list[int], padding: str, rng: random.Random,
                  memory: bool) -> None:
-        from .device import peak_memory_bytes
-        from .encoder import make_batch
+        from batchpilot.models.device import peak_memory_bytes
+        from batchpilot.models.encoder import make_batch
 
         self.executor, self.lengths, self.padding = executor, list(lengths), padding
         self.batch = make_batch([_ids(executor, n, rng) for n in lengths], padding, executor.max_length)
@@ -215,7 +221,7 @@ def grid_lengths(n: int, length: int, limit: int, rng: random.Random) -> list[in
 def model_limits(executor: Any) -> dict[str, Any]:
     """What the deployment needs to know of the model (``core.deployment.ModelLimits.from_meta``), so the
     simulator resolves the same deployment from the profile as ``serve`` does from the loaded model."""
-    from .device import memory_bytes
+    from batchpilot.models.device import memory_bytes
 
     return {"max_length": int(executor.max_length),
             "supports_padding_free": bool(getattr(executor, "supports_padding_free", lambda: True)()),

@@ -119,7 +119,7 @@ def _save(out: Path, spec: dict[str, Any]) -> None:
     import torch
     from transformers import AutoConfig, AutoTokenizer, BertForSequenceClassification
 
-    from .encoder import default_model_path
+    from batchpilot.models.encoder import default_model_path
 
     base = default_model_path()
     labels = spec["labels"] or ["LABEL_0"]

@@ -73,7 +73,7 @@ def _lengths(point: dict[str, Any]) -> list[int]:
 def check_speed(executor: Any, doc: dict[str, Any], repeats: int = 5, seed: int = 0) -> SpeedCheck:
     """Time the profile's reference batches on ``executor`` (round-robin, one warm-up call each, the
     median of ``repeats``) and compare each with the profile's own time for it."""
-    from .profiler import TimedBatch
+    from batchpilot.models.profiler import TimedBatch
 
     if repeats < 1:
         raise ValueError(f"recheck: repeats must be >= 1, got {repeats}")
@@ -114,9 +114,9 @@ def rescaled(doc: dict[str, Any], check: SpeedCheck, source: str = "") -> dict[s
 def load_like(doc: dict[str, Any], cache_dir: str | None = None) -> Any:
     """The executor the profile measured: its model, precision, backend and thread plan (meta);
     ``cache_dir``: where an ONNX export is cached (the profile's folder)."""
-    from ..core.costmodel import CostModel
-    from ..server.build import profiled_threads
-    from .tasks import load_model
+    from batchpilot.core.costmodel import CostModel
+    from batchpilot.models.tasks import load_model
+    from batchpilot.server.build import profiled_threads
 
     cm = CostModel.from_dict(doc["cost_model"])
     dtype = cm.meta.get("dtype", "float32")
@@ -130,8 +130,8 @@ def load_like(doc: dict[str, Any], cache_dir: str | None = None) -> Any:
 def check_llm_speed(doc: dict[str, Any], repeats: int = 5) -> SpeedCheck:
     """The LLM step profile's own steps (``cost_model.meta.step_points``, those it measured under 50 ms)
     timed again on a runner built as the profile's (model, device, precision, threads)."""
-    from ..runtime.llm_build import build_llm_engine
-    from .llm.profile import recheck_steps
+    from batchpilot.models.llm.profile import recheck_steps
+    from batchpilot.runtime.llm_build import build_llm_engine
 
     meta = doc["cost_model"].get("meta", {})
     points = meta.get("step_points")

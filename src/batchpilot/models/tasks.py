@@ -79,16 +79,16 @@ def load_model(path: str | None, name: str | None = None, task: str = "auto",
     and classifiers run float32 on torch."""
     task = resolve_task(path, task)
     if task == "embed":
-        from .device import resolve_device
-        from .encoder import EncoderConfig, EncoderExecutor
-        from .precision import choose_precision
-        from .threads import plan_for
+        from batchpilot.models.device import resolve_device
+        from batchpilot.models.encoder import EncoderConfig, EncoderExecutor
+        from batchpilot.models.precision import choose_precision
+        from batchpilot.models.threads import plan_for
 
         def load(d: str) -> Any:
             cfg = EncoderConfig(model_path=path, model_name=name, max_length=max_length,
                                 num_threads=num_threads, dtype=d)  # type: ignore[arg-type]
             if backend == "onnx":
-                from .onnx_encoder import OnnxEncoderExecutor
+                from batchpilot.models.onnx_encoder import OnnxEncoderExecutor
 
                 return OnnxEncoderExecutor(cfg, cache_dir)
             return EncoderExecutor(cfg)
@@ -98,7 +98,7 @@ def load_model(path: str | None, name: str | None = None, task: str = "auto",
         executor.precision = report
         executor.threads = plan_for(executor, num_threads, thread_plan)
         return executor
-    from .cross_encoder import ClassifierConfig, SequenceClassifierExecutor
+    from batchpilot.models.cross_encoder import ClassifierConfig, SequenceClassifierExecutor
 
     assert path is not None
     if backend != "torch":

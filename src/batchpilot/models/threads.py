@@ -152,8 +152,8 @@ def plan_for(executor: Any, num_threads: int | None, plan: ThreadPlan | None = N
         return fixed  # onnxruntime sizes its pool once; on a GPU the host threads do not run the forward
     if plan is not None:
         return plan
-    from .device import available_cores
-    from .encoder import make_batch
+    from batchpilot.models.device import available_cores
+    from batchpilot.models.encoder import make_batch
 
     padding = "none" if getattr(executor, "supports_padding_free", lambda: False)() else "dynamic"
     row_id = int(getattr(executor, "pad_id", 0) or 0) + 1000

@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from ..runtime.errors import InvalidInput
+from batchpilot.runtime.errors import InvalidInput
 
 
 class TextTokenizer:

@@ -3,11 +3,11 @@
 Nothing here imports torch; the model executors live in ``batchpilot.models``.
 """
 
-from .batcher import Batcher
-from .decorator import BatchedFunction, batch, make_config
-from .errors import ExecutionError, ExecutorCrashed, RequestRejected
-from .executor import AsyncCallableExecutor, CallableExecutor, Executor, NoopExecutor
-from .observer import BatcherObserver
+from batchpilot.runtime.batcher import Batcher
+from batchpilot.runtime.decorator import BatchedFunction, batch, make_config
+from batchpilot.runtime.errors import ExecutionError, ExecutorCrashed, RequestRejected
+from batchpilot.runtime.executor import AsyncCallableExecutor, CallableExecutor, Executor, NoopExecutor
+from batchpilot.runtime.observer import BatcherObserver
 
 __all__ = ["AsyncCallableExecutor", "BatchedFunction", "Batcher", "BatcherObserver", "CallableExecutor",
            "ExecutionError", "Executor", "ExecutorCrashed", "NoopExecutor", "RequestRejected", "batch",

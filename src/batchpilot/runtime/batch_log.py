@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..core.scheduler import Batch
-from .json_lines import JsonLines
+from batchpilot.core.scheduler import Batch
+from batchpilot.runtime.json_lines import JsonLines
 
 
 def batch_line(item: tuple[Batch, float, float]) -> dict[str, Any]:

@@ -25,15 +25,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..core.config import SchedulerConfig
-from ..core.costmodel import CostModel
-from ..core.request import IdCounter, Request
-from ..core.scheduler import Batch, BatchScheduler, RejectReason
-from .errors import ExecutionError, RequestRejected
-from .execution import BatchExecution, StageTimes
-from .executor import Executor
-from .observer import BatcherObserver
-from .pipeline import Slot
+from batchpilot.core.config import SchedulerConfig
+from batchpilot.core.costmodel import CostModel
+from batchpilot.core.request import IdCounter, Request
+from batchpilot.core.scheduler import Batch, BatchScheduler, RejectReason
+from batchpilot.runtime.errors import ExecutionError, RequestRejected
+from batchpilot.runtime.execution import BatchExecution, StageTimes
+from batchpilot.runtime.executor import Executor
+from batchpilot.runtime.observer import BatcherObserver
+from batchpilot.runtime.pipeline import Slot
 
 log = logging.getLogger("batchpilot.runtime")
 

@@ -18,7 +18,7 @@ import contextlib
 import logging
 from typing import Any
 
-from ..core.stall import StallRule, StallWatch
+from batchpilot.core.stall import StallRule, StallWatch
 
 log = logging.getLogger("batchpilot.runtime")
 

@@ -23,10 +23,10 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from ..core.config import AdmissionConfig, PlannerConfig, PolicyConfig, SchedulerConfig
-from ..core.costmodel import CostModel
-from .batcher import Batcher
-from .executor import AsyncCallableExecutor, CallableExecutor
+from batchpilot.core.config import AdmissionConfig, PlannerConfig, PolicyConfig, SchedulerConfig
+from batchpilot.core.costmodel import CostModel
+from batchpilot.runtime.batcher import Batcher
+from batchpilot.runtime.executor import AsyncCallableExecutor, CallableExecutor
 
 # A generic callable has no position limit (length is only a cost unit), but the core's admission
 # precomputes a table per length up to the limit, so the default bound stays moderate.

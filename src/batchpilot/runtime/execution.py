@@ -21,13 +21,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.costmodel import BatchShape, CostModel
-from ..core.request import Request
-from ..core.scheduler import Batch, BatchScheduler
-from .errors import ExecutionError, ExecutorCrashed
-from .executor import Executor
-from .observer import BatcherObserver
-from .pipeline import Slot
+from batchpilot.core.costmodel import BatchShape, CostModel
+from batchpilot.core.request import Request
+from batchpilot.core.scheduler import Batch, BatchScheduler
+from batchpilot.runtime.errors import ExecutionError, ExecutorCrashed
+from batchpilot.runtime.executor import Executor
+from batchpilot.runtime.observer import BatcherObserver
+from batchpilot.runtime.pipeline import Slot
 
 log = logging.getLogger("batchpilot.runtime")
 

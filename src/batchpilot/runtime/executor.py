@@ -24,7 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from ..core.scheduler import Batch
+from batchpilot.core.scheduler import Batch
 
 
 @runtime_checkable

@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.breaker import BreakerConfig, CircuitBreaker
-from ..core.scheduler import Batch
+from batchpilot.core.breaker import BreakerConfig, CircuitBreaker
+from batchpilot.core.scheduler import Batch
 
 log = logging.getLogger("batchpilot.runtime")
 

@@ -8,17 +8,17 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any
 
-from ..core.deployment import DeploymentSpec
-from ..core.llm_deployment import LLMModelLimits
-from ..core.llm_plan import largest_gather
-from ..core.llm_scheduler import LLMSchedulerConfig
+from batchpilot.core.deployment import DeploymentSpec
+from batchpilot.core.llm_deployment import LLMModelLimits
+from batchpilot.core.llm_plan import largest_gather
+from batchpilot.core.llm_scheduler import LLMSchedulerConfig
 
 log = logging.getLogger("batchpilot.llm")
 
 if TYPE_CHECKING:
-    from .llm_engine import LLMEngine
-    from .llm_failover import LLMFailover
-    from .llm_fallback import StaticFallback
+    from batchpilot.runtime.llm_engine import LLMEngine
+    from batchpilot.runtime.llm_failover import LLMFailover
+    from batchpilot.runtime.llm_fallback import StaticFallback
 
 _SCHED_FIELDS = {f.name for f in dataclasses.fields(LLMSchedulerConfig)}
 
@@ -49,12 +49,12 @@ def build_llm_engine(model_path: str | None = None, spec: DeploymentSpec | None 
     """
     import torch
 
-    from ..models.llm.config import LLMModelConfig
-    from ..models.llm.model_runner import LLMModelRunner
-    from ..models.llm.sampler import Sampler
-    from ..models.llm.tokenizer import load_tokenizer
-    from ..models.llm.weights import LlamaWeights, load_hf_llama
-    from .llm_engine import LLMEngine
+    from batchpilot.models.llm.config import LLMModelConfig
+    from batchpilot.models.llm.model_runner import LLMModelRunner
+    from batchpilot.models.llm.sampler import Sampler
+    from batchpilot.models.llm.tokenizer import load_tokenizer
+    from batchpilot.models.llm.weights import LlamaWeights, load_hf_llama
+    from batchpilot.runtime.llm_engine import LLMEngine
 
     cfg = dict(engine_config)
     device = str(cfg.pop("device", "cpu"))
@@ -75,7 +75,7 @@ def build_llm_engine(model_path: str | None = None, spec: DeploymentSpec | None 
     if cfg:
         raise ValueError(f"build_llm_engine: unknown option(s) {sorted(cfg)}; see the docstring for the keys")
     model_cfg = LLMModelConfig(**model_kw)
-    from ..models.device import configure_threads, free_memory_bytes, used_memory_bytes
+    from batchpilot.models.device import configure_threads, free_memory_bytes, used_memory_bytes
 
     if device == "cpu" or threads:  # 1 is steadier than every core when other jobs share them; set
         # here for the start-up measurements (row plan, preemption costs) and again by each thread that
@@ -84,7 +84,7 @@ def build_llm_engine(model_path: str | None = None, spec: DeploymentSpec | None 
     free_bytes = free_memory_bytes(device)  # before the model loads: the plan's budget is a share of it
     held_before = used_memory_bytes(device)
     if device == "cpu":
-        from ..models.llm.model_runner import keep_freed_memory
+        from batchpilot.models.llm.model_runner import keep_freed_memory
 
         keep_freed_memory()
     hf = load_hf_llama(model_path, model_cfg, dtype=dtype)
@@ -93,8 +93,8 @@ def build_llm_engine(model_path: str | None = None, spec: DeploymentSpec | None 
     eos = set(weights.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
-    from ..models.llm.memory_profile import weights_memory
-    from .llm_memory import plan_engine_memory
+    from batchpilot.models.llm.memory_profile import weights_memory
+    from batchpilot.runtime.llm_memory import plan_engine_memory
 
     # on CPU the process's growth while loading, beyond the weights, is memory the plan must leave room for
     overhead = 0.0 if device.startswith("cuda") else max(
@@ -133,7 +133,7 @@ def built_overhead(engine: LLMEngine) -> float:
     """CPU: what the built engine's process holds beyond its weights and KV pool, measured from before
     its model loaded (the tokenizer, the loader's kept pages, the runner's tables, the engine's pool);
     ``batchpilot profile --llm`` records it as the profile's overhead. 0 on CUDA."""
-    from ..models.device import used_memory_bytes
+    from batchpilot.models.device import used_memory_bytes
 
     r = engine.runner
     if r.device.type != "cpu":
@@ -148,21 +148,21 @@ def build_llm_arm(engine: LLMEngine, start: bool = True, sampler_seed: int = 0,
     """Another engine over ``engine``'s weights, tokenizer and HF module (no copy): ``engine``'s
     scheduler config with the ``scheduler`` fields replaced, its own paged KV cache and thread (an arm
     of ``server/llm_arms.py``)."""
-    from ..models.llm.model_runner import LLMModelRunner
-    from ..models.llm.sampler import Sampler
-    from .llm_engine import LLMEngine
+    from batchpilot.models.llm.model_runner import LLMModelRunner
+    from batchpilot.models.llm.sampler import Sampler
+    from batchpilot.runtime.llm_engine import LLMEngine
 
     unknown = sorted(set(scheduler) - _SCHED_FIELDS)
     if unknown:
         raise ValueError(f"build_llm_arm: unknown scheduler option(s) {unknown}")
-    from ..core.kv_plan import plan_kv
-    from ..models.device import free_memory_bytes
+    from batchpilot.core.kv_plan import plan_kv
+    from batchpilot.models.device import free_memory_bytes
 
     config = dataclasses.replace(engine.config, **scheduler)
     r = engine.runner
     # the arm's own pool, planned against what is free now; the weights are the primary's (no copy)
-    from ..models.llm.memory_profile import model_memory
-    from .llm_memory import engine_memory
+    from batchpilot.models.llm.memory_profile import model_memory
+    from batchpilot.runtime.llm_memory import engine_memory
 
     memory = getattr(engine, "memory_profile", None) or model_memory(r)
     budget = config.kv_cache_memory is not None or config.memory_utilization is not None
@@ -210,8 +210,8 @@ def share_runner_weights(model: Any, weights: Any) -> Any:
 
 def build_fallback(engine: LLMEngine, max_batch_size: int = 8, sampler_seed: int = 0) -> StaticFallback:
     """The static-batching fallback of an engine ``build_llm_engine`` made, on the same weights (started)."""
-    from ..models.llm.sampler import Sampler
-    from .llm_fallback import StaticFallback
+    from batchpilot.models.llm.sampler import Sampler
+    from batchpilot.runtime.llm_fallback import StaticFallback
 
     model = getattr(engine, "hf_model", None)
     if model is None:
@@ -230,8 +230,8 @@ def build_failover(engine: LLMEngine, fallback: str = "static", stall_timeout_s:
     """The engine behind its watchdog and circuit breaker (``runtime/llm_failover.py``), with the static
     fallback on its weights (``fallback="static"``) or none (``"off"``: 503 while it is failed).
     ``stall_timeout_s``: a fixed stall bound; None measures it from the engine's step times."""
-    from ..core.stall import StallRule
-    from .llm_failover import LLMFailover
+    from batchpilot.core.stall import StallRule
+    from batchpilot.runtime.llm_failover import LLMFailover
 
     if fallback not in FALLBACKS:
         raise ValueError(f"llm fallback {fallback!r}: choose one of {', '.join(FALLBACKS)}")

@@ -27,20 +27,32 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from ..core.llm_admission import LLMAdmission, past_deadline
-from ..core.llm_scheduler import LLMScheduler, LLMSchedulerConfig, PreemptionCosts, StepPlan
-from ..core.request import IdCounter
-from ..core.sequence import SamplingParams, Sequence
-from ..models.device import bind_threads
-from ..models.llm.detokenizer import make_decode
-from ..models.llm.profile import engine_preemption_costs
-from .llm_build import build_llm_engine
-from .llm_errors import EngineBusy, EngineStopped, GenerationFailed, RequestRejected, RequestTimedOut
-from .llm_prompts import PromptEncoder
-from .llm_records import EngineStats, GenerationOutput, StepRecord, TokenEvent, token_records
-from .llm_refusals import AdmissionFront, LateRequests, LLMCounters
-from .llm_request import LLMRequest, admit_requests
-from .llm_step_log import StepLog
+from batchpilot.core.llm_admission import LLMAdmission, past_deadline
+from batchpilot.core.llm_scheduler import LLMScheduler, LLMSchedulerConfig, PreemptionCosts, StepPlan
+from batchpilot.core.request import IdCounter
+from batchpilot.core.sequence import SamplingParams, Sequence
+from batchpilot.models.device import bind_threads
+from batchpilot.models.llm.detokenizer import make_decode
+from batchpilot.models.llm.profile import engine_preemption_costs
+from batchpilot.runtime.llm_build import build_llm_engine
+from batchpilot.runtime.llm_errors import (
+    EngineBusy,
+    EngineStopped,
+    GenerationFailed,
+    RequestRejected,
+    RequestTimedOut,
+)
+from batchpilot.runtime.llm_prompts import PromptEncoder
+from batchpilot.runtime.llm_records import (
+    EngineStats,
+    GenerationOutput,
+    StepRecord,
+    TokenEvent,
+    token_records,
+)
+from batchpilot.runtime.llm_refusals import AdmissionFront, LateRequests, LLMCounters
+from batchpilot.runtime.llm_request import LLMRequest, admit_requests
+from batchpilot.runtime.llm_step_log import StepLog
 
 __all__ = ["EngineBusy", "EngineStats", "EngineStopped", "GenerationFailed", "GenerationOutput", "LLMEngine",
            "LLMRequest", "RequestRejected", "RequestTimedOut", "StepLog", "StepRecord", "TokenEvent",
@@ -54,7 +66,7 @@ class LLMEngine(AdmissionFront):
                  model_name: str = "batchpilot-llm", sampler: Any | None = None,
                  window_s: float = 5.0, tokenizer_threads: int = 0,
                  preemption_costs: PreemptionCosts | None = None) -> None:
-        from ..models.llm.sampler import Sampler
+        from batchpilot.models.llm.sampler import Sampler
 
         self.runner = runner
         self.tokenizer = tokenizer

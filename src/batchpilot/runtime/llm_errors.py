@@ -5,7 +5,7 @@ admission refusal (``core/llm_admission.py``) into the error the engine raises."
 
 from __future__ import annotations
 
-from ..core.llm_admission import NEVER_FITS, LLMRefusal
+from batchpilot.core.llm_admission import NEVER_FITS, LLMRefusal
 
 
 class RequestRejected(ValueError):

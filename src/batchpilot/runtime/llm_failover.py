@@ -32,13 +32,13 @@ import threading
 import time
 from typing import Any
 
-from ..core.breaker import BreakerConfig, CircuitBreaker
-from ..core.sequence import SamplingParams
-from ..core.stall import StallRule
-from .llm_errors import EngineStopped, EngineUnavailable
-from .llm_failover_request import FailoverRequest
-from .llm_records import EngineStats
-from .llm_watchdog import DIED, EngineWatchdog
+from batchpilot.core.breaker import BreakerConfig, CircuitBreaker
+from batchpilot.core.sequence import SamplingParams
+from batchpilot.core.stall import StallRule
+from batchpilot.runtime.llm_errors import EngineStopped, EngineUnavailable
+from batchpilot.runtime.llm_failover_request import FailoverRequest
+from batchpilot.runtime.llm_records import EngineStats
+from batchpilot.runtime.llm_watchdog import DIED, EngineWatchdog
 
 log = logging.getLogger("batchpilot.llm")
 
@@ -269,8 +269,8 @@ def retire(engine: Any) -> None:
 def rebuild(old: Any, prompts: Any) -> Any:
     """A new engine on ``old``'s runner, tokenizer, config, counters and observers, with a fresh
     scheduler and sampler (started). ``old``'s thread must have ended."""
-    from ..models.llm.sampler import Sampler
-    from .llm_engine import LLMEngine
+    from batchpilot.models.llm.sampler import Sampler
+    from batchpilot.runtime.llm_engine import LLMEngine
 
     engine = LLMEngine(old.runner, old.tokenizer, old.config, old.model_name,
                        Sampler(getattr(old.sampler, "base_seed", 0)), tokenizer_threads=1)

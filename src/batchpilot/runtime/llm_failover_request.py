@@ -18,13 +18,13 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from ..core.sequence import SamplingParams
-from .llm_errors import EngineStopped, EngineUnavailable, GenerationFailed
-from .llm_records import GenerationOutput
-from .llm_watchdog import DIED, OUT_OF_MEMORY
+from batchpilot.core.sequence import SamplingParams
+from batchpilot.runtime.llm_errors import EngineStopped, EngineUnavailable, GenerationFailed
+from batchpilot.runtime.llm_records import GenerationOutput
+from batchpilot.runtime.llm_watchdog import DIED, OUT_OF_MEMORY
 
 if TYPE_CHECKING:
-    from .llm_failover import LLMFailover
+    from batchpilot.runtime.llm_failover import LLMFailover
 
 
 class FailoverRequest:

@@ -33,17 +33,17 @@ from typing import Any
 
 import torch
 
-from ..core.llm_admission import LLMAdmission, past_deadline
-from ..core.llm_scheduler import LLMSchedulerConfig
-from ..core.request import IdCounter
-from ..core.sequence import SamplingParams, Sequence
-from ..models.device import bind_threads
-from ..models.llm.detokenizer import make_decode
-from ..models.llm.sampler import Sampler
-from .llm_errors import EngineStopped, GenerationFailed, RequestTimedOut
-from .llm_records import GenerationOutput, StepRecord
-from .llm_refusals import AdmissionFront, LateRequests
-from .llm_request import LLMRequest, admit_requests
+from batchpilot.core.llm_admission import LLMAdmission, past_deadline
+from batchpilot.core.llm_scheduler import LLMSchedulerConfig
+from batchpilot.core.request import IdCounter
+from batchpilot.core.sequence import SamplingParams, Sequence
+from batchpilot.models.device import bind_threads
+from batchpilot.models.llm.detokenizer import make_decode
+from batchpilot.models.llm.sampler import Sampler
+from batchpilot.runtime.llm_errors import EngineStopped, GenerationFailed, RequestTimedOut
+from batchpilot.runtime.llm_records import GenerationOutput, StepRecord
+from batchpilot.runtime.llm_refusals import AdmissionFront, LateRequests
+from batchpilot.runtime.llm_request import LLMRequest, admit_requests
 
 log = logging.getLogger("batchpilot.llm")
 

@@ -20,10 +20,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from ..core.deployment import DeploymentSpec
-from ..core.kv_plan import MemoryProfile
-from ..core.llm_config import LLMSchedulerConfig
-from ..core.llm_deployment import LLMDeployment, LLMModelLimits, resolve_llm_deployment
+from batchpilot.core.deployment import DeploymentSpec
+from batchpilot.core.kv_plan import MemoryProfile
+from batchpilot.core.llm_config import LLMSchedulerConfig
+from batchpilot.core.llm_deployment import LLMDeployment, LLMModelLimits, resolve_llm_deployment
 
 log = logging.getLogger("batchpilot.llm")
 
@@ -45,8 +45,8 @@ def engine_memory(weights: Any, config: LLMSchedulerConfig, device: str, dtype: 
     loading this model cost beyond its weights, measured by the builder (a profile brings its own)."""
     import dataclasses
 
-    from ..models.llm.memory_profile import measure_memory, weights_memory
-    from ..models.llm.model_runner import LLMModelRunner
+    from batchpilot.models.llm.memory_profile import measure_memory, weights_memory
+    from batchpilot.models.llm.model_runner import LLMModelRunner
 
     exact = dataclasses.replace(weights_memory(weights, dtype), overhead_bytes=overhead_bytes)
     if profile is not None:
@@ -99,11 +99,11 @@ def profile_engine_memory(engine: Any, burst_seqs: int = 32, burst_prompt: int =
     import asyncio
     import dataclasses
 
-    from ..core.llm_plan import decode_groups
-    from ..core.sequence import SamplingParams
-    from ..models.device import used_memory_bytes
-    from ..models.llm.memory_profile import measure_memory
-    from .llm_build import built_overhead
+    from batchpilot.core.llm_plan import decode_groups
+    from batchpilot.core.sequence import SamplingParams
+    from batchpilot.models.device import used_memory_bytes
+    from batchpilot.models.llm.memory_profile import measure_memory
+    from batchpilot.runtime.llm_build import built_overhead
 
     overhead = built_overhead(engine)
     device = engine.runner.device

@@ -17,7 +17,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from .llm_errors import RequestRejected
+from batchpilot.runtime.llm_errors import RequestRejected
 
 log = logging.getLogger("batchpilot.llm")
 

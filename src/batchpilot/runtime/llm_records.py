@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..core.llm_scheduler import LLMScheduler
-    from ..core.sequence import Sequence
+    from batchpilot.core.llm_scheduler import LLMScheduler
+    from batchpilot.core.sequence import Sequence
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,10 +21,10 @@ import collections
 import dataclasses
 import threading
 
-from ..core.llm_admission import NEVER_FITS, QUEUE_FULL, TIMEOUT, LLMAdmission
-from ..core.sequence import Sequence
-from .llm_errors import EngineStopped, refused
-from .llm_records import EngineCounters
+from batchpilot.core.llm_admission import NEVER_FITS, QUEUE_FULL, TIMEOUT, LLMAdmission
+from batchpilot.core.sequence import Sequence
+from batchpilot.runtime.llm_errors import EngineStopped, refused
+from batchpilot.runtime.llm_records import EngineCounters
 
 REASONS = (NEVER_FITS, QUEUE_FULL, TIMEOUT)
 

@@ -13,11 +13,11 @@ import contextlib
 from collections.abc import Callable
 from collections.abc import Sequence as Items
 
-from ..core.llm_admission import LLMAdmission
-from ..core.sequence import Sequence
-from ..models.llm.detokenizer import IncrementalDetokenizer
-from .llm_errors import refused
-from .llm_records import GenerationOutput
+from batchpilot.core.llm_admission import LLMAdmission
+from batchpilot.core.sequence import Sequence
+from batchpilot.models.llm.detokenizer import IncrementalDetokenizer
+from batchpilot.runtime.llm_errors import refused
+from batchpilot.runtime.llm_records import GenerationOutput
 
 
 class LLMRequest:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .json_lines import JsonLines
-from .llm_records import StepRecord
+from batchpilot.runtime.json_lines import JsonLines
+from batchpilot.runtime.llm_records import StepRecord
 
 
 def step_line(rec: StepRecord) -> dict[str, Any]:

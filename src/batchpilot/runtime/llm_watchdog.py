@@ -12,8 +12,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from ..core.stall import StallRule, StallWatch
-from .llm_records import StepRecord
+from batchpilot.core.stall import StallRule, StallWatch
+from batchpilot.runtime.llm_records import StepRecord
 
 DIED, STALLED, OUT_OF_MEMORY = "died", "stalled", "oom"  # the fault kinds (metrics label ``kind``)
 

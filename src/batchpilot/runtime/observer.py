@@ -6,8 +6,8 @@ loop thread and must be cheap (it sits on the per-request path).
 
 from __future__ import annotations
 
-from ..core.request import Request
-from ..core.scheduler import Batch, RejectReason
+from batchpilot.core.request import Request
+from batchpilot.core.scheduler import Batch, RejectReason
 
 
 class BatcherObserver:

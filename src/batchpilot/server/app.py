@@ -27,23 +27,23 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel
 
-from ..core.config import SchedulerConfig
-from ..core.costmodel import CostModel
-from ..core.rollout import RolloutSpec
-from ..runtime.batch_log import BatchLog
-from ..runtime.executor import Executor
-from .arms import ArmedModel
-from .arms_routes import arms_router
-from .config import ServerConfig
-from .embeddings import EmbeddingService
-from .errors import install_error_handlers
-from .gc_pauses import GCPauses, freeze_heap
-from .metrics import ModelLabels
-from .middleware import RequestLifecycle
-from .routing import TASK_ROUTES, ModelRoute, Models
-from .schemas import EmbeddingRequest, EmbeddingResponse, Health, ModelCard, ModelList
-from .scoring import ScoringService
-from .scoring_schemas import (
+from batchpilot.core.config import SchedulerConfig
+from batchpilot.core.costmodel import CostModel
+from batchpilot.core.rollout import RolloutSpec
+from batchpilot.runtime.batch_log import BatchLog
+from batchpilot.runtime.executor import Executor
+from batchpilot.server.arms import ArmedModel
+from batchpilot.server.arms_routes import arms_router
+from batchpilot.server.config import ServerConfig
+from batchpilot.server.embeddings import EmbeddingService
+from batchpilot.server.errors import install_error_handlers
+from batchpilot.server.gc_pauses import GCPauses, freeze_heap
+from batchpilot.server.metrics import ModelLabels
+from batchpilot.server.middleware import RequestLifecycle
+from batchpilot.server.routing import TASK_ROUTES, ModelRoute, Models
+from batchpilot.server.schemas import EmbeddingRequest, EmbeddingResponse, Health, ModelCard, ModelList
+from batchpilot.server.scoring import ScoringService
+from batchpilot.server.scoring_schemas import (
     ClassifyRequest,
     ClassifyResponse,
     DetokenizeRequest,
@@ -55,7 +55,7 @@ from .scoring_schemas import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from .service import ModelService
+from batchpilot.server.service import ModelService
 
 log = logging.getLogger("batchpilot.server")
 

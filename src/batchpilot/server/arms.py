@@ -26,9 +26,9 @@ from typing import Any
 from fastapi import Request
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from ..core.abtest import ArmSample, compare_arms
-from ..core.rollout import PRIMARY, ArmWindow, Outcome, Rollback, RolloutGuard, RolloutSpec, arm_for
-from .service import ModelService
+from batchpilot.core.abtest import ArmSample, compare_arms
+from batchpilot.core.rollout import PRIMARY, ArmWindow, Outcome, Rollback, RolloutGuard, RolloutSpec, arm_for
+from batchpilot.server.service import ModelService
 
 log = logging.getLogger("batchpilot.server")
 

@@ -18,8 +18,8 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from .arms import ArmedModel
-from .errors import APIError
+from batchpilot.server.arms import ArmedModel
+from batchpilot.server.errors import APIError
 
 
 def arms_router(models: Sequence[ArmedModel]) -> APIRouter:

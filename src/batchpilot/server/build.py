@@ -19,11 +19,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..core.config import SchedulerConfig
-from ..core.costmodel import BatchShape, CostModel
-from ..core.deployment import DeploymentSpec, ModelLimits, resolve_deployment
-from ..core.rollout import RolloutSpec
-from .config import ModelSpec, ServerConfig
+from batchpilot.core.config import SchedulerConfig
+from batchpilot.core.costmodel import BatchShape, CostModel
+from batchpilot.core.deployment import DeploymentSpec, ModelLimits, resolve_deployment
+from batchpilot.core.rollout import RolloutSpec
+from batchpilot.server.config import ModelSpec, ServerConfig
 
 log = logging.getLogger("batchpilot.server")
 
@@ -32,7 +32,7 @@ def build_app(settings: ServerConfig, spec: DeploymentSpec | SchedulerConfig | N
               rollout: RolloutSpec | None = None) -> Any:
     """Load each model's executor and cost model, resolve its deployment (``core.deployment``: the
     same function ``simulate`` runs) and its arms' (``rollout``), mount the optional LLM routes."""
-    from .app import ServedModel, create_app
+    from batchpilot.server.app import ServedModel, create_app
 
     if not isinstance(spec, DeploymentSpec):
         spec = DeploymentSpec(encoder=spec or SchedulerConfig())
@@ -78,7 +78,7 @@ def served_arm(settings: ServerConfig, model: ModelSpec, arm: DeploymentSpec, pr
                arm_name: str) -> Any:
     """A candidate arm of ``model``: the primary's executor (the same weights) unless the arm asks for
     another precision or backend, and its deployment resolved by the same function as the primary's."""
-    from .app import ServedArm
+    from batchpilot.server.app import ServedArm
 
     if arm.model != primary.model:
         executor = load_executor(settings, model, arm.model.dtype, arm.model.min_cosine, arm.model.backend,
@@ -102,7 +102,7 @@ def device_memory_bytes(executor: Any) -> float:
     or this machine's for an executor without torch (the no-op model); 0 where it cannot be read."""
     device = getattr(executor, "device", None)
     if device is not None:
-        from ..models.device import memory_bytes
+        from batchpilot.models.device import memory_bytes
 
         return memory_bytes(device)
     try:
@@ -116,11 +116,11 @@ def load_executor(settings: ServerConfig, model: ModelSpec | None = None, dtype:
                   thread_plan: Any = None) -> Any:
     model = model or settings.models[0]
     if settings.noop:
-        from ..runtime.executor import NoopExecutor
+        from batchpilot.runtime.executor import NoopExecutor
 
         log.info("model: no-op (%.1f ms per batch)", settings.noop_delay_s * 1e3)
         return NoopExecutor(dim=384, delay_s=settings.noop_delay_s, max_length=settings.max_length or 512)
-    from ..models.tasks import load_model
+    from batchpilot.models.tasks import load_model
 
     executor = load_model(model.path, model.name, model.task, settings.max_length, settings.num_threads,
                           dtype, min_cosine, backend, cache_dir, thread_plan)
@@ -147,7 +147,7 @@ def profiled_threads(profiled: CostModel, dtype: str) -> Any:
     data = profiled.meta.get("thread_plan")
     if not data or (dtype != "auto" and profiled.meta.get("dtype", "float32") != dtype):
         return None
-    from ..models.threads import ThreadPlan
+    from batchpilot.models.threads import ThreadPlan
 
     return ThreadPlan.from_json(data)
 
@@ -156,14 +156,14 @@ def with_fallback(executor: Any, warmup: bool = True) -> Any:
     """A torch embedding executor whose path is not padded float32 (lean or padding-free forward, a lower
     precision) behind ``FallbackExecutor``, with the padded float32 path of the same checkpoint to fall
     back to; any other executor as it is."""
-    from ..models.encoder import EncoderExecutor
+    from batchpilot.models.encoder import EncoderExecutor
 
     if type(executor) is not EncoderExecutor:
         return executor
     cfg = executor.config
     if cfg.dtype == "float32" and getattr(executor, "forward_impl", "hf") != "lean":
         return executor  # it is the padded float32 path already (the lean forward off or not loaded)
-    from ..runtime.fallback_executor import FallbackExecutor
+    from batchpilot.runtime.fallback_executor import FallbackExecutor
 
     plain = EncoderExecutor(dataclasses.replace(cfg, dtype="float32", lean_forward=False))
     if warmup:  # its first batch would otherwise pay the cold start in the middle of an incident
@@ -193,7 +193,7 @@ def choose_cost_model(settings: ServerConfig, model: ModelSpec, executor: Any,
         return CostModel(latency_coef=(settings.noop_delay_s, 0.0, 0.0, 0.0), meta={"source": "noop"})
     if settings.startup_profile and not settings.noop:
         try:
-            from ..models.profiler import profile_encoder
+            from batchpilot.models.profiler import profile_encoder
         except ImportError as exc:
             log.warning("cost model: start-up profiling unavailable (%s)", exc)
         else:
@@ -223,15 +223,15 @@ def _llm_router(settings: ServerConfig, spec: DeploymentSpec, rollout: RolloutSp
     its registry (``make_llm_router``), and what to run at shutdown, in order. With ``rollout``
     candidates, each is an engine of its own over the same weights (``llm_arms``), behind its own
     failover, its ``llm:`` settings where they differ from the primary's."""
-    from . import llm_routes  # lazy: the LLM stack loads only with --llm
+    from batchpilot.server import llm_routes  # lazy: the LLM stack loads only with --llm
 
     build = getattr(llm_routes, "build_llm_engine", None)
     if build is None:
-        from ..runtime.llm_engine import build_llm_engine as build
+        from batchpilot.runtime.llm_engine import build_llm_engine as build
     extra = {"memory_profile": settings.llm_profile} if settings.llm_profile else {}
     engine = build(settings.llm_model, spec=spec, tokenizer_threads=settings.tokenizer_workers or 0,
                    threads=settings.num_threads or 0, **extra)
-    from ..runtime.llm_build import build_failover, build_llm_arm
+    from batchpilot.runtime.llm_build import build_failover, build_llm_arm
 
     fallback, stall_s = settings.llm_fallback, settings.llm_stall_timeout_s
     candidates = [build_failover(build_llm_arm(engine, **arm_overrides(spec, a.spec)), fallback, stall_s)
@@ -241,7 +241,7 @@ def _llm_router(settings: ServerConfig, spec: DeploymentSpec, rollout: RolloutSp
              "measured" if stall_s is None else f"{stall_s} s", fallback)
     hooks: list[Callable[[], Any]] = [engine.shutdown]
     if settings.llm_step_log:
-        from ..runtime.llm_engine import StepLog
+        from batchpilot.runtime.llm_engine import StepLog
 
         step_log = StepLog(settings.llm_step_log)
         engine.step_observers.append(step_log)
@@ -250,7 +250,7 @@ def _llm_router(settings: ServerConfig, spec: DeploymentSpec, rollout: RolloutSp
     log.info("llm: mounted the LLM routes (%s)", getattr(engine, "model_name", settings.llm_model))
     if not candidates:
         return engine, LLMRouter(engine, limits=settings.llm_limits), hooks
-    from .llm_arms import LLMArms
+    from batchpilot.server.llm_arms import LLMArms
 
     assert rollout is not None
     arms = LLMArms([engine, *candidates], rollout)
@@ -271,7 +271,7 @@ class LLMRouter:
         self.armed = [arms.armed] if arms is not None else []
 
     def __call__(self, registry: Any) -> Any:
-        from .llm_routes import make_llm_router
+        from batchpilot.server.llm_routes import make_llm_router
 
         return make_llm_router(self.engine, registry, limits=self.limits, arms=self.arms)
 

@@ -25,7 +25,7 @@ import os
 import sys
 from typing import Any
 
-from ..config_file import (
+from batchpilot.config_file import (
     add_deployment_args,
     add_llm_args,
     add_precision_args,
@@ -33,10 +33,10 @@ from ..config_file import (
     rollout_from_args,
     spec_from_args,
 )
-from ..core.deployment import DeploymentSpec
-from .build import build_app
-from .config import TASKS, ModelSpec, ServerConfig
-from .llm_limit_flags import add_llm_limit_args, llm_limits_from_args
+from batchpilot.core.deployment import DeploymentSpec
+from batchpilot.server.build import build_app
+from batchpilot.server.config import TASKS, ModelSpec, ServerConfig
+from batchpilot.server.llm_limit_flags import add_llm_limit_args, llm_limits_from_args
 
 log = logging.getLogger("batchpilot.server")
 
@@ -131,21 +131,21 @@ def register(subparsers: Any) -> None:
     p.add_argument("--log-format", default="text", choices=("text", "json"),
                    help="json: one JSON object per line (time, level, logger, message, exc_info)")
     p.add_argument("--access-log", action="store_true", help="log every request (off: it costs throughput)")
-    from .ray_app import add_ray_args  # --ray: flags only; ray itself loads with --ray
+    from batchpilot.server.ray_app import add_ray_args  # --ray: flags only; ray itself loads with --ray
 
     add_ray_args(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from . import lifecycle, logs
+    from batchpilot.server import lifecycle, logs
 
     if getattr(args, "ray", False):  # the same app, as a Ray Serve deployment (server/ray_app.py)
-        from .ray_app import run_ray
+        from batchpilot.server.ray_app import run_ray
 
         return run_ray(args)
     logs.configure(args.log_level, args.log_format)
-    from ..core.kv_plan import KVPlanError
+    from batchpilot.core.kv_plan import KVPlanError
 
     try:  # a setting that cannot work: its message says what to change, no traceback
         spec = spec_from_args(args)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .llm_limits import LLMLimits
+from batchpilot.server.llm_limits import LLMLimits
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # 2048 inputs of a few KB of text each
 TASKS = ("auto", "embed", "score", "classify")

@@ -19,15 +19,15 @@ import orjson
 from fastapi import Request
 from fastapi.responses import Response
 
-from ..core.config import SchedulerConfig
-from ..core.costmodel import CostModel
-from ..runtime.execution import StageTimes
-from ..runtime.executor import Executor
-from . import vectors
-from .config import ServerConfig
-from .errors import APIError
-from .schemas import EmbeddingRequest
-from .service import INLINE_TOKENIZE_CHARS, INLINE_TOKENIZE_IDS, ModelService
+from batchpilot.core.config import SchedulerConfig
+from batchpilot.core.costmodel import CostModel
+from batchpilot.runtime.execution import StageTimes
+from batchpilot.runtime.executor import Executor
+from batchpilot.server import vectors
+from batchpilot.server.config import ServerConfig
+from batchpilot.server.errors import APIError
+from batchpilot.server.schemas import EmbeddingRequest
+from batchpilot.server.service import INLINE_TOKENIZE_CHARS, INLINE_TOKENIZE_IDS, ModelService
 
 log = logging.getLogger("batchpilot.server")
 

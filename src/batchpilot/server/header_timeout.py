@@ -34,7 +34,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from .errors import error_body
+from batchpilot.server.errors import error_body
 
 
 class HeaderDeadlineProtocol(HttpToolsProtocol):

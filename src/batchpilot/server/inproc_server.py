@@ -18,7 +18,7 @@ from typing import Any
 
 import uvicorn
 
-from .config import ServerConfig
+from batchpilot.server.config import ServerConfig
 
 
 def bound_socket() -> tuple[socket.socket, int]:

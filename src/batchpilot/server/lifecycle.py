@@ -29,8 +29,8 @@ from typing import Any
 
 import uvicorn
 
-from .header_timeout import deadline_protocol
-from .middleware import RequestLifecycle
+from batchpilot.server.header_timeout import deadline_protocol
+from batchpilot.server.middleware import RequestLifecycle
 
 log = logging.getLogger("batchpilot.server")
 

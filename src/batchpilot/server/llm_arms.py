@@ -18,9 +18,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from ..core.rollout import RolloutSpec
-from .arms import ArmedModel
-from .metrics import ModelLabels
+from batchpilot.core.rollout import RolloutSpec
+from batchpilot.server.arms import ArmedModel
+from batchpilot.server.metrics import ModelLabels
 
 
 def describe_engine(engine: Any) -> dict[str, Any]:

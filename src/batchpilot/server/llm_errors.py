@@ -8,14 +8,14 @@ from __future__ import annotations
 import json
 import logging
 
-from ..runtime.llm_errors import (
+from batchpilot.runtime.llm_errors import (
     EngineBusy,
     EngineStopped,
     EngineUnavailable,
     GenerationFailed,
     RequestRejected,
 )
-from .errors import APIError, error_body
+from batchpilot.server.errors import APIError, error_body
 
 log = logging.getLogger("batchpilot.server")
 

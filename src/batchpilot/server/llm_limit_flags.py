@@ -21,8 +21,8 @@ import argparse
 from collections.abc import Callable
 from dataclasses import fields
 
-from .llm_limits import LLMLimits
-from .llm_schemas import CAP
+from batchpilot.server.llm_limits import LLMLimits
+from batchpilot.server.llm_schemas import CAP
 
 # LLMLimits field -> (what it bounds, the most a flag may ask for: None when only >= 1)
 LIMITS: dict[str, tuple[str, int | None]] = {

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from .errors import APIError
+from batchpilot.server.errors import APIError
 
 
 @dataclass(frozen=True)

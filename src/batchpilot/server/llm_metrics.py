@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..runtime.llm_refusals import REASONS
+from batchpilot.runtime.llm_refusals import REASONS
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -106,7 +106,7 @@ def _memory(engine: Any, s: Any) -> Iterator[Metric]:
     plan = getattr(engine, "memory_plan", None)
     if plan is None:
         return
-    from ..models.device import free_memory_bytes, used_memory_bytes
+    from batchpilot.models.device import free_memory_bytes, used_memory_bytes
 
     planned = GaugeMetricFamily("batchpilot_llm_memory_planned_bytes", "The engine's memory plan by part "
                                 "(weights, overhead, activation peak, kv pool, host swap space)",

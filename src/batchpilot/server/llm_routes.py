@@ -30,20 +30,26 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry
 
-from ..core.llm_admission import request_deadline
-from ..core.request import IdCounter
-from ..core.rollout import PRIMARY
-from ..runtime.llm_engine import GenerationOutput, LLMEngine, LLMRequest, RequestTimedOut, build_llm_engine
-from ..runtime.llm_failover import LLMFailover
-from .arms import ARM_HEADER
-from .errors import APIError
-from .llm_arms import LLMArms
-from .llm_errors import sse_error, to_api_error
-from .llm_limits import LLMLimits, header_deadline_ms
-from .llm_metrics import LLMMetrics
-from .llm_schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
-from .llm_sse import chat_events, completion_events, first_token_timing, usage_of
-from .service import header_num
+from batchpilot.core.llm_admission import request_deadline
+from batchpilot.core.request import IdCounter
+from batchpilot.core.rollout import PRIMARY
+from batchpilot.runtime.llm_engine import (
+    GenerationOutput,
+    LLMEngine,
+    LLMRequest,
+    RequestTimedOut,
+    build_llm_engine,
+)
+from batchpilot.runtime.llm_failover import LLMFailover
+from batchpilot.server.arms import ARM_HEADER
+from batchpilot.server.errors import APIError
+from batchpilot.server.llm_arms import LLMArms
+from batchpilot.server.llm_errors import sse_error, to_api_error
+from batchpilot.server.llm_limits import LLMLimits, header_deadline_ms
+from batchpilot.server.llm_metrics import LLMMetrics
+from batchpilot.server.llm_schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from batchpilot.server.llm_sse import chat_events, completion_events, first_token_timing, usage_of
+from batchpilot.server.service import header_num
 
 __all__ = ["build_llm_engine", "make_llm_router"]
 

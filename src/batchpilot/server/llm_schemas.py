@@ -15,9 +15,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ..core.sequence import SamplingParams
-from .errors import APIError
-from .llm_limits import LLMLimits
+from batchpilot.core.sequence import SamplingParams
+from batchpilot.server.errors import APIError
+from batchpilot.server.llm_limits import LLMLimits
 
 GREEDY_BELOW = 1e-5
 CAP = 4096  # items in any list of a request (the limits' defaults are far below)

@@ -38,15 +38,15 @@ from typing import Any
 
 import numpy as np
 
-from ..bench.loadgen import build_plan
-from ..runtime.executor import NoopExecutor
-from ..sim.llm_frontend import LLMFrontEnd
-from ..sim.traces import Workload
-from .app import create_app
-from .config import ServerConfig
-from .inproc_server import bound_socket, in_thread
-from .serving_client import LONE_GAP_S, lone_elsewhere, send_elsewhere
-from .serving_load import alternating_arrivals
+from batchpilot.bench.loadgen import build_plan
+from batchpilot.runtime.executor import NoopExecutor
+from batchpilot.server.app import create_app
+from batchpilot.server.config import ServerConfig
+from batchpilot.server.inproc_server import bound_socket, in_thread
+from batchpilot.server.serving_client import LONE_GAP_S, lone_elsewhere, send_elsewhere
+from batchpilot.server.serving_load import alternating_arrivals
+from batchpilot.sim.llm_frontend import LLMFrontEnd
+from batchpilot.sim.traces import Workload
 
 REQUESTS = 12
 OUTPUT_TOKENS = 4
@@ -67,7 +67,7 @@ def measure_llm_serving_path(engine: Any, cost_model: Any, requests: int = REQUE
     step profile ``cost_model``. ``burst``: the burst's streams (None: ``burst_streams`` of the engine's
     config; 0: no burst); ``loaded_requests`` 0 skips the loaded phase, burst included. Returns the
     ``LLMFrontEnd`` and a JSON-ready dict of what was measured."""
-    from .llm_routes import make_llm_router
+    from batchpilot.server.llm_routes import make_llm_router
 
     top = min(int(engine.config.max_model_len) - OUTPUT_TOKENS - 1, 512)
     lengths = [int(x) for x in np.linspace(16, max(top, 16), requests)]
@@ -118,7 +118,7 @@ def burst_streams(config: Any) -> int:
 def burst_seconds(cost_model: Any, prompts: Any, outputs: Any) -> float:
     """``cost_model``'s seconds for streams of these prompts and outputs started together: each prompt's
     lone prefill, then one decode step per output token of those still running."""
-    from ..core.costmodel import StepShape
+    from batchpilot.core.costmodel import StepShape
 
     p, o = np.asarray(prompts, dtype=int), np.asarray(outputs, dtype=int)
     total = sum(cost_model.latency(StepShape(int(x), 0, int(x), int(x) ** 2)) for x in p)
@@ -145,7 +145,7 @@ def loaded_workload(config: Any, cost_model: Any, seed: int, n: int, burst: int)
     burst runs at once, and ``fit_steps`` sees steps of ``burst`` sequences down to one). A burst starts
     ``BURST_GAP_FACTOR`` times the previous one's ``burst_seconds`` and a second after that one's
     window. Outputs are ``OUTPUT_RANGE``."""
-    from ..core.costmodel import StepShape
+    from batchpilot.core.costmodel import StepShape
 
     rng = np.random.default_rng(seed + 11)
     top = max(min(int(config.max_model_len) - OUTPUT_RANGE[1] - 1, 512), 16)

@@ -12,7 +12,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from ..runtime.llm_engine import GenerationOutput, LLMRequest
+from batchpilot.runtime.llm_engine import GenerationOutput, LLMRequest
 
 OnFinish = Callable[[GenerationOutput], None]
 

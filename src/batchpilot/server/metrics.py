@@ -41,9 +41,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import Metric
 
-from ..core.request import Request
-from ..core.scheduler import Batch, RejectReason
-from ..runtime.observer import BatcherObserver
+from batchpilot.core.request import Request
+from batchpilot.core.scheduler import Batch, RejectReason
+from batchpilot.runtime.observer import BatcherObserver
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.35, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0,
                    10.0)

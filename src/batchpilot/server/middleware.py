@@ -36,9 +36,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from .config import ServerConfig
-from .errors import ClientStalled, error_body, internal_error_body
-from .json_shape import ShapeWatch, json_shape, over_limits
+from batchpilot.server.config import ServerConfig
+from batchpilot.server.errors import ClientStalled, error_body, internal_error_body
+from batchpilot.server.json_shape import ShapeWatch, json_shape, over_limits
 
 log = logging.getLogger("batchpilot.server")
 

@@ -36,11 +36,11 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..core.config import SchedulerConfig
-from ..core.costmodel import CostModel
-from ..core.deployment import DeploymentSpec, ModelLimits, resolve_deployment
-from .config import ServerConfig
-from .ray_limits import check_max_ongoing
+from batchpilot.core.config import SchedulerConfig
+from batchpilot.core.costmodel import CostModel
+from batchpilot.core.deployment import DeploymentSpec, ModelLimits, resolve_deployment
+from batchpilot.server.config import ServerConfig
+from batchpilot.server.ray_limits import check_max_ongoing
 
 log = logging.getLogger("batchpilot.server")
 
@@ -116,7 +116,7 @@ def deployment_options(args: argparse.Namespace, settings: ServerConfig, spec: D
             raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
         options["num_replicas"] = args.replicas
     else:
-        from .ray_autoscale import autoscaling_config
+        from batchpilot.server.ray_autoscale import autoscaling_config
 
         options["autoscaling_config"] = autoscaling_config(
             bounds[0], bounds[1], args.target_queue_wait_ms / 1000.0, args.upscale_delay_s,
@@ -128,21 +128,21 @@ def bind_app(args: argparse.Namespace, settings: ServerConfig, spec: DeploymentS
     """The bound Serve application (``serve.run`` / an app builder's answer)."""
     from ray import serve
 
-    from .ray_replica import BatchpilotReplica
+    from batchpilot.server.ray_replica import BatchpilotReplica
 
     options = deployment_options(args, settings, spec)
     deployment = serve.deployment(BatchpilotReplica, name="BatchpilotReplica").options(**options)
     log.info("ray: deployment %s", {k: v for k, v in options.items() if k not in ("autoscaling_config",
                                                                                       "logging_config")}
              | ({"autoscale": args.autoscale} if args.autoscale else {}))
-    from ..config_file import rollout_from_args
+    from batchpilot.config_file import rollout_from_args
 
     return deployment.bind(settings, spec, options["max_ongoing_requests"], rollout_from_args(args, spec))
 
 
 def parse_serve_flags(flags: Sequence[str]) -> argparse.Namespace:
     """``batchpilot serve`` flags, parsed by the same parser (``server.cli.register``)."""
-    from .cli import register
+    from batchpilot.server.cli import register
 
     parser = argparse.ArgumentParser(prog="batchpilot-serve")
     register(parser.add_subparsers(dest="command", required=True))
@@ -153,9 +153,9 @@ def app_builder(args: Mapping[str, str]) -> Any:
     """For ``serve run batchpilot.server.ray_app:app_builder flags="..."`` and ``serve deploy``
     (``args: {flags: "..."}`` in the config file): the flags are ``batchpilot serve``'s. The Ray
     cluster and its ingress are the caller's (``RAY_SERVE_ENABLE_HA_PROXY=1`` for HAProxy)."""
-    from ..config_file import spec_from_args
-    from . import logs
-    from .cli import server_config
+    from batchpilot.config_file import spec_from_args
+    from batchpilot.server import logs
+    from batchpilot.server.cli import server_config
 
     unknown = set(args) - {"flags"}
     if unknown:
@@ -170,10 +170,10 @@ def app_builder(args: Mapping[str, str]) -> Any:
 def run_ray(args: argparse.Namespace) -> int:
     """Start Ray and Serve on ``--host``/``--port``, deploy, serve until SIGTERM/SIGINT, then delete
     the app (replicas drain) and stop Ray. Exit status 0, or 1 if the drain did not finish in time."""
-    from ..config_file import spec_from_args
-    from . import logs
-    from .cli import server_config
-    from .ray_cluster import choose_ingress, start_cluster, stop_cluster, unbound_listeners
+    from batchpilot.config_file import spec_from_args
+    from batchpilot.server import logs
+    from batchpilot.server.cli import server_config
+    from batchpilot.server.ray_cluster import choose_ingress, start_cluster, stop_cluster, unbound_listeners
 
     logs.configure(args.log_level, args.log_format)
     spec = spec_from_args(args)

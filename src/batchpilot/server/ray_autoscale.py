@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ..core.autoscale import AutoscaleConfig, Autoscaler, ReplicaSignal, signal_of
+from batchpilot.core.autoscale import AutoscaleConfig, Autoscaler, ReplicaSignal, signal_of
 
 QUEUE_DEPTH = "batchpilot_queue_length"
 PREDICTED_WAIT = "batchpilot_backlog_seconds"

@@ -23,8 +23,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..core.config import SchedulerConfig
-from ..core.deployment import ServingOptions
+from batchpilot.core.config import SchedulerConfig
+from batchpilot.core.deployment import ServingOptions
 
 
 @dataclass(frozen=True)

@@ -29,11 +29,11 @@ from typing import Any
 
 from ray import serve
 
-from ..core.deployment import DeploymentSpec
-from ..core.rollout import RolloutSpec
-from .config import ServerConfig
-from .ray_autoscale import replica_stats
-from .ray_limits import check_max_ongoing
+from batchpilot.core.deployment import DeploymentSpec
+from batchpilot.core.rollout import RolloutSpec
+from batchpilot.server.config import ServerConfig
+from batchpilot.server.ray_autoscale import replica_stats
+from batchpilot.server.ray_limits import check_max_ongoing
 
 log = logging.getLogger("batchpilot.server")
 
@@ -75,8 +75,8 @@ def served_configs(app: Any) -> list[tuple[str, Any]]:
 class BatchpilotReplica:
     def __init__(self, settings: ServerConfig, spec: DeploymentSpec, max_ongoing: int,
                  rollout: RolloutSpec | None = None) -> None:
-        from . import logs
-        from .build import build_app
+        from batchpilot.server import logs
+        from batchpilot.server.build import build_app
 
         logs.configure(settings.log_level, "text")
         self.served = build_app(settings, spec, rollout)  # (``app`` is Serve's)

@@ -24,10 +24,10 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
-from ..core.rollout import PRIMARY
-from .arms import ARM_HEADER, ArmedModel
-from .errors import APIError, error_response, request_id_of, validation_response
-from .service import RECEIVED_KEY, ClientGone, ModelService
+from batchpilot.core.rollout import PRIMARY
+from batchpilot.server.arms import ARM_HEADER, ArmedModel
+from batchpilot.server.errors import APIError, error_response, request_id_of, validation_response
+from batchpilot.server.service import RECEIVED_KEY, ClientGone, ModelService
 
 # the routes of each task (several paths where the APIs users come from differ)
 TASK_ROUTES = {

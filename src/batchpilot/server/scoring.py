@@ -22,12 +22,12 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import Response
 
-from ..core.config import SchedulerConfig
-from ..core.costmodel import CostModel
-from ..runtime.executor import Executor
-from .config import ServerConfig
-from .errors import APIError, request_id_of
-from .scoring_schemas import (
+from batchpilot.core.config import SchedulerConfig
+from batchpilot.core.costmodel import CostModel
+from batchpilot.runtime.executor import Executor
+from batchpilot.server.config import ServerConfig
+from batchpilot.server.errors import APIError, request_id_of
+from batchpilot.server.scoring_schemas import (
     ClassifyData,
     ClassifyRequest,
     ClassifyResponse,
@@ -40,7 +40,7 @@ from .scoring_schemas import (
     ScoreRequest,
     ScoreResponse,
 )
-from .service import INLINE_TOKENIZE_CHARS, ModelService
+from batchpilot.server.service import INLINE_TOKENIZE_CHARS, ModelService
 
 
 class ScoringService(ModelService):

@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
-from .schemas import PRIORITY_MAX, Usage
+from batchpilot.server.schemas import PRIORITY_MAX, Usage
 
 _Texts = Annotated[list[StrictStr], Field(fail_fast=True)]
 _Ids = Annotated[list[StrictInt], Field(fail_fast=True)]

@@ -29,19 +29,19 @@ import orjson
 from fastapi import Request
 from fastapi.responses import Response
 
-from ..core.config import SchedulerConfig
-from ..core.costmodel import CostModel
-from ..core.scheduler import RejectReason
-from ..core.stall import StallRule
-from ..runtime.batcher import Batcher
-from ..runtime.batcher_watchdog import BatcherWatchdog
-from ..runtime.errors import ExecutionError, InvalidInput, RequestRejected
-from ..runtime.execution import StageTimes
-from ..runtime.executor import Executor
-from .config import ServerConfig
-from .errors import APIError, request_id_of
-from .metrics import ServerMetrics
-from .schemas import PRIORITY_MAX
+from batchpilot.core.config import SchedulerConfig
+from batchpilot.core.costmodel import CostModel
+from batchpilot.core.scheduler import RejectReason
+from batchpilot.core.stall import StallRule
+from batchpilot.runtime.batcher import Batcher
+from batchpilot.runtime.batcher_watchdog import BatcherWatchdog
+from batchpilot.runtime.errors import ExecutionError, InvalidInput, RequestRejected
+from batchpilot.runtime.execution import StageTimes
+from batchpilot.runtime.executor import Executor
+from batchpilot.server.config import ServerConfig
+from batchpilot.server.errors import APIError, request_id_of
+from batchpilot.server.metrics import ServerMetrics
+from batchpilot.server.schemas import PRIORITY_MAX
 
 log = logging.getLogger("batchpilot.server")
 

@@ -23,7 +23,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from ..bench.loadgen import LoadGenConfig, PlannedRequest
+from batchpilot.bench.loadgen import LoadGenConfig, PlannedRequest
 
 LONE_GAP_S = 0.2  # silence between two lone requests: both sides sleep, as between a live server's requests
 CHILD_TIMEOUT_S = 600.0  # the most a child's traffic may take before the profile gives up on it
@@ -92,8 +92,8 @@ def replay_child(url: str, model: str, plan: list[PlannedRequest], endpoint: str
     import os
     import time
 
-    from ..bench.loadgen import one_by_one_async, replay
-    from ..bench.serverproc import client_keepalive_s  # the in-process server keeps ServerConfig's
+    from batchpilot.bench.loadgen import one_by_one_async, replay
+    from batchpilot.bench.serverproc import client_keepalive_s  # the in-process server keeps ServerConfig's
 
     rest = other_cores()
     if rest is not None:

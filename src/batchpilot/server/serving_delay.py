@@ -27,8 +27,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..sim.frontend import FrontEnd, rates_at
-from ..sim.line_fit import fit_line
+from batchpilot.sim.frontend import FrontEnd, rates_at
+from batchpilot.sim.line_fit import fit_line
 
 # per answered request of the loaded phase: (index in the plan, scheduled_s, latency_s,
 # server_tokenize_s, server_batcher_s, input_tokens)

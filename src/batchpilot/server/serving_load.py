@@ -28,12 +28,12 @@ from typing import Any
 
 import numpy as np
 
-from ..bench.loadgen import PlannedRequest
-from ..core.costmodel import BatchShape, CostModel, nonneg_lstsq
-from ..sim.batch_noise import split_wander
-from ..sim.before_batch import BUSY_EDGES, IDLE_EDGES_S, busy_shares, idle_times
-from ..sim.frontend import rates_before, residual_units
-from ..sim.line_fit import backfit_factors, fit_line
+from batchpilot.bench.loadgen import PlannedRequest
+from batchpilot.core.costmodel import BatchShape, CostModel, nonneg_lstsq
+from batchpilot.sim.batch_noise import split_wander
+from batchpilot.sim.before_batch import BUSY_EDGES, IDLE_EDGES_S, busy_shares, idle_times
+from batchpilot.sim.frontend import rates_before, residual_units
+from batchpilot.sim.line_fit import backfit_factors, fit_line
 
 # ~40-60 s of traffic for MiniLM on one CPU core: the phase is the profile's look at the machine's speed
 # under load, and on a shared VM that speed wanders by a few percent over seconds (docs/profiler.md)

@@ -59,19 +59,18 @@ from typing import Any
 
 import numpy as np
 
-from ..bench.loadgen import LoadGenConfig, PlannedRequest
-from ..core.config import Padding, PolicyConfig, SchedulerConfig
-from ..core.costmodel import CostModel
-from ..core.deployment import DeploymentSpec, resolve_deployment
-from ..sim.frontend import FrontEnd
-from .app import create_app
-from .build import model_limits
-from .config import ServerConfig
-from .inproc_server import bound_socket, in_thread
-from .service import tokenizer_workers
-from .serving_client import LONE_GAP_S, lone_elsewhere, send_elsewhere
-from .serving_delay import fit_loaded_delay
-from .serving_load import (
+from batchpilot.bench.loadgen import LoadGenConfig, PlannedRequest
+from batchpilot.core.config import Padding, PolicyConfig, SchedulerConfig
+from batchpilot.core.costmodel import CostModel
+from batchpilot.core.deployment import DeploymentSpec, resolve_deployment
+from batchpilot.server.app import create_app
+from batchpilot.server.build import model_limits
+from batchpilot.server.config import ServerConfig
+from batchpilot.server.inproc_server import bound_socket, in_thread
+from batchpilot.server.service import tokenizer_workers
+from batchpilot.server.serving_client import LONE_GAP_S, lone_elsewhere, send_elsewhere
+from batchpilot.server.serving_delay import fit_loaded_delay
+from batchpilot.server.serving_load import (
     LOADED_REQUESTS,
     LOADED_SEGMENTS,
     LOADED_SHARES,
@@ -84,6 +83,7 @@ from .serving_load import (
     one_input,
     thread_cpu_s,
 )
+from batchpilot.sim.frontend import FrontEnd
 
 WARMUP_REQUESTS = 4
 IDLE_S, BUSY_S, CYCLES = 0.25, 0.5, 4  # contention timing: idle, busy, idle, busy, ... idle
@@ -178,7 +178,7 @@ def lone_plan(executor: Any, requests: int = 24, rounds: int = 2, seed: int = 0,
     top = int(executor.max_length)
     wanted = sorted({int(round(x)) for x in np.linspace(min(4, top), top, requests)})
     if texts_for_length is None:
-        from ..sim.texts import texts_for_lengths
+        from batchpilot.sim.texts import texts_for_lengths
 
         texts = texts_for_lengths(executor.tokenizer, wanted, seed=seed)
     else:
@@ -246,7 +246,7 @@ def _contention(executor: Any, texts: list[str], lengths: list[int],
     ``prepare + run`` of one batch back to back (``CONTENTION_BATCH`` copies of the text nearest its
     length, batched with ``make_batch`` as the profiler does), in ``CYCLES`` alternations so that a
     neighbour's load or a drift of the CPU's speed falls on both sides alike."""
-    from ..models.encoder import make_batch
+    from batchpilot.models.encoder import make_batch
 
     n, length = CONTENTION_BATCH
     nearest = min(range(len(texts)), key=lambda i: abs(lengths[i] - length))

@@ -23,12 +23,12 @@ from typing import Any
 
 import numpy as np
 
-from ..core.costmodel import CostModel
-from ..core.deployment import DeploymentSpec, ModelLimits, resolve_deployment
-from ..core.rollout import RolloutSpec, arm_for
-from .frontend import FrontEnd
-from .target import SimRun, simulate_encoder
-from .traces import Workload
+from batchpilot.core.costmodel import CostModel
+from batchpilot.core.deployment import DeploymentSpec, ModelLimits, resolve_deployment
+from batchpilot.core.rollout import RolloutSpec, arm_for
+from batchpilot.sim.frontend import FrontEnd
+from batchpilot.sim.target import SimRun, simulate_encoder
+from batchpilot.sim.traces import Workload
 
 
 def client_keys(n: int, clients: int, seed: int = 0) -> list[str]:
@@ -78,8 +78,8 @@ def run_arms(args: argparse.Namespace, console: Any, workload: Workload, primary
     """``simulate`` of a deployment with candidate arms: a table of the arms; None without candidates."""
     from rich.table import Table
 
-    from ..config_file import rollout_from_args
-    from .metrics import summarize
+    from batchpilot.config_file import rollout_from_args
+    from batchpilot.sim.metrics import summarize
 
     rollout = rollout_from_args(args, primary)
     if not rollout.arms:

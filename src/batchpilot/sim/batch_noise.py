@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .frontend import residual_scale
+from batchpilot.sim.frontend import residual_scale
 
 WANDER_WINDOW_S = 2.0  # the wander is one speed factor per window of this many seconds
 MIN_WINDOW_BATCHES = 4  # a window with fewer loaded batches says nothing about its mean: left out

@@ -17,17 +17,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..config_file import add_deployment_args, add_llm_args, spec_from_args
-from ..core.costmodel import CostModel
-from ..core.deployment import Deployment, DeploymentSpec, ModelLimits, resolve_deployment
-from .arms import add_arms_args, run_arms
-from .draws import DEFAULT_DRAWS, encoder_draws, spread_table
-from .fleet_scaling import scaling_from_args
-from .frontend import FrontEnd
-from .report_table import report_table
-from .synthetic import ARRIVALS, parse_spec, synthetic_workload
-from .traces import Workload
-from .workloads import STANDARD_WORKLOADS, conv_embed, load_workload
+from batchpilot.config_file import add_deployment_args, add_llm_args, spec_from_args
+from batchpilot.core.costmodel import CostModel
+from batchpilot.core.deployment import Deployment, DeploymentSpec, ModelLimits, resolve_deployment
+from batchpilot.sim.arms import add_arms_args, run_arms
+from batchpilot.sim.draws import DEFAULT_DRAWS, encoder_draws, spread_table
+from batchpilot.sim.fleet_scaling import scaling_from_args
+from batchpilot.sim.frontend import FrontEnd
+from batchpilot.sim.report_table import report_table
+from batchpilot.sim.synthetic import ARRIVALS, parse_spec, synthetic_workload
+from batchpilot.sim.traces import Workload
+from batchpilot.sim.workloads import STANDARD_WORKLOADS, conv_embed, load_workload
 
 LONG_RUN = 50_000  # show a progress bar from this many requests
 
@@ -60,15 +60,15 @@ def register(subparsers: Any) -> None:
     add_fleet_args(p)
     add_arms_args(p)
     p.set_defaults(func=run_simulate)
-    from .fleet_tune import add_fleet_tune_args
-    from .tune import register as register_tune
+    from batchpilot.sim.fleet_tune import add_fleet_tune_args
+    from batchpilot.sim.tune import register as register_tune
 
     register_tune(subparsers)
     add_fleet_tune_args(subparsers.choices["tune"])
 
 
 def add_fleet_args(p: argparse.ArgumentParser) -> None:
-    from .router import ROUTERS
+    from batchpilot.sim.router import ROUTERS
 
     p.add_argument("--replicas", type=int, default=1,
                    help="run this many replicas of the deployment, each its own scheduler and slots "
@@ -146,8 +146,8 @@ def load_frontend(args: argparse.Namespace) -> FrontEnd | None:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    from .metrics import summarize
-    from .target import draws_batch_times, simulate_encoder
+    from batchpilot.sim.metrics import summarize
+    from batchpilot.sim.target import draws_batch_times, simulate_encoder
 
     console = make_console()
     try:
@@ -171,11 +171,11 @@ def run_simulate(args: argparse.Namespace) -> int:
         return 2
     if target == "llm":
         try:
-            from . import llm
+            from batchpilot.sim import llm
         except ImportError as exc:
             console.print(f"[red]the LLM simulator target is not available: {exc}[/]")
             return 2
-        from .llm_memory import planned_llm_config
+        from batchpilot.sim.llm_memory import planned_llm_config
 
         try:
             dep = planned_llm_config(spec, args.profile)
@@ -208,7 +208,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             run = simulate_encoder(workload, config, cost_model, noise=args.noise, seed=args.seed,
                                    request_sla_s=args.request_sla, progress=progress, frontend=frontend)
         else:
-            from .fleet import simulate_fleet
+            from batchpilot.sim.fleet import simulate_fleet
 
             fleet = simulate_fleet(workload, config, cost_model, replicas=args.replicas, router=args.router,
                                    noise=args.noise, seed=args.seed, request_sla_s=args.request_sla,
@@ -226,11 +226,11 @@ def run_simulate(args: argparse.Namespace) -> int:
                               frontend=frontend)
         console.print(spread_table(drawn, f"the prediction over {args.draws} noise draws"))
     if fleet is not None:
-        from .fleet_report import replicas_table
+        from batchpilot.sim.fleet_report import replicas_table
 
         console.print(replicas_table(fleet))
         if scaling is not None:
-            from .fleet_report import scaling_table
+            from batchpilot.sim.fleet_report import scaling_table
 
             console.print(scaling_table(scaling, run.stats.end_s))
     if args.json:
@@ -245,7 +245,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     if run.stats.stalled:
         console.print("[red]the scheduler left requests waiting with nothing scheduled (stalled)[/]")
     if args.plot:
-        from .plots import plot_run
+        from batchpilot.sim.plots import plot_run
 
         for path in plot_run(run, args.plot, sla_s=args.sla, title=workload.name):
             console.print(f"wrote {path}")
@@ -276,6 +276,6 @@ class _progress:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    from ..cli import main
+    from batchpilot.cli import main
 
     sys.exit(main())

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .metrics import SimReport
+from batchpilot.sim.metrics import SimReport
 
 BAND = (5.0, 95.0)  # percentiles of the draws that bound the band
 DEFAULT_DRAWS = 10
@@ -101,8 +101,8 @@ def encoder_draws(workload: Any, config: Any, cost_model: Any, draws: int, seed:
                   warmup_s: float = 0.0, first: SimReport | None = None, **kwargs: Any) -> Drawn:
     """``sim.target.simulate_encoder(workload, config, cost_model, seed=s, **kwargs)`` summarised per draw;
     ``first``: the report of the ``seed`` draw, already run (reused, not run again)."""
-    from .metrics import summarize
-    from .target import simulate_encoder
+    from batchpilot.sim.metrics import summarize
+    from batchpilot.sim.target import simulate_encoder
 
     def one(s: int) -> SimReport:
         if first is not None and s == seed:
@@ -116,7 +116,7 @@ def spread_table(drawn: Drawn, title: str) -> Any:
     """A rich table of each headline metric's median and 5-95% band over the draws."""
     from rich.table import Table
 
-    from .report_table import ms
+    from batchpilot.sim.report_table import ms
 
     t = Table(title=title, show_header=True, header_style="bold")
     for col in ("metric", "median", f"band (P{BAND[0]:g}-P{BAND[1]:g} of {len(drawn.reports)} draws)"):

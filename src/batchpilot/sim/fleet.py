@@ -26,16 +26,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..core.config import SchedulerConfig
-from ..core.costmodel import CostModel
-from ..core.scheduler import BatchScheduler
-from .engine import Engine, EngineStats, Job, StopSimulation
-from .fleet_scaling import FleetScaling, Scaler
-from .frontend import FrontEnd
-from .replica import Replica
-from .router import Router, make_router
-from .target import DONE, PENDING, EncoderRecord, EncoderTarget, SimRun, served_batch_terms
-from .traces import Workload
+from batchpilot.core.config import SchedulerConfig
+from batchpilot.core.costmodel import CostModel
+from batchpilot.core.scheduler import BatchScheduler
+from batchpilot.sim.engine import Engine, EngineStats, Job, StopSimulation
+from batchpilot.sim.fleet_scaling import FleetScaling, Scaler
+from batchpilot.sim.frontend import FrontEnd
+from batchpilot.sim.replica import Replica
+from batchpilot.sim.router import Router, make_router
+from batchpilot.sim.target import DONE, PENDING, EncoderRecord, EncoderTarget, SimRun, served_batch_terms
+from batchpilot.sim.traces import Workload
 
 
 class FleetTarget:

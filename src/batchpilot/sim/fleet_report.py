@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .fleet import FleetRun
-from .fleet_scaling import FleetScaling
+from batchpilot.sim.fleet import FleetRun
+from batchpilot.sim.fleet_scaling import FleetScaling
 
 
 def replicas_table(fleet: FleetRun) -> Any:

@@ -24,8 +24,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.autoscale import AutoscaleConfig, Autoscaler, signal_of
-from .replica import Replica
+from batchpilot.core.autoscale import AutoscaleConfig, Autoscaler, signal_of
+from batchpilot.sim.replica import Replica
 
 OFF, STARTING, ACTIVE, DRAINING = 0, 1, 2, 3
 

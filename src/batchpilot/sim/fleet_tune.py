@@ -21,14 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..core.config import SchedulerConfig
-from ..core.costmodel import CostModel
-from ..core.deployment import DeploymentSpec
-from .fleet import simulate_fleet
-from .frontend import FrontEnd
-from .metrics import SimReport, summarize
-from .traces import Workload
-from .tune import TuneConfig, Tuner, TuneResult
+from batchpilot.core.config import SchedulerConfig
+from batchpilot.core.costmodel import CostModel
+from batchpilot.core.deployment import DeploymentSpec
+from batchpilot.sim.fleet import simulate_fleet
+from batchpilot.sim.frontend import FrontEnd
+from batchpilot.sim.metrics import SimReport, summarize
+from batchpilot.sim.traces import Workload
+from batchpilot.sim.tune import TuneConfig, Tuner, TuneResult
 
 
 class FleetTuner(Tuner):
@@ -112,7 +112,7 @@ def fleet_table(res: FleetTuneResult) -> Any:
 
 def write_fleet_yaml(res: FleetTuneResult, path: str | Path, spec: DeploymentSpec | None = None) -> Path:
     """The chosen count's winner as a config file; the replica count and router in its header."""
-    from ..config_file import dump_spec
+    from batchpilot.config_file import dump_spec
 
     n, r = res.chosen
     b = r.best
@@ -129,7 +129,7 @@ def write_fleet_yaml(res: FleetTuneResult, path: str | Path, spec: DeploymentSpe
 
 def add_fleet_tune_args(p: argparse.ArgumentParser) -> None:
     """``--max-replicas`` and ``--router`` on the ``tune`` parser: with ``--max-replicas``, fleet sizing."""
-    from .router import ROUTERS
+    from batchpilot.sim.router import ROUTERS
 
     p.add_argument("--max-replicas", type=int, default=None, metavar="M",
                    help="find the fewest replicas (1..M) that hold --sla-p99 at the workload's rate, and "
@@ -141,9 +141,9 @@ def add_fleet_tune_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_fleet_tune(args: argparse.Namespace) -> int:
-    from ..config_file import spec_from_args
-    from .cli import load_cost_model, load_frontend, make_console, resolve_workload
-    from .tune_report import explain, result_table
+    from batchpilot.config_file import spec_from_args
+    from batchpilot.sim.cli import load_cost_model, load_frontend, make_console, resolve_workload
+    from batchpilot.sim.tune_report import explain, result_table
 
     console = make_console()
     try:
@@ -171,7 +171,7 @@ def run_fleet_tune(args: argparse.Namespace) -> int:
     console.print(fleet_table(res))
     path = write_fleet_yaml(res, args.output, spec)
     if args.plot and res.tuner is not None:
-        from .plots import plot_goodput
+        from batchpilot.sim.plots import plot_goodput
 
         png = plot_goodput(res.tuner.curves(chosen), Path(args.plot) / "goodput_vs_rate.png", tc.sla_p99_s)
         console.print(f"wrote {png} ({n} replicas)")

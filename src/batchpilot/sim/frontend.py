@@ -85,8 +85,8 @@ from typing import Any
 
 import numpy as np
 
-from .before_batch import BUSY_EDGES, IDLE_EDGES_S, busy_factor, idle_factor
-from .line_fit import fit_line, step_factor
+from batchpilot.sim.before_batch import BUSY_EDGES, IDLE_EDGES_S, busy_factor, idle_factor
+from batchpilot.sim.line_fit import fit_line, step_factor
 
 RATE_WINDOW_S = 1.0  # a batch's request rate: arrivals in this window before it started
 FACTOR_FIELDS = ("loaded_residuals", "loaded_idle_factors", "loaded_token_factors", "loaded_busy_factors")

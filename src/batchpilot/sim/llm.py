@@ -33,16 +33,16 @@ from typing import Any
 
 import numpy as np
 
-from ..core.costmodel import LLM_FEATURES, CostModel
-from ..core.llm_admission import NEVER_FITS, TIMEOUT, LLMAdmission, request_deadline
-from ..core.llm_scheduler import LLMScheduler, LLMSchedulerConfig, StepPlan
-from ..core.preemption import SWAP_META_KEYS, PreemptionCosts, PreemptionCounters
-from ..core.sequence import SamplingParams, Sequence
-from .engine import Engine, EngineStats, Job
-from .llm_frontend import LLMFrontEnd
-from .llm_report import LLMRecord, LLMSimReport, summarize_llm
-from .llm_step_shape import StepPricer
-from .traces import Workload
+from batchpilot.core.costmodel import LLM_FEATURES, CostModel
+from batchpilot.core.llm_admission import NEVER_FITS, TIMEOUT, LLMAdmission, request_deadline
+from batchpilot.core.llm_scheduler import LLMScheduler, LLMSchedulerConfig, StepPlan
+from batchpilot.core.preemption import SWAP_META_KEYS, PreemptionCosts, PreemptionCounters
+from batchpilot.core.sequence import SamplingParams, Sequence
+from batchpilot.sim.engine import Engine, EngineStats, Job
+from batchpilot.sim.llm_frontend import LLMFrontEnd
+from batchpilot.sim.llm_report import LLMRecord, LLMSimReport, summarize_llm
+from batchpilot.sim.llm_step_shape import StepPricer
+from batchpilot.sim.traces import Workload
 
 
 def default_llm_cost_model() -> CostModel:

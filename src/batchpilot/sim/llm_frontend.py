@@ -50,10 +50,10 @@ from typing import Any
 
 import numpy as np
 
-from ..core.costmodel import CostModel, nonneg_lstsq
-from .frontend import check_finite_nonneg
-from .line_fit import binned_factors, step_factor
-from .llm_step_shape import StepPricer
+from batchpilot.core.costmodel import CostModel, nonneg_lstsq
+from batchpilot.sim.frontend import check_finite_nonneg
+from batchpilot.sim.line_fit import binned_factors, step_factor
+from batchpilot.sim.llm_step_shape import StepPricer
 
 SEQ_EDGES = (1, 2, 4, 8, 16, 32)  # the lower bounds of the bins of sequences per step
 SEQ_PRIOR_STEPS = 10.0  # a bin's factor weighs this many steps at 1 beside its own

@@ -14,9 +14,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..core.deployment import DeploymentSpec
-from ..core.kv_plan import MemoryProfile
-from ..core.llm_deployment import LLMDeployment, LLMModelLimits, resolve_llm_deployment
+from batchpilot.core.deployment import DeploymentSpec
+from batchpilot.core.kv_plan import MemoryProfile
+from batchpilot.core.llm_deployment import LLMDeployment, LLMModelLimits, resolve_llm_deployment
 
 
 def planned_llm_config(spec: DeploymentSpec, profile: str | Path | None) -> LLMDeployment:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..core.preemption import PreemptionCounters
+from batchpilot.core.preemption import PreemptionCounters
 
 
 @dataclass

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..core.costmodel import CostModel, StepShape
+from batchpilot.core.costmodel import CostModel, StepShape
 
 
 def _features(shape: StepShape | Mapping[str, float]) -> tuple[float, float, float]:

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .target import DONE, DROPPED, PENDING, REJECTED, SimRun
+from batchpilot.sim.target import DONE, DROPPED, PENDING, REJECTED, SimRun
 
 QUANTILES = (50.0, 90.0, 99.0, 99.9)
 _FAILED = 1e300

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from .metrics import queue_length_series
-from .target import DONE, SimRun
+from batchpilot.sim.metrics import queue_length_series
+from batchpilot.sim.target import DONE, SimRun
 
 
 def _pyplot() -> Any:

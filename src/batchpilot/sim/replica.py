@@ -27,8 +27,8 @@ import heapq
 import math
 from collections.abc import Sequence
 
-from .engine import Job
-from .target import EncoderTarget
+from batchpilot.sim.engine import Job
+from batchpilot.sim.target import EncoderTarget
 
 _INF = math.inf
 

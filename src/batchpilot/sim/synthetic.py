@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from .traces import Workload
+from batchpilot.sim.traces import Workload
 
 ARRIVALS = ("poisson", "renewal", "mmpp", "diurnal")
 LENGTHS = ("lognormal", "bimodal", "empirical", "constant")

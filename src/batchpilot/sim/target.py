@@ -21,15 +21,15 @@ from typing import Any
 
 import numpy as np
 
-from ..core.config import SchedulerConfig
-from ..core.costmodel import CostModel
-from ..core.request import Request
-from ..core.scheduler import Batch, BatchScheduler, Rejection
-from .batch_noise import BatchNoise
-from .before_batch import BusyWindow
-from .engine import Engine, EngineStats, Job, StopSimulation
-from .frontend import RATE_WINDOW_S, FrontEnd, served_seconds
-from .traces import Workload
+from batchpilot.core.config import SchedulerConfig
+from batchpilot.core.costmodel import CostModel
+from batchpilot.core.request import Request
+from batchpilot.core.scheduler import Batch, BatchScheduler, Rejection
+from batchpilot.sim.batch_noise import BatchNoise
+from batchpilot.sim.before_batch import BusyWindow
+from batchpilot.sim.engine import Engine, EngineStats, Job, StopSimulation
+from batchpilot.sim.frontend import RATE_WINDOW_S, FrontEnd, served_seconds
+from batchpilot.sim.traces import Workload
 
 DONE, PENDING, REJECTED, DROPPED = 1, 0, 2, 3
 

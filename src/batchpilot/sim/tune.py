@@ -29,16 +29,25 @@ from typing import Any
 
 import numpy as np
 
-from ..config_file import add_deployment_args
-from ..core.config import SchedulerConfig
-from ..core.costmodel import CostModel
-from ..core.deployment import DeploymentSpec, ModelLimits, resolve_deployment
-from .frontend import FrontEnd
-from .metrics import SimReport, summarize
-from .target import simulate_encoder
-from .traces import Workload
-from .tune_report import explain, result_table, write_yaml
-from .tune_space import LAYOUTS, MAX_BATCH, MAX_WAIT_S, POLICIES, TOKEN_BUDGET, Candidate, baselines, grid
+from batchpilot.config_file import add_deployment_args
+from batchpilot.core.config import SchedulerConfig
+from batchpilot.core.costmodel import CostModel
+from batchpilot.core.deployment import DeploymentSpec, ModelLimits, resolve_deployment
+from batchpilot.sim.frontend import FrontEnd
+from batchpilot.sim.metrics import SimReport, summarize
+from batchpilot.sim.target import simulate_encoder
+from batchpilot.sim.traces import Workload
+from batchpilot.sim.tune_report import explain, result_table, write_yaml
+from batchpilot.sim.tune_space import (
+    LAYOUTS,
+    MAX_BATCH,
+    MAX_WAIT_S,
+    POLICIES,
+    TOKEN_BUDGET,
+    Candidate,
+    baselines,
+    grid,
+)
 
 __all__ = ["LAYOUTS", "MAX_BATCH", "MAX_WAIT_S", "POLICIES", "TOKEN_BUDGET", "Candidate", "TuneConfig",
            "TuneResult", "Tuner", "baselines", "explain", "grid", "register", "result_table", "run_tune",
@@ -224,7 +233,7 @@ class Tuner:
 
 
 def register(subparsers: Any) -> None:
-    from .cli import add_workload_args
+    from batchpilot.sim.cli import add_workload_args
 
     p = subparsers.add_parser("tune", help="find the config with the highest rate inside a P99 SLA",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -248,8 +257,8 @@ def register(subparsers: Any) -> None:
 
 
 def run_tune(args: argparse.Namespace) -> int:
-    from ..config_file import spec_from_args
-    from .cli import load_cost_model, load_frontend, make_console, resolve_workload
+    from batchpilot.config_file import spec_from_args
+    from batchpilot.sim.cli import load_cost_model, load_frontend, make_console, resolve_workload
 
     console = make_console()
     try:
@@ -261,7 +270,7 @@ def run_tune(args: argparse.Namespace) -> int:
         console.print(f"[red]batchpilot tune: {exc}[/]")
         return 2
     if args.profile_variants:
-        from .tune_variants import run_variants
+        from batchpilot.sim.tune_variants import run_variants
 
         return run_variants(args, workload, tc, spec, console)
     cost_model = load_cost_model(args, console)
@@ -275,7 +284,7 @@ def run_tune(args: argparse.Namespace) -> int:
     path = write_yaml(result, args.output, spec)
     console.print(f"wrote {path} ({result.num_simulations} simulations in {result.seconds:.0f} s)")
     if args.plot:
-        from .plots import plot_goodput
+        from batchpilot.sim.plots import plot_goodput
 
         png = plot_goodput(tuner.curves(result), Path(args.plot) / "goodput_vs_rate.png", tc.sla_p99_s)
         console.print(f"wrote {png}")

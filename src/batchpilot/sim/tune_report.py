@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..core.deployment import DeploymentSpec
+from batchpilot.core.deployment import DeploymentSpec
 
 if TYPE_CHECKING:
-    from .tune import TuneResult
+    from batchpilot.sim.tune import TuneResult
 
 
 def explain(result: TuneResult) -> str:
@@ -33,7 +33,7 @@ def explain(result: TuneResult) -> str:
 def write_yaml(result: TuneResult, path: str | Path, spec: DeploymentSpec | None = None) -> Path:
     """The winner as a config file (``encoder:`` and ``server:`` sections) that ``serve --config`` and
     ``simulate --config`` read."""
-    from ..config_file import dump_spec
+    from batchpilot.config_file import dump_spec
 
     b = result.best
     header = (f"# batchpilot tune: {result.workload.name} ({len(result.workload)} rows), P99 <= "

@@ -9,11 +9,11 @@ import itertools
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from ..core.config import PlannerConfig, PolicyConfig, SchedulerConfig
-from .metrics import SimReport
+from batchpilot.core.config import PlannerConfig, PolicyConfig, SchedulerConfig
+from batchpilot.sim.metrics import SimReport
 
 if TYPE_CHECKING:
-    from .tune import TuneConfig
+    from batchpilot.sim.tune import TuneConfig
 
 # (grouping, padding, bucketing method) worth trying: bucket padding needs bucket grouping to pay off,
 # and only bucket layouts read the bucketing method

@@ -19,11 +19,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..core.costmodel import CostModel
-from ..core.deployment import DeploymentSpec
-from .frontend import FrontEnd
-from .traces import Workload
-from .tune import TuneConfig, Tuner, TuneResult
+from batchpilot.core.costmodel import CostModel
+from batchpilot.core.deployment import DeploymentSpec
+from batchpilot.sim.frontend import FrontEnd
+from batchpilot.sim.traces import Workload
+from batchpilot.sim.tune import TuneConfig, Tuner, TuneResult
 
 
 @dataclass
@@ -71,7 +71,7 @@ def variants_table(results: Sequence[VariantResult]) -> Any:
 
 def write_variant_yaml(best: VariantResult, path: str | Path, spec: DeploymentSpec) -> Path:
     """The winner as a config file: ``encoder:``, ``server:`` and ``model:`` (its backend and dtype)."""
-    from ..config_file import dump_spec
+    from batchpilot.config_file import dump_spec
 
     b, r = best.result.best, best.result
     header = (f"# batchpilot tune --profile-variants: {r.workload.name} ({len(r.workload)} rows), P99 <= "
@@ -87,7 +87,7 @@ def write_variant_yaml(best: VariantResult, path: str | Path, spec: DeploymentSp
 
 def run_variants(args: argparse.Namespace, workload: Workload, tc: TuneConfig, spec: DeploymentSpec,
                   console: Any) -> int:
-    from .tune_report import result_table
+    from batchpilot.sim.tune_report import result_table
 
     console.print(f"tuning on {workload.name} across {len(args.profile_variants)} profiles (one search each)")
     results = tune_variants(workload, args.profile_variants, tc, spec, args.batcher_only, console.print)

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .texts import texts_for_lengths
-from .traces import Workload, read_azure_csv, read_trace
+from batchpilot.sim.texts import texts_for_lengths
+from batchpilot.sim.traces import Workload, read_azure_csv, read_trace
 
 __all__ = ["STANDARD_WORKLOADS", "Workload", "conv_embed", "conv_llm", "default_trace_path", "load_workload",
            "texts_for_lengths"]

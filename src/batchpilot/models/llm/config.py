@@ -39,7 +39,7 @@ class LLMModelConfig:
     def to_hf(self) -> Any:
         from transformers import LlamaConfig
 
-        from .tokenizer import BOS_ID, EOS_ID, PAD_ID
+        from batchpilot.models.llm.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
         return LlamaConfig(
             vocab_size=self.vocab_size,

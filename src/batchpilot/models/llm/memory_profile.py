@@ -27,10 +27,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...core.kv_plan import MemoryProfile
-from ...core.llm_plan import ScheduledChunk, StepPlan, decode_groups
-from ..device import peak_memory_bytes
-from .model_runner import LLMModelRunner
+from batchpilot.core.kv_plan import MemoryProfile
+from batchpilot.core.llm_plan import ScheduledChunk, StepPlan, decode_groups
+from batchpilot.models.device import peak_memory_bytes
+from batchpilot.models.llm.model_runner import LLMModelRunner
 
 
 def _tensor_bytes(tensors: Sequence[torch.Tensor]) -> int:
@@ -128,7 +128,7 @@ def thread_residual(runner: LLMModelRunner, plans: Sequence[StepPlan], tensor_pe
         return 0.0
     import threading
 
-    from ..device import used_memory_bytes
+    from batchpilot.models.device import used_memory_bytes
 
     before = used_memory_bytes(runner.device)
 

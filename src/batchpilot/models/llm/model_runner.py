@@ -32,10 +32,10 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from ...core.llm_scheduler import DECODE_RUN_TOKENS, ScheduledChunk, decode_groups
-from ...core.preemption import PreemptionCosts
-from .row_plan import RowPlan
-from .weights import LlamaWeights
+from batchpilot.core.llm_scheduler import DECODE_RUN_TOKENS, ScheduledChunk, decode_groups
+from batchpilot.core.preemption import PreemptionCosts
+from batchpilot.models.llm.row_plan import RowPlan
+from batchpilot.models.llm.weights import LlamaWeights
 
 
 def keep_freed_memory() -> bool:

@@ -23,11 +23,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...core.costmodel import LLM_FEATURES, CostModel, ProfilePoint, nonneg_lstsq
-from ...core.llm_config import LLMSchedulerConfig
-from ...core.llm_scheduler import ScheduledChunk, StepPlan
-from ...core.preemption import SWAP_META_KEYS, PreemptionCosts
-from .model_runner import LLMModelRunner
+from batchpilot.core.costmodel import LLM_FEATURES, CostModel, ProfilePoint, nonneg_lstsq
+from batchpilot.core.llm_config import LLMSchedulerConfig
+from batchpilot.core.llm_scheduler import ScheduledChunk, StepPlan
+from batchpilot.core.preemption import SWAP_META_KEYS, PreemptionCosts
+from batchpilot.models.llm.model_runner import LLMModelRunner
 
 
 def _plan(runner: LLMModelRunner, prefills: Sequence[int], decodes: int, decode_ctx: int) -> StepPlan:

@@ -33,11 +33,11 @@ from typing import Any
 def run_llm(args: argparse.Namespace) -> int:
     import torch
 
-    from ...core.kv_plan import MIB
-    from ...runtime.llm_build import build_llm_engine
-    from ...runtime.llm_memory import profile_engine_memory
-    from ..device import free_memory_bytes, resolve_device
-    from .profile import profile_llm_steps
+    from batchpilot.core.kv_plan import MIB
+    from batchpilot.models.device import free_memory_bytes, resolve_device
+    from batchpilot.models.llm.profile import profile_llm_steps
+    from batchpilot.runtime.llm_build import build_llm_engine
+    from batchpilot.runtime.llm_memory import profile_engine_memory
 
     device = resolve_device(args.device)
     dtype = "float32" if args.dtype in ("auto", "float32") else args.dtype
@@ -92,7 +92,7 @@ def serving_path(engine: Any, cost_model: Any, **measure: Any) -> tuple[dict[str
     """Start ``engine`` (built, never started), measure its serving path through the real app and shut
     it down; returns the ``frontend`` entry and what was measured (``serving_path``). ``measure``:
     keyword arguments of ``measure_llm_serving_path`` (``loaded_requests``, ...)."""
-    from ...server.llm_serving_profile import measure_llm_serving_path
+    from batchpilot.server.llm_serving_profile import measure_llm_serving_path
 
     t0 = time.perf_counter()
     engine.start()

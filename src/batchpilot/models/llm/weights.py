@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .config import LLMModelConfig
+from batchpilot.models.llm.config import LLMModelConfig
 
 
 def load_hf_llama(model_path: str | Path | None, config: LLMModelConfig | None = None,
