@@ -34,7 +34,7 @@ from batchpilot.bench.serverproc import free_port
 from batchpilot.models.encoder import default_model_path
 from batchpilot.models.seeded import build_classifier, build_cross_encoder
 from batchpilot.sim.texts import texts_for_lengths
-from batchpilot.sim.workloads import load_workload
+from batchpilot.sim.traces import load_workload
 
 DIMS = (384, 256, 128, 64, 32)
 TYPES = {"int8": np.int8, "uint8": np.uint8, "binary": np.int8, "ubinary": np.uint8}

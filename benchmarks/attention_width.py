@@ -30,9 +30,9 @@ import torch.nn.functional as F
 
 import batchpilot.models.lean as lean
 from batchpilot.core.costmodel import CostModel
-from batchpilot.models.profiler import STANDARD_BATCH_SIZES, STANDARD_LENGTHS, _Shape, grid_lengths
 from batchpilot.models.tasks import load_model
-from batchpilot.sim.workloads import load_workload
+from batchpilot.profile.encoder import STANDARD_BATCH_SIZES, STANDARD_LENGTHS, _Shape, grid_lengths
+from batchpilot.sim.traces import load_workload
 
 
 def _median_ms(fn: object, k: int) -> float:

@@ -35,12 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fidelity import WORKLOADS  # noqa: E402
 
-from batchpilot.bench.fidelity import load_workload, simulate, spec_from_args  # noqa: E402
-from batchpilot.bench.fidelity_table import within_target  # noqa: E402
+from batchpilot.bench.fidelity import load_workload, simulate, within_target
 from batchpilot.cli import build_parser  # noqa: E402
 from batchpilot.core.costmodel import CostModel  # noqa: E402
+from batchpilot.settings import spec_from_args
 from batchpilot.sim.cli import resolve  # noqa: E402
-from batchpilot.sim.frontend import FrontEnd  # noqa: E402
+from batchpilot.sim.service import FrontEnd  # noqa: E402
 
 METRICS = (("P50", "p50"), ("P99", "p99"))
 

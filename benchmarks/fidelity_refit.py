@@ -5,8 +5,8 @@
 
 For each run of `benchmarks/fidelity.py --out DIR`, its profile (DIR/<workload>-<cpus>/profile.json) is
 fitted again from what the profile measured itself (``rate_slope.priced_by``): the grid points
-(``CostModel.fit`` on ``models.profiler.fitted_features``, or the four linear features with
-``--linear``) and the loaded batches it kept (``serving_load.fit_loaded``; ``--no-wander`` sets the
+(``CostModel.fit`` on ``profile.encoder.fitted_features``, or the four linear features with
+``--linear``) and the loaded batches it kept (``profile.serving.fit_loaded``; ``--no-wander`` sets the
 speed wander to 0 and leaves the residuals whole; ``--no-rate-slope`` fits the line without the
 accounted CPU per request, the level in ``loaded_alpha``). Every point is then predicted again at its
 run's own speed (the run's batches against the refitted profile, as `bench fidelity` measures it):
@@ -28,8 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fidelity import WORKLOADS  # noqa: E402
 from rate_slope import by_point, priced_by  # noqa: E402
 
-from batchpilot.bench.fidelity import load_workload, simulate, spec_from_args  # noqa: E402
+from batchpilot.bench.fidelity import load_workload, simulate
 from batchpilot.cli import build_parser  # noqa: E402
+from batchpilot.settings import spec_from_args
 from batchpilot.sim.cli import resolve  # noqa: E402
 
 

@@ -39,11 +39,10 @@ from pathlib import Path
 
 import numpy as np
 
-from batchpilot.bench.fidelity_table import within_target
+from batchpilot.bench.fidelity import within_target
 from batchpilot.bench.records import read_csv, tail_seconds
-from batchpilot.server.serving_load import LOADED_SHARES
-from batchpilot.sim.frontend import FrontEnd
-from batchpilot.sim.line_fit import fit_line
+from batchpilot.profile.serving import LOADED_SHARES
+from batchpilot.sim.service import FrontEnd, fit_line
 
 SCORED = ("P50 ms", "P99 ms", "throughput req/s", "rejected")
 

@@ -39,7 +39,7 @@ from transformers import AutoModel
 
 from batchpilot.models.encoder import default_model_path
 from batchpilot.models.ragged import RaggedEncoder
-from batchpilot.sim.workloads import conv_embed
+from batchpilot.sim.traces import conv_embed
 
 LENGTHS = (1, 4, 16, 32, 64, 128)
 

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from batchpilot.models.seeded import build_word_encoder
-from batchpilot.sim.workloads import load_workload
+from batchpilot.sim.traces import load_workload
 
 WORDS = [f"w{i}" for i in range(3000)]
 
@@ -61,11 +61,11 @@ def encoder_throughput(device: str, dtype: str, n_texts: int) -> None:
 def llm_throughput(device: str, dtype: str, n_requests: int) -> None:
     if n_requests <= 0:
         return
-    from batchpilot.runtime.llm_build import build_llm_engine
+    from batchpilot.runtime.llm.build import build_llm_engine
 
     engine = build_llm_engine(None, device=device, dtype=dtype, max_num_seqs=64, max_num_batched_tokens=2048,
                               num_kv_blocks=4096, block_size=16, max_model_len=2048)
-    from batchpilot.core.sequence import SamplingParams
+    from batchpilot.core.llm.sequence import SamplingParams
 
     wl = load_workload("conv-llm", count=n_requests)
     rng = np.random.default_rng(0)

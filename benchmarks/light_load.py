@@ -44,7 +44,7 @@ from pydantic import BaseModel
 from batchpilot.bench.loadgen import LoadGenConfig, build_plan, load_tokenizer, replay
 from batchpilot.bench.records import RequestRecord, summarize
 from batchpilot.bench.serverproc import free_port, wait_ready
-from batchpilot.sim.workloads import load_workload
+from batchpilot.sim.traces import load_workload
 
 SLA_S = 1.0
 

@@ -4,7 +4,7 @@ goodput of the default config vs the same server with batching off (max batch si
     .venv/bin/python benchmarks/live_policies.py [--count 220] [--scales 2 3] [--profile profile.json]
     .venv/bin/python benchmarks/live_policies.py --headline-only
 
-An in-process open-loop replay: the standard conv-embed workload (sim/workloads.py: Azure 2023 arrivals,
+An in-process open-loop replay: the standard conv-embed workload (sim/traces.py: Azure 2023 arrivals,
 lengths clip(round(ContextTokens/8), 4, 512), real English texts of exactly that many tokens) is
 submitted to a fresh ``Batcher`` over the real ``EncoderExecutor`` at each arrival time, sped up
 ``scale`` times. Texts are tokenised once up front (the server does it per request in a thread, equally
@@ -169,7 +169,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from batchpilot.models.encoder import EncoderConfig, EncoderExecutor
-    from batchpilot.sim.workloads import load_workload, texts_for_lengths
+    from batchpilot.sim.texts import texts_for_lengths
+    from batchpilot.sim.traces import load_workload
 
     ex = EncoderExecutor(EncoderConfig(num_threads=args.threads))
     ex.warmup()

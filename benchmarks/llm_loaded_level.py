@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/llm_loaded_level.py --profile DIR/llm_profile.json [--rounds 2]
                                                      [--requests 400] [--rate 3]
 
-The LLM profile prices a step under load from its loaded phase (``server/llm_serving_profile.py``): the
+The LLM profile prices a step under load from its loaded phase (``profile/llm.py``): the
 engine served in the profiling process (``in_thread``), its streams sent open-loop from a child process
 that neither scrapes ``/metrics`` nor draws a progress bar. ``bench fidelity --workload conv-llm``
 measures a ``batchpilot serve --llm`` process, sent to by its own load generator, which scrapes
@@ -26,7 +26,7 @@ traffic and not a fidelity workload), in interleaved rounds with the order rotat
 
 ``--variants`` picks some of them (default: all).
 
-Per variant, the steps against the profile (``bench.llm_steps``): the whole cycle against what the
+Per variant, the steps against the profile (``bench.llm_fidelity``): the whole cycle against what the
 simulator prices it at, and by sequences per step the forward against its price and the rest of the
 cycle against the overhead line. All variants run on every core this process may use (pin the whole
 command with ``taskset`` to compare pinned set-ups).
@@ -44,19 +44,25 @@ from typing import Any
 import numpy as np
 from step_log_cost import workload
 
-from batchpilot.bench.llm_steps import LoggedStep, format_by_seqs, read_steps, speed_by_seqs, speed_vs_profile
+from batchpilot.bench.llm_fidelity import (
+    LoggedStep,
+    format_by_seqs,
+    read_steps,
+    speed_by_seqs,
+    speed_vs_profile,
+)
 from batchpilot.bench.loadgen import LoadGenConfig, build_plan, replay
 from batchpilot.bench.serverproc import serve
 from batchpilot.core.costmodel import CostModel
+from batchpilot.profile.serving import send_elsewhere
 from batchpilot.runtime.executor import NoopExecutor
-from batchpilot.runtime.json_lines import wait_written
-from batchpilot.runtime.llm_build import build_llm_engine
+from batchpilot.runtime.journal import wait_written
+from batchpilot.runtime.llm.build import build_llm_engine
 from batchpilot.server.app import create_app
 from batchpilot.server.config import ServerConfig
 from batchpilot.server.inproc_server import bound_socket, in_thread
-from batchpilot.server.llm_routes import make_llm_router
-from batchpilot.server.serving_client import send_elsewhere
-from batchpilot.sim.llm_frontend import LLMFrontEnd
+from batchpilot.server.llm.routes import make_llm_router
+from batchpilot.sim.llm import LLMFrontEnd
 from batchpilot.sim.traces import Workload
 
 THP = {"THP_MEM_ALLOC_ENABLE": "1"}  # torch's CPU allocator asks for transparent huge pages (>= 2 MiB)

@@ -21,11 +21,10 @@ import json
 import sys
 from pathlib import Path
 
-import batchpilot.server.llm_serving_profile as lsp
-from batchpilot.config_file import spec_from_args
-from batchpilot.models.llm.profile import profile_llm_steps
-from batchpilot.models.llm.profile_cli import serving_path
-from batchpilot.runtime.llm_engine import build_llm_engine
+import batchpilot.profile.llm as lsp
+from batchpilot.profile.llm import profile_llm_steps, serving_path
+from batchpilot.runtime.llm.build import build_llm_engine
+from batchpilot.settings import spec_from_args
 
 PHASES = {"old": (90, (1.0, 3.0, 10.0), 3),
           "new": (lsp.LOADED_REQUESTS, lsp.LOADED_SHARES, lsp.LOADED_SEGMENTS)}

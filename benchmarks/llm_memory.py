@@ -4,8 +4,8 @@ The device is a budget of ``--device-memory`` bytes (default 1 GiB) that the pla
 memory; the model is the default tiny Llama (seeded weights, float32), every sequence is
 ``--prompt`` + ``--output`` tokens (``max_model_len`` is exactly that). For each share ``s``:
 
-* **planned**: ``core.kv_plan.plan_kv`` with ``memory_utilization = s`` over the memory profile measured
-  here first, as ``batchpilot profile --llm`` measures it (``runtime/llm_memory.profile_engine_memory``
+* **planned**: ``core.llm.config.plan_kv`` with ``memory_utilization = s`` over the memory profile measured
+  here first, as ``batchpilot profile --llm`` measures it (``runtime/llm/build.profile_engine_memory``
   on a default engine, not on the sequences below); the largest batch ``B_plan`` is the most sequences
   whose KV the plan's pool holds at once, with ``max_num_seqs = B`` (the activation peak depends on it);
 * **observed**: a fresh process per batch size ``B`` (``B_plan``, then up by ``--step`` until one does
@@ -44,8 +44,8 @@ def child(batch: int, prompt: int, output: int, block_size: int) -> None:
     """Run ``batch`` sequences at once on a pool that holds exactly them; print the peak as JSON."""
     import asyncio
 
-    from batchpilot.core.sequence import SamplingParams
-    from batchpilot.runtime.llm_build import build_llm_engine
+    from batchpilot.core.llm.sequence import SamplingParams
+    from batchpilot.runtime.llm.build import build_llm_engine
 
     length = prompt + output
     blocks = batch * -(-length // block_size)
@@ -79,8 +79,7 @@ def observe(batch: int, args: argparse.Namespace) -> dict[str, float]:
 
 
 def planned_batch(share: float, device: float, memory: Any, args: argparse.Namespace) -> tuple[int, Any]:
-    from batchpilot.core.kv_plan import KVPlanError, plan_kv
-    from batchpilot.core.llm_config import LLMSchedulerConfig
+    from batchpilot.core.llm.config import KVPlanError, LLMSchedulerConfig, plan_kv
 
     length = args.prompt + args.output
     per_seq = -(-length // args.block_size)
@@ -115,9 +114,8 @@ def main() -> None:
         return
     import torch
 
-    from batchpilot.core.sizes import parse_bytes
-    from batchpilot.runtime.llm_build import build_llm_engine
-    from batchpilot.runtime.llm_memory import profile_engine_memory
+    from batchpilot.core.config import parse_bytes
+    from batchpilot.runtime.llm.build import build_llm_engine, profile_engine_memory
 
     torch.set_num_threads(1)
     device = float(parse_bytes(args.device_memory))

@@ -38,8 +38,7 @@ from batchpilot.bench.capacity import wait_idle
 from batchpilot.bench.loadgen import LoadGenConfig, PlannedRequest, build_plan, replay
 from batchpilot.bench.records import RequestRecord
 from batchpilot.bench.serverproc import serve
-from batchpilot.sim.traces import Workload
-from batchpilot.sim.workloads import load_workload
+from batchpilot.sim.traces import Workload, load_workload
 
 HIGH, LOW = -1, 1  # lower is served first
 

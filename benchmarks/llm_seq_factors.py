@@ -23,9 +23,9 @@ from typing import Any
 
 from batchpilot.bench.llm_fidelity import simulate
 from batchpilot.core.costmodel import CostModel
-from batchpilot.core.llm_scheduler import LLMSchedulerConfig
-from batchpilot.sim.llm_frontend import LLMFrontEnd
-from batchpilot.sim.workloads import load_workload
+from batchpilot.core.llm.config import LLMSchedulerConfig
+from batchpilot.sim.llm import LLMFrontEnd
+from batchpilot.sim.traces import load_workload
 
 METRICS = ("TTFT P50", "TTFT P99", "TPOT P50", "TPOT P99")
 

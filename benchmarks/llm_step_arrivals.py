@@ -10,7 +10,8 @@ Reads OUT's ``steps.jsonl`` (every engine step of the live run) and the profile 
 just arrived: its HTTP request, tokenising and first chunk ran on the same cores shortly before or
 beside that step. For the decode-only steps of at least ``MIN_SEQS`` sequences, grouped by the steps
 since the last one with a prefill chunk, it prints their forward seconds over what the profile prices
-them at (``frontend.forward_factor`` times ``StepPricer``'s price, as ``bench.llm_steps.speed_by_seqs``) and
+them at (``frontend.forward_factor`` times ``StepPricer``'s price, as ``bench.llm_fidelity.speed_by_seqs``)
+and
 their mean sequences per step. Then the same for the steps with a prefill chunk, by sequences per
 step. Nothing is fitted; the numbers are the run's own against its profile.
 """
@@ -22,10 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-from batchpilot.bench.llm_steps import is_prefill, read_steps
+from batchpilot.bench.llm_fidelity import is_prefill, read_steps
 from batchpilot.core.costmodel import CostModel
-from batchpilot.sim.llm_frontend import LLMFrontEnd
-from batchpilot.sim.llm_step_shape import StepPricer
+from batchpilot.sim.llm import LLMFrontEnd, StepPricer
 
 MIN_SEQS = 4
 SINCE_BINS = ((1, 1), (2, 5), (6, 20), (21, 100), (101, 10**9))  # steps since the last prefill step

@@ -8,9 +8,9 @@ the runner's layout of a step:
 
 * ``previous`` (the baseline): exact row counts, and decodes in runs of equal count, at least 8 each and
   at most 4 runs, each padded to its longest context (the rule this replaced, re-created here);
-* ``rows``: the measured row plan (``models/llm/row_plan.py``), decode runs as ``previous``;
+* ``rows``: the measured row plan (``models/llm/runner.py``), decode runs as ``previous``;
 * ``current``: the row plan and decode runs of at most ``DECODE_RUN_TOKENS`` padded keys
-  (``core.llm_plan.decode_groups``): what ``serve --llm`` runs.
+  (``core.llm.scheduler.decode_groups``): what ``serve --llm`` runs.
 
 1. **Steps**: decode-only steps of 1-48 sequences at contexts 256 and 700 and at contexts drawn from
    50-900, forward + argmax as the engine runs them, the arms round-robin, median of ``--step-repeats``;
@@ -39,18 +39,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from batchpilot.core.llm_config import LLMSchedulerConfig
-from batchpilot.core.llm_plan import decode_groups
-from batchpilot.core.sequence import SamplingParams
-from batchpilot.models.llm.config import LLMModelConfig
-from batchpilot.models.llm.model_runner import LLMModelRunner
-from batchpilot.models.llm.profile import step_plan
-from batchpilot.models.llm.row_plan import RowPlan
+from batchpilot.core.llm.config import LLMSchedulerConfig
+from batchpilot.core.llm.scheduler import decode_groups
+from batchpilot.core.llm.sequence import SamplingParams
+from batchpilot.models.llm.runner import LLMModelRunner, RowPlan, step_plan
 from batchpilot.models.llm.sampler import Sampler
 from batchpilot.models.llm.tokenizer import build_tokenizer
 from batchpilot.models.llm.weights import LlamaWeights, load_hf_llama
-from batchpilot.runtime.llm_engine import LLMEngine
-from batchpilot.sim.workloads import load_workload
+from batchpilot.models.seeded import LLMModelConfig
+from batchpilot.runtime.llm.engine import LLMEngine
+from batchpilot.sim.traces import load_workload
 
 COUNTS = (1, 2, 3, 4, 5, 7, 8, 11, 12, 15, 16, 23, 24, 32, 48)
 CONTEXTS: tuple[int | str, ...] = (256, 700, "50-900")

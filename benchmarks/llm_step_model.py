@@ -26,8 +26,9 @@ import time
 import numpy as np
 import torch
 
-from batchpilot.models.llm.profile import _plan, profile_llm_steps, step_plan
-from batchpilot.runtime.llm_build import build_llm_engine
+from batchpilot.models.llm.runner import step_plan
+from batchpilot.profile.llm import _plan, profile_llm_steps
+from batchpilot.runtime.llm.build import build_llm_engine
 
 COUNTS = tuple(range(1, 17)) + (19, 20, 23, 24, 28, 31, 32, 40, 48)
 CONTEXTS: tuple[int | str, ...] = (128, 320, 480, 700, "50-900")

@@ -4,7 +4,7 @@
 
 torch keeps an intra-op thread count per thread, taken at the thread's first op from the last
 process-wide ``torch.set_num_threads`` (``models.device.bind_threads``). A server that embeds with a
-thread plan of one thread for short batches (``models/threads.py``) leaves that count behind after its
+thread plan of one thread for short batches (``models/encoder.py``) leaves that count behind after its
 warm-up; an LLM engine thread that does not set its own then runs on one thread for its life.
 
 The encoder profile ``P`` (any ``batchpilot profile`` output) is copied with its thread plan set to one
@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 
 from batchpilot.bench.serverproc import serve
-from batchpilot.server.serving_load import thread_cpu_s
+from batchpilot.profile.serving import thread_cpu_s
 
 PLAN = {"steps": [[0, 1], [1024, 2]], "measured_ms": {}}
 MODEL = "batchpilot-tiny-llama"

@@ -13,7 +13,7 @@ Every config gets a short warm-up run (4 other prompts of 8-512 tokens, 4 tokens
 its timed run. A round's ratio is batchpilot's best-of-grid tok/s over each baseline's best-of-grid.
 
 * batchpilot: ``LLMEngine`` (engine thread, paged KV, chunked prefill, fcfs, the runner's row plan
-  measured as ``serve`` measures it: ``models/llm/row_plan.py``) through its async API.
+  measured as ``serve`` measures it: ``models/llm/runner.py``) through its async API.
   Limits: ``max_num_batched_tokens`` in the grid (``--grid-tokens``, default 128/256/512/1024),
   ``max_num_seqs`` 64, ``num_kv_blocks`` 2048 x ``block_size`` 16, ``max_model_len`` 2048, no prefix
   caching. Token times are taken as each streamed item reaches the client's event loop.
@@ -59,15 +59,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from batchpilot.core.llm_config import LLMSchedulerConfig
-from batchpilot.core.sequence import SamplingParams
-from batchpilot.models.llm.config import LLMModelConfig
-from batchpilot.models.llm.model_runner import LLMModelRunner, keep_freed_memory
+from batchpilot.core.llm.config import LLMSchedulerConfig
+from batchpilot.core.llm.sequence import SamplingParams
+from batchpilot.models.llm.runner import LLMModelRunner, keep_freed_memory
 from batchpilot.models.llm.sampler import Sampler
 from batchpilot.models.llm.tokenizer import build_tokenizer
 from batchpilot.models.llm.weights import LlamaWeights, load_hf_llama
-from batchpilot.runtime.llm_engine import LLMEngine
-from batchpilot.sim.workloads import load_workload
+from batchpilot.models.seeded import LLMModelConfig
+from batchpilot.runtime.llm.engine import LLMEngine
+from batchpilot.sim.traces import load_workload
 
 SYSTEMS = ("batchpilot", "HF static", "HF CB")
 TARGETS = {"HF static": 3.0, "HF CB": 1.5}  # batchpilot tok/s over the baseline's, both best-of-grid

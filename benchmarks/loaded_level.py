@@ -2,9 +2,9 @@
 
     .venv/bin/python benchmarks/loaded_level.py --profile PROFILE.json [--rounds 3] [--requests N]
 
-The profile prices a batch under load from its loaded phase (``server/serving_profile.py``): the
+The profile prices a batch under load from its loaded phase (``profile/serving.py``): the
 model served in the profiling process (``in_thread``) with the profile's scheduler, the seeded loaded
-plan (``serving_load.loaded_plan``) sent open-loop from a child process. ``bench fidelity`` measures a
+plan (``profile.serving.loaded_plan``) sent open-loop from a child process. ``bench fidelity`` measures a
 ``batchpilot serve`` process instead. This sends the same loaded plan, in interleaved rounds, to:
 
 * ``in-process``: the profile's set-up (the executor this process loads as the profile did);
@@ -14,7 +14,7 @@ plan (``serving_load.loaded_plan``) sent open-loop from a child process. ``bench
   scraping ``/metrics`` every 0.5 s, as ``bench fidelity`` sends.
 
 Every server writes its batch log (``--batch-log``). Per variant, the batches' slot seconds over what
-the profile prices them at (``run_speed.priced_seconds``: the rate from the logged arrivals, the idle
+the profile prices them at (``fidelity.priced_seconds``: the rate from the logged arrivals, the idle
 time before each batch): 1.00 is the profile's line. All variants run on every core this process may
 use (pin the whole command with ``taskset`` to compare pinned set-ups).
 """
@@ -30,20 +30,24 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from batchpilot.bench.fidelity import idle_before, logged_rates, priced_seconds
 from batchpilot.bench.loadgen import LoadGenConfig, replay
-from batchpilot.bench.run_speed import idle_before, logged_rates, priced_seconds
 from batchpilot.bench.serverproc import serve
 from batchpilot.core.costmodel import CostModel
 from batchpilot.models.encoder import EncoderConfig, EncoderExecutor
-from batchpilot.runtime.batch_log import BatchLog, read_batches
+from batchpilot.profile.serving import (
+    LOADED_REQUESTS,
+    loaded_plan,
+    lone_plan,
+    scheduler_config,
+    send_elsewhere,
+)
+from batchpilot.runtime.journal import BatchLog, read_batches
 from batchpilot.server.app import create_app
 from batchpilot.server.build import profiled_threads
 from batchpilot.server.config import ServerConfig
 from batchpilot.server.inproc_server import bound_socket, in_thread
-from batchpilot.server.serving_client import send_elsewhere
-from batchpilot.server.serving_load import LOADED_REQUESTS, loaded_plan
-from batchpilot.server.serving_profile import lone_plan, scheduler_config
-from batchpilot.sim.frontend import FrontEnd
+from batchpilot.sim.service import FrontEnd
 
 SHORT_TOKENS = 32  # the short batches' ratio is printed apart: a fixed cost per batch shows there most
 

@@ -2,14 +2,14 @@
 
     taskset -c 1 .venv/bin/python benchmarks/lone_client.py [--serve-profile /path/profile.json]
 
-The profile's lone requests (``server/serving_profile.py``) give the simulator its delay outside the
+The profile's lone requests (``profile/serving.py``) give the simulator its delay outside the
 batcher. This serves MiniLM in-process as the profile does (bfloat16, one thread, the profile's
-scheduler, ``in_thread``) and sends the profile's lone-request plan (``serving_profile.lone_plan``, one
+scheduler, ``in_thread``) and sends the profile's lone-request plan (``profile.serving.lone_plan``, one
 round of its 24 lengths), in interleaved rounds, from:
 
 * ``in-process``: an httpx client in this process, back to back;
 * ``child, gap G``: a client process on the cores this one is not pinned to
-  (``serving_client.lone_elsewhere``), one request at a time, ``G`` seconds of silence between two.
+  (``profile.serving.lone_elsewhere``), one request at a time, ``G`` seconds of silence between two.
 
 With ``--serve-profile``, the same child with a 0.2 s gap also sends to a ``batchpilot serve`` process
 pinned like this one (the live server of ``bench fidelity``). Printed per variant: the median over
@@ -32,13 +32,11 @@ import httpx
 
 from batchpilot.bench.loadgen import LoadGenConfig, one_by_one_async
 from batchpilot.core.costmodel import CostModel
-from batchpilot.models.encoder import EncoderConfig, EncoderExecutor
-from batchpilot.models.threads import plan_for
+from batchpilot.models.encoder import EncoderConfig, EncoderExecutor, plan_for
+from batchpilot.profile.serving import lone_elsewhere, lone_plan, scheduler_config
 from batchpilot.server.app import create_app
 from batchpilot.server.config import ServerConfig
 from batchpilot.server.inproc_server import bound_socket, in_thread
-from batchpilot.server.serving_client import lone_elsewhere
-from batchpilot.server.serving_profile import lone_plan, scheduler_config
 
 GAPS = (0.0, 0.05, 0.2, 0.5)
 

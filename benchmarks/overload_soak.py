@@ -83,7 +83,7 @@ def conv_embed_texts(n: int, seed: int) -> list[str]:
     """Real English texts with conv-embed's token lengths (the trace's first ``n`` rows)."""
     from batchpilot.bench.loadgen import load_tokenizer
     from batchpilot.sim.texts import texts_for_lengths
-    from batchpilot.sim.workloads import conv_embed
+    from batchpilot.sim.traces import conv_embed
 
     lengths = [int(x) for x in conv_embed().input_tokens[:n]]
     return texts_for_lengths(load_tokenizer(None), lengths, seed=seed)
@@ -290,7 +290,7 @@ def main() -> int:
 def batch_spread(path: Path, run: int = 6) -> str:
     """The batch log's time over prediction: P10 / median / P90, and ``run`` batches in a row (about the
     work ahead of an admitted request) over their median, P1 and P99."""
-    from batchpilot.runtime.batch_log import read_batches
+    from batchpilot.runtime.journal import read_batches
 
     batches = [b for b in read_batches(path)[0] if b.predicted_s > 0]
     if len(batches) < run:

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from batchpilot.core.batch import Batch
 from batchpilot.core.config import PlannerConfig, SchedulerConfig
-from batchpilot.core.scheduler import Batch
 from batchpilot.runtime.batcher import Batcher
 
 
@@ -65,7 +65,7 @@ def main() -> None:
 
     from batchpilot.bench.loadgen import build_plan
     from batchpilot.models.encoder import EncoderExecutor
-    from batchpilot.sim.workloads import load_workload
+    from batchpilot.sim.traces import load_workload
 
     executor = EncoderExecutor()
     wl = load_workload("conv-embed", start=0, count=args.requests)

@@ -25,7 +25,7 @@ from batchpilot.bench.interleave import interleaved_capacity
 from batchpilot.bench.loadgen import build_plan, load_tokenizer
 from batchpilot.bench.scrape import parse_metrics
 from batchpilot.bench.serverproc import pin_load_generator, serve
-from batchpilot.sim.workloads import load_workload
+from batchpilot.sim.traces import load_workload
 
 
 def main() -> int:

@@ -10,10 +10,10 @@ its idle time, at its size and busy share), against the profile it was predicted
 (DIR/<workload>-<cpus>/profile.json, or DIR/profile-<cpus>.json for a matrix run with `--profile-once`),
 or OTHER_DIR's profile-<cpus>.json with `--profiles` (the same runs priced by other profiles); the
 profiles' own loaded batches are priced too. It prints the batches' slot seconds over that price by
-request rate (`run_speed.by_rate`'s bins), among the batches that started right behind another (under 2
+request rate (`fidelity.by_rate`'s bins), among the batches that started right behind another (under 2
 ms idle) and among those after 10-100 ms idle, so that the idle factors do not mix into the rate: a line
 whose rate slope is right stays flat across the rates. `--by tokens` bins by computed tokens instead,
-`--by busy` by the busy share (`sim.before_batch`), `--by window` prints how far the machine's speed
+`--by busy` by the busy share (`sim.service`), `--by window` prints how far the machine's speed
 wanders within a run over windows of 6, 18 and 54 s (the profile's loaded phase is one such look), `--by
 turnaround` the driver's mean time from a batch's end to the next one's start where the next one's
 requests waited (what the simulator charges such a batch: `batch_gap_s`), then that gap by the size of
@@ -25,7 +25,7 @@ points (`--linear`: on the four linear features, no `tokens_sq`) and its loaded 
 it kept: a change to the model's shape, tried on matrices already run before a new one is;
 `--part 0 0.33` refits it from the batches of the first third of the loaded phase only (how far a
 shorter look at the machine puts the same runs). The rate is counted from the logged arrivals
-(`run_speed.logged_rates`).
+(`fidelity.logged_rates`).
 """
 
 from __future__ import annotations
@@ -37,14 +37,13 @@ import math
 import statistics
 from pathlib import Path
 
-from batchpilot.bench.run_speed import busy_before, by_rate, idle_before, logged_rates, priced_seconds, split
+import batchpilot.profile.serving as sl
+from batchpilot.bench.fidelity import busy_before, by_rate, idle_before, logged_rates, priced_seconds, split
 from batchpilot.core.costmodel import ENCODER_FEATURES, CostModel, ProfilePoint
-from batchpilot.models.profiler import fitted_features
-from batchpilot.runtime.batch_log import LoggedBatch, read_batches
-from batchpilot.server import serving_load as sl
-from batchpilot.server.serving_load import LOADED_TOKEN_EDGES, Loaded, fit_loaded, frontend_fields, turnaround
-from batchpilot.sim.before_batch import BUSY_EDGES
-from batchpilot.sim.frontend import FACTOR_FIELDS, FrontEnd
+from batchpilot.profile.encoder import fitted_features
+from batchpilot.profile.serving import LOADED_TOKEN_EDGES, Loaded, fit_loaded, frontend_fields, turnaround
+from batchpilot.runtime.journal import LoggedBatch, read_batches
+from batchpilot.sim.service import BUSY_EDGES, FACTOR_FIELDS, FrontEnd
 
 IDLE_BINS = (("any idle", 0.0, float("inf")), ("idle < 2 ms", 0.0, 0.002), ("idle 10-100 ms", 0.01, 0.1))
 MIN_BATCHES = 10  # a cell with fewer is left out
@@ -60,7 +59,7 @@ def own_batches(profile: Path) -> list[LoggedBatch]:
 
 
 def gaps_by_size(batches: list[LoggedBatch], window_s: float) -> str:
-    """``serving_load.turnaround_gaps`` by the size of the batch before (1, 2-4, 5-8, 9+: mean ms and
+    """``profile.serving.turnaround_gaps`` by the size of the batch before (1, 2-4, 5-8, 9+: mean ms and
     count), and ``turnaround_line``'s ``const + slope * size`` in ms."""
     pairs = sl.turnaround_gaps(batches, window_s)
     cells = []
@@ -76,7 +75,7 @@ def priced_by(profile: Path, refit: bool = False, part: tuple[float, float] = (0
               linear: bool = False, wander: bool = True, slope: bool = True) -> tuple[CostModel, FrontEnd]:
     """The profile's cost model and serving path; ``refit``: both fitted again by this checkout's code
     from what the profile measured itself, the cost model from its grid points (on
-    ``models.profiler.fitted_features``; ``linear``: the four linear features) and the loaded line from
+    ``profile.encoder.fitted_features``; ``linear``: the four linear features) and the loaded line from
     the batches it kept (``fit_loaded``, same competing CPU and token steps; ``slope`` False: without
     the competing CPU, the level in ``loaded_alpha``; ``wander`` False: no speed wander, the residuals
     whole), from the batches that started in the ``part`` of its loaded phase only (fractions of its
@@ -147,8 +146,8 @@ def window_spread(batches: list[LoggedBatch], profile: Path, window_s: float) ->
 
 def slot_over_price(batches: list[LoggedBatch], profile: Path, flat: bool = False, by: str = "rate",
                     refit: bool = False, linear: bool = False) -> dict[str, list[tuple[str, float, int]]]:
-    """Per idle bin, per ``run_speed.RATE_BINS`` bin with enough batches: (rate bin, slot / price,
-    batches), the price ``run_speed.priced_seconds``'s (``flat``: without the rate slope; ``refit``,
+    """Per idle bin, per ``fidelity.RATE_BINS`` bin with enough batches: (rate bin, slot / price,
+    batches), the price ``fidelity.priced_seconds``'s (``flat``: without the rate slope; ``refit``,
     ``linear``: as ``priced_by``)."""
     cost_model, frontend = priced_by(profile, refit, linear=linear)
     if flat:

@@ -42,7 +42,7 @@ from batchpilot.bench.loadgen import LoadGenConfig, build_plan, load_tokenizer, 
 from batchpilot.bench.records import Summary, summarize
 from batchpilot.bench.serverproc import free_port, serve
 from batchpilot.core.costmodel import CostModel
-from batchpilot.sim.workloads import load_workload
+from batchpilot.sim.traces import load_workload
 
 HEADER = "x-batchpilot-replica"
 

@@ -46,7 +46,7 @@ from batchpilot.bench.records import summarize
 from batchpilot.bench.scrape import parse_metrics
 from batchpilot.bench.serverproc import free_port
 from batchpilot.sim.texts import texts_for_lengths
-from batchpilot.sim.workloads import load_workload
+from batchpilot.sim.traces import load_workload
 
 SLA_S = 2.0
 QUERY_TOKENS = 12

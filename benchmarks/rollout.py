@@ -41,15 +41,17 @@ from batchpilot.bench.ab import samples, verdicts, with_clients  # noqa: E402
 from batchpilot.bench.capacity import wait_idle  # noqa: E402
 from batchpilot.bench.loadgen import LoadGenConfig, build_plan, load_tokenizer, replay  # noqa: E402
 from batchpilot.bench.serverproc import serve  # noqa: E402
-from batchpilot.config_file import load_spec  # noqa: E402
 from batchpilot.core.abtest import ArmComparison  # noqa: E402
 from batchpilot.core.costmodel import CostModel  # noqa: E402
 from batchpilot.core.deployment import ModelLimits  # noqa: E402
 from batchpilot.core.rollout import ArmSpec, RolloutSpec  # noqa: E402
+from batchpilot.settings import load_spec  # noqa: E402
 from batchpilot.sim.arms import client_keys, simulate_arms  # noqa: E402
 from batchpilot.sim.metrics import summarize as sim_summarize  # noqa: E402
-from batchpilot.sim.traces import Workload  # noqa: E402
-from batchpilot.sim.workloads import load_workload  # noqa: E402
+from batchpilot.sim.traces import (
+    Workload,  # noqa: E402
+    load_workload,  # noqa: E402
+)
 
 DELAY_S = 0.020
 PRIMARY_YAML = "encoder:\n  policy: {name: hybrid, max_batch_size: 32}\n"

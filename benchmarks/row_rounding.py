@@ -18,7 +18,7 @@ import numpy as np
 
 import batchpilot.models.ragged as ragged
 from batchpilot.models.encoder import EncoderConfig, EncoderExecutor
-from batchpilot.sim.workloads import load_workload
+from batchpilot.sim.traces import load_workload
 
 
 def main() -> int:

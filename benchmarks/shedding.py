@@ -28,12 +28,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from batchpilot.bench.capacity import CapacityConfig, wait_idle  # noqa: E402
+from batchpilot.bench.fidelity import (
+    measure,  # noqa: E402
+    run_profile,  # noqa: E402
+)
 from batchpilot.bench.interleave import interleaved_capacity  # noqa: E402
-from batchpilot.bench.live_run import measure  # noqa: E402
 from batchpilot.bench.loadgen import build_plan, load_tokenizer  # noqa: E402
-from batchpilot.bench.profile_run import run_profile  # noqa: E402
 from batchpilot.bench.serverproc import pin_load_generator, serve  # noqa: E402
-from batchpilot.sim.workloads import load_workload  # noqa: E402
+from batchpilot.sim.traces import load_workload  # noqa: E402
 
 
 def main() -> int:

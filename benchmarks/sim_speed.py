@@ -26,14 +26,13 @@ from collections import deque
 
 import numpy as np
 
+from batchpilot.core.batch import Batch, SchedulerOutput
 from batchpilot.core.config import SchedulerConfig
 from batchpilot.core.costmodel import BatchShape, CostModel
-from batchpilot.core.scheduler import Batch, SchedulerOutput
 from batchpilot.sim.engine import Engine
 from batchpilot.sim.metrics import summarize
 from batchpilot.sim.target import EncoderTarget, simulate_encoder
-from batchpilot.sim.traces import Workload
-from batchpilot.sim.workloads import conv_embed
+from batchpilot.sim.traces import Workload, conv_embed
 
 
 def tiled(n: int, rate_scale: float) -> Workload:
@@ -89,7 +88,7 @@ def main() -> None:
     wl = tiled(args.requests, args.rate_scale)
     cfg = SchedulerConfig()
     if args.config:
-        from batchpilot.config_file import load_spec
+        from batchpilot.settings import load_spec
 
         cfg = load_spec(args.config).encoder
     print(f"workload: {wl.name}, {len(wl):,} requests, {wl.mean_rate:.2f} req/s; config: "

@@ -32,16 +32,16 @@ from typing import Any
 import numpy as np
 
 from batchpilot.bench.loadgen import build_plan
-from batchpilot.config_file import load_spec
+from batchpilot.profile.serving import send_elsewhere
 from batchpilot.runtime.executor import NoopExecutor
-from batchpilot.runtime.llm_engine import StepLog, build_llm_engine
-from batchpilot.runtime.llm_records import StepRecord
+from batchpilot.runtime.llm.build import build_llm_engine
+from batchpilot.runtime.llm.engine import StepLog, StepRecord
 from batchpilot.server.app import create_app
 from batchpilot.server.config import ServerConfig
 from batchpilot.server.inproc_server import bound_socket, in_thread
-from batchpilot.server.llm_routes import make_llm_router
-from batchpilot.server.serving_client import send_elsewhere
-from batchpilot.sim.llm_frontend import step_cycles
+from batchpilot.server.llm.routes import make_llm_router
+from batchpilot.settings import load_spec
+from batchpilot.sim.llm import step_cycles
 from batchpilot.sim.traces import Workload
 
 BINS = ((1, 1), (2, 3), (4, 7), (8, 15), (16, 31), (32, 10**6))

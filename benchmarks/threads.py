@@ -5,7 +5,7 @@
 One process, the embedded all-MiniLM-L6-v2 (``load_model`` as ``serve`` loads it, padding-free
 forward). For each batch shape (n inputs x tokens), ``EncoderExecutor.run`` is timed at 1, 2, ...
 threads, the counts interleaved round by round (the first round a warm-up); the median ms per count
-and the ratio of the fewest threads to the most. Then the per-batch plan ``models/threads.py``
+and the ratio of the fewest threads to the most. Then the per-batch plan ``models/encoder.py``
 measures on its own probe (what ``serve`` runs without ``--threads``), and the ms of each shape on
 that plan, interleaved with the fixed counts again: the plan is worth having where its column is
 the lowest in a row. Nothing here is asserted; it prints what this machine does.
@@ -20,9 +20,8 @@ import time
 import torch
 
 from batchpilot.models.device import available_cores
-from batchpilot.models.encoder import make_batch
+from batchpilot.models.encoder import candidate_counts, make_batch, plan_for
 from batchpilot.models.tasks import load_model
-from batchpilot.models.threads import candidate_counts, plan_for
 
 SHAPES = ((1, 13), (1, 64), (1, 160), (1, 300), (4, 64), (8, 128), (16, 200), (32, 256))
 

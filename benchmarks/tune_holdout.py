@@ -15,11 +15,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from batchpilot.config_file import load_spec
 from batchpilot.core.config import SchedulerConfig
 from batchpilot.core.costmodel import CostModel
+from batchpilot.settings import load_spec
+from batchpilot.sim.traces import load_workload
 from batchpilot.sim.tune import Candidate, TuneConfig, Tuner, baselines
-from batchpilot.sim.workloads import load_workload
 
 
 def main() -> None:

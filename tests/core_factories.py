@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from batchpilot.core.admission import Rejection
+from batchpilot.core.batch import Batch
 from batchpilot.core.config import (
     AdmissionConfig,
     BucketingConfig,
@@ -21,7 +23,7 @@ from batchpilot.core.config import (
 )
 from batchpilot.core.costmodel import CostModel
 from batchpilot.core.request import Request
-from batchpilot.core.scheduler import Batch, BatchScheduler, Rejection
+from batchpilot.core.scheduler import BatchScheduler
 
 _ids = iter(range(10**9))
 

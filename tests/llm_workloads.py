@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from batchpilot.core.llm_scheduler import LLMScheduler
-from batchpilot.core.sequence import SamplingParams, Sequence
+from batchpilot.core.llm.scheduler import LLMScheduler
+from batchpilot.core.llm.sequence import SamplingParams, Sequence
 
 Work = list[tuple[int, int, int, int, bool]]  # (prompt length, max_tokens, priority, arrival step, abort)
 

@@ -12,8 +12,7 @@ from hypothesis import strategies as st
 from batchpilot.core.autoscale import AutoscaleConfig, Autoscaler, ReplicaSignal, signal_of
 from batchpilot.core.config import SchedulerConfig
 from batchpilot.core.costmodel import CostModel
-from batchpilot.sim.fleet import simulate_fleet
-from batchpilot.sim.fleet_scaling import FleetScaling
+from batchpilot.sim.fleet import FleetScaling, simulate_fleet
 from batchpilot.sim.synthetic import synthetic_workload
 from batchpilot.sim.target import PENDING
 from batchpilot.sim.traces import Workload
@@ -207,7 +206,7 @@ def test_signal_of_reads_the_schedulers_backlog() -> None:
     assert signal_of(sched, 2.0).running == 1 and signal_of(sched, 2.0).queue_depth == 0
 
 
-# -- the autoscaler driving a simulated fleet (sim/fleet_scaling.py) -----------------------------
+# -- the autoscaler driving a simulated fleet (sim/fleet.py) -----------------------------
 
 def burst_then_quiet() -> Workload:
     """60 s at 70 req/s (about three replicas' worth), then 200 s at 1 req/s."""

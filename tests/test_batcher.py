@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 
+from batchpilot.core.admission import RejectReason
+from batchpilot.core.batch import Batch
 from batchpilot.core.config import AdmissionConfig, PlannerConfig, PolicyConfig, SchedulerConfig
 from batchpilot.core.costmodel import CostModel
-from batchpilot.core.scheduler import Batch, RejectReason
-from batchpilot.runtime.batcher import Batcher
+from batchpilot.runtime.batcher import Batcher, BatcherObserver
 from batchpilot.runtime.errors import ExecutionError, ExecutorCrashed, RequestRejected
 from batchpilot.runtime.executor import AsyncCallableExecutor, CallableExecutor
-from batchpilot.runtime.observer import BatcherObserver
 
 WAIT = 10.0  # generous bound for event waits on a loaded machine (a hang fails, a slow run does not)
 
@@ -186,7 +186,7 @@ def test_an_idle_slot_prepares_and_runs_in_one_hop_a_busy_one_pipelines() -> Non
 
 
 def test_stage_times_follow_a_request_through_the_batcher() -> None:
-    from batchpilot.runtime.execution import StageTimes
+    from batchpilot.runtime.batcher import StageTimes
 
     async def main() -> None:
         b = Batcher(CallableExecutor(lambda xs: xs), config())

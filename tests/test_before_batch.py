@@ -1,4 +1,4 @@
-"""What ran before a batch (``sim.before_batch``): the busy share, its factors, and that the simulator
+"""What ran before a batch (``sim.service``): the busy share, its factors, and that the simulator
 and the batch-log pricing compute it alike."""
 
 from __future__ import annotations
@@ -12,8 +12,15 @@ from hypothesis import strategies as st
 
 from batchpilot.core.config import PolicyConfig, SchedulerConfig
 from batchpilot.core.costmodel import CostModel
-from batchpilot.sim.before_batch import BUSY_EDGES, BUSY_WINDOW_S, BusyWindow, busy_factor, busy_shares
-from batchpilot.sim.frontend import FrontEnd, served_seconds
+from batchpilot.sim.service import (
+    BUSY_EDGES,
+    BUSY_WINDOW_S,
+    BusyWindow,
+    FrontEnd,
+    busy_factor,
+    busy_shares,
+    served_seconds,
+)
 from batchpilot.sim.target import simulate_encoder
 from batchpilot.sim.traces import Workload
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchpilot.core.block_manager import BlockManager, NoFreeBlocksError
+from batchpilot.core.llm.blocks import BlockManager, NoFreeBlocksError
 
 
 def snapshot(bm: BlockManager) -> tuple[object, ...]:

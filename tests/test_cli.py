@@ -75,8 +75,8 @@ def test_task_detection_and_override_from_the_checkpoint(tmp_path: Path) -> None
 
 def test_llm_engine_flags_override_the_config_files_llm_section(tmp_path: Path) -> None:
     from batchpilot.cli import build_parser
-    from batchpilot.config_file import spec_from_args
-    from batchpilot.core.llm_deployment import resolve_llm_deployment
+    from batchpilot.core.deployment import resolve_llm_deployment
+    from batchpilot.settings import spec_from_args
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text("llm: {max_num_seqs: 8, policy: priority, block_size: 32}\n")

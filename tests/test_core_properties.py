@@ -20,7 +20,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from batchpilot.core.scheduler import RejectReason
+from batchpilot.core.admission import RejectReason
 from core_factories import drive, make_request, make_scheduler, simple_cost_model
 
 SUBMIT_REASONS = {RejectReason.TOO_LONG, RejectReason.INFEASIBLE_DEADLINE, RejectReason.QUEUE_FULL,

@@ -20,9 +20,9 @@ from safetensors.torch import load_file
 from sentence_transformers import CrossEncoder
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+from batchpilot.core.batch import Batch
 from batchpilot.core.costmodel import BatchShape
 from batchpilot.core.request import Request
-from batchpilot.core.scheduler import Batch
 from batchpilot.models.cross_encoder import (
     ClassifierConfig,
     PairTokens,

@@ -78,12 +78,13 @@ def test_cuda_pinned_side_stream_copy(folder: str, reference: np.ndarray) -> Non
 
 
 def test_llm_paged_decode_on_cuda_is_greedy_identical_to_hf_generate() -> None:
-    from batchpilot.core.llm_scheduler import LLMScheduler, LLMSchedulerConfig
-    from batchpilot.core.sequence import SamplingParams, Sequence
-    from batchpilot.models.llm.config import LLMModelConfig
-    from batchpilot.models.llm.model_runner import LLMModelRunner
+    from batchpilot.core.llm.config import LLMSchedulerConfig
+    from batchpilot.core.llm.scheduler import LLMScheduler
+    from batchpilot.core.llm.sequence import SamplingParams, Sequence
+    from batchpilot.models.llm.runner import LLMModelRunner
     from batchpilot.models.llm.sampler import Sampler
     from batchpilot.models.llm.weights import LlamaWeights, load_hf_llama
+    from batchpilot.models.seeded import LLMModelConfig
 
     cfg = LLMModelConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, initializer_range=0.06, seed=1)

@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
+from batchpilot.core.admission import RejectReason
 from batchpilot.core.config import SchedulerConfig
-from batchpilot.core.scheduler import RejectReason
 from batchpilot.runtime import RequestRejected, batch
 from batchpilot.runtime.errors import ExecutionError
 

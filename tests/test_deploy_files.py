@@ -3,7 +3,7 @@ its builder writes, and every batchpilot metric either names is one the server e
 
 What the server exports is read from a real app: ``create_app`` over the no-op model (served in arms,
 behind a fallback executor), its /metrics
-fetched in-process, plus the LLM engine's collectors (``server/llm_metrics.py``) over a stand-in
+fetched in-process, plus the LLM engine's collectors (``server/llm/metrics.py``) over a stand-in
 engine that reports zeros. A metric family counts with the sample names its type exposes
 (``_total`` for counters; ``_bucket``, ``_sum``, ``_count`` for histograms).
 """
@@ -59,12 +59,11 @@ def exported_families() -> dict[str, set[str]]:
 
     from batchpilot.core.config import SchedulerConfig
     from batchpilot.core.rollout import ArmSpec, RolloutSpec
-    from batchpilot.runtime.executor import NoopExecutor
-    from batchpilot.runtime.fallback_executor import FallbackExecutor
-    from batchpilot.runtime.llm_records import EngineStats
+    from batchpilot.runtime.executor import FallbackExecutor, NoopExecutor
+    from batchpilot.runtime.llm.engine import EngineStats
     from batchpilot.server.app import ServedArm, ServedModel, create_app
     from batchpilot.server.config import ServerConfig
-    from batchpilot.server.llm_metrics import LLMMetrics
+    from batchpilot.server.llm.metrics import LLMMetrics
 
     async def scrape() -> str:  # a model in arms, on an executor with a fallback: every family shows
         executor = FallbackExecutor(NoopExecutor(), NoopExecutor())
@@ -81,8 +80,7 @@ def exported_families() -> dict[str, set[str]]:
     object.__setattr__(engine, "stats", lambda: stats)
     from types import SimpleNamespace
 
-    from batchpilot.core.kv_plan import MemoryProfile, plan_kv
-    from batchpilot.core.llm_config import LLMSchedulerConfig
+    from batchpilot.core.llm.config import LLMSchedulerConfig, MemoryProfile, plan_kv
 
     memory = MemoryProfile(weights_bytes=1, kv_bytes_per_token=1, source="measured")
     for name, value in (("main", engine), ("memory_plan", plan_kv(LLMSchedulerConfig(), memory)),

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from batchpilot.config_file import add_deployment_args, deployment_flags, dump_spec, load_spec, spec_from_args
 from batchpilot.core.config import AdmissionConfig, PlannerConfig, PolicyConfig, SchedulerConfig
 from batchpilot.core.costmodel import CostModel
 from batchpilot.core.deployment import (
@@ -19,6 +18,7 @@ from batchpilot.core.deployment import (
     ServingOptions,
     resolve_deployment,
 )
+from batchpilot.settings import add_deployment_args, deployment_flags, dump_spec, load_spec, spec_from_args
 
 CM = CostModel.default_cpu_minilm()
 
@@ -106,7 +106,7 @@ def test_the_same_flags_give_the_same_spec_everywhere(tmp_path: Path) -> None:
 def test_the_deployments_tokenizer_threads_are_the_simulators_serial_servers(tmp_path: Path) -> None:
     from batchpilot.server.cli import server_config
     from batchpilot.sim.cli import load_frontend
-    from batchpilot.sim.frontend import FrontEnd
+    from batchpilot.sim.service import FrontEnd
     from batchpilot.sim.traces import Workload
     from batchpilot.sim.tune import TuneConfig, Tuner
 

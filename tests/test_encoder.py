@@ -19,9 +19,10 @@ import torch
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer.modules import Pooling as STPooling
 
+from batchpilot.core.admission import pad_length
+from batchpilot.core.batch import Batch
 from batchpilot.core.costmodel import BatchShape
 from batchpilot.core.request import Request
-from batchpilot.core.scheduler import Batch, pad_length
 from batchpilot.models.encoder import EncoderConfig, EncoderExecutor, default_model_path, make_batch
 from batchpilot.models.pooling import POOLING_MODES, PoolingConfig, pool
 

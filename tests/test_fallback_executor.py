@@ -1,4 +1,4 @@
-"""runtime/fallback_executor.py: repeated primary failures move batches to the padded fallback, a poison
+"""runtime/executor.py: repeated primary failures move batches to the padded fallback, a poison
 input never does, and a probe batch brings the primary back (fake clock)."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 
+from batchpilot.core.batch import Batch
 from batchpilot.core.breaker import BreakerConfig
 from batchpilot.core.costmodel import BatchShape
 from batchpilot.core.request import Request
-from batchpilot.core.scheduler import Batch
-from batchpilot.runtime.fallback_executor import FallbackExecutor, padded
+from batchpilot.runtime.executor import FallbackExecutor, padded
 
 POISON = 99
 

@@ -1,4 +1,4 @@
-"""``runtime.json_lines.JsonLines``: the caller only queues; a writer thread writes whole lines."""
+"""``runtime.journal.JsonLines``: the caller only queues; a writer thread writes whole lines."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from batchpilot.runtime.json_lines import JsonLines, wait_written
+from batchpilot.runtime.journal import JsonLines, wait_written
 
 
 def _lines(path: Path) -> list[dict]:

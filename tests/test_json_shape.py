@@ -7,7 +7,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchpilot.server.json_shape import ShapeWatch, json_shape
+from batchpilot.server.middleware import ShapeWatch, json_shape
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.text(alphabet='{}[],"\\ab'),
                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=3), inner,

@@ -1,4 +1,4 @@
-"""core/kv_plan.py: the KV pool sized from a memory budget, and the checks that say what to change."""
+"""core/llm/config.py: the KV pool sized from a memory budget, and the checks that say what to change."""
 
 from __future__ import annotations
 
@@ -6,9 +6,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batchpilot.core.kv_plan import MIB, KVPlanError, MemoryProfile, plan_kv
-from batchpilot.core.llm_config import LLMSchedulerConfig
-from batchpilot.core.llm_plan import largest_gather
+from batchpilot.core.llm.config import (
+    MIB,
+    KVPlanError,
+    LLMSchedulerConfig,
+    MemoryProfile,
+    largest_gather,
+    plan_kv,
+)
 
 MEM = MemoryProfile(weights_bytes=80 * MIB, kv_bytes_per_token=12288, activation_fixed_bytes=1e6,
                     activation_bytes_per_token=40e3, activation_bytes_per_read_token=2048, source="measured")

@@ -8,15 +8,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchpilot.core.llm_admission import (
+from batchpilot.core.llm.admission import (
     NEVER_FITS,
     QUEUE_FULL,
     LLMAdmission,
     past_deadline,
     request_deadline,
 )
-from batchpilot.core.llm_scheduler import LLMScheduler, LLMSchedulerConfig
-from batchpilot.core.sequence import FinishReason, SamplingParams, SeqStatus, Sequence
+from batchpilot.core.llm.config import LLMSchedulerConfig
+from batchpilot.core.llm.scheduler import LLMScheduler
+from batchpilot.core.llm.sequence import FinishReason, SamplingParams, SeqStatus, Sequence
 
 
 def config(**kw: object) -> LLMSchedulerConfig:

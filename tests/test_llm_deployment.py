@@ -8,11 +8,9 @@ import dataclasses
 
 import pytest
 
-from batchpilot.config_file import add_deployment_args, add_llm_args, spec_from_args
-from batchpilot.core.deployment import DeploymentSpec
-from batchpilot.core.kv_plan import KVPlanError, MemoryProfile, plan_kv
-from batchpilot.core.llm_config import LLMSchedulerConfig
-from batchpilot.core.llm_deployment import LLMModelLimits, resolve_llm_deployment
+from batchpilot.core.deployment import DeploymentSpec, LLMModelLimits, resolve_llm_deployment
+from batchpilot.core.llm.config import KVPlanError, LLMSchedulerConfig, MemoryProfile, plan_kv
+from batchpilot.settings import add_deployment_args, add_llm_args, spec_from_args
 
 MEMORY = MemoryProfile(weights_bytes=80 << 20, kv_bytes_per_token=12288, activation_fixed_bytes=1e6,
                        activation_bytes_per_token=4e4, activation_bytes_per_read_token=2048,

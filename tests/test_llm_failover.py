@@ -1,4 +1,4 @@
-"""runtime/llm_failover.py without HTTP: faults, moves and returns, repeated, on a real small engine."""
+"""runtime/llm/failover.py without HTTP: faults, moves and returns, repeated, on a real small engine."""
 
 from __future__ import annotations
 
@@ -11,13 +11,12 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from batchpilot.core.breaker import BreakerConfig
-from batchpilot.core.sequence import SamplingParams
+from batchpilot.core.llm.sequence import SamplingParams
 from batchpilot.core.stall import StallRule
-from batchpilot.runtime.llm_build import build_fallback
-from batchpilot.runtime.llm_engine import build_llm_engine
-from batchpilot.runtime.llm_errors import EngineBusy, EngineUnavailable
-from batchpilot.runtime.llm_failover import LLMFailover
-from batchpilot.server.llm_metrics import LLMMetrics
+from batchpilot.runtime.llm.build import build_fallback, build_llm_engine
+from batchpilot.runtime.llm.engine import EngineBusy, EngineUnavailable
+from batchpilot.runtime.llm.failover import LLMFailover
+from batchpilot.server.llm.metrics import LLMMetrics
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 

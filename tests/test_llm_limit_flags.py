@@ -7,12 +7,10 @@ from __future__ import annotations
 import pytest
 
 from batchpilot.cli import build_parser
-from batchpilot.config_file import spec_from_args
 from batchpilot.server.cli import server_config
 from batchpilot.server.config import ServerConfig
-from batchpilot.server.llm_limit_flags import LIMITS, flag
-from batchpilot.server.llm_limits import LLMLimits
-from batchpilot.server.llm_schemas import CAP
+from batchpilot.server.llm.schemas import CAP, LLMLimits
+from batchpilot.settings import LIMITS, flag, spec_from_args
 
 
 def settings(*argv: str) -> ServerConfig:

@@ -1,4 +1,4 @@
-"""The LLM request limits (``server.llm_limits``) and the schema's hard caps, on parsed bodies."""
+"""The LLM request limits (``server.llm.schemas``) and the schema's hard caps, on parsed bodies."""
 
 from __future__ import annotations
 
@@ -9,8 +9,13 @@ import pytest
 from pydantic import ValidationError
 
 from batchpilot.server.errors import APIError
-from batchpilot.server.llm_limits import LLMLimits, header_deadline_ms
-from batchpilot.server.llm_schemas import CAP, ChatCompletionRequest, CompletionRequest
+from batchpilot.server.llm.schemas import (
+    CAP,
+    ChatCompletionRequest,
+    CompletionRequest,
+    LLMLimits,
+    header_deadline_ms,
+)
 
 CONTEXT = 1024
 

@@ -10,11 +10,9 @@ import pytest
 
 from batchpilot.cli import main
 from batchpilot.core.deployment import DeploymentSpec
-from batchpilot.core.kv_plan import KVPlanError, MemoryProfile
-from batchpilot.core.llm_config import LLMSchedulerConfig
-from batchpilot.runtime.llm_build import build_llm_engine, built_overhead
-from batchpilot.sim.llm import default_llm_cost_model
-from batchpilot.sim.llm_memory import planned_llm_config
+from batchpilot.core.llm.config import KVPlanError, LLMSchedulerConfig, MemoryProfile
+from batchpilot.runtime.llm.build import build_llm_engine, built_overhead
+from batchpilot.sim.llm import default_llm_cost_model, planned_llm_config
 
 SMALL = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
          "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 512, "threads": 1,
@@ -90,8 +88,8 @@ def test_simulate_plans_the_pool_from_the_profile_as_serve_does(tmp_path: Path,
 def test_a_length_the_user_gave_reaches_the_builder_even_at_its_default_value(tmp_path: Path) -> None:
     import argparse
 
-    from batchpilot.config_file import add_deployment_args, add_llm_args, spec_from_args
-    from batchpilot.core.llm_deployment import LLMModelLimits, resolve_llm_deployment
+    from batchpilot.core.deployment import LLMModelLimits, resolve_llm_deployment
+    from batchpilot.settings import add_deployment_args, add_llm_args, spec_from_args
 
     def length(spec: DeploymentSpec) -> int:  # what the builder runs on a model of 4096 positions
         return resolve_llm_deployment(spec, LLMModelLimits(max_model_len=4096)).config.max_model_len
@@ -110,7 +108,7 @@ def test_a_length_the_user_gave_reaches_the_builder_even_at_its_default_value(tm
 
 
 def test_an_arm_can_turn_swap_off_and_plans_its_own_activation() -> None:
-    from batchpilot.runtime.llm_build import build_llm_arm
+    from batchpilot.runtime.llm.build import build_llm_arm
 
     engine = build_llm_engine(num_kv_blocks=64, swap_space=8 << 20, max_model_len=256, **SMALL)
     try:

@@ -12,15 +12,20 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
-from batchpilot.core.llm_scheduler import LLMScheduler, LLMSchedulerConfig
-from batchpilot.core.sequence import SamplingParams, Sequence
-from batchpilot.models.llm.config import LLMModelConfig
-from batchpilot.models.llm.detokenizer import IncrementalDetokenizer, make_decode
-from batchpilot.models.llm.model_runner import LLMModelRunner
-from batchpilot.models.llm.row_plan import RowPlan
+from batchpilot.core.llm.config import LLMSchedulerConfig
+from batchpilot.core.llm.scheduler import LLMScheduler
+from batchpilot.core.llm.sequence import SamplingParams, Sequence
+from batchpilot.models.llm.runner import LLMModelRunner, RowPlan
 from batchpilot.models.llm.sampler import Sampler, filter_logits
-from batchpilot.models.llm.tokenizer import CHAT_TEMPLATE, EOS_ID, build_tokenizer
+from batchpilot.models.llm.tokenizer import (
+    CHAT_TEMPLATE,
+    EOS_ID,
+    IncrementalDetokenizer,
+    build_tokenizer,
+    make_decode,
+)
 from batchpilot.models.llm.weights import LlamaWeights, load_hf_llama
+from batchpilot.models.seeded import LLMModelConfig
 
 MAX_TOKENS = 10
 LENGTHS = [5, 17, 33, 8, 41, 3]
@@ -113,7 +118,7 @@ def test_padded_rows_match_hf(hf: Any, prompts: list[list[int]], reference: list
     assert len(PadAll.asked) > 10 and min(PadAll.asked) >= 1  # every step's forward asked
     assert out == reference
     # one step by hand: the padded runner ran three rows more and its logits are the exact runner's
-    from batchpilot.core.llm_scheduler import ScheduledChunk
+    from batchpilot.core.llm.scheduler import ScheduledChunk
 
     chunks = [ScheduledChunk(0, 0, prompts[0], [0, 1, 2, 3], True, False)]
     logits = []

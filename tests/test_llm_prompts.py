@@ -1,4 +1,4 @@
-"""``runtime.llm_prompts.PromptEncoder``: tokenising in its pool; fixed messages for what it cannot take."""
+"""``runtime.llm.engine.PromptEncoder``: tokenising in its pool; fixed messages for what it cannot take."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import threading
 import pytest
 
 from batchpilot.models.llm.tokenizer import load_tokenizer
-from batchpilot.runtime.llm_errors import RequestRejected
-from batchpilot.runtime.llm_prompts import PromptEncoder
+from batchpilot.runtime.llm.engine import PromptEncoder, RequestRejected
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +61,7 @@ def test_token_ids_outside_the_vocabulary_are_refused(encoder: PromptEncoder) ->
 
 
 def test_all_or_none_raises_the_first_failure_while_siblings_still_run() -> None:
-    from batchpilot.server.llm_routes import _all_or_none
+    from batchpilot.server.llm.routes import _all_or_none
 
     async def main() -> None:
         never = asyncio.Event()

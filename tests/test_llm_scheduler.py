@@ -13,8 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchpilot.core.llm_scheduler import LLMScheduler, LLMSchedulerConfig, StepPlan
-from batchpilot.core.sequence import FinishReason, SamplingParams, SeqStatus, Sequence
+from batchpilot.core.llm.config import LLMSchedulerConfig
+from batchpilot.core.llm.scheduler import LLMScheduler, StepPlan
+from batchpilot.core.llm.sequence import FinishReason, SamplingParams, SeqStatus, Sequence
 from llm_workloads import Arrivals, Work, rule_key, workload
 
 EOS = 2
@@ -382,7 +383,7 @@ def test_the_same_scheduler_runs_in_the_simulator() -> None:
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.integers(1, 3000), max_size=80), st.integers(1, 4096))
 def test_decode_groups_partition_the_decodes_within_the_token_bound(ctx: list[int], bound: int) -> None:
-    from batchpilot.core.llm_scheduler import decode_groups
+    from batchpilot.core.llm.scheduler import decode_groups
 
     ctx = sorted(ctx)
     groups = decode_groups(ctx, bound)
@@ -400,8 +401,8 @@ def test_largest_gather_bounds_every_gather_and_is_reached(seqs: int, length: in
                                                            data: st.DataObject) -> None:
     """What the memory plan reserves for a gather (``largest_gather``) holds every run ``decode_groups``
     makes of any running set, and one full sequence, in whole blocks; and some running set reaches it."""
-    from batchpilot.core.llm_plan import largest_gather
-    from batchpilot.core.llm_scheduler import decode_groups
+    from batchpilot.core.llm.config import largest_gather
+    from batchpilot.core.llm.scheduler import decode_groups
 
     c = LLMSchedulerConfig(max_num_seqs=seqs, max_model_len=length, block_size=block, decode_run_tokens=bound,
                            num_kv_blocks=seqs * -(-length // block))
@@ -421,7 +422,8 @@ def test_largest_gather_bounds_every_gather_and_is_reached(seqs: int, length: in
 
 def test_step_shape_counts_the_kv_the_runner_gathers() -> None:
     """Decodes are padded to the longest context of their group: 120/250/380 read 3 x 380."""
-    from batchpilot.core.llm_scheduler import DECODE_RUN_TOKENS, ScheduledChunk
+    from batchpilot.core.llm.config import DECODE_RUN_TOKENS
+    from batchpilot.core.llm.scheduler import ScheduledChunk
 
     def dec(i: int, ctx: int) -> ScheduledChunk:
         return ScheduledChunk(i, ctx - 1, [5], [0], True, True)
@@ -440,7 +442,7 @@ def test_step_shape_counts_the_kv_the_runner_gathers() -> None:
 
 
 def test_the_configured_decode_run_bound_reaches_the_plan_and_its_shape() -> None:
-    from batchpilot.core.llm_scheduler import LLMScheduler
+    from batchpilot.core.llm.scheduler import LLMScheduler
 
     kv = {}
     for bound in (2048, 100):

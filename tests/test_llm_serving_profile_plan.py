@@ -1,4 +1,4 @@
-"""``server.llm_serving_profile``'s loaded phase, as planned: the open-loop segments, then a burst that
+"""``profile.llm``'s loaded phase, as planned: the open-loop segments, then a burst that
 keeps as many sequences running as the engine batches (up to ``BURST_MAX_SEQS``)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from batchpilot.core.costmodel import CostModel, StepShape
-from batchpilot.core.llm_config import LLMSchedulerConfig
-from batchpilot.server.llm_serving_profile import (
+from batchpilot.core.llm.config import LLMSchedulerConfig
+from batchpilot.profile.llm import (
     BURST_MAX_SEQS,
     BURST_ROUNDS,
     LOADED_REQUESTS,
@@ -102,8 +102,7 @@ def test_each_open_loop_segment_arrives_at_its_share_of_the_one_at_a_time_rate()
 def test_the_loaded_phase_runs_hundreds_of_decode_steps_at_each_count_a_loaded_server_runs_most() -> None:
     """Simulated on the stated default step model, the open-loop segments and bursts give every bin of
     ``step_seq_factors`` from 4 to 31 sequences at least 200 decode-only steps (the factors' fit)."""
-    from batchpilot.sim.llm import default_llm_cost_model, simulate_llm
-    from batchpilot.sim.llm_frontend import SEQ_EDGES
+    from batchpilot.sim.llm import SEQ_EDGES, default_llm_cost_model, simulate_llm
 
     config, model = LLMSchedulerConfig(), default_llm_cost_model()
     wl = loaded_workload(config, model, seed=0, n=LOADED_REQUESTS, burst=burst_streams(config))

@@ -1,4 +1,4 @@
-"""runtime/llm_fallback.py: the static-batching fallback answers as the main engine does, on its weights."""
+"""runtime/llm/fallback.py: the static-batching fallback answers as the main engine does, on its weights."""
 
 from __future__ import annotations
 
@@ -10,10 +10,15 @@ from typing import Any
 
 import pytest
 
-from batchpilot.core.sequence import SamplingParams
-from batchpilot.runtime.llm_build import build_failover, build_fallback
-from batchpilot.runtime.llm_engine import LLMEngine, build_llm_engine
-from batchpilot.runtime.llm_errors import EngineBusy, GenerationFailed, RequestRejected, RequestTimedOut
+from batchpilot.core.llm.sequence import SamplingParams
+from batchpilot.runtime.llm.build import build_failover, build_fallback, build_llm_engine
+from batchpilot.runtime.llm.engine import (
+    EngineBusy,
+    GenerationFailed,
+    LLMEngine,
+    RequestRejected,
+    RequestTimedOut,
+)
 
 PROMPTS = ["hello world", "the quick brown fox jumps", "a", "def f(x): return x", "import os", "x = 1"]
 
@@ -173,7 +178,6 @@ def test_shutdown_answers_what_the_fallback_still_holds(engines: tuple[LLMEngine
 
 def test_serve_llm_builds_the_failover_its_settings_ask_for(monkeypatch: pytest.MonkeyPatch) -> None:
     from batchpilot.core.deployment import DeploymentSpec
-    from batchpilot.server import llm_routes
     from batchpilot.server.build import _llm_router
     from batchpilot.server.config import ServerConfig
 
@@ -186,7 +190,8 @@ def test_serve_llm_builds_the_failover_its_settings_ask_for(monkeypatch: pytest.
 
     small = dict(num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=2,
                  num_key_value_heads=1, num_kv_blocks=16, max_model_len=128, model_name="m")
-    monkeypatch.setattr(llm_routes, "build_llm_engine", lambda path, **kw: build_llm_engine(path, **small))
+    monkeypatch.setattr("batchpilot.runtime.llm.build.build_llm_engine",
+                        lambda path, **kw: build_llm_engine(path, **small))
     for extra, has_fallback, bound in (({}, True, 60.0),
                                        ({"llm_fallback": "off", "llm_stall_timeout_s": 3.0}, False, 3.0)):
         failover, _, hooks = _llm_router(Settings(**extra), DeploymentSpec())  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""``sim.llm_step_shape``: the step profile's measured shape read back as a factor on the line's price."""
+"""``sim.llm``: the step profile's measured shape read back as a factor on the line's price."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from batchpilot.core.costmodel import LLM_FEATURES, CostModel, StepShape
-from batchpilot.sim.llm_step_shape import StepPricer, StepShapeTable, step_point_shape
+from batchpilot.sim.llm import StepPricer, StepShapeTable, step_point_shape
 
 LINE = (0.01, 2e-4, 5e-4, 1e-6, 0.0, 0.0)
 PREFILLS = (16, 64, 256)

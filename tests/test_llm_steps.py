@@ -9,11 +9,16 @@ from typing import Any
 
 import pytest
 
-from batchpilot.bench.llm_fidelity import simulate
-from batchpilot.bench.llm_fidelity_table import comparison_rows, repeat_rows
-from batchpilot.bench.llm_steps import LoggedStep, read_steps, speed_vs_profile
+from batchpilot.bench.llm_fidelity import (
+    LoggedStep,
+    comparison_rows,
+    read_steps,
+    repeat_rows,
+    simulate,
+    speed_vs_profile,
+)
 from batchpilot.core.costmodel import LLM_FEATURES, CostModel
-from batchpilot.runtime.llm_engine import StepLog, StepRecord
+from batchpilot.runtime.llm.engine import StepLog, StepRecord
 
 TRUE = {"const": 0.008, "prefill_tokens": 4e-4, "decode_seqs": 6e-4, "kv_tokens": 2e-6, "prefill_attn": 0.0,
         "multi_row": 0.005}
@@ -35,7 +40,7 @@ def test_read_steps_takes_whole_lines_and_resumes(tmp_path: Path) -> None:
     log = StepLog(str(tmp_path / "s.jsonl"))
     log(StepRecord(0, 1.0, 0.01, 0.008, 1, _feats(16, 0, 0), True))
     log(StepRecord(1, 1.02, 0.01, 0.008, 2, _feats(0, 2, 40), False))
-    log.flush()  # what the log's writer thread does every json_lines.FLUSH_S
+    log.flush()  # what the log's writer thread does every journal.FLUSH_S
     steps, off = read_steps(tmp_path / "s.jsonl")
     assert [s.start for s in steps] == [1.0, 1.02] and steps[0].after_idle and not steps[1].after_idle
     assert steps[1].seqs == 2 and steps[1].features == _feats(0, 2, 40)
@@ -75,7 +80,7 @@ def test_speed_vs_profile_on_a_hand_built_step_log(tmp_path: Path) -> None:
 def test_comparison_rows_targets_and_speed_column() -> None:
     """Every metric row of a point, its target and verdict, and the point's speed on each row."""
     from batchpilot.bench.records import RequestRecord, summarize
-    from batchpilot.core.llm_scheduler import LLMSchedulerConfig
+    from batchpilot.core.llm.config import LLMSchedulerConfig
     from batchpilot.sim.traces import Workload
 
     wl = Workload.from_columns("t", [0.0, 0.5, 1.0, 1.5], [32, 64, 16, 40], [8, 8, 4, 6])
@@ -124,7 +129,7 @@ def test_repeat_rows_score_the_second_replay_against_the_first() -> None:
 def test_speed_vs_profile_with_the_serving_path_counts_the_interval_to_the_next_busy_step() -> None:
     """Against the profile's serving path a busy step costs the interval to the next step's start (the
     gap between steps included), a step before an idle wait its own wall time."""
-    from batchpilot.sim.llm_frontend import LLMFrontEnd
+    from batchpilot.sim.llm import LLMFrontEnd
 
     fe = LLMFrontEnd(step_alpha=1.0, step_const_s=0.001, step_per_seq_s=0.0005)
     f = _feats(0, 2, 100)
@@ -141,8 +146,9 @@ def test_speed_by_seqs_splits_the_forward_from_the_overhead_per_count_of_sequenc
     """Steps of 1 sequence run their forward as priced and their overhead twice the line; steps of 40,
     the forward 10% over and the overhead as priced. The breakdown says which part moved where, and
     the module's command prints it for a fidelity folder."""
-    from batchpilot.bench.llm_steps import main, speed_by_seqs
-    from batchpilot.sim.llm_frontend import LLMFrontEnd
+    from batchpilot.bench.llm_fidelity import speed_by_seqs
+    from batchpilot.bench.llm_fidelity import steps_main as main
+    from batchpilot.sim.llm import LLMFrontEnd
 
     fe = LLMFrontEnd(step_alpha=1.2, step_const_s=0.001, step_per_seq_s=0.0001)
     steps, t = [], 0.0
@@ -178,8 +184,8 @@ def test_speed_by_seqs_by_kind_keeps_each_steps_cycle_to_the_next_logged_step() 
     """Decode-only steps alternating with steps that carry a prefill: each kind's rows price only its
     own steps, and a step's overhead is still its interval to the very next step, whatever its kind
     (a filtered list would stretch each cycle over the other kind's step)."""
-    from batchpilot.bench.llm_steps import speed_by_seqs
-    from batchpilot.sim.llm_frontend import LLMFrontEnd
+    from batchpilot.bench.llm_fidelity import speed_by_seqs
+    from batchpilot.sim.llm import LLMFrontEnd
 
     fe = LLMFrontEnd(step_alpha=1.0, step_const_s=0.001, step_per_seq_s=0.0, prefill_factor=2.0)
     steps, t = [], 0.0

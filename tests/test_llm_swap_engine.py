@@ -14,12 +14,17 @@ from typing import Any
 import pytest
 import torch
 
-from batchpilot.core.sequence import SamplingParams
-from batchpilot.models.llm.config import LLMModelConfig
-from batchpilot.models.llm.model_runner import LLMModelRunner
-from batchpilot.models.llm.profile import engine_preemption_costs, measure_swap, probe_preemption_costs
+from batchpilot.core.llm.sequence import SamplingParams
+from batchpilot.models.llm.runner import (
+    LLMModelRunner,
+    engine_preemption_costs,
+    measure_swap,
+    probe_preemption_costs,
+)
 from batchpilot.models.llm.weights import LlamaWeights, load_hf_llama
-from batchpilot.runtime.llm_engine import LLMEngine, build_llm_engine
+from batchpilot.models.seeded import LLMModelConfig
+from batchpilot.runtime.llm.build import build_llm_engine
+from batchpilot.runtime.llm.engine import LLMEngine
 
 TINY = {"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 688, "num_attention_heads": 4,
         "num_key_value_heads": 2, "initializer_range": 0.06, "seed": 1}
@@ -122,7 +127,7 @@ def test_swap_probe_and_costs_from_a_profile(runner: LLMModelRunner) -> None:
 
 
 def test_engine_costs_need_the_runner_to_hold_the_swap_blocks(runner: LLMModelRunner) -> None:
-    from batchpilot.core.llm_scheduler import LLMSchedulerConfig as Config
+    from batchpilot.core.llm.config import LLMSchedulerConfig as Config
 
     with pytest.raises(ValueError, match="swap blocks"):
         engine_preemption_costs(runner, Config(num_swap_blocks=7))

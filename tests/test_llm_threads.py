@@ -15,10 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-from batchpilot.core.sequence import SamplingParams
+from batchpilot.core.llm.sequence import SamplingParams
 from batchpilot.models.device import bind_threads
-from batchpilot.runtime.llm_build import build_fallback
-from batchpilot.runtime.llm_engine import build_llm_engine
+from batchpilot.runtime.llm.build import build_fallback, build_llm_engine
 
 SMALL = dict(num_hidden_layers=1, hidden_size=128, intermediate_size=256, num_attention_heads=4,
              num_key_value_heads=2, num_kv_blocks=64, block_size=16, max_num_batched_tokens=128,

@@ -301,9 +301,7 @@ def test_config_is_validated() -> None:
 
 
 def test_fidelity_rows_compare_the_simulator_with_a_measurement() -> None:
-    from batchpilot.bench.fidelity import simulate
-    from batchpilot.bench.fidelity_table import comparison_rows
-    from batchpilot.bench.live_run import Measurement, histogram_mean
+    from batchpilot.bench.fidelity import Measurement, comparison_rows, histogram_mean, simulate
     from batchpilot.core.config import SchedulerConfig
     from batchpilot.core.costmodel import CostModel
 
@@ -359,7 +357,7 @@ def test_bench_padding_forwards_every_argument(monkeypatch: pytest.MonkeyPatch) 
 
 def test_llm_fidelity_simulation_reports_ttft_as_the_latency() -> None:
     from batchpilot.bench.llm_fidelity import simulate
-    from batchpilot.core.llm_scheduler import LLMSchedulerConfig
+    from batchpilot.core.llm.config import LLMSchedulerConfig
     from batchpilot.sim.llm import default_llm_cost_model
 
     wl = _workload([0.5 * i for i in range(12)], [16 + 4 * i for i in range(12)], [4 + i for i in range(12)])
@@ -395,7 +393,7 @@ def test_model_discovery_picks_the_card_that_fits_the_endpoint() -> None:
 
     import httpx
 
-    from batchpilot.bench.senders import discover_model
+    from batchpilot.bench.loadgen import discover_model
 
     def app(cards: list[dict[str, object]]) -> httpx.MockTransport:
         return httpx.MockTransport(lambda req: httpx.Response(200, json={"object": "list", "data": cards}))

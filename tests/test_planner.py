@@ -11,8 +11,7 @@ from hypothesis import strategies as st
 from batchpilot.core.bucketing import Bucketer
 from batchpilot.core.config import BucketingConfig, PlannerConfig
 from batchpilot.core.costmodel import CostModel
-from batchpilot.core.planner import BatchPlanner
-from batchpilot.core.sorted_groups import partition
+from batchpilot.core.planner import BatchPlanner, partition
 from core_factories import make_request, simple_cost_model
 
 COST = simple_cost_model(const=0.010, per_token=1e-4)

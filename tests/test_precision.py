@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from batchpilot.config_file import load_spec
 from batchpilot.core.deployment import DeploymentSpec, ModelOptions
 from batchpilot.models.encoder import EncoderConfig, EncoderExecutor
 from batchpilot.models.precision import candidates, choose_precision, min_cosine, probe_texts
+from batchpilot.settings import load_spec
 
 CPU = torch.device("cpu")
 BF16 = bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())

@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from batchpilot import cli
 from batchpilot.core.costmodel import BatchShape, CostModel
 from batchpilot.models.device import peak_memory_bytes
-from batchpilot.models.encoder import EncoderConfig, EncoderExecutor
-from batchpilot.models.profiler import (
+from batchpilot.models.encoder import PROBE_SHAPES, EncoderConfig, EncoderExecutor, ThreadPlan
+from batchpilot.profile.encoder import (
     MIX_SPREAD,
     Measurement,
     grid_lengths,
@@ -29,9 +29,7 @@ from batchpilot.models.profiler import (
     profile_encoder,
     profile_grid,
 )
-from batchpilot.models.threads import PROBE_SHAPES, ThreadPlan
-from batchpilot.sim.before_batch import BUSY_EDGES, IDLE_EDGES_S
-from batchpilot.sim.frontend import FACTOR_FIELDS, FrontEnd
+from batchpilot.sim.service import BUSY_EDGES, FACTOR_FIELDS, IDLE_EDGES_S, FrontEnd
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +182,7 @@ class _DriftingExecutor:
 def test_a_speed_step_during_the_profile_scales_every_shape_alike(monkeypatch: pytest.MonkeyPatch) -> None:
     """Timed round-robin, a step in the CPU's speed moves every shape's median alike (a speed, which the
     live fit corrects); timed shape after shape it would bend the model's shape."""
-    from batchpilot.models import profiler
+    import batchpilot.profile.encoder as profiler
 
     fake = _DriftingExecutor(step_after=10 + 6)  # 6 shapes: 6 warm-ups, then 5 rounds; step in round 2
     monkeypatch.setattr(profiler.time, "perf_counter", lambda: fake.now)

@@ -193,7 +193,7 @@ def test_padded_rows_are_few_and_close() -> None:
     from hypothesis import given
     from hypothesis import strategies as st
 
-    from batchpilot.models.ragged import padded_rows
+    from batchpilot.models.lean import padded_rows
 
     assert len({padded_rows(t) for t in range(1, 8193)}) <= 80  # few enough for oneDNN's kernel cache
 

@@ -41,8 +41,7 @@ def test_bounds(rows: list[tuple[float, float]]) -> None:
 
 
 def test_a_repeat_reports_each_replay_s_tail() -> None:
-    from batchpilot.bench.fidelity_table import repeat_rows
-    from batchpilot.bench.live_run import Measurement
+    from batchpilot.bench.fidelity import Measurement, repeat_rows
     from batchpilot.bench.records import summarize
 
     def measured(rs: list[RequestRecord]) -> Measurement:

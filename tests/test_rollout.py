@@ -10,14 +10,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchpilot.config_file import (
-    add_deployment_args,
-    add_rollout_args,
-    load_rollout,
-    load_spec,
-    rollout_from_args,
-    spec_from_args,
-)
 from batchpilot.core.deployment import DeploymentSpec
 from batchpilot.core.rollout import (
     PRIMARY,
@@ -28,6 +20,14 @@ from batchpilot.core.rollout import (
     RolloutSpec,
     arm_for,
     key_point,
+)
+from batchpilot.settings import (
+    add_deployment_args,
+    add_rollout_args,
+    load_rollout,
+    load_spec,
+    rollout_from_args,
+    spec_from_args,
 )
 
 

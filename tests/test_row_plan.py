@@ -1,4 +1,4 @@
-"""``RowPlan``: the row counts the LLM runner pads a step's token rows to (``models/llm/row_plan.py``)."""
+"""``RowPlan``: the row counts the LLM runner pads a step's token rows to (``models/llm/runner.py``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batchpilot.models.llm.row_plan import LOOKAHEAD, MARGIN, MAX_ROWS, RowPlan
+from batchpilot.models.llm.runner import LOOKAHEAD, MARGIN, MAX_ROWS, RowPlan
 
 
 def tiled(t: int) -> float:

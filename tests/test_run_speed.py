@@ -6,10 +6,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from batchpilot.bench.run_speed import WINDOW_S, priced_seconds, speed_of
+from batchpilot.bench.fidelity import WINDOW_S, priced_seconds, speed_of
 from batchpilot.core.costmodel import CostModel
-from batchpilot.runtime.batch_log import LoggedBatch
-from batchpilot.sim.frontend import FrontEnd, rates_before
+from batchpilot.runtime.journal import LoggedBatch
+from batchpilot.sim.service import FrontEnd, rates_before
 
 
 def test_a_batch_is_priced_at_the_rate_of_the_second_before_it() -> None:
@@ -36,7 +36,7 @@ def test_a_drift_within_the_run_shows_as_the_spread_of_its_windows() -> None:
 
 
 def test_by_idle_splits_the_speed_by_the_idle_time_before_each_batch() -> None:
-    from batchpilot.bench.run_speed import by_idle, idle_before
+    from batchpilot.bench.fidelity import by_idle, idle_before
 
     feats = {"const": 1.0}
     behind = [LoggedBatch(k * 0.01, 0.01, 1, feats) for k in range(10)]  # back to back, at the price
@@ -48,7 +48,7 @@ def test_by_idle_splits_the_speed_by_the_idle_time_before_each_batch() -> None:
 
 
 def test_by_size_splits_the_speed_by_the_requests_in_each_batch() -> None:
-    from batchpilot.bench.run_speed import by_size
+    from batchpilot.bench.fidelity import by_size
 
     feats = {"const": 1.0}
     batches = [LoggedBatch(k, 0.01, 1, feats) for k in range(4)] + [LoggedBatch(10 + k, 0.03, 12, feats)
@@ -59,7 +59,7 @@ def test_by_size_splits_the_speed_by_the_requests_in_each_batch() -> None:
 
 
 def test_by_rate_splits_the_speed_by_the_request_rate_before_each_batch() -> None:
-    from batchpilot.bench.run_speed import by_rate
+    from batchpilot.bench.fidelity import by_rate
 
     feats = {"const": 1.0}
     batches = [LoggedBatch(k, 0.012, 1, feats) for k in range(3)] + [LoggedBatch(10 + k, 0.009, 4, feats)
@@ -73,7 +73,7 @@ def test_by_rate_splits_the_speed_by_the_request_rate_before_each_batch() -> Non
 def test_batches_are_priced_after_their_idle_time_in_start_order(tmp_path: Path) -> None:
     import json
 
-    from batchpilot.bench.run_speed import run_speed
+    from batchpilot.bench.fidelity import run_speed
 
     cm = CostModel(latency_coef=(0.01, 0.0, 0.0, 0.0))
     fe = FrontEnd(loaded_idle_factors=(1.0, 1.0, 1.0, 1.0, 1.0, 1.5))
@@ -90,7 +90,7 @@ def test_batches_are_priced_after_their_idle_time_in_start_order(tmp_path: Path)
 
 
 def test_logged_rates_count_the_logged_arrivals_else_each_batch_at_its_start() -> None:
-    from batchpilot.bench.run_speed import logged_rates
+    from batchpilot.bench.fidelity import logged_rates
 
     with_arrivals = [LoggedBatch(1.0, 0.1, 2, {}, arrivals=(0.2, 0.9)),
                      LoggedBatch(1.5, 0.1, 1, {}, arrivals=(1.4,))]
@@ -102,7 +102,7 @@ def test_logged_rates_count_the_logged_arrivals_else_each_batch_at_its_start() -
 def test_run_speed_counts_the_rate_from_the_logged_arrivals_when_the_log_has_them(tmp_path: Path) -> None:
     import json
 
-    from batchpilot.bench.run_speed import run_speed
+    from batchpilot.bench.fidelity import run_speed
 
     cm = CostModel(latency_coef=(0.01, 0.0, 0.0, 0.0))
     fe = FrontEnd(loaded_rate_coef=0.1)  # 10 ms * (1 + 0.1 * rate)
@@ -120,7 +120,7 @@ def test_run_speed_counts_the_rate_from_the_logged_arrivals_when_the_log_has_the
 
 
 def test_by_busy_splits_the_speed_by_the_busy_share_before_each_batch() -> None:
-    from batchpilot.bench.run_speed import by_busy
+    from batchpilot.bench.fidelity import by_busy
 
     feats = {"const": 1.0}
     sparse = [LoggedBatch(float(k), 0.012, 1, feats) for k in range(3)]  # 1 s apart: busy share ~0.01

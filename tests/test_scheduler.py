@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from batchpilot.core.admission import RejectReason
 from batchpilot.core.policy import Wait
-from batchpilot.core.scheduler import BatchScheduler, RejectReason
+from batchpilot.core.scheduler import BatchScheduler
 from core_factories import FakeClock, drive, make_request, make_scheduler, simple_cost_model
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from batchpilot.core.sequence import SamplingParams, SeqStatus, Sequence
+from batchpilot.core.llm.sequence import SamplingParams, SeqStatus, Sequence
 
 
 def make_seq(prompt_len: int = 5, max_tokens: int = 4, **kw: object) -> Sequence:

@@ -1,4 +1,4 @@
-"""The serving-path measurement (``server/serving_profile.py``): the real app served in-process, lone
+"""The serving-path measurement (``profile/serving.py``): the real app served in-process, lone
 requests over HTTP, the fitted ``FrontEnd`` and what it reports.
 
 No speed assertions (the machine is shared): only that every number is finite and non-negative, the
@@ -14,11 +14,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+import batchpilot.profile.serving as serving_profile
 from batchpilot.core.costmodel import CostModel
 from batchpilot.models.encoder import EncoderConfig, EncoderExecutor
-from batchpilot.runtime.executor import NoopExecutor
-from batchpilot.server import serving_profile
-from batchpilot.server.serving_load import (
+from batchpilot.profile.serving import (
     Loaded,
     alternating_arrivals,
     competing_cpu,
@@ -26,11 +25,11 @@ from batchpilot.server.serving_load import (
     loaded_plan,
     loaded_token_steps,
     log_weights,
+    measure_serving_path,
     per_batch_const,
 )
-from batchpilot.server.serving_profile import measure_serving_path
-from batchpilot.sim.before_batch import BUSY_EDGES, IDLE_EDGES_S
-from batchpilot.sim.frontend import FrontEnd
+from batchpilot.runtime.executor import NoopExecutor
+from batchpilot.sim.service import BUSY_EDGES, IDLE_EDGES_S, FrontEnd
 
 
 @pytest.fixture(autouse=True)
@@ -110,7 +109,7 @@ def test_any_executor_with_its_own_texts() -> None:
     loaded = details["loaded"]
     assert loaded["batches"] >= 10 and 0.8 < loaded["slot_over_predicted"] < 3.0
     assert len(frontend.loaded_residuals) == loaded["batches"]
-    from batchpilot.sim.line_fit import step_factor
+    from batchpilot.sim.service import step_factor
 
     assert frontend.batch_seconds(0.002) == pytest.approx(  # right behind another batch, of no tokens
         frontend.loaded_alpha * 0.002 * frontend.loaded_idle_factors[0]
@@ -179,7 +178,7 @@ def test_fit_loaded_measures_a_fixed_cost_per_batch() -> None:
 def test_the_delay_under_load_is_a_line_in_the_arrival_rate_through_the_segments_medians() -> None:
     """The loaded phase's requests: each segment's median excess over the lone delay against its
     median rate; 1 ms + 0.1 ms per request/s is found back, an outlier in a segment does not move it."""
-    from batchpilot.server.serving_delay import fit_loaded_delay
+    from batchpilot.profile.serving import fit_loaded_delay
 
     lone = FrontEnd(delay_const_s=0.002)
     rows, index, t = [], 0, 0.0
@@ -222,7 +221,7 @@ def test_alternating_arrivals_switch_rates_by_segment_with_a_pause_between() -> 
 
 
 def test_fit_loaded_measures_how_much_slower_a_batch_runs_after_an_idle_server() -> None:
-    from batchpilot.sim.before_batch import idle_factor
+    from batchpilot.sim.service import idle_factor
 
     model = CostModel(latency_coef=(0.01, 0.0, 0.0, 0.0))
     feats = {"const": 1.0, "n": 1.0, "tokens": 8.0, "attn": 64.0}
@@ -251,7 +250,7 @@ def test_fit_loaded_measures_how_much_slower_a_batch_runs_after_an_idle_server()
 def test_a_load_generator_that_fails_is_an_error_that_says_so() -> None:
     """The child dies before it reports its CPU (here: an endpoint it does not know): a clear error."""
     from batchpilot.bench.loadgen import PlannedRequest
-    from batchpilot.server.serving_client import send_elsewhere
+    from batchpilot.profile.serving import send_elsewhere
 
     plan = [PlannedRequest(0, 0.0, 4, 0, {"input": "x"})]
     with pytest.raises(RuntimeError, match="the load generator process exited with 1"):
@@ -261,7 +260,7 @@ def test_a_load_generator_that_fails_is_an_error_that_says_so() -> None:
 def test_fit_loaded_prices_each_thread_count_of_the_plan_apart() -> None:
     """Batches of 2 threads (from 320 tokens) run 40% slower under load than their price, those of one
     thread at their price: one factor per step of the plan, the totals kept."""
-    from batchpilot.sim.line_fit import step_factor
+    from batchpilot.sim.service import step_factor
 
     model = CostModel(latency_coef=(0.0, 0.0, 1e-4, 0.0))
     batches, t = [], 0.0
@@ -286,7 +285,7 @@ def test_fit_loaded_prices_each_thread_count_of_the_plan_apart() -> None:
 
 
 def test_the_loaded_token_steps_join_the_thread_plan_and_the_size_edges() -> None:
-    from batchpilot.models.threads import ThreadPlan
+    from batchpilot.models.encoder import ThreadPlan
 
     class Ex:
         threads = ThreadPlan(((0, 1), (320, 2)))
@@ -313,13 +312,13 @@ def test_the_loaded_plan_spreads_its_lengths_evenly_on_a_log_scale() -> None:
 
 
 def test_lone_requests_come_from_a_child_process_one_at_a_time_with_the_gap_between() -> None:
-    """``serving_client.lone_elsewhere`` against the real app on the no-op model: every request of the
+    """``profile.serving.lone_elsewhere`` against the real app on the no-op model: every request of the
     plan answered, in plan order, each sent no sooner than the gap after the previous answer."""
     from batchpilot.bench.loadgen import PlannedRequest
+    from batchpilot.profile.serving import lone_elsewhere
     from batchpilot.server.app import create_app
     from batchpilot.server.config import ServerConfig
     from batchpilot.server.inproc_server import bound_socket, in_thread
-    from batchpilot.server.serving_client import lone_elsewhere
 
     sock, port = bound_socket()
     app = create_app(ServerConfig(port=port), NoopExecutor(delay_s=0.001, max_length=64))
@@ -339,7 +338,7 @@ def test_fit_loaded_measures_how_much_faster_a_batch_runs_after_a_busy_second() 
     batch in the last busy bin runs 20% under its price, any other at it. The idle time cannot tell
     them apart (the second of a pair is right behind the first too); the busy factors, fitted with
     the idle factors, do."""
-    from batchpilot.sim.before_batch import (
+    from batchpilot.sim.service import (
         BUSY_EDGES,
         BusyWindow,
         busy_factor,
@@ -382,7 +381,7 @@ def test_fit_loaded_measures_how_much_faster_a_batch_runs_after_a_busy_second() 
 def test_the_delay_under_load_leaves_out_the_segments_past_one_slots_rate() -> None:
     """Segments at shares 0.3, 0.75 and 1.25 of one slot's rate: the two overloaded ones carry 5 ms
     more; the line goes through the other four and finds 1 ms + 0.1 ms per request/s back."""
-    from batchpilot.server.serving_delay import fit_loaded_delay
+    from batchpilot.profile.serving import fit_loaded_delay
 
     lone = FrontEnd(delay_const_s=0.002)
     rows, index, t = [], 0, 0.0

@@ -9,8 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchpilot.sim.batch_noise import MIN_WINDOW_BATCHES, WANDER_WINDOW_S, BatchNoise, split_wander
-from batchpilot.sim.frontend import FrontEnd
+from batchpilot.sim.service import MIN_WINDOW_BATCHES, WANDER_WINDOW_S, BatchNoise, FrontEnd, split_wander
 from batchpilot.sim.target import simulate_encoder
 from batchpilot.sim.traces import Workload
 

@@ -59,7 +59,7 @@ def test_tune_writes_a_config_serve_can_load(tmp_path: Path, capsys: pytest.Capt
     text = capsys.readouterr().out
     assert rc == 0
     assert "static bs8, pad to max" in text and "winner" in text
-    from batchpilot.config_file import load_spec
+    from batchpilot.settings import load_spec
 
     cfg = load_spec(out).encoder
     assert cfg.planner.padding in ("dynamic", "bucket", "max")

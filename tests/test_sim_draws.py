@@ -14,8 +14,8 @@ from batchpilot.cli import main
 from batchpilot.core.config import SchedulerConfig
 from batchpilot.core.costmodel import CostModel
 from batchpilot.sim.draws import draw_reports, encoder_draws
-from batchpilot.sim.frontend import FrontEnd
 from batchpilot.sim.metrics import summarize
+from batchpilot.sim.service import FrontEnd
 from batchpilot.sim.target import draws_batch_times, simulate_encoder
 from batchpilot.sim.traces import Workload
 
@@ -59,8 +59,7 @@ def test_draws_differ_exactly_when_the_target_draws_batch_times() -> None:
 
 
 def test_the_fidelity_prediction_is_the_median_of_the_draws_with_their_band() -> None:
-    from batchpilot.bench.fidelity import simulate
-    from batchpilot.bench.fidelity_table import METRICS, predicted_bands
+    from batchpilot.bench.fidelity import METRICS, predicted_bands, simulate
 
     wl, cm, fe = _bursty(), CostModel.default_cpu_minilm(), _noisy_frontend()
     pred = simulate(wl, SchedulerConfig(), cm, 1.0, fe, draws=6)

@@ -19,8 +19,9 @@ import pytest
 
 from batchpilot.core.config import PlannerConfig, PolicyConfig, SchedulerConfig
 from batchpilot.core.costmodel import LLM_FEATURES, CostModel
-from batchpilot.core.llm_scheduler import LLMScheduler, LLMSchedulerConfig
-from batchpilot.core.sequence import SamplingParams, Sequence
+from batchpilot.core.llm.config import LLMSchedulerConfig
+from batchpilot.core.llm.scheduler import LLMScheduler
+from batchpilot.core.llm.sequence import SamplingParams, Sequence
 from batchpilot.sim.engine import Engine, Job, StopSimulation
 from batchpilot.sim.synthetic import synthetic_workload
 from batchpilot.sim.target import DONE, simulate_encoder

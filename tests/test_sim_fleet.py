@@ -1,4 +1,4 @@
-"""Fleets (sim/fleet.py, sim/replica.py, sim/router.py): the plain simulation per replica, routing, theory.
+"""Fleets (sim/fleet.py, sim/fleet.py, sim/router.py): the plain simulation per replica, routing, theory.
 
 * A fleet of one replica is the plain simulation, request by request and batch by batch (pipelined
   slots, the serving path, noise, deadlines).
@@ -26,12 +26,12 @@ from hypothesis import strategies as st
 from batchpilot.core.config import AdmissionConfig, PlannerConfig, PolicyConfig, SchedulerConfig
 from batchpilot.core.costmodel import CostModel
 from batchpilot.sim.fleet import simulate_fleet
-from batchpilot.sim.frontend import FrontEnd
 from batchpilot.sim.metrics import summarize
 from batchpilot.sim.router import ROUTERS, LeastLoaded, PowerOfTwo, RoundRobin, make_router
+from batchpilot.sim.service import FrontEnd
 from batchpilot.sim.synthetic import synthetic_workload
 from batchpilot.sim.target import DONE, PENDING, simulate_encoder
-from batchpilot.sim.workloads import conv_embed
+from batchpilot.sim.traces import conv_embed
 from core_factories import lindley_waits
 
 FIELDS = ("dispatch_s", "finish_s", "status", "reasons", "b_start", "b_duration", "b_size", "b_padded_len",
@@ -234,7 +234,7 @@ def test_tune_max_replicas_finds_the_fewest_that_hold_and_writes_the_per_replica
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from batchpilot.cli import main
-    from batchpilot.config_file import load_spec
+    from batchpilot.settings import load_spec
 
     out = tmp_path / "best.yaml"
     rc = main(["tune", "--workload", "conv-embed", "--rate-scale", "12", "--requests", "500",
@@ -267,8 +267,7 @@ def test_tune_without_max_replicas_is_the_plain_tuner(
 
 
 def test_a_fleet_tuner_of_one_replica_finds_the_plain_tuners_capacity() -> None:
-    from batchpilot.sim.fleet_tune import FleetTuner
-    from batchpilot.sim.tune import Candidate, TuneConfig, Tuner
+    from batchpilot.sim.tune import Candidate, FleetTuner, TuneConfig, Tuner
 
     wl = conv_embed().slice(0, 600)
     tc = TuneConfig(sla_p99_s=1.0)

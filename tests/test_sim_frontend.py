@@ -1,4 +1,4 @@
-"""The simulator's front-end stage (``sim.frontend``): Lindley's recursion for the serial stage, the
+"""The simulator's front-end stage (``sim.service``): Lindley's recursion for the serial stage, the
 fit from one-at-a-time measurements, and what it does to a simulated run."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from batchpilot.core.config import PolicyConfig, SchedulerConfig
 from batchpilot.core.costmodel import CostModel
-from batchpilot.sim.frontend import FrontEnd
 from batchpilot.sim.metrics import summarize
+from batchpilot.sim.service import FrontEnd
 from batchpilot.sim.target import DONE, simulate_encoder
 from batchpilot.sim.traces import Workload
 
@@ -90,7 +90,7 @@ def test_delay_adds_to_latency_and_leaves_the_batcher_alone() -> None:
 
 
 def test_the_delay_under_load_grows_with_the_arrival_rate_before_each_request() -> None:
-    from batchpilot.sim.frontend import rates_at
+    from batchpilot.sim.service import rates_at
 
     arrivals = np.array([0.0, 0.2, 0.4, 0.6, 1.5, 3.0])
     np.testing.assert_allclose(rates_at(arrivals), [0, 1, 2, 3, 1, 0])  # the others in the second before
@@ -207,7 +207,7 @@ def test_a_batch_longer_than_the_residuals_reference_varies_less_relative_to_its
 @given(rel=st.floats(-0.9, 3.0), line=st.floats(1e-4, 2.0), ref=st.floats(1e-4, 0.5))
 def test_the_profile_s_residual_units_and_the_simulator_s_scale_are_inverse(rel: float, line: float,
                                                                             ref: float) -> None:
-    from batchpilot.sim.frontend import residual_scale, residual_units
+    from batchpilot.sim.service import residual_scale, residual_units
 
     z = float(residual_units(np.array([rel]), np.array([line]), ref)[0])
     back = z * residual_scale(line, ref)
@@ -245,7 +245,7 @@ def test_a_frontend_with_unknown_fields_is_refused_with_what_to_do() -> None:
 
 def test_idle_factors_price_a_batch_by_the_idle_time_before_it() -> None:
     from batchpilot.core.config import PolicyConfig, SchedulerConfig
-    from batchpilot.sim.before_batch import IDLE_EDGES_S, idle_factor, idle_times
+    from batchpilot.sim.service import IDLE_EDGES_S, idle_factor, idle_times
     from batchpilot.sim.target import simulate_encoder
 
     factors = (0.9, 0.95, 1.0, 1.05, 1.1, 1.3)
@@ -272,7 +272,7 @@ def test_idle_factors_price_a_batch_by_the_idle_time_before_it() -> None:
 
 def test_token_factors_price_a_batch_by_the_thread_plan_step_of_its_tokens() -> None:
     from batchpilot.core.config import PolicyConfig, SchedulerConfig
-    from batchpilot.sim.line_fit import step_factor
+    from batchpilot.sim.service import step_factor
     from batchpilot.sim.target import simulate_encoder
 
     steps = ((0, 0.9), (320, 1.3))

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import argparse
 
-from batchpilot.config_file import add_deployment_args, add_llm_args, spec_from_args
-from batchpilot.core.llm_admission import LLMAdmission
-from batchpilot.core.llm_deployment import resolve_llm_deployment
-from batchpilot.core.llm_scheduler import LLMScheduler, LLMSchedulerConfig
-from batchpilot.core.sequence import SamplingParams, Sequence
+from batchpilot.core.deployment import resolve_llm_deployment
+from batchpilot.core.llm.admission import LLMAdmission
+from batchpilot.core.llm.config import LLMSchedulerConfig
+from batchpilot.core.llm.scheduler import LLMScheduler
+from batchpilot.core.llm.sequence import SamplingParams, Sequence
+from batchpilot.settings import add_deployment_args, add_llm_args, spec_from_args
 from batchpilot.sim.engine import Engine
 from batchpilot.sim.llm import LLMTarget, default_llm_cost_model, simulate_llm
 from batchpilot.sim.traces import Workload

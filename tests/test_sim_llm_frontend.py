@@ -1,4 +1,4 @@
-"""``sim.llm_frontend.LLMFrontEnd``: the step terms the serving path adds, fitted on logged steps."""
+"""``sim.llm.LLMFrontEnd``: the step terms the serving path adds, fitted on logged steps."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from batchpilot.core.costmodel import CostModel, StepShape
-from batchpilot.sim.llm_frontend import LLMFrontEnd
+from batchpilot.sim.llm import LLMFrontEnd
 
 MODEL = CostModel(feature_names=("const", "prefill_tokens", "decode_seqs", "kv_tokens", "prefill_attn",
                                  "multi_row"),

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from batchpilot.core.llm_scheduler import LLMScheduler, LLMSchedulerConfig, SeqOutput, StepPlan
-from batchpilot.core.preemption import PreemptionCosts
-from batchpilot.core.sequence import Sequence
+from batchpilot.core.llm.config import LLMSchedulerConfig
+from batchpilot.core.llm.scheduler import LLMScheduler, PreemptionCosts, SeqOutput, StepPlan
+from batchpilot.core.llm.sequence import Sequence
 from batchpilot.sim.engine import Engine
 from batchpilot.sim.llm import LLMTarget, default_llm_cost_model, sim_preemption_costs, simulate_llm
 from batchpilot.sim.traces import Workload

@@ -11,8 +11,8 @@ import yaml
 from batchpilot.core.config import PolicyConfig, SchedulerConfig
 from batchpilot.core.costmodel import CostModel
 from batchpilot.sim.synthetic import synthetic_workload
+from batchpilot.sim.traces import conv_embed
 from batchpilot.sim.tune import Candidate, TuneConfig, Tuner, baselines, explain, grid, write_yaml
-from batchpilot.sim.workloads import conv_embed
 
 
 def md1_tuner(sla: float) -> tuple[Tuner, Candidate]:
@@ -58,7 +58,7 @@ def test_search_ranks_baselines_and_writes_a_loadable_yaml(tmp_path: Path) -> No
     assert "winner" in explain(result) and "padding efficiency" in explain(result)
     path = write_yaml(result, tmp_path / "best.yaml")
     assert set(yaml.safe_load(path.read_text())) == {"encoder", "server"}
-    from batchpilot.config_file import load_spec  # what `serve --config` and `simulate --config` read
+    from batchpilot.settings import load_spec  # what `serve --config` and `simulate --config` read
 
     assert load_spec(path).encoder == result.best.config
 
@@ -81,9 +81,9 @@ def test_variants_are_searched_one_profile_each_and_the_winner_names_its_backend
         tmp_path: Path) -> None:
     import dataclasses
 
-    from batchpilot.config_file import load_spec
     from batchpilot.core.deployment import DeploymentSpec
-    from batchpilot.sim.tune_variants import tune_variants, write_variant_yaml
+    from batchpilot.settings import load_spec
+    from batchpilot.sim.tune import tune_variants, write_variant_yaml
 
     base = CostModel.default_cpu_minilm()
     fast = dataclasses.replace(base, latency_coef=tuple(c / 3 for c in base.latency_coef),

@@ -8,7 +8,8 @@ import os
 import numpy as np
 import pytest
 
-from batchpilot.sim.workloads import conv_embed, conv_llm, load_workload, texts_for_lengths
+from batchpilot.sim.texts import texts_for_lengths
+from batchpilot.sim.traces import conv_embed, conv_llm, load_workload
 
 
 def test_conv_embed_matches_the_documented_distribution() -> None:

@@ -11,12 +11,13 @@ from typing import Any
 
 import pytest
 
+import batchpilot.profile.encoder as profiler
+import batchpilot.profile.speed_check as speed_check
 from batchpilot import cli
 from batchpilot.core.costmodel import CostModel
-from batchpilot.models import profiler, speed_check
-from batchpilot.models.profiler import profile_grid
-from batchpilot.models.speed_check import SpeedCheck, check_speed, reference_batches, rescaled
-from batchpilot.sim.frontend import FrontEnd
+from batchpilot.profile.encoder import profile_grid
+from batchpilot.profile.speed_check import SpeedCheck, check_speed, reference_batches, rescaled
+from batchpilot.sim.service import FrontEnd
 
 
 class _ClockedExecutor:
@@ -109,8 +110,8 @@ def test_recheck_cli_writes_a_profile_serve_and_simulate_read(tmp_path: Path,
 def test_an_llm_profile_rechecks_its_own_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     """The LLM step profile records each step shape it timed; the recheck times the short ones again
     on a runner built as the profile's and rescales the step model and the per-step overheads."""
-    from batchpilot.models.llm.profile import profile_llm_steps
-    from batchpilot.runtime.llm_build import build_llm_engine
+    from batchpilot.profile.llm import profile_llm_steps
+    from batchpilot.runtime.llm.build import build_llm_engine
 
     engine = build_llm_engine(None, start=False, num_hidden_layers=1, hidden_size=64, intermediate_size=128)
     model = profile_llm_steps(engine.runner, prefill_lengths=(8, 16, 32, 64, 96), decode_batches=(1, 2),
@@ -129,7 +130,7 @@ def test_an_llm_profile_rechecks_its_own_steps(monkeypatch: pytest.MonkeyPatch) 
         built.append(kw)
         return real(path, **{**kw, "num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128})
 
-    monkeypatch.setattr("batchpilot.runtime.llm_build.build_llm_engine", build)
+    monkeypatch.setattr("batchpilot.runtime.llm.build.build_llm_engine", build)
     check = speed_check.check_llm_speed(doc, repeats=2)
     assert built[0]["dtype"] == "float32" and built[0]["start"] is False
     assert check.ratio > 0 and len(check.batches) == len(points)  # every step under 50 ms here
@@ -138,8 +139,8 @@ def test_an_llm_profile_rechecks_its_own_steps(monkeypatch: pytest.MonkeyPatch) 
     assert out["frontend"]["step_per_seq_s"] == pytest.approx(0.0001 * check.ratio)
     assert out["frontend"]["step_alpha"] == 1.1 and out["frontend"]["first_token_delay_s"] == 0.005
     assert out["cost_model"]["latency_coef"] == pytest.approx([c * check.ratio for c in model.latency_coef])
-    # every step, the grid's own shape included (sim.llm_step_shape), is priced at the checked speed
-    from batchpilot.sim.llm_step_shape import StepPricer, step_point_shape
+    # every step, the grid's own shape included (sim.llm), is priced at the checked speed
+    from batchpilot.sim.llm import StepPricer, step_point_shape
 
     before, after = StepPricer(model), StepPricer(CostModel.from_dict(out["cost_model"]))
     for p in points:

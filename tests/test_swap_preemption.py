@@ -15,12 +15,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchpilot.core.block_manager import BlockManager, NoFreeBlocksError
 from batchpilot.core.costmodel import LLM_FEATURES, CostModel
-from batchpilot.core.llm_scheduler import LLMScheduler, LLMSchedulerConfig, StepPlan
-from batchpilot.core.preemption import PreemptionCosts, choose
-from batchpilot.core.sequence import FinishReason, SamplingParams, SeqStatus, Sequence
-from batchpilot.core.swap_space import NoFreeSwapBlocksError, SwapSpace
+from batchpilot.core.llm.blocks import BlockManager, NoFreeBlocksError, NoFreeSwapBlocksError, SwapSpace
+from batchpilot.core.llm.config import LLMSchedulerConfig
+from batchpilot.core.llm.scheduler import LLMScheduler, PreemptionCosts, StepPlan, choose
+from batchpilot.core.llm.sequence import FinishReason, SamplingParams, SeqStatus, Sequence
 from llm_workloads import Arrivals, Work, rule_key, workload
 
 CHEAP_SWAP = PreemptionCosts(1e-6, 1e-6, 1e-3, 1e-6)  # copying a block costs far less than a token

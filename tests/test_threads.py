@@ -1,4 +1,4 @@
-"""The per-batch thread plan (models/threads.py): pure choice from times, and the real encoder using it."""
+"""The per-batch thread plan (models/encoder.py): pure choice from times, and the real encoder using it."""
 
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from batchpilot.models.device import available_cores
-from batchpilot.models.encoder import EncoderExecutor
-from batchpilot.models.tasks import load_model
-from batchpilot.models.threads import (
+from batchpilot.models.encoder import (
     PROBE_SHAPES,
+    EncoderExecutor,
     ThreadPlan,
     candidate_counts,
     choose_thread_plan,
     plan_for,
     plan_from_times,
 )
+from batchpilot.models.tasks import load_model
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """The driver's turnaround between batches: measured by the profile's loaded phase on the deployment the
-server runs (``serving_load.turnaround``, ``turnaround_line``, ``serving_profile.scheduler_config``),
+server runs (``profile.serving.turnaround``, ``turnaround_line``, ``profile.serving.scheduler_config``),
 charged by the simulator to a batch that starts as the one before it ends (``sim.target``)."""
 
 from __future__ import annotations
@@ -9,10 +9,9 @@ import pytest
 
 from batchpilot.core.config import PolicyConfig, SchedulerConfig
 from batchpilot.core.costmodel import CostModel
+from batchpilot.profile.serving import Loaded, frontend_fields, scheduler_config, turnaround, turnaround_line
 from batchpilot.runtime.executor import NoopExecutor
-from batchpilot.server.serving_load import Loaded, frontend_fields, turnaround, turnaround_line
-from batchpilot.server.serving_profile import scheduler_config
-from batchpilot.sim.frontend import FrontEnd
+from batchpilot.sim.service import FrontEnd
 from batchpilot.sim.target import simulate_encoder
 from batchpilot.sim.traces import Workload
 

@@ -1,5 +1,5 @@
-"""The watchdogs on a fake clock: the LLM engine's (runtime/llm_watchdog.py) and the encoder Batcher's
-(runtime/batcher_watchdog.py, on a real Batcher whose run is held by a gate)."""
+"""The watchdogs on a fake clock: the LLM engine's (runtime/llm/failover.py) and the encoder Batcher's
+(runtime/batcher.py, on a real Batcher whose run is held by a gate)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,12 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from batchpilot.core.batch import Batch
 from batchpilot.core.config import PolicyConfig, SchedulerConfig
-from batchpilot.core.scheduler import Batch
 from batchpilot.core.stall import StallRule
-from batchpilot.runtime.batcher import Batcher
-from batchpilot.runtime.batcher_watchdog import BatcherWatchdog
-from batchpilot.runtime.llm_records import StepRecord
-from batchpilot.runtime.llm_watchdog import DIED, STALLED, EngineWatchdog
+from batchpilot.runtime.batcher import Batcher, BatcherWatchdog
+from batchpilot.runtime.llm.engine import StepRecord
+from batchpilot.runtime.llm.failover import DIED, STALLED, EngineWatchdog
 
 
 @dataclass

@@ -16,7 +16,7 @@ from batchpilot import __version__
 # module -> subcommands it registers (listed here so --help can name them before importing)
 SUBCOMMANDS: dict[str, tuple[str, ...]] = {
     "batchpilot.server.cli": ("serve",),
-    "batchpilot.models.profile_cli": ("profile",),
+    "batchpilot.profile.cli": ("profile",),
     "batchpilot.sim.cli": ("simulate", "tune"),
     "batchpilot.bench.cli": ("bench",),
 }

@@ -19,9 +19,9 @@ import httpx
 import uvicorn
 
 from batchpilot.bench.scrape import parse_metrics
+from batchpilot.core.batch import Batch
 from batchpilot.core.config import SchedulerConfig
 from batchpilot.core.costmodel import CostModel
-from batchpilot.core.scheduler import Batch
 from batchpilot.runtime.errors import ExecutorCrashed
 from batchpilot.runtime.executor import NoopExecutor
 from batchpilot.server.app import create_app
@@ -201,7 +201,7 @@ def small_llm_engine() -> Any:
     building it costs seconds, and the LLM routes' behaviour does not depend on the model's size."""
     global _ENGINE
     if _ENGINE is None:
-        from batchpilot.runtime.llm_engine import build_llm_engine
+        from batchpilot.runtime.llm.build import build_llm_engine
 
         _ENGINE = build_llm_engine(None, num_hidden_layers=2, hidden_size=256, intermediate_size=688,
                                    num_attention_heads=4, num_key_value_heads=2, num_kv_blocks=64,
@@ -211,6 +211,6 @@ def small_llm_engine() -> Any:
 
 
 def llm_router(engine: Any) -> Callable[[Any], Any]:
-    from batchpilot.server.llm_routes import make_llm_router
+    from batchpilot.server.llm.routes import make_llm_router
 
     return lambda registry: make_llm_router(engine, registry)

@@ -9,7 +9,7 @@ import httpx
 from inproc import FaultyExecutor, live_server
 
 from batchpilot.core.config import PolicyConfig, SchedulerConfig
-from batchpilot.runtime.batch_log import read_batches
+from batchpilot.runtime.journal import read_batches
 
 
 def test_batch_log_records_every_batch_with_its_shape_and_slot_time(tmp_path: Path) -> None:

@@ -26,8 +26,7 @@ from batchpilot.bench.scrape import parse_metrics
 from batchpilot.bench.serverproc import serve
 from batchpilot.core.config import PolicyConfig, SchedulerConfig
 from batchpilot.core.costmodel import CostModel
-from batchpilot.sim.traces import Workload
-from batchpilot.sim.workloads import load_workload
+from batchpilot.sim.traces import Workload, load_workload
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,7 @@ from typing import Any
 import httpx
 from inproc import FaultyExecutor, live_server, scrape, wait_for
 
-from batchpilot.runtime.executor import NoopExecutor
-from batchpilot.runtime.fallback_executor import FallbackExecutor
+from batchpilot.runtime.executor import FallbackExecutor, NoopExecutor
 
 
 class BrokenFastPath(NoopExecutor):

@@ -16,9 +16,9 @@ from inproc import live_server, scrape, small_llm_engine
 from batchpilot.core.deployment import DeploymentSpec
 from batchpilot.core.rollout import ArmSpec, RollbackRules, RolloutSpec
 from batchpilot.runtime.executor import NoopExecutor
-from batchpilot.runtime.llm_build import build_llm_arm
+from batchpilot.runtime.llm.build import build_llm_arm
+from batchpilot.server.arms import LLMArms
 from batchpilot.server.build import LLMRouter
-from batchpilot.server.llm_arms import LLMArms
 
 
 @pytest.fixture()

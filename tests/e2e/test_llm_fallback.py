@@ -23,12 +23,12 @@ from inproc import FaultyExecutor, StepGate, free_port, scrape, wait_for
 
 from batchpilot.core.breaker import BreakerConfig
 from batchpilot.core.stall import StallRule
-from batchpilot.runtime.llm_build import build_fallback
-from batchpilot.runtime.llm_engine import LLMEngine, StepRecord, build_llm_engine
-from batchpilot.runtime.llm_failover import LLMFailover
+from batchpilot.runtime.llm.build import build_fallback, build_llm_engine
+from batchpilot.runtime.llm.engine import LLMEngine, StepRecord
+from batchpilot.runtime.llm.failover import LLMFailover
 from batchpilot.server.app import create_app
 from batchpilot.server.config import ServerConfig
-from batchpilot.server.llm_routes import make_llm_router
+from batchpilot.server.llm.routes import make_llm_router
 
 UP, ACTIVE = "batchpilot_engine_up{engine=llm}", "batchpilot_engine_fallback_active{engine=llm}"
 PROMPTS = ["the quick brown fox", "def f(x):", "a", "hello world, hello"]

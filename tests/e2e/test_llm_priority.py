@@ -22,8 +22,9 @@ import openai
 import pytest
 from inproc import FaultyExecutor, StepGate, live_server, llm_router, wait_for
 
-from batchpilot.config_file import load_spec
-from batchpilot.runtime.llm_engine import LLMEngine, TokenEvent, build_llm_engine
+from batchpilot.runtime.llm.build import build_llm_engine
+from batchpilot.runtime.llm.engine import LLMEngine, TokenEvent
+from batchpilot.settings import load_spec
 
 URGENT, LOW = -10, 10
 AGING_S = 0.5  # the aging engine's max_priority_wait_s

@@ -13,7 +13,8 @@ import httpx
 import pytest
 from inproc import FaultyExecutor, LiveServer, StepGate, engine_held_full, live_server, llm_router, wait_for
 
-from batchpilot.runtime.llm_engine import LLMEngine, build_llm_engine
+from batchpilot.runtime.llm.build import build_llm_engine
+from batchpilot.runtime.llm.engine import LLMEngine
 
 REASONS = ("context_length_exceeded", "queue_full", "timeout")
 

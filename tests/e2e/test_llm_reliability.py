@@ -19,11 +19,12 @@ import pytest
 import uvicorn
 from inproc import FaultyExecutor, StepGate, engine_held_full, free_port, wait_for
 
-from batchpilot.runtime.llm_engine import LLMEngine, StepRecord, build_llm_engine
+from batchpilot.runtime.llm.build import build_llm_engine
+from batchpilot.runtime.llm.engine import LLMEngine, StepRecord
 from batchpilot.server.app import create_app
 from batchpilot.server.config import ServerConfig
-from batchpilot.server.llm_limits import LLMLimits
-from batchpilot.server.llm_routes import make_llm_router
+from batchpilot.server.llm.routes import make_llm_router
+from batchpilot.server.llm.schemas import LLMLimits
 
 HOLD = "HOLD:"  # a prompt starting with this waits in the tokenizer until the test lets it go
 

@@ -21,9 +21,10 @@ import uvicorn
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, generate_latest
 
-from batchpilot.runtime.llm_engine import LLMEngine, build_llm_engine
+from batchpilot.runtime.llm.build import build_llm_engine
+from batchpilot.runtime.llm.engine import LLMEngine
 from batchpilot.server.errors import install_error_handlers
-from batchpilot.server.llm_routes import make_llm_router
+from batchpilot.server.llm.routes import make_llm_router
 
 
 def _free_port() -> int:
@@ -225,9 +226,9 @@ def test_step_log_records_every_step_with_its_shape(server: tuple[str, LLMEngine
                                                     tmp_path: Path) -> None:
     """``serve --llm-step-log``: one line per engine step, its features summing to the engine's own
     counters, and the steps' speed against a step profile readable from it."""
-    from batchpilot.bench.llm_steps import read_steps, speed_vs_profile
+    from batchpilot.bench.llm_fidelity import read_steps, speed_vs_profile
     from batchpilot.core.costmodel import LLM_FEATURES, CostModel
-    from batchpilot.runtime.llm_engine import StepLog
+    from batchpilot.runtime.llm.engine import StepLog
 
     url, engine, _ = server
     _idle(engine)

@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 from inproc import small_llm_engine
 
-from batchpilot.models.llm.profile import profile_llm_steps
-from batchpilot.server.llm_serving_profile import measure_llm_serving_path
-from batchpilot.sim.llm_frontend import LLMFrontEnd
+from batchpilot.profile.llm import measure_llm_serving_path, profile_llm_steps
+from batchpilot.sim.llm import LLMFrontEnd
 
 
 def test_first_token_delay_and_loaded_steps_are_measured() -> None:
@@ -34,7 +33,7 @@ def test_first_token_delay_and_loaded_steps_are_measured() -> None:
 
 def test_the_simulator_adds_the_serving_path_to_every_token_and_step() -> None:
     from batchpilot.sim.llm import simulate_llm
-    from batchpilot.sim.workloads import load_workload
+    from batchpilot.sim.traces import load_workload
 
     wl = load_workload("conv-llm", start=0, count=20)
     plain = simulate_llm(wl).report()
@@ -52,9 +51,9 @@ def test_profile_llm_writes_the_serving_path_that_simulate_reads(tmp_path: Path,
     import functools
     import json
 
+    import batchpilot.profile.llm as llm_serving_profile
+    import batchpilot.profile.llm as step_profile
     from batchpilot.cli import main
-    from batchpilot.models.llm import profile as step_profile
-    from batchpilot.server import llm_serving_profile
 
     monkeypatch.setattr(step_profile, "profile_llm_steps", functools.partial(
         profile_llm_steps, prefill_lengths=(16, 64, 128), decode_batches=(1, 4), decode_contexts=(32, 128),

@@ -26,7 +26,7 @@ from inproc import free_port, wait_for
 from batchpilot.bench.scrape import parse_metrics
 from batchpilot.core.config import AdmissionConfig, PolicyConfig, SchedulerConfig
 from batchpilot.server.metrics import BATCH_BUCKETS
-from batchpilot.server.ray_limits import check_max_ongoing, required_max_ongoing
+from batchpilot.server.ray.app import check_max_ongoing, required_max_ongoing
 
 FLAGS = ["--noop", "--noop-delay-ms", "100", "--no-warmup", "--replica-cpus", "0.5",
          "--drain-timeout-s", "20"]
@@ -57,7 +57,7 @@ def test_a_max_ongoing_requests_that_would_cap_batches_is_refused_with_the_numbe
 
 
 def test_serve_ray_refuses_a_max_ongoing_requests_that_caps_batches_before_ray_starts() -> None:
-    from batchpilot.server.ray_app import parse_serve_flags, run_ray
+    from batchpilot.server.ray.app import parse_serve_flags, run_ray
 
     args = parse_serve_flags(["--ray", "--noop", "--max-batch-size", "16", "--max-ongoing-requests", "5"])
     with pytest.raises(SystemExit, match=r"--max-ongoing-requests 5 would cap model .*16"):
@@ -66,7 +66,7 @@ def test_serve_ray_refuses_a_max_ongoing_requests_that_caps_batches_before_ray_s
 
 def test_an_haproxy_that_cannot_start_here_falls_back_to_the_python_proxy_with_the_reason(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from batchpilot.server.ray_cluster import choose_ingress
+    from batchpilot.server.ray.cluster import choose_ingress
 
     monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", "/bin/false")
     ingress, why = choose_ingress("haproxy")
@@ -85,7 +85,7 @@ def test_an_haproxy_that_cannot_start_here_falls_back_to_the_python_proxy_with_t
 def test_the_policy_asks_the_core_autoscaler_with_one_signal_per_replica_that_reported() -> None:
     from types import SimpleNamespace
 
-    from batchpilot.server.ray_autoscale import PREDICTED_WAIT, QUEUE_DEPTH, BatchpilotAutoscalingPolicy
+    from batchpilot.server.ray.autoscale import PREDICTED_WAIT, QUEUE_DEPTH, BatchpilotAutoscalingPolicy
 
     policy = BatchpilotAutoscalingPolicy(min_replicas=1, max_replicas=4, target_queue_wait_s=0.1,
                                          upscale_delay_s=0.0, downscale_delay_s=0.0)
@@ -105,10 +105,10 @@ def ray_url() -> Iterator[str]:
     """A local Ray (2 CPUs) and Serve on 127.0.0.1, the app deployed with 2 replicas."""
     if importlib.util.find_spec("ray") is None:  # not imported here: Serve reads its ingress at import
         pytest.skip("Ray is not installed (pip install '.[ray]')")
-    from batchpilot.config_file import spec_from_args
     from batchpilot.server.cli import server_config
-    from batchpilot.server.ray_app import APP_NAME, bind_app, parse_serve_flags
-    from batchpilot.server.ray_cluster import choose_ingress, start_cluster, stop_cluster
+    from batchpilot.server.ray.app import APP_NAME, bind_app, parse_serve_flags
+    from batchpilot.server.ray.cluster import choose_ingress, start_cluster, stop_cluster
+    from batchpilot.settings import spec_from_args
 
     port = free_port()
     saved = dict(os.environ)  # start_cluster sets Serve's variables for the raylet it starts
@@ -140,7 +140,7 @@ def redeploy(url: str, *flags: str) -> None:
     (``serve.run``: new replicas replace the old)."""
     from ray import serve
 
-    from batchpilot.server.ray_app import APP_NAME, app_builder
+    from batchpilot.server.ray.app import APP_NAME, app_builder
 
     port = url.rsplit(":", 1)[1]
     app = app_builder({"flags": shlex.join([*FLAGS, *flags, "--port", port])})
@@ -247,7 +247,7 @@ def test_the_queue_wait_policy_scales_up_under_load_and_down_without_losing_a_re
     clients on one replica ~ 8 batches predicted ahead (800 ms, over the 300 ms target: 2 replicas);
     one client ~ at most one batch (100 ms: back to 1), while it keeps sending. Serve's metrics window
     is shortened (reports every 0.25 s, a 1 s look-back) to keep the test short."""
-    from batchpilot.server import ray_autoscale
+    import batchpilot.server.ray.autoscale as ray_autoscale
 
     monkeypatch.setattr(ray_autoscale, "autoscaling_config", functools.partial(
         ray_autoscale.autoscaling_config, metrics_interval_s=0.25, look_back_period_s=1.0))

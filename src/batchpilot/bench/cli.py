@@ -135,7 +135,7 @@ def _endpoint(args: argparse.Namespace) -> str:
 
 
 def load_args_workload(args: argparse.Namespace, rate_scale: float = 1.0) -> Any:
-    from batchpilot.sim.workloads import load_workload
+    from batchpilot.sim.traces import load_workload
 
     return load_workload(args.workload, rate_scale, args.start, args.requests, trace=args.trace)
 

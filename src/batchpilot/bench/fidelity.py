@@ -31,35 +31,399 @@ import dataclasses
 import json
 import math
 import shlex
+import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from batchpilot.bench.capacity import wait_idle
-from batchpilot.bench.fidelity_table import (
-    HEAD,
-    REPEAT_HEAD,
-    comparison_rows,
-    predicted_bands,
-    repeat_rows,
-    text_table,
+from batchpilot.bench.loadgen import KEEPALIVE_EXPIRY_S, LoadGenConfig, build_plan, load_tokenizer, replay
+from batchpilot.bench.records import (
+    RequestRecord,
+    Summary,
+    format_summary,
+    summarize,
+    tail_seconds,
+    write_csv,
 )
-from batchpilot.bench.live_run import measure, warm_up
-from batchpilot.bench.loadgen import build_plan, load_tokenizer
-from batchpilot.bench.profile_run import run_profile, run_recheck
-from batchpilot.bench.records import Summary, format_summary, write_csv
 from batchpilot.bench.report import RunData, html_table, write_report
-from batchpilot.bench.run_speed import WINDOW_S, run_speed
-from batchpilot.bench.serverproc import client_keepalive_s, pin_load_generator, serve
-from batchpilot.config_file import add_deployment_args, deployment_flags, spec_from_args
+from batchpilot.bench.scrape import MetricsSeries
+from batchpilot.bench.serverproc import client_keepalive_s, pin_load_generator, pinned, serve
 from batchpilot.core.config import SchedulerConfig
 from batchpilot.core.costmodel import CostModel
-from batchpilot.runtime.json_lines import wait_written
+from batchpilot.runtime.journal import LoggedBatch, read_batches, wait_written
+from batchpilot.settings import add_deployment_args, deployment_flags, spec_from_args
 from batchpilot.sim.draws import DEFAULT_DRAWS
-from batchpilot.sim.frontend import FrontEnd
+from batchpilot.sim.service import BUSY_EDGES, IDLE_EDGES_S, FrontEnd, busy_shares, idle_times, rates_before
 from batchpilot.sim.traces import Workload
+
+# ``batchpilot profile`` in a subprocess, pinned as the server it predicts will be.
+#
+# ``bench fidelity`` (encoder and LLM), ``bench tuner`` and benchmarks profile the machine before any
+# measured traffic: ``run_profile`` writes a fresh profile, ``run_recheck`` times the profile's own grid
+# again right before a load point (``batchpilot profile --recheck``) and returns the machine's speed
+# against it. Both run with the server's pinning (``serverproc.pinned``), so that the profile sees the
+# cores the server will have.
+
+def run_profile(out: Path, padding: str, extra: str = "", cpus: str | None = None,
+                name: str = "profile.json") -> Path:
+    """``batchpilot profile -o out/name`` in a subprocess, pinned like the server (before any traffic)."""
+    path = out / name
+    cmd = [*pinned(cpus), sys.executable, "-m", "batchpilot.cli", "profile", "--output", str(path),
+           "--padding", "none" if padding == "none" else "dynamic", *shlex.split(extra)]
+    print("profiling:", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+    return path
+
+
+def run_recheck(out: Path, profile: Path, cpus: str | None, name: str) -> float:
+    """``batchpilot profile --recheck`` in a subprocess pinned like the server: the machine's speed
+    against ``profile`` right now (``SpeedCheck.speed``), its rescaled profile written to out/name."""
+    path = out / name
+    cmd = [*pinned(cpus), sys.executable, "-m", "batchpilot.cli", "profile", "--recheck", str(profile),
+           "--output", str(path)]
+    subprocess.run(cmd, check=True, stderr=subprocess.DEVNULL)
+    return float(json.loads(path.read_text())["speed_check"]["ratio"]) - 1.0
+
+
+# One live run of the fidelity check: warm the server, replay a slice, read its own histograms.
+
+@dataclass
+class Measurement:
+    summary: Summary
+    records: list[RequestRecord]
+    metrics: MetricsSeries | None
+    server: dict[str, float] = field(default_factory=dict)  # means from the server's histograms
+    origin_s: float = math.nan  # ``time.monotonic()`` of the replay's zero (``ReplayResult.origin_s``)
+
+    def sent_monotonic(self) -> list[float]:
+        """Every sent request's send time on ``time.monotonic()`` (the server's batch-log clock)."""
+        return [self.origin_s + r.sent_s for r in self.records if math.isfinite(r.sent_s)]
+
+
+# server histogram -> the name used in the diagnosis
+SERVER_HISTOGRAMS = {
+    "batch_size": "batchpilot_batch_size",
+    "batch_run_s": "batchpilot_batch_run_seconds",
+    "queue_s": "batchpilot_queue_time_seconds",
+    "batcher_latency_s": "batchpilot_request_latency_seconds",
+    "http_handler_s": "batchpilot_http_request_duration_seconds{route=/v1/embeddings}",
+}
+
+
+def histogram_mean(series: MetricsSeries, name: str) -> float:
+    base, _, labels = name.partition("{")
+    return series.histogram_mean(base, labels.rstrip("}"))
+
+
+def measure(url: str, workload: Workload, texts: list[str], sla_s: float, warmup_requests: int,
+            progress: bool, label: str, keepalive_s: float = KEEPALIVE_EXPIRY_S) -> Measurement:
+    """Warm the server with a few unmeasured requests, let it drain, then replay ``workload`` exactly
+    (idle pooled connections closed after ``keepalive_s``: ``LoadGenConfig.keepalive_s``)."""
+    if warmup_requests:
+        warm_up(url, workload, texts, warmup_requests, keepalive_s)
+    plan = build_plan(workload, texts=texts[: len(workload)])  # a cut slice is a prefix of the texts' rows
+    res = replay(plan, LoadGenConfig(url, progress=progress, keepalive_s=keepalive_s), description=label)
+    m = Measurement(summarize(res.records, sla_s), res.records, res.metrics, origin_s=res.origin_s)
+    if res.metrics is not None:
+        m.server = {k: histogram_mean(res.metrics, v) for k, v in SERVER_HISTOGRAMS.items()}
+        batches = res.metrics.delta("batchpilot_batch_size_count")
+        for key, counter in (("computed_tokens_per_batch", "batchpilot_computed_tokens_total"),
+                             ("useful_tokens_per_batch", "batchpilot_useful_tokens_total")):
+            m.server[key] = res.metrics.delta(counter) / batches if batches > 0 else math.nan
+    return m
+
+
+def warm_up(url: str, workload: Workload, texts: list[str], n: int,
+            keepalive_s: float = KEEPALIVE_EXPIRY_S) -> None:
+    """Send the first ``n`` rows (unmeasured) and wait for the queue to drain: the first calls of a fresh
+    server are slow (allocator, kernels for new shapes), which is not what a fidelity check measures."""
+    warm = workload.slice(0, min(n, len(workload)))
+    replay(build_plan(warm, texts=texts[: len(warm)], warmup_requests=len(warm)),
+           LoadGenConfig(url, progress=False, scrape_interval_s=0, keepalive_s=keepalive_s))
+    wait_idle(url, 10.0)
+
+
+# How fast a live run's batches ran against the profile: the machine's speed, reported beside an error.
+#
+# The server's batch log (``serve --batch-log``) holds every batch's slot seconds and features. The
+# profile prices each of them as the simulator does: ``FrontEnd.batch_seconds`` of the cost model's
+# prediction at the request rate of the second before the batch started (``rates_before``), counted from
+# the requests' arrivals at the scheduler that the log holds (as the profile counts it; an older log
+# without them: the load generator's send times, the same monotonic clock), after the time no batch
+# ran before it (``idle_before``) and at its busy share (``sim.service``). ``RunSpeed`` is the
+# ratio of the totals, minus 1 (+5%: the batches took 5% longer than the profile says), and the same ratio
+# over
+# ``WINDOW_S`` windows of the run, so a drift within the run shows as a spread between its windows.
+#
+# It is a report, never an input of the prediction: a prediction uses the profile file only.
+
+WINDOW_S = 15.0
+MIN_WINDOW_BATCHES = 10  # a window with fewer batches is left out of the spread
+IDLE_BINS_S = (0.0, *IDLE_EDGES_S, math.inf)  # idle before a batch, for ``by_idle`` (the profile's bins)
+SIZE_BINS = ((1, 1), (2, 2), (3, 4), (5, 8), (9, 10**9))  # requests in a batch, for ``by_size``
+RATE_BINS = (0.0, 5.0, 10.0, 20.0, 30.0, 45.0, 60.0, 75.0, math.inf)  # req/s in the second before a batch
+
+
+@dataclass(frozen=True)
+class RunSpeed:
+    speed: float  # total slot seconds / total priced seconds - 1
+    batches: int
+    windows: tuple[float, ...] = field(default=())  # the same ratio - 1 per WINDOW_S window, in order
+    by_idle: tuple[tuple[str, int, float], ...] = ()  # (idle bin, batches, ratio - 1) per IDLE_BINS_S bin
+    by_size: tuple[tuple[str, int, float], ...] = ()  # (size bin, batches, ratio - 1) per SIZE_BINS bin
+    by_rate: tuple[tuple[str, int, float], ...] = ()  # (rate bin, batches, ratio - 1) per RATE_BINS bin
+    by_busy: tuple[tuple[str, int, float], ...] = ()  # (busy bin, batches, ratio - 1) per BUSY_EDGES bin
+
+    @property
+    def spread(self) -> str:
+        """The windows' lowest and highest speed, e.g. ``-4.0% .. +31.2%`` (``-`` without windows)."""
+        if not self.windows:
+            return "-"
+        return f"{min(self.windows):+.1%} .. {max(self.windows):+.1%}"
+
+    def to_dict(self) -> dict[str, object]:
+        return {"speed_vs_profile": self.speed, "batches": self.batches, "window_s": WINDOW_S,
+                "windows": list(self.windows), "by_idle": [list(b) for b in self.by_idle],
+                "by_size": [list(b) for b in self.by_size], "by_rate": [list(b) for b in self.by_rate],
+                "by_busy": [list(b) for b in self.by_busy]}
+
+
+def priced_seconds(batches: Sequence[LoggedBatch], cost_model: CostModel, frontend: FrontEnd | None,
+                   rates: Sequence[float], idle: Sequence[float] | None = None,
+                   busy: Sequence[float] | None = None) -> list[float]:
+    """What the profile says each batch takes (``batches`` in start order): under serving load at its
+    rate, after its idle time (``idle_before``), at its size and busy share (``busy_before``) with
+    ``frontend``, else the bare cost model."""
+    if frontend is None:
+        return [cost_model.latency(b.features) for b in batches]
+    idle = idle_before(batches) if idle is None else idle
+    busy = busy_before(batches) if busy is None else busy
+    return [frontend.batch_seconds(cost_model.latency(b.features), r, t, b.features.get("tokens", 0.0), s)
+            for b, r, t, s in zip(batches, rates, idle, busy, strict=True)]
+
+
+def logged_rates(batches: Sequence[LoggedBatch]) -> list[float]:
+    """Per batch (in start order), the request rate of the second before it from the arrivals the batch
+    log holds (``rates_before``); a log without them counts each batch's requests at its start."""
+    arrivals = ([a for b in batches for a in b.arrivals] if all(b.arrivals for b in batches)
+                else [b.start for b in batches for _ in range(b.n)])
+    return rates_before([b.start for b in batches], arrivals)
+
+
+def speed_of(batches: Sequence[LoggedBatch], priced: Sequence[float]) -> RunSpeed:
+    """The ratio of the totals, and per ``WINDOW_S`` window from the first batch's start."""
+    took, want = sum(b.slot_s for b in batches), sum(priced)
+    if not batches or want <= 0:
+        return RunSpeed(math.nan, len(batches))
+    t0 = batches[0].start
+    sums: dict[int, list[float]] = {}
+    for b, p in zip(batches, priced, strict=True):
+        cell = sums.setdefault(int((b.start - t0) // WINDOW_S), [0.0, 0.0, 0.0])
+        cell[0] += b.slot_s
+        cell[1] += p
+        cell[2] += 1
+    windows = tuple(s / p - 1.0 for _, (s, p, n) in sorted(sums.items()) if n >= MIN_WINDOW_BATCHES and p > 0)
+    return RunSpeed(took / want - 1.0, len(batches), windows)
+
+
+def idle_before(batches: Sequence[LoggedBatch]) -> list[float]:
+    """Per batch, in start order, how long the server sat with no batch running before it started
+    (the first batch's is infinite): ``sim.service.idle_times``."""
+    return idle_times([b.start for b in batches], [b.slot_s for b in batches])
+
+
+def split(batches: Sequence[LoggedBatch], priced: Sequence[float], keys: Sequence[float],
+          bins: Sequence[tuple[float, float, str]]) -> tuple[tuple[str, int, float], ...]:
+    """The ratio of the totals - 1 per bin ``(lo, hi, label)`` of the batches' ``keys`` (``lo <= key <
+    hi``; an infinite ``hi`` takes infinite keys too), for the bins that hold a batch."""
+    out = []
+    for lo, hi, label in bins:
+        cell = [(b.slot_s, p) for b, p, k in zip(batches, priced, keys, strict=True)
+                if lo <= k and (k < hi or math.isinf(hi))]
+        want = sum(p for _, p in cell)
+        if cell and want > 0:
+            out.append((label, len(cell), sum(t for t, _ in cell) / want - 1.0))
+    return tuple(out)
+
+
+def by_idle(batches: Sequence[LoggedBatch], priced: Sequence[float]) -> tuple[tuple[str, int, float], ...]:
+    """Per ``IDLE_BINS_S`` bin of the idle time before the batch: flat when the profile's idle factors
+    price how much slower a batch after an idle server runs than one right behind another."""
+    bins = [(lo, hi, f">= {lo * 1e3:g} ms" if math.isinf(hi) else f"{lo * 1e3:g}-{hi * 1e3:g} ms")
+            for lo, hi in zip(IDLE_BINS_S, IDLE_BINS_S[1:], strict=False)]
+    return split(batches, priced, idle_before(batches), bins)  # the first batch (inf) in the last bin
+
+
+def by_size(batches: Sequence[LoggedBatch], priced: Sequence[float]) -> tuple[tuple[str, int, float], ...]:
+    """Per ``SIZE_BINS`` bin of requests in the batch: flat when the cost model prices a live batch of
+    many inputs as well as a lone one."""
+    bins = [(lo, hi + 0.5, str(lo) if lo == hi else (f"{lo}+" if hi >= 10**9 else f"{lo}-{hi}"))
+            for lo, hi in SIZE_BINS]
+    return split(batches, priced, [b.n for b in batches], bins)
+
+
+def by_rate(batches: Sequence[LoggedBatch], priced: Sequence[float],
+            rates: Sequence[float]) -> tuple[tuple[str, int, float], ...]:
+    """Per ``RATE_BINS`` bin of the request rate of the second before the batch: flat when the profile
+    prices how the serving load slows (or warms) the model."""
+    bins = [(lo, hi, f">= {lo:g}/s" if math.isinf(hi) else f"{lo:g}-{hi:g}/s")
+            for lo, hi in zip(RATE_BINS, RATE_BINS[1:], strict=False)]
+    return split(batches, priced, rates, bins)
+
+
+def busy_before(batches: Sequence[LoggedBatch]) -> list[float]:
+    """Per batch, in start order, the busy share of the second before it (``sim.service``)."""
+    return busy_shares([b.start for b in batches], [b.slot_s for b in batches])
+
+
+def by_busy(batches: Sequence[LoggedBatch], priced: Sequence[float],
+            busy: Sequence[float] | None = None) -> tuple[tuple[str, int, float], ...]:
+    """Per ``BUSY_EDGES`` bin of the busy share of the second before the batch (``busy_before``, or
+    ``busy``): flat when the profile's busy factors price how a busy second speeds the next batch."""
+    edges = (0.0, *BUSY_EDGES, math.inf)
+    bins = [(lo, hi, f">= {lo:g}" if math.isinf(hi) else f"{lo:g}-{hi:g}")
+            for lo, hi in zip(edges, edges[1:], strict=False)]
+    return split(batches, priced, busy_before(batches) if busy is None else busy, bins)
+
+
+def run_speed(batch_log: Path, offset: int, cost_model: CostModel, frontend: FrontEnd | None,
+              sent_s: Sequence[float]) -> RunSpeed:
+    """The batches logged from byte ``offset`` on against the profile, each at the request rate of the
+    second before it: from the arrivals at the scheduler the log holds (``logged_rates``: the clock
+    the profile counts its rate on), else from ``sent_s`` (the run's send times, warm-up included);
+    by idle time before the batch, by batch size and by rate too."""
+    if not batch_log.exists():
+        return RunSpeed(math.nan, 0)
+    batches, _ = read_batches(batch_log, offset)
+    batches.sort(key=lambda b: b.start)  # logged as they finish: with several slots not in start order
+    rates = (logged_rates(batches) if batches and all(b.arrivals for b in batches)
+             else rates_before([b.start for b in batches], sent_s))
+    busy = busy_before(batches)
+    priced = priced_seconds(batches, cost_model, frontend, rates, busy=busy)
+    return dataclasses.replace(speed_of(batches, priced), by_idle=by_idle(batches, priced),
+                               by_size=by_size(batches, priced), by_rate=by_rate(batches, priced, rates),
+                               by_busy=by_busy(batches, priced, busy))
+
+
+# The fidelity check's table: the prediction against the live run, cell by cell, with its targets.
+
+TARGETS = {"P50": 0.10, "P99": 0.10, "throughput": 0.05}
+METRICS = ("P50 ms", "P99 ms", "throughput req/s", "rejected", "mean batch size")  # what each point reports
+HEAD = ["load", "rate scale", "metric", "predicted", "measured", "error", "target", "within",
+        "speed vs profile", "error at the run's speed", "predicted band (P5-P95 of the draws)",
+        "speed checked before", "error of the profile alone"]
+_DRAWN = ("p50", "p99", "throughput_rps", "failed", "mean_batch_size")  # sim.draws names of METRICS
+_SCALE = (1e3, 1e3, 1.0, 1.0, 1.0)
+
+
+def relative_error(pred: float, meas: float) -> float:
+    """``(pred - meas) / meas``; NaN where either is not finite or ``meas`` is 0."""
+    return (pred - meas) / meas if meas and math.isfinite(meas) and math.isfinite(pred) else math.nan
+
+
+def within_target(metric: str, value: float, reference: float,
+                  targets: dict[str, float] = TARGETS) -> bool | None:
+    """Whether ``value`` is within ``metric``'s target of ``reference``, the value it is scored against:
+    the rejected count within 10% or 5 requests, any other metric within ``targets`` of its first word
+    (a relative error); None for a metric without a target."""
+    if metric == "rejected":
+        return abs(value - reference) <= max(5, 0.10 * reference)
+    target = targets.get(metric.split()[0])
+    if target is None:
+        return None
+    e = relative_error(value, reference)
+    return math.isfinite(e) and abs(e) <= target
+
+
+def _metrics(pred: Any) -> list[float]:
+    """A prediction's value of each of ``METRICS``: its median over the draws (``fidelity.Prediction``)."""
+    return [pred.drawn.median(name) * k for name, k in zip(_DRAWN, _SCALE, strict=True)]
+
+
+def predicted_bands(pred: Any) -> dict[str, list[float]]:
+    """Per metric of ``METRICS``, the 5th and 95th percentiles of its value over the prediction's draws."""
+    return {m: [lo * k, hi * k] for m, name, k in zip(METRICS, _DRAWN, _SCALE, strict=True)
+            for lo, hi in [pred.drawn.band(name)]}
+
+
+def comparison_rows(load: float, k: float, pred: Any, live: Measurement, speed: float,
+                    hindsight: Any | None = None, spread: str = "-", checked: float = math.nan,
+                    alone: Any | None = None) -> list[list[Any]]:
+    """Predicted vs measured, with targets: P50/P99 10%, throughput 5%, rejected within 10% or 5.
+    ``hindsight``: the simulator at the run's own measured speed, a diagnosis that splits the error
+    into the machine's drift and the model's own error; never the prediction. ``checked``: the speed
+    the recheck before the point measured (``pred`` is made at it); ``alone``: the prediction from the
+    profile as it was, whose error is shown beside."""
+    measured = measured_metrics(live)
+    speed_cell = f"{speed:+.1%}" + (f" ({spread})" if spread != "-" else "")
+    predicted = _metrics(pred)
+    later = _metrics(hindsight) if hindsight is not None else [math.nan] * 5
+    first = _metrics(alone) if alone is not None else [math.nan] * 5
+    check_cell = f"{checked:+.1%}" if math.isfinite(checked) else "-"
+    bands = predicted_bands(pred)
+    rows: list[list[Any]] = []
+    for i, metric in enumerate(METRICS):
+        a, b, h, f = predicted[i], measured[i], later[i], first[i]
+        lo, hi = bands[metric]
+        ok = within_target(metric, a, b)
+        verdict = "-" if ok is None else ("yes" if ok else "no")
+        if metric == "rejected":
+            rows.append([f"{load:.0%}", f"{k:.3f}", metric, f"{a:.0f}", f"{b:.0f}", f"{a - b:+.0f}",
+                         "10% or 5", verdict, speed_cell,
+                         f"{h - b:+.0f}" if math.isfinite(h) else "-", f"{lo:.0f} .. {hi:.0f}", check_cell,
+                         f"{f - b:+.0f}" if math.isfinite(f) else "-"])
+            continue
+        e = relative_error(a, b)
+        target = TARGETS.get(metric.split()[0])
+        rows.append([f"{load:.0%}", f"{k:.3f}", metric, f"{a:.2f}", f"{b:.2f}", f"{e:+.1%}",
+                     f"{target:.0%}" if target else "-", verdict, speed_cell,
+                     f"{relative_error(h, b):+.1%}" if math.isfinite(h) else "-", f"{lo:.2f} .. {hi:.2f}",
+                     check_cell,
+                     f"{relative_error(f, b):+.1%}" if math.isfinite(f) else "-"])
+    return rows
+
+
+def text_table(head: list[str], rows: list[list[Any]]) -> str:
+    cells = [head] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(head))]
+    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths,
+                                                                                              strict=True)))
+                     for r in cells)
+
+
+def measured_metrics(live: Measurement) -> list[float]:
+    """P50 ms, P99 ms, throughput, refused or failed requests and mean batch size of a live run."""
+    m = live.summary
+    return [m.p50 * 1e3, m.p99 * 1e3, m.throughput_rps, m.num_requests - m.num_ok,
+            live.server.get("batch_size", math.nan)]
+
+
+REPEAT_HEAD = ["load", "metric", "live", "live again", "difference", "within target"]
+
+
+def repeat_rows(load: float, first: Measurement, again: Measurement,
+                speeds: tuple[float, float] = (math.nan, math.nan)) -> list[list[Any]]:
+    """The same rows replayed twice on the same server: how far the live run agrees with itself, the
+    floor under any prediction's error on this machine (``bench fidelity --live-repeats``), with the
+    again run scored against the first under the prediction's targets, and each run's speed against
+    the profile (``speeds``)."""
+    rows: list[list[Any]] = []
+    for name, a, b in zip(METRICS, measured_metrics(first), measured_metrics(again), strict=True):
+        diff = f"{b - a:+.0f}" if name == "rejected" else f"{relative_error(b, a):+.1%}"
+        ok = within_target(name, b, a)
+        verdict = "-" if ok is None else ("yes" if ok else "no")
+        rows.append([f"{load:.0%}", name, f"{a:.2f}", f"{b:.2f}", diff, verdict])
+    a, b = speeds
+    rows.append([f"{load:.0%}", "speed vs profile", f"{a:+.1%}", f"{b:+.1%}", f"{(b - a) * 100:+.1f} pts",
+                 ""])
+    (n, s1), (m, s2) = tail_seconds(first.records), tail_seconds(again.records)
+    rows.append([f"{load:.0%}", "slowest 1%: requests / seconds", f"{n} / {s1}", f"{m} / {s2}", "", ""])
+    return rows
+
 
 DEFAULT_REQUESTS = 1000
 
@@ -75,7 +439,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speed-check", action="store_true",
                    help="before each point, `batchpilot profile --recheck` times the profile's batches "
                         "again and the point is predicted at that speed, the profile-alone error beside "
-                        "(models/speed_check.py; on a shared VM it did worse than the profile alone: "
+                        "(profile/speed_check.py; on a shared VM it did worse than the profile alone: "
                         "docs/benchmarks.md)")
     p.add_argument("--batcher-only", action="store_true",
                    help="predict without the profile's serving path (HTTP, JSON, tokenisation)")
@@ -291,4 +655,3 @@ def main(args: argparse.Namespace) -> int:
                           sections=[("Fidelity: predicted vs measured", html_table(HEAD, rows))])
     print(f"fidelity.json and {report} written to {out}/ in {time.monotonic() - t_start:.0f} s")
     return 0
-

@@ -2,11 +2,11 @@
 
 ``batchpilot bench fidelity --workload conv-llm [--profile llm_profile.json] [--config cfg.yaml] [--cpus 1]``:
 
-1. Step cost model: ``--profile``, or ``models.llm.profile.profile_llm_steps`` run here on the engine the
+1. Step cost model: ``--profile``, or ``profile.llm.profile_llm_steps`` run here on the engine the
    server builds, pinned to ``--cpus`` like the server. Both come before the server starts: the
    prediction uses the profile and nothing measured afterwards.
 2. Engine config: the deployment resolved as ``serve`` resolves it (``build_llm_engine(model, spec=spec)``,
-   not started: ``core.llm_deployment.resolve_llm_deployment`` with the model's limits and memory, the
+   not started: ``core.llm.config.resolve_llm_deployment`` with the model's limits and memory, the
    server-wide timeout and concurrency included); ``serve --llm`` gets the same deployment flags
    (``--config`` included), so the simulator refuses and expires what the server does.
 3. Capacity from the simulator (``sim.llm.simulate_llm``): the highest rate scale of the ``--requests``
@@ -17,11 +17,11 @@
    rejected count, predicted against measured, with their targets.
 5. With ``--speed-check``, before each point a speed check (``batchpilot profile --recheck``, pinned
    like the server): the step profile's own steps of under 50 ms timed again and the profile rescaled
-   to the machine's speed now (``models/speed_check.py``); the point is predicted from it, the
+   to the machine's speed now (``profile/speed_check.py``); the point is predicted from it, the
    profile-alone error beside.
 6. Beside each point, "speed vs profile": the run's logged engine steps (``serve --llm-step-log``) against
    what the profile (step model and serving path) predicts for the same step shapes
-   (``bench.llm_steps.speed_vs_profile``): how far the machine's speed moved. It is reported, never
+   (``bench.llm_fidelity.speed_vs_profile``): how far the machine's speed moved. It is reported, never
    used to change the prediction.
 """
 
@@ -33,24 +33,236 @@ import json
 import math
 import os
 import shlex
+import sys
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from batchpilot.bench.capacity import CapacityConfig, probe_workload, search_capacity, wait_idle
-from batchpilot.bench.fidelity_table import text_table
-from batchpilot.bench.llm_fidelity_table import HEAD, REPEAT_HEAD, comparison_rows, repeat_rows
-from batchpilot.bench.llm_steps import format_by_seqs, read_steps, speed_by_seqs, speed_vs_profile
+from batchpilot.bench.fidelity import relative_error as _err
+from batchpilot.bench.fidelity import run_recheck, text_table, within_target
 from batchpilot.bench.loadgen import LoadGenConfig, build_plan, replay
-from batchpilot.bench.profile_run import run_recheck
 from batchpilot.bench.records import Summary, format_summary, summarize, write_csv
 from batchpilot.bench.report import RunData, html_table, write_report
 from batchpilot.bench.serverproc import client_keepalive_s, serve
 from batchpilot.core.costmodel import CostModel
-from batchpilot.core.llm_scheduler import LLMSchedulerConfig
-from batchpilot.runtime.json_lines import wait_written
-from batchpilot.sim.llm_frontend import LLMFrontEnd
+from batchpilot.core.llm.config import LLMSchedulerConfig
+from batchpilot.runtime.journal import wait_written
+from batchpilot.sim.llm import LLMFrontEnd, StepPricer, step_cycles
 from batchpilot.sim.traces import Workload
+
+# The LLM engine's step log (``serve --llm --llm-step-log PATH``) and how its steps ran against a profile.
+#
+# ``runtime.llm.engine.StepLog`` appends one JSON line per engine step: ``step``, ``start``
+# (``time.perf_counter()`` when it was scheduled), ``wall_s`` (the whole step: schedule, forward, sample,
+# detokenise, deliver), ``forward_s`` (of which forward + sampling), ``seqs``, ``after_idle`` (the step
+# followed an idle wait) and ``features`` (the step's cost-model features). ``read_steps`` reads it
+# while the server writes (whole lines only).
+#
+# ``speed_vs_profile`` is what ``bench fidelity --workload conv-llm`` prints beside each load point: the
+# logged steps' seconds over what the profile (step model and serving path) predicts for the same step
+# shapes. It reports how fast the machine ran against its profile; nothing is fitted on it.
+# ``speed_by_seqs`` splits it by sequences per step: the forward against the profile's forward factor
+# (``step_alpha`` and the factor of its count of sequences, or its prefill factor) times the step's
+# price (``sim.llm.StepPricer``), and the rest of the step against the serving path's
+# overhead line, where they part.
+# ``python -m batchpilot.bench.llm_fidelity OUT [PROFILE] [--by-count] [--by-kind]`` prints it for a ``bench
+# fidelity --workload conv-llm`` output folder (its ``steps.jsonl``, every logged step, against
+# ``PROFILE``, by default the ``llm_profile.json`` the command wrote there); ``--by-count`` splits it by
+# each count of sequences from 1 to 32 (steps of more in one row), ``--by-kind`` into decode-only steps
+# and steps with a prefill chunk, the two kinds whose forward the profile prices apart.
+
+@dataclass(frozen=True)
+class LoggedStep:
+    start: float
+    wall_s: float
+    forward_s: float
+    seqs: int
+    after_idle: bool
+    features: dict[str, float]
+
+
+def read_steps(path: str | Path, offset: int = 0) -> tuple[list[LoggedStep], int]:
+    """Steps logged from byte ``offset`` on (whole lines only: the server may be writing one now), and
+    the offset to read from next."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        data = f.read()
+    end = data.rfind(b"\n") + 1
+    steps = []
+    for line in data[:end].splitlines():
+        if line.strip():
+            d = json.loads(line)
+            steps.append(LoggedStep(float(d["start"]), float(d["wall_s"]), float(d["forward_s"]),
+                                    int(d["seqs"]), bool(d["after_idle"]),
+                                    {k: float(v) for k, v in d["features"].items()}))
+    return steps, offset + end
+
+
+def speed_vs_profile(profile: CostModel, steps: Sequence[LoggedStep],
+                     frontend: LLMFrontEnd | None = None) -> float:
+    """The logged steps' seconds over the profile's for the same step shapes, minus 1 (+0.05: the steps
+    took 5% longer than profiled); NaN without steps. With ``frontend`` (the profile's serving path),
+    against what the simulator prices a step at, ``frontend.step_seconds``, and a step's seconds are the
+    interval to the next step's start while the engine went straight on (its own ``wall_s`` before an
+    idle wait: ``sim.llm.step_cycles``, as the profile measured them); without, ``wall_s``
+    against the bare step model; both priced by ``StepPricer``."""
+    if not steps:
+        return math.nan
+    pricer = StepPricer(profile)
+    if frontend is None:
+        predicted = sum(pricer.latency(s.features) for s in steps)
+        took = sum(s.wall_s for s in steps)
+    else:
+        predicted = sum(frontend.step_seconds(pricer.latency(s.features), s.seqs, is_prefill(s))
+                        for s in steps)
+        took = float(step_cycles([s.start for s in steps], [s.wall_s for s in steps],
+                                 [s.after_idle for s in steps]).sum())
+    return took / predicted - 1.0 if predicted > 0 else math.nan
+
+
+def is_prefill(step: LoggedStep) -> bool:
+    """Whether the step carried a prefill chunk (its forward is priced by ``prefill_factor``)."""
+    return step.features.get("prefill_tokens", 0.0) > 0
+
+
+SEQS_BINS = ((1, 1), (2, 3), (4, 7), (8, 15), (16, 31), (32, 10**9))
+
+
+def speed_by_seqs(profile: CostModel, steps: Sequence[LoggedStep], frontend: LLMFrontEnd,
+                  bins: Sequence[tuple[int, int]] = SEQS_BINS,
+                  prefill: bool | None = None) -> list[tuple[str, int, float, float]]:
+    """Per bin of sequences per step (``bins``: ``(lo, hi)`` both included, default ``SEQS_BINS``; bins
+    without steps left out): ``(label, steps, forward, overhead)``, ``forward`` the steps'
+    ``forward_s`` over ``frontend.forward_factor`` (the speed under load, per count of sequences and
+    kind of step) times ``StepPricer``'s prediction, minus 1, ``overhead`` the rest of their cycle
+    (``step_cycles`` less the forward) over ``step_const_s + step_per_seq_s * seqs``, minus 1 (NaN
+    where that line is 0). ``prefill``: only the steps with a prefill chunk (True) or only the
+    decode-only ones (False); every step's cycle is still its interval to the next logged step."""
+    if not steps:
+        return []
+    seqs = np.array([s.seqs for s in steps])
+    fwd = np.array([s.forward_s for s in steps])
+    pricer = StepPricer(profile)
+    pred = np.array([pricer.latency(s.features) * frontend.forward_factor(s.seqs, is_prefill(s))
+                     for s in steps])
+    cycles = step_cycles([s.start for s in steps], [s.wall_s for s in steps], [s.after_idle for s in steps])
+    rest = cycles - fwd
+    line = frontend.step_const_s + frontend.step_per_seq_s * seqs
+    out = []
+    kind = np.array([prefill is None or is_prefill(s) == prefill for s in steps])
+    for lo, hi in bins:
+        m = (seqs >= lo) & (seqs <= hi) & kind
+        if not m.any():
+            continue
+        label = str(lo) if lo == hi else (f"{lo}-{hi}" if hi < 10**9 else f"{lo}+")
+        over = float(rest[m].sum() / line[m].sum() - 1.0) if line[m].sum() > 0 else math.nan
+        out.append((label, int(m.sum()), float(fwd[m].sum() / pred[m].sum() - 1.0), over))
+    return out
+
+
+def format_by_seqs(rows: Sequence[tuple[str, int, float, float]]) -> str:
+    return "; ".join(f"{label}: forward {f:+.1%}, overhead {o:+.1%} ({n})" for label, n, f, o in rows)
+
+
+def steps_main(argv: Sequence[str] | None = None) -> int:
+    """Print ``speed_by_seqs`` for a ``bench fidelity --workload conv-llm`` output folder (and the profile
+    it ran with, when it was given one with ``--profile``)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    by_count, by_kind = "--by-count" in args, "--by-kind" in args
+    args = [a for a in args if a not in ("--by-count", "--by-kind")]
+    if len(args) not in (1, 2):
+        print("usage: python -m batchpilot.bench.llm_fidelity OUT [PROFILE] [--by-count] [--by-kind]  "
+              "(OUT: a "
+              "bench fidelity --workload conv-llm folder; PROFILE: the LLM profile it ran with, "
+              "OUT/llm_profile.json by default; --by-count: each count of sequences per step apart; "
+              "--by-kind: decode-only steps and steps with a prefill chunk apart)")
+        return 2
+    out = Path(args[0])
+    profile = Path(args[1]) if len(args) == 2 else out / "llm_profile.json"
+    for path in (profile, out / "steps.jsonl"):
+        if not path.is_file():
+            print(f"llm_steps: {path} does not exist (with bench fidelity --profile P, pass P as PROFILE)")
+            return 2
+    steps = read_steps(out / "steps.jsonl")[0]
+    bins = [(k, k) for k in range(1, 33)] + [(33, 10**9)] if by_count else SEQS_BINS
+    model, frontend = CostModel.load(profile), LLMFrontEnd.from_profile(profile)
+    kinds: list[tuple[str, bool | None]] = [("", None)]
+    if by_kind:  # the two kinds the forward is priced apart (sim.llm)
+        kinds = [("decode-only ", False), ("with a prefill chunk ", True)]
+    for name, kind in kinds:
+        count = sum(kind is None or is_prefill(s) == kind for s in steps)
+        print(f"{count} {name}engine steps against {profile}, by sequences per step:")
+        for label, n, f, o in speed_by_seqs(model, steps, frontend, bins, kind):
+            print(f"  {label:>6} seqs  {n:7d} steps  forward {f:+7.1%}  overhead {o:+7.1%}")
+    return 0
+
+
+
+
+# The LLM fidelity check's tables: the prediction against the live run, and the live run against itself.
+
+TARGETS = {"TTFT": 0.10, "TPOT": 0.10, "output": 0.05}
+METRICS = ("TTFT P50 ms", "TTFT P99 ms", "TPOT P50 ms", "TPOT P99 ms", "output tok/s")
+HEAD = ["load", "rate scale", "metric", "predicted", "measured", "error", "target", "within",
+        "speed vs profile", "speed checked before", "error of the profile alone"]
+REPEAT_HEAD = ["load", "metric", "live", "live again", "difference", "within target", "speed vs profile"]
+
+
+def _values(s: Summary) -> list[float]:
+    """A run's value of each of ``METRICS``, in seconds for the latencies."""
+    return [s.ttft.get("p50", math.nan), s.ttft.get("p99", math.nan), s.tpot.get("p50", math.nan),
+            s.tpot.get("p99", math.nan), s.output_tokens_per_s]
+
+
+def comparison_rows(load: float, k: float, pred: Summary, rejected_pred: int, meas: Summary,
+                    speed: float, checked: float = math.nan,
+                    alone: tuple[Summary, int] | None = None) -> list[list[Any]]:
+    """Predicted vs measured with targets: TTFT and TPOT 10%, output tokens/s 5%, rejected within 10%
+    or 5 requests; every row of the point carries its speed vs profile, the speed the recheck before
+    the point measured (``pred`` is made at it) and the error of ``alone``, the prediction from the
+    profile as it was (summary, rejected)."""
+    sp = f"{speed:+.1%}" if math.isfinite(speed) else "-"
+    ck = f"{checked:+.1%}" if math.isfinite(checked) else "-"
+    first = _values(alone[0]) if alone else [math.nan] * 5
+    rows: list[list[Any]] = []
+    for metric, p, m, f in zip(METRICS, _values(pred), _values(meas), first, strict=True):
+        unit = 1.0 if metric == "output tok/s" else 1e3
+        e, target, ef = _err(p, m), TARGETS[metric.split()[0]], _err(f, m)
+        rows.append([f"{load:.0%}", f"{k:.3f}", metric, f"{p * unit:.2f}", f"{m * unit:.2f}",
+                     f"{e:+.1%}" if math.isfinite(e) else "-", f"{target:.0%}",
+                     "yes" if within_target(metric, p, m, TARGETS) else "no", sp, ck,
+                     f"{ef:+.1%}" if math.isfinite(ef) else "-"])
+    rejected = meas.num_requests - meas.num_ok
+    ok = within_target("rejected", rejected_pred, rejected)
+    rows.append([f"{load:.0%}", f"{k:.3f}", "rejected", str(rejected_pred), str(rejected),
+                 f"{rejected_pred - rejected:+d}", "10% or 5", "yes" if ok else "no", sp, ck,
+                 f"{alone[1] - rejected:+d}" if alone else "-"])
+    return rows
+
+
+def repeat_rows(load: float, first: Summary, again: Summary, speeds: tuple[float, float]) -> list[list[Any]]:
+    """The same rows replayed again on the same server, scored against the first replay under the
+    prediction's targets (``bench fidelity --live-repeats``): how often the live run meets them against
+    itself, back to back, which bounds how often a prediction made before the run can. ``speeds``: each
+    replay's steps against the profile."""
+    sp = " / ".join(f"{s:+.1%}" if math.isfinite(s) else "-" for s in speeds)
+    rows: list[list[Any]] = []
+    for metric, a, b in zip(METRICS, _values(first), _values(again), strict=True):
+        unit = 1.0 if metric == "output tok/s" else 1e3
+        e = _err(b, a)
+        rows.append([f"{load:.0%}", metric, f"{a * unit:.2f}", f"{b * unit:.2f}",
+                     f"{e:+.1%}" if math.isfinite(e) else "-",
+                     "yes" if within_target(metric, b, a, TARGETS) else "no", sp])
+    r1, r2 = first.num_requests - first.num_ok, again.num_requests - again.num_ok
+    rows.append([f"{load:.0%}", "rejected", str(r1), str(r2), f"{r2 - r1:+d}",
+                 "yes" if within_target("rejected", r2, r1) else "no", sp])
+    return rows
+
 
 DEFAULT_REQUESTS = 200
 
@@ -66,9 +278,9 @@ def engine_config_and_profile(out: Path, spec: Any, profile: str | None, cpus: s
                               model: str | None = None) -> tuple[LLMSchedulerConfig, CostModel, LLMFrontEnd]:
     """The scheduler config of the engine ``serve --llm`` builds from ``spec``, and the step cost model:
     loaded from ``profile``, or profiled here on that engine's runner (on ``cpus``, as the server runs),
-    and the serving path around it (``server.llm_serving_profile``; nothing added when the profile lacks it).
+    and the serving path around it (``profile.llm``; nothing added when the profile lacks it).
     """
-    from batchpilot.runtime.llm_engine import build_llm_engine
+    from batchpilot.runtime.llm.build import build_llm_engine
 
     saved = os.sched_getaffinity(0) if cpus and hasattr(os, "sched_getaffinity") else None
     if saved is not None:
@@ -83,8 +295,7 @@ def engine_config_and_profile(out: Path, spec: Any, profile: str | None, cpus: s
             cost_model = CostModel.load(profile)
             frontend = LLMFrontEnd.from_profile(profile)
         else:
-            from batchpilot.models.llm.profile import profile_llm_steps
-            from batchpilot.models.llm.profile_cli import serving_path
+            from batchpilot.profile.llm import profile_llm_steps, serving_path
 
             print("profiling LLM steps (models.llm.profile.profile_llm_steps) ...", flush=True)
             cost_model = profile_llm_steps(engine.runner)
@@ -140,8 +351,8 @@ def _replay(plan: Any, config: LoadGenConfig, step_log: Path, label: str) -> tup
 
 def main(args: argparse.Namespace) -> int:
     from batchpilot.bench.serverproc import cores, pin_load_generator
-    from batchpilot.config_file import deployment_flags, spec_from_args
-    from batchpilot.sim.workloads import load_workload
+    from batchpilot.settings import deployment_flags, spec_from_args
+    from batchpilot.sim.traces import load_workload
 
     def opt(name: str, default: Any = None) -> Any:  # the shared options may be absent
         return getattr(args, name, default)
@@ -252,3 +463,7 @@ def main(args: argparse.Namespace) -> int:
                           sections=[("LLM fidelity: predicted vs measured", html_table(HEAD, rows))])
     print(f"fidelity.json and {report} written to {out}/ in {time.monotonic() - t0:.0f} s")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(steps_main())

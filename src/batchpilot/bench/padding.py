@@ -33,12 +33,12 @@ from typing import Any
 
 import numpy as np
 
+from batchpilot.core.batch import Batch
 from batchpilot.core.bucketing import Bucketer
 from batchpilot.core.config import BucketingConfig, PlannerConfig
 from batchpilot.core.costmodel import BatchShape, CostModel, ProfilePoint
 from batchpilot.core.planner import BatchPlanner
 from batchpilot.core.request import Request
-from batchpilot.core.scheduler import Batch
 
 MAX_LEN = 512
 GRID_LENGTHS = (4, 8, 16, 32, 64, 128, 256, 384, 512)
@@ -142,7 +142,8 @@ def fit_cost_model(grid: dict[tuple[int, int], float]) -> CostModel:
 
 
 def padding_section(executor: Any, args: argparse.Namespace) -> dict[str, Any]:
-    from batchpilot.sim.workloads import load_workload, texts_for_lengths
+    from batchpilot.sim.texts import texts_for_lengths
+    from batchpilot.sim.traces import load_workload
 
     wl = load_workload("conv-embed", start=args.start, count=args.requests)
     lengths = [int(x) for x in wl.input_tokens]

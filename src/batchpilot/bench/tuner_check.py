@@ -8,7 +8,7 @@
    The two forwards differ in more than their features count (one attention call per distinct length
    padding-free, one masked call per batch padded), so each config is priced, and served, with the
    profile of its own path. Then both are rechecked back to back (``batchpilot profile --recheck``,
-   ``models/speed_check.py``): each profile's own batches timed again and the file rescaled to the
+   ``profile/speed_check.py``): each profile's own batches timed again and the file rescaled to the
    machine's speed now, so the two price their configs at one look at the machine's speed, not at two
    moments minutes apart (``--no-speed-check``: as profiled). The rechecked files are what the tuner
    searches with and what the servers run.
@@ -43,15 +43,13 @@ from typing import Any
 import numpy as np
 
 from batchpilot.bench.capacity import CapacityConfig
-from batchpilot.bench.fidelity import load_workload
-from batchpilot.bench.fidelity_table import text_table
+from batchpilot.bench.fidelity import load_workload, run_profile, run_recheck, text_table
 from batchpilot.bench.interleave import interleaved_capacity
 from batchpilot.bench.loadgen import build_plan, load_tokenizer
-from batchpilot.bench.profile_run import run_profile, run_recheck
 from batchpilot.bench.serverproc import client_keepalive_s, pin_load_generator, serve
-from batchpilot.config_file import add_deployment_args, dump_spec, spec_from_args
 from batchpilot.core.costmodel import CostModel
-from batchpilot.sim.frontend import FrontEnd
+from batchpilot.settings import add_deployment_args, dump_spec, spec_from_args
+from batchpilot.sim.service import FrontEnd
 
 HEAD = ["tuner rank", "config", "kind", "profile", "predicted req/s", "live req/s", "live probes"]
 

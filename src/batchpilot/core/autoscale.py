@@ -57,8 +57,6 @@ from dataclasses import dataclass, fields
 
 from batchpilot.core.scheduler import BatchScheduler
 
-__all__ = ["AutoscaleConfig", "Autoscaler", "ReplicaSignal", "signal_of"]
-
 # W / target is a ratio of sums of floats: an exact multiple of the target may come out a hair above
 # it (2.0000000000000004) and must not ask for one more replica.
 _CEIL_SLACK = 1e-9

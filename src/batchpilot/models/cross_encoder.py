@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from batchpilot.core.scheduler import Batch
+from batchpilot.core.batch import Batch
 from batchpilot.models.device import HostToDevice, Staged, configure_threads, resolve_device
 from batchpilot.models.encoder import _FAIRSEQ_POSITIONS, DTYPES, _default_name, make_batch
 from batchpilot.models.tokens import TextTokenizer

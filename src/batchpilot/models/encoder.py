@@ -10,16 +10,20 @@
 
 The forward is the lean one (models/ragged.py's RaggedEncoder, else models/lean.py's LeanEncoder: same
 weights, less per-call overhead) when it supports the model and matches the HF forward on a probe batch at
-load time; otherwise HF's own (models/forward_choice.py). One lean object serves both the padded and the
+load time; otherwise HF's own (models/encoder.py). One lean object serves both the padded and the
 padding-free forward.
 ``Request.payload`` is the request's token-id list (with special tokens), made by ``tokenize``.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
+import statistics
+import time
 import warnings
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -34,12 +38,290 @@ import numpy as np
 import torch
 from transformers import AutoModel, AutoTokenizer
 
-from batchpilot.core.scheduler import Batch
+from batchpilot.core.batch import Batch
 from batchpilot.models.device import HostToDevice, Staged, configure_threads, resolve_device
-from batchpilot.models.forward_choice import ForwardChoice
 from batchpilot.models.pooling import PoolingConfig, pool
-from batchpilot.models.threads import ThreadPlan
 from batchpilot.models.tokens import TextTokenizer
+
+# How many intra-op threads a batch runs on, chosen by its size from a measurement on this machine.
+#
+#     choose_thread_plan(run_tokens, cores) -> ThreadPlan     measured (the executor's forward at each count)
+#     ThreadPlan.threads_for(tokens) -> int                    the count for a batch of ``tokens``
+#     ThreadPlan.apply(tokens)                                 sets torch's pool for the calling thread
+#
+# More threads are not always faster. On small batches an intra-op pool pays a wake-up and a barrier per
+# op, on a virtual machine an idle vCPU can be slow to wake, and the two-thread time of a small batch
+# moves with what else runs on the other core (the front end, the load generator). Whether a second
+# thread pays on a lone short input, and from what batch size on, differs between machines (even VMs
+# sold as the same CPU): it is measured, never assumed (``benchmarks/threads.py`` prints this machine's).
+#
+# The plan: probe shapes from a lone short input to a large batch, each timed at every candidate count
+# (1, then doubling, up to ``cores``; the counts interleaved, median of ``repeats`` after a warm-up). A
+# shape's choice is the fewest threads within ``margin`` of the fastest (fewer threads leave cores to
+# the front end); a batch uses the choice of the largest probe shape not larger than it, and choices
+# never fall as batches grow.
+# ``batchpilot profile`` stores the plan in the profile (``to_json``) and ``serve --profile`` runs that
+# plan, so the profile's prices are the server's; an explicit ``--threads N`` fixes the count instead.
+
+PROBE_SHAPES = ((1, 16), (1, 64), (1, 160), (2, 160), (4, 128), (8, 128))  # (batch, tokens): 16..1024
+MARGIN = 0.05
+
+
+@dataclass(frozen=True)
+class ThreadPlan:
+    """``steps``: (min_tokens, threads), min_tokens ascending from 0, threads non-decreasing."""
+
+    steps: tuple[tuple[int, int], ...]
+    # probe tokens -> {threads: ms}
+    measured: dict[int, dict[int, float]] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.steps or self.steps[0][0] != 0:
+            raise ValueError(f"a thread plan starts at 0 tokens: {self.steps}")
+        if any(t < 1 for _, t in self.steps):
+            raise ValueError(f"a thread plan's counts are >= 1: {self.steps}")
+        if any(b[0] <= a[0] or b[1] < a[1] for a, b in zip(self.steps, self.steps[1:], strict=False)):
+            raise ValueError("a thread plan's steps ascend in tokens and never fall in threads: "
+                             f"{self.steps}")
+
+    @classmethod
+    def fixed(cls, threads: int) -> ThreadPlan:
+        return cls(((0, int(threads)),))
+
+    @property
+    def max_threads(self) -> int:
+        return self.steps[-1][1]
+
+    def threads_for(self, tokens: int) -> int:
+        out = self.steps[0][1]
+        for lo, threads in self.steps:
+            if tokens < lo:
+                break
+            out = threads
+        return out
+
+    def apply(self, tokens: int) -> int:
+        """Set torch's intra-op pool (of the calling thread) for a batch of ``tokens``; returns the count."""
+        import torch
+
+        n = self.threads_for(tokens)
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+        return n
+
+    def describe(self) -> str:
+        if len(self.steps) == 1:
+            return f"{self.steps[0][1]} threads"
+        parts = [f"{t} from {lo} tokens" if lo else f"{t}" for lo, t in self.steps]
+        return "threads by batch tokens: " + ", ".join(parts)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"steps": [list(s) for s in self.steps],
+                "measured_ms": {str(k): {str(t): round(ms, 3) for t, ms in v.items()}
+                                for k, v in self.measured.items()}}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ThreadPlan:
+        measured = {int(k): {int(t): float(ms) for t, ms in v.items()}
+                    for k, v in (data.get("measured_ms") or {}).items()}
+        return cls(tuple((int(lo), int(t)) for lo, t in data["steps"]), measured)
+
+
+def candidate_counts(cores: int) -> list[int]:
+    out, n = [], 1
+    while n < cores:
+        out.append(n)
+        n *= 2
+    return [*out, max(int(cores), 1)]
+
+
+def plan_from_times(times: dict[int, dict[int, float]], margin: float = MARGIN) -> ThreadPlan:
+    """The plan from measured ms per (batch tokens, threads): the pure half of ``choose_thread_plan``."""
+    steps: list[tuple[int, int]] = []
+    for tokens in sorted(times):
+        by = times[tokens]
+        best = min(by.values())
+        pick = min(t for t, ms in by.items() if ms <= best * (1.0 + margin))
+        pick = max(pick, steps[-1][1] if steps else 1)
+        if not steps:
+            steps.append((0, pick))
+        elif pick > steps[-1][1]:
+            steps.append((tokens, pick))
+    return ThreadPlan(tuple(steps) or ((0, 1),), dict(times))
+
+
+def choose_thread_plan(run: Callable[[int, int], None], cores: int, repeats: int = 2,
+                       shapes: tuple[tuple[int, int], ...] = PROBE_SHAPES,
+                       max_length: int = 512) -> ThreadPlan:
+    """Time ``run(batch, tokens)`` (one forward of ``batch`` inputs of ``tokens`` tokens each) at each
+    candidate thread count; the plan the times give (``plan_from_times``). One core: 1 thread, unmeasured."""
+    import torch
+
+    counts = candidate_counts(cores)
+    if counts == [1]:
+        return ThreadPlan.fixed(1)
+    times: dict[int, dict[int, float]] = {}
+    try:
+        for n, length in shapes:
+            length = min(length, max_length)
+            samples: dict[int, list[float]] = {t: [] for t in counts}
+            for r in range(repeats + 1):  # the counts interleaved; round 0 warms each up
+                for threads in counts:
+                    torch.set_num_threads(threads)
+                    t0 = time.perf_counter()
+                    run(n, length)
+                    if r:
+                        samples[threads].append(time.perf_counter() - t0)
+            times[n * length] = {t: statistics.median(s) * 1e3 for t, s in samples.items()}
+    finally:
+        torch.set_num_threads(max(counts))
+    return plan_from_times(times)
+
+
+def plan_for(executor: Any, num_threads: int | None, plan: ThreadPlan | None = None) -> ThreadPlan:
+    """The plan ``executor`` runs: ``num_threads`` fixed when given, else ``plan`` (a profile's), else
+    measured now on the executor's own padding-free (or padded) forward."""
+    if num_threads is not None:
+        return ThreadPlan.fixed(num_threads)
+    fixed = ThreadPlan.fixed(int(getattr(executor, "num_threads", 1) or 1))
+    if getattr(executor, "backend", "torch") != "torch" or getattr(executor.device, "type", "cpu") != "cpu":
+        return fixed  # onnxruntime sizes its pool once; on a GPU the host threads do not run the forward
+    if plan is not None:
+        return plan
+    from batchpilot.models.device import available_cores
+
+    padding = "none" if getattr(executor, "supports_padding_free", lambda: False)() else "dynamic"
+    row_id = int(getattr(executor, "pad_id", 0) or 0) + 1000
+
+    def run(n: int, length: int) -> None:
+        executor.run(executor.prepare(make_batch([[row_id] * length] * n, padding, executor.max_length)))
+
+    executor.threads = None  # while measuring, each forward runs on the count the probe set
+    return choose_thread_plan(run, available_cores(), max_length=int(executor.max_length))
+
+
+# Which forward an ``EncoderExecutor`` runs, and the padding-free one: a mixin of the executor.
+#
+# The lean forward (``models/ragged.py``'s ``RaggedEncoder``, else ``models/lean.py``'s ``LeanEncoder``)
+# copies the HF weights into plain tensors and skips HF's per-call overhead. It is kept only when it
+# matches HF's own forward on a seeded mixed-length probe batch, collated as ``prepare`` would collate
+# it; otherwise the executor warns and runs HF. The padding-free path (padding "none") needs the ragged
+# encoder: the lean one when it is ragged (one weight copy serves both forwards), else one built for it.
+
+class ForwardChoice:
+    """The forward-choice half of ``EncoderExecutor``; the executor provides the attributes below."""
+
+    model: Any
+    model_name: str
+    pooling: PoolingConfig
+    config: Any
+    vocab_size: int
+    lean: Any
+    _ragged: Any
+    _lean_takes_positions: bool
+    _h2d: Any
+
+    def _collate(self, ids: list[list[int]], width: int) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def _hidden(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _load_lean(self) -> Any:
+        """The lean forward (models/ragged.py's RaggedEncoder, which is also the padding-free one, else
+        models/lean.py's LeanEncoder), kept only if it matches HF on a mixed-length probe batch."""
+        kwargs = {"pooling": self._simple_pooling() or "mean", "normalize": self.pooling.normalize}
+        lean: Any = None
+        try:
+            from batchpilot.models.ragged import RaggedEncoder
+
+            lean = RaggedEncoder.from_hf(self.model, **kwargs)
+        except ImportError:
+            pass
+        except (ValueError, AttributeError) as exc:
+            warnings.warn(f"lean forward unavailable for {self.model_name} ({exc}); using HF", stacklevel=2)
+            return None
+        if lean is None:
+            try:
+                from batchpilot.models.lean import LeanEncoder
+
+                lean = LeanEncoder.from_hf(self.model, **kwargs)
+            except (ImportError, ValueError, AttributeError) as exc:
+                warnings.warn(f"lean forward unavailable for {self.model_name} ({exc}); using HF",
+                              stacklevel=2)
+                return None
+        self._lean_takes_positions = "position_ids" in inspect.signature(lean.hidden_padded).parameters
+        diff = self._probe(lean)
+        tol = 1e-4 if self.config.dtype == "float32" else 5e-2
+        if diff > tol:
+            warnings.warn(f"lean forward differs from HF by {diff:.2e} on {self.model_name}; using HF",
+                          stacklevel=2)
+            return None
+        return lean
+
+    def _probe(self, lean: Any) -> float:
+        """Max |difference| of the real tokens' last hidden states, lean vs HF, on a seeded mixed batch
+        collated exactly as ``prepare`` would (so left padding is probed with its position ids)."""
+        gen = torch.Generator().manual_seed(0)
+        high = min(self.vocab_size, 2000)
+        ids = [torch.randint(min(1000, high - 1), high, (n,), generator=gen).tolist() for n in (5, 17, 3)]
+        t = self._h2d.stage(self._collate(ids, 17)).wait()
+        try:
+            with torch.inference_mode():
+                ref = self._hidden(t)  # self.lean is None while probing: this is HF's forward
+                self.lean = lean
+                got = self._hidden(t)
+        finally:
+            self.lean = None
+        m = t["attention_mask"].bool()
+        return float((ref[m].float() - got[m].float()).abs().max())
+
+    def _simple_pooling(self) -> str | None:
+        """The pooling the lean/ragged encoders do themselves (one of mean/cls), else None."""
+        modes = self.pooling.modes
+        return modes[0] if len(modes) == 1 and modes[0] in ("mean", "cls") else None
+
+    def supports_padding_free(self) -> bool:
+        """Whether padding 'none' can run on this model (BERT-family layouts and mean/CLS pooling do)."""
+        try:
+            self._ragged_encoder()
+        except (RuntimeError, ValueError, NotImplementedError, AttributeError, KeyError):
+            return False
+        return True
+
+    def _ragged_encoder(self) -> Any:
+        if self.config.dtype == "int8":
+            raise RuntimeError("padding 'none' needs the padding-free torch forward, which int8 (quantised "
+                               "HF linear layers) does not have; use padding 'dynamic' or 'bucket'")
+        if self._ragged is None:
+            if self.lean is not None and hasattr(self.lean, "hidden_ragged"):
+                self._ragged = self.lean  # one weight copy serves the padded and the padding-free forward
+            else:
+                try:
+                    from batchpilot.models.ragged import RaggedEncoder
+                except ImportError as exc:
+                    raise RuntimeError(
+                        "padding 'none' needs the padding-free encoder (batchpilot.models.ragged), which is "
+                        f"not available ({exc}); use padding 'dynamic' or 'bucket'"
+                    ) from exc
+                self._ragged = RaggedEncoder.from_hf(self.model, pooling=self._simple_pooling() or "mean",
+                                                     normalize=self.pooling.normalize)
+        return self._ragged
+
+    def _run_ragged(self, ids: list[list[int]]) -> torch.Tensor:
+        ragged = self._ragged_encoder()
+        if self._simple_pooling() is not None:
+            return ragged.forward(ids)  # pools (and normalises) on the packed tensor itself
+        # other pooling modes: re-pad the packed states (cheap next to the forward) and pool as usual
+        x, lengths = ragged.hidden_ragged(ids)
+        parts = torch.split(x, lengths)
+        padded = torch.nn.utils.rnn.pad_sequence(list(parts), batch_first=True)
+        mask = torch.zeros(padded.shape[:2], dtype=torch.int64, device=padded.device)
+        for i, n in enumerate(lengths):
+            mask[i, :n] = 1
+        return pool(padded, mask, self.pooling)
+
+
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 PRECISIONS = (*DTYPES, "int8")  # int8: fp32 weights with dynamic int8 linear layers (CPU)
@@ -110,7 +392,7 @@ class EncoderExecutor(ForwardChoice):
         self.model_path = path
         self.model_name = cfg.model_name or _default_name(path)
         self.num_threads = configure_threads(cfg.num_threads)
-        self.threads: ThreadPlan | None = None  # per-batch counts (models/threads.py); None: the pool as set
+        self.threads: ThreadPlan | None = None  # per-batch counts (models/encoder.py); None: the pool as set
         self.device = resolve_device(cfg.device)
         self.pooling = PoolingConfig.from_model_dir(path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)

@@ -103,7 +103,7 @@ def _embed(executor: Any, texts: list[str]) -> dict[str, np.ndarray]:
 
 def probe_ms(executor: Any, repeats: int = 3) -> float:
     """Milliseconds for the probe shapes, the median of ``repeats`` runs each after a warm-up."""
-    from batchpilot.models.profiler import measure
+    from batchpilot.profile.encoder import measure
 
     rng = random.Random(0)
     total = 0.0

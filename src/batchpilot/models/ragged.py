@@ -37,7 +37,6 @@ from batchpilot.models.lean import LeanEncoder, attention_width, padded_rows
 ATTENTIONS = ("auto", "loop", "group", "nested", "flash")
 # one attention group of the group strategy: (gather index, key mask, where): see _group_plan
 GroupPlan = tuple[torch.Tensor | None, torch.Tensor | None, Any]
-__all__ = ["ATTENTIONS", "RaggedEncoder", "padded_rows"]
 
 
 def _flash_varlen() -> Any:

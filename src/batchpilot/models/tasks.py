@@ -74,15 +74,14 @@ def load_model(path: str | None, name: str | None = None, task: str = "auto",
     embedding model runs at ``dtype`` as ``models.precision.choose_precision`` decides (``auto``:
     measured here, under the accuracy guard) on ``backend`` (torch, or onnx: ``models/onnx_encoder``,
     its export cached in ``cache_dir``); the report is the executor's ``precision``. Its intra-op
-    threads per batch are ``models.threads.plan_for``'s: ``num_threads`` fixed, else ``thread_plan`` (a
+    threads per batch are ``models.encoder.plan_for``'s: ``num_threads`` fixed, else ``thread_plan`` (a
     profile's), else measured here. Cross-encoders
     and classifiers run float32 on torch."""
     task = resolve_task(path, task)
     if task == "embed":
         from batchpilot.models.device import resolve_device
-        from batchpilot.models.encoder import EncoderConfig, EncoderExecutor
+        from batchpilot.models.encoder import EncoderConfig, EncoderExecutor, plan_for
         from batchpilot.models.precision import choose_precision
-        from batchpilot.models.threads import plan_for
 
         def load(d: str) -> Any:
             cfg = EncoderConfig(model_path=path, model_name=name, max_length=max_length,

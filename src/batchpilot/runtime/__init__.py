@@ -3,11 +3,10 @@
 Nothing here imports torch; the model executors live in ``batchpilot.models``.
 """
 
-from batchpilot.runtime.batcher import Batcher
+from batchpilot.runtime.batcher import Batcher, BatcherObserver
 from batchpilot.runtime.decorator import BatchedFunction, batch, make_config
 from batchpilot.runtime.errors import ExecutionError, ExecutorCrashed, RequestRejected
 from batchpilot.runtime.executor import AsyncCallableExecutor, CallableExecutor, Executor, NoopExecutor
-from batchpilot.runtime.observer import BatcherObserver
 
 __all__ = ["AsyncCallableExecutor", "BatchedFunction", "Batcher", "BatcherObserver", "CallableExecutor",
            "ExecutionError", "Executor", "ExecutorCrashed", "NoopExecutor", "RequestRejected", "batch",

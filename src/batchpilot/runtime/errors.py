@@ -9,7 +9,7 @@ instance itself is broken (e.g. a CUDA error) and must be recovered before anyth
 
 from __future__ import annotations
 
-from batchpilot.core.scheduler import Rejection, RejectReason
+from batchpilot.core.admission import Rejection, RejectReason
 
 
 class RequestRejected(Exception):

@@ -17,7 +17,7 @@ import asyncio
 import math
 from concurrent.futures import ThreadPoolExecutor
 
-from batchpilot.core.scheduler import Batch
+from batchpilot.core.batch import Batch
 
 
 class Slot:

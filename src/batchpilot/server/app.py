@@ -30,10 +30,9 @@ from pydantic import BaseModel
 from batchpilot.core.config import SchedulerConfig
 from batchpilot.core.costmodel import CostModel
 from batchpilot.core.rollout import RolloutSpec
-from batchpilot.runtime.batch_log import BatchLog
 from batchpilot.runtime.executor import Executor
-from batchpilot.server.arms import ArmedModel
-from batchpilot.server.arms_routes import arms_router
+from batchpilot.runtime.journal import BatchLog
+from batchpilot.server.arms import ArmedModel, arms_router
 from batchpilot.server.config import ServerConfig
 from batchpilot.server.embeddings import EmbeddingService
 from batchpilot.server.errors import install_error_handlers
@@ -41,13 +40,16 @@ from batchpilot.server.gc_pauses import GCPauses, freeze_heap
 from batchpilot.server.metrics import ModelLabels
 from batchpilot.server.middleware import RequestLifecycle
 from batchpilot.server.routing import TASK_ROUTES, ModelRoute, Models
-from batchpilot.server.schemas import EmbeddingRequest, EmbeddingResponse, Health, ModelCard, ModelList
-from batchpilot.server.scoring import ScoringService
-from batchpilot.server.scoring_schemas import (
+from batchpilot.server.schemas import (
     ClassifyRequest,
     ClassifyResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    Health,
+    ModelCard,
+    ModelList,
     RerankRequest,
     RerankResponse,
     ScoreRequest,
@@ -55,6 +57,7 @@ from batchpilot.server.scoring_schemas import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from batchpilot.server.scoring import ScoringService
 from batchpilot.server.service import ModelService
 
 log = logging.getLogger("batchpilot.server")

@@ -17,17 +17,20 @@ by hand).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from fastapi import Request
+from fastapi import APIRouter, Request
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from batchpilot.core.abtest import ArmSample, compare_arms
 from batchpilot.core.rollout import PRIMARY, ArmWindow, Outcome, Rollback, RolloutGuard, RolloutSpec, arm_for
+from batchpilot.server.errors import APIError
+from batchpilot.server.metrics import ModelLabels
 from batchpilot.server.service import ModelService
 
 log = logging.getLogger("batchpilot.server")
@@ -191,3 +194,103 @@ class ArmedModel:
 
 def _num(x: float) -> float | None:
     return None if x != x else x  # NaN -> null in JSON
+
+
+# The arms' routes (mounted when a model is served in arms; behind the API key like every route but
+# /health):
+#
+#     GET  /v1/arms                        every armed model: each arm's window (answers, P50, P99, error
+#                                          and rejection rates, batches, padding efficiency), each candidate
+#                                          compared with the primary (``core.abtest``), the rollbacks
+#     POST /v1/arms/{arm}/enable?model=M   take a rolled-back candidate back
+#     POST /v1/arms/{arm}/disable?model=M  roll a candidate back by hand
+#
+# ``model`` may be left out when one model is served in arms.
+
+def arms_router(models: Sequence[ArmedModel]) -> APIRouter:
+    """The routes over every model served in arms (the encoders' and the LLM's)."""
+    router = APIRouter()
+    by_name = {a.model_name: a for a in models}
+    one_at_a_time = asyncio.Lock()  # each status runs bootstraps: concurrent GETs queue, not pile up
+
+    def armed(model: str | None) -> ArmedModel:
+        if model is None:
+            if len(by_name) == 1:
+                return next(iter(by_name.values()))
+            raise APIError(400, f"give ?model=, one of {', '.join(by_name)}", param="model")
+        found = by_name.get(model)
+        if found is None:
+            raise APIError(404, f"{model!r} is not served in arms; these are: {', '.join(by_name)}",
+                           code="model_not_found", param="model")
+        return found
+
+    @router.get("/v1/arms")
+    async def arms_status() -> dict[str, Any]:
+        loop = asyncio.get_running_loop()  # the bootstrap takes a while: off the event loop
+        async with one_at_a_time:
+            status = [await loop.run_in_executor(None, a.status, a.windows()) for a in models]
+        return {"object": "list", "data": status}
+
+    async def change(arm: str, model: str | None, enable: bool) -> dict[str, Any]:
+        target = armed(model)
+        try:
+            changed = target.enable(arm) if enable else target.disable(arm)
+        except KeyError as exc:
+            raise APIError(404, str(exc.args[0]), code="arm_not_found", param="arm") from None
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="arm") from None
+        return {"model": target.model_name, "arm": arm, "changed": changed, "states": target.states()}
+
+    @router.post("/v1/arms/{arm}/enable")
+    async def enable(arm: str, model: str | None = None) -> dict[str, Any]:
+        return await change(arm, model, True)
+
+    @router.post("/v1/arms/{arm}/disable")
+    async def disable(arm: str, model: str | None = None) -> dict[str, Any]:
+        return await change(arm, model, False)
+
+    return router
+
+
+# The LLM served in arms: an engine per arm (each its own scheduler config, paged KV cache and engine
+# thread) over the same weights, assigned, compared and rolled back by the same ``ArmedModel`` as the
+# encoders' arms (``server/arms.py``).
+#
+#     arms = LLMArms([primary_engine, canary_engine], rollout)
+#     make_llm_router(primary_engine, registry, arms=arms)     # picks the arm of each request
+#
+# A request's outcome is recorded when its response starts: for a stream the time to its first token,
+# otherwise the whole answer. ``/v1/arms`` shows each arm's engine settings beside its KV use, KV
+# fragmentation, preemptions and queue, read from the engine when asked. Every LLM series carries
+# ``arm=<name>``; the arm series (share, rollbacks) carry ``model=<the LLM's name>``.
+
+def describe_engine(engine: Any) -> dict[str, Any]:
+    """An LLM arm's settings and its KV cache now, as ``/v1/arms`` shows them."""
+    c, s = engine.config, engine.stats()
+    return {"max_num_seqs": c.max_num_seqs, "max_num_batched_tokens": c.max_num_batched_tokens,
+            "num_kv_blocks": c.num_kv_blocks, "block_size": c.block_size, "policy": c.policy,
+            "enable_chunked_prefill": c.enable_chunked_prefill,
+            "enable_prefix_caching": c.enable_prefix_caching,
+            "kv_usage": s.kv_usage, "kv_fragmentation": s.fragmentation, "preemptions": s.num_preemptions,
+            "running": s.num_running, "waiting": s.num_waiting}
+
+
+class LLMArms:
+    def __init__(self, engines: Sequence[Any], rollout: RolloutSpec) -> None:
+        self.armed = ArmedModel(engines[0].model_name, engines, rollout, describe_engine)
+        self.registries = {name: CollectorRegistry() for name in self.armed.backends}
+
+    @property
+    def engines(self) -> dict[str, Any]:
+        return self.armed.backends
+
+    def register(self, registry: CollectorRegistry) -> dict[str, CollectorRegistry]:
+        """Show every arm's series on the server's ``registry``, labelled; each arm's own registry (its
+        ``LLMMetrics`` go there)."""
+        sources = [({"arm": name}, reg) for name, reg in self.registries.items()]
+        registry.register(ModelLabels([*sources, ({"model": self.armed.model_name}, self.armed.registry)]))
+        return self.registries
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        for engine in self.engines.values():
+            engine.shutdown(timeout)

@@ -4,7 +4,7 @@ arms' resolved by ``core.deployment.resolve_deployment``, and the LLM routes beh
 failover when ``--llm``.
 
 Cost model of each model, in order: its ``--profile`` (``CostModel.load``); else a brief bounded
-start-up profile of the loaded model (``models.profiler.profile_encoder``) unless
+start-up profile of the loaded model (``profile.encoder.profile_encoder``) unless
 ``--no-startup-profile``; else the stated default ``CostModel.default_cpu_minilm()``. The log says
 which was used.
 """
@@ -147,7 +147,7 @@ def profiled_threads(profiled: CostModel, dtype: str) -> Any:
     data = profiled.meta.get("thread_plan")
     if not data or (dtype != "auto" and profiled.meta.get("dtype", "float32") != dtype):
         return None
-    from batchpilot.models.threads import ThreadPlan
+    from batchpilot.models.encoder import ThreadPlan
 
     return ThreadPlan.from_json(data)
 
@@ -163,7 +163,7 @@ def with_fallback(executor: Any, warmup: bool = True) -> Any:
     cfg = executor.config
     if cfg.dtype == "float32" and getattr(executor, "forward_impl", "hf") != "lean":
         return executor  # it is the padded float32 path already (the lean forward off or not loaded)
-    from batchpilot.runtime.fallback_executor import FallbackExecutor
+    from batchpilot.runtime.executor import FallbackExecutor
 
     plain = EncoderExecutor(dataclasses.replace(cfg, dtype="float32", lean_forward=False))
     if warmup:  # its first batch would otherwise pay the cold start in the middle of an incident
@@ -193,7 +193,7 @@ def choose_cost_model(settings: ServerConfig, model: ModelSpec, executor: Any,
         return CostModel(latency_coef=(settings.noop_delay_s, 0.0, 0.0, 0.0), meta={"source": "noop"})
     if settings.startup_profile and not settings.noop:
         try:
-            from batchpilot.models.profiler import profile_encoder
+            from batchpilot.profile.encoder import profile_encoder
         except ImportError as exc:
             log.warning("cost model: start-up profiling unavailable (%s)", exc)
         else:
@@ -209,7 +209,7 @@ STARTUP_PROFILE = {"batch_sizes": (1, 8), "lengths": (16, 128, 512), "repeats": 
 
 
 def startup_profile(profile_encoder: Any, executor: Any, padding: str) -> CostModel:
-    """The encoder profile (`models.profiler.profile_encoder`) bounded to ~15 s, padded as served."""
+    """The encoder profile (`profile.encoder.profile_encoder`) bounded to ~15 s, padded as served."""
     model, points = profile_encoder(executor, padding="none" if padding == "none" else "dynamic",
                                     **STARTUP_PROFILE)
     log.info("cost model: start-up profile of %d shapes; batch 1 x 128 tokens predicted %.1f ms", len(points),
@@ -219,19 +219,15 @@ def startup_profile(profile_encoder: Any, executor: Any, padding: str) -> CostMo
 
 def _llm_router(settings: ServerConfig, spec: DeploymentSpec, rollout: RolloutSpec | None = None
                 ) -> tuple[Any, Any, list[Callable[[], Any]]]:
-    """The started engine behind its failover (``runtime/llm_failover.py``), a factory the app calls with
+    """The started engine behind its failover (``runtime/llm/failover.py``), a factory the app calls with
     its registry (``make_llm_router``), and what to run at shutdown, in order. With ``rollout``
     candidates, each is an engine of its own over the same weights (``llm_arms``), behind its own
     failover, its ``llm:`` settings where they differ from the primary's."""
-    from batchpilot.server import llm_routes  # lazy: the LLM stack loads only with --llm
-
-    build = getattr(llm_routes, "build_llm_engine", None)
-    if build is None:
-        from batchpilot.runtime.llm_engine import build_llm_engine as build
+    from batchpilot.runtime.llm.build import build_llm_engine as build
     extra = {"memory_profile": settings.llm_profile} if settings.llm_profile else {}
     engine = build(settings.llm_model, spec=spec, tokenizer_threads=settings.tokenizer_workers or 0,
                    threads=settings.num_threads or 0, **extra)
-    from batchpilot.runtime.llm_build import build_failover, build_llm_arm
+    from batchpilot.runtime.llm.build import build_failover, build_llm_arm
 
     fallback, stall_s = settings.llm_fallback, settings.llm_stall_timeout_s
     candidates = [build_failover(build_llm_arm(engine, **arm_overrides(spec, a.spec)), fallback, stall_s)
@@ -241,7 +237,7 @@ def _llm_router(settings: ServerConfig, spec: DeploymentSpec, rollout: RolloutSp
              "measured" if stall_s is None else f"{stall_s} s", fallback)
     hooks: list[Callable[[], Any]] = [engine.shutdown]
     if settings.llm_step_log:
-        from batchpilot.runtime.llm_engine import StepLog
+        from batchpilot.runtime.llm.engine import StepLog
 
         step_log = StepLog(settings.llm_step_log)
         engine.step_observers.append(step_log)
@@ -250,7 +246,7 @@ def _llm_router(settings: ServerConfig, spec: DeploymentSpec, rollout: RolloutSp
     log.info("llm: mounted the LLM routes (%s)", getattr(engine, "model_name", settings.llm_model))
     if not candidates:
         return engine, LLMRouter(engine, limits=settings.llm_limits), hooks
-    from batchpilot.server.llm_arms import LLMArms
+    from batchpilot.server.arms import LLMArms
 
     assert rollout is not None
     arms = LLMArms([engine, *candidates], rollout)
@@ -271,7 +267,7 @@ class LLMRouter:
         self.armed = [arms.armed] if arms is not None else []
 
     def __call__(self, registry: Any) -> Any:
-        from batchpilot.server.llm_routes import make_llm_router
+        from batchpilot.server.llm.routes import make_llm_router
 
         return make_llm_router(self.engine, registry, limits=self.limits, arms=self.arms)
 

@@ -11,7 +11,7 @@ Each ``--model`` is served with its own scheduler, slots and metrics (label ``mo
 single ``--task`` or ``--profile`` with several models is refused: say it for each).
 
 Cost model of each model, in order: its ``--profile`` (``CostModel.load``); else a brief bounded
-start-up profile of the loaded model (``models.profiler.profile_encoder``) unless
+start-up profile of the loaded model (``profile.encoder.profile_encoder``) unless
 ``--no-startup-profile``; else the stated default ``CostModel.default_cpu_minilm()``. The log says
 which was used. The API key may also come from ``$BATCHPILOT_API_KEY`` (keeps it out of the process
 list).
@@ -25,18 +25,19 @@ import os
 import sys
 from typing import Any
 
-from batchpilot.config_file import (
-    add_deployment_args,
-    add_llm_args,
-    add_precision_args,
-    add_rollout_args,
-    rollout_from_args,
-    spec_from_args,
-)
 from batchpilot.core.deployment import DeploymentSpec
 from batchpilot.server.build import build_app
 from batchpilot.server.config import TASKS, ModelSpec, ServerConfig
-from batchpilot.server.llm_limit_flags import add_llm_limit_args, llm_limits_from_args
+from batchpilot.settings import (
+    add_deployment_args,
+    add_llm_args,
+    add_llm_limit_args,
+    add_precision_args,
+    add_rollout_args,
+    llm_limits_from_args,
+    rollout_from_args,
+    spec_from_args,
+)
 
 log = logging.getLogger("batchpilot.server")
 
@@ -53,7 +54,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-length", type=int, default=None, help="max tokens per input (default: model limit)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads, fixed (default: per batch, as the profile's or a start-up "
-                   "measurement's thread plan says; models/threads.py)")
+                   "measurement's thread plan says; models/encoder.py)")
     add_deployment_args(p)
     add_precision_args(p)
     add_rollout_args(p)
@@ -131,7 +132,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--log-format", default="text", choices=("text", "json"),
                    help="json: one JSON object per line (time, level, logger, message, exc_info)")
     p.add_argument("--access-log", action="store_true", help="log every request (off: it costs throughput)")
-    from batchpilot.server.ray_app import add_ray_args  # --ray: flags only; ray itself loads with --ray
+    from batchpilot.server.ray.app import add_ray_args  # --ray: flags only; ray itself loads with --ray
 
     add_ray_args(p)
     p.set_defaults(func=run)
@@ -140,12 +141,12 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from batchpilot.server import lifecycle, logs
 
-    if getattr(args, "ray", False):  # the same app, as a Ray Serve deployment (server/ray_app.py)
-        from batchpilot.server.ray_app import run_ray
+    if getattr(args, "ray", False):  # the same app, as a Ray Serve deployment (server/ray/app.py)
+        from batchpilot.server.ray.app import run_ray
 
         return run_ray(args)
     logs.configure(args.log_level, args.log_format)
-    from batchpilot.core.kv_plan import KVPlanError
+    from batchpilot.core.llm.config import KVPlanError
 
     try:  # a setting that cannot work: its message says what to change, no traceback
         spec = spec_from_args(args)
@@ -155,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         app = build_app(settings, spec, rollout_from_args(args, spec))
-    except KVPlanError as exc:  # the LLM's memory plan (core/kv_plan.py)
+    except KVPlanError as exc:  # the LLM's memory plan (core/llm/config.py)
         print(f"batchpilot serve: {exc}", file=sys.stderr)
         return 2
     if settings.host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:

@@ -1,14 +1,14 @@
 """Server settings: what the HTTP layer needs (where to bind, what to load, the guards).
 
 What the server decides about requests lives in the deployment (``core.deployment``, read from the
-config file by ``config_file``), not here.
+config file by ``settings``), not here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from batchpilot.server.llm_limits import LLMLimits
+from batchpilot.server.llm.schemas import LLMLimits
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # 2048 inputs of a few KB of text each
 TASKS = ("auto", "embed", "score", "classify")

@@ -21,7 +21,7 @@ from fastapi.responses import Response
 
 from batchpilot.core.config import SchedulerConfig
 from batchpilot.core.costmodel import CostModel
-from batchpilot.runtime.execution import StageTimes
+from batchpilot.runtime.batcher import StageTimes
 from batchpilot.runtime.executor import Executor
 from batchpilot.server import vectors
 from batchpilot.server.config import ServerConfig

@@ -3,7 +3,7 @@
     sock, port = bound_socket()
     with in_thread(app, sock, "name") as url: ...      # drained and joined on exit
 
-The profiles' serving-path measurements (``server/serving_profile.py``, ``server/llm_serving_profile.py``)
+The profiles' serving-path measurements (``profile/serving.py``, ``profile/llm.py``)
 run the real app this way, in the profiling process.
 """
 

@@ -41,9 +41,10 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import Metric
 
+from batchpilot.core.admission import RejectReason
+from batchpilot.core.batch import Batch
 from batchpilot.core.request import Request
-from batchpilot.core.scheduler import Batch, RejectReason
-from batchpilot.runtime.observer import BatcherObserver
+from batchpilot.runtime.batcher import BatcherObserver
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.35, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0,
                    10.0)
@@ -117,14 +118,14 @@ class ServerMetrics(BatcherObserver):
         self.in_progress.set_function(lambda: scheduler.num_requests)
 
     def bind_fallback(self, executor: Any) -> None:
-        """The fallback executor's state (``runtime/fallback_executor.py``), read at scrape time."""
+        """The fallback executor's state (``runtime/executor.py``), read at scrape time."""
         Gauge("batchpilot_executor_fallback_active", "1 while batches run on the padded float32 fallback",
               registry=self.registry).set_function(lambda: float(executor.fallback_active))
         Gauge("batchpilot_executor_fallback_batches", "Batches the fallback path ran since start",
               registry=self.registry).set_function(lambda: executor.num_fallback_batches)
 
     def bind_watchdog(self, watchdog: Any) -> None:
-        """The Batcher watchdog's stalls (``runtime/batcher_watchdog.py``), read at scrape time."""
+        """The Batcher watchdog's stalls (``runtime/batcher.py``), read at scrape time."""
         Gauge("batchpilot_executor_stalls", "Batches that ran past the stall bound since start",
               registry=self.registry).set_function(lambda: watchdog.num_stalls)
         Gauge("batchpilot_executor_stalled", "1 while a batch is past the stall bound",

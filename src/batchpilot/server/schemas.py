@@ -87,3 +87,122 @@ class Health(BaseModel):
     pending: int
     arms: dict[str, dict[str, str]] | None = Field(
         default=None, description="models served in arms: each arm's state (serving, rolled_back)")
+
+
+# Request and response bodies of the scoring, classification and tokenizer routes (pydantic v2).
+#
+#     POST /v1/rerank      RerankRequest    -> RerankResponse    (the Cohere / Jina / vLLM body)
+#     POST /v1/score       ScoreRequest     -> ScoreResponse     (vLLM's text_1 / text_2)
+#     POST /v1/classify    ClassifyRequest  -> ClassifyResponse  (vLLM's)
+#     POST /tokenize       TokenizeRequest  -> TokenizeResponse  (vLLM's)
+#     POST /detokenize     DetokenizeRequest -> DetokenizeResponse
+#
+# Strict like the embeddings body: texts are strings, never coerced. ``priority``, ``deadline_ms`` and
+# ``truncate`` are batchpilot extensions, as on ``/v1/embeddings`` (and the ``X-Priority`` /
+# ``X-Deadline-Ms`` headers); the number of pairs or inputs is bounded by the server's ``max_inputs``.
+
+
+
+class _Scheduling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = Field(default=None, description="the served model's name (GET /v1/models)")
+    priority: int | None = Field(default=None, ge=-PRIORITY_MAX, le=PRIORITY_MAX,
+                                 description="lower is served first; 0 is the default class")
+    deadline_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False,
+                                      description="latency budget from receipt; infeasible -> 429")
+    truncate: bool = Field(default=False, description=(
+        "cut inputs longer than the model's limit (pairs: the longer side first); otherwise 400"))
+
+
+class RerankRequest(_Scheduling):
+    query: StrictStr
+    documents: _Texts = Field(description="the texts to rank against the query")
+    top_n: int | None = Field(default=None, ge=1, description="return the best N (default: all)")
+    return_documents: bool = Field(default=True, description="echo each document's text")
+
+
+class RerankDocument(BaseModel):
+    text: str
+
+
+class RerankResult(BaseModel):
+    index: int
+    relevance_score: float
+    document: RerankDocument | None = None
+
+
+class RerankUsage(BaseModel):
+    total_tokens: int
+
+
+class RerankResponse(BaseModel):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult] = Field(description="best first; index is the document's position")
+
+
+class ScoreRequest(_Scheduling):
+    text_1: StrictStr | _Texts = Field(description="one text (scored against every text_2) or a list")
+    text_2: StrictStr | _Texts = Field(description="one text, or a list as long as text_1 (pairwise)")
+
+
+class ScoreData(BaseModel):
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[ScoreData] = Field(description="in input order; index is the pair's position")
+    usage: Usage
+
+
+class ClassifyRequest(_Scheduling):
+    input: StrictStr | _Texts = Field(description="a text or a list of texts")
+
+
+class ClassifyData(BaseModel):
+    index: int
+    label: str
+    probs: list[float]
+    num_classes: int
+
+
+class ClassifyResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[ClassifyData]
+    usage: Usage
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: StrictStr
+    add_special_tokens: bool = True
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: _Ids
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

@@ -27,7 +27,7 @@ from batchpilot.core.costmodel import CostModel
 from batchpilot.runtime.executor import Executor
 from batchpilot.server.config import ServerConfig
 from batchpilot.server.errors import APIError, request_id_of
-from batchpilot.server.scoring_schemas import (
+from batchpilot.server.schemas import (
     ClassifyData,
     ClassifyRequest,
     ClassifyResponse,

@@ -29,14 +29,12 @@ import orjson
 from fastapi import Request
 from fastapi.responses import Response
 
+from batchpilot.core.admission import RejectReason
 from batchpilot.core.config import SchedulerConfig
 from batchpilot.core.costmodel import CostModel
-from batchpilot.core.scheduler import RejectReason
 from batchpilot.core.stall import StallRule
-from batchpilot.runtime.batcher import Batcher
-from batchpilot.runtime.batcher_watchdog import BatcherWatchdog
+from batchpilot.runtime.batcher import Batcher, BatcherWatchdog, StageTimes
 from batchpilot.runtime.errors import ExecutionError, InvalidInput, RequestRejected
-from batchpilot.runtime.execution import StageTimes
 from batchpilot.runtime.executor import Executor
 from batchpilot.server.config import ServerConfig
 from batchpilot.server.errors import APIError, request_id_of
@@ -94,7 +92,7 @@ class ModelService:
         precision = getattr(executor, "precision", None)  # models/precision.py's report
         if precision is not None:
             self.metrics.set_precision(precision.chosen, precision.min_cosine)
-        if hasattr(executor, "fallback_active"):  # runtime/fallback_executor.py
+        if hasattr(executor, "fallback_active"):  # runtime/executor.py
             self.metrics.bind_fallback(executor)
         stall = StallRule(timeout_s=settings.encoder_stall_timeout_s)
         self.watchdog = BatcherWatchdog(self.batcher, stall)  # started with the app (its event loop)

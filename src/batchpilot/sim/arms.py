@@ -26,7 +26,7 @@ import numpy as np
 from batchpilot.core.costmodel import CostModel
 from batchpilot.core.deployment import DeploymentSpec, ModelLimits, resolve_deployment
 from batchpilot.core.rollout import RolloutSpec, arm_for
-from batchpilot.sim.frontend import FrontEnd
+from batchpilot.sim.service import FrontEnd
 from batchpilot.sim.target import SimRun, simulate_encoder
 from batchpilot.sim.traces import Workload
 
@@ -78,7 +78,7 @@ def run_arms(args: argparse.Namespace, console: Any, workload: Workload, primary
     """``simulate`` of a deployment with candidate arms: a table of the arms; None without candidates."""
     from rich.table import Table
 
-    from batchpilot.config_file import rollout_from_args
+    from batchpilot.settings import rollout_from_args
     from batchpilot.sim.metrics import summarize
 
     rollout = rollout_from_args(args, primary)

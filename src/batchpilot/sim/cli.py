@@ -17,17 +17,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from batchpilot.config_file import add_deployment_args, add_llm_args, spec_from_args
 from batchpilot.core.costmodel import CostModel
 from batchpilot.core.deployment import Deployment, DeploymentSpec, ModelLimits, resolve_deployment
+from batchpilot.settings import add_deployment_args, add_llm_args, spec_from_args
 from batchpilot.sim.arms import add_arms_args, run_arms
 from batchpilot.sim.draws import DEFAULT_DRAWS, encoder_draws, spread_table
-from batchpilot.sim.fleet_scaling import scaling_from_args
-from batchpilot.sim.frontend import FrontEnd
-from batchpilot.sim.report_table import report_table
+from batchpilot.sim.fleet import scaling_from_args
+from batchpilot.sim.metrics import report_table
+from batchpilot.sim.service import FrontEnd
 from batchpilot.sim.synthetic import ARRIVALS, parse_spec, synthetic_workload
-from batchpilot.sim.traces import Workload
-from batchpilot.sim.workloads import STANDARD_WORKLOADS, conv_embed, load_workload
+from batchpilot.sim.traces import STANDARD_WORKLOADS, Workload, conv_embed, load_workload
 
 LONG_RUN = 50_000  # show a progress bar from this many requests
 
@@ -60,7 +59,7 @@ def register(subparsers: Any) -> None:
     add_fleet_args(p)
     add_arms_args(p)
     p.set_defaults(func=run_simulate)
-    from batchpilot.sim.fleet_tune import add_fleet_tune_args
+    from batchpilot.sim.tune import add_fleet_tune_args
     from batchpilot.sim.tune import register as register_tune
 
     register_tune(subparsers)
@@ -77,7 +76,7 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
                    help="how requests are spread over the replicas (default power_of_two, Ray Serve's)")
     p.add_argument("--autoscale", metavar="MIN:MAX", default=None,
                    help="scale the fleet between MIN and MAX replicas with core.autoscale "
-                        "(sim/fleet_scaling.py); replaces --replicas")
+                        "(sim/fleet.py); replaces --replicas")
     p.add_argument("--start-delay-s", type=float, default=30.0,
                    help="with --autoscale: seconds a new replica takes before it takes traffic")
 
@@ -175,7 +174,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         except ImportError as exc:
             console.print(f"[red]the LLM simulator target is not available: {exc}[/]")
             return 2
-        from batchpilot.sim.llm_memory import planned_llm_config
+        from batchpilot.sim.llm import planned_llm_config
 
         try:
             dep = planned_llm_config(spec, args.profile)
@@ -226,11 +225,11 @@ def run_simulate(args: argparse.Namespace) -> int:
                               frontend=frontend)
         console.print(spread_table(drawn, f"the prediction over {args.draws} noise draws"))
     if fleet is not None:
-        from batchpilot.sim.fleet_report import replicas_table
+        from batchpilot.sim.fleet import replicas_table
 
         console.print(replicas_table(fleet))
         if scaling is not None:
-            from batchpilot.sim.fleet_report import scaling_table
+            from batchpilot.sim.fleet import scaling_table
 
             console.print(scaling_table(scaling, run.stats.end_s))
     if args.json:

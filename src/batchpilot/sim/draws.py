@@ -116,7 +116,7 @@ def spread_table(drawn: Drawn, title: str) -> Any:
     """A rich table of each headline metric's median and 5-95% band over the draws."""
     from rich.table import Table
 
-    from batchpilot.sim.report_table import ms
+    from batchpilot.sim.metrics import ms
 
     t = Table(title=title, show_header=True, header_style="bold")
     for col in ("metric", "median", f"band (P{BAND[0]:g}-P{BAND[1]:g} of {len(drawn.reports)} draws)"):

@@ -21,14 +21,14 @@ from typing import Any
 
 import numpy as np
 
+from batchpilot.core.admission import Rejection
+from batchpilot.core.batch import Batch
 from batchpilot.core.config import SchedulerConfig
 from batchpilot.core.costmodel import CostModel
 from batchpilot.core.request import Request
-from batchpilot.core.scheduler import Batch, BatchScheduler, Rejection
-from batchpilot.sim.batch_noise import BatchNoise
-from batchpilot.sim.before_batch import BusyWindow
+from batchpilot.core.scheduler import BatchScheduler
 from batchpilot.sim.engine import Engine, EngineStats, Job, StopSimulation
-from batchpilot.sim.frontend import RATE_WINDOW_S, FrontEnd, served_seconds
+from batchpilot.sim.service import RATE_WINDOW_S, BatchNoise, BusyWindow, FrontEnd, served_seconds
 from batchpilot.sim.traces import Workload
 
 DONE, PENDING, REJECTED, DROPPED = 1, 0, 2, 3
@@ -93,11 +93,11 @@ class EncoderTarget:
         spread around it, drawn from for every batch (seeded) in place of the profile's residuals, in
         the units of a batch of ``loaded_residual_ref_s`` seconds (``FrontEnd.residual_scale``);
         ``loaded_idle_factors``: the line's factor by the idle time before the batch (no batch running
-        on any slot; ``sim.before_batch.idle_factor``); ``loaded_token_factors``: its factor by the batch's
-        computed tokens (the thread plan's steps; ``sim.line_fit.step_factor``);
+        on any slot; ``sim.service.idle_factor``); ``loaded_token_factors``: its factor by the batch's
+        computed tokens (the thread plan's steps; ``sim.service.step_factor``);
         ``loaded_busy_factors``: its factor by the share of the second before the batch starts in
-        which a batch ran (``sim.before_batch.BusyWindow``); ``loaded_wander``: the machine's speed
-        wander between windows of simulated time (``sim.batch_noise``), drawn with the residuals.
+        which a batch ran (``sim.service.BusyWindow``); ``loaded_wander``: the machine's speed
+        wander between windows of simulated time (``sim.service``), drawn with the residuals.
         ``stop_after_misses = (sla_s, max_misses, warmup_s)``: stop the run (``StopSimulation``) once more
         than ``max_misses`` measured requests finished later than ``sla_s`` or failed — the tuner's
         early exit when a probe's P99 is already lost for certain."""
@@ -282,7 +282,7 @@ def simulate_encoder(
 ) -> SimRun:
     """Replay ``workload`` through a fresh ``BatchScheduler(config, cost_model)`` on ``config.num_slots``.
 
-    With ``frontend`` (``sim.frontend``), requests reach the scheduler after its serial stage and
+    With ``frontend`` (``sim.service``), requests reach the scheduler after its serial stage and
     finish after its delay; latencies stay measured from the workload's own arrival times."""
     config = config or SchedulerConfig()
     cost_model = cost_model or CostModel.default_cpu_minilm()

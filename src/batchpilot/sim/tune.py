@@ -20,38 +20,85 @@ the batchpilot default are always measured at the last rung:
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from batchpilot.config_file import add_deployment_args
-from batchpilot.core.config import SchedulerConfig
+from batchpilot.core.config import PlannerConfig, PolicyConfig, SchedulerConfig
 from batchpilot.core.costmodel import CostModel
 from batchpilot.core.deployment import DeploymentSpec, ModelLimits, resolve_deployment
-from batchpilot.sim.frontend import FrontEnd
+from batchpilot.settings import add_deployment_args
+from batchpilot.sim.fleet import simulate_fleet
 from batchpilot.sim.metrics import SimReport, summarize
+from batchpilot.sim.service import FrontEnd
 from batchpilot.sim.target import simulate_encoder
 from batchpilot.sim.traces import Workload
-from batchpilot.sim.tune_report import explain, result_table, write_yaml
-from batchpilot.sim.tune_space import (
-    LAYOUTS,
-    MAX_BATCH,
-    MAX_WAIT_S,
-    POLICIES,
-    TOKEN_BUDGET,
-    Candidate,
-    baselines,
-    grid,
-)
 
-__all__ = ["LAYOUTS", "MAX_BATCH", "MAX_WAIT_S", "POLICIES", "TOKEN_BUDGET", "Candidate", "TuneConfig",
-           "TuneResult", "Tuner", "baselines", "explain", "grid", "register", "result_table", "run_tune",
-           "write_yaml"]
+# The tuner's search space: the grid of encoder configs it samples from, and the baselines it always
+# measures (a static batch padded to the model's max length; fixed windows with dynamic padding, as
+# TorchServe / Ray Serve / LitServe batch).
+
+# (grouping, padding, bucketing method) worth trying: bucket padding needs bucket grouping to pay off,
+# and only bucket layouts read the bucketing method
+LAYOUTS: tuple[tuple[str, str, str], ...] = (
+    ("fifo", "dynamic", "fixed"), ("sorted", "dynamic", "fixed"), ("dp", "dynamic", "fixed"),
+    ("bucket", "bucket", "fixed"), ("bucket", "bucket", "quantile"), ("bucket", "bucket", "dp"),
+    ("fifo", "none", "fixed"),  # padding-free batches keep queue order whatever the grouping
+)
+POLICIES: tuple[str, ...] = ("window", "hybrid", "adaptive", "sla")
+MAX_BATCH: tuple[int, ...] = (8, 16, 32, 64)
+MAX_WAIT_S: tuple[float, ...] = (0.005, 0.02, 0.05, 0.1)
+TOKEN_BUDGET: tuple[int, ...] = (0, 8192)
+
+
+@dataclass
+class Candidate:
+    label: str
+    config: SchedulerConfig
+    kind: str = "search"  # search | baseline | default
+    capacity: float = 0.0  # rate scale
+    rps: float = 0.0  # offered req/s at that scale
+    rung: int = -1
+    report: SimReport | None = None  # the passing probe at capacity
+    probes: list[tuple[float, bool]] = field(default_factory=list)
+
+
+def baselines(base: SchedulerConfig) -> list[Candidate]:
+    max_len = base.planner.max_len
+    static = replace(base, policy=PolicyConfig(name="static", max_batch_size=8, max_wait_s=0.1),
+                     planner=PlannerConfig(grouping="fifo", padding="max", max_len=max_len))
+    out = [Candidate("static bs8, pad to max", static, "baseline")]
+    for bs, wait in ((10, 0.01), (32, 0.05)):
+        cfg = replace(base, policy=PolicyConfig(name="window", max_batch_size=bs, max_wait_s=wait),
+                      planner=PlannerConfig(grouping="fifo", padding="dynamic", max_len=max_len))
+        out.append(Candidate(f"window bs{bs} {wait * 1e3:g}ms, dynamic pad", cfg, "baseline"))
+    return out
+
+
+def grid(base: SchedulerConfig, tc: TuneConfig) -> list[Candidate]:
+    """Every grid point whose padding mode is allowed, as a labelled config over ``base``."""
+    out = []
+    for policy, (grouping, padding, method), bs, wait, budget in itertools.product(
+            POLICIES, LAYOUTS, MAX_BATCH, MAX_WAIT_S, TOKEN_BUDGET):
+        if padding not in tc.paddings:
+            continue
+        buckets = replace(base.bucketing, method=method)
+        pol = replace(base.policy, name=policy, max_batch_size=bs, max_wait_s=wait,
+                      min_wait_s=min(base.policy.min_wait_s, wait), sla_s=tc.sla_p99_s,
+                      backlog_requests=min(base.policy.backlog_requests, bs))
+        plan = replace(base.planner, grouping=grouping, padding=padding, max_batch_tokens=budget)
+        label = (f"{policy} bs{bs} {wait * 1e3:g}ms {grouping}/{padding}"
+                 + (f"/{method}" if grouping == "bucket" else "") + (f" tok{budget}" if budget else ""))
+        out.append(Candidate(label, replace(base, policy=pol, planner=plan, bucketing=buckets)))
+    return out
+
+
 
 
 @dataclass(frozen=True)
@@ -252,12 +299,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--plot", metavar="DIR", help="write goodput_vs_rate.png for the top configs here")
     p.add_argument("--profile-variants", nargs="+", metavar="PROFILE", default=None,
                    help="one profile per backend/precision (`batchpilot profile --all-backends`): search "
-                        "each and write the best variant's model: section too (sim/tune_variants.py)")
+                        "each and write the best variant's model: section too (sim/tune.py)")
     p.set_defaults(func=run_tune)
 
 
 def run_tune(args: argparse.Namespace) -> int:
-    from batchpilot.config_file import spec_from_args
+    from batchpilot.settings import spec_from_args
     from batchpilot.sim.cli import load_cost_model, load_frontend, make_console, resolve_workload
 
     console = make_console()
@@ -270,7 +317,6 @@ def run_tune(args: argparse.Namespace) -> int:
         console.print(f"[red]batchpilot tune: {exc}[/]")
         return 2
     if args.profile_variants:
-        from batchpilot.sim.tune_variants import run_variants
 
         return run_variants(args, workload, tc, spec, console)
     cost_model = load_cost_model(args, console)
@@ -288,4 +334,312 @@ def run_tune(args: argparse.Namespace) -> int:
 
         png = plot_goodput(tuner.curves(result), Path(args.plot) / "goodput_vs_rate.png", tc.sla_p99_s)
         console.print(f"wrote {png}")
+    return 0
+
+
+# What a tuning run says: why the winner wins, the ranked table, and the winner as a config file.
+
+def explain(result: TuneResult) -> str:
+    """Why the winner wins, in the three terms that decide it: batch size, padding, queueing."""
+    b = result.best
+    lines = [f"winner: {b.label}: {b.rps:.2f} req/s with P99 <= {result.sla_p99_s:g} s"]
+    for base in result.baselines:
+        lines.append(f"  vs {base.label}: {base.rps:.2f} req/s -> x{result.gain_over(base):.2f}")
+    rows = [("winner", b)] + [(c.label, c) for c in result.baselines]
+    lines.append("  at capacity (batch per request = sum(n^2)/sum(n); tail = slowest 1%):")
+    for name, c in rows:
+        r = c.report
+        if r is None:
+            continue
+        lines.append(
+            f"    {name:<34} batch {r.mean_batch_size:4.1f} (per request {r.request_batch_size:4.1f}), "
+            f"padding efficiency {r.padding_efficiency:4.0%}, queueing {r.queue_share:4.0%} of latency "
+            f"({r.tail_queue_share:4.0%} in the tail), executor {r.utilisation:4.0%} busy")
+    return "\n".join(lines)
+
+
+def write_yaml(result: TuneResult, path: str | Path, spec: DeploymentSpec | None = None) -> Path:
+    """The winner as a config file (``encoder:`` and ``server:`` sections) that ``serve --config`` and
+    ``simulate --config`` read."""
+    from batchpilot.settings import dump_spec
+
+    b = result.best
+    header = (f"# batchpilot tune: {result.workload.name} ({len(result.workload)} rows), P99 <= "
+              f"{result.sla_p99_s:g} s\n# predicted capacity: rate scale {b.capacity:.3f} = "
+              f"{b.rps:.2f} req/s; {b.label}\n")
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    return dump_spec((spec or DeploymentSpec()).replace(encoder=b.config), p, header)
+
+
+def result_table(result: TuneResult, limit: int = 12) -> Any:
+    from rich.table import Table
+
+    t = Table(title=f"capacity at P99 <= {result.sla_p99_s:g} s ({result.workload.name}, "
+                    f"{len(result.workload)} rows)")
+    for col in ("rank", "config", "kind", "req/s", "scale", "vs best", "batch/req", "pad eff", "queue %",
+                "P99 ms"):
+        t.add_column(col, justify="left" if col in ("config", "kind") else "right")
+    shown = [c for c in result.candidates if c.kind == "search"][:limit]
+    shown += [c for c in result.candidates if c.kind != "search"]
+    order = {id(c): i + 1 for i, c in enumerate(result.candidates)}
+    for c in shown:
+        r = c.report
+        t.add_row(str(order[id(c)]), c.label, c.kind, f"{c.rps:.2f}", f"{c.capacity:.3f}",
+                  f"{c.rps / result.best.rps:.2f}" if result.best.rps else "-",
+                  f"{r.request_batch_size:.1f}" if r else "-", f"{r.padding_efficiency:.0%}" if r else "-",
+                  f"{r.queue_share:.0%}" if r else "-", f"{r.p99_all * 1e3:.0f}" if r else "-")
+    return t
+
+
+# The tuner across backends and precisions: one profile per variant, one search per profile.
+#
+#     batchpilot profile --all-backends -o p.json          # p.torch-float32.json, p.torch-bfloat16.json...
+#     batchpilot tune --profile-variants p.*.json --sla-p99 1.0 -o best.yaml
+#
+# A variant is what a profile measured: its backend and precision (``cost_model.meta``: ``backend``,
+# ``dtype``) and its serving path. Each variant's search is the ordinary tuner (``sim.tune.Tuner``) on
+# that profile's cost model and front end, over the same workload, grid sample and seed; the winner is
+# the (variant, config) with the most predicted goodput. The config file written carries the winning
+# config in ``encoder:`` and the variant in ``model:`` (``backend``, ``dtype``), and its header names
+# the profile to serve it with, so ``serve --profile P --config best.yaml`` runs what was predicted.
+
+@dataclass
+class VariantResult:
+    profile: str
+    backend: str
+    dtype: str
+    result: TuneResult
+
+    @property
+    def label(self) -> str:
+        return f"{self.backend}/{self.dtype}"
+
+
+def tune_variants(workload: Workload, profiles: Sequence[str], tc: TuneConfig, spec: DeploymentSpec,
+                  batcher_only: bool = False,
+                  log: Callable[[str], None] = lambda _: None) -> list[VariantResult]:
+    """One tuner search per profile; ranked by the winner's predicted goodput, best first."""
+    out = []
+    for path in profiles:
+        cost_model = CostModel.load(path)
+        meta = cost_model.meta
+        frontend = None if batcher_only else FrontEnd.from_profile(path)
+        v = VariantResult(path, str(meta.get("backend", "torch")), str(meta.get("dtype", "float32")),
+                          Tuner(workload, cost_model, tc, log=log, spec=spec, frontend=frontend).run())
+        log(f"{v.label}: best {v.result.best.label}, {v.result.best.rps:.2f} req/s")
+        out.append(v)
+    return sorted(out, key=lambda v: -v.result.best.rps)
+
+
+def variants_table(results: Sequence[VariantResult]) -> Any:
+    from rich.table import Table
+
+    t = Table(title="the best config of each backend and precision (predicted, P99 within the SLA)")
+    for col in ("variant", "best config", "req/s", "vs best", "default req/s", "profile"):
+        t.add_column(col, justify="right" if "req/s" in col or col == "vs best" else "left")
+    top = results[0].result.best.rps if results else 0.0
+    for v in results:
+        b = v.result.best
+        default = next((c for c in v.result.candidates if c.kind == "default"), None)
+        t.add_row(v.label, b.label, f"{b.rps:.2f}", f"{b.rps / top:.2f}" if top else "-",
+                  f"{default.rps:.2f}" if default else "-", v.profile)
+    return t
+
+
+def write_variant_yaml(best: VariantResult, path: str | Path, spec: DeploymentSpec) -> Path:
+    """The winner as a config file: ``encoder:``, ``server:`` and ``model:`` (its backend and dtype)."""
+    from batchpilot.settings import dump_spec
+
+    b, r = best.result.best, best.result
+    header = (f"# batchpilot tune --profile-variants: {r.workload.name} ({len(r.workload)} rows), P99 <= "
+              f"{r.sla_p99_s:g} s\n# predicted capacity: rate scale {b.capacity:.3f} = {b.rps:.2f} req/s; "
+              f"{best.label}, {b.label}\n# serve it with: batchpilot serve --profile {best.profile} "
+              f"--config {path}\n")
+    model = replace(spec.model, backend=best.backend, dtype=best.dtype)
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    return dump_spec(spec.replace(encoder=b.config, model=model), p, header,
+                     sections=("encoder", "server", "model"))
+
+
+def run_variants(args: argparse.Namespace, workload: Workload, tc: TuneConfig, spec: DeploymentSpec,
+                  console: Any) -> int:
+
+    console.print(f"tuning on {workload.name} across {len(args.profile_variants)} profiles (one search each)")
+    results = tune_variants(workload, args.profile_variants, tc, spec, args.batcher_only, console.print)
+    console.print(result_table(results[0].result))
+    console.print(variants_table(results))
+    path = write_variant_yaml(results[0], args.output, spec)
+    console.print(f"wrote {path}: {results[0].label}, {results[0].result.best.label}")
+    return 0
+
+
+# Fleet sizing: the fewest replicas that hold a P99 SLA at the target rate, and their per-replica config.
+#
+#     batchpilot tune --workload conv-embed --rate-scale 8 --sla-p99 1.0 --max-replicas 4 -o best.yaml
+#
+# For n = 1, 2, ... up to ``--max-replicas``, the tuner's own search (``sim.tune.Tuner.run``: the same grid
+# sample, rungs, baselines and capacity bisection) runs with every probe simulating n replicas of the
+# candidate behind ``--router`` (``sim.fleet.simulate_fleet``) instead of one. The workload as given (its
+# ``--rate-scale``) is the target rate, so n replicas hold the SLA there when the best config's capacity
+# is a rate scale of at least 1. The first such n is the answer and the search stops; ``-o`` writes that
+# search's winner, the per-replica ``encoder:`` section, with the replica count and router in its header
+# (the config file has no fleet section: ``simulate --replicas N --router R --config best.yaml`` runs what
+# was predicted). When no count up to the maximum holds, the largest count's winner is written and the
+# command exits 1.
+
+class FleetTuner(Tuner):
+    """The tuner with every probe run as a fleet of ``replicas`` behind ``router``."""
+
+    def __init__(self, workload: Workload, cost_model: CostModel, tc: TuneConfig, *, replicas: int,
+                 router: str, log: Callable[[str], None] | None = None, spec: DeploymentSpec | None = None,
+                 frontend: FrontEnd | None = None) -> None:
+        super().__init__(workload, cost_model, tc, log=log, spec=spec, frontend=frontend)
+        self.replicas = replicas
+        self.router = router
+
+    def probe(
+        self, cfg: SchedulerConfig, wl: Workload, k: float, stop_early: bool = True
+    ) -> SimReport | None:
+        tc = self.tc
+        scaled = wl.scale_rate(k)
+        self.num_simulations += 1
+        fleet = simulate_fleet(scaled, self.deployed(cfg), self.cost_model, replicas=self.replicas,
+                               router=self.router, noise=tc.noise, seed=tc.seed,
+                               stop_after_misses=self.stop_rule(scaled) if stop_early else None,
+                               frontend=self.frontend)
+        if fleet.run.stats.aborted:
+            return None
+        return summarize(fleet.run, tc.sla_p99_s, tc.warmup_s)
+
+
+@dataclass
+class FleetTuneResult:
+    searches: list[tuple[int, TuneResult]]  # (replicas, that count's search), in the order run
+    replicas: int | None  # the fewest that hold the SLA at the target rate (None: none up to the max)
+    router: str
+    tuner: FleetTuner | None = None  # the chosen count's tuner (for its goodput curves)
+
+    @property
+    def chosen(self) -> tuple[int, TuneResult]:
+        """The answer's search, or the largest count's when none holds."""
+        if self.replicas is None:
+            return self.searches[-1]
+        return next(s for s in self.searches if s[0] == self.replicas)
+
+
+def tune_fleet(workload: Workload, cost_model: CostModel, tc: TuneConfig, *, max_replicas: int, router: str,
+               spec: DeploymentSpec | None = None, frontend: FrontEnd | None = None,
+               log: Callable[[str], None] = lambda _: None) -> FleetTuneResult:
+    """One tuner search per replica count from 1, up to the first that holds the SLA at scale 1."""
+    if max_replicas < 1:
+        raise ValueError(f"tune: --max-replicas must be >= 1, got {max_replicas}")
+    searches = []
+    tuner = None
+    for n in range(1, max_replicas + 1):
+        tuner = FleetTuner(workload, cost_model, tc, replicas=n, router=router, log=log, spec=spec,
+                           frontend=frontend)
+        result = tuner.run()
+        searches.append((n, result))
+        holds = result.best.capacity >= 1.0
+        best = result.best
+        log(f"{n} replica{'s' if n > 1 else ''}: best {best.label}, capacity x{best.capacity:.3f} "
+            f"= {best.rps:.2f} req/s ({'holds' if holds else 'misses'} the SLA at the target rate)")
+        if holds:
+            return FleetTuneResult(searches, n, router, tuner)
+    return FleetTuneResult(searches, None, router, tuner)
+
+
+def fleet_table(res: FleetTuneResult) -> Any:
+    from rich.table import Table
+
+    first = res.searches[0][1]
+    t = Table(title=f"replicas for P99 <= {first.sla_p99_s:g} s at {first.workload.mean_rate:.2f} req/s "
+                    f"({first.workload.name}, {len(first.workload)} rows, {res.router})", header_style="bold")
+    for col in ("replicas", "best config (per replica)", "capacity req/s", "per replica", "x target",
+                "P99 at capacity", "holds"):
+        t.add_column(col, justify="left" if col.startswith("best") else "right")
+    for n, r in res.searches:
+        b = r.best
+        p99 = f"{b.report.p99_all * 1e3:.0f} ms" if b.report is not None else "-"
+        t.add_row(str(n), b.label, f"{b.rps:.2f}", f"{b.rps / n:.2f}", f"{b.capacity:.2f}", p99,
+                  "[green]yes[/]" if b.capacity >= 1.0 else "[red]no[/]")
+    return t
+
+
+def write_fleet_yaml(res: FleetTuneResult, path: str | Path, spec: DeploymentSpec | None = None) -> Path:
+    """The chosen count's winner as a config file; the replica count and router in its header."""
+    from batchpilot.settings import dump_spec
+
+    n, r = res.chosen
+    b = r.best
+    verdict = "holds" if res.replicas is not None else "the most tried, does NOT hold"
+    header = (f"# batchpilot tune --max-replicas: {r.workload.name} ({len(r.workload)} rows, "
+              f"{r.workload.mean_rate:.2f} req/s), P99 <= {r.sla_p99_s:g} s\n"
+              f"# replicas: {n} (router {res.router}), {verdict} the SLA at the target rate\n"
+              f"# predicted fleet capacity: rate scale {b.capacity:.3f} = {b.rps:.2f} req/s; {b.label}\n"
+              f"# run it with: batchpilot simulate --replicas {n} --router {res.router} --config {path}\n")
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    return dump_spec((spec or DeploymentSpec()).replace(encoder=b.config), p, header)
+
+
+def add_fleet_tune_args(p: argparse.ArgumentParser) -> None:
+    """``--max-replicas`` and ``--router`` on the ``tune`` parser: with ``--max-replicas``, fleet sizing."""
+    from batchpilot.sim.router import ROUTERS
+
+    p.add_argument("--max-replicas", type=int, default=None, metavar="M",
+                   help="find the fewest replicas (1..M) that hold --sla-p99 at the workload's rate, and "
+                        "their per-replica config (sim/tune.py)")
+    p.add_argument("--router", choices=ROUTERS, default="power_of_two",
+                   help="how a fleet spreads requests (with --max-replicas; default power_of_two)")
+    plain = p.get_default("func")
+    p.set_defaults(func=lambda args: run_fleet_tune(args) if args.max_replicas is not None else plain(args))
+
+
+def run_fleet_tune(args: argparse.Namespace) -> int:
+    from batchpilot.settings import spec_from_args
+    from batchpilot.sim.cli import load_cost_model, load_frontend, make_console, resolve_workload
+
+    console = make_console()
+    try:
+        if args.profile_variants:
+            raise ValueError("--max-replicas and --profile-variants do not combine; size the fleet with one "
+                             "profile")
+        workload = resolve_workload(args)
+        spec = spec_from_args(args)
+        tc = TuneConfig(sla_p99_s=args.sla_p99, candidates=args.candidates, noise=args.noise, seed=args.seed,
+                        warmup_s=args.warmup_s, paddings=tuple(x.strip() for x in args.paddings.split(",")))
+        if args.max_replicas < 1:
+            raise ValueError(f"--max-replicas must be >= 1, got {args.max_replicas}")
+    except (ValueError, FileNotFoundError) as exc:
+        console.print(f"[red]batchpilot tune: {exc}[/]")
+        return 2
+    cost_model = load_cost_model(args, console)
+    console.print(f"sizing a fleet on {workload.name}: {len(workload)} rows at {workload.mean_rate:.2f} "
+                  f"req/s (the target rate), P99 <= {tc.sla_p99_s:g} s, 1..{args.max_replicas} replicas "
+                  f"behind {args.router}; one search of {tc.candidates} configs + baselines per count")
+    res = tune_fleet(workload, cost_model, tc, max_replicas=args.max_replicas, router=args.router, spec=spec,
+                     frontend=load_frontend(args), log=console.print)
+    n, chosen = res.chosen
+    console.print(result_table(chosen))
+    console.print(explain(chosen))
+    console.print(fleet_table(res))
+    path = write_fleet_yaml(res, args.output, spec)
+    if args.plot and res.tuner is not None:
+        from batchpilot.sim.plots import plot_goodput
+
+        png = plot_goodput(res.tuner.curves(chosen), Path(args.plot) / "goodput_vs_rate.png", tc.sla_p99_s)
+        console.print(f"wrote {png} ({n} replicas)")
+    sims = sum(r.num_simulations for _, r in res.searches)
+    secs = sum(r.seconds for _, r in res.searches)
+    if res.replicas is None:
+        console.print(f"[red]no fleet of up to {args.max_replicas} replicas holds P99 <= {tc.sla_p99_s:g} s "
+                      f"at {workload.mean_rate:.2f} req/s[/]; wrote {path} for {n} replicas "
+                      f"({sims} simulations in {secs:.0f} s)")
+        return 1
+    console.print(f"[bold]replicas: {n}[/] ({args.router}) hold P99 <= {tc.sla_p99_s:g} s at "
+                  f"{workload.mean_rate:.2f} req/s; wrote {path} (per-replica config; {sims} simulations in "
+                  f"{secs:.0f} s)")
     return 0

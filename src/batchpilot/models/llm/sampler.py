@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from batchpilot.core.sequence import SamplingParams
+from batchpilot.core.llm.sequence import SamplingParams
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

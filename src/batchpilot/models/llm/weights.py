@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from batchpilot.models.llm.config import LLMModelConfig
+from batchpilot.models.seeded import LLMModelConfig
 
 
 def load_hf_llama(model_path: str | Path | None, config: LLMModelConfig | None = None,

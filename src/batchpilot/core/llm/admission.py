@@ -1,0 +1,148 @@
+"""Admission and deadlines of LLM requests: which requests an engine takes, and when it gives one up.
+
+An engine holds at most ``max_num_seqs + max_waiting_seqs`` sequences admitted and not yet done
+(running, waiting, swapped, or on their way to the scheduler). ``LLMAdmission.admit(seqs)`` takes the
+sequences of one request (one per prompt) together or none of them, and a refusal says why:
+
+* ``context_length_exceeded``: one of them can never run to completion here (``core/llm/scheduler.py``:
+  prompt + ``max_tokens`` past ``max_model_len``, more KV blocks than the pool, a prompt over the step
+  budget with chunked prefill off); the server's 400, nothing to retry;
+* ``queue_full``: admitting them would pass the bound; the server's 503 with ``Retry-After``.
+
+A refusal changes nothing but the refusal count; an admission counts the sequences until ``release``
+(once per sequence, when it is done: finished, aborted, expired or failed). ``room(n)`` is the bound
+alone, for a server to check before it spends time tokenising.
+
+Deadlines: ``request_deadline(config, received, requested_s)`` is a request's deadline, ``received +
+min(request_timeout_s, requested_s)`` on the clock ``received`` is read from; each of its sequences
+carries it (``Sequence.deadline``), and ``past_deadline(seq, now)`` is the one test of it.
+``LLMScheduler.expire(now)`` finishes and frees every sequence past it (the server's 504), and the
+static fallback drops its requests by the same test.
+
+The live engine admits on the caller's thread under its lock (the engine thread owns the scheduler,
+not this count), the simulator at each arrival, the fallback as the engine does. Pure: no clock.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from batchpilot.core.llm.config import LLMSchedulerConfig
+from batchpilot.core.llm.sequence import Sequence
+
+NEVER_FITS = "context_length_exceeded"
+QUEUE_FULL = "queue_full"
+TIMEOUT = "timeout"  # what a sequence that expired is counted as (the server's 504 code)
+QUEUE_FULL_RETRY_AFTER_S = 1.0  # Retry-After of a full engine: about a step of decodes frees room
+
+
+@dataclass(frozen=True, slots=True)
+class LLMRefusal:
+    """Why a request was not admitted: ``reason`` (``NEVER_FITS`` or ``QUEUE_FULL``), a message with the
+    numbers and what to change, and for ``QUEUE_FULL`` when to retry."""
+
+    reason: str
+    message: str
+    retry_after_s: float | None = None
+
+
+class LLMAdmission:
+    """The count of sequences an engine has admitted and not yet released, against its bound."""
+
+    def __init__(self, config: LLMSchedulerConfig) -> None:
+        self.config = config
+        self.capacity = config.max_num_seqs + config.max_waiting_seqs
+        self.num_admitted = 0
+        self.refused: collections.Counter[str] = collections.Counter()  # requests refused, by reason
+
+    def room(self, n: int = 1) -> LLMRefusal | None:
+        """``QUEUE_FULL`` if ``n`` more sequences would pass the bound now, else None. Changes nothing."""
+        if n < 1:
+            raise ValueError(f"LLM admission: a request has at least one sequence, got {n}")
+        if self.num_admitted + n <= self.capacity:
+            return None
+        c = self.config
+        return LLMRefusal(QUEUE_FULL, f"{self.num_admitted} sequences admitted of at most {self.capacity} "
+                                      f"(max_num_seqs {c.max_num_seqs} + max_waiting_seqs "
+                                      f"{c.max_waiting_seqs}); {n} more do not fit: retry later, or raise "
+                                      f"max_waiting_seqs", QUEUE_FULL_RETRY_AFTER_S)
+
+    def check(self, seqs: Iterable[Sequence]) -> LLMRefusal | None:
+        """Why this request would be refused now (None: it would be admitted). Changes nothing."""
+        group = list(seqs)
+        if not group:
+            raise ValueError("LLM admission: a request has at least one sequence (one per prompt); "
+                             "pass all of them together")
+        for seq in group:
+            reason = never_fits(self.config, seq)
+            if reason is not None:
+                return LLMRefusal(NEVER_FITS, reason)
+        return self.room(len(group))
+
+    def admit(self, seqs: Iterable[Sequence]) -> LLMRefusal | None:
+        """Admit every sequence of one request, or none: None when admitted (each counts until
+        ``release``), else the refusal (see the module docstring for the reasons, in the order checked)."""
+        group = list(seqs)
+        refusal = self.check(group)
+        if refusal is not None:
+            self.refused[refusal.reason] += 1
+            return refusal
+        self.num_admitted += len(group)
+        return None
+
+    def release(self, n: int = 1) -> None:
+        """``n`` admitted sequences are done (each released once)."""
+        if not 0 < n <= self.num_admitted:
+            raise ValueError(f"LLM admission: release({n}) with {self.num_admitted} sequences admitted; "
+                             f"release each admitted sequence exactly once, when it is done")
+        self.num_admitted -= n
+
+
+def request_deadline(config: LLMSchedulerConfig, received: float, requested_s: float | None = None) -> float:
+    """A request's deadline: ``received + request_timeout_s``, or sooner when the request asks for less
+    (``requested_s``, e.g. its ``deadline_ms``); on the clock ``received`` is read from. A budget of 0 (a
+    positive ``deadline_ms`` too small for a float second, say) is due at once: the request expires
+    before its first step, as any other past its deadline."""
+    if requested_s is not None and not requested_s >= 0:
+        raise ValueError(f"LLM deadline: a requested budget must be >= 0 seconds, got {requested_s}")
+    budget = config.request_timeout_s
+    return received + (budget if requested_s is None else min(budget, requested_s))
+
+
+def past_deadline(seq: Sequence, now: float) -> bool:
+    """The sequence's deadline has come at ``now`` (never, without one)."""
+    return seq.deadline is not None and seq.deadline <= now
+
+
+# Whether a sequence can ever run to completion within an engine's limits: ``never_fits(config, seq)``.
+#
+# A sequence is refused at admission, with a reason a client can act on, when its worst case (prompt +
+# ``max_tokens``) passes the model's context length or needs more KV blocks than the whole pool, or when
+# its prompt exceeds the step's token budget with chunked prefill off. Everything else fits: alone on
+# the engine it always runs to the end, which is what lets the scheduler promise progress.
+
+def never_fits(c: LLMSchedulerConfig, seq: Sequence) -> str | None:
+    """Why ``seq`` can never run to completion under ``c`` (None if it can). Pure and config-only."""
+    worst = seq.num_prompt_tokens + seq.params.max_tokens
+    if worst > c.max_model_len:
+        return (
+            f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.params.max_tokens}) = {worst} "
+            f"exceeds the model's context length of {c.max_model_len} tokens; shorten the prompt or "
+            f"lower max_tokens"
+        )
+    blocks = -(-seq.max_total_tokens // c.block_size)
+    if blocks > c.num_kv_blocks:
+        return (
+            f"prompt + max_tokens needs {blocks} KV blocks of {c.block_size} tokens but the pool has "
+            f"only {c.num_kv_blocks}; lower max_tokens or raise num_kv_blocks"
+        )
+    if not c.enable_chunked_prefill and seq.num_prompt_tokens > c.max_num_batched_tokens:
+        return (
+            f"prompt ({seq.num_prompt_tokens} tokens) exceeds max_num_batched_tokens "
+            f"({c.max_num_batched_tokens}) with chunked prefill off; enable it or raise the budget"
+        )
+    return None
+
+

@@ -1,0 +1,135 @@
+"""One generation request as the LLM scheduler sees it: tokens, progress, priority, sampling params.
+
+Plain data, no torch. The only progress counter that matters to scheduling is
+``num_computed_tokens``: how many of ``all_token_ids`` already have their keys and values in the
+KV cache. Everything else follows from it:
+
+```
+ all_token_ids = prompt_token_ids + output_token_ids
+ |<------------- num_computed_tokens ------------->|<- to compute ->|
+ | KV in cache (blocks in block_table)             | next chunk     |
+```
+
+A fresh sequence computes its prompt (possibly in chunks); the step that computes the last pending
+token also samples the next one. A decoding sequence has exactly one pending token (the last one it
+sampled). Preemption by recompute sets ``num_computed_tokens`` back to 0: prompt *and* outputs so
+far are prefilled again, so the sequence resumes exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    """OpenAI ``finish_reason`` values plus the two endings a client did not ask for."""
+
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's context limit
+    ABORT = "abort"  # cancelled by the client
+    REJECTED = "rejected"  # can never fit: see Sequence.reject_reason
+    EXPIRED = "expired"  # its deadline passed first (``LLMScheduler.expire``; the server's 504)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. ``temperature == 0`` is greedy.
+
+    ``stop`` strings are matched by the engine on detokenised text (core has no tokenizer); every
+    other stop condition is checked here. ``seed`` makes one request's sampling reproducible no
+    matter which other requests share its batches.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"sampling: max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"sampling: temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"sampling: top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"sampling: top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """A prompt and its growing output. ``priority``: lower is more urgent (vLLM convention).
+    ``deadline``: when the driver gives up on it, on the clock of ``arrival`` (None: never;
+    ``core/llm/admission.request_deadline``)."""
+
+    seq_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    arrival: float = 0.0
+    priority: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on first admission
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    reject_reason: str | None = None
+    deadline: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError(f"sequence {self.seq_id}: the prompt must have at least one token")
+        self.prompt_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens whose KV is not in the cache yet: the whole prompt at first, then 1 per decode."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def max_total_tokens(self) -> int:
+        """KV slots this sequence can ever need: prompt + max_tokens - 1 (the last token is never fed)."""
+        return self.num_prompt_tokens + self.params.max_tokens - 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        p = self.num_prompt_tokens
+        if stop <= p:
+            return self.prompt_token_ids[start:stop]
+        if start >= p:
+            return self.output_token_ids[start - p : stop - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - p]
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids

@@ -1,0 +1,662 @@
+"""Runs one scheduler step on a Llama-family decoder over a paged KV cache.
+
+Every token of the step (prefill chunks and decodes alike) goes through the dense layers as one
+packed ``[T, D]`` matrix: no padding between chunks, two fused matmuls per block (qkv, gate_up) plus o
+and down; ``row_plan`` (``row_plan.py``) may add up to three rows to ``T`` where the matmuls run
+faster with them, rows never written to the cache, attended to or sampled.
+Only attention differs by chunk kind, and it reads keys/values through block tables:
+
+* decodes (1-token chunks): sorted by context length and split into runs of at most
+  ``decode_run_tokens`` padded keys (``core.llm.scheduler.decode_groups``), one
+  batched SDPA each (so short contexts are not padded to the longest). Keys are gathered block-wise
+  into ``[B, KV, L_max, hd]`` with a length mask; the query heads of a GQA group are folded into the query
+  axis (``[B, KV, G, hd]``) so the KV heads are never repeated.
+* prefill chunks: one SDPA each. A chunk starting at position 0 attends over its own fresh keys with
+  ``is_causal``; a later chunk (chunked prefill, prefix-cache hit) gathers its context from the cache
+  and uses an offset causal mask.
+
+Each layer writes the step's K/V into the cache (``index_copy_`` on slot numbers
+``block_table[pos // bs] * bs + pos % bs``) before attention reads it. Logits are computed only for
+chunks that sample (the last token of a finished prefill, every decode).
+
+Swap space: ``num_swap_blocks`` host blocks of K and V (``[layers, blocks, block_size, kv_heads,
+head_dim]``, pinned memory beside a CUDA cache, plain ``torch.empty`` on CPU so swap space never used
+costs no resident memory). ``swap(out_pairs, in_pairs)`` makes a plan's block copies, whole blocks per
+layer; the driver calls it before the step's ``forward``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from batchpilot.core.costmodel import CostModel, nonneg_lstsq
+from batchpilot.core.llm.config import DECODE_RUN_TOKENS, LLMSchedulerConfig, MemoryProfile
+from batchpilot.core.llm.scheduler import PreemptionCosts, ScheduledChunk, StepPlan, decode_groups
+from batchpilot.models.device import peak_memory_bytes
+from batchpilot.models.llm.weights import LlamaWeights
+
+# The row counts a step's dense layers run fastest at, measured on the runner's own weights.
+#
+# Every token of a step goes through the dense layers as one ``[T, D]`` matrix (``model_runner``). A
+# matrix multiply's time is not monotone in its row count: the BLAS kernels work in tiles of rows,
+# and on an AMD EPYC in float32 a decode step of the tiny Llama took 13.87 ms with 3 sequences and
+# 11.87 ms with 4, 16.07 ms with 7 and 15.33 ms with 8 (context 256, exact rows:
+# ``benchmarks/llm_step_layout.py``). No step model linear in the sequences prices both 3 and 4.
+#
+# ``RowPlan.measure`` times the matmuls every token row pays (qkv, o, gate_up, down of every layer: all
+# of them, so the weights stream from memory as in a step, where one layer's alone would stay in the
+# caches and misjudge one row, a matrix x vector, against four) for each row count up to ``MAX_ROWS +
+# LOOKAHEAD``, and ``rows(t)`` is the count the runner pads a step of ``t`` rows to: the cheapest count
+# in ``[t, t + LOOKAHEAD]`` when it is at least ``MARGIN`` faster than ``t`` itself, else ``t``. The
+# padding rows are computed and discarded (``model_runner``: never written to the KV cache, never
+# attended to, never sampled). Above ``MAX_ROWS`` (mostly steps with a prefill chunk, where a few rows
+# are a small share) rows are not padded. ``RowPlan()`` pads nothing: a runner built without a plan
+# runs its exact row counts.
+
+MAX_ROWS = 32  # padded up to here (decodes and short chunks: where a tile's rows are a large share)
+LOOKAHEAD = 3  # at most this many padding rows
+MARGIN = 0.03  # pad only when the padded count is at least this much faster
+REPEATS = 3  # timed runs per row count (median); one untimed run first
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """``pad_to[t]``: the rows a step of ``t`` token rows runs (``t < len(pad_to)``); ``t`` beyond."""
+
+    pad_to: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        bad = [t for t, p in enumerate(self.pad_to) if p < t]
+        if bad:
+            t = bad[0]
+            raise ValueError(f"row plan: pad_to[{t}] = {self.pad_to[t]} is fewer rows than {t}")
+
+    def rows(self, t: int) -> int:
+        return self.pad_to[t] if 0 <= t < len(self.pad_to) else t
+
+    def padded(self) -> dict[int, int]:
+        """The counts that are padded, and to what (for logs and the profile's meta)."""
+        return {t: p for t, p in enumerate(self.pad_to) if p != t}
+
+    @classmethod
+    def from_times(cls, seconds: Sequence[float], max_rows: int = MAX_ROWS, lookahead: int = LOOKAHEAD,
+                   margin: float = MARGIN) -> RowPlan:
+        """The plan from ``seconds[t]``, the dense layers' time at ``t`` rows (``seconds[0]`` unused),
+        known up to ``max_rows + lookahead`` at least (module docstring)."""
+        if len(seconds) < max_rows + lookahead + 1:
+            raise ValueError(f"row plan: {len(seconds)} timings, need {max_rows + lookahead + 1}")
+        pad_to = [0]
+        for t in range(1, max_rows + 1):
+            best = min(range(t, t + lookahead + 1), key=lambda r: (seconds[r], r))
+            pad_to.append(best if seconds[best] < (1.0 - margin) * seconds[t] else t)
+        return cls(tuple(pad_to))
+
+    @classmethod
+    def measure(cls, weights: Sequence[torch.Tensor], device: torch.device, dtype: torch.dtype,
+                max_rows: int = MAX_ROWS, lookahead: int = LOOKAHEAD, repeats: int = REPEATS) -> RowPlan:
+        """Time ``x @ w.T`` for every ``w`` of ``weights`` (the dense matrices, ``[out, in]``)
+        at each row count, round-robin over the counts ``repeats`` times (a drift in the machine's speed
+        then moves every count alike), and plan from the medians."""
+        counts = range(1, max_rows + lookahead + 1)
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        width = max(int(w.shape[1]) for w in weights)
+        source = torch.randn(counts[-1], width, generator=gen).to(device, dtype)
+        inputs = [[source[:t, : int(w.shape[1])].contiguous() for w in weights] for t in counts]
+        runs: list[list[float]] = [[] for _ in counts]
+        with torch.inference_mode():
+            for xs in inputs:
+                _matmuls(xs, weights)
+            for _ in range(repeats):
+                for xs, times in zip(inputs, runs, strict=True):
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    _matmuls(xs, weights)
+                    _sync(device)
+                    times.append(time.perf_counter() - t0)
+        medians = [0.0] + [sorted(t)[len(t) // 2] for t in runs]
+        return cls.from_times(medians, max_rows, lookahead)
+
+
+def _matmuls(xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]) -> None:
+    for x, w in zip(xs, weights, strict=True):
+        x @ w.T
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def keep_freed_memory() -> bool:
+    """Tell glibc malloc to serve big blocks from the heap and never give freed memory back to the OS.
+
+    A CPU step allocates multi-MB activations; with glibc defaults each one is a fresh ``mmap`` whose
+    pages fault in on first touch, which measured ~25% of a decode/prefill step here. Process-wide and
+    idempotent; a no-op (False) where glibc is not the allocator.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        return bool(libc.mallopt(m_mmap_threshold, 1 << 30) and libc.mallopt(m_trim_threshold, 1 << 31))
+    except (OSError, AttributeError):
+        return False
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # same op order as HF LlamaRMSNorm, for token-identical greedy output
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LLMModelRunner:
+    """Owns the weights and the KV cache (``[layers, slots, kv_heads, head_dim]`` for K and for V)."""
+
+    def __init__(self, weights: LlamaWeights, num_kv_blocks: int, block_size: int,
+                 device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 decode_run_tokens: int = DECODE_RUN_TOKENS, num_swap_blocks: int = 0) -> None:
+        self.decode_run_tokens = decode_run_tokens
+        self.threads: int | None = None  # CPU intra-op threads of the threads that run it (None: every core)
+        self.row_plan = RowPlan()  # the row counts the dense layers run (row_plan.py; none padded)
+        self.rows_run = 0  # the token rows the last forward's dense layers ran, padding included
+        self.max_gather_tokens = 0  # the most context tokens one gather holds (0: unbounded doubling)
+        self._buffers = [torch.empty(0, dtype=dtype, device=device) for _ in range(2)]
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.block_size = block_size
+        self.num_kv_blocks = num_kv_blocks
+        w = weights
+        self.w = w
+        for name in ("embed", "norm", "lm_head"):
+            setattr(w, name, getattr(w, name).to(self.device, dtype))
+        for layer in w.layers:
+            for name in ("input_norm", "qkv", "o", "post_norm", "gate_up", "down"):
+                setattr(layer, name, getattr(layer, name).to(self.device, dtype))
+        self.num_heads, self.num_kv_heads, self.head_dim = w.num_heads, w.num_kv_heads, w.head_dim
+        self.group = self.num_heads // self.num_kv_heads
+        shape = (len(w.layers), num_kv_blocks * block_size, self.num_kv_heads, self.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.num_swap_blocks = num_swap_blocks
+        self.preemption_costs: PreemptionCosts | None = None  # measured on this runner by its first engine
+        host = (len(w.layers), num_swap_blocks, block_size, self.num_kv_heads, self.head_dim)
+        pin = self.device.type == "cuda"
+        self.k_swap = torch.empty(host, dtype=dtype, pin_memory=pin)
+        self.v_swap = torch.empty(host, dtype=dtype, pin_memory=pin)
+        pos = torch.arange(w.max_position_embeddings, dtype=torch.float32)
+        freqs = pos[:, None] * w.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = (emb.cos() * w.attention_scaling).to(self.device, dtype)
+        self.sin = (emb.sin() * w.attention_scaling).to(self.device, dtype)
+        self.scale = self.head_dim**-0.5
+
+    def plan_rows(self) -> RowPlan:
+        """Measure and keep the row counts the dense layers run fastest at (``RowPlan.measure`` on every
+        layer's matrices; about 2 s for the tiny Llama on one CPU core)."""
+        dense = [m for layer in self.w.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        self.row_plan = RowPlan.measure(dense, self.device, self.dtype)
+        return self.row_plan
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return 2 * self.k_cache.numel() * self.k_cache.element_size()
+
+    @property
+    def swap_space_bytes(self) -> int:
+        return 2 * self.k_swap.numel() * self.k_swap.element_size()
+
+    @torch.inference_mode()
+    def swap(self, out_pairs: Sequence[tuple[int, int]], in_pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy whole KV blocks, K and V of every layer: ``out_pairs`` ``(device_block, host_block)``
+        first, then ``in_pairs`` ``(host_block, device_block)`` (``StepPlan.swap_out`` / ``swap_in``).
+        Returns when the copies are done; the next ``forward`` may overwrite the swapped-out blocks."""
+        bs, kv, hd = self.block_size, self.num_kv_heads, self.head_dim
+        caches = ((self.k_cache, self.k_swap), (self.v_cache, self.v_swap))
+        if out_pairs:
+            src = torch.tensor([d for d, _ in out_pairs], device=self.device)
+            dst = torch.tensor([h for _, h in out_pairs])
+            for cache, host in caches:
+                for li in range(cache.shape[0]):
+                    blocks = cache[li].view(-1, bs, kv, hd).index_select(0, src)
+                    host[li].index_copy_(0, dst, blocks.to("cpu"))
+        if in_pairs:
+            src = torch.tensor([h for h, _ in in_pairs])
+            dst = torch.tensor([d for _, d in in_pairs], device=self.device)
+            for cache, host in caches:
+                for li in range(cache.shape[0]):
+                    blocks = host[li].index_select(0, src).to(self.device)
+                    cache[li].view(-1, bs, kv, hd).index_copy_(0, dst, blocks)
+
+    def release_buffers(self) -> None:
+        """Drop the reused gather buffers (the memory profiler measures each step's gather from zero)."""
+        self._buffers = [torch.empty(0, dtype=self.dtype, device=self.device) for _ in range(2)]
+
+    def _slots(self, block_table: Sequence[int], start: int, stop: int) -> torch.Tensor:
+        bs = self.block_size
+        pos = torch.arange(start, stop)
+        table = torch.tensor(block_table, dtype=torch.long)
+        return table[pos // bs] * bs + pos % bs
+
+    def _gather(self, blocks_view: torch.Tensor, index: torch.Tensor, slot: int) -> torch.Tensor:
+        """``index_select`` of whole blocks into a reused buffer: a fresh multi-MB tensor per call costs
+        page faults that measured 3x the copy itself on CPU. Callers finish with a buffer before the
+        next gather into the same ``slot`` (attention runs between), so reuse is safe."""
+        shape = (index.numel(), *blocks_view.shape[1:])
+        numel = shape[0] * blocks_view[0].numel()
+        buf = self._buffers[slot]
+        if buf.numel() < numel:
+            # grow by doubling, but never past the largest gather a step can make (the memory plan's)
+            grow = max(numel, 2 * buf.numel())
+            if self.max_gather_tokens:
+                grow = max(numel, min(grow, self.max_gather_tokens * blocks_view[0, 0].numel()))
+            buf = torch.empty(grow, dtype=blocks_view.dtype, device=blocks_view.device)
+            self._buffers[slot] = buf
+        out = buf[:numel].view(shape)
+        torch.index_select(blocks_view, 0, index, out=out)
+        return out
+
+    def _decode_groups(self, ctx_sorted: list[int]) -> list[tuple[int, int]]:
+        """Split decodes (sorted by context) into runs padded to their own longest context: the core's
+        rule (``core.llm.scheduler.decode_groups``), which the cost model's KV features count too."""
+        return decode_groups(ctx_sorted, self.decode_run_tokens)
+
+    @torch.inference_mode()
+    def forward(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
+        """Run one step; return float32 logits ``[num_sampling_chunks, vocab]`` in chunk order."""
+        if not chunks:
+            return torch.empty(0, self.w.vocab_size)
+        dev, bs = self.device, self.block_size
+        # decodes sorted by context length, so each group pads its gathered keys to a similar length
+        decodes = sorted((c for c in chunks if c.num_tokens == 1), key=lambda c: c.context_len)
+        prefills = [c for c in chunks if c.num_tokens > 1]
+        ordered = decodes + prefills  # rows: decodes first, then each prefill chunk contiguously
+        ids: list[int] = []
+        positions: list[int] = []
+        slot_parts: list[torch.Tensor] = []
+        for c in ordered:
+            ids.extend(c.token_ids)
+            positions.extend(range(c.start, c.context_len))
+            slot_parts.append(self._slots(c.block_table, c.start, c.context_len))
+        slots = torch.cat(slot_parts).to(dev)
+        real = len(ids)  # the step's token rows; the dense layers run runner.rows(real) (row_plan.py)
+        pad = self.row_plan.rows(real) - real
+        self.rows_run = real + pad
+        ids.extend([0] * pad)
+        positions.extend([0] * pad)
+        pos_t = torch.tensor(positions, device=dev)
+        cos, sin = self.cos[pos_t][:, None, :], self.sin[pos_t][:, None, :]
+
+        nd = len(decodes)
+        decode_groups = []
+        for g0, g1 in self._decode_groups([c.context_len for c in decodes]):
+            group = decodes[g0:g1]
+            ctx = torch.tensor([c.context_len for c in group])
+            max_blocks = -(-int(ctx.max()) // bs)
+            tables = torch.zeros(len(group), max_blocks, dtype=torch.long)
+            for i, c in enumerate(group):
+                nb = -(-c.context_len // bs)
+                tables[i, :nb] = torch.tensor(c.block_table[:nb])
+            mask = (torch.arange(max_blocks * bs)[None, :] < ctx[:, None]).to(dev)[:, None, None, :]
+            decode_groups.append((g0, g1, tables.view(-1).to(dev), mask, max_blocks * bs))
+        prefill_meta = []
+        row = nd
+        for c in prefills:
+            nb = -(-c.context_len // bs)
+            ctx_blocks = torch.tensor(c.block_table[:nb], device=dev) if c.start else None
+            mask = None
+            if c.start:
+                q_pos = torch.arange(c.start, c.context_len)[:, None]
+                mask = (torch.arange(c.context_len)[None, :] <= q_pos).to(dev)
+            prefill_meta.append((row, row + c.num_tokens, ctx_blocks, mask))
+            row += c.num_tokens
+
+        w = self.w
+        H, KV, hd, G = self.num_heads, self.num_kv_heads, self.head_dim, self.group
+        x = w.embed[torch.tensor(ids, device=dev)]
+        T = x.shape[0]
+        for li, layer in enumerate(w.layers):
+            h = _rms_norm(x, layer.input_norm, w.rms_norm_eps)
+            qkv = h @ layer.qkv.T
+            q = qkv[:, : H * hd].view(T, H, hd)
+            k = qkv[:, H * hd : (H + KV) * hd].view(T, KV, hd)
+            v = qkv[:, (H + KV) * hd :].view(T, KV, hd)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            kc, vc = self.k_cache[li], self.v_cache[li]
+            kc.index_copy_(0, slots, k[:real])
+            vc.index_copy_(0, slots, v[:real])
+            # gather whole blocks (bs * KV * hd contiguous values each), not single slots
+            kb, vb = kc.view(-1, bs, KV, hd), vc.view(-1, bs, KV, hd)
+            out = torch.empty(T, H, hd, dtype=x.dtype, device=dev)
+            if pad:
+                out[real:] = 0  # padding rows: computed by the dense layers, read by nothing
+            for g0, g1, blocks, dmask, length in decode_groups:
+                n = g1 - g0
+                kd = self._gather(kb, blocks, 0).view(n, length, KV, hd).transpose(1, 2)
+                vd = self._gather(vb, blocks, 1).view(n, length, KV, hd).transpose(1, 2)
+                qd = q[g0:g1].view(n, KV, G, hd)  # fold the GQA group into the query axis
+                od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=dmask, scale=self.scale)
+                out[g0:g1] = od.reshape(n, H, hd)
+            for r0, r1, ctx_blocks, mask in prefill_meta:
+                qc = q[r0:r1].transpose(0, 1)[None]
+                if ctx_blocks is None:
+                    kp, vp = k[r0:r1], v[r0:r1]
+                else:
+                    n_ctx = mask.shape[1]
+                    kp = self._gather(kb, ctx_blocks, 0).view(-1, KV, hd)[:n_ctx]
+                    vp = self._gather(vb, ctx_blocks, 1).view(-1, KV, hd)[:n_ctx]
+                kp = kp.repeat_interleave(G, dim=1).transpose(0, 1)[None]
+                vp = vp.repeat_interleave(G, dim=1).transpose(0, 1)[None]
+                if mask is None:
+                    oc = F.scaled_dot_product_attention(qc, kp, vp, is_causal=True, scale=self.scale)
+                else:
+                    oc = F.scaled_dot_product_attention(qc, kp, vp, attn_mask=mask, scale=self.scale)
+                out[r0:r1] = oc[0].transpose(0, 1)
+            x = x + out.view(T, H * hd) @ layer.o.T
+            h = _rms_norm(x, layer.post_norm, w.rms_norm_eps)
+            gate, up = (h @ layer.gate_up.T).chunk(2, dim=-1)
+            x = x + (F.silu(gate) * up) @ layer.down.T
+
+        last_row: dict[int, int] = {}
+        for i, c in enumerate(decodes):
+            last_row[c.seq_id] = i
+        for c, (_, r1, _, _) in zip(prefills, prefill_meta, strict=True):
+            last_row[c.seq_id] = r1 - 1
+        rows = [last_row[c.seq_id] for c in chunks if c.sample]
+        if not rows:
+            return torch.empty(0, w.vocab_size)
+        h = _rms_norm(x[torch.tensor(rows, device=dev)], w.norm, w.rms_norm_eps)
+        return (h @ w.lm_head.T).float()
+
+
+# What an LLM engine's memory is made of, measured on its runner: the input of ``core/llm/config.py``.
+#
+# * weights: the bytes of the runner's tensors (fused weights, embeddings, RoPE tables), counted once;
+# * KV bytes per token: K and V over every layer, from the cache's own shape and dtype;
+# * the activation peak of a step (``measure_memory``): every tensor a step allocates above what was
+#   live when it started, measured by ``models.device.peak_memory_bytes`` (CUDA: the caching
+#   allocator's high-water mark; CPU: the allocator's events under ``torch.profiler``) on synthetic
+#   steps: prefills of several lengths (linear in batched tokens), decode batches at several
+#   contexts (the gather of their keys and values: linear in the context tokens of the largest
+#   decode group, which the runner's reused buffers hold), and prefill chunks past position 0 (chunked
+#   prefill, a prefix-cache hit: a gather of their context, a mask and scores of tokens x context). A
+#   least-squares fit ``fixed + per_token x tokens + per_read_token x read + per_attn x tokens x
+#   context`` is shifted up by its largest miss, so it
+#   is at or above every measured step; on CPU the fixed term also takes what running the same steps on
+#   a fresh thread leaves resident beyond the tensors (``thread_residual``: the allocator arena the
+#   engine's own thread will hold).
+#
+# The runner's gather buffers outlive a step (they are reused); each shape is measured with them
+# released, so the gather it needs is counted, not hidden by a buffer an earlier shape grew.
+
+def _tensor_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        key = t.untyped_storage().data_ptr()
+        if key in seen:
+            continue
+        seen.add(key)
+        total += t.untyped_storage().nbytes()
+    return total
+
+
+def weights_bytes(runner: LLMModelRunner) -> int:
+    """Bytes of the runner's model tensors (shared storages once), RoPE tables included."""
+    w = runner.w
+    tensors = [w.embed, w.norm, w.lm_head, runner.cos, runner.sin]
+    for layer in w.layers:
+        tensors += [layer.input_norm, layer.qkv, layer.o, layer.post_norm, layer.gate_up, layer.down]
+    return _tensor_bytes(tensors)
+
+
+def kv_bytes_per_token(runner: LLMModelRunner) -> int:
+    """K and V of one token over every layer."""
+    k = runner.k_cache
+    return 2 * k.shape[0] * k.shape[2] * k.shape[3] * k.element_size()
+
+
+def model_memory(runner: LLMModelRunner) -> MemoryProfile:
+    """Weights and KV bytes per token, exact from the tensors; no activation terms (``source="none"``)."""
+    return MemoryProfile(weights_bytes(runner), kv_bytes_per_token(runner))
+
+
+def weights_memory(weights: Any, dtype: torch.dtype) -> MemoryProfile:
+    """``model_memory`` before any runner exists: the loaded weights (already in ``dtype``, as the loader
+    gives them and the runner keeps them) and the RoPE tables the runner will build, KV bytes from the
+    model's shape."""
+    w = weights
+    tensors = [w.embed, w.norm, w.lm_head]
+    for layer in w.layers:
+        tensors += [layer.input_norm, layer.qkv, layer.o, layer.post_norm, layer.gate_up, layer.down]
+    size = torch.empty(0, dtype=dtype).element_size()
+    rope = 2 * w.max_position_embeddings * w.head_dim * size
+    kv = 2 * len(w.layers) * w.num_kv_heads * w.head_dim * size
+    return MemoryProfile(_tensor_bytes(tensors) + rope, kv)
+
+
+def read_tokens(plan: StepPlan) -> int:
+    """Context tokens the step's largest gather holds: decodes sorted by context are split into groups
+    (the runner's ``decode_groups``), each padded to its longest, and a prefill chunk past position 0
+    gathers its context; each is gathered in turn into the same reused buffers, so the largest is what
+    occupies memory."""
+    ctx = sorted(c.context_len for c in plan.chunks if c.is_decode)
+    late = [c.context_len for c in plan.chunks if not c.is_decode and c.start > 0]
+    runs = decode_groups(ctx, plan.decode_run_tokens)
+    return max([(b - a) * ctx[b - 1] for a, b in runs] + late, default=0)
+
+
+def attn_units(plan: StepPlan) -> int:
+    """The largest ``tokens x context`` of a prefill chunk past position 0 (its mask and scores)."""
+    return max((c.num_tokens * c.context_len for c in plan.chunks if not c.is_decode and c.start > 0),
+               default=0)
+
+
+def _plan(runner: LLMModelRunner, prefill: int, decodes: int, ctx: int, start: int = 0) -> StepPlan:
+    bs, nb = runner.block_size, runner.num_kv_blocks
+    chunks, nxt = [], 0
+    for i in range(decodes):
+        blocks = -(-ctx // bs)
+        chunks.append(ScheduledChunk(i, ctx - 1, [5], [(nxt + j) % nb for j in range(blocks)], True, True))
+        nxt += blocks
+    if prefill:
+        blocks = -(-(start + prefill) // bs)
+        chunks.append(ScheduledChunk(decodes, start, [7] * prefill, [(nxt + j) % nb for j in range(blocks)],
+                                     True, False))
+    return StepPlan(step_id=0, chunks=chunks, decode_run_tokens=runner.decode_run_tokens)
+
+
+def _measure(runner: LLMModelRunner, plan: StepPlan) -> float:
+    def step() -> None:
+        runner.forward(plan.chunks).argmax(-1)
+
+    with torch.inference_mode():
+        step()  # warm-up: first calls of a shape allocate caches of their own
+        runner.release_buffers()
+        return peak_memory_bytes(step, runner.device)
+
+
+def thread_residual(runner: LLMModelRunner, plans: Sequence[StepPlan], tensor_peak: float) -> float:
+    """CPU only: the resident growth of running ``plans`` on a fresh thread (as the engine's own thread
+    does) beyond the largest tensor peak. A new thread allocates from a malloc arena of its own, whose
+    pages stay resident (``keep_freed_memory``) and which the tensor accounting cannot see; 0 on CUDA."""
+    if runner.device.type != "cpu":
+        return 0.0
+    import threading
+
+    from batchpilot.models.device import used_memory_bytes
+
+    before = used_memory_bytes(runner.device)
+
+    def run() -> None:
+        with torch.inference_mode():
+            for plan in plans:
+                runner.forward(plan.chunks).argmax(-1)
+
+    t = threading.Thread(target=run, name="memory-probe")
+    t.start()
+    t.join()
+    runner.release_buffers()
+    return max(0.0, used_memory_bytes(runner.device) - before - tensor_peak)
+
+
+def measure_memory(runner: LLMModelRunner, prefill_tokens: Sequence[int] = (32, 64, 128, 256, 512),
+                   decode_shapes: Sequence[tuple[int, int]] = ((8, 64), (8, 256), (4, 1024), (16, 128),
+                                                               (8, 512)),
+                   late_chunks: Sequence[tuple[int, int]] = ((128, 384), (256, 768), (512, 1024),
+                                                             (128, 1920)),
+                   ) -> tuple[MemoryProfile, list[dict[str, float]]]:
+    """The runner's ``MemoryProfile`` with measured activation terms, and the measured points
+    (``tokens``, ``read``, ``attn``, ``peak_bytes``, ``fit_bytes``). Decode shapes are ``(sequences,
+    context)``, late chunks ``(tokens, start)``;
+    shapes that do not fit the runner's pool or the model's positions are left out."""
+    pool = runner.num_kv_blocks * runner.block_size
+    positions = runner.cos.shape[0]  # the model's position limit
+    plans = [_plan(runner, n, 0, 0) for n in prefill_tokens if n <= min(pool, positions)]
+    plans += [_plan(runner, 0, b, c) for b, c in decode_shapes if b * c <= pool and 1 < c <= positions]
+    plans += [_plan(runner, n, 0, 0, start) for n, start in late_chunks if start + n <= min(pool, positions)]
+    rows, peaks = [], []
+    for plan in plans:
+        rows.append((1.0, float(plan.num_batched_tokens), float(read_tokens(plan)), float(attn_units(plan))))
+        peaks.append(_measure(runner, plan))
+    runner.release_buffers()
+    x, y = np.array(rows), np.array(peaks)
+    coef = np.clip(np.linalg.lstsq(x, y, rcond=None)[0], 0.0, None)
+    coef[0] += max(0.0, float((y - x @ coef).max()))  # at or above every measured step
+    coef[0] += thread_residual(runner, plans, float(y.max()))
+    fit = x @ coef
+    points = [{"tokens": r[1], "read": r[2], "attn": r[3], "peak_bytes": float(p), "fit_bytes": float(f)}
+              for r, p, f in zip(rows, peaks, fit, strict=True)]
+    base = model_memory(runner)
+    profile = MemoryProfile(base.weights_bytes, base.kv_bytes_per_token, float(coef[0]), float(coef[1]),
+                            float(coef[2]), source="measured", activation_bytes_per_attn=float(coef[3]))
+    return profile, points
+
+
+def step_plan(runner: LLMModelRunner, prefills: Sequence[int], decode_contexts: Sequence[int]) -> StepPlan:
+    """A synthetic step over ``runner``'s pool (block tables wrap around it): one decode at each of
+    ``decode_contexts`` and a fresh prefill chunk of each of ``prefills`` tokens, its decodes in runs
+    of the runner's ``decode_run_tokens``."""
+    bs = runner.block_size
+    next_block = 0
+    chunks = []
+
+    def table(n_tokens: int) -> list[int]:
+        nonlocal next_block
+        nb = -(-n_tokens // bs)
+        blocks = [(next_block + i) % runner.num_kv_blocks for i in range(nb)]
+        next_block += nb
+        return blocks
+
+    sid = 0
+    for ctx in decode_contexts:
+        chunks.append(ScheduledChunk(sid, ctx - 1, [5], table(ctx), True, True))
+        sid += 1
+    for n in prefills:
+        chunks.append(ScheduledChunk(sid, 0, [7] * n, table(n), True, False))
+        sid += 1
+    return StepPlan(step_id=0, chunks=chunks, decode_run_tokens=runner.decode_run_tokens)
+
+
+def _sync_runner(runner: LLMModelRunner) -> None:
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+
+
+def measure_swap(runner: LLMModelRunner, num_blocks: int = 16, repeats: int = 5) -> tuple[float, float]:
+    """Median seconds per block of ``runner.swap`` copying ``num_blocks`` blocks (capped by both pools)
+    device -> host and host -> device: ``(out_s_per_block, in_s_per_block)``. Overwrites the first
+    blocks of both pools: call it with no sequence in the cache (start-up, profiling)."""
+    k = min(num_blocks, runner.num_kv_blocks, runner.num_swap_blocks)
+    if k < 1:
+        raise ValueError("measure_swap: the runner has no swap blocks to copy to")
+    pairs = [(b, b) for b in range(k)]
+    runner.swap(pairs, pairs)  # warm-up: first touch of the host pages, allocator
+    outs, ins = [], []
+    for _ in range(repeats):
+        _sync_runner(runner)
+        t0 = time.perf_counter()
+        runner.swap(pairs, [])
+        _sync_runner(runner)
+        t1 = time.perf_counter()
+        runner.swap([], pairs)
+        _sync_runner(runner)
+        outs.append(t1 - t0)
+        ins.append(time.perf_counter() - t1)
+    return sorted(outs)[repeats // 2] / k, sorted(ins)[repeats // 2] / k
+
+
+def measure_prefill(runner: LLMModelRunner, max_len: int = 128, repeats: int = 5) -> tuple[float, float]:
+    """Seconds per prefill token and per unit of prefill attention (``T * T`` for a prompt of ``T``):
+    ``(a, b)`` of ``const + a T + b T^2`` fitted (least squares, non-negative) on single prefills of 1,
+    1/4, 1/2 and all of ``max_len`` tokens (capped by the pool and the positions), the step's fixed
+    cost left out. Timed round-robin, the fastest of ``repeats`` per length: on shared cores a step's
+    time only ever gains from other work, so the minimum is the runner's own cost."""
+    top = max(4, min(max_len, runner.num_kv_blocks * runner.block_size, runner.w.max_position_embeddings))
+    sizes = sorted({1, top // 4, top // 2, top})
+    plans = [step_plan(runner, [n], []) for n in sizes]
+    best = [math.inf] * len(plans)
+    with torch.inference_mode():
+        for plan in plans:
+            runner.forward(plan.chunks).argmax(-1).tolist()  # warm-up
+        for _ in range(repeats):
+            for k, plan in enumerate(plans):
+                t0 = time.perf_counter()
+                runner.forward(plan.chunks).argmax(-1).tolist()
+                best[k] = min(best[k], time.perf_counter() - t0)
+    x = np.array([[1.0, n, n * n] for n in sizes])
+    _, per_token, per_attn = nonneg_lstsq(x, np.array(best))
+    if per_token == 0.0 and per_attn == 0.0:  # noise flattened the curve: the mean cost of a token
+        per_token = max(best[-1] - best[0], best[-1] / 2) / (sizes[-1] - sizes[0])
+    return float(per_token), float(per_attn)
+
+
+def probe_preemption_costs(runner: LLMModelRunner, cost_model: CostModel | None = None) -> PreemptionCosts:
+    """What swapping and recomputing cost on this runner: ``measure_swap`` for the copies, and the
+    recompute price from ``cost_model`` (an LLM step profile) when given, else ``measure_prefill``."""
+    out_s, in_s = measure_swap(runner)
+    if cost_model is not None:
+        return PreemptionCosts.from_cost_model(cost_model, out_s, in_s)
+    per_token, per_attn = measure_prefill(runner)
+    return PreemptionCosts(out_s, in_s, per_token, per_attn)
+
+
+def engine_preemption_costs(runner: Any, config: LLMSchedulerConfig, given: PreemptionCosts | None = None,
+                            cost_model: CostModel | None = None) -> PreemptionCosts | None:
+    """The costs an engine's scheduler weighs swap against recompute with: ``given`` (e.g.
+    ``probe_preemption_costs(runner, profile)`` to price recompute from a step profile); else what this
+    runner measured for an earlier engine (``runner.preemption_costs``: a rebuilt engine does not probe
+    again); else, for ``preemption: auto`` with swap blocks, ``probe_preemption_costs(runner,
+    cost_model)`` (kept on the runner); else None (no comparison to make). Raises ``ValueError`` when
+    the config has more swap blocks than the runner holds."""
+    have = getattr(runner, "num_swap_blocks", 0)
+    if config.num_swap_blocks > have:
+        raise ValueError(f"llm engine: the scheduler has {config.num_swap_blocks} swap blocks, the runner "
+                         f"{have}; build the runner with num_swap_blocks")
+    costs = given or getattr(runner, "preemption_costs", None)
+    if costs is None and config.preemption == "auto" and config.num_swap_blocks:
+        costs = probe_preemption_costs(runner, cost_model)
+    if costs is not None and hasattr(runner, "preemption_costs"):
+        runner.preemption_costs = costs
+    return costs
+
+

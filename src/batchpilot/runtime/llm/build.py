@@ -1,0 +1,357 @@
+"""The engine's memory plan at start-up: which ``MemoryProfile`` feeds the deployment's KV plan
+(``core.llm.config.resolve_llm_deployment``, which runs ``core.llm.config.plan_kv`` on it).
+
+* a profile file from ``batchpilot profile --llm`` (its ``"memory"`` section): measured before the
+  run, checked to be of this model and precision (same KV bytes per token);
+* else, when the pool is sized from a budget (``kv_cache_memory`` / ``memory_utilization``), the
+  activation peak is measured here, on a probe runner over the same weights with a small pool
+  (``models/llm/runner.measure_memory``, a second or two);
+* else the model's tensors alone (weights and KV bytes exact, no activation term): ``num_kv_blocks``
+  is kept and only checked.
+
+The deployment's notes and plan are logged; the plan is kept on the engine (``engine.memory_plan``) for
+``/metrics``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from batchpilot.core.deployment import DeploymentSpec, LLMDeployment, LLMModelLimits, resolve_llm_deployment
+from batchpilot.core.llm.config import LLMSchedulerConfig, MemoryProfile, largest_gather
+
+log = logging.getLogger("batchpilot.llm")
+
+PROBE_TOKENS = 4096  # the probe runner's KV pool: enough for the measured shapes, small for big models
+
+
+def load_memory_profile(path: str | Path) -> MemoryProfile:
+    """The ``"memory"`` section of an LLM profile file."""
+    data = json.loads(Path(path).read_text())
+    if "memory" not in data:
+        raise ValueError(f"{path}: no 'memory' section; write the profile with `batchpilot profile --llm`")
+    return MemoryProfile.from_dict(data["memory"])
+
+
+def engine_memory(weights: Any, config: LLMSchedulerConfig, device: str, dtype: Any,
+                  profile: MemoryProfile | str | Path | None = None, overhead_bytes: float = 0.0
+                  ) -> MemoryProfile:
+    """The ``MemoryProfile`` the plan is made from (see the module docstring); ``overhead_bytes``: what
+    loading this model cost beyond its weights, measured by the builder (a profile brings its own)."""
+    import dataclasses
+
+    from batchpilot.models.llm.runner import LLMModelRunner, measure_memory, weights_memory
+
+    exact = dataclasses.replace(weights_memory(weights, dtype), overhead_bytes=overhead_bytes)
+    if profile is not None:
+        mem = profile if isinstance(profile, MemoryProfile) else load_memory_profile(profile)
+        if mem.kv_bytes_per_token != exact.kv_bytes_per_token:
+                raise ValueError(f"the memory profile has {mem.kv_bytes_per_token} KV bytes per token, this "
+                                 f"model in {dtype} has {exact.kv_bytes_per_token}: it was profiled for "
+                                 f"another model or precision; profile this one with "
+                                 f"`batchpilot profile --llm`")
+        return mem
+    if config.kv_cache_memory is None and config.memory_utilization is None:
+        return exact
+    probe = LLMModelRunner(weights, max(1, PROBE_TOKENS // config.block_size), config.block_size,
+                           device=device, dtype=dtype)
+    mem, _ = measure_memory(probe)
+    del probe
+    log.info("llm memory: measured the activation peak at start-up: %.0f B + %.0f B per batched token "
+             "+ %.0f B per gathered context token", mem.activation_fixed_bytes,
+             mem.activation_bytes_per_token, mem.activation_bytes_per_read_token)
+    return dataclasses.replace(mem, overhead_bytes=overhead_bytes)
+
+
+def plan_engine_memory(weights: Any, spec: DeploymentSpec, model: LLMModelLimits, device: str, dtype: Any,
+                       free_bytes: float | None, profile: MemoryProfile | str | Path | None = None,
+                       overhead_bytes: float = 0.0) -> tuple[LLMDeployment, MemoryProfile]:
+    """The engine's deployment (``core.llm.config.resolve_llm_deployment`` on this memory), logged;
+    raises ``core.llm.config.KVPlanError`` with what to change."""
+    mem = engine_memory(weights, spec.llm, device, dtype, profile, overhead_bytes)
+    dep = resolve_llm_deployment(spec, model, mem, free_bytes, swap_on_device=str(device).startswith("cpu"))
+    for note in dep.notes:
+        log.info("llm deployment: %s", note)
+    log.info("llm deployment: %s", dep.describe())
+    if dep.plan is not None:  # always: a memory profile was given
+        log.info("llm memory: %s", dep.plan.describe())
+    return dep, mem
+
+
+def profile_engine_memory(engine: Any, burst_seqs: int = 32, burst_prompt: int = 128,
+                          burst_output: int = 16) -> tuple[MemoryProfile, list[dict[str, float]]]:
+    """What ``batchpilot profile --llm`` records of a built (not started) engine, in this order, each
+    before the next leaves pages of its own resident:
+
+    1. the built engine's overhead beyond weights and KV (``runtime.llm.build.built_overhead``);
+    2. a burst of ``burst_seqs`` requests (token-id prompts, greedy, EOS ignored) through the started
+       engine: on CPU, what it leaves resident beyond the activation peak the plan counts for such a
+       burst (the engine thread's arena, the requests' Python state) joins the overhead;
+    3. the activation terms (``models/llm/runner.measure_memory``) on its runner.
+
+    The engine is shut down at the end; its runner stays usable (the step profile runs on it next)."""
+    import asyncio
+    import dataclasses
+
+    from batchpilot.core.llm.scheduler import decode_groups
+    from batchpilot.core.llm.sequence import SamplingParams
+    from batchpilot.models.device import used_memory_bytes
+    from batchpilot.models.llm.runner import measure_memory
+
+    overhead = built_overhead(engine)
+    device = engine.runner.device
+    params = SamplingParams(max_tokens=burst_output, temperature=0.0, ignore_eos=True)
+
+    async def burst() -> None:
+        async def one(i: int) -> None:
+            async for _ in engine.generate([7 + (i * 31 + j) % 256 for j in range(burst_prompt)], params):
+                pass
+        await asyncio.gather(*(one(i) for i in range(burst_seqs)))
+
+    before = used_memory_bytes(device)
+    engine.start()
+    try:
+        asyncio.run(burst())
+    finally:
+        engine.shutdown()
+    grown = used_memory_bytes(device) - before
+    memory, points = measure_memory(engine.runner)
+    if device.type == "cpu":
+        ctx = [burst_prompt + burst_output] * burst_seqs
+        runs = decode_groups(ctx, engine.config.decode_run_tokens)
+        group = max(b - a for a, b in runs)  # the largest gather, as the plan counts
+        burst_activation = memory.activation_bytes(engine.config.max_num_batched_tokens, group * ctx[0])
+        overhead += max(0.0, grown - burst_activation)
+    return dataclasses.replace(memory, overhead_bytes=overhead), points
+
+
+# ``build_llm_engine(model_path, **engine_config)``: model, tokenizer, paged KV runner and scheduler;
+# ``build_fallback(engine)``: the static-batching fallback on the same weights; ``build_failover(engine)``:
+# the engine behind its watchdog and circuit breaker, with that fallback or none.
+
+
+if TYPE_CHECKING:
+    from batchpilot.runtime.llm.engine import LLMEngine
+    from batchpilot.runtime.llm.failover import LLMFailover
+    from batchpilot.runtime.llm.fallback import StaticFallback
+
+_SCHED_FIELDS = {f.name for f in dataclasses.fields(LLMSchedulerConfig)}
+
+
+def build_llm_engine(model_path: str | None = None, spec: DeploymentSpec | None = None,
+                     **engine_config: Any) -> LLMEngine:
+    """Model, tokenizer, paged KV runner and scheduler, started and ready for ``generate``.
+
+    ``spec``: the deployment whose ``llm:`` section (and server-wide settings) the engine runs, as
+    ``serve --llm`` resolves it (``core.llm.config.resolve_llm_deployment``: request timeout,
+    admission bound, the model's length and EOS, the KV plan). ``engine_config`` keys: any
+    ``LLMSchedulerConfig`` field, set on top of ``spec``'s ``llm:`` section (``max_num_seqs``,
+    ``max_num_batched_tokens``, ``num_kv_blocks``, ``block_size``, ``max_model_len``, ``policy``,
+    ``enable_chunked_prefill``, ``enable_prefix_caching``, ``max_waiting_seqs``, ``request_timeout_s``),
+    any ``LLMModelConfig`` field for the random default model (``num_hidden_layers``, ``hidden_size``,
+    ``seed``, ``initializer_range``, ...), and ``device`` ("cpu", "cuda"), ``dtype`` ("float32",
+    "bfloat16", "float16"), ``model_name``, ``sampler_seed``, ``threads`` (torch intra-op threads of
+    every thread that runs the model, 0 = every core this process may use), ``tokenizer_threads`` (the
+    prompt tokenising pool, 0 = one per core), ``start`` (default True), ``memory_profile`` (an LLM
+    profile file or ``MemoryProfile`` the KV pool is planned from: ``runtime/llm/build.py``),
+    ``plan_rows`` (default True: the runner pads a step's token rows to the counts its matmuls run
+    fastest at, measured here: ``models/llm/runner.py``). Unknown keys are errors.
+
+    The KV pool is sized by ``core.llm.config.plan_kv`` (``kv_cache_memory``, ``memory_utilization`` of the
+    free memory read before the model loads, or ``num_kv_blocks``) and checked there; a pool too small
+    for the model's positions lowers ``max_model_len`` when it was not given, and is an error when it
+    was (``KVPlanError`` says what to change). ``engine.deployment`` keeps the resolved deployment.
+    """
+    import torch
+
+    from batchpilot.models.llm.runner import LLMModelRunner
+    from batchpilot.models.llm.sampler import Sampler
+    from batchpilot.models.llm.tokenizer import load_tokenizer
+    from batchpilot.models.llm.weights import LlamaWeights, load_hf_llama
+    from batchpilot.models.seeded import LLMModelConfig
+    from batchpilot.runtime.llm.engine import LLMEngine
+
+    cfg = dict(engine_config)
+    device = str(cfg.pop("device", "cpu"))
+    dtype = getattr(torch, str(cfg.pop("dtype", "float32")))
+    start = bool(cfg.pop("start", True))
+    sampler_seed = int(cfg.pop("sampler_seed", 0))
+    threads = int(cfg.pop("threads", 0))
+    tokenizer_threads = int(cfg.pop("tokenizer_threads", 0))
+    memory_profile = cfg.pop("memory_profile", None)
+    plan_rows = bool(cfg.pop("plan_rows", True))
+    model_fields = {f.name for f in dataclasses.fields(LLMModelConfig)}
+    model_kw = {k: cfg.pop(k) for k in list(cfg) if k in model_fields}
+    sched_kw = {k: cfg.pop(k) for k in list(cfg) if k in _SCHED_FIELDS}
+    spec = spec or DeploymentSpec()
+    if sched_kw:
+        spec = spec.replace(llm=dataclasses.replace(spec.llm, **sched_kw), llm_given=frozenset(sched_kw))
+    name = str(cfg.pop("model_name", model_path or "batchpilot-tiny-llama"))
+    if cfg:
+        raise ValueError(f"build_llm_engine: unknown option(s) {sorted(cfg)}; see the docstring for the keys")
+    model_cfg = LLMModelConfig(**model_kw)
+    from batchpilot.models.device import configure_threads, free_memory_bytes, used_memory_bytes
+
+    if device == "cpu" or threads:  # 1 is steadier than every core when other jobs share them; set
+        # here for the start-up measurements (row plan, preemption costs) and again by each thread that
+        # runs the model (the runner's ``threads``, ``models.device.bind_threads``)
+        configure_threads(threads or None)
+    free_bytes = free_memory_bytes(device)  # before the model loads: the plan's budget is a share of it
+    held_before = used_memory_bytes(device)
+    if device == "cpu":
+        from batchpilot.models.llm.runner import keep_freed_memory
+
+        keep_freed_memory()
+    hf = load_hf_llama(model_path, model_cfg, dtype=dtype)
+    weights = LlamaWeights.from_hf(hf)
+    tokenizer = load_tokenizer(model_path, model_cfg.vocab_size)
+    eos = set(weights.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    from batchpilot.models.llm.runner import weights_memory
+
+    # on CPU the process's growth while loading, beyond the weights, is memory the plan must leave room for
+    overhead = 0.0 if device.startswith("cuda") else max(
+        0.0, used_memory_bytes(device) - held_before - weights_memory(weights, dtype).weights_bytes)
+    limits = LLMModelLimits(weights.max_position_embeddings, tuple(sorted(eos)))
+    deployment, memory = plan_engine_memory(weights, spec, limits, device, dtype, free_bytes, memory_profile,
+                                            overhead)
+    config, plan = deployment.config, deployment.plan
+    assert plan is not None  # planned from a memory profile
+    runner = LLMModelRunner(weights, config.num_kv_blocks, config.block_size, device=device, dtype=dtype,
+                            num_swap_blocks=config.num_swap_blocks,
+                            decode_run_tokens=config.decode_run_tokens)
+    runner.max_gather_tokens = largest_gather(config)  # what core.llm.config reserves
+    runner.threads = threads or None
+    if plan_rows:
+        log.info("llm rows: token rows padded (rows: padded to) %s", runner.plan_rows().padded() or "none")
+    engine = LLMEngine(runner, tokenizer, config, model_name=name, sampler=Sampler(sampler_seed),
+                       tokenizer_threads=tokenizer_threads)
+    engine.memory_plan, engine.memory_profile = plan, memory  # type: ignore[attr-defined]
+    engine.deployment = deployment  # type: ignore[attr-defined]
+    # the fallback engine's model (runtime/llm/fallback.py): the HF module over the runner's tensors
+    engine.hf_model = share_runner_weights(hf, runner.w)  # type: ignore[attr-defined]
+    engine.memory_held_before = held_before  # type: ignore[attr-defined]
+    built = built_overhead(engine)
+    log.info("llm memory: built, the engine holds %.1f MiB beyond its weights and KV pool (the plan left "
+             "%.1f MiB)", built / (1 << 20), plan.overhead_bytes / (1 << 20))
+    if plan.source != "num_kv_blocks" and built > plan.overhead_bytes + (16 << 20):
+        log.warning("llm memory: the built engine holds %.1f MiB beyond its weights and KV pool, the plan "
+                    "left %.1f MiB for it; profile with `batchpilot profile --llm` and serve with "
+                    "--llm-profile to plan with the built figure", built / (1 << 20),
+                    plan.overhead_bytes / (1 << 20))
+    return engine.start() if start else engine
+
+
+def built_overhead(engine: LLMEngine) -> float:
+    """CPU: what the built engine's process holds beyond its weights and KV pool, measured from before
+    its model loaded (the tokenizer, the loader's kept pages, the runner's tables, the engine's pool);
+    ``batchpilot profile --llm`` records it as the profile's overhead. 0 on CUDA."""
+    from batchpilot.models.device import used_memory_bytes
+
+    r = engine.runner
+    if r.device.type != "cpu":
+        return 0.0
+    plan = engine.memory_plan  # type: ignore[attr-defined]
+    held = used_memory_bytes(r.device) - engine.memory_held_before  # type: ignore[attr-defined]
+    return float(max(0.0, held - plan.weights_bytes - r.kv_cache_bytes))
+
+
+def build_llm_arm(engine: LLMEngine, start: bool = True, sampler_seed: int = 0,
+                  **scheduler: Any) -> LLMEngine:
+    """Another engine over ``engine``'s weights, tokenizer and HF module (no copy): ``engine``'s
+    scheduler config with the ``scheduler`` fields replaced, its own paged KV cache and thread (an arm
+    of ``server/arms.py``)."""
+    from batchpilot.models.llm.runner import LLMModelRunner
+    from batchpilot.models.llm.sampler import Sampler
+    from batchpilot.runtime.llm.engine import LLMEngine
+
+    unknown = sorted(set(scheduler) - _SCHED_FIELDS)
+    if unknown:
+        raise ValueError(f"build_llm_arm: unknown scheduler option(s) {unknown}")
+    from batchpilot.core.llm.config import plan_kv
+    from batchpilot.models.device import free_memory_bytes
+
+    config = dataclasses.replace(engine.config, **scheduler)
+    r = engine.runner
+    # the arm's own pool, planned against what is free now; the weights are the primary's (no copy)
+    from batchpilot.models.llm.runner import model_memory
+
+    memory = getattr(engine, "memory_profile", None) or model_memory(r)
+    budget = config.kv_cache_memory is not None or config.memory_utilization is not None
+    if memory.source == "none" and budget:
+        memory = engine_memory(r.w, config, str(r.device), r.dtype)  # a budget: measure the activation
+    # the weights are the primary's and so is the loading overhead: the arm adds its pool and activation
+    memory = dataclasses.replace(memory, weights_bytes=0, overhead_bytes=0.0)
+    plan = plan_kv(config, memory, free_memory_bytes(r.device), swap_on_device=r.device.type == "cpu")
+    config = plan.resolve(config)
+    runner = LLMModelRunner(r.w, config.num_kv_blocks, config.block_size, device=str(r.device), dtype=r.dtype,
+                            num_swap_blocks=config.num_swap_blocks,
+                            decode_run_tokens=config.decode_run_tokens)
+    runner.max_gather_tokens = largest_gather(config)  # what core.llm.config reserves
+    runner.threads = r.threads  # an arm runs as the primary does
+    runner.row_plan = r.row_plan  # the same weights and device: the primary's measured plan
+    arm = LLMEngine(runner, engine.tokenizer, config, model_name=engine.model_name,
+                    sampler=Sampler(sampler_seed), tokenizer_threads=1)  # the routes tokenise on engine's
+    arm.hf_model = getattr(engine, "hf_model", None)  # type: ignore[attr-defined]
+    arm.memory_plan, arm.memory_profile = plan, memory  # type: ignore[attr-defined]
+    return arm.start() if start else arm
+
+
+def share_runner_weights(model: Any, weights: Any) -> Any:
+    """Point the HF model's parameters at the runner's (fused, device-resident) tensors: views, no copy."""
+    import torch
+
+    H, KV, hd = weights.num_heads, weights.num_kv_heads, weights.head_dim
+    with torch.no_grad():
+        for layer, w in zip(model.model.layers, weights.layers, strict=True):
+            a, m = layer.self_attn, layer.mlp
+            a.q_proj.weight.data = w.qkv[: H * hd]
+            a.k_proj.weight.data = w.qkv[H * hd : (H + KV) * hd]
+            a.v_proj.weight.data = w.qkv[(H + KV) * hd :]
+            a.o_proj.weight.data = w.o
+            inter = w.gate_up.shape[0] // 2
+            m.gate_proj.weight.data, m.up_proj.weight.data = w.gate_up[:inter], w.gate_up[inter:]
+            m.down_proj.weight.data = w.down
+            layer.input_layernorm.weight.data = w.input_norm
+            layer.post_attention_layernorm.weight.data = w.post_norm
+        model.model.embed_tokens.weight.data = weights.embed
+        model.model.norm.weight.data = weights.norm
+        model.lm_head.weight.data = weights.lm_head
+    return model.to(weights.embed.device).eval()  # the rest (RoPE buffers) follows the weights
+
+
+def build_fallback(engine: LLMEngine, max_batch_size: int = 8, sampler_seed: int = 0) -> StaticFallback:
+    """The static-batching fallback of an engine ``build_llm_engine`` made, on the same weights (started)."""
+    from batchpilot.models.llm.sampler import Sampler
+    from batchpilot.runtime.llm.fallback import StaticFallback
+
+    model = getattr(engine, "hf_model", None)
+    if model is None:
+        raise ValueError("this engine keeps no HF model to fall back on; build it with build_llm_engine")
+    fallback = StaticFallback(model, engine.tokenizer, engine.config, engine.model_name, max_batch_size,
+                              Sampler(sampler_seed))
+    fallback.threads = getattr(engine.runner, "threads", None)
+    return fallback.start()
+
+
+FALLBACKS = ("static", "off")
+
+
+def build_failover(engine: LLMEngine, fallback: str = "static", stall_timeout_s: float | None = None,
+                   fallback_batch_size: int = 8) -> LLMFailover:
+    """The engine behind its watchdog and circuit breaker (``runtime/llm/failover.py``), with the static
+    fallback on its weights (``fallback="static"``) or none (``"off"``: 503 while it is failed).
+    ``stall_timeout_s``: a fixed stall bound; None measures it from the engine's step times."""
+    from batchpilot.core.stall import StallRule
+    from batchpilot.runtime.llm.failover import LLMFailover
+
+    if fallback not in FALLBACKS:
+        raise ValueError(f"llm fallback {fallback!r}: choose one of {', '.join(FALLBACKS)}")
+    seed = int(getattr(engine.sampler, "base_seed", 0))
+    backup = build_fallback(engine, fallback_batch_size, seed) if fallback == "static" else None
+    return LLMFailover(engine, backup, StallRule(timeout_s=stall_timeout_s))

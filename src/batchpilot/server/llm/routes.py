@@ -1,0 +1,428 @@
+"""OpenAI-compatible ``POST /v1/completions`` and ``POST /v1/chat/completions`` over the LLM engine.
+
+``make_llm_router(engine, registry, limits)`` returns a router the app includes (``serve --llm``);
+``engine`` is an ``LLMEngine`` or the failover in front of one (``runtime/llm/failover.py``).
+
+    body ─▶ size limits (llm_limits, 400) ─▶ room in the engine? (503 + Retry-After) ─▶ tokenise in the
+    engine's pool, off the event loop ─▶ submit every prompt of the request together ─▶ answer
+
+Streaming is SSE (``data: {chunk}`` lines, then ``data: [DONE]``); the first token is awaited before the
+response starts, so a request that cannot run gets a normal error body instead of a broken stream. A
+stream that fails later ends with an SSE error event (``data: {"error": {...}}``). Every request has a
+deadline (``core.llm.admission.request_deadline``): the engine's resolved ``request_timeout_s``, or sooner
+with ``deadline_ms`` (body) or ``X-Deadline-Ms``; past it the answer is 504 (or the error event) and the
+sequences are aborted. Its priority is ``priority``
+(body) or else ``X-Priority`` (an integer; lower is served first under the engine's ``priority`` policy;
+a header that is not one is a 400). A request whose client leaves, or one of whose prompts fails, has
+all its sequences aborted and their KV blocks freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from contextvars import ContextVar
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry
+
+from batchpilot.core.llm.admission import request_deadline
+from batchpilot.core.request import IdCounter
+from batchpilot.core.rollout import PRIMARY
+from batchpilot.runtime.llm.engine import (
+    EngineBusy,
+    EngineStopped,
+    EngineUnavailable,
+    GenerationFailed,
+    GenerationOutput,
+    LLMEngine,
+    LLMRequest,
+    RequestRejected,
+    RequestTimedOut,
+)
+from batchpilot.runtime.llm.failover import LLMFailover
+from batchpilot.server.arms import ARM_HEADER, LLMArms
+from batchpilot.server.errors import APIError, error_body
+from batchpilot.server.llm.metrics import LLMMetrics
+from batchpilot.server.llm.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LLMLimits,
+    _SamplingFields,
+    header_deadline_ms,
+)
+from batchpilot.server.service import header_num
+
+# How an LLM request's failure reaches its client: an error body before the response starts, an SSE
+# error event (``data: {"error": {...}}``) once a stream has. One fixed message per code; whatever an
+# exception says about the internals goes to the log, never to the client. Only ``RequestRejected``
+# (what the request asked for against what the engine allows) is passed on as written.
+
+log = logging.getLogger("batchpilot.server")
+
+MESSAGES = {
+    "engine_stopped": (503, "the LLM engine is not running"),
+    "engine_unavailable": (503, "the LLM engine is unavailable; retry later"),
+    "queue_full": (503, "the LLM engine's queue is full; retry later"),
+    "timeout": (504, "the request was not answered within its time limit"),
+    "generation_failed": (500, "generation failed"),
+    "internal_error": (500, "internal server error"),
+}
+
+
+def fixed(code: str, retry_after_s: float | None = None) -> APIError:
+    status, message = MESSAGES[code]
+    return APIError(status, message, code=code, retry_after_s=retry_after_s)
+
+
+def to_api_error(exc: BaseException) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, RequestRejected):
+        return APIError(400, str(exc), code=exc.code, param=exc.param)
+    if isinstance(exc, EngineBusy):
+        return fixed("queue_full", exc.retry_after_s)
+    if isinstance(exc, EngineUnavailable):
+        return fixed("engine_unavailable", exc.retry_after_s)
+    if isinstance(exc, EngineStopped):
+        return fixed("engine_stopped")
+    if isinstance(exc, TimeoutError):
+        return fixed("timeout")
+    if isinstance(exc, GenerationFailed):
+        return fixed("generation_failed")
+    log.error("llm request failed", exc_info=exc)
+    return fixed("internal_error")
+
+
+def sse_error(exc: BaseException) -> bytes:
+    err = to_api_error(exc)
+    body = error_body(err.status, err.message, err.code, err.param, err.err_type)
+    return f"data: {json.dumps(body)}\n\n".encode()
+
+
+# The SSE bodies of streamed completions and chat completions, and the headers and usage they carry.
+#
+# Each generator starts from the request's first output (awaited before the response starts) and reads
+# the rest from the request; ``on_finish`` gets the last output. Errors are not handled here: the route
+# turns one into an error event (``server.llm.routes._stream``).
+
+OnFinish = Callable[[GenerationOutput], None]
+
+
+def sse(obj: dict[str, Any] | str) -> bytes:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode()
+
+
+def usage_of(last: GenerationOutput) -> dict[str, Any]:
+    usage: dict[str, Any] = {"prompt_tokens": last.num_prompt_tokens,
+                             "completion_tokens": last.num_output_tokens,
+                             "total_tokens": last.num_prompt_tokens + last.num_output_tokens}
+    if last.num_cached_tokens:
+        usage["prompt_tokens_details"] = {"cached_tokens": last.num_cached_tokens}
+    return usage
+
+
+def first_token_timing(received: float, first: GenerationOutput) -> dict[str, str]:
+    """W3C ``Server-Timing`` of a stream's first token (the headers leave with it): ``tokenize`` = the
+    handler's start -> the sequence in the engine (prompt encoding), ``engine`` = the engine's TTFT
+    (queue, prefill, first token out of its step), ``app`` = the handler's start -> that token back on
+    the event loop. ``app - tokenize - engine`` is the hand-off from the engine thread to the loop;
+    the client's TTFT minus ``app`` is HTTP both ways (the load generator records each part)."""
+    now = time.monotonic()
+    return {"server-timing": f"tokenize;dur={max(first.arrival - received, 0.0) * 1e3:.3f}, "
+                             f"engine;dur={max(first.emitted - first.arrival, 0.0) * 1e3:.3f}, "
+                             f"app;dur={(now - received) * 1e3:.3f}"}
+
+
+async def outputs(first: GenerationOutput, req: LLMRequest) -> AsyncIterator[GenerationOutput]:
+    """The primed first output, then the rest."""
+    yield first
+    if first.finish_reason is None:
+        async for item in req:
+            yield item
+
+
+async def completion_events(head: dict[str, Any], first: GenerationOutput, req: LLMRequest,
+                            include_usage: bool, on_finish: OnFinish) -> AsyncIterator[bytes]:
+    last = first
+    async for item in outputs(first, req):
+        last = item
+        yield sse({**head, "choices": [{"index": 0, "text": item.text, "logprobs": None,
+                                        "finish_reason": item.finish_reason}]})
+    on_finish(last)
+    if include_usage:
+        yield sse({**head, "choices": [], "usage": usage_of(last)})
+    yield sse("[DONE]")
+
+
+async def chat_events(head: dict[str, Any], first: GenerationOutput, req: LLMRequest,
+                      include_usage: bool, on_finish: OnFinish) -> AsyncIterator[bytes]:
+    def chunk(delta: dict[str, Any], reason: str | None) -> bytes:
+        return sse({**head, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                         "finish_reason": reason}]})
+
+    yield chunk({"role": "assistant", "content": ""}, None)
+    last = first
+    async for item in outputs(first, req):
+        last = item
+        if item.text:
+            yield chunk({"content": item.text}, None)
+    yield chunk({}, last.finish_reason)
+    on_finish(last)
+    if include_usage:
+        yield sse({**head, "choices": [], "usage": usage_of(last)})
+    yield sse("[DONE]")
+
+
+
+# an engine's own failures: on a candidate arm, faults that the primary answers instead
+_ENGINE_FAULTS = ("generation_failed", "engine_unavailable")
+# the engine answering this request and its metrics (an arm's, with arms), set by the route's attempt
+_served: ContextVar[tuple[Any, LLMMetrics]] = ContextVar("batchpilot_llm_served")
+
+# when the client gives no max_tokens: OpenAI's legacy completions default, and a bounded chat answer
+# (OpenAI lets chat run to the context limit; a bound keeps one request from holding the engine)
+DEFAULT_MAX_TOKENS = {"/v1/completions": 16, "/v1/chat/completions": 256}
+# a route's work: (requests, received, deadline, priority)
+Work = Callable[[list[LLMRequest], float, float, int], Awaitable[Any]]
+
+
+def make_llm_router(engine: LLMEngine | LLMFailover, registry: CollectorRegistry,
+                    limits: LLMLimits | None = None, arms: LLMArms | None = None) -> APIRouter:
+    """The routes over ``engine``, or over ``arms`` (``server/arms.py``: each request assigned an
+    arm's engine, its outcome recorded for the comparison and rollback; a candidate that fails before
+    its response starts is retried on the primary)."""
+    limits = limits or LLMLimits()
+    if arms is None:
+        per_arm = {"": LLMMetrics(engine, registry)}
+    else:
+        regs = arms.register(registry)
+        per_arm = {name: LLMMetrics(e, regs[name]) for name, e in arms.engines.items()}
+    router = APIRouter(tags=["llm"])
+    ids = IdCounter(1)
+    max_len = int(engine.config.max_model_len)
+
+    def served_model(name: str | None) -> str:
+        # OpenAI clients must name a model; a name this server does not serve is a 404, not silently ours
+        if name and name != engine.model_name:
+            raise APIError(404, f"model {name!r} does not exist; this server serves {engine.model_name!r}",
+                           code="model_not_found", param="model")
+        return engine.model_name
+
+    def deadline_of(body: _SamplingFields, request: Request, received: float) -> float:
+        ms = body.deadline_ms if body.deadline_ms is not None else header_deadline_ms(
+            request.headers.get("x-deadline-ms"))
+        return request_deadline(engine.config, received, None if ms is None else ms / 1000.0)
+
+    def priority_of(body: _SamplingFields, request: Request) -> int:
+        if body.priority is not None:
+            return body.priority
+        return int(header_num(request, "x-priority", int) or 0)  # the embeddings routes' header rule
+
+    async def answer(route: str, body: _SamplingFields, request: Request, work: Work) -> Any:
+        received = time.monotonic()
+        if arms is None:
+            return await attempt(route, body, request, work, received, "", engine)
+        arm, chosen = arms.armed.pick(request)
+        try:
+            return await attempt(route, body, request, work, received, arm, chosen)
+        except APIError as exc:  # a candidate failed before its response started: the primary answers
+            if arm == PRIMARY or exc.code not in _ENGINE_FAULTS:
+                raise
+            failed_s = time.monotonic() - received
+            out = await attempt(route, body, request, work, received, PRIMARY, arms.engines[PRIMARY],
+                                record=False)  # its time includes the candidate's attempt
+            arms.armed.record(arm, 500, failed_s)  # the primary answered it: the candidate's fault
+            return out
+
+    async def attempt(route: str, body: _SamplingFields, request: Request, work: Work, received: float,
+                      arm: str, chosen: Any, record: bool = True) -> Any:
+        token = _served.set((chosen, per_arm[arm]))
+        try:
+            deadline = deadline_of(body, request, received)
+            priority = priority_of(body, request)
+            out = await _guarded(request, deadline, lambda reqs: work(reqs, received, deadline, priority))
+            if arms is not None:
+                if record:
+                    arms.armed.record(arm, getattr(out, "status_code", 200), time.monotonic() - received)
+                if isinstance(out, Response):
+                    out.headers[ARM_HEADER] = arm
+            return out
+        except Exception as exc:
+            err = to_api_error(exc)
+            reason = "rejected" if err.status < 500 else err.code or "error"
+            if err.status not in (404, 422):
+                per_arm[arm].requests.labels(route=route, finish_reason=reason).inc()
+            # a candidate's engine failure is charged by ``answer`` once the primary has answered it
+            if arms is not None and record and not (arm != PRIMARY and err.code in _ENGINE_FAULTS):
+                arms.armed.record(arm, err.status, time.monotonic() - received)
+            raise err from None
+        finally:
+            _served.reset(token)
+
+    def finished(route: str, last: GenerationOutput, metrics: LLMMetrics) -> None:
+        metrics.requests.labels(route=route, finish_reason=last.finish_reason or "none").inc()
+        metrics.prompt_tokens.inc(last.num_prompt_tokens)
+
+    def submit(prompts: list[list[int]], params: Any, priority: int, deadline: float, stream: bool) -> Any:
+        target = _served.get()[0]
+        if isinstance(target, LLMFailover):  # an answer not streamed can restart on the fallback
+            return target.submit(prompts, params, priority, deadline, replayable=not stream)
+        return target.submit(prompts, params, priority, deadline)
+
+    def params_of(body: _SamplingFields, route: str) -> Any:
+        return body.sampling_params(DEFAULT_MAX_TOKENS[route], limits, max_len)
+
+    @router.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        return await answer("/v1/completions", body, request, functools.partial(_completions, body))
+
+    async def _completions(body: CompletionRequest, reqs: list[LLMRequest], received: float,
+                           deadline: float, priority: int) -> Any:
+        route, rid, created = "/v1/completions", f"cmpl-{ids()}", int(time.time())
+        target, metrics = _served.get()
+        model = served_model(body.model)
+        prompts = body.prompts()
+        limits.check_prompts(prompts, max_len)
+        params = params_of(body, route)
+        if body.stream and len(prompts) != 1:
+            raise APIError(400, "streaming takes a single prompt", code="unsupported_value", param="prompt")
+        target.check_room(len(prompts))  # before the tokenising it would waste
+        token_ids = await _all_or_none([engine.prompts.encode_async(p) for p in prompts])
+        reqs.extend(submit(token_ids, params, priority, deadline, body.stream))
+        if body.stream:
+            first = await anext(reqs[0])
+            head = {"id": rid, "object": "text_completion", "created": created, "model": model}
+            events = completion_events(head, first, reqs[0], body.include_usage,
+                                       lambda last: finished(route, last, metrics))
+            return _stream(events, reqs[0], first_token_timing(received, first))
+        results = await _all_or_none([_collect(r) for r in reqs])
+        choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+        for i, (text, last) in enumerate(results):
+            finished(route, last, metrics)
+            choices.append({"index": i, "text": text, "logprobs": None, "finish_reason": last.finish_reason})
+            for k, v in usage_of(last).items():
+                if k in usage:
+                    usage[k] += v
+        return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                             "choices": choices, "usage": usage})
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        return await answer("/v1/chat/completions", body, request, functools.partial(_chat_completions, body))
+
+    async def _chat_completions(body: ChatCompletionRequest, reqs: list[LLMRequest], received: float,
+                                deadline: float, priority: int) -> Any:
+        route, rid, created = "/v1/chat/completions", f"chatcmpl-{ids()}", int(time.time())
+        target, metrics = _served.get()
+        model = served_model(body.model)
+        messages = body.chat()
+        limits.check_messages([m["content"] for m in messages])
+        params = params_of(body, route)
+        target.check_room(1)
+        prompt = await engine.prompts.encode_chat_async(messages)
+        reqs.extend(submit([prompt], params, priority, deadline, body.stream))
+        first = await anext(reqs[0])
+        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+        if body.stream:
+            events = chat_events(head, first, reqs[0], body.include_usage,
+                                 lambda last: finished(route, last, metrics))
+            return _stream(events, reqs[0], first_token_timing(received, first))
+        text, last = await _collect(reqs[0], first)
+        finished(route, last, metrics)
+        return JSONResponse({
+            "id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                         "finish_reason": last.finish_reason}],
+            "usage": usage_of(last),
+        })
+
+    return router
+
+
+async def _guarded(request: Request, deadline: float, work: Callable[[list[LLMRequest]], Awaitable[Any]],
+                   ) -> Any:
+    """Run a route's work while watching the connection and the deadline. Until the response starts (the
+    whole generation when not streaming; the first token when streaming) a client that disconnects is
+    not noticed by Starlette, so its sequences would run to ``max_tokens`` for nobody. When the client
+    leaves, the deadline passes or the work fails, every request the work submitted is closed: its
+    sequences are aborted and their KV blocks freed. A returned StreamingResponse owns its request."""
+    reqs: list[LLMRequest] = []
+    handed_over = False
+    task = asyncio.ensure_future(work(reqs))
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        done: set[Any] = set()
+        # a timer may fire a little before its time (the loop's clock granularity): wait until the
+        # deadline has come by the core's rule (``past_deadline``), which the engine's count checks
+        while not done and time.monotonic() < deadline:
+            done, _ = await asyncio.wait({task, watch}, timeout=max(0.0, deadline - time.monotonic()),
+                                         return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            result = task.result()  # raises what the work raised
+            handed_over = True
+            return result
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        if watch in done:
+            return Response(status_code=499)  # nobody reads it; logged as "client closed request"
+        raise RequestTimedOut
+    finally:
+        watch.cancel()
+        task.cancel()
+        if not handed_over:
+            for req in reqs:
+                req.close()
+
+
+async def _all_or_none(coros: list[Coroutine[Any, Any, Any]]) -> list[Any]:
+    """Every result, or the first failure with the rest cancelled (the caller closes their requests)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for t in tasks:  # in order: the first prompt that failed, even while later ones still run
+            if t in done and t.exception() is not None:
+                raise t.exception()  # type: ignore[misc]
+        return [t.result() for t in tasks]
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _collect(req: LLMRequest, first: GenerationOutput | None = None) -> tuple[str, GenerationOutput]:
+    parts, last = [], first
+    if first is not None:
+        parts.append(first.text)
+    if first is None or first.finish_reason is None:
+        async for item in req:
+            parts.append(item.text)
+            last = item
+    assert last is not None
+    return "".join(parts), last
+
+
+def _stream(events: AsyncIterator[bytes], req: LLMRequest, headers: dict[str, str]) -> StreamingResponse:
+    """The SSE response: a failure mid-way becomes an error event, then the stream ends; however it
+    ends (finished, failed, client gone) the request is closed."""
+    async def guarded() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in events:
+                yield chunk
+        except Exception as exc:
+            yield sse_error(exc)
+        finally:
+            req.close()
+
+    return StreamingResponse(guarded(), media_type="text/event-stream", headers=headers)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client goes away (the body is already read: the next message is a disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
