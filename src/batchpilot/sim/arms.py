@@ -17,7 +17,6 @@ CPU-bound model every arm's batches also slow the others'.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +25,7 @@ import numpy as np
 from batchpilot.core.costmodel import CostModel
 from batchpilot.core.deployment import DeploymentSpec, ModelLimits, resolve_deployment
 from batchpilot.core.rollout import RolloutSpec, arm_for
+from batchpilot.sim.metrics import SimReport
 from batchpilot.sim.service import FrontEnd
 from batchpilot.sim.target import SimRun, simulate_encoder
 from batchpilot.sim.traces import Workload
@@ -65,30 +65,11 @@ def simulate_arms(workload: Workload, keys: Sequence[str], primary: DeploymentSp
     return out
 
 
-def add_arms_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("arms (the config's arms: section, or --canary; docs/rollout.md)")
-    g.add_argument("--canary", default=None, metavar="CONFIG", help="simulate this config as a candidate arm")
-    g.add_argument("--canary-share", type=float, default=None, help="--canary: its share (default 0.1)")
-    g.add_argument("--clients", type=int, default=200,
-                   help="with arms: clients the rows come from (their keys pick the arms, as bench ab sends)")
-
-
-def run_arms(args: argparse.Namespace, console: Any, workload: Workload, primary: DeploymentSpec,
-             cost_model: CostModel, frontend: FrontEnd | None) -> int | None:
-    """``simulate`` of a deployment with candidate arms: a table of the arms; None without candidates."""
+def arms_table(workload: Workload, rollout: RolloutSpec, reports: dict[str, SimReport], clients: int) -> Any:
+    """Each arm's report beside its share, with its P99 over the primary's (``simulate`` with arms)."""
     from rich.table import Table
 
-    from batchpilot.settings import rollout_from_args
-    from batchpilot.sim.metrics import summarize
-
-    rollout = rollout_from_args(args, primary)
-    if not rollout.arms:
-        return None
-    keys = client_keys(len(workload), args.clients, args.seed)
-    runs = simulate_arms(workload, keys, primary, rollout, cost_model,
-                         ModelLimits.from_meta(cost_model.meta), frontend)
-    reports = {arm: summarize(run, sla_s=args.sla, warmup_s=args.warmup_s) for arm, run in runs.items()}
-    t = Table(title=f"{workload.name}: {len(workload)} requests from {args.clients} clients over "
+    t = Table(title=f"{workload.name}: {len(workload)} requests from {clients} clients over "
                     f"{len(rollout.names())} arms", header_style="bold")
     for col in ("arm", "share", "requests", "P50 ms", "P99 ms", "P99 vs primary", "goodput req/s",
                 "mean batch", "padding"):
@@ -103,6 +84,4 @@ def run_arms(args: argparse.Namespace, console: Any, workload: Workload, primary
         t.add_row(arm, f"{share:.2f}", f"{r.num_measured:,}", f"{r.latency['p50'] * 1e3:.1f}",
                   f"{r.latency['p99'] * 1e3:.1f}", ratio, f"{r.goodput_rps:.2f}", f"{r.mean_batch_size:.2f}",
                   f"{r.padding_efficiency:.1%}")
-    console.print(t)
-    console.print("arms share no cores here: where a CPU-bound model serves them, each slows the others")
-    return 0
+    return t

@@ -17,21 +17,45 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import batchpilot.sim.tune as tune_module
+from batchpilot.core.autoscale import AutoscaleConfig
 from batchpilot.core.costmodel import CostModel
 from batchpilot.core.deployment import Deployment, DeploymentSpec, ModelLimits, resolve_deployment
-from batchpilot.settings import add_deployment_args, add_llm_args, spec_from_args
-from batchpilot.sim.arms import add_arms_args, run_arms
-from batchpilot.sim.draws import DEFAULT_DRAWS, encoder_draws, spread_table
-from batchpilot.sim.fleet import scaling_from_args
-from batchpilot.sim.metrics import report_table
+from batchpilot.settings import add_deployment_args, add_llm_args, rollout_from_args, spec_from_args
+from batchpilot.sim.arms import arms_table, client_keys, simulate_arms
+from batchpilot.sim.draws import DEFAULT_DRAWS, Drawn, encoder_draws, spread_table
+from batchpilot.sim.fleet import FleetScaling, replicas_table, scaling_table, simulate_fleet
+from batchpilot.sim.metrics import SimReport, report_table, summarize
+from batchpilot.sim.router import ROUTERS
 from batchpilot.sim.service import FrontEnd
 from batchpilot.sim.synthetic import ARRIVALS, parse_spec, synthetic_workload
+from batchpilot.sim.target import SimRun, draws_batch_times, simulate_encoder
 from batchpilot.sim.traces import STANDARD_WORKLOADS, Workload, conv_embed, load_workload
+from batchpilot.sim.tune import (
+    TuneConfig,
+    Tuner,
+    explain,
+    fleet_table,
+    result_table,
+    tune_fleet,
+    tune_variants,
+    variants_table,
+    write_fleet_yaml,
+    write_variant_yaml,
+    write_yaml,
+)
 
 LONG_RUN = 50_000  # show a progress bar from this many requests
 
 
 def register(subparsers: Any) -> None:
+    register_simulate(subparsers)
+    register_tune(subparsers)
+
+
+# -- the parsers --------------------------------------------------------------------------------
+
+def register_simulate(subparsers: Any) -> None:
     p = subparsers.add_parser("simulate", help="predict latency and throughput of a config on a workload",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(p)
@@ -59,16 +83,37 @@ def register(subparsers: Any) -> None:
     add_fleet_args(p)
     add_arms_args(p)
     p.set_defaults(func=run_simulate)
-    from batchpilot.sim.tune import add_fleet_tune_args
-    from batchpilot.sim.tune import register as register_tune
 
-    register_tune(subparsers)
-    add_fleet_tune_args(subparsers.choices["tune"])
+
+def register_tune(subparsers: Any) -> None:
+    p = subparsers.add_parser("tune", help="find the config with the highest rate inside a P99 SLA",
+                              description=tune_module.__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_args(p)
+    add_deployment_args(p, config_help="base config (its encoder admission, max_len, num_slots and its "
+                                       "server section are kept)")
+    p.set_defaults(requests=8000)
+    p.add_argument("--sla-p99", type=float, default=1.0, help="P99 latency SLA in seconds")
+    p.add_argument("--batcher-only", action="store_true",
+                   help="leave out the profile's serving path (HTTP, JSON, tokenisation)")
+    p.add_argument("-o", "--output", default="best.yaml", help="where to write the winning config")
+    p.add_argument("--candidates", type=int, default=TuneConfig.candidates, help="grid points sampled")
+    p.add_argument("--paddings", default="max,dynamic,bucket,none",
+                   help="padding modes the serving executor supports (comma-separated)")
+    p.add_argument("--noise", action="store_true", help="draw batch times from the profile's residuals")
+    p.add_argument("--plot", metavar="DIR", help="write goodput_vs_rate.png for the top configs here")
+    p.add_argument("--profile-variants", nargs="+", metavar="PROFILE", default=None,
+                   help="one profile per backend/precision (`batchpilot profile --all-backends`): search "
+                        "each and write the best variant's model: section too (sim/tune.py)")
+    p.add_argument("--max-replicas", type=int, default=None, metavar="M",
+                   help="find the fewest replicas (1..M) that hold --sla-p99 at the workload's rate, and "
+                        "their per-replica config (sim/tune.py)")
+    p.add_argument("--router", choices=ROUTERS, default="power_of_two",
+                   help="how a fleet spreads requests (with --max-replicas; default power_of_two)")
+    p.set_defaults(func=run_tune)
 
 
 def add_fleet_args(p: argparse.ArgumentParser) -> None:
-    from batchpilot.sim.router import ROUTERS
-
     p.add_argument("--replicas", type=int, default=1,
                    help="run this many replicas of the deployment, each its own scheduler and slots "
                         "(sim/fleet.py; encoder target)")
@@ -79,6 +124,14 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
                         "(sim/fleet.py); replaces --replicas")
     p.add_argument("--start-delay-s", type=float, default=30.0,
                    help="with --autoscale: seconds a new replica takes before it takes traffic")
+
+
+def add_arms_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("arms (the config's arms: section, or --canary; docs/rollout.md)")
+    g.add_argument("--canary", default=None, metavar="CONFIG", help="simulate this config as a candidate arm")
+    g.add_argument("--canary-share", type=float, default=None, help="--canary: its share (default 0.1)")
+    g.add_argument("--clients", type=int, default=200,
+                   help="with arms: clients the rows come from (their keys pick the arms, as bench ab sends)")
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -98,6 +151,26 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile",
                    help="profile JSON from `batchpilot profile` (default: a stated CPU MiniLM model)")
     p.add_argument("--seed", type=int, default=0)
+
+
+# -- from the parsed flags to the library's arguments --------------------------------------------
+
+def scaling_from_args(args: argparse.Namespace) -> FleetScaling | None:
+    """``--autoscale MIN:MAX`` as a ``FleetScaling`` (None without it)."""
+    if not args.autoscale:
+        return None
+    try:
+        lo, hi = (int(x) for x in str(args.autoscale).split(":"))
+    except ValueError:
+        raise ValueError(f"--autoscale wants MIN:MAX (two integers), got {args.autoscale!r}") from None
+    if args.replicas != 1:
+        raise ValueError("--autoscale sets the replica count: leave out --replicas")
+    return FleetScaling(AutoscaleConfig(min_replicas=lo, max_replicas=hi), start_delay_s=args.start_delay_s)
+
+
+def tune_config(args: argparse.Namespace) -> TuneConfig:
+    return TuneConfig(sla_p99_s=args.sla_p99, candidates=args.candidates, noise=args.noise, seed=args.seed,
+                      warmup_s=args.warmup_s, paddings=tuple(x.strip() for x in args.paddings.split(",")))
 
 
 def resolve_workload(args: argparse.Namespace) -> Workload:
@@ -144,53 +217,92 @@ def load_frontend(args: argparse.Namespace) -> FrontEnd | None:
     return frontend and frontend.serving(spec_from_args(args).server.tokenizer_workers)
 
 
-def run_simulate(args: argparse.Namespace) -> int:
-    from batchpilot.sim.metrics import summarize
-    from batchpilot.sim.target import draws_batch_times, simulate_encoder
 
+
+def _refuse(console: Any, command: str, why: object) -> int:
+    console.print(f"[red]batchpilot {command}: {why}[/]")
+    return 2
+
+
+# -- batchpilot simulate ------------------------------------------------------------------------
+
+def run_simulate(args: argparse.Namespace) -> int:
     console = make_console()
     try:
         workload = resolve_workload(args)
         spec = spec_from_args(args)
     except (ValueError, FileNotFoundError, KeyError) as exc:
-        console.print(f"[red]batchpilot simulate: {exc}[/]")
-        return 2
+        return _refuse(console, "simulate", exc)
     target = args.target or ("llm" if args.workload == "conv-llm" else "encoder")
     try:
         scaling = scaling_from_args(args)
     except ValueError as exc:
-        console.print(f"[red]batchpilot simulate: {exc}[/]")
-        return 2
+        return _refuse(console, "simulate", exc)
     if args.draws < 1:
-        console.print(f"[red]batchpilot simulate: --draws must be >= 1, got {args.draws}[/]")
-        return 2
+        return _refuse(console, "simulate", f"--draws must be >= 1, got {args.draws}")
     if args.replicas < 1 or ((args.replicas > 1 or scaling) and target == "llm"):
-        console.print("[red]batchpilot simulate: --replicas must be >= 1, and fleets run the encoder "
-                      "target only[/]")
-        return 2
+        return _refuse(console, "simulate", "--replicas must be >= 1, and fleets run the encoder target only")
     if target == "llm":
-        try:
-            from batchpilot.sim import llm
-        except ImportError as exc:
-            console.print(f"[red]the LLM simulator target is not available: {exc}[/]")
-            return 2
-        from batchpilot.sim.llm import planned_llm_config
+        return run_llm(args, workload, spec, console)
+    return run_encoder(args, workload, spec, scaling, console)
 
-        try:
-            dep = planned_llm_config(spec, args.profile)
-        except ValueError as exc:
-            console.print(f"[red]batchpilot simulate: {exc}[/]")
-            return 2
-        console.print("\n".join(f"llm deployment: {line}" for line in (*dep.notes, dep.describe())))
-        if dep.plan is not None:
-            console.print(f"llm memory: {dep.plan.describe()}")
-        return int(llm.simulate_cli(args, workload, console, dep.config))
+
+def run_llm(args: argparse.Namespace, workload: Workload, spec: DeploymentSpec, console: Any) -> int:
+    """``simulate --target llm``: the engine ``serve --llm`` would build for ``spec`` on the profile's
+    machine (``sim.llm.planned_llm_config``), and its report."""
+    try:
+        from batchpilot.sim.llm import (
+            LLMFrontEnd,
+            default_llm_cost_model,
+            planned_llm_config,
+            simulate_llm,
+        )
+    except ImportError as exc:
+        console.print(f"[red]the LLM simulator target is not available: {exc}[/]")
+        return 2
+    from rich.table import Table
+
+    try:
+        dep = planned_llm_config(spec, args.profile)
+    except ValueError as exc:
+        return _refuse(console, "simulate", exc)
+    console.print("\n".join(f"llm deployment: {line}" for line in (*dep.notes, dep.describe())))
+    if dep.plan is not None:
+        console.print(f"llm memory: {dep.plan.describe()}")
+    frontend = None
+    if args.profile:
+        cost_model = CostModel.load(args.profile)
+        frontend = LLMFrontEnd.from_profile(args.profile)  # the serving path, when the profile has it
+    else:
+        console.print("[yellow]no --profile: using the stated default_llm_cost_model() (tiny Llama on 2 CPU "
+                      "cores)[/]")
+        cost_model = default_llm_cost_model()
+    try:
+        run = simulate_llm(workload, dep.config, cost_model, noise=args.noise, seed=args.seed,
+                           frontend=frontend)
+    except ValueError as exc:
+        return _refuse(console, "simulate", exc)
+    report = run.report(warmup_s=args.warmup_s)
+    table = Table(title=f"{workload.name}: {len(workload)} requests (LLM, iteration-level scheduling)")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for k, v in report.rows():
+        table.add_row(k, v)
+    console.print(table)
+    if run.stats.stalled:
+        console.print("[red]the scheduler left requests unfinished with nothing scheduled (stalled)[/]")
+        return 1
+    return 0
+
+
+def run_encoder(args: argparse.Namespace, workload: Workload, spec: DeploymentSpec,
+                scaling: FleetScaling | None, console: Any) -> int:
+    """``simulate`` of the encoder deployment: one replica, a fleet, or the config's arms."""
     cost_model = load_cost_model(args, console)
     try:
         deployment = resolve(spec, cost_model)
     except ValueError as exc:
-        console.print(f"[red]batchpilot simulate: {exc}[/]")
-        return 2
+        return _refuse(console, "simulate", exc)
     config = deployment.scheduler
     for note in deployment.notes:
         console.print(f"deployment: {note}")
@@ -207,8 +319,6 @@ def run_simulate(args: argparse.Namespace) -> int:
             run = simulate_encoder(workload, config, cost_model, noise=args.noise, seed=args.seed,
                                    request_sla_s=args.request_sla, progress=progress, frontend=frontend)
         else:
-            from batchpilot.sim.fleet import simulate_fleet
-
             fleet = simulate_fleet(workload, config, cost_model, replicas=args.replicas, router=args.router,
                                    noise=args.noise, seed=args.seed, request_sla_s=args.request_sla,
                                    progress=progress, frontend=frontend, autoscale=scaling)
@@ -225,13 +335,15 @@ def run_simulate(args: argparse.Namespace) -> int:
                               frontend=frontend)
         console.print(spread_table(drawn, f"the prediction over {args.draws} noise draws"))
     if fleet is not None:
-        from batchpilot.sim.fleet import replicas_table
-
         console.print(replicas_table(fleet))
         if scaling is not None:
-            from batchpilot.sim.fleet import scaling_table
-
             console.print(scaling_table(scaling, run.stats.end_s))
+    return write_outputs(args, console, workload, run, report, drawn)
+
+
+def write_outputs(args: argparse.Namespace, console: Any, workload: Workload, run: SimRun, report: SimReport,
+                  drawn: Drawn | None) -> int:
+    """``--json`` and ``--plot``, and the warning of a stalled scheduler."""
     if args.json:
         import dataclasses
         import json
@@ -248,6 +360,108 @@ def run_simulate(args: argparse.Namespace) -> int:
 
         for path in plot_run(run, args.plot, sla_s=args.sla, title=workload.name):
             console.print(f"wrote {path}")
+    return 0
+
+
+def run_arms(args: argparse.Namespace, console: Any, workload: Workload, primary: DeploymentSpec,
+             cost_model: CostModel, frontend: FrontEnd | None) -> int | None:
+    """``simulate`` of a deployment with candidate arms: a table of the arms; None without candidates."""
+    rollout = rollout_from_args(args, primary)
+    if not rollout.arms:
+        return None
+    keys = client_keys(len(workload), args.clients, args.seed)
+    runs = simulate_arms(workload, keys, primary, rollout, cost_model,
+                         ModelLimits.from_meta(cost_model.meta), frontend)
+    reports = {arm: summarize(run, sla_s=args.sla, warmup_s=args.warmup_s) for arm, run in runs.items()}
+    console.print(arms_table(workload, rollout, reports, args.clients))
+    console.print("arms share no cores here: where a CPU-bound model serves them, each slows the others")
+    return 0
+
+
+# -- batchpilot tune ----------------------------------------------------------------------------
+
+def run_tune(args: argparse.Namespace) -> int:
+    if args.max_replicas is not None:
+        return run_fleet_tune(args)
+    console = make_console()
+    try:
+        workload = resolve_workload(args)
+        spec = spec_from_args(args)
+        tc = tune_config(args)
+    except (ValueError, FileNotFoundError) as exc:
+        return _refuse(console, "tune", exc)
+    if args.profile_variants:
+        return run_variants(args, workload, tc, spec, console)
+    cost_model = load_cost_model(args, console)
+    console.print(f"tuning on {workload.name}: {len(workload)} rows, {workload.mean_rate:.2f} req/s at "
+                  f"scale 1; {tc.candidates} sampled configs + baselines, {tc.rungs} rungs of successive "
+                  "halving")
+    tuner = Tuner(workload, cost_model, tc, log=console.print, spec=spec, frontend=load_frontend(args))
+    result = tuner.run()
+    console.print(result_table(result))
+    console.print(explain(result))
+    path = write_yaml(result, args.output, spec)
+    console.print(f"wrote {path} ({result.num_simulations} simulations in {result.seconds:.0f} s)")
+    if args.plot:
+        from batchpilot.sim.plots import plot_goodput
+
+        png = plot_goodput(tuner.curves(result), Path(args.plot) / "goodput_vs_rate.png", tc.sla_p99_s)
+        console.print(f"wrote {png}")
+    return 0
+
+
+def run_variants(args: argparse.Namespace, workload: Workload, tc: TuneConfig, spec: DeploymentSpec,
+                 console: Any) -> int:
+    """``tune --profile-variants``: one search per profile, the best variant written."""
+    console.print(f"tuning on {workload.name} across {len(args.profile_variants)} profiles (one search each)")
+    results = tune_variants(workload, args.profile_variants, tc, spec, args.batcher_only, console.print)
+    console.print(result_table(results[0].result))
+    console.print(variants_table(results))
+    path = write_variant_yaml(results[0], args.output, spec)
+    console.print(f"wrote {path}: {results[0].label}, {results[0].result.best.label}")
+    return 0
+
+
+def run_fleet_tune(args: argparse.Namespace) -> int:
+    """``tune --max-replicas``: the fewest replicas that hold the SLA (``sim.tune.tune_fleet``)."""
+    console = make_console()
+    try:
+        if args.profile_variants:
+            raise ValueError("--max-replicas and --profile-variants do not combine; size the fleet with one "
+                             "profile")
+        workload = resolve_workload(args)
+        spec = spec_from_args(args)
+        tc = tune_config(args)
+        if args.max_replicas < 1:
+            raise ValueError(f"--max-replicas must be >= 1, got {args.max_replicas}")
+    except (ValueError, FileNotFoundError) as exc:
+        return _refuse(console, "tune", exc)
+    cost_model = load_cost_model(args, console)
+    console.print(f"sizing a fleet on {workload.name}: {len(workload)} rows at {workload.mean_rate:.2f} "
+                  f"req/s (the target rate), P99 <= {tc.sla_p99_s:g} s, 1..{args.max_replicas} replicas "
+                  f"behind {args.router}; one search of {tc.candidates} configs + baselines per count")
+    res = tune_fleet(workload, cost_model, tc, max_replicas=args.max_replicas, router=args.router, spec=spec,
+                     frontend=load_frontend(args), log=console.print)
+    n, chosen = res.chosen
+    console.print(result_table(chosen))
+    console.print(explain(chosen))
+    console.print(fleet_table(res))
+    path = write_fleet_yaml(res, args.output, spec)
+    if args.plot and res.tuner is not None:
+        from batchpilot.sim.plots import plot_goodput
+
+        png = plot_goodput(res.tuner.curves(chosen), Path(args.plot) / "goodput_vs_rate.png", tc.sla_p99_s)
+        console.print(f"wrote {png} ({n} replicas)")
+    sims = sum(r.num_simulations for _, r in res.searches)
+    secs = sum(r.seconds for _, r in res.searches)
+    if res.replicas is None:
+        console.print(f"[red]no fleet of up to {args.max_replicas} replicas holds P99 <= {tc.sla_p99_s:g} s "
+                      f"at {workload.mean_rate:.2f} req/s[/]; wrote {path} for {n} replicas "
+                      f"({sims} simulations in {secs:.0f} s)")
+        return 1
+    console.print(f"[bold]replicas: {n}[/] ({args.router}) hold P99 <= {tc.sla_p99_s:g} s at "
+                  f"{workload.mean_rate:.2f} req/s; wrote {path} (per-replica config; {sims} simulations in "
+                  f"{secs:.0f} s)")
     return 0
 
 

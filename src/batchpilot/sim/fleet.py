@@ -502,16 +502,3 @@ class Scaler:
             k = max(k for k, st in enumerate(state) if st == ACTIVE)
             state[k] = DRAINING if self.replicas[k].outstanding else OFF
         return delta != 0
-
-
-def scaling_from_args(args: Any) -> FleetScaling | None:
-    """``--autoscale MIN:MAX`` as a ``FleetScaling`` (None without it)."""
-    if not getattr(args, "autoscale", None):
-        return None
-    try:
-        lo, hi = (int(x) for x in str(args.autoscale).split(":"))
-    except ValueError:
-        raise ValueError(f"--autoscale wants MIN:MAX (two integers), got {args.autoscale!r}") from None
-    if args.replicas != 1:
-        raise ValueError("--autoscale sets the replica count: leave out --replicas")
-    return FleetScaling(AutoscaleConfig(min_replicas=lo, max_replicas=hi), start_delay_s=args.start_delay_s)

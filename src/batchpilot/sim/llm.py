@@ -643,36 +643,3 @@ def simulate_llm(workload: Workload, config: LLMSchedulerConfig | None = None,
         rec.finish_s = [t + delay for t in rec.finish_s]
     return LLMSimRun(workload, config, cost_model, stats, target.record, scheduler.num_preemptions,
                      scheduler.preemption, costs)
-
-
-def simulate_cli(args: Any, workload: Workload, console: Any,
-                 config: LLMSchedulerConfig | None = None) -> int:
-    """``batchpilot simulate --target llm``: ``config`` is the config file's ``llm:`` section."""
-    from rich.table import Table
-
-    config = config or LLMSchedulerConfig()
-    frontend = None
-    if getattr(args, "profile", None):
-        cost_model = CostModel.load(args.profile)
-        frontend = LLMFrontEnd.from_profile(args.profile)  # the serving path, when the profile has it
-    else:
-        console.print("[yellow]no --profile: using the stated default_llm_cost_model() (tiny Llama on 2 CPU "
-                      "cores)[/]")
-        cost_model = default_llm_cost_model()
-    try:
-        run = simulate_llm(workload, config, cost_model, noise=bool(getattr(args, "noise", False)),
-                           seed=int(getattr(args, "seed", 0)), frontend=frontend)
-    except ValueError as exc:
-        console.print(f"[red]batchpilot simulate: {exc}[/]")
-        return 2
-    report = run.report(warmup_s=float(getattr(args, "warmup_s", 0.0)))
-    table = Table(title=f"{workload.name}: {len(workload)} requests (LLM, iteration-level scheduling)")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    for k, v in report.rows():
-        table.add_row(k, v)
-    console.print(table)
-    if run.stats.stalled:
-        console.print("[red]the scheduler left requests unfinished with nothing scheduled (stalled)[/]")
-        return 1
-    return 0

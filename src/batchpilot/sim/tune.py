@@ -19,7 +19,6 @@ the batchpilot default are always measured at the last rung:
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import math
 import time
@@ -33,7 +32,6 @@ import numpy as np
 from batchpilot.core.config import PlannerConfig, PolicyConfig, SchedulerConfig
 from batchpilot.core.costmodel import CostModel
 from batchpilot.core.deployment import DeploymentSpec, ModelLimits, resolve_deployment
-from batchpilot.settings import add_deployment_args
 from batchpilot.sim.fleet import simulate_fleet
 from batchpilot.sim.metrics import SimReport, summarize
 from batchpilot.sim.service import FrontEnd
@@ -97,8 +95,6 @@ def grid(base: SchedulerConfig, tc: TuneConfig) -> list[Candidate]:
                  + (f"/{method}" if grouping == "bucket" else "") + (f" tok{budget}" if budget else ""))
         out.append(Candidate(label, replace(base, policy=pol, planner=plan, bucketing=buckets)))
     return out
-
-
 
 
 @dataclass(frozen=True)
@@ -279,64 +275,6 @@ class Tuner:
         return out
 
 
-def register(subparsers: Any) -> None:
-    from batchpilot.sim.cli import add_workload_args
-
-    p = subparsers.add_parser("tune", help="find the config with the highest rate inside a P99 SLA",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_workload_args(p)
-    add_deployment_args(p, config_help="base config (its encoder admission, max_len, num_slots and its "
-                                       "server section are kept)")
-    p.set_defaults(requests=8000)
-    p.add_argument("--sla-p99", type=float, default=1.0, help="P99 latency SLA in seconds")
-    p.add_argument("--batcher-only", action="store_true",
-                   help="leave out the profile's serving path (HTTP, JSON, tokenisation)")
-    p.add_argument("-o", "--output", default="best.yaml", help="where to write the winning config")
-    p.add_argument("--candidates", type=int, default=TuneConfig.candidates, help="grid points sampled")
-    p.add_argument("--paddings", default="max,dynamic,bucket,none",
-                   help="padding modes the serving executor supports (comma-separated)")
-    p.add_argument("--noise", action="store_true", help="draw batch times from the profile's residuals")
-    p.add_argument("--plot", metavar="DIR", help="write goodput_vs_rate.png for the top configs here")
-    p.add_argument("--profile-variants", nargs="+", metavar="PROFILE", default=None,
-                   help="one profile per backend/precision (`batchpilot profile --all-backends`): search "
-                        "each and write the best variant's model: section too (sim/tune.py)")
-    p.set_defaults(func=run_tune)
-
-
-def run_tune(args: argparse.Namespace) -> int:
-    from batchpilot.settings import spec_from_args
-    from batchpilot.sim.cli import load_cost_model, load_frontend, make_console, resolve_workload
-
-    console = make_console()
-    try:
-        workload = resolve_workload(args)
-        spec = spec_from_args(args)
-        tc = TuneConfig(sla_p99_s=args.sla_p99, candidates=args.candidates, noise=args.noise, seed=args.seed,
-                        warmup_s=args.warmup_s, paddings=tuple(x.strip() for x in args.paddings.split(",")))
-    except (ValueError, FileNotFoundError) as exc:
-        console.print(f"[red]batchpilot tune: {exc}[/]")
-        return 2
-    if args.profile_variants:
-
-        return run_variants(args, workload, tc, spec, console)
-    cost_model = load_cost_model(args, console)
-    console.print(f"tuning on {workload.name}: {len(workload)} rows, {workload.mean_rate:.2f} req/s at "
-                  f"scale 1; {tc.candidates} sampled configs + baselines, {tc.rungs} rungs of successive "
-                  "halving")
-    tuner = Tuner(workload, cost_model, tc, log=console.print, spec=spec, frontend=load_frontend(args))
-    result = tuner.run()
-    console.print(result_table(result))
-    console.print(explain(result))
-    path = write_yaml(result, args.output, spec)
-    console.print(f"wrote {path} ({result.num_simulations} simulations in {result.seconds:.0f} s)")
-    if args.plot:
-        from batchpilot.sim.plots import plot_goodput
-
-        png = plot_goodput(tuner.curves(result), Path(args.plot) / "goodput_vs_rate.png", tc.sla_p99_s)
-        console.print(f"wrote {png}")
-    return 0
-
-
 # What a tuning run says: why the winner wins, the ranked table, and the winner as a config file.
 
 def explain(result: TuneResult) -> str:
@@ -463,18 +401,6 @@ def write_variant_yaml(best: VariantResult, path: str | Path, spec: DeploymentSp
                      sections=("encoder", "server", "model"))
 
 
-def run_variants(args: argparse.Namespace, workload: Workload, tc: TuneConfig, spec: DeploymentSpec,
-                  console: Any) -> int:
-
-    console.print(f"tuning on {workload.name} across {len(args.profile_variants)} profiles (one search each)")
-    results = tune_variants(workload, args.profile_variants, tc, spec, args.batcher_only, console.print)
-    console.print(result_table(results[0].result))
-    console.print(variants_table(results))
-    path = write_variant_yaml(results[0], args.output, spec)
-    console.print(f"wrote {path}: {results[0].label}, {results[0].result.best.label}")
-    return 0
-
-
 # Fleet sizing: the fewest replicas that hold a P99 SLA at the target rate, and their per-replica config.
 #
 #     batchpilot tune --workload conv-embed --rate-scale 8 --sla-p99 1.0 --max-replicas 4 -o best.yaml
@@ -583,63 +509,3 @@ def write_fleet_yaml(res: FleetTuneResult, path: str | Path, spec: DeploymentSpe
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     return dump_spec((spec or DeploymentSpec()).replace(encoder=b.config), p, header)
-
-
-def add_fleet_tune_args(p: argparse.ArgumentParser) -> None:
-    """``--max-replicas`` and ``--router`` on the ``tune`` parser: with ``--max-replicas``, fleet sizing."""
-    from batchpilot.sim.router import ROUTERS
-
-    p.add_argument("--max-replicas", type=int, default=None, metavar="M",
-                   help="find the fewest replicas (1..M) that hold --sla-p99 at the workload's rate, and "
-                        "their per-replica config (sim/tune.py)")
-    p.add_argument("--router", choices=ROUTERS, default="power_of_two",
-                   help="how a fleet spreads requests (with --max-replicas; default power_of_two)")
-    plain = p.get_default("func")
-    p.set_defaults(func=lambda args: run_fleet_tune(args) if args.max_replicas is not None else plain(args))
-
-
-def run_fleet_tune(args: argparse.Namespace) -> int:
-    from batchpilot.settings import spec_from_args
-    from batchpilot.sim.cli import load_cost_model, load_frontend, make_console, resolve_workload
-
-    console = make_console()
-    try:
-        if args.profile_variants:
-            raise ValueError("--max-replicas and --profile-variants do not combine; size the fleet with one "
-                             "profile")
-        workload = resolve_workload(args)
-        spec = spec_from_args(args)
-        tc = TuneConfig(sla_p99_s=args.sla_p99, candidates=args.candidates, noise=args.noise, seed=args.seed,
-                        warmup_s=args.warmup_s, paddings=tuple(x.strip() for x in args.paddings.split(",")))
-        if args.max_replicas < 1:
-            raise ValueError(f"--max-replicas must be >= 1, got {args.max_replicas}")
-    except (ValueError, FileNotFoundError) as exc:
-        console.print(f"[red]batchpilot tune: {exc}[/]")
-        return 2
-    cost_model = load_cost_model(args, console)
-    console.print(f"sizing a fleet on {workload.name}: {len(workload)} rows at {workload.mean_rate:.2f} "
-                  f"req/s (the target rate), P99 <= {tc.sla_p99_s:g} s, 1..{args.max_replicas} replicas "
-                  f"behind {args.router}; one search of {tc.candidates} configs + baselines per count")
-    res = tune_fleet(workload, cost_model, tc, max_replicas=args.max_replicas, router=args.router, spec=spec,
-                     frontend=load_frontend(args), log=console.print)
-    n, chosen = res.chosen
-    console.print(result_table(chosen))
-    console.print(explain(chosen))
-    console.print(fleet_table(res))
-    path = write_fleet_yaml(res, args.output, spec)
-    if args.plot and res.tuner is not None:
-        from batchpilot.sim.plots import plot_goodput
-
-        png = plot_goodput(res.tuner.curves(chosen), Path(args.plot) / "goodput_vs_rate.png", tc.sla_p99_s)
-        console.print(f"wrote {png} ({n} replicas)")
-    sims = sum(r.num_simulations for _, r in res.searches)
-    secs = sum(r.seconds for _, r in res.searches)
-    if res.replicas is None:
-        console.print(f"[red]no fleet of up to {args.max_replicas} replicas holds P99 <= {tc.sla_p99_s:g} s "
-                      f"at {workload.mean_rate:.2f} req/s[/]; wrote {path} for {n} replicas "
-                      f"({sims} simulations in {secs:.0f} s)")
-        return 1
-    console.print(f"[bold]replicas: {n}[/] ({args.router}) hold P99 <= {tc.sla_p99_s:g} s at "
-                  f"{workload.mean_rate:.2f} req/s; wrote {path} (per-replica config; {sims} simulations in "
-                  f"{secs:.0f} s)")
-    return 0
