@@ -48,6 +48,16 @@ def test_a_request_is_admitted_with_all_its_prompts_or_refused_with_none() -> No
     assert adm.room(2) is None and adm.admit([seq(6), seq(7)]) is None and adm.num_admitted == 3
 
 
+def test_asking_for_room_counts_a_refusal_as_the_requests_answer_and_admits_nothing() -> None:
+    adm = LLMAdmission(config())  # at most 3 sequences
+    assert adm.ask(3) is None and adm.num_admitted == 0 and not adm.refused
+    assert adm.admit([seq(0), seq(1)]) is None
+    refusal = adm.ask(2)
+    assert refusal is not None and refusal.reason == QUEUE_FULL and refusal.retry_after_s == 1.0
+    assert adm.num_admitted == 2 and adm.refused == {QUEUE_FULL: 1}
+    assert adm.room(2) is not None and adm.refused == {QUEUE_FULL: 1}  # room alone counts nothing
+
+
 def test_a_prompt_that_can_never_fit_refuses_the_request_whatever_the_load() -> None:
     adm = LLMAdmission(config())
     refusal = adm.admit([seq(0), seq(1, prompt_len=120, max_tokens=16)])  # 136 > max_model_len 128

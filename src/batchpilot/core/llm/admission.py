@@ -11,7 +11,7 @@ sequences of one request (one per prompt) together or none of them, and a refusa
 
 A refusal changes nothing but the refusal count; an admission counts the sequences until ``release``
 (once per sequence, when it is done: finished, aborted, expired or failed). ``room(n)`` is the bound
-alone, for a server to check before it spends time tokenising.
+alone; ``ask(n)`` is that check made for a request before it is tokenised, its refusal counted.
 
 Deadlines: ``request_deadline(config, received, requested_s)`` is a request's deadline, ``received +
 min(request_timeout_s, requested_s)`` on the clock ``received`` is read from; each of its sequences
@@ -68,6 +68,14 @@ class LLMAdmission:
                                       f"(max_num_seqs {c.max_num_seqs} + max_waiting_seqs "
                                       f"{c.max_waiting_seqs}); {n} more do not fit: retry later, or raise "
                                       f"max_waiting_seqs", QUEUE_FULL_RETRY_AFTER_S)
+
+    def ask(self, n: int = 1) -> LLMRefusal | None:
+        """``room(n)`` asked for a request before its sequences exist (a server asks before it spends
+        time tokenising): a refusal is that request's answer, so it counts as one by ``admit`` would."""
+        refusal = self.room(n)
+        if refusal is not None:
+            self.refused[refusal.reason] += 1
+        return refusal
 
     def check(self, seqs: Iterable[Sequence]) -> LLMRefusal | None:
         """Why this request would be refused now (None: it would be admitted). Changes nothing."""

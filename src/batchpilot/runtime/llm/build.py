@@ -231,11 +231,11 @@ def build_llm_engine(model_path: str | None = None, spec: DeploymentSpec | None 
         log.info("llm rows: token rows padded (rows: padded to) %s", runner.plan_rows().padded() or "none")
     engine = LLMEngine(runner, tokenizer, config, model_name=name, sampler=Sampler(sampler_seed),
                        tokenizer_threads=tokenizer_threads)
-    engine.memory_plan, engine.memory_profile = plan, memory  # type: ignore[attr-defined]
-    engine.deployment = deployment  # type: ignore[attr-defined]
+    engine.memory_plan, engine.memory_profile = plan, memory
+    engine.deployment = deployment
     # the fallback engine's model (runtime/llm/fallback.py): the HF module over the runner's tensors
-    engine.hf_model = share_runner_weights(hf, runner.w)  # type: ignore[attr-defined]
-    engine.memory_held_before = held_before  # type: ignore[attr-defined]
+    engine.hf_model = share_runner_weights(hf, runner.w)
+    engine.memory_held_before = held_before
     built = built_overhead(engine)
     log.info("llm memory: built, the engine holds %.1f MiB beyond its weights and KV pool (the plan left "
              "%.1f MiB)", built / (1 << 20), plan.overhead_bytes / (1 << 20))
@@ -256,8 +256,10 @@ def built_overhead(engine: LLMEngine) -> float:
     r = engine.runner
     if r.device.type != "cpu":
         return 0.0
-    plan = engine.memory_plan  # type: ignore[attr-defined]
-    held = used_memory_bytes(r.device) - engine.memory_held_before  # type: ignore[attr-defined]
+    plan = engine.memory_plan
+    if plan is None:
+        raise ValueError("this engine has no memory plan; build it with build_llm_engine")
+    held = used_memory_bytes(r.device) - engine.memory_held_before
     return float(max(0.0, held - plan.weights_bytes - r.kv_cache_bytes))
 
 
@@ -297,8 +299,8 @@ def build_llm_arm(engine: LLMEngine, start: bool = True, sampler_seed: int = 0,
     runner.row_plan = r.row_plan  # the same weights and device: the primary's measured plan
     arm = LLMEngine(runner, engine.tokenizer, config, model_name=engine.model_name,
                     sampler=Sampler(sampler_seed), tokenizer_threads=1)  # the routes tokenise on engine's
-    arm.hf_model = getattr(engine, "hf_model", None)  # type: ignore[attr-defined]
-    arm.memory_plan, arm.memory_profile = plan, memory  # type: ignore[attr-defined]
+    arm.hf_model = getattr(engine, "hf_model", None)
+    arm.memory_plan, arm.memory_profile = plan, memory
     return arm.start() if start else arm
 
 

@@ -1,23 +1,34 @@
-"""Why an LLM request did not (or will not) finish normally. Each has a stable ``code``; the HTTP layer
-answers with a fixed message per code, and only ``RequestRejected`` carries a message meant for the
-client (what the request asked for and what this engine allows). ``refused`` turns the core's
-admission refusal (``core/llm/admission.py``) into the error the engine raises."""
+"""The continuous-batching LLM engine: one engine thread loops ``schedule -> model step -> sample -> update``.
+
+asyncio callers ``submit`` token ids (all prompts of one request at once: admitted together or not at
+all) and iterate the ``LLMRequest`` handles they get; ``generate`` wraps one prompt as an async
+iterator. Requests and cancellations reach the thread through a queue, tokens come back with
+``call_soon_threadsafe``. Closing a request early (client disconnect, ``break``, task cancelled)
+aborts the sequence and frees its KV blocks; so does its deadline passing (``RequestTimedOut``:
+``LLMScheduler.expire`` before each step).
+The thread owns the scheduler and the model: nothing else touches them, so the pure core needs no locks.
+A plan's KV block copies (swap preemption) run before its forward, priced at start-up for ``auto``
+(``models/llm/runner.engine_preemption_costs``). Failures: an exception in a model step fails exactly
+the sequences of that step (``GenerationFailed``; with those it swapped out when the copies failed);
+one anywhere else in the loop (scheduling, an observer, the stats) ends the loop, and every request
+still pending or running gets ``EngineStopped`` at once, as on shutdown. ``is_alive`` says which.
+Admission is the core's (``core/llm/admission.py``): a request's prompts together or none, at most
+``max_num_seqs + max_waiting_seqs`` sequences at a time (``EngineBusy``; ``RequestRejected`` never fits).
+Refusals and deadline ends are counted per request, by reason, in ``counters.refused``.
+
+Beside the engine, in this order, what its callers meet: the errors a request can end with, what the
+engine hands out (outputs, observer events, stats), the request handle, the refusal counts, the prompt
+encoder, the ``Engine`` protocol that this engine, the static fallback (``runtime/llm/fallback.py``)
+and the failover (``runtime/llm/failover.py``) share, and the step log of ``serve --llm-step-log``.
+"""
 
 from __future__ import annotations
 
-import collections
-import dataclasses
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-from batchpilot.core.llm.admission import NEVER_FITS, LLMRefusal
-
-if TYPE_CHECKING:
-    from batchpilot.core.llm.scheduler import LLMScheduler
-    from batchpilot.core.llm.sequence import Sequence
 import asyncio
+import collections
 import contextlib
 import copy
+import dataclasses
 import logging
 import os
 import queue
@@ -26,10 +37,19 @@ import time
 from collections.abc import AsyncIterator, Callable
 from collections.abc import Sequence as Items
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-from batchpilot.core.llm.admission import QUEUE_FULL, TIMEOUT, LLMAdmission, past_deadline
-from batchpilot.core.llm.config import LLMSchedulerConfig
+from batchpilot.core.deployment import LLMDeployment
+from batchpilot.core.llm.admission import (
+    NEVER_FITS,
+    QUEUE_FULL,
+    TIMEOUT,
+    LLMAdmission,
+    LLMRefusal,
+    past_deadline,
+)
+from batchpilot.core.llm.config import KVPlan, LLMSchedulerConfig, MemoryProfile
 from batchpilot.core.llm.scheduler import LLMScheduler, PreemptionCosts, StepPlan
 from batchpilot.core.llm.sequence import SamplingParams, Sequence
 from batchpilot.core.request import IdCounter
@@ -38,6 +58,14 @@ from batchpilot.models.llm.runner import engine_preemption_costs
 from batchpilot.models.llm.tokenizer import IncrementalDetokenizer, make_decode
 from batchpilot.runtime.journal import JsonLines
 
+log = logging.getLogger("batchpilot.llm")
+
+
+# -- Errors ------------------------------------------------------------------------------------------
+# Why an LLM request did not (or will not) finish normally. Each has a stable ``code``; the HTTP layer
+# answers with a fixed message per code, and only ``RequestRejected`` carries a message meant for the
+# client (what the request asked for and what this engine allows). ``refused`` turns the core's
+# admission refusal (``core/llm/admission.py``) into the error the engine raises.
 
 class RequestRejected(ValueError):
     """The request can never run here (context length, KV pool, bad token ids); the message says why.
@@ -122,7 +150,8 @@ def refused(refusal: LLMRefusal) -> RequestRejected | EngineBusy:
     return EngineBusy(refusal.message, refusal.retry_after_s or 1.0)
 
 
-# What the LLM engine hands out: streamed outputs, token and step events for observers, and its stats.
+# -- What the engine hands out ---------------------------------------------------------------------
+# Streamed outputs, token and step events for observers, and its stats.
 
 @dataclass(frozen=True, slots=True)
 class GenerationOutput:
@@ -264,14 +293,17 @@ class EngineCounters:
         return sum(n for _, n in self.recent) / self.window_s
 
 
-# One request's sequence as both sides of the engine see it.
-#
-# The engine thread delivers outputs (or the exception that ends the sequence) with ``put``; the asyncio
-# caller iterates the request. ``close()`` ends it from the caller's side: a sequence not yet finished is
-# aborted and its KV blocks freed. Either way ``on_done`` runs once, on the caller's side, when the
-# request stops counting against the engine's queue bound.
+
+# -- The request handle ----------------------------------------------------------------------------
 
 class LLMRequest:
+    """One request's sequence as both sides of the engine see it.
+
+    The engine thread delivers outputs (or the exception that ends the sequence) with ``put``; the
+    asyncio caller iterates the request. ``close()`` ends it from the caller's side: a sequence not yet
+    finished is aborted and its KV blocks freed. Either way ``on_done`` runs once, on the caller's side,
+    when the request stops counting against the engine's queue bound."""
+
     def __init__(self, seq: Sequence, detok: IncrementalDetokenizer, loop: asyncio.AbstractEventLoop,
                  abort: Callable[[int], None], on_done: Callable[[], None]) -> None:
         self.seq = seq
@@ -339,20 +371,21 @@ def admit_requests(admission: LLMAdmission, seqs: list[Sequence], decode: Callab
     return [LLMRequest(seq, IncrementalDetokenizer(decode, stop), loop, abort, on_done) for seq in seqs]
 
 
+# -- Refusal counts --------------------------------------------------------------------------------
 # What an LLM engine refused, by reason: the counts ``batchpilot_llm_rejected_requests{reason}`` reads.
 #
 # The reasons are the error codes of the answers (``core/llm/admission.py``), one count per request:
 #
 # * ``context_length_exceeded`` (400) and ``queue_full`` (503): the core's admission refusals,
-#   ``LLMAdmission.refused``. ``admit`` counts them; a full engine found by ``check_room`` (the routes ask
-#   before tokenising) is counted by the engine into the same count, so each refused request counts once.
+#   ``LLMAdmission.refused``. ``admit`` counts them, and so does ``ask`` for a full engine found by
+#   ``check_room`` (the routes ask before tokenising): each refused request counts once.
 # * ``timeout`` (504, or the timeout error event of a stream already under way): a request whose
 #   sequences the engine ended at their deadline (``past_deadline``): expired by the engine
 #   (``LLMScheduler.expire``; the static fallback by the same test), or aborted by the routes once it
 #   had passed.
 #
 # The engine's counts live in ``LLMCounters.refused``, the ``Counter`` its admission counts into: an
-# engine rebuilt on another's counters (``runtime.llm.failover.rebuild``) counts on from them. The static
+# engine rebuilt on another's counters (``LLMEngine.rebuilt``) counts on from them. The static
 # fallback counts in its admission's, which ``restarted`` hands on.
 
 REASONS = (NEVER_FITS, QUEUE_FULL, TIMEOUT)
@@ -389,53 +422,18 @@ class LateRequests:
             refused[TIMEOUT] += 1
 
 
-class AdmissionFront:
-    """The caller's side of an engine's admission (``LLMEngine``, ``StaticFallback``): the room check
-    the routes make before tokenising, counted as a refusal when it refuses, and the release of a done
-    sequence. The engine sets ``admission`` and the ``_lock`` it is used under."""
 
-    admission: LLMAdmission
-    _lock: threading.Lock
-
-    @property
-    def is_alive(self) -> bool:
-        raise NotImplementedError
-
-    @property
-    def num_pending(self) -> int:
-        """Sequences admitted and not yet done (what the queue bound counts)."""
-        return self.admission.num_admitted
-
-    def check_room(self, n: int = 1) -> None:
-        """Raise ``EngineStopped`` or ``EngineBusy`` if ``n`` more sequences would be refused now: the
-        cheap check a server makes before it spends time tokenising them. A refusal here is the
-        request's answer, so it counts in ``admission.refused`` as one by ``admit`` would."""
-        if not self.is_alive:
-            raise EngineStopped
-        with self._lock:
-            refusal = self.admission.room(n)
-            if refusal is not None:
-                self.admission.refused[refusal.reason] += 1
-        if refusal is not None:
-            raise refused(refusal)
-
-    def _release(self) -> None:
-        with self._lock:
-            self.admission.release()
-
-
-# Prompts to token ids, in a small thread pool so that a long prompt or a chat template never holds the
-# event loop (health checks and every stream keep going while it runs).
-#
-# Each worker thread uses its own copy of the tokenizer: HF fast tokenizers are not safe to share between
-# threads (a call that changes truncation or padding borrows the Rust object mutably). A prompt the
-# tokenizer or template cannot take (a lone surrogate, roles out of order) is a ``RequestRejected`` with a
-# fixed message; the tokenizer's own text goes to the log only.
-
-log = logging.getLogger("batchpilot.llm")
-
+# -- Prompt encoding -------------------------------------------------------------------------------
 
 class PromptEncoder:
+    """Prompts to token ids, in a small thread pool so that a long prompt or a chat template never holds
+    the event loop (health checks and every stream keep going while it runs).
+
+    Each worker thread uses its own copy of the tokenizer: HF fast tokenizers are not safe to share
+    between threads (a call that changes truncation or padding borrows the Rust object mutably). A prompt
+    the tokenizer or template cannot take (a lone surrogate, roles out of order) is a ``RequestRejected``
+    with a fixed message; the tokenizer's own text goes to the log only."""
+
     def __init__(self, tokenizer: Any, vocab_size: int | None, threads: int = 0) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -499,28 +497,52 @@ class PromptEncoder:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-# The live LLM driver: one engine thread loops ``schedule -> model step -> sample -> update``.
-#
-# asyncio callers ``submit`` token ids (all prompts of one request at once: admitted together or not at
-# all) and iterate the ``LLMRequest`` handles they get; ``generate`` wraps one prompt as an async
-# iterator. Requests and cancellations reach the thread through a queue, tokens come back with
-# ``call_soon_threadsafe``. Closing a request early (client disconnect, ``break``, task cancelled)
-# aborts the sequence and frees its KV blocks; so does its deadline passing (``RequestTimedOut``:
-# ``LLMScheduler.expire`` before each step).
-# The thread owns the scheduler and the model: nothing else touches them, so the pure core needs no locks.
-# A plan's KV block copies (swap preemption) run before its forward, priced at start-up for ``auto``
-# (``profile/llm.engine_preemption_costs``). Failures: an exception in a model step fails exactly
-# the sequences of that step (``GenerationFailed``; with those it swapped out when the copies failed);
-# one anywhere else in the loop (scheduling, an observer, the stats) ends the loop, and every request
-# still pending or running gets ``EngineStopped`` at once, as on shutdown. ``is_alive`` says which.
-# Admission is the core's (``core/llm/admission.py``): a request's prompts together or none, at most
-# ``max_num_seqs + max_waiting_seqs`` sequences at a time (``EngineBusy``; ``RequestRejected`` never fits).
-# Refusals and deadline ends are counted per request, by reason, in ``counters.refused`` (``llm_refusals``).
+# -- The protocol the engines share ---------------------------------------------------------------
 
 
+class GenerationStream(Protocol):
+    """One sequence's outputs as its caller iterates them: an ``LLMRequest``, or the failover's
+    ``FailoverRequest`` over one. ``close()`` stops caring about the rest (idempotent)."""
+
+    @property
+    def seq_id(self) -> int: ...
+
+    def __aiter__(self) -> GenerationStream: ...
+
+    async def __anext__(self) -> GenerationOutput: ...
+
+    def close(self) -> None: ...
 
 
-class LLMEngine(AdmissionFront):
+class Engine(Protocol):
+    """What serves LLM requests, as the routes, the metrics and the failover call it: this module's
+    ``LLMEngine``, the ``StaticFallback`` (``runtime/llm/fallback.py``) and the ``LLMFailover`` in front
+    of both (``runtime/llm/failover.py``). ``submit`` admits every prompt of one request or none
+    (``RequestRejected``, ``EngineBusy``, ``EngineStopped``); ``check_room`` asks first, before the
+    caller spends time tokenising; ``deadline`` is on ``time.monotonic``."""
+
+    @property
+    def is_alive(self) -> bool: ...
+
+    @property
+    def num_pending(self) -> int: ...
+
+    def check_room(self, n: int = 1) -> None: ...
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams | None = None, priority: int = 0,
+               deadline: float | None = None) -> Items[GenerationStream]: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def shutdown(self, timeout: float = 10.0) -> None: ...
+
+
+# -- The engine -------------------------------------------------------------------------------------
+
+
+class LLMEngine:
+    """The continuous-batching engine (see the module docstring): an ``Engine``."""
+
     def __init__(self, runner: Any, tokenizer: Any, config: LLMSchedulerConfig,
                  model_name: str = "batchpilot-llm", sampler: Any | None = None,
                  window_s: float = 5.0, tokenizer_threads: int = 0,
@@ -555,11 +577,18 @@ class LLMEngine(AdmissionFront):
         self.busy_since: float | None = None  # the step under way began (monotonic); None between steps
         self._decode = make_decode(tokenizer)
         self._stats = self._snapshot()
+        # what the builder (runtime/llm/build.py) planned and made beside the engine: /metrics reads the
+        # memory, the failover's fallback runs on ``hf_model`` (the HF module over the runner's tensors)
+        self.deployment: LLMDeployment | None = None
+        self.memory_plan: KVPlan | None = None
+        self.memory_profile: MemoryProfile | None = None
+        self.memory_held_before = 0.0  # the process's memory before the model loaded (CPU: built_overhead)
+        self.hf_model: Any = None
 
     @property
     def counters(self) -> LLMCounters:
         """Running totals; the admission counts its refusals into ``counters.refused``, so an engine
-        given another's counters (``runtime.llm.failover.rebuild``) counts on from them."""
+        given another's counters (``rebuilt``) counts on from them."""
         return self._counters
 
     @counters.setter
@@ -588,7 +617,58 @@ class LLMEngine(AdmissionFront):
         t = self._thread
         return t is not None and t.is_alive() and not self._stopping and not self._closed
 
-    # -- public API (``check_room``, ``num_pending``: ``AdmissionFront``) --------------------------
+    @property
+    def thread_ended(self) -> bool:
+        """Its thread has returned (or never started): nothing of this engine runs on the runner."""
+        return self._thread is None or not self._thread.is_alive()
+
+    def retire(self) -> None:
+        """Stop from any thread, even one stuck in a step: it admits nothing more, and every request it
+        holds or has queued is answered ``EngineStopped`` now (what its own loop does on the way out,
+        done from outside; a late duplicate reaches a request that has already ended, unread). Its
+        tokenising pool stays open: the failover shares it with the next engine (``rebuilt``)."""
+        with self._lock:
+            self._closed = True
+            self._stopping = True
+        self._wake.set()
+        for req in [*self._streams.values(), *self._queued()]:
+            req.put(EngineStopped())
+
+    def rebuilt(self) -> LLMEngine:
+        """A new engine on this one's runner, tokenizer, config, prompt encoder, counters, observers and
+        memory plan (the same runner, the same plan), with a fresh scheduler and sampler (started): the
+        failover's probe after a fault. This engine's thread must have ended (``thread_ended``): two
+        threads never share the runner."""
+        from batchpilot.models.llm.sampler import Sampler
+
+        engine = LLMEngine(self.runner, self.tokenizer, self.config, self.model_name,
+                           Sampler(getattr(self.sampler, "base_seed", 0)), tokenizer_threads=1)
+        engine.prompts.close()
+        engine.prompts = self.prompts
+        engine.counters = self.counters
+        engine.observers, engine.step_observers = self.observers, self.step_observers
+        engine.hf_model = self.hf_model
+        engine.memory_plan, engine.memory_profile = self.memory_plan, self.memory_profile
+        engine.memory_held_before = self.memory_held_before
+        return engine.start()
+
+    @property
+    def num_pending(self) -> int:
+        """Sequences admitted and not yet done (what the queue bound counts)."""
+        return self.admission.num_admitted
+
+    # -- public API --------------------------------------------------------------------------
+    def check_room(self, n: int = 1) -> None:
+        """Raise ``EngineStopped`` or ``EngineBusy`` if ``n`` more sequences would be refused now: the
+        cheap check a server makes before it spends time tokenising them (counted as a refusal:
+        ``LLMAdmission.ask``)."""
+        if not self.is_alive:
+            raise EngineStopped
+        with self._lock:
+            refusal = self.admission.ask(n)
+        if refusal is not None:
+            raise refused(refusal)
+
     def submit(self, prompts: list[list[int]], params: SamplingParams | None = None, priority: int = 0,
                deadline: float | None = None) -> list[LLMRequest]:
         """Admit the prompts together, or none of them: ``RequestRejected`` if one can never fit,
@@ -621,6 +701,10 @@ class LLMEngine(AdmissionFront):
     def abort(self, seq_id: int) -> None:
         self._inbox.put(("abort", (seq_id, time.monotonic())))
         self._wake.set()
+
+    def _release(self) -> None:  # a request's ``on_done``, on the caller's side
+        with self._lock:
+            self.admission.release()
 
     def stats(self) -> EngineStats:
         return self._stats
@@ -676,18 +760,22 @@ class LLMEngine(AdmissionFront):
     def _fail_all(self) -> None:
         with self._lock:
             self._closed = True  # from here on submit refuses: nothing can be left in the inbox
-        pending = list(self._streams.values())
+        pending = [*self._streams.values(), *self._queued()]
         self._streams.clear()
+        for req in pending:
+            req.put(EngineStopped())
+        self._stats = self._snapshot()
+
+    def _queued(self) -> list[LLMRequest]:
+        """Take the requests still in the inbox, not yet the engine thread's (call once ``_closed``)."""
+        queued: list[LLMRequest] = []
         while True:
             try:
                 kind, arg = self._inbox.get_nowait()
             except queue.Empty:
-                break
+                return queued
             if kind == "add":
-                pending.extend(arg)
-        for req in pending:
-            req.put(EngineStopped())
-        self._stats = self._snapshot()
+                queued.extend(arg)
 
     def _iterate(self) -> None:
         self._drain_inbox()
@@ -769,6 +857,7 @@ class LLMEngine(AdmissionFront):
                 self.sampler.forget(out.seq_id)
 
 
+# -- Step log --------------------------------------------------------------------------------------
 # ``serve --llm-step-log``: a step observer that appends one JSON line per engine step to a file.
 #
 # The engine thread only queues the step's record; a writer thread formats and writes the lines

@@ -1,10 +1,31 @@
-"""The LLM engine's watchdog: has the engine thread died, or has the step under way run past its bound?
+"""The LLM engine the routes talk to: the continuous-batching engine while it is healthy, a fallback engine
+while it is not, and a watchdog thread that decides which, with a circuit breaker (``core.breaker``).
 
-A step observer (``on_step``) feeds each step's wall time to the stall rule (``core.stall``); ``check``
-compares the engine's ``busy_since`` (stamped by the engine thread when a step begins, cleared when
-it ends) with the bound the measured step times give. Work that waits for a step that never ends is
-exactly "busy past the bound": an idle engine has no step under way and is never stalled. The
-failover (``runtime/llm/failover.py``) calls ``check`` from its own thread on the live clock.
+Faults, and what happens on each:
+
+* ``died``: the engine loop ended by itself (an exception outside a step);
+* ``stalled``: a step has run past the stall bound (``core.stall``, from the engine's own step times,
+  or a fixed ``--llm-stall-timeout-s``), seen by the watchdog within ``poll_s``;
+* ``oom``: a step raised an out-of-memory error (reported by the requests of that step).
+
+On a fault the breaker opens, and the engine is retired (``LLMEngine.retire``): it takes nothing more, and
+every request it holds is answered at once (``EngineStopped``, from this thread even when the engine
+thread is stuck in a step). A request that has shown its client nothing moves to the fallback
+(``FailoverRequest``); a stream under way ends with an error event. While open, new requests go to the
+fallback, or are refused with ``EngineUnavailable`` (503 ``engine_unavailable`` + Retry-After) when there
+is none.
+
+When the probe is due (``BreakerConfig.probe_interval_s``, backing off while probes fail) and the retired
+engine's thread has ended (a stuck step must return first: two threads never share the runner), a new
+engine is built (``LLMEngine.rebuilt``) on the same runner, tokenizer, config, counters and observers,
+with a fresh scheduler (every KV block free: nothing of the old state is trusted), and given one probe
+request (one token). If it answers, the breaker closes and traffic returns to it; if not, it is retired
+too and the breaker opens again. The fallback is watched too (``fallback_watchdog``, over its decoding
+steps): a dead or stalled fallback is abandoned and rebuilt on its model once its call returns.
+
+In this file: the watchdog (``EngineWatchdog``), the request handle that can move to the fallback
+(``FailoverRequest``) and the failover itself (``LLMFailover``, an ``Engine`` of
+``runtime/llm/engine.py``).
 """
 
 from __future__ import annotations
@@ -15,24 +36,40 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING
 
 from batchpilot.core.breaker import BreakerConfig, CircuitBreaker
 from batchpilot.core.llm.sequence import SamplingParams
 from batchpilot.core.stall import StallRule, StallWatch
 from batchpilot.runtime.llm.engine import (
+    Engine,
     EngineStats,
     EngineStopped,
     EngineUnavailable,
     GenerationFailed,
     GenerationOutput,
+    GenerationStream,
+    LLMEngine,
     StepRecord,
 )
+
+if TYPE_CHECKING:  # the fallback module imports torch at once; the failover runs without a fallback too
+    from batchpilot.runtime.llm.fallback import StaticFallback
+
+log = logging.getLogger("batchpilot.llm")
 
 DIED, STALLED, OUT_OF_MEMORY = "died", "stalled", "oom"  # the fault kinds (metrics label ``kind``)
 
 
 class EngineWatchdog:
+    """Has an engine's thread died, or has the step under way run past its bound?
+
+    A step observer (``on_step``) feeds each step's wall time to the stall rule (``core.stall``); ``check``
+    compares the engine's ``busy_since`` (stamped by the engine thread when a step begins, cleared when
+    it ends) with the bound the measured step times give. Work that waits for a step that never ends is
+    exactly "busy past the bound": an idle engine has no step under way and is never stalled.
+    The failover calls ``check`` from its own thread on the live clock."""
+
     def __init__(self, rule: StallRule | None = None) -> None:
         self._watch = StallWatch(rule)
         self._lock = threading.Lock()  # steps are recorded on the engine thread, checked on another
@@ -45,7 +82,7 @@ class EngineWatchdog:
         with self._lock:
             return self._watch.timeout_s()
 
-    def check(self, engine: Any, now: float) -> str | None:
+    def check(self, engine: LLMEngine | StaticFallback, now: float) -> str | None:
         """``DIED`` (the loop ended by itself), ``STALLED`` (a step past the bound) or None (healthy).
         ``now`` is on ``time.monotonic``, the clock of ``engine.busy_since``."""
         if engine.failure is not None or not engine.is_alive:
@@ -55,23 +92,23 @@ class EngineWatchdog:
         return STALLED if overdue is not None else None
 
 
-# One request as the failover hands it out: the main engine's sequence, or the fallback's after a fault.
-#
-# Iterated like an ``LLMRequest``. When the engine under it fails (``EngineStopped`` from a dead, stalled
-# or retired engine; ``GenerationFailed`` caused by an out-of-memory error) the failover hears of the
-# fault, and the request moves to the fallback engine if nothing of it has reached the client yet:
-#
-# * a streamed request, before its first output (the route awaits that before the response starts);
-# * a ``replayable`` request (not streamed) at any point: it collects every output before handing any
-#   out, so a fault mid-way restarts it on the fallback from its prompt and the client sees one answer.
-#
-# Otherwise (a stream already under way, no fallback, the fallback failing too) the failure reaches the
-# client as ``EngineUnavailable``; a failure that is not the engine's (a model error on this input, a
-# deadline) reaches it as it is. Either way the request is answered once.
-
 class FailoverRequest:
+    """One request as the failover hands it out: the main engine's sequence, or the fallback's after a fault.
+
+    Iterated like an ``LLMRequest``. When the engine under it fails (``EngineStopped`` from a dead, stalled
+    or retired engine; ``GenerationFailed`` caused by an out-of-memory error) the failover hears of the
+    fault, and the request moves to the fallback engine if nothing of it has reached the client yet:
+
+    * a streamed request, before its first output (the route awaits that before the response starts);
+    * a ``replayable`` request (not streamed) at any point: it collects every output before handing any
+      out, so a fault mid-way restarts it on the fallback from its prompt and the client sees one answer.
+
+    Otherwise (a stream already under way, no fallback, the fallback failing too) the failure reaches the
+    client as ``EngineUnavailable``; a failure that is not the engine's (a model error on this input, a
+    deadline) reaches it as it is. Either way the request is answered once."""
+
     def __init__(self, owner: LLMFailover, prompt: list[int], params: SamplingParams, priority: int,
-                 deadline: float | None, inner: Any, engine: Any, replayable: bool) -> None:
+                 deadline: float | None, inner: GenerationStream, engine: Engine, replayable: bool) -> None:
         self.owner, self.prompt, self.params = owner, prompt, params
         self.priority, self.deadline = priority, deadline
         self.inner, self.engine = inner, engine  # the LLMRequest and the engine it is on
@@ -82,7 +119,7 @@ class FailoverRequest:
 
     @property
     def seq_id(self) -> int:
-        return int(self.inner.seq_id)
+        return self.inner.seq_id
 
     def __aiter__(self) -> FailoverRequest:
         return self
@@ -115,8 +152,7 @@ class FailoverRequest:
     async def _next(self) -> GenerationOutput:
         while True:  # after a move, the next output comes from the fallback
             try:
-                item: GenerationOutput = await self.inner.__anext__()
-                return item
+                return await self.inner.__anext__()
             except (EngineStopped, GenerationFailed) as exc:
                 if not self._move(exc):
                     raise self._for_client(exc) from None
@@ -138,7 +174,7 @@ class FailoverRequest:
         if moved is None:
             return False
         self.inner.close()
-        self.inner, self.engine = moved, self.owner.fallback
+        self.inner, self.engine = moved
         self.moves += 1
         return True
 
@@ -151,37 +187,14 @@ class FailoverRequest:
         self.inner.close()
 
 
-# The engine the LLM routes talk to: the continuous-batching engine while it is healthy, a fallback
-# engine while it is not, and a watchdog thread that decides which, with a circuit breaker (``core.breaker``).
-#
-# Faults, and what happens on each:
-#
-# * ``died``: the engine loop ended by itself (an exception outside a step);
-# * ``stalled``: a step has run past the stall bound (``core.stall``, from the engine's own step times,
-#   or a fixed ``--llm-stall-timeout-s``), seen by the watchdog within ``poll_s``;
-# * ``oom``: a step raised an out-of-memory error (reported by the requests of that step).
-#
-# On a fault the breaker opens, and the engine is retired: it takes nothing more, and every request it
-# holds is answered at once (``EngineStopped``, from this thread even when the engine thread is stuck in
-# a step). A request that has shown its client nothing moves to the fallback (``llm_failover_request``);
-# a stream under way ends with an error event. While open, new requests go to the fallback, or are
-# refused with ``EngineUnavailable`` (503 ``engine_unavailable`` + Retry-After) when there is none.
-#
-# When the probe is due (``BreakerConfig.probe_interval_s``, backing off while probes fail) and the
-# retired engine's thread has ended (a stuck step must return first: two threads never share the
-# runner), a new engine is built on the same runner, tokenizer, config, counters and observers, with a
-# fresh scheduler (every KV block free: nothing of the old state is trusted), and given one probe
-# request (one token). If it answers, the breaker closes and traffic returns to it; if not, it is
-# retired too and the breaker opens again. The fallback is watched too (``fallback_watchdog``, over its
-# decoding steps): a dead or stalled fallback is abandoned and rebuilt on its model once its call returns.
-
-log = logging.getLogger("batchpilot.llm")
-
+# -- The failover ------------------------------------------------------------------------------------
 
 class LLMFailover:
-    def __init__(self, engine: Any, fallback: Any | None = None, stall: StallRule | None = None,
-                 breaker: BreakerConfig | None = None, poll_s: float = 0.05, start: bool = True,
-                 fallback_stall: StallRule | None = None) -> None:
+    """The engine behind its watchdog, breaker and fallback (see the module docstring): an ``Engine``."""
+
+    def __init__(self, engine: LLMEngine, fallback: StaticFallback | None = None,
+                 stall: StallRule | None = None, breaker: BreakerConfig | None = None, poll_s: float = 0.05,
+                 start: bool = True, fallback_stall: StallRule | None = None) -> None:
         self.main = engine
         self.fallback = fallback
         self.model_name, self.config, self.prompts = engine.model_name, engine.config, engine.prompts
@@ -200,7 +213,7 @@ class LLMFailover:
         self.fallback_requests = 0  # requests the fallback took: sent there, or moved there
         self.closing = False
         self._main_failed = False  # the engine in ``main`` has faulted (its faults count once)
-        self._retired: list[Any] = []  # faulted engines whose thread may still be running
+        self._retired: list[LLMEngine] = []  # faulted engines whose thread may still be running
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="llm-watchdog", daemon=True)
@@ -217,23 +230,20 @@ class LLMFailover:
     @property
     def fallback_active(self) -> bool:
         with self._lock:
-            return not self._main_ok() and self.fallback is not None and bool(self.fallback.is_alive)
+            return not self._main_ok() and self.fallback is not None and self.fallback.is_alive
 
     @property
     def num_pending(self) -> int:
-        return int(self.main.num_pending) + (int(self.fallback.num_pending) if self.fallback else 0)
+        return self.main.num_pending + (self.fallback.num_pending if self.fallback else 0)
 
     def stats(self) -> EngineStats:
-        return self.main.stats()  # type: ignore[no-any-return]
+        return self.main.stats()
 
     def retry_after_s(self) -> float:
         return float(self.breaker.interval_s)
 
     def check_room(self, n: int = 1) -> None:
-        target = self._target()
-        if target is None:
-            raise EngineUnavailable(retry_after_s=self.retry_after_s())
-        target.check_room(n)
+        self._target().check_room(n)
 
     def submit(self, prompts: list[list[int]], params: SamplingParams | None = None, priority: int = 0,
                deadline: float | None = None, replayable: bool = False) -> list[FailoverRequest]:
@@ -242,8 +252,6 @@ class LLMFailover:
         params = params or SamplingParams()
         for _ in range(2):  # the main engine may fail between the choice and the submit: then once more
             target = self._target()
-            if target is None:
-                raise EngineUnavailable(retry_after_s=self.retry_after_s())
             try:
                 inner = target.submit(prompts, params, priority, deadline)
             except EngineStopped:
@@ -257,43 +265,48 @@ class LLMFailover:
                     for p, r in zip(prompts, inner, strict=True)]
         raise EngineUnavailable(retry_after_s=self.retry_after_s())
 
-    def resubmit(self, req: FailoverRequest) -> Any | None:
-        """The request's prompt on the fallback (None: no fallback, or it refused)."""
-        if self.fallback is None or not self.fallback.is_alive or self.closing:
+    def resubmit(self, req: FailoverRequest) -> tuple[GenerationStream, StaticFallback] | None:
+        """The request's prompt on the fallback, and that fallback (None: no fallback, or it refused)."""
+        fallback = self.fallback
+        if fallback is None or not fallback.is_alive or self.closing:
             return None
         try:
-            [inner] = self.fallback.submit([req.prompt], req.params, req.priority, req.deadline)
+            [inner] = fallback.submit([req.prompt], req.params, req.priority, req.deadline)
         except Exception as exc:  # full or stopped: the client hears the main engine's failure
             log.warning("llm fallback refused a request moved from the failed engine: %r", exc)
             return None
         self.fallback_requests += 1
-        return inner
+        return inner, fallback
 
     # -- faults -------------------------------------------------------------------------------------
-    def report(self, engine: Any, kind: str) -> None:
+    def report(self, engine: Engine, kind: str) -> None:
         """A fault of ``engine`` (counted once per engine): open the breaker and retire it."""
         with self._lock:
-            if engine is not self.main or self._main_failed or self.closing:
+            main = self.main
+            if engine is not main or self._main_failed or self.closing:
                 return
             self._main_failed = True
             self.faults[kind] += 1
             self.breaker.record_failure(time.monotonic())
-            self._retired.append(engine)
+            self._retired.append(main)
         log.error("llm engine fault: %s; %s until a probe finds it healthy (next in %.1f s)", kind,
                   "the fallback engine serves" if self.fallback is not None else "requests get 503",
                   self.breaker.interval_s)
-        retire(engine)
+        main.retire()
 
     def _main_ok(self) -> bool:
-        return self.breaker.allows and not self._main_failed and bool(self.main.is_alive)
+        return self.breaker.allows and not self._main_failed and self.main.is_alive
 
-    def _target(self) -> Any | None:
+    def _target(self) -> Engine:
+        """The engine that serves now: the main one while healthy, else a live fallback, else none
+        (``EngineUnavailable``)."""
         with self._lock:
             if self._main_ok():
                 return self.main
-        if self.fallback is not None and self.fallback.is_alive:
-            return self.fallback
-        return None
+        fallback = self.fallback
+        if fallback is not None and fallback.is_alive:
+            return fallback
+        raise EngineUnavailable(retry_after_s=self.retry_after_s())
 
     # -- the watchdog thread ------------------------------------------------------------------------
     def _watch(self) -> None:
@@ -317,7 +330,7 @@ class LLMFailover:
         if due:
             self._probe()
 
-    def _watch_fallback(self, fallback: Any, now: float) -> None:
+    def _watch_fallback(self, fallback: StaticFallback, now: float) -> None:
         """A fallback that died or stalls is abandoned (what it holds gets 503 ``engine_unavailable``)
         and, once its thread has ended, replaced by a new one on the same model."""
         if not self.fallback_failed:
@@ -327,18 +340,18 @@ class LLMFailover:
                 self.fallback_faults[kind] += 1
                 log.error("llm fallback fault: %s; its requests get 503 until it is rebuilt", kind)
                 fallback.abandon()
-        elif fallback._thread is None or not fallback._thread.is_alive():
+        elif fallback.thread_ended:
             self.fallback, self.fallback_failed = fallback.restarted(), False
             log.info("llm fallback rebuilt after its fault")
 
     def _probe(self) -> None:
         with self._lock:
-            self._retired = [e for e in self._retired if e._thread is not None and e._thread.is_alive()]
+            self._retired = [e for e in self._retired if not e.thread_ended]
             busy = bool(self._retired)
         if busy:  # a step is still under way on the runner: no second thread may use it
             self._probe_failed(None, "the failed engine's step has not returned yet")
             return
-        engine = rebuild(self.main, self.prompts)
+        engine = self.main.rebuilt()
         ok = False
         try:
             timeout = self.watchdog.timeout_s()
@@ -356,9 +369,9 @@ class LLMFailover:
             self.breaker.record_success(time.monotonic())
         log.info("llm engine probe succeeded: traffic returns to the continuous-batching engine")
 
-    def _probe_failed(self, engine: Any | None, why: str) -> None:
+    def _probe_failed(self, engine: LLMEngine | None, why: str) -> None:
         if engine is not None:
-            retire(engine)
+            engine.retire()
         with self._lock:
             if engine is not None:
                 self._retired.append(engine)
@@ -380,47 +393,7 @@ class LLMFailover:
             self.fallback.shutdown(timeout)
 
 
-def retire(engine: Any) -> None:
-    """Stop an engine from any thread, even one stuck in a step: it admits nothing more, and every
-    request it holds or has queued is answered ``EngineStopped`` now (what its own loop does on the
-    way out, done from outside; a late duplicate reaches a request that has already ended, unread).
-    Its tokenising pool stays open: the failover shares it with the next engine."""
-    with engine._lock:
-        engine._closed = True
-        engine._stopping = True
-    engine._wake.set()
-    pending = list(engine._streams.values())
-    while True:
-        try:
-            kind, arg = engine._inbox.get_nowait()
-        except Exception:  # queue.Empty
-            break
-        if kind == "add":
-            pending.extend(arg)
-    for req in pending:
-        req.put(EngineStopped())
-
-
-def rebuild(old: Any, prompts: Any) -> Any:
-    """A new engine on ``old``'s runner, tokenizer, config, counters and observers, with a fresh
-    scheduler and sampler (started). ``old``'s thread must have ended."""
-    from batchpilot.models.llm.sampler import Sampler
-    from batchpilot.runtime.llm.engine import LLMEngine
-
-    engine = LLMEngine(old.runner, old.tokenizer, old.config, old.model_name,
-                       Sampler(getattr(old.sampler, "base_seed", 0)), tokenizer_threads=1)
-    engine.prompts.close()
-    engine.prompts = prompts
-    engine.counters = old.counters
-    engine.observers, engine.step_observers = old.observers, old.step_observers
-    engine.hf_model = getattr(old, "hf_model", None)  # type: ignore[attr-defined]
-    for name in ("memory_plan", "memory_profile", "memory_held_before"):  # the same runner, the same plan
-        if hasattr(old, name):
-            setattr(engine, name, getattr(old, name))
-    return engine.start()
-
-
-async def _one_token(engine: Any) -> bool:
+async def _one_token(engine: LLMEngine) -> bool:
     bos = getattr(engine.tokenizer, "bos_token_id", None)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     [req] = engine.submit([[int(bos or 0)]], params, priority=-(2**31))

@@ -12,10 +12,10 @@ Per request, inside the one ``generate`` call: tokens are chosen by the main eng
 own seeded generators) through a logits processor that leaves HF only that token, and a stopping
 criterion ends each row on EOS, a stop token id, a stop string (the same incremental detokenizer),
 ``max_tokens`` or the context length, on its deadline (``past_deadline``), or when its client leaves.
-Streaming is one ``GenerationOutput`` per token, as the main engine streams. Same surface as
-``LLMEngine`` for the failover: ``submit``, ``check_room``, ``abort``, ``is_alive``, ``num_pending``,
-``start``, ``shutdown``, and for its watchdog ``busy_since`` (when the decoding step under way began),
-``failure``, ``step_observers`` (a ``StepRecord`` per decoding step) and ``abandon``. A failing
+Streaming is one ``GenerationOutput`` per token, as the main engine streams. An ``Engine``
+(``runtime/llm/engine.py``) as ``LLMEngine`` is, and for the failover's watchdog ``busy_since`` (when
+the decoding step under way began), ``failure``, ``step_observers`` (a ``StepRecord`` per decoding
+step), ``abandon`` and ``restarted``. A failing
 ``generate`` fails its batch (``GenerationFailed``) and the thread goes on. Refusals and deadline ends
 are counted per request in ``admission.refused``, as the engine counts them (``llm_refusals``).
 """
@@ -41,7 +41,8 @@ from batchpilot.models.device import bind_threads
 from batchpilot.models.llm.sampler import Sampler
 from batchpilot.models.llm.tokenizer import make_decode
 from batchpilot.runtime.llm.engine import (
-    AdmissionFront,
+    EngineCounters,
+    EngineStats,
     EngineStopped,
     GenerationFailed,
     GenerationOutput,
@@ -50,12 +51,15 @@ from batchpilot.runtime.llm.engine import (
     RequestTimedOut,
     StepRecord,
     admit_requests,
+    refused,
 )
 
 log = logging.getLogger("batchpilot.llm")
 
 
-class StaticFallback(AdmissionFront):
+class StaticFallback:
+    """The static-batching fallback engine (see the module docstring): an ``Engine``."""
+
     def __init__(self, model: Any, tokenizer: Any, config: LLMSchedulerConfig,
                  model_name: str = "batchpilot-llm", max_batch_size: int = 8,
                  sampler: Sampler | None = None) -> None:
@@ -88,6 +92,8 @@ class StaticFallback(AdmissionFront):
         self.failure: BaseException | None = None  # what ended the loop, if it died
         self.step_observers: list[Callable[[StepRecord], None]] = []
         self._batch: list[LLMRequest] = []  # the batch in ``generate``
+        self._counters = EngineCounters()  # its decoding steps and tokens (fallback thread)
+        self._stats = self._snapshot(time.monotonic())
 
     # -- lifecycle and admission (any thread / the event loop) -------------------------------------
     def start(self) -> StaticFallback:
@@ -106,6 +112,31 @@ class StaticFallback(AdmissionFront):
     def is_alive(self) -> bool:
         t = self._thread
         return t is not None and t.is_alive() and not self._stopping and not self._closed
+
+    @property
+    def thread_ended(self) -> bool:
+        """Its thread has returned (or never started): a replacement may take the model."""
+        return self._thread is None or not self._thread.is_alive()
+
+    @property
+    def num_pending(self) -> int:
+        """Sequences admitted and not yet done (what the queue bound counts)."""
+        return self.admission.num_admitted
+
+    def check_room(self, n: int = 1) -> None:
+        """As ``LLMEngine.check_room``: ``EngineStopped`` or ``EngineBusy`` (counted as a refusal)."""
+        if not self.is_alive:
+            raise EngineStopped
+        with self._lock:
+            refusal = self.admission.ask(n)
+        if refusal is not None:
+            raise refused(refusal)
+
+    def stats(self) -> EngineStats:
+        """A snapshot as ``LLMEngine.stats`` gives one, taken by its thread after each decoding step and
+        batch and while idle: its batch and queue, decoding steps and tokens. No KV cache of its own
+        (HF's, per batch): no blocks, preemptions or prefix-cache hits."""
+        return self._stats
 
     def submit(self, prompts: list[list[int]], params: SamplingParams | None = None, priority: int = 0,
                deadline: float | None = None) -> list[LLMRequest]:
@@ -151,7 +182,17 @@ class StaticFallback(AdmissionFront):
         with self._lock:
             self._aborted[seq_id] = time.monotonic()
 
+    def _release(self) -> None:  # a request's ``on_done``, on the caller's side
+        with self._lock:
+            self.admission.release()
+
     # -- the fallback thread -----------------------------------------------------------------------
+    def _snapshot(self, now: float) -> EngineStats:
+        c, running = self._counters, len(self._batch)
+        return EngineStats(running, max(0, self.num_pending - running), 0, 0, 0.0, 0.0, 0, 0, c.num_steps,
+                           c.num_generated_tokens, c.tokens_per_s(now), 0, c.step_seconds, c.step_seconds,
+                           c.step_seqs)
+
     def _loop(self) -> None:
         try:
             bind_threads(getattr(self.model, "device", None), self.threads)  # as the engine's thread does
@@ -159,6 +200,7 @@ class StaticFallback(AdmissionFront):
                 batch = self._next_batch()
                 if batch:
                     self._run(batch)
+                self._stats = self._snapshot(time.monotonic())
         except BaseException as exc:  # noqa: BLE001 - the requests must hear of it
             self.failure = exc
             log.exception("the LLM fallback loop died; failing every pending request")
@@ -271,7 +313,9 @@ class _Rows:
         rec = StepRecord(owner.num_batches, began, now - began, now - began, len(self.live()), {}, False)
         for observe in owner.step_observers:
             observe(rec)
+        owner._counters.add_step(rec.num_seqs, rec.features, rec.wall_s)
         last = input_ids[:, -1].tolist()
+        delivered = 0
         for i in self.live():
             req, seq, tok = self.batch[i], self.batch[i].seq, int(last[i])
             if self.owner._stopping:
@@ -292,6 +336,9 @@ class _Rows:
                 text += req.detok.flush(seq.output_token_ids)
             req.put(GenerationOutput(seq.seq_id, text, [tok], reason, seq.num_prompt_tokens,
                                      seq.num_output_tokens, 0, seq.arrival, now))
+            delivered += 1
             if reason is not None:
                 self.end(i)
+        owner._counters.add_tokens(now, delivered)
+        owner._stats = owner._snapshot(now)
         return torch.tensor(self.done, dtype=torch.bool, device=input_ids.device)
