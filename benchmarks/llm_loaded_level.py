@@ -58,7 +58,7 @@ from batchpilot.profile.serving import send_elsewhere
 from batchpilot.runtime.executor import NoopExecutor
 from batchpilot.runtime.journal import wait_written
 from batchpilot.runtime.llm.build import build_llm_engine
-from batchpilot.server.app import create_app
+from batchpilot.server.app import MountedEngine, ServedModel, create_app
 from batchpilot.server.config import ServerConfig
 from batchpilot.server.inproc_server import bound_socket, in_thread
 from batchpilot.server.llm.routes import make_llm_router
@@ -102,9 +102,9 @@ def main() -> int:
     steps: list[Any] = []
     folder = Path(tempfile.mkdtemp(prefix="llm-loaded-level-"))
     sock, port = bound_socket()
-    app = create_app(ServerConfig(port=port, request_timeout_s=600.0, drain_timeout_s=5.0), NoopExecutor(),
-                     routers=[lambda registry: make_llm_router(engine, registry)],
-                     extra_models=[engine.model_name])
+    app = create_app(ServerConfig(port=port, request_timeout_s=600.0, drain_timeout_s=5.0),
+                     [ServedModel(NoopExecutor())],
+                     [MountedEngine(lambda registry: make_llm_router(engine, registry), engine.model_name)])
     results: dict[str, list[list[LoggedStep]]] = {v: [] for v in variants}
     with ExitStack() as stack:
         here = stack.enter_context(in_thread(app, sock, "llm-loaded-level"))

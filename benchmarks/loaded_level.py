@@ -43,7 +43,7 @@ from batchpilot.profile.serving import (
     send_elsewhere,
 )
 from batchpilot.runtime.journal import BatchLog, read_batches
-from batchpilot.server.app import create_app
+from batchpilot.server.app import ServedModel, create_app
 from batchpilot.server.build import profiled_threads
 from batchpilot.server.config import ServerConfig
 from batchpilot.server.inproc_server import bound_socket, in_thread
@@ -127,7 +127,7 @@ def main() -> int:
 
 
 def _app(settings: ServerConfig, executor: Any, sched: Any, cost_model: CostModel, log: Path) -> Any:
-    app = create_app(settings, executor, sched, cost_model)
+    app = create_app(settings, [ServedModel(executor, sched, cost_model)])
     app.state.service.batcher.batch_observers.append(BatchLog(str(log)))
     return app
 

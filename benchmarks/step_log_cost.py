@@ -36,7 +36,7 @@ from batchpilot.profile.serving import send_elsewhere
 from batchpilot.runtime.executor import NoopExecutor
 from batchpilot.runtime.llm.build import build_llm_engine
 from batchpilot.runtime.llm.engine import StepLog, StepRecord
-from batchpilot.server.app import create_app
+from batchpilot.server.app import MountedEngine, ServedModel, create_app
 from batchpilot.server.config import ServerConfig
 from batchpilot.server.inproc_server import bound_socket, in_thread
 from batchpilot.server.llm.routes import make_llm_router
@@ -124,9 +124,9 @@ def main() -> None:
     plan = build_plan(workload(args.rate, args.requests, args.seed), "completions", seed=args.seed)
     warm = build_plan(workload(args.rate, 8, args.seed + 1), "completions", seed=args.seed + 1)
     sock, port = bound_socket()
-    app = create_app(ServerConfig(port=port, request_timeout_s=60.0, drain_timeout_s=5.0), NoopExecutor(),
-                     routers=[lambda registry: make_llm_router(engine, registry)],
-                     extra_models=[engine.model_name])
+    app = create_app(ServerConfig(port=port, request_timeout_s=60.0, drain_timeout_s=5.0),
+                     [ServedModel(NoopExecutor())],
+                     [MountedEngine(lambda registry: make_llm_router(engine, registry), engine.model_name)])
     steps: dict[str, list[StepRecord]] = {a: [] for a in arms}
     with tempfile.TemporaryDirectory() as d, in_thread(app, sock, "step-log-cost") as url:
         send_elsewhere(url, engine.model_name, warm, endpoint="completions")  # first shapes, allocator

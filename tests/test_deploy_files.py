@@ -70,7 +70,7 @@ def exported_families() -> dict[str, set[str]]:
         model = ServedModel(executor, SchedulerConfig(), name="noop",
                             rollout=RolloutSpec((ArmSpec("canary", 0.1),)),
                             arms=(ServedArm(executor, SchedulerConfig()),))
-        app = create_app(ServerConfig(noop=True), models=[model])
+        app = create_app(ServerConfig(noop=True), [model])
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://server") as client:
             return (await client.get("/metrics")).text

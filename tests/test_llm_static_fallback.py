@@ -178,7 +178,7 @@ def test_shutdown_answers_what_the_fallback_still_holds(engines: tuple[LLMEngine
 
 def test_serve_llm_builds_the_failover_its_settings_ask_for(monkeypatch: pytest.MonkeyPatch) -> None:
     from batchpilot.core.deployment import DeploymentSpec
-    from batchpilot.server.build import _llm_router
+    from batchpilot.server.build import llm_engine, llm_failover
     from batchpilot.server.config import ServerConfig
 
     class Settings:  # ServerConfig plus the two failover settings serve's flags give
@@ -194,10 +194,10 @@ def test_serve_llm_builds_the_failover_its_settings_ask_for(monkeypatch: pytest.
                         lambda path, **kw: build_llm_engine(path, **small))
     for extra, has_fallback, bound in (({}, True, 60.0),
                                        ({"llm_fallback": "off", "llm_stall_timeout_s": 3.0}, False, 3.0)):
-        failover, _, hooks = _llm_router(Settings(**extra), DeploymentSpec())  # type: ignore[arg-type]
+        settings: Any = Settings(**extra)
+        failover = llm_failover(settings, llm_engine(settings, DeploymentSpec()))
         try:
             assert (failover.fallback is not None) == has_fallback
             assert failover.watchdog.timeout_s() == bound and failover.is_alive
         finally:
-            for hook in hooks:
-                hook()
+            failover.shutdown()

@@ -316,12 +316,12 @@ def test_lone_requests_come_from_a_child_process_one_at_a_time_with_the_gap_betw
     plan answered, in plan order, each sent no sooner than the gap after the previous answer."""
     from batchpilot.bench.loadgen import PlannedRequest
     from batchpilot.profile.serving import lone_elsewhere
-    from batchpilot.server.app import create_app
+    from batchpilot.server.app import ServedModel, create_app
     from batchpilot.server.config import ServerConfig
     from batchpilot.server.inproc_server import bound_socket, in_thread
 
     sock, port = bound_socket()
-    app = create_app(ServerConfig(port=port), NoopExecutor(delay_s=0.001, max_length=64))
+    app = create_app(ServerConfig(port=port), [ServedModel(NoopExecutor(delay_s=0.001, max_length=64))])
     plan = [PlannedRequest(k, 0.0, 3, 0, {"input": "a b c"}, warmup=k == 0) for k in range(6)]
     with in_thread(app, sock, "lone-test") as url:
         records = lone_elsewhere(url, app.state.service.model_name, plan, 0.05)

@@ -24,7 +24,7 @@ from batchpilot.core.config import SchedulerConfig
 from batchpilot.core.costmodel import CostModel
 from batchpilot.runtime.errors import ExecutorCrashed
 from batchpilot.runtime.executor import NoopExecutor
-from batchpilot.server.app import create_app
+from batchpilot.server.app import MountedEngine, ServedModel, create_app
 from batchpilot.server.config import ServerConfig
 
 POISON = 4242  # a token id that makes FaultyExecutor.run raise (a "model bug" on one input)
@@ -154,18 +154,16 @@ def scrape(url: str, headers: dict[str, str] | None = None, by_model: bool = Fal
 
 @contextmanager
 def live_server(executor: Any, config: SchedulerConfig | None = None, *,
-                cost_model: CostModel | None = None,
-                routers: Sequence[Callable[[Any], Any]] = (), extra_models: Sequence[str] = (),
-                models: Sequence[Any] = (), extra_arms: Sequence[Any] = (), **settings: Any
-                ) -> Iterator[LiveServer]:
+                cost_model: CostModel | None = None, engines: Sequence[MountedEngine] = (),
+                models: Sequence[ServedModel] = (), **settings: Any) -> Iterator[LiveServer]:
     """The real app on a free port in a thread. ``config`` is used as given (tests that want the
     server's deployment pass ``resolve_deployment(...).scheduler``); ``models`` are ``ServedModel``s
-    (with ``executor=None``, the only ones served)."""
+    (with ``executor=None``, the only ones served); ``engines`` are mounted beside them."""
     settings.setdefault("request_timeout_s", 30.0)
     settings.setdefault("drain_timeout_s", 5.0)
     cfg = ServerConfig(port=free_port(), **settings)
-    app: Any = create_app(cfg, executor, config or SchedulerConfig(), cost_model, routers=routers,
-                          extra_models=extra_models, models=models, extra_arms=extra_arms)
+    first = [ServedModel(executor, config or SchedulerConfig(), cost_model)] if executor is not None else []
+    app: Any = create_app(cfg, [*first, *models], engines)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=cfg.port, log_level="warning",
                                            lifespan="on"))
     thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
@@ -210,7 +208,8 @@ def small_llm_engine() -> Any:
     return _ENGINE
 
 
-def llm_router(engine: Any) -> Callable[[Any], Any]:
+def llm_routes(engine: Any, model_name: str | None = None) -> MountedEngine:
+    """The LLM routes over ``engine``, mounted beside the models (``model_name`` listed by /v1/models)."""
     from batchpilot.server.llm.routes import make_llm_router
 
-    return lambda registry: make_llm_router(engine, registry)
+    return MountedEngine(lambda registry: make_llm_router(engine, registry), model_name)

@@ -17,8 +17,9 @@ from batchpilot.core.deployment import DeploymentSpec
 from batchpilot.core.rollout import ArmSpec, RollbackRules, RolloutSpec
 from batchpilot.runtime.executor import NoopExecutor
 from batchpilot.runtime.llm.build import build_llm_arm
+from batchpilot.server.app import MountedEngine
 from batchpilot.server.arms import LLMArms
-from batchpilot.server.build import LLMRouter
+from batchpilot.server.llm.routes import make_llm_router
 
 
 @pytest.fixture()
@@ -30,8 +31,10 @@ def canary() -> Iterator[Any]:
 
 def serve_arms(canary: Any, **rules: Any) -> Any:
     rollout = RolloutSpec((ArmSpec("canary", 0.5, DeploymentSpec()),), rules=RollbackRules(**rules))
-    router = LLMRouter(small_llm_engine(), LLMArms([small_llm_engine(), canary], rollout))
-    return live_server(NoopExecutor(), routers=[router], extra_models=["tiny-llm"], extra_arms=router.armed)
+    arms = LLMArms([small_llm_engine(), canary], rollout)
+    llm = MountedEngine(lambda registry: make_llm_router(small_llm_engine(), registry, arms=arms), "tiny-llm",
+                        arms=(arms.armed,))
+    return live_server(NoopExecutor(), engines=[llm])
 
 
 async def complete_all(url: str, clients: int, stream: bool = False) -> list[tuple[str, int, str]]:

@@ -26,7 +26,7 @@ from batchpilot.core.stall import StallRule
 from batchpilot.runtime.llm.build import build_fallback, build_llm_engine
 from batchpilot.runtime.llm.engine import LLMEngine, StepRecord
 from batchpilot.runtime.llm.failover import LLMFailover
-from batchpilot.server.app import create_app
+from batchpilot.server.app import MountedEngine, ServedModel, create_app
 from batchpilot.server.config import ServerConfig
 from batchpilot.server.llm.routes import make_llm_router
 
@@ -48,8 +48,8 @@ def serving(fallback: bool = True, stall_s: float = 60.0) -> Iterator[tuple[str,
     failover = LLMFailover(engine, build_fallback(engine, max_batch_size=4) if fallback else None,
                            StallRule(timeout_s=stall_s), BreakerConfig(probe_interval_s=0.05, backoff=1.0))
     cfg = ServerConfig(port=free_port(), noop=True, request_timeout_s=60.0, drain_timeout_s=5.0)
-    app: Any = create_app(cfg, FaultyExecutor(), routers=[lambda reg: make_llm_router(failover, reg)],
-                          extra_models=["m"], health_checks=[lambda: failover.is_alive])
+    llm = MountedEngine(lambda reg: make_llm_router(failover, reg), "m", lambda: failover.is_alive)
+    app: Any = create_app(cfg, [ServedModel(FaultyExecutor())], [llm])
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=cfg.port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

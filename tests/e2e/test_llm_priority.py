@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from inproc import FaultyExecutor, StepGate, live_server, llm_router, wait_for
+from inproc import FaultyExecutor, StepGate, live_server, llm_routes, wait_for
 
 from batchpilot.runtime.llm.build import build_llm_engine
 from batchpilot.runtime.llm.engine import LLMEngine, TokenEvent
@@ -82,9 +82,9 @@ def deployments(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, 
     }
     served: dict[str, Served] = {}
     try:
-        with live_server(FaultyExecutor(), routers=[llm_router(engines["strict"])],
-                         extra_models=["m"], request_timeout_s=60.0) as strict_srv, \
-             live_server(FaultyExecutor(), routers=[llm_router(engines["aging"])], extra_models=["m"],
+        with live_server(FaultyExecutor(), engines=[llm_routes(engines["strict"], "m")],
+                         request_timeout_s=60.0) as strict_srv, \
+             live_server(FaultyExecutor(), engines=[llm_routes(engines["aging"], "m")],
                          request_timeout_s=60.0) as aging_srv:
             for name, srv in (("strict", strict_srv), ("aging", aging_srv)):
                 served[name] = record(Served(srv.url, engines[name]))

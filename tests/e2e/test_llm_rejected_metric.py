@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
-from inproc import FaultyExecutor, LiveServer, StepGate, engine_held_full, live_server, llm_router, wait_for
+from inproc import FaultyExecutor, LiveServer, StepGate, engine_held_full, live_server, llm_routes, wait_for
 
 from batchpilot.runtime.llm.build import build_llm_engine
 from batchpilot.runtime.llm.engine import LLMEngine
@@ -27,8 +27,7 @@ def served() -> Iterator[tuple[LiveServer, LLMEngine]]:
                               max_num_batched_tokens=256, max_model_len=256, max_num_seqs=2,
                               max_waiting_seqs=1, model_name="m", tokenizer_threads=1)
     try:
-        with live_server(FaultyExecutor(), routers=[llm_router(engine)],
-                         extra_models=[engine.model_name]) as srv:
+        with live_server(FaultyExecutor(), engines=[llm_routes(engine, engine.model_name)]) as srv:
             yield srv, engine
     finally:
         engine.shutdown()

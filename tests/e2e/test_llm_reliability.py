@@ -21,7 +21,7 @@ from inproc import FaultyExecutor, StepGate, engine_held_full, free_port, wait_f
 
 from batchpilot.runtime.llm.build import build_llm_engine
 from batchpilot.runtime.llm.engine import LLMEngine, StepRecord
-from batchpilot.server.app import create_app
+from batchpilot.server.app import MountedEngine, ServedModel, create_app
 from batchpilot.server.config import ServerConfig
 from batchpilot.server.llm.routes import make_llm_router
 from batchpilot.server.llm.schemas import LLMLimits
@@ -67,8 +67,9 @@ def small_engine(**overrides: Any) -> LLMEngine:
 @contextmanager
 def serving(engine: LLMEngine, limits: LLMLimits | None = None) -> Iterator[str]:
     cfg = ServerConfig(port=free_port(), noop=True, request_timeout_s=30.0, drain_timeout_s=5.0)
-    app: Any = create_app(cfg, FaultyExecutor(), routers=[lambda reg: make_llm_router(engine, reg, limits)],
-                          extra_models=[engine.model_name], health_checks=[lambda: engine.is_alive])
+    llm = MountedEngine(lambda reg: make_llm_router(engine, reg, limits), engine.model_name,
+                        lambda: engine.is_alive)
+    app: Any = create_app(cfg, [ServedModel(FaultyExecutor())], [llm])
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=cfg.port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -24,7 +24,7 @@ from inproc import (
     LiveServer,
     StepGate,
     live_server,
-    llm_router,
+    llm_routes,
     small_llm_engine,
     wait_for,
 )
@@ -63,8 +63,8 @@ def post(url: str, body: Any, timeout: float = 30, **kw: Any) -> httpx.Response:
 def full() -> Iterator[LiveServer]:
     """Embeddings (no-op model, 512-token limit) and the LLM routes (small engine) on one server."""
     engine = small_llm_engine()
-    with live_server(FaultyExecutor(), window(8, 0.002), routers=[llm_router(engine)],
-                     extra_models=[engine.model_name], max_body_bytes=1 << 20) as srv:
+    with live_server(FaultyExecutor(), window(8, 0.002), engines=[llm_routes(engine, engine.model_name)],
+                     max_body_bytes=1 << 20) as srv:
         yield srv
 
 
@@ -447,7 +447,7 @@ def test_one_request_larger_than_the_sla_is_served_on_an_empty_queue() -> None:
 # -- exposure ------------------------------------------------------------------------------------
 def test_api_key_guards_every_route_but_health_llm_routes_included() -> None:
     engine = small_llm_engine()
-    with live_server(FaultyExecutor(), window(1), routers=[llm_router(engine)], api_key="k3y") as srv:
+    with live_server(FaultyExecutor(), window(1), engines=[llm_routes(engine)], api_key="k3y") as srv:
         assert httpx.get(srv.url + "/health").status_code == 200
         for method, path in (("POST", "/v1/embeddings"), ("POST", "/v1/completions"),
                              ("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("GET", "/metrics"),

@@ -21,7 +21,7 @@ import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, seed, settings
-from inproc import FaultyExecutor, LiveServer, live_server, llm_router, small_llm_engine
+from inproc import FaultyExecutor, LiveServer, live_server, llm_routes, small_llm_engine
 from schemathesis import GenerationMode
 
 from batchpilot.core.config import PolicyConfig, SchedulerConfig
@@ -41,7 +41,7 @@ def run_seed() -> int:
 def server() -> Iterator[LiveServer]:
     engine = small_llm_engine()
     cfg = SchedulerConfig(policy=PolicyConfig(name="window", max_batch_size=8, max_wait_s=0.002))
-    with live_server(FaultyExecutor(), cfg, routers=[llm_router(engine)], extra_models=[engine.model_name],
+    with live_server(FaultyExecutor(), cfg, engines=[llm_routes(engine, engine.model_name)],
                      request_timeout_s=60.0) as srv:
         yield srv
 

@@ -34,7 +34,7 @@ from batchpilot.core.llm.scheduler import SWAP_META_KEYS, StepPlan
 from batchpilot.models.llm.runner import LLMModelRunner, measure_swap, step_plan
 from batchpilot.profile.serving import LONE_GAP_S, alternating_arrivals, lone_elsewhere, send_elsewhere
 from batchpilot.runtime.executor import NoopExecutor
-from batchpilot.server.app import create_app
+from batchpilot.server.app import MountedEngine, ServedModel, create_app
 from batchpilot.server.config import ServerConfig
 from batchpilot.server.inproc_server import bound_socket, in_thread
 from batchpilot.sim.llm import LLMFrontEnd
@@ -285,9 +285,9 @@ def measure_llm_serving_path(engine: Any, cost_model: Any, requests: int = REQUE
     wl = Workload.from_columns("llm-serving-path", [0.0] * requests, lengths, [OUTPUT_TOKENS] * requests)
     plan = build_plan(wl, "completions", seed=seed)
     sock, port = bound_socket()
-    app = create_app(ServerConfig(port=port, request_timeout_s=60.0, drain_timeout_s=5.0), NoopExecutor(),
-                     routers=[lambda registry: make_llm_router(engine, registry)],
-                     extra_models=[engine.model_name])
+    app = create_app(ServerConfig(port=port, request_timeout_s=60.0, drain_timeout_s=5.0),
+                     [ServedModel(NoopExecutor())],
+                     [MountedEngine(lambda registry: make_llm_router(engine, registry), engine.model_name)])
     with in_thread(app, sock, "batchpilot-llm-serving-profile") as url:
         # the first two unmeasured (the first steps allocate); from a client process, as bench's
         records = lone_elsewhere(url, engine.model_name, plan[:2] + plan, LONE_GAP_S,

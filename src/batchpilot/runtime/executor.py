@@ -11,8 +11,9 @@ loop instead of a thread (that is how ``@batch`` wraps async user functions). ``
 ``ExecutorCrashed`` means "this model instance is broken": the Batcher calls the optional ``recover()``
 (health reports degraded meanwhile) and retries the batch once.
 
-Optional members the server uses when present: ``tokenize(texts, truncate)``, ``model_name``, ``dim``,
-``max_length``, ``vocab_size``, ``warmup()``.
+What the server reads of a model's executor beyond this contract is declared below: ``ModelExecutor``
+(every executor it serves), ``CheckpointExecutor`` (a checkpoint on torch) and ``EncoderPath`` (what an
+embedding model chose at load). A ``FallbackExecutor`` answers for its primary (``primary_of``).
 """
 
 from __future__ import annotations
@@ -24,12 +25,18 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from batchpilot.core.batch import Batch
 from batchpilot.core.breaker import BreakerConfig, CircuitBreaker
+
+if TYPE_CHECKING:
+    import torch
+
+    from batchpilot.models.encoder import ThreadPlan
+    from batchpilot.models.precision import PrecisionReport
 
 
 @runtime_checkable
@@ -41,6 +48,52 @@ class Executor(Protocol):
     def run(self, prepared: Any) -> list[Any]:
         """Execute; one result per request of the batch, same order. Raise on failure."""
         ...
+
+
+@runtime_checkable
+class ModelExecutor(Executor, Protocol):
+    """An executor the server serves (``models.tasks.load_model``'s, ``NoopExecutor``): its name, the
+    task whose routes answer it (embed, score, classify), its output width and input limit."""
+
+    model_name: str
+    task: str
+    dim: int
+    max_length: int
+
+    def supports_padding_free(self) -> bool:
+        """Whether it runs ``padding: none`` batches (else the deployment pads them per batch)."""
+        ...
+
+    def warmup(self) -> None:
+        ...
+
+
+@runtime_checkable
+class CheckpointExecutor(ModelExecutor, Protocol):
+    """A checkpoint loaded on torch (not the no-op model): the folder it came from, the device whose
+    memory its batch budget is a share of, its intra-op threads."""
+
+    model_path: str | None
+    device: torch.device
+    num_threads: int
+
+
+@runtime_checkable
+class EncoderPath(Protocol):
+    """What an embedding model chose at load (``models.tasks.load_model``): the precision the accuracy
+    guard passed, the per-batch thread plan (None: the pool as set), the backend and the forward it runs.
+    A cross-encoder has none of these: it runs float32 on torch's HF forward."""
+
+    precision: PrecisionReport
+    threads: ThreadPlan | None
+    backend: str
+    forward_impl: str
+
+
+def primary_of(executor: Executor) -> Executor:
+    """The executor whose model answers: a ``FallbackExecutor``'s primary (the fallback only stands in for
+    it), else ``executor`` itself."""
+    return executor.primary if isinstance(executor, FallbackExecutor) else executor
 
 
 def _check_len(results: Sequence[Any], n: int, what: str) -> list[Any]:
@@ -91,6 +144,7 @@ class NoopExecutor:
     """
 
     model_name = "noop"
+    task = "embed"
 
     def __init__(self, dim: int = 8, delay_s: float = 0.0, max_length: int = 512,
                  vocab_size: int = 30522) -> None:
@@ -112,6 +166,9 @@ class NoopExecutor:
 
     def warmup(self) -> None:
         return None
+
+    def supports_padding_free(self) -> bool:
+        return True  # it reads only the token ids: a batch's padding costs it nothing
 
     def prepare(self, batch: Batch) -> list[Any]:
         return [r.payload for r in batch.requests]

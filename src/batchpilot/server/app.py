@@ -17,8 +17,8 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-from collections.abc import Awaitable, Callable, MutableMapping, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +30,7 @@ from pydantic import BaseModel
 from batchpilot.core.config import SchedulerConfig
 from batchpilot.core.costmodel import CostModel
 from batchpilot.core.rollout import RolloutSpec
-from batchpilot.runtime.executor import Executor
+from batchpilot.runtime.executor import ModelExecutor
 from batchpilot.runtime.journal import BatchLog
 from batchpilot.server.arms import ArmedModel, arms_router
 from batchpilot.server.config import ServerConfig
@@ -83,7 +83,7 @@ class ServedArm:
     """A candidate arm of a served model: its executor (the primary's where the precision is the
     same) and its resolved scheduler config."""
 
-    executor: Executor
+    executor: ModelExecutor
     config: SchedulerConfig
 
 
@@ -93,7 +93,7 @@ class ServedModel:
     model and the name clients use (default: the executor's ``model_name``); with ``rollout``
     candidates, one ``ServedArm`` per candidate, in the same order."""
 
-    executor: Executor
+    executor: ModelExecutor
     config: SchedulerConfig | None = None
     cost_model: CostModel | None = None
     name: str | None = None
@@ -101,11 +101,29 @@ class ServedModel:
     arms: tuple[ServedArm, ...] = ()
 
 
-def make_service(settings: ServerConfig, model: ServedModel, executor: Executor | None = None,
+def _alive() -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class MountedEngine:
+    """Another engine's routes beside the models' (the LLM's with ``--llm``): ``router``, given the
+    metrics registry, makes them; ``model_name`` is listed by /v1/models; /health is 503 unless
+    ``alive()``; ``arms`` show in /v1/arms and /health; ``on_shutdown`` run (in a thread, in order)
+    after the drain; ``on_drain_timeout`` run when the drain times out."""
+
+    router: Callable[[CollectorRegistry], APIRouter]
+    model_name: str | None = None
+    alive: Callable[[], bool] = _alive
+    arms: tuple[ArmedModel, ...] = ()
+    on_shutdown: tuple[Callable[[], object], ...] = ()
+    on_drain_timeout: tuple[Callable[[], Awaitable[None]], ...] = ()
+
+
+def make_service(settings: ServerConfig, model: ServedModel, executor: ModelExecutor | None = None,
                  config: SchedulerConfig | None = None) -> ModelService:
     executor = executor or model.executor
-    task = getattr(executor, "task", "embed")
-    kind = EmbeddingService if task == "embed" else ScoringService
+    kind = EmbeddingService if executor.task == "embed" else ScoringService
     return kind(settings, executor, config or model.config or SchedulerConfig(),
                 model.cost_model or CostModel.default_cpu_minilm(), model.name)
 
@@ -120,107 +138,115 @@ def make_arms(settings: ServerConfig, model: ServedModel, primary: ModelService)
     return ArmedModel.of_services(services, model.rollout)
 
 
-def create_app(settings: ServerConfig, executor: Executor | None = None,
-               config: SchedulerConfig | None = None, cost_model: CostModel | None = None,
-               routers: Sequence[Callable[[CollectorRegistry], APIRouter]] = (),
-               extra_models: Sequence[str] = (),
-               on_shutdown: Sequence[Callable[[], Any]] = (),
-               health_checks: Sequence[Callable[[], bool]] = (),
-               models: Sequence[ServedModel] = (), extra_arms: Sequence[ArmedModel] = ()) -> RequestLifecycle:
+def serve_models(settings: ServerConfig, models: Sequence[ServedModel]) -> Models:
+    """Each model's service (``ModelService``) and its arms'."""
+    primaries = [make_service(settings, m) for m in models]
+    armed = [a for m, p in zip(models, primaries, strict=True) if (a := make_arms(settings, m, p))]
+    return Models(primaries, armed)
+
+
+def create_app(settings: ServerConfig, models: Sequence[ServedModel],
+               engines: Sequence[MountedEngine] = ()) -> RequestLifecycle:
     """The ASGI app to hand to uvicorn: the request middleware (``middleware.RequestLifecycle``) around
     the FastAPI app (``.app`` is the FastAPI instance, ``.state.service`` the first model's service,
-    ``.state.models`` all of them). Serves ``models``, or the one ``executor`` (named
-    ``settings.model_name``) with ``config`` and ``cost_model``.
-    ``routers`` are factories given the metrics registry (how the LLM routes are mounted with ``--llm``);
-    ``extra_models`` are listed by /v1/models too; ``on_shutdown`` run (in a thread) after the drain;
-    ``health_checks`` say whether the other engines (the LLM's) are alive: /health is 503 unless all are;
-    ``extra_arms`` are the other engines' arms (the LLM's), for /v1/arms and /health.
-    A model's ``config`` is the resolved deployment's scheduler config: every admission rule is in it."""
-    served = list(models)
-    if executor is not None:
-        served.insert(0, ServedModel(executor, config, cost_model, settings.model_name))
-    primaries = [make_service(settings, m) for m in served]
-    armed = [a for m, p in zip(served, primaries, strict=True) if (a := make_arms(settings, m, p))]
-    served_models = Models(primaries, armed)
-    svc = served_models.primary
+    ``.state.models`` all of them), serving ``models`` (the first is the default) and the ``engines``
+    mounted beside them. A model's ``config`` is the resolved deployment's scheduler config: every
+    admission rule is in it."""
+    served = serve_models(settings, models)
     registry = CollectorRegistry()
-    registry.register(ModelLabels(metric_sources(served_models)))
-    hooks = list(on_shutdown)
+    registry.register(ModelLabels(metric_sources(served)))
+    hooks = [hook for e in engines for hook in e.on_shutdown]
     if settings.batch_log:  # the first model's batches (what `bench fidelity` reads)
         batch_log = BatchLog(settings.batch_log)
-        svc.batcher.batch_observers.append(batch_log)
+        served.primary.batcher.batch_observers.append(batch_log)
         hooks.append(batch_log.close)  # after the drain: no batch writes after it
+    app = FastAPI(title="batchpilot", version="0.1.0", lifespan=lifespan(served, GCPauses(registry), hooks))
+    app.state.service = served.primary
+    app.state.models = served
+    # run when the shutdown drain times out: what is still queued or running gets an answer, not a cut
+    # connection (an engine's stop ends its open streams with an error event)
+    app.state.drain_timeout_hooks = [*(lambda s=s: s.batcher.shutdown(0.0) for s in served.all_services),
+                                     *(hook for e in engines for hook in e.on_drain_timeout)]
+    install_error_handlers(app)
+    for engine in engines:
+        app.include_router(engine.router(registry))
+    direct = model_routes(app, served)
+    armed = [*served.arms.values(), *(a for e in engines for a in e.arms)]
+    add_info_routes(app, served, engines, armed, registry)
+    if armed:
+        app.include_router(arms_router(armed))
+    return RequestLifecycle(DirectRoutes(app, direct), settings, registry)
 
-    pauses = GCPauses(registry)
 
+def lifespan(served: Models, pauses: GCPauses, hooks: Sequence[Callable[[], object]]
+             ) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """Start-up: the heap frozen out of collections, the GC pause gauge and the watchdogs started; after
+    the drain: the services closed, then ``hooks`` run in a thread, in order."""
     @asynccontextmanager
-    async def lifespan(_: FastAPI) -> Any:
+    async def run(_: FastAPI) -> AsyncIterator[None]:
         log.info("gc: %d objects frozen out of collections (startup's heap)", freeze_heap())
         pauses.start()
-        for s in served_models.all_services:
+        for s in served.all_services:
             s.watchdog.start()
         yield
         pauses.close()
         gc.unfreeze()  # back to normal for whatever outlives the server in this process (tests)
-        await asyncio.gather(*(s.close() for s in served_models.all_services))
+        await asyncio.gather(*(s.close() for s in served.all_services))
         for hook in hooks:
             await asyncio.get_running_loop().run_in_executor(None, hook)
 
-    app = FastAPI(title="batchpilot", version="0.1.0", lifespan=lifespan)
-    app.state.service = svc
-    app.state.models = served_models
-    # run when the shutdown drain times out: what is still queued or running gets an answer, not a cut
-    # connection (the LLM routes add their engine's stop: open streams end with an error event)
-    app.state.drain_timeout_hooks = [lambda s=s: s.batcher.shutdown(0.0) for s in served_models.all_services]
-    install_error_handlers(app)
-    for make_router in routers:
-        app.include_router(make_router(registry))
+    return run
 
-    # The model routes are served by ``DirectRoutes`` below, before FastAPI's middleware and routing
-    # (on short requests they cost more than everything batchpilot does). The FastAPI routes of the
-    # tasks served declare them in the OpenAPI schema and are the same handlers.
-    direct: dict[tuple[str, str], Callable[[Request], Awaitable[Response]]] = {}
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def model_routes(app: FastAPI, served: Models) -> dict[tuple[str, str], Handler]:
+    """The model routes, for ``DirectRoutes``: they are served before FastAPI's middleware and routing
+    (on short requests those cost more than everything batchpilot does). The FastAPI routes of the
+    tasks served declare them in the OpenAPI schema and are the same handlers."""
+    direct: dict[tuple[str, str], Handler] = {}
     for path, (body, response, tasks, method) in _ROUTES.items():
-        handler = ModelRoute(served_models, path, body, tasks, method)
+        handler = ModelRoute(served, path, body, tasks, method)
         direct["POST", path] = handler
-        if served_models.of_task(tasks):
+        if served.of_task(tasks):
             app.add_api_route(path, handler, methods=["POST"], response_model=response,
                               openapi_extra={"requestBody": {"required": True, "content": {
                                   "application/json": {"schema": body.model_json_schema()}}}})
+    return direct
+
+
+def add_info_routes(app: FastAPI, served: Models, engines: Sequence[MountedEngine],
+                    armed: Sequence[ArmedModel], registry: CollectorRegistry) -> None:
+    """``GET /v1/models``, ``/health`` and ``/metrics``."""
+    svc = served.primary
 
     @app.get("/v1/models", response_model=ModelList)
     async def list_models() -> ModelList:
-        cards = [ModelCard(id=s.model_name, created=s.created, max_model_len=s.max_length,
-                           dimensions=getattr(s, "dim", None), task=s.task) for s in served_models.services]
-        return ModelList(data=cards + [ModelCard(id=m, created=svc.created, task="generate")
-                                       for m in extra_models])
+        cards = [ModelCard(id=s.model_name, created=s.created, max_model_len=s.max_length, dimensions=s.dim,
+                           task=s.task) for s in served.services]
+        return ModelList(data=cards + [ModelCard(id=e.model_name, created=svc.created, task="generate")
+                                       for e in engines if e.model_name is not None])
 
     @app.get("/health", response_model=Health, responses={503: {"model": Health}})
     async def health() -> JSONResponse:
         # the primaries' (a candidate arm's trouble shows under ``arms`` and is what rollback is for)
-        states = [s.batcher.health for s in served_models.services]
-        status = min(states, key=_HEALTH_ORDER.index)
-        stalled = any(s.watchdog.stuck for s in served_models.services)
-        if status == "ok" and (stalled or not all(alive() for alive in health_checks)):
+        status = min((s.batcher.health for s in served.services), key=_HEALTH_ORDER.index)
+        stalled = any(s.watchdog.stuck for s in served.services)
+        if status == "ok" and (stalled or not all(e.alive() for e in engines)):
             status = "degraded"
-        batchers = [s.batcher for s in served_models.all_services]
+        batchers = [s.batcher for s in served.all_services]
         body = Health(status=status, model=svc.model_name,  # type: ignore[arg-type]
-                      models=[s.model_name for s in served_models.services],
+                      models=[s.model_name for s in served.services],
                       queued=sum(b.scheduler.num_waiting for b in batchers),
                       running=sum(b.num_running for b in batchers),
                       pending=sum(b.num_pending for b in batchers),
-                      arms={a.model_name: a.states() for a in armed_views} or None)
+                      arms={a.model_name: a.states() for a in armed} or None)
         return JSONResponse(body.model_dump(exclude_none=True), status_code=200 if status == "ok" else 503)
-
-    armed_views = [*served_models.arms.values(), *extra_arms]
-    if armed_views:
-        app.include_router(arms_router(armed_views))
 
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
-
-    return RequestLifecycle(DirectRoutes(app, direct), settings, registry)
 
 
 def metric_sources(models: Models) -> list[tuple[dict[str, str], CollectorRegistry]]:

@@ -73,11 +73,6 @@ class ServerConfig:
     encoder_stall_timeout_s: float | None = None  # an encoder batch past this is a stall (None: measured)
     log_level: str = "info"
 
-    @property
-    def model_name(self) -> str | None:
-        """The first model's name (what ``create_app`` calls a single executor)."""
-        return self.models[0].name if self.models else None
-
     def __post_init__(self) -> None:
         if not self.models:
             raise ValueError("server.models is empty; serve at least one model")

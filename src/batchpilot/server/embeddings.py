@@ -22,7 +22,7 @@ from fastapi.responses import Response
 from batchpilot.core.config import SchedulerConfig
 from batchpilot.core.costmodel import CostModel
 from batchpilot.runtime.batcher import StageTimes
-from batchpilot.runtime.executor import Executor
+from batchpilot.runtime.executor import ModelExecutor
 from batchpilot.server import vectors
 from batchpilot.server.config import ServerConfig
 from batchpilot.server.errors import APIError
@@ -48,10 +48,10 @@ class EmbeddingService(ModelService):
 
     task = "embed"
 
-    def __init__(self, settings: ServerConfig, executor: Executor, config: SchedulerConfig,
+    def __init__(self, settings: ServerConfig, executor: ModelExecutor, config: SchedulerConfig,
                  cost_model: CostModel, name: str | None = None) -> None:
         super().__init__(settings, executor, config, cost_model, name)
-        self.dim = int(getattr(executor, "dim", 0)) or None
+        self.dim = int(executor.dim) or None
         pooling = getattr(executor, "pooling", None)
         self.normalizes = bool(getattr(pooling, "normalize", True))  # re-normalise truncated vectors
 

@@ -24,7 +24,7 @@ from fastapi.responses import Response
 
 from batchpilot.core.config import SchedulerConfig
 from batchpilot.core.costmodel import CostModel
-from batchpilot.runtime.executor import Executor
+from batchpilot.runtime.executor import ModelExecutor
 from batchpilot.server.config import ServerConfig
 from batchpilot.server.errors import APIError, request_id_of
 from batchpilot.server.schemas import (
@@ -46,10 +46,10 @@ from batchpilot.server.service import INLINE_TOKENIZE_CHARS, ModelService
 class ScoringService(ModelService):
     """A sequence-classification model: ``score`` (rerank, score) or ``classify``."""
 
-    def __init__(self, settings: ServerConfig, executor: Executor, config: SchedulerConfig,
+    def __init__(self, settings: ServerConfig, executor: ModelExecutor, config: SchedulerConfig,
                  cost_model: CostModel, name: str | None = None) -> None:
         super().__init__(settings, executor, config, cost_model, name)
-        self.task = str(getattr(executor, "task", "classify"))
+        self.task = executor.task
         self.labels = list(getattr(executor, "labels", []))
 
     # -- rerank / score ------------------------------------------------------------------------

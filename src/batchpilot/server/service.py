@@ -33,9 +33,10 @@ from batchpilot.core.admission import RejectReason
 from batchpilot.core.config import SchedulerConfig
 from batchpilot.core.costmodel import CostModel
 from batchpilot.core.stall import StallRule
+from batchpilot.models.tokens import InvalidInput
 from batchpilot.runtime.batcher import Batcher, BatcherWatchdog, StageTimes
-from batchpilot.runtime.errors import ExecutionError, InvalidInput, RequestRejected
-from batchpilot.runtime.executor import Executor
+from batchpilot.runtime.errors import ExecutionError, RequestRejected
+from batchpilot.runtime.executor import EncoderPath, FallbackExecutor, ModelExecutor, primary_of
 from batchpilot.server.config import ServerConfig
 from batchpilot.server.errors import APIError, request_id_of
 from batchpilot.server.metrics import ServerMetrics
@@ -81,24 +82,25 @@ class ModelService:
     its metrics (labelled ``model=<name>`` on the server's /metrics) and its tokenizer threads."""
 
     task = "embed"
+    dim: int | None = None  # the width /v1/models shows: an embedding model's
 
-    def __init__(self, settings: ServerConfig, executor: Executor, config: SchedulerConfig,
+    def __init__(self, settings: ServerConfig, executor: ModelExecutor, config: SchedulerConfig,
                  cost_model: CostModel, name: str | None = None) -> None:
         self.settings = settings
         self.executor = executor
         self.metrics = ServerMetrics(config.num_slots)
         self.batcher = Batcher(executor, config, cost_model, observer=self.metrics)
         self.metrics.bind(self.batcher.scheduler, lambda: self.batcher.num_pending)
-        precision = getattr(executor, "precision", None)  # models/precision.py's report
-        if precision is not None:
-            self.metrics.set_precision(precision.chosen, precision.min_cosine)
-        if hasattr(executor, "fallback_active"):  # runtime/executor.py
+        model = primary_of(executor)
+        if isinstance(model, EncoderPath):
+            self.metrics.set_precision(model.precision.chosen, model.precision.min_cosine)
+        if isinstance(executor, FallbackExecutor):
             self.metrics.bind_fallback(executor)
         stall = StallRule(timeout_s=settings.encoder_stall_timeout_s)
         self.watchdog = BatcherWatchdog(self.batcher, stall)  # started with the app (its event loop)
         self.metrics.bind_watchdog(self.watchdog)
-        self.model_name = name or getattr(executor, "model_name", "model")
-        self.max_length = getattr(executor, "max_length", config.admission.max_length)
+        self.model_name = name or executor.model_name
+        self.max_length = executor.max_length
         # the deployment's timeout (core/deployment.py fills it from the server's when the config has
         # none): the core drops a queued input at it, and this answers 504 at it for one still running
         self.timeout_s = config.admission.timeout_s or settings.request_timeout_s
