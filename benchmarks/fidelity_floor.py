@@ -35,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fidelity import WORKLOADS  # noqa: E402
 
-from batchpilot.bench.fidelity import load_workload, simulate, within_target
+from batchpilot.bench.cli import fidelity_workload
+from batchpilot.bench.fidelity import simulate, within_target
 from batchpilot.cli import build_parser  # noqa: E402
 from batchpilot.core.costmodel import CostModel  # noqa: E402
 from batchpilot.settings import spec_from_args
@@ -65,7 +66,7 @@ def main() -> int:
         spec = spec_from_args(ns)
         cost_model = CostModel.load(run / "profile.json")
         served = FrontEnd.from_profile(run / "profile.json").serving(spec.server.tokenizer_workers)
-        deployment, wl = resolve(spec, cost_model), load_workload(ns)
+        deployment, wl = resolve(spec, cost_model), fidelity_workload(ns)
         for point in fj["points"]:
             scaled = wl.scale_rate(point["rate_scale"])
             drawn = simulate(scaled, deployment.scheduler, cost_model, 1.0, served, 0.0, args.draws).drawn

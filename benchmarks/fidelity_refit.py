@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fidelity import WORKLOADS  # noqa: E402
 from rate_slope import by_point, priced_by  # noqa: E402
 
-from batchpilot.bench.fidelity import load_workload, simulate
+from batchpilot.bench.cli import fidelity_workload
+from batchpilot.bench.fidelity import simulate
 from batchpilot.cli import build_parser  # noqa: E402
 from batchpilot.settings import spec_from_args
 from batchpilot.sim.cli import resolve  # noqa: E402
@@ -54,7 +55,7 @@ def main() -> int:
                                         "--requests", str(fj["requests"])])
         spec = spec_from_args(ns)
         served = frontend.serving(spec.server.tokenizer_workers)
-        deployment, wl = resolve(spec, cost_model), load_workload(ns)
+        deployment, wl = resolve(spec, cost_model), fidelity_workload(ns)
         for point, speed in zip(fj["points"], speeds, strict=True):
             pred = simulate(wl.scale_rate(point["rate_scale"]), deployment.scheduler, cost_model, 1.0, served,
                             0.0 if args.at_profile else speed - 1.0, args.draws)

@@ -14,11 +14,11 @@ give the latency sample, 429/503 count as rejections, anything else as errors. T
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,15 +30,27 @@ from batchpilot.bench.records import RequestRecord
 from batchpilot.core.abtest import ArmComparison, ArmSample, compare_arms
 from batchpilot.core.rollout import PRIMARY
 from batchpilot.sim.arms import client_keys
+from batchpilot.sim.traces import Workload
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", required=True, help="the server with arms")
-    p.add_argument("--rate-scale", type=float, default=1.0)
-    p.add_argument("--clients", type=int, default=64, help="simulated clients (X-Client-Id values)")
-    p.add_argument("--confidence", type=float, default=0.95)
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the verdict as JSON")
-    p.add_argument("--api-key", default=None, help="for a server started with --api-key")
+@dataclass(frozen=True)
+class ABOptions:
+    """What ``bench ab`` was asked (``bench/cli.py`` reads it off the flags)."""
+
+    url: str  # the server with arms
+    endpoint: str = "embeddings"
+    model: str | None = None
+    rate_scale: float = 1.0  # what the workload was scaled by (for the table's title)
+    clients: int = 64  # simulated clients (X-Client-Id values)
+    confidence: float = 0.95
+    seed: int = 0
+    timeout_s: float = 60.0
+    warmup_requests: int = 0
+    warmup_s: float = 0.0
+    tokenizer: str | None = None
+    api_key: str | None = None
+    progress: bool = True
+    json_path: str | None = None  # also write the verdict here
 
 
 def with_clients(plan: Sequence[PlannedRequest], clients: int, seed: int = 0) -> list[PlannedRequest]:
@@ -78,28 +90,27 @@ def server_view(url: str, headers: dict[str, str]) -> list[dict[str, Any]]:
         return []
 
 
-def main(args: argparse.Namespace) -> int:
+def run_ab(workload: Workload, opts: ABOptions) -> int:
+    """Replay ``workload`` (already at its rate) against the server's arms and print the verdicts."""
     from rich.console import Console
     from rich.table import Table
 
-    from batchpilot.bench.cli import _endpoint, load_args_workload
     from batchpilot.bench.loadgen import LoadGenConfig, build_plan, load_tokenizer, replay
 
     console = Console()
-    workload = load_args_workload(args, args.rate_scale)
-    endpoint: Any = _endpoint(args)
-    tok = load_tokenizer(args.tokenizer) if endpoint == "embeddings" else None
-    plan = with_clients(build_plan(workload, endpoint, tokenizer=tok, warmup_requests=args.warmup,
-                                   warmup_s=args.warmup_s, seed=args.seed), args.clients, args.seed)
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    endpoint: Any = opts.endpoint
+    tok = load_tokenizer(opts.tokenizer) if endpoint == "embeddings" else None
+    plan = with_clients(build_plan(workload, endpoint, tokenizer=tok, warmup_requests=opts.warmup_requests,
+                                   warmup_s=opts.warmup_s, seed=opts.seed), opts.clients, opts.seed)
+    headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
     if headers:
         plan = [dataclasses.replace(p, headers={**(p.headers or {}), **headers}) for p in plan]
-    cfg = LoadGenConfig(url=args.url, endpoint=endpoint, model=args.model, timeout_s=args.timeout,
-                        progress=not args.no_progress, scrape_interval_s=0.0)
+    cfg = LoadGenConfig(url=opts.url, endpoint=endpoint, model=opts.model, timeout_s=opts.timeout_s,
+                        progress=opts.progress, scrape_interval_s=0.0)
     result = replay(plan, cfg, description="ab")
     arms = samples(result.records)
-    found = verdicts(arms, args.confidence, args.seed)
-    table = Table(title=f"arms over {workload.n} requests at rate x{args.rate_scale} "
+    found = verdicts(arms, opts.confidence, opts.seed)
+    table = Table(title=f"arms over {len(workload)} requests at rate x{opts.rate_scale} "
                         f"(client-measured latency)")
     for col in ("arm", "answers", "ok", "P50 ms", "P99 ms", "errors", "rejected"):
         table.add_column(col, justify="right")
@@ -115,14 +126,14 @@ def main(args: argparse.Namespace) -> int:
                       f"{p99.estimate:.2f} "
                       f"(interval {p99.low:.2f}-{p99.high:.2f}), P50 ratio {v.p50_ratio.estimate:.2f}, "
                       f"n = {v.n_primary} / {v.n_candidate}; " + ("; ".join(v.reasons) or "no rule crossed"))
-    view = server_view(args.url, headers)
+    view = server_view(opts.url, headers)
     for model in view:
         for arm in model.get("arms", []):
             console.print(f"server {model['model']}/{arm['arm']}: {arm['state']}, share {arm['share']:.2f}, "
                           f"mean batch {arm['mean_batch_size'] or math.nan:.1f}, padding efficiency "
                           f"{arm['padding_efficiency'] or math.nan:.2f}"
                           + (f", rolled back: {arm['rollback']['detail']}" if arm.get("rollback") else ""))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"comparisons": [v.to_dict() for v in found], "server": view},
-                                              indent=2))
+    if opts.json_path:
+        doc = {"comparisons": [v.to_dict() for v in found], "server": view}
+        Path(opts.json_path).write_text(json.dumps(doc, indent=2))
     return 0

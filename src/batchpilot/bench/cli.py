@@ -25,6 +25,9 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
+from batchpilot.settings import add_deployment_args, deployment_flags, spec_from_args
+from batchpilot.sim.draws import DEFAULT_DRAWS
+
 SUBS = ("run", "capacity", "fidelity", "tuner", "ab", "padding")
 
 
@@ -62,6 +65,66 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     _workload_args(p)
 
 
+def _fidelity_args(p: argparse.ArgumentParser) -> None:
+    add_deployment_args(p)
+    p.add_argument("--profile", default=None, help="profile JSON (default: run `batchpilot profile` first)")
+    p.add_argument("--profile-args", default="", help="extra args for `batchpilot profile`")
+    p.add_argument("--loads", type=float, nargs="*", default=[0.5, 0.8],
+                   help="fractions of the predicted capacity")
+    p.add_argument("--lengths", default="lognormal:median=128,sigma=0.8",
+                   help="synthetic workloads: input lengths (as `simulate --lengths`)")
+    p.add_argument("--speed-check", action="store_true",
+                   help="before each point, `batchpilot profile --recheck` times the profile's batches "
+                        "again and the point is predicted at that speed, the profile-alone error beside "
+                        "(profile/speed_check.py; on a shared VM it did worse than the profile alone: "
+                        "docs/benchmarks.md)")
+    p.add_argument("--batcher-only", action="store_true",
+                   help="predict without the profile's serving path (HTTP, JSON, tokenisation)")
+    p.add_argument("--warmup-requests", type=int, default=30, help="unmeasured requests before each point")
+    p.add_argument("--live-repeats", type=int, default=1,
+                   help="replay each point this many times on the same server; the repeats are compared "
+                        "with the first run (how far the live run agrees with itself), never predicted")
+    p.add_argument("--draws", type=int, default=DEFAULT_DRAWS,
+                   help="service-noise draws per prediction: each metric is predicted as its median over "
+                        "them, with the 5-95%% band beside it (sim.draws)")
+    p.add_argument("--noop-delay-ms", type=float, default=None,
+                   help="serve the no-op model with this fixed time per batch, profiled as exactly that: "
+                        "checks the serving path (HTTP, tokenise, batcher, loop) without model noise")
+    p.add_argument("--cpus", default=None,
+                   help="pin the profiler and the server to these cores (taskset -c syntax, e.g. 1); the "
+                        "load generator runs on the others")
+    # read by --workload conv-llm only (bench/llm_fidelity.py)
+    p.add_argument("--llm-model", default=None,
+                   help="conv-llm: local HF causal-LM folder, profiled and served (default: the built-in "
+                        "tiny random Llama)")
+
+
+def _tuner_args(p: argparse.ArgumentParser) -> None:
+    add_deployment_args(p)
+    p.add_argument("--profile", default=None,
+                   help="padding-free profile JSON (default: run `batchpilot profile --padding none` first)")
+    p.add_argument("--padded-profile", default=None,
+                   help="padded profile JSON (default: run `batchpilot profile --padding dynamic` first)")
+    p.add_argument("--profile-args", default="", help="extra args for `batchpilot profile`")
+    p.add_argument("--lengths", default="lognormal:median=128,sigma=0.8",
+                   help="synthetic workloads: input lengths (as `simulate --lengths`)")
+    p.add_argument("--configs", type=int, default=5, help="configs picked across the tuner's ranking")
+    p.add_argument("--candidates", type=int, default=32, help="grid points the tuner samples")
+    p.add_argument("--max-probes", type=int, default=7, help="live probes per config")
+    p.add_argument("--cpus", default=None, help="pin the profiler and every server to these cores")
+    p.add_argument("--no-speed-check", action="store_true",
+                   help="rank with the profiles as they were made, not rechecked back to back first")
+
+
+def _ab_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", required=True, help="the server with arms")
+    p.add_argument("--rate-scale", type=float, default=1.0)
+    p.add_argument("--clients", type=int, default=64, help="simulated clients (X-Client-Id values)")
+    p.add_argument("--confidence", type=float, default=0.95)
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the verdict as JSON")
+    p.add_argument("--api-key", default=None, help="for a server started with --api-key")
+
+
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("bench", help="load-test a server (open loop), capacity, fidelity",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -82,21 +145,15 @@ def register(subparsers: Any) -> None:
     c.add_argument("--max-probes", type=int, default=10)
     c.set_defaults(func=main_capacity)
     f = sub.add_parser("fidelity", help="simulated vs measured P50/P99/throughput/batch size")
-    from batchpilot.bench.fidelity import add_arguments
-
-    add_arguments(f)
+    _fidelity_args(f)
     _workload_args(f)
     f.set_defaults(func=_fidelity)
     t = sub.add_parser("tuner", help="the tuner's ranking against live goodput (Spearman), interleaved")
-    from batchpilot.bench.tuner_check import add_arguments as add_tuner_arguments
-
-    add_tuner_arguments(t)
+    _tuner_args(t)
     _workload_args(t)
     t.set_defaults(func=_tuner)
     ab = sub.add_parser("ab", help="the arms of a server compared: which is better, and is it significant")
-    from batchpilot.bench.ab import add_arguments as add_ab_arguments
-
-    add_ab_arguments(ab)
+    _ab_args(ab)
     _workload_args(ab)
     ab.set_defaults(func=_ab)
     # prefix_chars="+": every "-..." token after "padding" (--help included) is the padding benchmark's
@@ -113,21 +170,56 @@ def _padding(args: argparse.Namespace) -> int:
 
 
 def _fidelity(args: argparse.Namespace) -> int:
-    from batchpilot.bench.fidelity import main
+    from batchpilot.bench.fidelity import FidelityOptions, check_fidelity
 
-    return main(args)
+    opts = FidelityOptions(
+        out=Path(args.out), spec=spec_from_args(args),
+        serve_flags=(*deployment_flags(args), *shlex.split(args.serve_args)), sla_s=args.sla,
+        loads=tuple(args.loads), profile=args.profile, profile_args=args.profile_args, cpus=args.cpus,
+        speed_check=args.speed_check, batcher_only=args.batcher_only, warmup_requests=args.warmup_requests,
+        live_repeats=args.live_repeats, draws=args.draws, noop_delay_ms=args.noop_delay_ms,
+        tokenizer=args.tokenizer, seed=args.seed, keepalive_s=args.keepalive_s, progress=not args.no_progress,
+        llm_model=args.llm_model)
+    if args.workload == "conv-llm":
+        from batchpilot.bench.llm_fidelity import DEFAULT_REQUESTS, check_llm_fidelity
+        from batchpilot.sim.traces import load_workload
+
+        rows = load_workload("conv-llm", 1.0, args.start, args.requests or DEFAULT_REQUESTS, trace=args.trace)
+        return check_llm_fidelity(rows, args.start, opts)
+    return check_fidelity(fidelity_workload(args), opts)
+
+
+def fidelity_workload(args: argparse.Namespace) -> Any:
+    """What ``bench fidelity`` and ``bench tuner`` replay: a standard workload or trace (rows
+    ``--start``..), or a synthetic spec with ``--lengths``; ``--requests`` rows (default 1000)."""
+    from batchpilot.bench.fidelity import DEFAULT_REQUESTS
+    from batchpilot.sim.synthetic import named_workload
+
+    return named_workload(args.workload, trace=args.trace, start=args.start,
+                          requests=args.requests or DEFAULT_REQUESTS, lengths=args.lengths, seed=args.seed)
 
 
 def _tuner(args: argparse.Namespace) -> int:
-    from batchpilot.bench.tuner_check import main
+    from batchpilot.bench.tuner_check import TunerCheckOptions, check_tuner
 
-    return main(args)
+    opts = TunerCheckOptions(
+        out=Path(args.out), spec=spec_from_args(args), sla_s=args.sla, profile=args.profile,
+        padded_profile=args.padded_profile, profile_args=args.profile_args, cpus=args.cpus,
+        speed_check=not args.no_speed_check, configs=args.configs, candidates=args.candidates,
+        max_probes=args.max_probes, tokenizer=args.tokenizer, seed=args.seed,
+        serve_args=tuple(shlex.split(args.serve_args)), keepalive_s=args.keepalive_s)
+    return check_tuner(fidelity_workload(args), opts)
 
 
 def _ab(args: argparse.Namespace) -> int:
-    from batchpilot.bench.ab import main
+    from batchpilot.bench.ab import ABOptions, run_ab
 
-    return main(args)
+    opts = ABOptions(
+        url=args.url, endpoint=_endpoint(args), model=args.model, rate_scale=args.rate_scale,
+        clients=args.clients, confidence=args.confidence, seed=args.seed, timeout_s=args.timeout,
+        warmup_requests=args.warmup, warmup_s=args.warmup_s, tokenizer=args.tokenizer, api_key=args.api_key,
+        progress=not args.no_progress, json_path=args.json)
+    return run_ab(load_args_workload(args, args.rate_scale), opts)
 
 
 def _endpoint(args: argparse.Namespace) -> str:

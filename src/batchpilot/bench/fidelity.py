@@ -26,7 +26,6 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -54,8 +53,8 @@ from batchpilot.bench.scrape import MetricsSeries
 from batchpilot.bench.serverproc import client_keepalive_s, pin_load_generator, pinned, serve
 from batchpilot.core.config import SchedulerConfig
 from batchpilot.core.costmodel import CostModel
+from batchpilot.core.deployment import DeploymentSpec, ModelLimits, resolve_deployment
 from batchpilot.runtime.journal import LoggedBatch, read_batches, wait_written
-from batchpilot.settings import add_deployment_args, deployment_flags, spec_from_args
 from batchpilot.sim.draws import DEFAULT_DRAWS
 from batchpilot.sim.service import BUSY_EDGES, IDLE_EDGES_S, FrontEnd, busy_shares, idle_times, rates_before
 from batchpilot.sim.traces import Workload
@@ -87,6 +86,20 @@ def run_recheck(out: Path, profile: Path, cpus: str | None, name: str) -> float:
            "--output", str(path)]
     subprocess.run(cmd, check=True, stderr=subprocess.DEVNULL)
     return float(json.loads(path.read_text())["speed_check"]["ratio"]) - 1.0
+
+
+def run_llm_profile(out: Path, model: str | None, device: str, dtype: str, threads: int,
+                    cpus: str | None, name: str = "llm_profile.json") -> Path:
+    """``batchpilot profile --llm -o out/name`` in a subprocess pinned like the server (before any
+    traffic): the step cost model and the serving path of ``model`` on ``device`` at ``dtype``, timed with
+    the step grid's own repeats."""
+    path = out / name
+    cmd = [*pinned(cpus), sys.executable, "-m", "batchpilot.cli", "profile", "--llm", "--output", str(path),
+           "--device", device, "--dtype", dtype, "--repeats", "7", *(["--model", model] if model else []),
+           *(["--threads", str(threads)] if threads else [])]
+    print("profiling:", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+    return path
 
 
 # One live run of the fidelity check: warm the server, replay a slice, read its own histograms.
@@ -425,50 +438,34 @@ def repeat_rows(load: float, first: Measurement, again: Measurement,
     return rows
 
 
-DEFAULT_REQUESTS = 1000
+DEFAULT_REQUESTS = 1000  # rows replayed when --requests is not given
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_deployment_args(p)
-    p.add_argument("--profile", default=None, help="profile JSON (default: run `batchpilot profile` first)")
-    p.add_argument("--profile-args", default="", help="extra args for `batchpilot profile`")
-    p.add_argument("--loads", type=float, nargs="*", default=[0.5, 0.8],
-                   help="fractions of the predicted capacity")
-    p.add_argument("--lengths", default="lognormal:median=128,sigma=0.8",
-                   help="synthetic workloads: input lengths (as `simulate --lengths`)")
-    p.add_argument("--speed-check", action="store_true",
-                   help="before each point, `batchpilot profile --recheck` times the profile's batches "
-                        "again and the point is predicted at that speed, the profile-alone error beside "
-                        "(profile/speed_check.py; on a shared VM it did worse than the profile alone: "
-                        "docs/benchmarks.md)")
-    p.add_argument("--batcher-only", action="store_true",
-                   help="predict without the profile's serving path (HTTP, JSON, tokenisation)")
-    p.add_argument("--warmup-requests", type=int, default=30, help="unmeasured requests before each point")
-    p.add_argument("--live-repeats", type=int, default=1,
-                   help="replay each point this many times on the same server; the repeats are compared "
-                        "with the first run (how far the live run agrees with itself), never predicted")
-    p.add_argument("--draws", type=int, default=DEFAULT_DRAWS,
-                   help="service-noise draws per prediction: each metric is predicted as its median over "
-                        "them, with the 5-95%% band beside it (sim.draws)")
-    p.add_argument("--noop-delay-ms", type=float, default=None,
-                   help="serve the no-op model with this fixed time per batch, profiled as exactly that: "
-                        "checks the serving path (HTTP, tokenise, batcher, loop) without model noise")
-    p.add_argument("--cpus", default=None,
-                   help="pin the profiler and the server to these cores (taskset -c syntax, e.g. 1); the "
-                        "load generator runs on the others")
-    from batchpilot.bench.llm_fidelity import add_llm_arguments
+@dataclass(frozen=True)
+class FidelityOptions:
+    """What ``bench fidelity`` was asked (``bench/cli.py`` reads it off the flags); the LLM half
+    (``bench.llm_fidelity``) reads the same options."""
 
-    add_llm_arguments(p)
-
-
-def load_workload(args: argparse.Namespace) -> Workload:
-    """A standard workload or trace (rows ``--start``..), or a synthetic spec with ``--lengths``."""
-    from batchpilot.sim.cli import resolve_workload
-
-    ns = argparse.Namespace(workload=args.workload, trace=args.trace, rate_scale=1.0, start=args.start,
-                            requests=args.requests or DEFAULT_REQUESTS, lengths=args.lengths, priorities="",
-                            seed=args.seed)
-    return resolve_workload(ns)
+    out: Path
+    spec: DeploymentSpec  # the deployment the simulator resolves
+    serve_flags: tuple[str, ...] = ()  # the deployment flags and --serve-args, handed to `serve` unchanged
+    sla_s: float = 1.0
+    loads: tuple[float, ...] = (0.5, 0.8)  # fractions of the predicted capacity
+    profile: str | None = None  # None: profile first (`batchpilot profile`, pinned like the server)
+    profile_args: str = ""
+    cpus: str | None = None
+    speed_check: bool = False
+    batcher_only: bool = False
+    warmup_requests: int = 30
+    live_repeats: int = 1
+    draws: int = DEFAULT_DRAWS
+    noop_delay_ms: float | None = None
+    tokenizer: str | None = None
+    seed: int = 0
+    keepalive_s: float | None = None
+    progress: bool = True
+    llm_model: str | None = None  # conv-llm: the served model folder (default: the built-in tiny Llama)
+    max_live_s: float | None = None  # conv-llm: cut each point's rows to this many seconds of arrivals
 
 
 @dataclass
@@ -524,123 +521,148 @@ def predicted_capacity(workload: Workload, cost_model: CostModel, spec: Any, fro
     return cand
 
 
-def main(args: argparse.Namespace) -> int:
-    from batchpilot.sim.cli import resolve
+def encoder_profile(opts: FidelityOptions) -> tuple[Path, list[str]]:
+    """The profile the prediction uses, and the serve flags of a no-op model: ``--noop-delay-ms`` writes
+    an exact one (a fixed time per batch), else ``--profile``, else a fresh ``batchpilot profile``."""
+    if opts.noop_delay_ms is not None:
+        profile = opts.out / "noop_profile.json"
+        CostModel(latency_coef=(opts.noop_delay_ms / 1e3, 0.0, 0.0, 0.0),
+                  meta={"source": f"noop {opts.noop_delay_ms:g} ms per batch"}).save(profile)
+        return profile, ["--noop", "--noop-delay-ms", str(opts.noop_delay_ms)]
+    if opts.profile:
+        return Path(opts.profile), []
+    return run_profile(opts.out, opts.spec.encoder.planner.padding, opts.profile_args, opts.cpus), []
 
-    if args.workload == "conv-llm":
-        from batchpilot.bench.llm_fidelity import main as llm_main
 
-        return llm_main(args)
-    if args.draws < 1:
-        print(f"--draws must be >= 1, got {args.draws}", file=sys.stderr)
+def check_fidelity(wl: Workload, opts: FidelityOptions) -> int:
+    """``bench fidelity`` on an encoder workload: predict, serve, replay and compare each load point."""
+    if opts.draws < 1:
+        print(f"--draws must be >= 1, got {opts.draws}", file=sys.stderr)
         return 2
-    out = Path(args.out)
+    out = opts.out
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
-    spec = spec_from_args(args)
-    noop: list[str] = []
-    if args.noop_delay_ms is not None:  # the profile is exact by construction: a fixed time per batch
-        profile = out / "noop_profile.json"
-        CostModel(latency_coef=(args.noop_delay_ms / 1e3, 0.0, 0.0, 0.0),
-                  meta={"source": f"noop {args.noop_delay_ms:g} ms per batch"}).save(profile)
-        noop = ["--noop", "--noop-delay-ms", str(args.noop_delay_ms)]
-    elif args.profile:
-        profile = Path(args.profile)
-    else:
-        profile = run_profile(out, spec.encoder.planner.padding, args.profile_args, args.cpus)
+    profile, noop = encoder_profile(opts)
     cost_model = CostModel.load(profile)
-    frontend = None if args.batcher_only else FrontEnd.from_profile(profile)
-    frontend = frontend and frontend.serving(spec.server.tokenizer_workers)
-    deployment = resolve(spec, cost_model)
-    check = args.speed_check and args.noop_delay_ms is None  # a no-op profile is exact
-    wl = load_workload(args)
+    frontend = None if opts.batcher_only else FrontEnd.from_profile(profile)
+    frontend = frontend and frontend.serving(opts.spec.server.tokenizer_workers)
+    deployment = resolve_deployment(opts.spec, cost_model, ModelLimits.from_meta(cost_model.meta))
     print(f"workload {wl.name}: {len(wl)} requests over {wl.duration_s:.1f} s ({wl.mean_rate:.2f} req/s); "
           f"profile {profile}; serving path {'from the profile' if frontend else 'left out'}\n"
           f"deployment: {deployment.describe()}", flush=True)
-    cap = predicted_capacity(wl, cost_model, spec, frontend, args.sla)
-    print(f"predicted capacity: rate scale {cap.capacity:.3f} = {cap.rps:.2f} req/s (P99 <= {args.sla:g} s)",
-          flush=True)
+    cap = predicted_capacity(wl, cost_model, opts.spec, frontend, opts.sla_s)
+    print(f"predicted capacity: rate scale {cap.capacity:.3f} = {cap.rps:.2f} req/s "
+          f"(P99 <= {opts.sla_s:g} s)", flush=True)
     if cap.capacity <= 0:
-        print(f"no rate meets P99 <= {args.sla:g} s in simulation; was the machine busy while profiling?",
+        print(f"no rate meets P99 <= {opts.sla_s:g} s in simulation; was the machine busy while profiling?",
               file=sys.stderr)
         return 1
-    pin_load_generator(args.cpus)
-    tok = load_tokenizer(args.tokenizer)
-    texts = [p.body["input"] for p in build_plan(wl, tokenizer=tok, seed=args.seed)]
+    pin_load_generator(opts.cpus)
+    tok = load_tokenizer(opts.tokenizer)
+    texts = [p.body["input"] for p in build_plan(wl, tokenizer=tok, seed=opts.seed)]
     batch_log = (out / "batches.jsonl").resolve()
     batch_log.unlink(missing_ok=True)
     serve_args = ["--profile", str(profile), "--log-level", "warning", "--batch-log", str(batch_log), *noop,
-                  *deployment_flags(args), *shlex.split(args.serve_args)]
-    rows: list[list[Any]] = []
-    repeats: list[list[Any]] = []
-    runs: list[RunData] = []
+                  *opts.serve_flags]
+    keep = client_keepalive_s(serve_args, opts.keepalive_s)  # pooled as a gateway pools them
+    run = LivePoints(opts, profile, cost_model, frontend, deployment.scheduler, texts, batch_log, keep,
+                     check=opts.speed_check and opts.noop_delay_ms is None)  # a no-op profile is exact
     result: dict[str, Any] = {"workload": wl.name, "requests": len(wl), "profile": str(profile),
                               "deployment": deployment.describe(), "capacity_scale": cap.capacity,
-                              "capacity_rps": cap.rps, "cpus": args.cpus, "points": []}
-    keep = client_keepalive_s(serve_args, args.keepalive_s)  # pooled as a gateway pools them
-    with serve(serve_args, log_path=out / "serve.log", cpus=args.cpus) as url:
-        for load in args.loads:
-            k = load * cap.capacity
-            scaled = wl.scale_rate(k)
-            alone = simulate(scaled, deployment.scheduler, cost_model, args.sla, frontend, draws=args.draws)
-            checked = math.nan
-            if check:  # the machine's speed now, before any of the point's traffic: the prediction's
-                checked = run_recheck(out, profile, args.cpus, f"profile-now-{int(load * 100)}.json")
-                pred = simulate(scaled, deployment.scheduler, cost_model, args.sla, frontend, checked,
-                                args.draws)
-            else:
-                pred = alone
-            if args.warmup_requests:
-                warm_up(url, scaled, texts, args.warmup_requests, keep)
-            wait_written()  # the warm-up's batches are in the log: the point's start after them
-            offset = batch_log.stat().st_size if batch_log.exists() else 0
-            live = measure(url, scaled, texts, args.sla, 0, not args.no_progress, f"{load:.0%} live", keep)
-            wait_written()
-            rs = run_speed(batch_log, offset, cost_model, frontend, live.sent_monotonic())
-            speed = rs.speed
-            print(format_summary(pred.summary, f"predicted at {load:.0%} of capacity (x{k:.3f}), medians "
-                                               f"over {len(pred.drawn.reports)} draws"
-                                 + (f", at the speed checked before it ({checked:+.1%})" if check else "")))
-            print(format_summary(live.summary, f"live at {load:.0%} of capacity (x{k:.3f})"))
-            splits = (("idle time before the batch", rs.by_idle), ("requests in the batch", rs.by_size),
-                      ("request rate before the batch", rs.by_rate), ("busy share before it", rs.by_busy))
-            print(f"the run's {rs.batches} batches took {speed:+.1%} against the profile "
-                  f"({WINDOW_S:g} s windows: {rs.spread}); "
-                  + "; ".join(f"by {what}: " + ", ".join(f"{lab} {r:+.1%} ({n})" for lab, n, r in cells)
-                              for what, cells in splits), flush=True)
-            later = simulate(scaled, deployment.scheduler, cost_model, args.sla, frontend, speed,
-                             args.draws) if math.isfinite(speed) else None
-            rows += comparison_rows(load, k, pred, live, speed, later, rs.spread, checked,
-                                    alone if check else None)
-            point: dict[str, Any] = {"load": load, "rate_scale": k, "speed_vs_profile": speed,
-                                     "speed_checked_before": checked,
-                                     "predicted_profile_alone": alone.summary.to_dict(),
-                                     "run_speed": rs.to_dict(), "predicted": pred.summary.to_dict(),
-                                     "predicted_rejected": pred.drawn.median("failed"),
-                                     "predicted_mean_batch_size": pred.drawn.median("mean_batch_size"),
-                                     "predicted_bands": predicted_bands(pred),
-                                     "measured": live.summary.to_dict(), "server": live.server, "repeats": []}
-            for j in range(2, args.live_repeats + 1):
-                wait_idle(url, 10.0)
-                wait_written()
-                offset = batch_log.stat().st_size if batch_log.exists() else 0
-                again = measure(url, scaled, texts, args.sla, 0, not args.no_progress,
-                                f"{load:.0%} live #{j}", keep)
-                wait_written()
-                rs_again = run_speed(batch_log, offset, cost_model, frontend, again.sent_monotonic())
-                repeats += repeat_rows(load, live, again, (rs.speed, rs_again.speed))
-                point["repeats"].append({"measured": again.summary.to_dict(), "server": again.server,
-                                         "run_speed": rs_again.to_dict()})
-                write_csv(again.records, out / f"records-{int(load * 100)}-again{j}.csv")
-            result["points"].append(point)
-            write_csv(live.records, out / f"records-{int(load * 100)}.csv")
-            runs.append(RunData(f"live {load:.0%}", live.records, live.summary, live.metrics,
-                                {"rate_scale": k}))
+                              "capacity_rps": cap.rps, "cpus": opts.cpus, "points": []}
+    with serve(serve_args, log_path=out / "serve.log", cpus=opts.cpus) as url:
+        for load in opts.loads:
+            result["points"].append(run.point(url, wl, load, load * cap.capacity))
             wait_idle(url, 10.0)
+    report = write_results(out, wl, run, result, opts.sla_s)
+    print(f"fidelity.json and {report} written to {out}/ in {time.monotonic() - t_start:.0f} s")
+    return 0
+
+
+class LivePoints:
+    """The load points of one fidelity check against one server: each predicted, replayed, compared,
+    the rows of its tables gathered here."""
+
+    def __init__(self, opts: FidelityOptions, profile: Path, cost_model: CostModel, frontend: FrontEnd | None,
+                 scheduler: SchedulerConfig, texts: list[str], batch_log: Path, keepalive_s: float,
+                 check: bool) -> None:
+        self.opts, self.profile, self.cost_model, self.frontend = opts, profile, cost_model, frontend
+        self.scheduler, self.texts, self.batch_log, self.keep, self.check = (scheduler, texts, batch_log,
+                                                                             keepalive_s, check)
+        self.rows: list[list[Any]] = []
+        self.repeats: list[list[Any]] = []
+        self.runs: list[RunData] = []
+
+    def predict(self, scaled: Workload, speed: float = 0.0) -> Prediction:
+        o = self.opts
+        return simulate(scaled, self.scheduler, self.cost_model, o.sla_s, self.frontend, speed, o.draws)
+
+    def replay(self, url: str, scaled: Workload, label: str) -> tuple[Measurement, RunSpeed]:
+        """One replay of the point's rows, and its batches against the profile (the run's speed)."""
+        wait_written()  # what ran before is in the log: this replay's batches start after it
+        offset = self.batch_log.stat().st_size if self.batch_log.exists() else 0
+        live = measure(url, scaled, self.texts, self.opts.sla_s, 0, self.opts.progress, label, self.keep)
+        wait_written()
+        return live, run_speed(self.batch_log, offset, self.cost_model, self.frontend, live.sent_monotonic())
+
+    def point(self, url: str, wl: Workload, load: float, k: float) -> dict[str, Any]:
+        o = self.opts
+        scaled = wl.scale_rate(k)
+        alone = self.predict(scaled)
+        checked = math.nan
+        pred = alone
+        if self.check:  # the machine's speed now, before any of the point's traffic: the prediction's
+            checked = run_recheck(o.out, self.profile, o.cpus, f"profile-now-{int(load * 100)}.json")
+            pred = self.predict(scaled, checked)
+        if o.warmup_requests:
+            warm_up(url, scaled, self.texts, o.warmup_requests, self.keep)
+        live, rs = self.replay(url, scaled, f"{load:.0%} live")
+        print(format_summary(pred.summary, f"predicted at {load:.0%} of capacity (x{k:.3f}), medians "
+                                           f"over {len(pred.drawn.reports)} draws"
+                             + (f", at the speed checked before it ({checked:+.1%})" if self.check else "")))
+        print(format_summary(live.summary, f"live at {load:.0%} of capacity (x{k:.3f})"))
+        print(describe_speed(rs), flush=True)
+        later = self.predict(scaled, rs.speed) if math.isfinite(rs.speed) else None
+        self.rows += comparison_rows(load, k, pred, live, rs.speed, later, rs.spread, checked,
+                                     alone if self.check else None)
+        point: dict[str, Any] = {"load": load, "rate_scale": k, "speed_vs_profile": rs.speed,
+                                 "speed_checked_before": checked,
+                                 "predicted_profile_alone": alone.summary.to_dict(),
+                                 "run_speed": rs.to_dict(), "predicted": pred.summary.to_dict(),
+                                 "predicted_rejected": pred.drawn.median("failed"),
+                                 "predicted_mean_batch_size": pred.drawn.median("mean_batch_size"),
+                                 "predicted_bands": predicted_bands(pred),
+                                 "measured": live.summary.to_dict(), "server": live.server, "repeats": []}
+        for j in range(2, o.live_repeats + 1):  # never predicted: how far the live run agrees with itself
+            wait_idle(url, 10.0)
+            again, rs_again = self.replay(url, scaled, f"{load:.0%} live #{j}")
+            self.repeats += repeat_rows(load, live, again, (rs.speed, rs_again.speed))
+            point["repeats"].append({"measured": again.summary.to_dict(), "server": again.server,
+                                     "run_speed": rs_again.to_dict()})
+            write_csv(again.records, o.out / f"records-{int(load * 100)}-again{j}.csv")
+        write_csv(live.records, o.out / f"records-{int(load * 100)}.csv")
+        self.runs.append(RunData(f"live {load:.0%}", live.records, live.summary, live.metrics,
+                                 {"rate_scale": k}))
+        return point
+
+
+def describe_speed(rs: RunSpeed) -> str:
+    """The run's batches against the profile, in all and split each way ``RunSpeed`` holds."""
+    splits = (("idle time before the batch", rs.by_idle), ("requests in the batch", rs.by_size),
+              ("request rate before the batch", rs.by_rate), ("busy share before it", rs.by_busy))
+    return (f"the run's {rs.batches} batches took {rs.speed:+.1%} against the profile "
+            f"({WINDOW_S:g} s windows: {rs.spread}); "
+            + "; ".join(f"by {what}: " + ", ".join(f"{lab} {r:+.1%} ({n})" for lab, n, r in cells)
+                        for what, cells in splits))
+
+
+def write_results(out: Path, wl: Workload, run: LivePoints, result: dict[str, Any], sla_s: float) -> Path:
+    """The comparison tables printed, and fidelity.json and report.html written."""
+    rows, repeats = run.rows, run.repeats
     table = text_table(HEAD, rows)
     within = sum(r[7] == "yes" for r in rows)
     scored = sum(r[7] in ("yes", "no") for r in rows)
-    made = "the profile rechecked before each point" if check else "the profile alone"
+    made = "the profile rechecked before each point" if run.check else "the profile alone"
     print(f"\nFidelity: prediction ({made}) vs live measurement, {within} of {scored} cells within "
           f"target\n{table}", flush=True)
     result["table"] = {"head": HEAD, "rows": rows}
@@ -651,7 +673,5 @@ def main(args: argparse.Namespace) -> int:
               f"{text_table(REPEAT_HEAD, repeats)}", flush=True)
         result["repeat_table"] = {"head": REPEAT_HEAD, "rows": repeats}
     (out / "fidelity.json").write_text(json.dumps(result, indent=2, default=str))
-    report = write_report(out, runs, title=f"fidelity: {wl.name}", sla_s=args.sla,
-                          sections=[("Fidelity: predicted vs measured", html_table(HEAD, rows))])
-    print(f"fidelity.json and {report} written to {out}/ in {time.monotonic() - t_start:.0f} s")
-    return 0
+    return write_report(out, run.runs, title=f"fidelity: {wl.name}", sla_s=sla_s,
+                        sections=[("Fidelity: predicted vs measured", html_table(HEAD, rows))])

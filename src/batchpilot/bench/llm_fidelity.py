@@ -27,12 +27,10 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
 import os
-import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -43,13 +41,14 @@ from typing import Any
 import numpy as np
 
 from batchpilot.bench.capacity import CapacityConfig, probe_workload, search_capacity, wait_idle
+from batchpilot.bench.fidelity import FidelityOptions, run_llm_profile, run_recheck, text_table, within_target
 from batchpilot.bench.fidelity import relative_error as _err
-from batchpilot.bench.fidelity import run_recheck, text_table, within_target
 from batchpilot.bench.loadgen import LoadGenConfig, build_plan, replay
 from batchpilot.bench.records import Summary, format_summary, summarize, write_csv
 from batchpilot.bench.report import RunData, html_table, write_report
-from batchpilot.bench.serverproc import client_keepalive_s, serve
+from batchpilot.bench.serverproc import client_keepalive_s, cores, pin_load_generator, serve
 from batchpilot.core.costmodel import CostModel
+from batchpilot.core.deployment import DeploymentSpec
 from batchpilot.core.llm.config import LLMSchedulerConfig
 from batchpilot.runtime.journal import wait_written
 from batchpilot.sim.llm import LLMFrontEnd, StepPricer, step_cycles
@@ -202,8 +201,6 @@ def steps_main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-
-
 # The LLM fidelity check's tables: the prediction against the live run, and the live run against itself.
 
 TARGETS = {"TTFT": 0.10, "TPOT": 0.10, "output": 0.05}
@@ -264,62 +261,39 @@ def repeat_rows(load: float, first: Summary, again: Summary, speeds: tuple[float
     return rows
 
 
-DEFAULT_REQUESTS = 200
+DEFAULT_REQUESTS = 200  # conv-llm rows replayed when --requests is not given
 
 
-def add_llm_arguments(p: argparse.ArgumentParser) -> None:
-    """The options only ``--workload conv-llm`` reads (``bench/fidelity.py`` adds the shared ones)."""
-    p.add_argument("--llm-model", default=None,
-                   help="conv-llm: local HF causal-LM folder, profiled and served (default: the built-in "
-                        "tiny random Llama)")
-
-
-def engine_config_and_profile(out: Path, spec: Any, profile: str | None, cpus: str | None,
-                              model: str | None = None) -> tuple[LLMSchedulerConfig, CostModel, LLMFrontEnd]:
-    """The scheduler config of the engine ``serve --llm`` builds from ``spec``, and the step cost model:
-    loaded from ``profile``, or profiled here on that engine's runner (on ``cpus``, as the server runs),
-    and the serving path around it (``profile.llm``; nothing added when the profile lacks it).
-    """
+def engine_config_and_profile(out: Path, spec: DeploymentSpec, profile: str | None, cpus: str | None,
+                              model: str | None = None) -> tuple[LLMSchedulerConfig, Path]:
+    """The scheduler config of the engine ``serve --llm`` builds from ``spec`` (built here, never
+    started, on ``cpus`` as the server runs), and the step profile: ``profile``, or a fresh ``batchpilot
+    profile --llm`` of that engine's model, device and precision, pinned like the server
+    (``fidelity.run_llm_profile``: the step cost model and the serving path around it)."""
     from batchpilot.runtime.llm.build import build_llm_engine
 
     saved = os.sched_getaffinity(0) if cpus and hasattr(os, "sched_getaffinity") else None
     if saved is not None:
-        from batchpilot.bench.serverproc import cores
-
         os.sched_setaffinity(0, cores(cpus))  # type: ignore[arg-type]
     try:
         threads = len(os.sched_getaffinity(0)) if saved is not None else 0
         engine = build_llm_engine(model, spec, start=False, threads=threads)
-        config = engine.config
-        if profile:
-            cost_model = CostModel.load(profile)
-            frontend = LLMFrontEnd.from_profile(profile)
-        else:
-            from batchpilot.profile.llm import profile_llm_steps, serving_path
-
-            print("profiling LLM steps (models.llm.profile.profile_llm_steps) ...", flush=True)
-            cost_model = profile_llm_steps(engine.runner)
-            runner = engine.runner  # what `profile --recheck` rebuilds to time the same steps again
-            cost_model.meta.update(model_path=model, device=str(runner.device),
-                                   dtype=str(runner.dtype).removeprefix("torch."))
-            coef = ", ".join(f"{n}={c:.3g}" for n, c in zip(cost_model.feature_names, cost_model.latency_coef,
-                                                             strict=True))
-            print(f"step model: {coef}", flush=True)
-            entry, details = serving_path(engine, cost_model)
-            frontend = LLMFrontEnd.from_dict(entry)
-            path = out / "llm_profile.json"
-            path.write_text(json.dumps({"kind": "llm", "cost_model": cost_model.to_dict(), "frontend": entry,
-                                        "serving_path": details}, indent=2))
-            print(f"-> {path}", flush=True)
-        del engine
+        config, runner = engine.config, engine.runner
+        device, dtype = str(runner.device), str(runner.dtype).removeprefix("torch.")
+        del engine, runner
     finally:
         if saved is not None:
             os.sched_setaffinity(0, saved)
-    return config, cost_model, frontend
+    if profile:
+        return config, Path(profile)
+    return config, run_llm_profile(out, model, device, dtype, threads, cpus)
+
+
+Predicted = tuple[Summary, Any]  # a simulated run as a Summary, and the simulator's own report
 
 
 def simulate(workload: Workload, config: LLMSchedulerConfig, cost_model: CostModel,
-             sla_s: float, frontend: LLMFrontEnd | None = None) -> tuple[Summary, Any]:
+             sla_s: float, frontend: LLMFrontEnd | None = None) -> Predicted:
     """The simulated run as a ``Summary`` whose latency percentiles are TTFT (what the SLA is on), and
     the simulator's own report (``num_rejected``)."""
     from batchpilot.sim.llm import simulate_llm
@@ -349,26 +323,16 @@ def _replay(plan: Any, config: LoadGenConfig, step_log: Path, label: str) -> tup
     return res, (read_steps(step_log, offset)[0] if step_log.exists() else [])
 
 
-def main(args: argparse.Namespace) -> int:
-    from batchpilot.bench.serverproc import cores, pin_load_generator
-    from batchpilot.settings import deployment_flags, spec_from_args
-    from batchpilot.sim.traces import load_workload
-
-    def opt(name: str, default: Any = None) -> Any:  # the shared options may be absent
-        return getattr(args, name, default)
-
-    out = Path(opt("out", "bench-out"))
+def check_llm_fidelity(wl: Workload, start: int, opts: FidelityOptions) -> int:
+    """``bench fidelity --workload conv-llm``: ``wl`` is the trace's rows from ``start``."""
+    out, sla, cpus, model = opts.out, opts.sla_s, opts.cpus, opts.llm_model
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    sla, seed, cpus, model = float(opt("sla", 2.0)), int(opt("seed", 0)), opt("cpus"), opt("llm_model")
-    spec = spec_from_args(args)
-    config, cost_model, frontend = engine_config_and_profile(out, spec, opt("profile"), cpus, model)
-    profile_path = Path(opt("profile") or out / "llm_profile.json")
-    check = bool(opt("speed_check", False)) and "step_points" in cost_model.meta
-    if opt("speed_check", False) and not check:
+    config, profile_path = engine_config_and_profile(out, opts.spec, opts.profile, cpus, model)
+    cost_model, frontend = CostModel.load(profile_path), LLMFrontEnd.from_profile(profile_path)
+    check = opts.speed_check and "step_points" in cost_model.meta
+    if opts.speed_check and not check:
         print(f"{profile_path} holds no step points: predicting without a speed check", flush=True)
-    start = int(opt("start", 0))
-    wl = load_workload("conv-llm", 1.0, start, opt("requests") or DEFAULT_REQUESTS, trace=opt("trace"))
     print(f"workload conv-llm rows [{start}, {start + len(wl)}) over {wl.duration_s:.1f} s "
           f"({wl.mean_rate:.2f} req/s); TTFT P99 SLA {sla:g} s; engine {config}", flush=True)
     search = CapacityConfig(sla_s=sla, rel_tol=0.03, max_probes=30, lo=1e-3, hi=256.0)
@@ -388,67 +352,96 @@ def main(args: argparse.Namespace) -> int:
     step_log = (out / "steps.jsonl").resolve()
     step_log.unlink(missing_ok=True)
     serve_args = ["--llm", "--log-level", "warning", "--no-warmup", "--llm-step-log", str(step_log),
-                  *deployment_flags(args), *shlex.split(opt("serve_args", "") or "")]
+                  *opts.serve_flags]
     if model:
         serve_args += ["--llm-model", model]
     if cpus:
         serve_args += ["--threads", str(len(cores(cpus)))]
-    max_live_s, warmup = opt("max_live_s"), int(opt("warmup_requests", 0) or 0)
-    rows: list[list[Any]] = []
-    repeats: list[list[Any]] = []
-    runs: list[RunData] = []
     with serve(serve_args, log_path=out / "serve-llm.log", cpus=cpus) as url:
-        keep = client_keepalive_s(serve_args, opt("keepalive_s"))  # pooled as a gateway pools them
-        quiet = LoadGenConfig(url, "completions", progress=False, scrape_interval_s=0, keepalive_s=keep)
+        keep = client_keepalive_s(serve_args, opts.keepalive_s)  # pooled as a gateway pools them
+        run = LLMPoints(opts, url, keep, config, cost_model, frontend, profile_path, step_log, check)
         first = wl.slice(0, min(2, len(wl)))  # the server's first steps allocate: not measured
-        replay(build_plan(first, "completions", warmup_requests=len(first)), quiet)
+        replay(build_plan(first, "completions", warmup_requests=len(first)), run.quiet)
         wait_idle(url, 30.0)
-        for load in opt("loads", [0.5, 0.8]) or []:
-            k = load * cap.rate_scale
-            rows_wl = probe_workload(wl, k, max_live_s) if max_live_s else wl.scale_rate(k)
-            alone = simulate(rows_wl, config, cost_model, sla, frontend)
-            pred, rep = alone
-            checked = math.nan
-            if check:  # the machine's speed now, before any of the point's traffic: the prediction's
-                now = f"llm_profile-now-{int(round(load * 100))}.json"
-                checked = run_recheck(out, profile_path, cpus, now)
-                pred, rep = simulate(rows_wl, config, CostModel.load(out / now), sla,
-                                     LLMFrontEnd.from_profile(out / now))
-            if warmup:
-                warm = rows_wl.slice(0, min(warmup, len(rows_wl)))
-                replay(build_plan(warm, "completions", warmup_requests=len(warm)), quiet)
-                wait_idle(url, 30.0)
-            live = LoadGenConfig(url, "completions", progress=not opt("no_progress", False), keepalive_s=keep)
-            plan = build_plan(rows_wl, "completions", seed=seed)
-            res, steps = _replay(plan, live, step_log, f"{load:.0%} live")
-            meas = summarize(res.records, sla)
-            speed = speed_vs_profile(cost_model, steps, frontend)
-            print(format_summary(meas, f"live conv-llm at {load:.0%} of capacity (x{k:.3f}, "
-                                       f"{len(rows_wl)} rows)"))
-            by_seqs = speed_by_seqs(cost_model, steps, frontend)
-            print(f"the run's {len(steps)} engine steps took {speed:+.1%} against the step profile; by "
-                  f"sequences per step: {format_by_seqs(by_seqs)}", flush=True)
-            rows += comparison_rows(load, k, pred, rep.num_rejected, meas, speed, checked,
-                                    (alone[0], alone[1].num_rejected) if check else None)
-            again: list[dict[str, Any]] = []
-            for j in range(2, int(opt("live_repeats", 1) or 1) + 1):  # never predicted: the live run's floor
-                res2, steps2 = _replay(plan, live, step_log, f"{load:.0%} live #{j}")
-                meas2, speed2 = summarize(res2.records, sla), speed_vs_profile(cost_model, steps2, frontend)
-                repeats += repeat_rows(load, meas, meas2, (speed, speed2))
-                again.append({"measured": meas2.to_dict(), "speed_vs_profile": speed2, "steps": len(steps2)})
-                write_csv(res2.records, out / f"records-llm-{int(round(load * 100))}-again{j}.csv")
-            write_csv(res.records, out / f"records-llm-{int(round(load * 100))}.csv")
-            runs.append(RunData(f"llm live {load:.0%}", res.records, meas, res.metrics, {"rate_scale": k}))
-            result["points"].append({"load": load, "rate_scale": k, "rows": len(rows_wl),
-                                     "speed_vs_profile": speed, "speed_checked_before": checked,
-                                     "predicted_profile_alone": alone[0].to_dict(), "steps": len(steps),
-                                     "speed_by_seqs": by_seqs,
-                                     "predicted": pred.to_dict(), "predicted_rejected": rep.num_rejected,
-                                     "measured": meas.to_dict(),
-                                     "measured_rejected": meas.num_requests - meas.num_ok, "repeats": again,
-                                     "load_average_1m": os.getloadavg()[0]})
+        for load in opts.loads:
+            result["points"].append(run.point(wl, load, load * cap.rate_scale))
+    report = write_llm_results(out, run, result)
+    print(f"fidelity.json and {report} written to {out}/ in {time.monotonic() - t0:.0f} s")
+    return 0
+
+
+class LLMPoints:
+    """The load points of one LLM fidelity check against one server: each predicted, replayed and
+    compared, the rows of its tables gathered here."""
+
+    def __init__(self, opts: FidelityOptions, url: str, keepalive_s: float, config: LLMSchedulerConfig,
+                 cost_model: CostModel, frontend: LLMFrontEnd, profile: Path, step_log: Path,
+                 check: bool) -> None:
+        self.opts, self.config, self.cost_model, self.frontend = opts, config, cost_model, frontend
+        self.profile, self.step_log, self.check = profile, step_log, check
+        self.quiet = LoadGenConfig(url, "completions", progress=False, scrape_interval_s=0,
+                                   keepalive_s=keepalive_s)
+        self.live = LoadGenConfig(url, "completions", progress=opts.progress, keepalive_s=keepalive_s)
+        self.rows: list[list[Any]] = []
+        self.repeats: list[list[Any]] = []
+        self.runs: list[RunData] = []
+
+    def predict(self, rows_wl: Workload, load: float) -> tuple[Predicted, Predicted, float]:
+        """The prediction from the profile alone, the point's prediction (from the profile rechecked now,
+        with ``--speed-check``) and the speed the recheck measured (NaN without one)."""
+        o = self.opts
+        alone = simulate(rows_wl, self.config, self.cost_model, o.sla_s, self.frontend)
+        if not self.check:
+            return alone, alone, math.nan
+        # the machine's speed now, before any of the point's traffic: the prediction's
+        now = f"llm_profile-now-{int(round(load * 100))}.json"
+        checked = run_recheck(o.out, self.profile, o.cpus, now)
+        pred = simulate(rows_wl, self.config, CostModel.load(o.out / now), o.sla_s,
+                        LLMFrontEnd.from_profile(o.out / now))
+        return alone, pred, checked
+
+    def point(self, wl: Workload, load: float, k: float) -> dict[str, Any]:
+        o = self.opts
+        rows_wl = probe_workload(wl, k, o.max_live_s) if o.max_live_s else wl.scale_rate(k)
+        alone, (pred, rep), checked = self.predict(rows_wl, load)
+        if o.warmup_requests:
+            warm = rows_wl.slice(0, min(o.warmup_requests, len(rows_wl)))
+            replay(build_plan(warm, "completions", warmup_requests=len(warm)), self.quiet)
+            wait_idle(self.live.base_url, 30.0)
+        plan = build_plan(rows_wl, "completions", seed=o.seed)
+        res, steps = _replay(plan, self.live, self.step_log, f"{load:.0%} live")
+        meas = summarize(res.records, o.sla_s)
+        speed = speed_vs_profile(self.cost_model, steps, self.frontend)
+        print(format_summary(meas, f"live conv-llm at {load:.0%} of capacity (x{k:.3f}, "
+                                   f"{len(rows_wl)} rows)"))
+        by_seqs = speed_by_seqs(self.cost_model, steps, self.frontend)
+        print(f"the run's {len(steps)} engine steps took {speed:+.1%} against the step profile; by "
+              f"sequences per step: {format_by_seqs(by_seqs)}", flush=True)
+        self.rows += comparison_rows(load, k, pred, rep.num_rejected, meas, speed, checked,
+                                     (alone[0], alone[1].num_rejected) if self.check else None)
+        again: list[dict[str, Any]] = []
+        for j in range(2, o.live_repeats + 1):  # never predicted: the live run's floor
+            res2, steps2 = _replay(plan, self.live, self.step_log, f"{load:.0%} live #{j}")
+            meas2, speed2 = summarize(res2.records, o.sla_s), speed_vs_profile(self.cost_model, steps2,
+                                                                               self.frontend)
+            self.repeats += repeat_rows(load, meas, meas2, (speed, speed2))
+            again.append({"measured": meas2.to_dict(), "speed_vs_profile": speed2, "steps": len(steps2)})
+            write_csv(res2.records, o.out / f"records-llm-{int(round(load * 100))}-again{j}.csv")
+        write_csv(res.records, o.out / f"records-llm-{int(round(load * 100))}.csv")
+        self.runs.append(RunData(f"llm live {load:.0%}", res.records, meas, res.metrics, {"rate_scale": k}))
+        return {"load": load, "rate_scale": k, "rows": len(rows_wl), "speed_vs_profile": speed,
+                "speed_checked_before": checked, "predicted_profile_alone": alone[0].to_dict(),
+                "steps": len(steps), "speed_by_seqs": by_seqs, "predicted": pred.to_dict(),
+                "predicted_rejected": rep.num_rejected, "measured": meas.to_dict(),
+                "measured_rejected": meas.num_requests - meas.num_ok, "repeats": again,
+                "load_average_1m": os.getloadavg()[0]}
+
+
+def write_llm_results(out: Path, run: LLMPoints, result: dict[str, Any]) -> Path:
+    """The comparison tables printed, and fidelity.json and report.html written."""
+    rows, repeats = run.rows, run.repeats
     within, scored = sum(r[7] == "yes" for r in rows), sum(r[7] in ("yes", "no") for r in rows)
-    made = "the profile rechecked before each point" if check else "the profile alone"
+    made = "the profile rechecked before each point" if run.check else "the profile alone"
     print(f"\nLLM fidelity: prediction ({made}) vs live measurement, {within} of {scored} cells within "
           f"target\n{text_table(HEAD, rows)}", flush=True)
     result["table"] = {"head": HEAD, "rows": rows}
@@ -459,10 +452,8 @@ def main(args: argparse.Namespace) -> int:
               flush=True)
         result["repeat_table"] = {"head": REPEAT_HEAD, "rows": repeats}
     (out / "fidelity.json").write_text(json.dumps(result, indent=2, default=str))
-    report = write_report(out, runs, title="fidelity: conv-llm", sla_s=None,
-                          sections=[("LLM fidelity: predicted vs measured", html_table(HEAD, rows))])
-    print(f"fidelity.json and {report} written to {out}/ in {time.monotonic() - t0:.0f} s")
-    return 0
+    return write_report(out, run.runs, title="fidelity: conv-llm", sla_s=None,
+                        sections=[("LLM fidelity: predicted vs measured", html_table(HEAD, rows))])
 
 
 if __name__ == "__main__":

@@ -30,45 +30,50 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import shlex
 import time
 from contextlib import ExitStack
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from batchpilot.bench.capacity import CapacityConfig
-from batchpilot.bench.fidelity import load_workload, run_profile, run_recheck, text_table
+from batchpilot.bench.fidelity import run_profile, run_recheck, text_table
 from batchpilot.bench.interleave import interleaved_capacity
 from batchpilot.bench.loadgen import build_plan, load_tokenizer
 from batchpilot.bench.serverproc import client_keepalive_s, pin_load_generator, serve
 from batchpilot.core.costmodel import CostModel
-from batchpilot.settings import add_deployment_args, dump_spec, spec_from_args
+from batchpilot.core.deployment import DeploymentSpec
+from batchpilot.settings import dump_spec
 from batchpilot.sim.service import FrontEnd
+from batchpilot.sim.traces import Workload
+from batchpilot.sim.tune import TuneConfig
 
 HEAD = ["tuner rank", "config", "kind", "profile", "predicted req/s", "live req/s", "live probes"]
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_deployment_args(p)
-    p.add_argument("--profile", default=None,
-                   help="padding-free profile JSON (default: run `batchpilot profile --padding none` first)")
-    p.add_argument("--padded-profile", default=None,
-                   help="padded profile JSON (default: run `batchpilot profile --padding dynamic` first)")
-    p.add_argument("--profile-args", default="", help="extra args for `batchpilot profile`")
-    p.add_argument("--lengths", default="lognormal:median=128,sigma=0.8",
-                   help="synthetic workloads: input lengths (as `simulate --lengths`)")
-    p.add_argument("--configs", type=int, default=5, help="configs picked across the tuner's ranking")
-    p.add_argument("--candidates", type=int, default=32, help="grid points the tuner samples")
-    p.add_argument("--max-probes", type=int, default=7, help="live probes per config")
-    p.add_argument("--cpus", default=None, help="pin the profiler and every server to these cores")
-    p.add_argument("--no-speed-check", action="store_true",
-                   help="rank with the profiles as they were made, not rechecked back to back first")
+@dataclass(frozen=True)
+class TunerCheckOptions:
+    """What ``bench tuner`` was asked (``bench/cli.py`` reads it off the flags)."""
+
+    out: Path
+    spec: DeploymentSpec  # the deployment flags: the base of every config searched and served
+    sla_s: float = 1.0
+    profile: str | None = None  # padding-free; None: profile first
+    padded_profile: str | None = None  # None: profile first
+    profile_args: str = ""
+    cpus: str | None = None
+    speed_check: bool = True  # recheck both profiles back to back before ranking
+    configs: int = 5
+    candidates: int = 32
+    max_probes: int = 7
+    tokenizer: str | None = None
+    seed: int = 0
+    serve_args: tuple[str, ...] = ()  # --serve-args, for every server
+    keepalive_s: float | None = None
 
 
 def spearman(x: list[float], y: list[float]) -> float:
@@ -124,44 +129,42 @@ def ranked_candidates(wl: Any, profiles: dict[str, Path], tc: Any,
     return merged, source
 
 
-def main(args: argparse.Namespace) -> int:
-    from batchpilot.sim.tune import TuneConfig
-
-    out = Path(args.out)
+def check_tuner(wl: Workload, opts: TunerCheckOptions) -> int:
+    """``bench tuner`` on the rows ``wl``: the tuner's ranking against live goodput."""
+    out = opts.out
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    spec = spec_from_args(args)
+    spec = opts.spec
     profiles = {
-        "none": Path(args.profile) if args.profile else run_profile(
-            out, "none", args.profile_args, args.cpus, "profile-none.json"),
-        "padded": Path(args.padded_profile) if args.padded_profile else run_profile(
-            out, "dynamic", args.profile_args, args.cpus, "profile-dynamic.json"),
+        "none": Path(opts.profile) if opts.profile else run_profile(
+            out, "none", opts.profile_args, opts.cpus, "profile-none.json"),
+        "padded": Path(opts.padded_profile) if opts.padded_profile else run_profile(
+            out, "dynamic", opts.profile_args, opts.cpus, "profile-dynamic.json"),
     }
-    if not args.no_speed_check:  # one look at the machine's speed for both
+    if opts.speed_check:  # one look at the machine's speed for both
         for family, path in list(profiles.items()):
-            speed = run_recheck(out, path, args.cpus, f"profile-{family}-now.json")
+            speed = run_recheck(out, path, opts.cpus, f"profile-{family}-now.json")
             print(f"profile {path}: rechecked {speed:+.1%}", flush=True)
             profiles[family] = out / f"profile-{family}-now.json"
-    wl = load_workload(args)
-    tc = TuneConfig(sla_p99_s=args.sla, candidates=args.candidates, rungs=2, rel_tol=(0.1, 0.03),
-                    min_rows=min(len(wl), 200), seed=args.seed)
+    tc = TuneConfig(sla_p99_s=opts.sla_s, candidates=opts.candidates, rungs=2, rel_tol=(0.1, 0.03),
+                    min_rows=min(len(wl), 200), seed=opts.seed)
     ranked, source = ranked_candidates(wl, profiles, tc, spec)
     if not ranked:
         print("tuner: no config meets the SLA in simulation; was the machine busy while profiling?")
         return 1
     # the tuned config: the best search result, or the default when it predicts more (as the tuner picks)
     best = next(c for c in ranked if c.kind in ("search", "default"))
-    chosen = [ranked[i] for i in pick([c.rps for c in ranked], args.configs)]
+    chosen = [ranked[i] for i in pick([c.rps for c in ranked], opts.configs)]
     chosen += [c for c in ranked if (c is best or c.kind == "default") and c not in chosen]
     rank = {id(c): i + 1 for i, c in enumerate(ranked)}
     names = {id(c): f"c{rank[id(c)]}" for c in chosen}
     print(f"tuner: {len(ranked)} configs ranked; measuring live: "
           + "; ".join(f"#{rank[id(c)]} {c.label} ({c.rps:.2f} req/s)" for c in chosen), flush=True)
-    pin_load_generator(args.cpus)
-    tok = load_tokenizer(args.tokenizer)
-    texts = [p.body["input"] for p in build_plan(wl, tokenizer=tok, seed=args.seed)]
-    ccfg = CapacityConfig(sla_s=args.sla, growth=1.25, lo=0.05, hi=256.0, rel_tol=0.05,
-                          max_probes=args.max_probes, probe_s=1e9, cooldown_s=5.0)
+    pin_load_generator(opts.cpus)
+    tok = load_tokenizer(opts.tokenizer)
+    texts = [p.body["input"] for p in build_plan(wl, tokenizer=tok, seed=opts.seed)]
+    ccfg = CapacityConfig(sla_s=opts.sla_s, growth=1.25, lo=0.05, hi=256.0, rel_tol=0.05,
+                          max_probes=opts.max_probes, probe_s=1e9, cooldown_s=5.0)
     with ExitStack() as stack:
         urls = {}
         for c in chosen:
@@ -169,11 +172,11 @@ def main(args: argparse.Namespace) -> int:
             name = names[id(c)]
             path = dump_spec(spec.replace(encoder=c.config), out / f"{name}.yaml", f"# {c.label}\n")
             serve_args = ["--profile", str(source[id(c)]), "--log-level", "warning", "--config", str(path),
-                          *shlex.split(args.serve_args)]
+                          *opts.serve_args]
             urls[name] = stack.enter_context(serve(serve_args, log_path=out / f"serve-{name}.log",
-                                                   cpus=args.cpus))
+                                                   cpus=opts.cpus))
         starts = {names[id(c)]: 0.9 * c.capacity for c in chosen}
-        keep = client_keepalive_s(shlex.split(args.serve_args), args.keepalive_s)  # as bench fidelity's
+        keep = client_keepalive_s(list(opts.serve_args), opts.keepalive_s)  # as bench fidelity's
         live = interleaved_capacity(wl, urls, ccfg, texts, starts, keepalive_s=keep)
     rows, pred, meas = [], [], []
     for c in chosen:
@@ -188,7 +191,7 @@ def main(args: argparse.Namespace) -> int:
              if default is not None and live[names[id(default)]].rps > 0 else math.nan)
     pred_ratio = best.rps / default.rps if default is not None and default.rps > 0 else math.nan
     print("\nTuner check: predicted vs live goodput (highest rate with P99 <= "
-          f"{args.sla:g} s, refusals counted as late)\n{text_table(HEAD, rows)}")
+          f"{opts.sla_s:g} s, refusals counted as late)\n{text_table(HEAD, rows)}")
     print(f"Spearman rank correlation, predicted vs live: {rho:.2f} over {len(chosen)} configs\n"
           f"tuned ({best.label}) / default goodput: live {ratio:.3f}, predicted {pred_ratio:.3f}\n"
           f"{time.monotonic() - t0:.0f} s in all", flush=True)

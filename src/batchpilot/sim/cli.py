@@ -28,9 +28,9 @@ from batchpilot.sim.fleet import FleetScaling, replicas_table, scaling_table, si
 from batchpilot.sim.metrics import SimReport, report_table, summarize
 from batchpilot.sim.router import ROUTERS
 from batchpilot.sim.service import FrontEnd
-from batchpilot.sim.synthetic import ARRIVALS, parse_spec, synthetic_workload
+from batchpilot.sim.synthetic import ARRIVALS, named_workload
 from batchpilot.sim.target import SimRun, draws_batch_times, simulate_encoder
-from batchpilot.sim.traces import STANDARD_WORKLOADS, Workload, conv_embed, load_workload
+from batchpilot.sim.traces import STANDARD_WORKLOADS, Workload
 from batchpilot.sim.tune import (
     TuneConfig,
     Tuner,
@@ -174,15 +174,9 @@ def tune_config(args: argparse.Namespace) -> TuneConfig:
 
 
 def resolve_workload(args: argparse.Namespace) -> Workload:
-    name = str(args.workload)
-    kind = parse_spec(name)[0] if ":" in name or name in ARRIVALS else ""
-    if kind in ARRIVALS and not Path(name).is_file():
-        pool = conv_embed(args.trace).input_tokens if args.lengths.startswith("empirical") else None
-        prio = {int(k): float(v) for k, v in (x.split(":") for x in args.priorities.split(",") if x)}
-        wl = synthetic_workload(name, args.requests or 10_000, args.lengths, args.seed,
-                                priorities=prio or None, empirical_pool=pool)
-        return wl.scale_rate(args.rate_scale) if args.rate_scale != 1.0 else wl
-    return load_workload(name, args.rate_scale, args.start, args.requests, args.trace)
+    return named_workload(str(args.workload), trace=args.trace, rate_scale=args.rate_scale, start=args.start,
+                          requests=args.requests, lengths=args.lengths, priorities=args.priorities,
+                          seed=args.seed)
 
 
 def make_console() -> Any:

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import numpy as np
 
-from batchpilot.sim.traces import Workload
+from batchpilot.sim.traces import Workload, conv_embed, load_workload
 
 ARRIVALS = ("poisson", "renewal", "mmpp", "diurnal")
 LENGTHS = ("lognormal", "bimodal", "empirical", "constant")
@@ -175,3 +176,19 @@ def synthetic_workload(
         raise ValueError(f"synthetic lengths {lkind!r}: choose one of {', '.join(LENGTHS)}")
     prio = priority_mix(priorities, n, rng) if priorities else np.zeros(n, dtype=np.int64)
     return Workload.from_columns(f"{kind}-{lkind}", t, lens, np.full(n, output_tokens), prio)
+
+
+def named_workload(name: str, *, trace: str | None = None, rate_scale: float = 1.0, start: int = 0,
+                   requests: int | None = None, lengths: str = "lognormal:median=128,sigma=0.8",
+                   priorities: str = "", seed: int = 0) -> Workload:
+    """What a ``--workload`` names: a synthetic spec (``requests`` rows, default 10 000, with ``lengths``
+    and the ``priorities`` mix, e.g. ``'0:0.9,-1:0.1'``), else a standard workload or a trace file
+    (``traces.load_workload``: rows ``start``.. of it)."""
+    kind = parse_spec(name)[0] if ":" in name or name in ARRIVALS else ""
+    if kind in ARRIVALS and not Path(name).is_file():
+        pool = conv_embed(trace).input_tokens if lengths.startswith("empirical") else None
+        prio = {int(k): float(v) for k, v in (x.split(":") for x in priorities.split(",") if x)}
+        wl = synthetic_workload(name, requests or 10_000, lengths, seed, priorities=prio or None,
+                                empirical_pool=pool)
+        return wl.scale_rate(rate_scale) if rate_scale != 1.0 else wl
+    return load_workload(name, rate_scale, start, requests, trace)
