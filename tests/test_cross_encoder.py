@@ -31,7 +31,7 @@ from batchpilot.models.cross_encoder import (
     make_pair_batch,
 )
 from batchpilot.models.seeded import MARKER, build_classifier, build_cross_encoder, main
-from batchpilot.runtime.errors import InvalidInput
+from batchpilot.models.tokens import InvalidInput
 
 TOL = 1e-5
 _WORDS = " ".join(topics[k] for k in sorted(topics)).split()

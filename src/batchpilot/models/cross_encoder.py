@@ -35,8 +35,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from batchpilot.core.batch import Batch
 from batchpilot.models.device import HostToDevice, Staged, configure_threads, resolve_device
 from batchpilot.models.encoder import _FAIRSEQ_POSITIONS, DTYPES, _default_name, make_batch
-from batchpilot.models.tokens import TextTokenizer
-from batchpilot.runtime.errors import InvalidInput
+from batchpilot.models.tokens import InvalidInput, TextTokenizer
 
 Activation = Literal["sigmoid", "softmax", "none"]
 _ST_ACTIVATIONS: dict[str, Activation] = {"Sigmoid": "sigmoid", "Identity": "none", "Softmax": "softmax"}

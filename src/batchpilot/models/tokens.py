@@ -10,7 +10,8 @@ The fast tokenizer's Rust backend is called directly, from a copy set to neither
 a fast tokenizer called from several threads with changing settings mutates shared state ("Already
 borrowed"), and the transformers wrapper around the backend costs per call about as much as
 tokenising a short query. Truncation is done here (keeping the closing special token). A slow
-tokenizer falls back to the wrapper with fixed settings.
+tokenizer falls back to the wrapper with fixed settings. ``InvalidInput`` is the error an input the
+model cannot take raises, here and in the cross-encoder's pair tokenising.
 """
 
 from __future__ import annotations
@@ -18,7 +19,15 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from batchpilot.runtime.errors import InvalidInput
+
+class InvalidInput(ValueError):
+    """An input the model cannot take (too many tokens, a token id outside the vocabulary), raised by its
+    executor's ``tokenize``; the message is written for the client, and the server answers it with a 400
+    (``server/service.py``). ``code`` is the OpenAI error code."""
+
+    def __init__(self, message: str, code: str = "invalid_input") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class TextTokenizer:

@@ -29,15 +29,6 @@ class RequestRejected(Exception):
         return f"RequestRejected({self.reason.value}: {self.message})"
 
 
-class InvalidInput(ValueError):
-    """An input the executor cannot take (too many tokens, a token id outside the vocabulary), raised by
-    its ``tokenize``; the message is written for the client. ``code`` is the OpenAI error code."""
-
-    def __init__(self, message: str, code: str = "invalid_input") -> None:
-        super().__init__(message)
-        self.code = code
-
-
 class ExecutionError(Exception):
     """The executor raised on this request alone (found by bisecting its batch); ``__cause__`` is why."""
 
