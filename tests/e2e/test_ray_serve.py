@@ -26,7 +26,7 @@ from inproc import free_port, wait_for
 from batchpilot.bench.scrape import parse_metrics
 from batchpilot.core.config import AdmissionConfig, PolicyConfig, SchedulerConfig
 from batchpilot.server.metrics import BATCH_BUCKETS
-from batchpilot.server.ray.app import check_max_ongoing, required_max_ongoing
+from batchpilot.server.ray.limits import check_max_ongoing, required_max_ongoing
 
 FLAGS = ["--noop", "--noop-delay-ms", "100", "--no-warmup", "--replica-cpus", "0.5",
          "--drain-timeout-s", "20"]
@@ -57,11 +57,11 @@ def test_a_max_ongoing_requests_that_would_cap_batches_is_refused_with_the_numbe
 
 
 def test_serve_ray_refuses_a_max_ongoing_requests_that_caps_batches_before_ray_starts() -> None:
-    from batchpilot.server.ray.app import parse_serve_flags, run_ray
+    from batchpilot.server.cli import parse_serve_flags
 
     args = parse_serve_flags(["--ray", "--noop", "--max-batch-size", "16", "--max-ongoing-requests", "5"])
     with pytest.raises(SystemExit, match=r"--max-ongoing-requests 5 would cap model .*16"):
-        run_ray(args)
+        args.func(args)
 
 
 def test_an_haproxy_that_cannot_start_here_falls_back_to_the_python_proxy_with_the_reason(
@@ -105,8 +105,8 @@ def ray_url() -> Iterator[str]:
     """A local Ray (2 CPUs) and Serve on 127.0.0.1, the app deployed with 2 replicas."""
     if importlib.util.find_spec("ray") is None:  # not imported here: Serve reads its ingress at import
         pytest.skip("Ray is not installed (pip install '.[ray]')")
-    from batchpilot.server.cli import server_config
-    from batchpilot.server.ray.app import APP_NAME, bind_app, parse_serve_flags
+    from batchpilot.server.cli import parse_serve_flags, server_config
+    from batchpilot.server.ray.cli import APP_NAME, bind_app
     from batchpilot.server.ray.cluster import choose_ingress, start_cluster, stop_cluster
     from batchpilot.settings import spec_from_args
 
@@ -140,7 +140,8 @@ def redeploy(url: str, *flags: str) -> None:
     (``serve.run``: new replicas replace the old)."""
     from ray import serve
 
-    from batchpilot.server.ray.app import APP_NAME, app_builder
+    from batchpilot.server.ray.app import app_builder
+    from batchpilot.server.ray.cli import APP_NAME
 
     port = url.rsplit(":", 1)[1]
     app = app_builder({"flags": shlex.join([*FLAGS, *flags, "--port", port])})

@@ -23,11 +23,13 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from batchpilot.core.deployment import DeploymentSpec
 from batchpilot.server.build import build_app
 from batchpilot.server.config import TASKS, ModelSpec, ServerConfig
+from batchpilot.server.ray.cli import add_ray_args, run_ray
 from batchpilot.settings import (
     add_deployment_args,
     add_llm_args,
@@ -45,6 +47,24 @@ log = logging.getLogger("batchpilot.server")
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("serve", help="serve a model behind the batching layer (OpenAI-compatible)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    add_deployment_args(p)
+    add_precision_args(p)
+    add_rollout_args(p)
+    add_llm_args(p)
+    add_llm_limit_args(p)
+    add_startup_args(p)
+    add_listener_args(p)
+    add_request_limit_args(p)
+    add_serving_args(p)
+    add_failover_args(p)
+    add_log_args(p)
+    add_ray_args(p)
+    p.set_defaults(func=run)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """What to serve: each ``--model`` with its name and task, its length and threads."""
     p.add_argument("--model", action="append", default=None, metavar="PATH",
                    help="local HF model folder (default: the embedded MiniLM); repeat to serve several")
     p.add_argument("--model-name", action="append", default=None, metavar="NAME",
@@ -55,20 +75,27 @@ def register(subparsers: Any) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads, fixed (default: per batch, as the profile's or a start-up "
                    "measurement's thread plan says; models/encoder.py)")
-    add_deployment_args(p)
-    add_precision_args(p)
-    add_rollout_args(p)
-    add_llm_args(p)
-    add_llm_limit_args(p)
+
+
+def add_startup_args(p: argparse.ArgumentParser) -> None:
+    """Each model's cost model: its profile, else a start-up measurement (or the default)."""
     p.add_argument("--profile", action="append", default=None, metavar="PATH",
                    help="cost-model profile JSON (`batchpilot profile -o`), one per --model")
     p.add_argument("--no-startup-profile", action="store_true",
                    help="without --profile, use the built-in default cost model instead of measuring")
+
+
+def add_listener_args(p: argparse.ArgumentParser) -> None:
+    """Where to listen, the API key, the shutdown drain."""
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("BATCHPILOT_API_KEY"),
                    help="require Authorization: Bearer KEY on every route but /health")
     p.add_argument("--drain-timeout-s", type=float, default=30.0)
+
+
+def add_request_limit_args(p: argparse.ArgumentParser) -> None:
+    """The request guards of ``server/middleware.py`` and the embeddings routes."""
     limits = p.add_argument_group("request limits (docs/reliability.md)")
     limits.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes,
                         help="request bodies over this get 413 (default: %(default)s, 16 MiB)")
@@ -98,6 +125,10 @@ def register(subparsers: Any) -> None:
     limits.add_argument("--max-input-tokens", type=int, default=ServerConfig.max_input_tokens,
                         help="token ids per embedding token-id input, before truncation "
                              "(default: %(default)s, as OpenAI)")
+
+
+def add_serving_args(p: argparse.ArgumentParser) -> None:
+    """The no-op model, warm-up, the LLM routes and the fidelity logs."""
     p.add_argument("--noop", action="store_true", help="serve a no-op model (benchmarks of the serving path)")
     p.add_argument("--noop-delay-ms", type=float, default=0.0, help="--noop: fixed time per batch")
     p.add_argument("--no-warmup", action="store_true")
@@ -113,6 +144,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--llm-step-log", default=None, metavar="PATH",
                    help="--llm: append one JSON line per engine step (shape features, wall and forward "
                         "seconds) to PATH")
+
+
+def add_failover_args(p: argparse.ArgumentParser) -> None:
+    """The encoder's fallback and both watchdogs."""
     failover = p.add_argument_group("fallback and watchdog (docs/reliability.md)")
     failover.add_argument("--no-encoder-fallback", action="store_true",
                           help="an embedding model served padding-free or below float32 gets no padded "
@@ -128,24 +163,23 @@ def register(subparsers: Any) -> None:
     failover.add_argument("--llm-stall-timeout-s", type=float, default=None, metavar="S",
                           help="--llm: a step running longer than S counts as stalled (default: measured, "
                                "10x the p99 step time, at least 5 s)")
+
+
+def add_log_args(p: argparse.ArgumentParser) -> None:
+    """Log level and format, the access log."""
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.add_argument("--log-format", default="text", choices=("text", "json"),
                    help="json: one JSON object per line (time, level, logger, message, exc_info)")
     p.add_argument("--access-log", action="store_true", help="log every request (off: it costs throughput)")
-    from batchpilot.server.ray.app import add_ray_args  # --ray: flags only; ray itself loads with --ray
-
-    add_ray_args(p)
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from batchpilot.server import lifecycle, logs
 
-    if getattr(args, "ray", False):  # the same app, as a Ray Serve deployment (server/ray/app.py)
-        from batchpilot.server.ray.app import run_ray
-
-        return run_ray(args)
     logs.configure(args.log_level, args.log_format)
+    if getattr(args, "ray", False):  # the same app, as a Ray Serve deployment (server/ray/cli.py)
+        spec = spec_from_args(args)
+        return run_ray(args, server_config(args, spec), spec)
     from batchpilot.core.llm.config import KVPlanError
 
     try:  # a setting that cannot work: its message says what to change, no traceback
@@ -205,6 +239,13 @@ def model_specs(args: argparse.Namespace) -> tuple[ModelSpec, ...]:
                            task=(args.task or ["auto"] * len(paths))[i],
                            profile=(args.profile or [None] * len(paths))[i])
                  for i, path in enumerate(paths))
+
+
+def parse_serve_flags(flags: Sequence[str]) -> argparse.Namespace:
+    """``batchpilot serve`` flags, parsed by the same parser (``register``)."""
+    parser = argparse.ArgumentParser(prog="batchpilot-serve")
+    register(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(["serve", *flags])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,7 @@
         __init__                   build_app(settings, spec, rollout): load the models, resolve each
                                    deployment (``core.deployment``) and arm, the app ``batchpilot
                                    serve`` runs; then
-                                   check ``max_ongoing`` against the resolved configs (``ray_limits``)
+                                   check ``max_ongoing`` against the resolved configs (``ray/limits.py``)
         __serve_build_asgi_app__   that app (late-bound ``@serve.ingress()``), every response carrying
                                    ``x-batchpilot-replica: <pid>`` (which replica answered)
         record_autoscaling_stats   ``server.ray.autoscale.replica_stats`` of its schedulers (the policy's
@@ -33,8 +33,8 @@ from ray import serve
 from batchpilot.core.deployment import DeploymentSpec
 from batchpilot.core.rollout import RolloutSpec
 from batchpilot.server.config import ServerConfig
-from batchpilot.server.ray.app import check_max_ongoing
 from batchpilot.server.ray.autoscale import replica_stats
+from batchpilot.server.ray.limits import check_max_ongoing
 
 log = logging.getLogger("batchpilot.server")
 
