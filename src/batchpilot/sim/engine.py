@@ -118,23 +118,19 @@ class Engine:
 
     def _loop(self, arr: list[float], until_s: float, stats: EngineStats, rows: list[int] | None) -> None:
         # arr holds python floats (faster to index than numpy scalars); counters are locals written
-        # back in ``finally`` so an aborted run still reports them.
+        # back in ``finally`` so an aborted run still reports them. What happens once per job (a start,
+        # a completion) is ``_Slots``'; what happens once per event stays here, in locals.
         n = len(arr)
         target = self.target
         on_done, on_arrival, schedule = target.on_job_done, target.on_arrival, target.schedule
-        busy = stats.busy_s
         num_slots = self.num_slots
-        free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() gives the lowest slot first
         next_at = self.next_job_at
-        accept = [math.inf] * num_slots  # per busy slot: when it takes its next job (pipelining)
-        waiting: list[Job | None] = [None] * num_slots  # per busy slot: the job collated behind it
-        queued_jobs = 0
+        slots = _Slots(num_slots, stats.busy_s, next_at)
+        running, free, accept = slots.running, slots.free, slots.accept
         has_pending = getattr(type(target), "has_pending", None)
-        running: list[tuple[float, int, Job]] = []  # (end time, seq, job)
-        push, pop = heapq.heappush, heapq.heappop
         inf = math.inf
         wake = inf
-        i = seq = wakes = calls = 0
+        i = wakes = calls = 0
         last = 0.0
         progress, every = self.progress, self.progress_every
         next_report = every
@@ -149,21 +145,8 @@ class Engine:
                     break
                 last = now
                 # every event at this instant: completions first, then arrivals (row order), then the wake-up
-                while running and running[0][0] == now:
-                    job = pop(running)[2]
-                    slot = job.slot
-                    busy[slot] += job.duration_s
-                    on_done(job, now)
-                    queued = waiting[slot]
-                    if queued is None:
-                        accept[slot] = inf
-                        free.append(slot)
-                    else:  # the slot's next job was collated meanwhile: it starts now
-                        waiting[slot] = None
-                        queued.start_s = now
-                        seq += 1
-                        push(running, (now + queued.duration_s, seq, queued))
-                        accept[slot] = next_at(queued) if next_at is not None else inf
+                if running and running[0][0] == now:
+                    slots.finish(now, on_done)
                 while i < n and arr[i] == now:
                     on_arrival(i if rows is None else rows[i], now)
                     i += 1
@@ -179,22 +162,7 @@ class Engine:
                 jobs, wake_at = schedule(now, len(free) + len(ready))
                 calls += 1
                 if jobs:
-                    if len(jobs) > len(free) + len(ready):
-                        raise RuntimeError(f"target started {len(jobs)} jobs with "
-                                           f"{len(free) + len(ready)} free slots")
-                    for job in jobs:
-                        if free:
-                            job.slot = slot = free.pop()
-                            job.start_s = now
-                            seq += 1
-                            push(running, (now + job.duration_s, seq, job))
-                            accept[slot] = next_at(job) if next_at is not None else inf
-                        else:  # a busy slot past its accept time: the job waits for the running one
-                            slot = ready.pop(0)
-                            job.slot = slot
-                            waiting[slot] = job
-                            accept[slot] = inf
-                            queued_jobs += 1
+                    slots.start(jobs, ready, now)
                 wake = inf if wake_at is None else wake_at
                 if next_at is not None and (has_pending is None or target.has_pending):  # type: ignore[attr-defined]
                     soon = min(accept)
@@ -207,10 +175,67 @@ class Engine:
                     wake = math.nextafter(now, inf)
         finally:
             stats.end_s = last
-            stats.num_events = i + (seq - len(running)) + wakes  # arrivals + completions + wake-ups
+            stats.num_events = i + (slots.seq - len(running)) + wakes  # arrivals + completions + wake-ups
             stats.num_schedule_calls = calls
-            stats.num_jobs = seq + sum(1 for w in waiting if w is not None)
-            stats.num_pipelined = queued_jobs
+            stats.num_jobs = slots.seq + sum(1 for w in slots.waiting if w is not None)
+            stats.num_pipelined = slots.queued_jobs
             stats.stalled = not running and wake == inf and bool(getattr(target, "has_pending", False))
             if progress is not None:
                 progress(i)
+
+
+class _Slots:
+    """The executor slots of one run: the idle ones (``free``), the jobs running (a heap of (end time,
+    sequence, job)), and per busy slot when it takes its next job (``accept``: pipelining) and the job
+    collated behind its running one (``waiting``). The loop calls in here once per job, not per event."""
+
+    __slots__ = ("free", "accept", "waiting", "running", "busy", "next_at", "seq", "queued_jobs")
+
+    def __init__(self, num_slots: int, busy: list[float], next_at: Callable[[Job], float] | None) -> None:
+        self.free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() gives the lowest slot first
+        self.accept = [math.inf] * num_slots
+        self.waiting: list[Job | None] = [None] * num_slots
+        self.running: list[tuple[float, int, Job]] = []
+        self.busy = busy  # per slot: seconds of jobs finished on it
+        self.next_at = next_at
+        self.seq = 0  # jobs started, the heap's tie-break (start order)
+        self.queued_jobs = 0  # jobs taken by a busy slot (started when its running job ended)
+
+    def begin(self, job: Job, slot: int, now: float) -> None:
+        job.slot = slot
+        job.start_s = now
+        self.seq += 1
+        heapq.heappush(self.running, (now + job.duration_s, self.seq, job))
+        self.accept[slot] = self.next_at(job) if self.next_at is not None else math.inf
+
+    def finish(self, now: float, on_done: Callable[[Job, float], None]) -> None:
+        """Every job ending at ``now``, in start order; a job collated behind one starts at once."""
+        running, waiting = self.running, self.waiting
+        while running and running[0][0] == now:
+            job = heapq.heappop(running)[2]
+            slot = job.slot
+            self.busy[slot] += job.duration_s
+            on_done(job, now)
+            queued = waiting[slot]
+            if queued is None:
+                self.accept[slot] = math.inf
+                self.free.append(slot)
+            else:  # the slot's next job was collated meanwhile: it starts now
+                waiting[slot] = None
+                self.begin(queued, slot, now)
+
+    def start(self, jobs: Sequence[Job], ready: list[int], now: float) -> None:
+        """``schedule``'s jobs: on idle slots now (lowest first), then each behind a busy slot past its
+        accept time (``ready``), to start when that slot's running job ends."""
+        if len(jobs) > len(self.free) + len(ready):
+            raise RuntimeError(f"target started {len(jobs)} jobs with "
+                               f"{len(self.free) + len(ready)} free slots")
+        for job in jobs:
+            if self.free:
+                self.begin(job, self.free.pop(), now)
+            else:
+                slot = ready.pop(0)
+                job.slot = slot
+                self.waiting[slot] = job
+                self.accept[slot] = math.inf
+                self.queued_jobs += 1
