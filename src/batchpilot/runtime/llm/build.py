@@ -1,16 +1,9 @@
-"""The engine's memory plan at start-up: which ``MemoryProfile`` feeds the deployment's KV plan
-(``core.llm.config.resolve_llm_deployment``, which runs ``core.llm.config.plan_kv`` on it).
-
-* a profile file from ``batchpilot profile --llm`` (its ``"memory"`` section): measured before the
-  run, checked to be of this model and precision (same KV bytes per token);
-* else, when the pool is sized from a budget (``kv_cache_memory`` / ``memory_utilization``), the
-  activation peak is measured here, on a probe runner over the same weights with a small pool
-  (``models/llm/runner.measure_memory``, a second or two);
-* else the model's tensors alone (weights and KV bytes exact, no activation term): ``num_kv_blocks``
-  is kept and only checked.
-
-The deployment's notes and plan are logged; the plan is kept on the engine (``engine.memory_plan``) for
-``/metrics``.
+"""Building LLM engines: ``build_llm_engine(model_path, **engine_config)`` loads the model and tokenizer,
+plans the KV pool and builds the paged KV runner, scheduler and engine; ``build_llm_arm(engine)`` another
+engine over the same weights (a rollout arm); ``build_fallback(engine)`` the static-batching fallback on
+the same weights; ``build_failover(engine)`` the engine behind its watchdog and circuit breaker, with that
+fallback or none. First, the engine's memory plan at start-up, which the builders and
+``batchpilot profile --llm`` use.
 """
 
 from __future__ import annotations
@@ -18,13 +11,36 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from batchpilot.core.deployment import DeploymentSpec, LLMDeployment, LLMModelLimits, resolve_llm_deployment
-from batchpilot.core.llm.config import LLMSchedulerConfig, MemoryProfile, largest_gather
+from batchpilot.core.llm.config import KVPlan, LLMSchedulerConfig, MemoryProfile, largest_gather
+
+if TYPE_CHECKING:  # the builders import the model side when they run: torch loads only then
+    from batchpilot.models.seeded import LLMModelConfig
+    from batchpilot.runtime.llm.engine import LLMEngine
+    from batchpilot.runtime.llm.failover import LLMFailover
+    from batchpilot.runtime.llm.fallback import StaticFallback
 
 log = logging.getLogger("batchpilot.llm")
+
+
+# -- The memory plan at start-up ----------------------------------------------------------------------
+# Which ``MemoryProfile`` feeds the deployment's KV plan
+# (``core.llm.config.resolve_llm_deployment``, which runs ``core.llm.config.plan_kv`` on it).
+#
+# * a profile file from ``batchpilot profile --llm`` (its ``"memory"`` section): measured before the
+#   run, checked to be of this model and precision (same KV bytes per token);
+# * else, when the pool is sized from a budget (``kv_cache_memory`` / ``memory_utilization``), the
+#   activation peak is measured here, on a probe runner over the same weights with a small pool
+#   (``models/llm/runner.measure_memory``, a second or two);
+# * else the model's tensors alone (weights and KV bytes exact, no activation term): ``num_kv_blocks``
+#   is kept and only checked.
+#
+# The deployment's notes and plan are logged; the plan is kept on the engine (``engine.memory_plan``) for
+# ``/metrics``.
 
 PROBE_TOKENS = 4096  # the probe runner's KV pool: enough for the measured shapes, small for big models
 
@@ -40,7 +56,7 @@ def load_memory_profile(path: str | Path) -> MemoryProfile:
 def engine_memory(weights: Any, config: LLMSchedulerConfig, device: str, dtype: Any,
                   profile: MemoryProfile | str | Path | None = None, overhead_bytes: float = 0.0
                   ) -> MemoryProfile:
-    """The ``MemoryProfile`` the plan is made from (see the module docstring); ``overhead_bytes``: what
+    """The ``MemoryProfile`` the plan is made from (the rules in the comment above); ``overhead_bytes``: what
     loading this model cost beyond its weights, measured by the builder (a profile brings its own)."""
     import dataclasses
 
@@ -129,15 +145,7 @@ def profile_engine_memory(engine: Any, burst_seqs: int = 32, burst_prompt: int =
     return dataclasses.replace(memory, overhead_bytes=overhead), points
 
 
-# ``build_llm_engine(model_path, **engine_config)``: model, tokenizer, paged KV runner and scheduler;
-# ``build_fallback(engine)``: the static-batching fallback on the same weights; ``build_failover(engine)``:
-# the engine behind its watchdog and circuit breaker, with that fallback or none.
-
-
-if TYPE_CHECKING:
-    from batchpilot.runtime.llm.engine import LLMEngine
-    from batchpilot.runtime.llm.failover import LLMFailover
-    from batchpilot.runtime.llm.fallback import StaticFallback
+# -- The builders ---------------------------------------------------------------------------------------
 
 _SCHED_FIELDS = {f.name for f in dataclasses.fields(LLMSchedulerConfig)}
 
@@ -166,35 +174,15 @@ def build_llm_engine(model_path: str | None = None, spec: DeploymentSpec | None 
     for the model's positions lowers ``max_model_len`` when it was not given, and is an error when it
     was (``KVPlanError`` says what to change). ``engine.deployment`` keeps the resolved deployment.
     """
-    import torch
-
+    from batchpilot.models.device import configure_threads, free_memory_bytes, used_memory_bytes
     from batchpilot.models.llm.runner import LLMModelRunner
     from batchpilot.models.llm.sampler import Sampler
     from batchpilot.models.llm.tokenizer import load_tokenizer
     from batchpilot.models.llm.weights import LlamaWeights, load_hf_llama
-    from batchpilot.models.seeded import LLMModelConfig
     from batchpilot.runtime.llm.engine import LLMEngine
 
-    cfg = dict(engine_config)
-    device = str(cfg.pop("device", "cpu"))
-    dtype = getattr(torch, str(cfg.pop("dtype", "float32")))
-    start = bool(cfg.pop("start", True))
-    sampler_seed = int(cfg.pop("sampler_seed", 0))
-    threads = int(cfg.pop("threads", 0))
-    tokenizer_threads = int(cfg.pop("tokenizer_threads", 0))
-    memory_profile = cfg.pop("memory_profile", None)
-    plan_rows = bool(cfg.pop("plan_rows", True))
-    model_fields = {f.name for f in dataclasses.fields(LLMModelConfig)}
-    model_kw = {k: cfg.pop(k) for k in list(cfg) if k in model_fields}
-    sched_kw = {k: cfg.pop(k) for k in list(cfg) if k in _SCHED_FIELDS}
-    spec = spec or DeploymentSpec()
-    if sched_kw:
-        spec = spec.replace(llm=dataclasses.replace(spec.llm, **sched_kw), llm_given=frozenset(sched_kw))
-    name = str(cfg.pop("model_name", model_path or "batchpilot-tiny-llama"))
-    if cfg:
-        raise ValueError(f"build_llm_engine: unknown option(s) {sorted(cfg)}; see the docstring for the keys")
-    model_cfg = LLMModelConfig(**model_kw)
-    from batchpilot.models.device import configure_threads, free_memory_bytes, used_memory_bytes
+    o = build_options(model_path, spec, engine_config)
+    device, dtype, threads, model_cfg, spec = o.device, o.dtype, o.threads, o.model, o.spec
 
     if device == "cpu" or threads:  # 1 is steadier than every core when other jobs share them; set
         # here for the start-up measurements (row plan, preemption costs) and again by each thread that
@@ -218,8 +206,8 @@ def build_llm_engine(model_path: str | None = None, spec: DeploymentSpec | None 
     overhead = 0.0 if device.startswith("cuda") else max(
         0.0, used_memory_bytes(device) - held_before - weights_memory(weights, dtype).weights_bytes)
     limits = LLMModelLimits(weights.max_position_embeddings, tuple(sorted(eos)))
-    deployment, memory = plan_engine_memory(weights, spec, limits, device, dtype, free_bytes, memory_profile,
-                                            overhead)
+    deployment, memory = plan_engine_memory(weights, spec, limits, device, dtype, free_bytes,
+                                            o.memory_profile, overhead)
     config, plan = deployment.config, deployment.plan
     assert plan is not None  # planned from a memory profile
     runner = LLMModelRunner(weights, config.num_kv_blocks, config.block_size, device=device, dtype=dtype,
@@ -227,15 +215,69 @@ def build_llm_engine(model_path: str | None = None, spec: DeploymentSpec | None 
                             decode_run_tokens=config.decode_run_tokens)
     runner.max_gather_tokens = largest_gather(config)  # what core.llm.config reserves
     runner.threads = threads or None
-    if plan_rows:
+    if o.plan_rows:
         log.info("llm rows: token rows padded (rows: padded to) %s", runner.plan_rows().padded() or "none")
-    engine = LLMEngine(runner, tokenizer, config, model_name=name, sampler=Sampler(sampler_seed),
-                       tokenizer_threads=tokenizer_threads)
+    engine = LLMEngine(runner, tokenizer, config, model_name=o.name, sampler=Sampler(o.sampler_seed),
+                       tokenizer_threads=o.tokenizer_threads)
     engine.memory_plan, engine.memory_profile = plan, memory
     engine.deployment = deployment
     # the fallback engine's model (runtime/llm/fallback.py): the HF module over the runner's tensors
     engine.hf_model = share_runner_weights(hf, runner.w)
     engine.memory_held_before = held_before
+    check_built_overhead(engine, plan)
+    return engine.start() if o.start else engine
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """``build_llm_engine``'s keys, sorted: how and where the model runs, and the deployment with the
+    scheduler fields given as keys set on top of its ``llm:`` section."""
+
+    device: str
+    dtype: Any  # a torch.dtype
+    name: str
+    start: bool
+    sampler_seed: int
+    threads: int
+    tokenizer_threads: int
+    memory_profile: MemoryProfile | str | Path | None
+    plan_rows: bool
+    model: LLMModelConfig
+    spec: DeploymentSpec
+
+
+def build_options(model_path: str | None, spec: DeploymentSpec | None,
+                  engine_config: dict[str, Any]) -> BuildOptions:
+    """``build_llm_engine``'s keys read (its docstring lists them); an unknown key is an error."""
+    import torch
+
+    from batchpilot.models.seeded import LLMModelConfig
+
+    cfg = dict(engine_config)
+    device = str(cfg.pop("device", "cpu"))
+    dtype = getattr(torch, str(cfg.pop("dtype", "float32")))
+    start = bool(cfg.pop("start", True))
+    sampler_seed = int(cfg.pop("sampler_seed", 0))
+    threads = int(cfg.pop("threads", 0))
+    tokenizer_threads = int(cfg.pop("tokenizer_threads", 0))
+    memory_profile = cfg.pop("memory_profile", None)
+    plan_rows = bool(cfg.pop("plan_rows", True))
+    model_fields = {f.name for f in dataclasses.fields(LLMModelConfig)}
+    model_kw = {k: cfg.pop(k) for k in list(cfg) if k in model_fields}
+    sched_kw = {k: cfg.pop(k) for k in list(cfg) if k in _SCHED_FIELDS}
+    spec = spec or DeploymentSpec()
+    if sched_kw:
+        spec = spec.replace(llm=dataclasses.replace(spec.llm, **sched_kw), llm_given=frozenset(sched_kw))
+    name = str(cfg.pop("model_name", model_path or "batchpilot-tiny-llama"))
+    if cfg:
+        raise ValueError(f"build_llm_engine: unknown option(s) {sorted(cfg)}; see the docstring for the keys")
+    return BuildOptions(device, dtype, name, start, sampler_seed, threads, tokenizer_threads, memory_profile,
+                        plan_rows, LLMModelConfig(**model_kw), spec)
+
+
+def check_built_overhead(engine: LLMEngine, plan: KVPlan) -> None:
+    """Log what the built engine holds beyond its weights and KV pool (``built_overhead``) against what
+    the plan left for it; warn when a budgeted plan left too little (the pool may not fit)."""
     built = built_overhead(engine)
     log.info("llm memory: built, the engine holds %.1f MiB beyond its weights and KV pool (the plan left "
              "%.1f MiB)", built / (1 << 20), plan.overhead_bytes / (1 << 20))
@@ -244,7 +286,6 @@ def build_llm_engine(model_path: str | None = None, spec: DeploymentSpec | None 
                     "left %.1f MiB for it; profile with `batchpilot profile --llm` and serve with "
                     "--llm-profile to plan with the built figure", built / (1 << 20),
                     plan.overhead_bytes / (1 << 20))
-    return engine.start() if start else engine
 
 
 def built_overhead(engine: LLMEngine) -> float:
