@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import logging
 import math
@@ -142,7 +143,7 @@ class Batcher:
         through (``StageTimes``). Must be called on the event loop thread."""
         pairs = self._enqueue_group(payloads, lengths, priority, deadline, sla, times)
         for rid, future in pairs:
-            future.add_done_callback(lambda f, rid=rid: self._cancel(rid) if f.cancelled() else None)
+            future.add_done_callback(functools.partial(self._withdraw_if_cancelled, rid))
         return [f for _, f in pairs]
 
     @property
@@ -216,6 +217,10 @@ class Batcher:
     def _start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._task = self._loop.create_task(self._drive(), name="batchpilot-driver")
+
+    def _withdraw_if_cancelled(self, rid: int, future: asyncio.Future[Any]) -> None:
+        if future.cancelled():
+            self._cancel(rid)
 
     def _cancel(self, rid: int) -> None:
         pending = self._pending.pop(rid, None)

@@ -46,7 +46,8 @@ class JsonLines:
 
         if not flush_s > 0:
             raise ValueError(f"{name}: the flush period must be > 0 s, got {flush_s}")
-        self._dumps = lambda d: orjson.dumps(d, option=orjson.OPT_SERIALIZE_NUMPY)
+        self._dumps: Callable[[dict[str, Any]], bytes] = lambda d: orjson.dumps(
+            d, option=orjson.OPT_SERIALIZE_NUMPY)
         self._f = open(path, "ab")  # noqa: SIM115 - closed by close()
         self._to_json = to_json
         self._items: collections.deque[Any] = collections.deque()
