@@ -12,8 +12,10 @@ The core decides everything; this file only moves data between the core and the 
 Guarantees: every accepted request's future completes exactly once (result, ``RequestRejected`` or
 ``ExecutionError``); a cancelled caller is removed from the queue before execution (or its result is
 discarded if its batch is already running); an exception in a batch reaches only the request(s) that
-cause it (bisection); ``shutdown`` stops admission, drains, then fails what is left. How a batch runs
-on its slot (prepare, run, bisect, recover) is ``runtime/batcher.py``.
+cause it (bisection); ``shutdown`` stops admission, drains, then fails what is left.
+
+Sections, in order: the observer hooks the Batcher calls (``BatcherObserver``), the Batcher, how it
+runs a dispatched batch on its slot (prepare, run, bisect, recover), and its watchdog.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from batchpilot.runtime.errors import ExecutionError, ExecutorCrashed, RequestRe
 from batchpilot.runtime.executor import Executor
 from batchpilot.runtime.pipeline import Slot
 
+# -- Observer hooks --------------------------------------------------------------------------------
 # Hooks the Batcher calls at each step of a request's life, so metrics live outside the driver.
 #
 # The server's Prometheus metrics subclass this; the default does nothing. Every hook runs on the event
@@ -457,6 +460,7 @@ class Batcher:
 
 
 
+# -- Running a batch on its slot -------------------------------------------------------------------
 # How the Batcher runs a dispatched batch on its slot: prepare, run, bisect on failure, recover.
 #
 #     busy slot (a batch runs):  prepare on the slot's prepare thread ──▶ wait for the run stage ──▶ run
@@ -499,6 +503,7 @@ class StageTimes:
 
 
 
+# -- The watchdog ----------------------------------------------------------------------------------
 # The encoder Batcher's watchdog: a slot whose batch has run past the stall bound is a stall.
 #
 # The bound is the stall rule of ``core.stall`` over the Batcher's own measured batch times (each

@@ -13,7 +13,8 @@ together every ``FLUSH_S`` seconds, and once more at ``close()``. Contract for r
 process runs, an item is in the file ``FLUSH_S`` seconds after its ``append`` at the latest, give or
 take the writer's turn on the GIL (``wait_written`` waits that long, with a margin); lines are whole
 (readers still take whole lines only); after ``close()`` every appended item is written and later
-``append`` calls are dropped.
+``append`` calls are dropped. The encoder's batch log (``BatchLog``) is the last section; the engine's
+step log is ``runtime/llm/engine.py``'s ``StepLog``.
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ def wait_written(flush_s: float = FLUSH_S) -> None:
     time.sleep(WRITTEN_MARGIN * flush_s)
 
 
+# -- The batch log ---------------------------------------------------------------------------------
 # One JSON line per executed encoder batch (``serve --batch-log PATH``).
 #
 # A batch observer of the ``Batcher`` (``batcher.batch_observers``): for every batch that ran, when the

@@ -2,7 +2,7 @@
 
 Every token of the step (prefill chunks and decodes alike) goes through the dense layers as one
 packed ``[T, D]`` matrix: no padding between chunks, two fused matmuls per block (qkv, gate_up) plus o
-and down; ``row_plan`` (``row_plan.py``) may add up to three rows to ``T`` where the matmuls run
+and down; ``row_plan`` (the row plan section) may add up to three rows to ``T`` where the matmuls run
 faster with them, rows never written to the cache, attended to or sampled.
 Only attention differs by chunk kind, and it reads keys/values through block tables:
 
@@ -23,6 +23,9 @@ Swap space: ``num_swap_blocks`` host blocks of K and V (``[layers, blocks, block
 head_dim]``, pinned memory beside a CUDA cache, plain ``torch.empty`` on CPU so swap space never used
 costs no resident memory). ``swap(out_pairs, in_pairs)`` makes a plan's block copies, whole blocks per
 layer; the driver calls it before the step's ``forward``.
+
+Sections, in order: the row plan (the token row counts the dense layers run fastest at), the runner,
+and what is measured on a runner (its memory, the preemption and prefill costs the engine prices with).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from batchpilot.core.llm.scheduler import PreemptionCosts, ScheduledChunk, StepP
 from batchpilot.models.device import peak_memory_bytes
 from batchpilot.models.llm.weights import LlamaWeights
 
+# -- The row plan ----------------------------------------------------------------------------------
 # The row counts a step's dense layers run fastest at, measured on the runner's own weights.
 #
 # Every token of a step goes through the dense layers as one ``[T, D]`` matrix (``model_runner``). A
@@ -388,6 +392,7 @@ class LLMModelRunner:
         return (h @ w.lm_head.T).float()
 
 
+# -- Memory and speed, measured on the runner ------------------------------------------------------
 # What an LLM engine's memory is made of, measured on its runner: the input of ``core/llm/config.py``.
 #
 # * weights: the bytes of the runner's tensors (fused weights, embeddings, RoPE tables), counted once;

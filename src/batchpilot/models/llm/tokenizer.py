@@ -3,7 +3,8 @@
 No hub: the corpus is ``pydoc_data.topics`` (English documentation bundled with CPython), the trainer
 is the ``tokenizers`` library, and the result is deterministic (same merges on every machine, checked
 in tests). Any text round-trips because the base alphabet is the 256 bytes. A local checkpoint brings
-its own tokenizer instead (``load_tokenizer(path)``).
+its own tokenizer instead (``load_tokenizer(path)``). The last section turns token ids back into streamed
+text (``IncrementalDetokenizer``).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ def load_tokenizer(model_path: str | Path | None, vocab_size: int = 4096) -> Pre
     return tok
 
 
+# -- Incremental detokenizing ----------------------------------------------------------------------
 # Token ids to streamed text, one token at a time, with stop strings.
 #
 # Two offsets (TGI's scheme): decode ``ids[prefix:read]`` and ``ids[prefix:]`` and emit the difference,
