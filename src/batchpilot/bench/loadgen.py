@@ -316,6 +316,68 @@ def build_plan(
     return plan
 
 
+class _Sender:
+    """Sends one planned request of a replay and records it: its send time (warning once when the load
+    generator falls behind its schedule), its answer or error, the progress bar, and ``stop_when``
+    asked after each finished request."""
+
+    def __init__(self, client: httpx.AsyncClient, endpoint: str, model: str, clock: Callable[[], float],
+                 progress: ReplayProgress | None, stop_when: Callable[[list[RequestRecord]], bool] | None,
+                 stop: asyncio.Event) -> None:
+        self.client, self.path, self.send = client, PATHS[endpoint], SENDERS[endpoint]
+        self.model, self.clock, self.progress = model, clock, progress
+        self.stop_when, self.stop = stop_when, stop
+        self.finished: list[RequestRecord] = []
+        self.warned = False
+
+    async def one(self, p: PlannedRequest, rec: RequestRecord) -> None:
+        clock = self.clock
+        body = {"model": self.model, **p.body}
+        rec.sent_s = clock()
+        if not self.warned and rec.sent_s - rec.scheduled_s > LIVE_LAG_WARN_S:
+            self.warned = True  # say it while it happens; the summary reports the lag distribution
+            late_ms = (rec.sent_s - rec.scheduled_s) * 1e3
+            print(f"loadgen: request {p.index} sent {late_ms:.0f} ms late: the load generator is falling "
+                  "behind its schedule (CPU-bound?)", file=sys.stderr)
+        try:
+            await self.send(self.client, self.path, body, rec, clock, p.headers)
+        except asyncio.CancelledError:
+            rec.error = "cancelled: stopped early"
+            rec.done_s = clock()
+        except (httpx.HTTPError, ValueError) as exc:
+            rec.done_s = clock()
+            rec.error = f"{type(exc).__name__}: {exc}"[:200]
+            rec.status = 0
+        else:
+            if math.isfinite(rec.done_s) and math.isfinite(rec.sent_s):
+                rec.latency_s = rec.done_s - rec.sent_s
+        self.finished.append(rec)
+        if self.progress is not None:
+            self.progress.done(rec.ok)
+        if self.stop_when is not None and not self.stop.is_set() and self.stop_when(self.finished):
+            self.stop.set()
+
+
+async def _drain(tasks: list[asyncio.Task[None]], stop: asyncio.Event) -> bool:
+    """Wait for the requests in flight; once ``stop`` is set, cancel those still running. Whether the
+    replay stopped early."""
+    stopped = stop.is_set()
+    pending: set[asyncio.Future[Any]] = set(tasks)
+    while pending:
+        waiter: asyncio.Future[Any] = asyncio.ensure_future(stop.wait())
+        _, pending = await asyncio.wait(pending | {waiter}, return_when=asyncio.FIRST_COMPLETED)
+        if waiter in pending:
+            pending.discard(waiter)
+            waiter.cancel()
+        if stop.is_set():
+            stopped = True
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            break
+    return stopped
+
+
 async def replay_async(
     plan: Sequence[PlannedRequest],
     config: LoadGenConfig,
@@ -329,8 +391,6 @@ async def replay_async(
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None,
                           keepalive_expiry=config.keepalive_s)
     timeout = httpx.Timeout(config.timeout_s, connect=min(config.timeout_s, 10.0))
-    path = PATHS[config.endpoint]
-    send = SENDERS[config.endpoint]
     async with httpx.AsyncClient(base_url=config.base_url, timeout=timeout, limits=limits) as client:
         model = config.model or await discover_model(client, config.endpoint)
         loop = asyncio.get_running_loop()
@@ -339,7 +399,6 @@ async def replay_async(
             scraper = await MetricsScraper.start(client, config.scrape_interval_s)
         records = [RequestRecord(p.index, p.scheduled_s, p.input_tokens, p.output_tokens, warmup=p.warmup)
                    for p in plan]
-        finished: list[RequestRecord] = []
         stop = asyncio.Event()
         t0 = loop.time() + config.start_delay_s
         origin = time.monotonic() + (t0 - loop.time())  # the loop's clock may have another base
@@ -348,35 +407,7 @@ async def replay_async(
         if scraper is not None:
             scraper.set_origin(t0)
 
-        warned = False
-
-        async def one(p: PlannedRequest, rec: RequestRecord) -> None:
-            nonlocal warned
-            body = {"model": model, **p.body}
-            rec.sent_s = clock()
-            if not warned and rec.sent_s - rec.scheduled_s > LIVE_LAG_WARN_S:
-                warned = True  # say it while it happens; the summary reports the lag distribution
-                late_ms = (rec.sent_s - rec.scheduled_s) * 1e3
-                print(f"loadgen: request {p.index} sent {late_ms:.0f} ms late: the load generator is falling "
-                      "behind its schedule (CPU-bound?)", file=sys.stderr)
-            try:
-                await send(client, path, body, rec, clock, p.headers)
-            except asyncio.CancelledError:
-                rec.error = "cancelled: stopped early"
-                rec.done_s = clock()
-            except (httpx.HTTPError, ValueError) as exc:
-                rec.done_s = clock()
-                rec.error = f"{type(exc).__name__}: {exc}"[:200]
-                rec.status = 0
-            else:
-                if math.isfinite(rec.done_s) and math.isfinite(rec.sent_s):
-                    rec.latency_s = rec.done_s - rec.sent_s
-            finished.append(rec)
-            if progress is not None:
-                progress.done(rec.ok)
-            if stop_when is not None and not stop.is_set() and stop_when(finished):
-                stop.set()
-
+        sender = _Sender(client, config.endpoint, model, clock, progress, stop_when, stop)
         tasks: list[asyncio.Task[None]] = []
         wall0 = time.perf_counter()
         for p, rec in zip(plan, records, strict=True):
@@ -386,21 +417,8 @@ async def replay_async(
                     await asyncio.wait_for(stop.wait(), delay)
             if stop.is_set():
                 break
-            tasks.append(asyncio.create_task(one(p, rec)))
-        stopped = stop.is_set()
-        pending = set(tasks)
-        while pending:
-            waiter = asyncio.ensure_future(stop.wait())
-            _, pending = await asyncio.wait(pending | {waiter}, return_when=asyncio.FIRST_COMPLETED)
-            if waiter in pending:
-                pending.discard(waiter)
-                waiter.cancel()
-            if stop.is_set():
-                stopped = True
-                for t in pending:
-                    t.cancel()
-                await asyncio.gather(*pending, return_exceptions=True)
-                break
+            tasks.append(asyncio.create_task(sender.one(p, rec)))
+        stopped = await _drain(tasks, stop)
         wall = time.perf_counter() - wall0
         if progress is not None:
             progress.close()
