@@ -1,13 +1,35 @@
-"""One engine step's work, as the LLM scheduler plans it and the model runner executes it.
+"""The LLM scheduler: iteration-level (continuous) batching over a paged KV cache,
+``schedule(now) -> StepPlan`` and ``update``.
 
-    ScheduledChunk   compute KV for some tokens of one sequence (a prefill chunk or one decode)
-    StepPlan         the chunks of one step, the sequences it preempted and the KV block copies of
-                     swapping (made before the forward); ``shape`` is what the cost model prices
-    SeqOutput        what one sequence produced in a step: a new token, and maybe its end
-    decode_groups    how the runner splits a step's decodes into runs padded to their own longest
-                     context (shared with the cost model's KV feature, so both agree on a step's reads)
-    largest_gather   the most context tokens one gather of a step can hold under a config (what the
-                     memory plan reserves for it, and the runner's gather buffers never outgrow)
+Each step packs, under a token budget (``max_num_batched_tokens``) and a sequence cap
+(``max_num_seqs``), one token for every decoding sequence plus prefill chunks of waiting or
+partially prefilled ones (chunked prefill, as in vLLM v1: a sequence is simply "behind" by
+``num_pending_tokens`` and the step lets it catch up by as many as the budget allows).
+
+Order is a key: FCFS ``(arrival, seq_id)`` or priority ``(priority, arrival, seq_id)``. Under priority a
+sequence that has waited ``max_priority_wait_s`` since its arrival is *aged*: it is ordered ahead of every
+sequence that is not, and aged sequences among themselves by ``(arrival, seq_id)``, i.e. FCFS. Nothing
+that arrives after an aged sequence can go ahead of it, so it is admitted within ``max_priority_wait_s``
+plus the time to serve what arrived before it and what was already running when it aged, whatever the
+later traffic. Running sequences are served in key order; when one needs a block and none is free, the
+*worst* running sequence not yet served this step (last in key order — possibly the one asking) is
+preempted. The preemption rule (below) picks how: *recompute* (its blocks are freed and it returns to the
+waiting queue with its original key, so it resumes ahead of everything that arrived after it) or *swap*
+(its blocks are copied to host blocks, ``core/llm/blocks.py``, and it goes to the swapped queue keeping
+its computed tokens). The best running sequence can always evict all others and alone it always fits
+(``add`` rejects any sequence whose worst case exceeds the pool), so every step makes progress and nothing
+deadlocks or starves behind later arrivals. After the running sequences, in a step that did not preempt:
+swapped sequences are swapped back in key order (head-of-line), then, once none is left swapped, waiting
+sequences are admitted in key order with no overtaking. A swapped sequence was running, so resuming it
+first adds no work the bounds above do not already count. The plan lists the block copies (``swap_out``
+before ``swap_in``, never both in one step) the driver makes before the step's forward.
+
+Time enters only as an argument: the driver (engine thread, simulator, test) calls ``expire(now)`` and
+``schedule(now)`` on the clock its arrivals are stamped with, runs the plan, and hands the sampled
+tokens to ``update``. Admission (which requests enter at all) is ``core/llm/admission.py``'s.
+
+Sections, in order: one engine step's work as the scheduler plans it and the model runner executes it,
+what a preempted sequence costs to bring back (and the swap-or-recompute rule), and the scheduler.
 """
 
 from __future__ import annotations
@@ -25,6 +47,16 @@ from batchpilot.core.llm.blocks import BlockManager, BlockStats, SwapSpace
 from batchpilot.core.llm.config import DECODE_RUN_TOKENS, LLMSchedulerConfig, PreemptionMode
 from batchpilot.core.llm.sequence import FinishReason, SeqStatus, Sequence
 
+# -- One step's work -------------------------------------------------------------------------------
+# One engine step's work, as the scheduler plans it and the model runner executes it.
+#
+#     ScheduledChunk   compute KV for some tokens of one sequence (a prefill chunk or one decode)
+#     StepPlan         the chunks of one step, the sequences it preempted and the KV block copies of
+#                      swapping (made before the forward); ``shape`` is what the cost model prices
+#     SeqOutput        what one sequence produced in a step: a new token, and maybe its end
+#     decode_groups    how the runner splits a step's decodes into runs padded to their own longest
+#                      context (shared with the cost model's KV feature, so both agree on a step's reads)
+#     (``core/llm/config.largest_gather`` is the most context tokens one gather can hold under a config)
 
 @dataclass(frozen=True, slots=True)
 class SeqOutput:
@@ -136,6 +168,7 @@ def decode_groups(ctx_sorted: Seq[int], max_tokens: int = DECODE_RUN_TOKENS) -> 
     return groups
 
 
+# -- Preemption costs ------------------------------------------------------------------------------
 # What a preempted sequence costs to bring back, and the rule that picks swap or recompute for it.
 #
 # When the scheduler must take a running sequence's KV blocks, the sequence can come back two ways:
@@ -262,42 +295,12 @@ class PreemptionCounters:
         self.num_recomputed_tokens += num_tokens
 
 
-# Iteration-level (continuous) batching over a paged KV cache: ``schedule(now) -> StepPlan``, ``update``.
-#
-# Each step packs, under a token budget (``max_num_batched_tokens``) and a sequence cap
-# (``max_num_seqs``), one token for every decoding sequence plus prefill chunks of waiting or
-# partially prefilled ones (chunked prefill, as in vLLM v1: a sequence is simply "behind" by
-# ``num_pending_tokens`` and the step lets it catch up by as many as the budget allows).
-#
-# Order is a key: FCFS ``(arrival, seq_id)`` or priority ``(priority, arrival, seq_id)``. Under priority
-# a sequence that has waited ``max_priority_wait_s`` since its arrival is *aged*: it is ordered ahead of
-# every sequence that is not, and aged sequences among themselves by ``(arrival, seq_id)``, i.e. FCFS.
-# Nothing that arrives after an aged sequence can go ahead of it, so it is admitted within
-# ``max_priority_wait_s`` plus the time to serve what arrived before it and what was already running when
-# it aged, whatever the later traffic. Running sequences are served in key order; when one needs a block
-# and none is free, the *worst* running sequence not yet served this step (last in key order — possibly
-# the one asking) is preempted. ``core/llm/scheduler.py`` picks how: *recompute* (its blocks are freed and it
-# returns to the waiting queue with its original key, so it resumes ahead of everything that arrived
-# after it) or *swap* (its blocks are copied to host blocks, ``core/llm/blocks.py``, and it goes to the
-# swapped queue keeping its computed tokens). The best running sequence can always evict all others and
-# alone it always fits (``add`` rejects any sequence whose worst case exceeds the pool), so every step
-# makes progress and nothing deadlocks or starves behind later arrivals. After the running sequences,
-# in a step that did not preempt: swapped sequences are swapped back in key order (head-of-line), then,
-# once none is left swapped, waiting sequences are admitted in key order with no overtaking. A swapped
-# sequence was running, so resuming it first adds no work the bounds above do not already count. The
-# plan lists the block copies (``swap_out`` before ``swap_in``, never both in one step) the driver makes
-# before the step's forward.
-#
-# Time enters only as an argument: the driver (engine thread, simulator, test) calls ``expire(now)`` and
-# ``schedule(now)`` on the clock its arrivals are stamped with, runs the plan, and hands the sampled
-# tokens to ``update``. Admission (which requests enter at all) is ``core/llm/admission.py``'s.
-
-
+# -- The scheduler ---------------------------------------------------------------------------------
 
 class LLMScheduler:
     """Owns the sequences, the block manager and the swap space; see the module docstring for the policy.
 
-    ``preemption_costs`` prices swap against recompute for ``preemption="auto"`` (``core/llm/scheduler.py``;
+    ``preemption_costs`` prices swap against recompute for ``preemption="auto"`` (the section above;
     None: auto recomputes). A swapped sequence has status ``WAITING`` and sits in ``swapped``."""
 
     def __init__(self, config: LLMSchedulerConfig | None = None,

@@ -180,7 +180,7 @@ class LLMModelRunner:
                  decode_run_tokens: int = DECODE_RUN_TOKENS, num_swap_blocks: int = 0) -> None:
         self.decode_run_tokens = decode_run_tokens
         self.threads: int | None = None  # CPU intra-op threads of the threads that run it (None: every core)
-        self.row_plan = RowPlan()  # the row counts the dense layers run (row_plan.py; none padded)
+        self.row_plan = RowPlan()  # the row counts the dense layers run (RowPlan; none padded)
         self.rows_run = 0  # the token rows the last forward's dense layers ran, padding included
         self.max_gather_tokens = 0  # the most context tokens one gather holds (0: unbounded doubling)
         self._buffers = [torch.empty(0, dtype=dtype, device=device) for _ in range(2)]
@@ -301,7 +301,7 @@ class LLMModelRunner:
             positions.extend(range(c.start, c.context_len))
             slot_parts.append(self._slots(c.block_table, c.start, c.context_len))
         slots = torch.cat(slot_parts).to(dev)
-        real = len(ids)  # the step's token rows; the dense layers run runner.rows(real) (row_plan.py)
+        real = len(ids)  # the step's token rows; the dense layers run runner.rows(real) (RowPlan)
         pad = self.row_plan.rows(real) - real
         self.rows_run = real + pad
         ids.extend([0] * pad)
