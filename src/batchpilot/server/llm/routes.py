@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry
 
 from batchpilot.core.llm.admission import request_deadline
+from batchpilot.core.llm.sequence import SamplingParams
 from batchpilot.core.request import IdCounter
 from batchpilot.core.rollout import PRIMARY
 from batchpilot.runtime.llm.engine import (
@@ -184,13 +185,14 @@ async def chat_events(head: dict[str, Any], first: GenerationOutput, req: LLMReq
 # an engine's own failures: on a candidate arm, faults that the primary answers instead
 _ENGINE_FAULTS = ("generation_failed", "engine_unavailable")
 # the engine answering this request and its metrics (an arm's, with arms), set by the route's attempt
-_served: ContextVar[tuple[Any, LLMMetrics]] = ContextVar("batchpilot_llm_served")
+Served = LLMEngine | LLMFailover
+_served: ContextVar[tuple[Served, LLMMetrics]] = ContextVar("batchpilot_llm_served")
 
 # when the client gives no max_tokens: OpenAI's legacy completions default, and a bounded chat answer
 # (OpenAI lets chat run to the context limit; a bound keeps one request from holding the engine)
 DEFAULT_MAX_TOKENS = {"/v1/completions": 16, "/v1/chat/completions": 256}
 # a route's work: (requests, received, deadline, priority)
-Work = Callable[[list[LLMRequest], float, float, int], Awaitable[Any]]
+Work = Callable[[list[LLMRequest], float, float, int], Awaitable[Response]]
 
 
 def make_llm_router(engine: LLMEngine | LLMFailover, registry: CollectorRegistry,
@@ -198,67 +200,91 @@ def make_llm_router(engine: LLMEngine | LLMFailover, registry: CollectorRegistry
     """The routes over ``engine``, or over ``arms`` (``server/arms.py``: each request assigned an
     arm's engine, its outcome recorded for the comparison and rollback; a candidate that fails before
     its response starts is retried on the primary)."""
-    limits = limits or LLMLimits()
-    if arms is None:
-        per_arm = {"": LLMMetrics(engine, registry)}
-    else:
-        regs = arms.register(registry)
-        per_arm = {name: LLMMetrics(e, regs[name]) for name, e in arms.engines.items()}
+    routes = LLMRoutes(engine, registry, limits or LLMLimits(), arms)
     router = APIRouter(tags=["llm"])
-    ids = IdCounter(1)
-    max_len = int(engine.config.max_model_len)
 
-    def served_model(name: str | None) -> str:
+    # ``Any``, not ``Response``: FastAPI documents an untyped answer, and the OpenAPI schema stays as it is
+    @router.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        return await routes.answer("/v1/completions", body, request,
+                                   functools.partial(routes.completions, body))
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        return await routes.answer("/v1/chat/completions", body, request,
+                                   functools.partial(routes.chat_completions, body))
+
+    return router
+
+
+class LLMRoutes:
+    """What the two routes share: the engine (or its arms), the metrics of each arm, the limits."""
+
+    def __init__(self, engine: LLMEngine | LLMFailover, registry: CollectorRegistry, limits: LLMLimits,
+                 arms: LLMArms | None) -> None:
+        self.engine, self.limits, self.arms = engine, limits, arms
+        if arms is None:
+            self.per_arm = {"": LLMMetrics(engine, registry)}
+        else:
+            regs = arms.register(registry)
+            self.per_arm = {name: LLMMetrics(e, regs[name]) for name, e in arms.engines.items()}
+        self.ids = IdCounter(1)
+        self.max_len = int(engine.config.max_model_len)
+
+    def served_model(self, name: str | None) -> str:
         # OpenAI clients must name a model; a name this server does not serve is a 404, not silently ours
-        if name and name != engine.model_name:
-            raise APIError(404, f"model {name!r} does not exist; this server serves {engine.model_name!r}",
+        served = self.engine.model_name
+        if name and name != served:
+            raise APIError(404, f"model {name!r} does not exist; this server serves {served!r}",
                            code="model_not_found", param="model")
-        return engine.model_name
+        return served
 
-    def deadline_of(body: _SamplingFields, request: Request, received: float) -> float:
+    def deadline_of(self, body: _SamplingFields, request: Request, received: float) -> float:
         ms = body.deadline_ms if body.deadline_ms is not None else header_deadline_ms(
             request.headers.get("x-deadline-ms"))
-        return request_deadline(engine.config, received, None if ms is None else ms / 1000.0)
+        return request_deadline(self.engine.config, received, None if ms is None else ms / 1000.0)
 
+    @staticmethod
     def priority_of(body: _SamplingFields, request: Request) -> int:
         if body.priority is not None:
             return body.priority
         return int(header_num(request, "x-priority", int) or 0)  # the embeddings routes' header rule
 
-    async def answer(route: str, body: _SamplingFields, request: Request, work: Work) -> Any:
+    async def answer(self, route: str, body: _SamplingFields, request: Request, work: Work) -> Response:
         received = time.monotonic()
+        arms = self.arms
         if arms is None:
-            return await attempt(route, body, request, work, received, "", engine)
+            return await self.attempt(route, body, request, work, received, "", self.engine)
         arm, chosen = arms.armed.pick(request)
         try:
-            return await attempt(route, body, request, work, received, arm, chosen)
+            return await self.attempt(route, body, request, work, received, arm, chosen)
         except APIError as exc:  # a candidate failed before its response started: the primary answers
             if arm == PRIMARY or exc.code not in _ENGINE_FAULTS:
                 raise
             failed_s = time.monotonic() - received
-            out = await attempt(route, body, request, work, received, PRIMARY, arms.engines[PRIMARY],
-                                record=False)  # its time includes the candidate's attempt
+            out = await self.attempt(route, body, request, work, received, PRIMARY, arms.engines[PRIMARY],
+                                     record=False)  # its time includes the candidate's attempt
             arms.armed.record(arm, 500, failed_s)  # the primary answered it: the candidate's fault
             return out
 
-    async def attempt(route: str, body: _SamplingFields, request: Request, work: Work, received: float,
-                      arm: str, chosen: Any, record: bool = True) -> Any:
-        token = _served.set((chosen, per_arm[arm]))
+    async def attempt(self, route: str, body: _SamplingFields, request: Request, work: Work,
+                      received: float, arm: str, chosen: Served, record: bool = True) -> Response:
+        arms = self.arms
+        token = _served.set((chosen, self.per_arm[arm]))
         try:
-            deadline = deadline_of(body, request, received)
-            priority = priority_of(body, request)
+            deadline = self.deadline_of(body, request, received)
+            priority = self.priority_of(body, request)
             out = await _guarded(request, deadline, lambda reqs: work(reqs, received, deadline, priority))
             if arms is not None:
                 if record:
-                    arms.armed.record(arm, getattr(out, "status_code", 200), time.monotonic() - received)
-                if isinstance(out, Response):
-                    out.headers[ARM_HEADER] = arm
+                    arms.armed.record(arm, out.status_code, time.monotonic() - received)
+                out.headers[ARM_HEADER] = arm
             return out
         except Exception as exc:
             err = to_api_error(exc)
             reason = "rejected" if err.status < 500 else err.code or "error"
             if err.status not in (404, 422):
-                per_arm[arm].requests.labels(route=route, finish_reason=reason).inc()
+                self.per_arm[arm].requests.labels(route=route, finish_reason=reason).inc()
             # a candidate's engine failure is charged by ``answer`` once the primary has answered it
             if arms is not None and record and not (arm != PRIMARY and err.code in _ENGINE_FAULTS):
                 arms.armed.record(arm, err.status, time.monotonic() - received)
@@ -266,46 +292,45 @@ def make_llm_router(engine: LLMEngine | LLMFailover, registry: CollectorRegistry
         finally:
             _served.reset(token)
 
+    @staticmethod
     def finished(route: str, last: GenerationOutput, metrics: LLMMetrics) -> None:
         metrics.requests.labels(route=route, finish_reason=last.finish_reason or "none").inc()
         metrics.prompt_tokens.inc(last.num_prompt_tokens)
 
-    def submit(prompts: list[list[int]], params: Any, priority: int, deadline: float, stream: bool) -> Any:
+    @staticmethod
+    def submit(prompts: list[list[int]], params: SamplingParams, priority: int, deadline: float,
+               stream: bool) -> list[LLMRequest]:
         target = _served.get()[0]
         if isinstance(target, LLMFailover):  # an answer not streamed can restart on the fallback
             return target.submit(prompts, params, priority, deadline, replayable=not stream)
         return target.submit(prompts, params, priority, deadline)
 
-    def params_of(body: _SamplingFields, route: str) -> Any:
-        return body.sampling_params(DEFAULT_MAX_TOKENS[route], limits, max_len)
+    def params_of(self, body: _SamplingFields, route: str) -> SamplingParams:
+        return body.sampling_params(DEFAULT_MAX_TOKENS[route], self.limits, self.max_len)
 
-    @router.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Any:
-        return await answer("/v1/completions", body, request, functools.partial(_completions, body))
-
-    async def _completions(body: CompletionRequest, reqs: list[LLMRequest], received: float,
-                           deadline: float, priority: int) -> Any:
-        route, rid, created = "/v1/completions", f"cmpl-{ids()}", int(time.time())
+    async def completions(self, body: CompletionRequest, reqs: list[LLMRequest], received: float,
+                          deadline: float, priority: int) -> Response:
+        route, rid, created = "/v1/completions", f"cmpl-{self.ids()}", int(time.time())
         target, metrics = _served.get()
-        model = served_model(body.model)
+        model = self.served_model(body.model)
         prompts = body.prompts()
-        limits.check_prompts(prompts, max_len)
-        params = params_of(body, route)
+        self.limits.check_prompts(prompts, self.max_len)
+        params = self.params_of(body, route)
         if body.stream and len(prompts) != 1:
             raise APIError(400, "streaming takes a single prompt", code="unsupported_value", param="prompt")
         target.check_room(len(prompts))  # before the tokenising it would waste
-        token_ids = await _all_or_none([engine.prompts.encode_async(p) for p in prompts])
-        reqs.extend(submit(token_ids, params, priority, deadline, body.stream))
+        token_ids = await _all_or_none([self.engine.prompts.encode_async(p) for p in prompts])
+        reqs.extend(self.submit(token_ids, params, priority, deadline, body.stream))
         if body.stream:
             first = await anext(reqs[0])
             head = {"id": rid, "object": "text_completion", "created": created, "model": model}
             events = completion_events(head, first, reqs[0], body.include_usage,
-                                       lambda last: finished(route, last, metrics))
+                                       lambda last: self.finished(route, last, metrics))
             return _stream(events, reqs[0], first_token_timing(received, first))
         results = await _all_or_none([_collect(r) for r in reqs])
         choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
         for i, (text, last) in enumerate(results):
-            finished(route, last, metrics)
+            self.finished(route, last, metrics)
             choices.append({"index": i, "text": text, "logprobs": None, "finish_reason": last.finish_reason})
             for k, v in usage_of(last).items():
                 if k in usage:
@@ -313,37 +338,31 @@ def make_llm_router(engine: LLMEngine | LLMFailover, registry: CollectorRegistry
         return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model,
                              "choices": choices, "usage": usage})
 
-    @router.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        return await answer("/v1/chat/completions", body, request, functools.partial(_chat_completions, body))
-
-    async def _chat_completions(body: ChatCompletionRequest, reqs: list[LLMRequest], received: float,
-                                deadline: float, priority: int) -> Any:
-        route, rid, created = "/v1/chat/completions", f"chatcmpl-{ids()}", int(time.time())
+    async def chat_completions(self, body: ChatCompletionRequest, reqs: list[LLMRequest], received: float,
+                               deadline: float, priority: int) -> Response:
+        route, rid, created = "/v1/chat/completions", f"chatcmpl-{self.ids()}", int(time.time())
         target, metrics = _served.get()
-        model = served_model(body.model)
+        model = self.served_model(body.model)
         messages = body.chat()
-        limits.check_messages([m["content"] for m in messages])
-        params = params_of(body, route)
+        self.limits.check_messages([m["content"] for m in messages])
+        params = self.params_of(body, route)
         target.check_room(1)
-        prompt = await engine.prompts.encode_chat_async(messages)
-        reqs.extend(submit([prompt], params, priority, deadline, body.stream))
+        prompt = await self.engine.prompts.encode_chat_async(messages)
+        reqs.extend(self.submit([prompt], params, priority, deadline, body.stream))
         first = await anext(reqs[0])
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
         if body.stream:
             events = chat_events(head, first, reqs[0], body.include_usage,
-                                 lambda last: finished(route, last, metrics))
+                                 lambda last: self.finished(route, last, metrics))
             return _stream(events, reqs[0], first_token_timing(received, first))
         text, last = await _collect(reqs[0], first)
-        finished(route, last, metrics)
+        self.finished(route, last, metrics)
         return JSONResponse({
             "id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                          "finish_reason": last.finish_reason}],
             "usage": usage_of(last),
         })
-
-    return router
 
 
 async def _guarded(request: Request, deadline: float, work: Callable[[list[LLMRequest]], Awaitable[Any]],
