@@ -21,7 +21,6 @@ is; one built with other arguments is rebuilt. A non-empty folder without the ma
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -144,15 +143,10 @@ def _save(out: Path, spec: dict[str, Any]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m batchpilot.models.seeded",
-                                     description="Build a seeded random sequence-classification model.")
-    parser.add_argument("kind", choices=("cross-encoder", "classifier"))
-    parser.add_argument("out", help="folder to write the HF checkpoint into")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--layers", type=int, default=None, help="encoder layers (default: MiniLM's 6)")
-    parser.add_argument("--labels", default="negative,neutral,positive",
-                        help="comma-separated class names (classifier only)")
-    parser.add_argument("--multi-label", action="store_true", help="independent sigmoid per label")
+    """``python -m batchpilot.models.seeded``: the flags are ``models.cli.seeded_parser``'s."""
+    from batchpilot.models.cli import seeded_parser
+
+    parser = seeded_parser()
     args = parser.parse_args(argv)
     try:
         if args.kind == "cross-encoder":
