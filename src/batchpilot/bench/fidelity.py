@@ -62,10 +62,11 @@ from batchpilot.sim.traces import Workload
 # ``batchpilot profile`` in a subprocess, pinned as the server it predicts will be.
 #
 # ``bench fidelity`` (encoder and LLM), ``bench tuner`` and benchmarks profile the machine before any
-# measured traffic: ``run_profile`` writes a fresh profile, ``run_recheck`` times the profile's own grid
-# again right before a load point (``batchpilot profile --recheck``) and returns the machine's speed
-# against it. Both run with the server's pinning (``serverproc.pinned``), so that the profile sees the
-# cores the server will have.
+# measured traffic: ``run_profile`` writes a fresh profile (``run_llm_profile`` an LLM one), ``run_recheck``
+# times the profile's own grid again right before a load point (``batchpilot profile --recheck``) and
+# returns the machine's speed against it. All run with the server's pinning (``serverproc.pinned``), so
+# that the profile sees the cores the server will have. A subprocess, not an import: nothing but the
+# top-level command line imports ``profile/``.
 
 def run_profile(out: Path, padding: str, extra: str = "", cpus: str | None = None,
                 name: str = "profile.json") -> Path:

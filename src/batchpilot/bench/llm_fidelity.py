@@ -2,9 +2,10 @@
 
 ``batchpilot bench fidelity --workload conv-llm [--profile llm_profile.json] [--config cfg.yaml] [--cpus 1]``:
 
-1. Step cost model: ``--profile``, or ``profile.llm.profile_llm_steps`` run here on the engine the
-   server builds, pinned to ``--cpus`` like the server. Both come before the server starts: the
-   prediction uses the profile and nothing measured afterwards.
+1. Step cost model: ``--profile``, or a fresh ``batchpilot profile --llm`` of the model, device and
+   precision of the engine the server builds, pinned to ``--cpus`` like the server
+   (``fidelity.run_llm_profile``). Both come before the server starts: the prediction uses the
+   profile and nothing measured afterwards.
 2. Engine config: the deployment resolved as ``serve`` resolves it (``build_llm_engine(model, spec=spec)``,
    not started: ``core.llm.config.resolve_llm_deployment`` with the model's limits and memory, the
    server-wide timeout and concurrency included); ``serve --llm`` gets the same deployment flags

@@ -85,7 +85,7 @@ from batchpilot.sim.service import (
 
 # The serving path's delay stage under load: ``FrontEnd.delay_loaded_s`` and ``delay_rate_coef_s``.
 #
-# The profile's lone requests (``serving_profile``, one at a time from a client process) give the
+# The profile's lone requests (``lone_plan``, one at a time from a client process) give the
 # ``delay`` stage of an idle server: HTTP, validation, JSON both ways, the client. Under open-loop
 # traffic it is longer: the event loop parses every arriving request and encodes every response, a
 # batch's answers leave one after another, and all of it shares the cores with the model; the load
@@ -419,7 +419,7 @@ def competing_cpu(before: dict[int, float], after: dict[int, float], child_cpu_s
 #   CPU seconds, whether it shared this process's cores, and per answered request a
 #   ``profile.serving.DelayRow`` tuple;
 # * ``lone_elsewhere``: a plan sent strictly one request at a time with ``gap_s`` of silence between
-#   two (the lone requests of ``serving_profile``: each one alone in the server, none queued); returns
+#   two (the lone requests of ``measure_serving_path``: each one alone in the server, none queued); returns
 #   every request's ``RequestRecord``.
 #
 # A child that dies before it reports is a ``RuntimeError`` that says so.
