@@ -4,6 +4,8 @@
 (``batchpilot.settings``, ``core.deployment.DeploymentSpec``) that ``serve``, ``simulate``, ``tune``
 and ``bench`` read and ``tune`` writes (``to_dict``). Unknown keys are errors: a typo in a config must
 not silently fall back to a default.
+
+Byte sizes as people write them (``parse_bytes``) are the file's first section.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal, TypeVar, cast
 
+# -- Byte sizes ------------------------------------------------------------------------------------
 # Byte sizes as people write them: ``parse_bytes("4GiB")``, ``"512MiB"``, ``"1.5GB"``, ``"1e9"``.
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,

@@ -25,6 +25,8 @@ Rules, in order (each change is written into ``notes``, which the server logs an
    (``cost_model.meta["prepare_s"]``), at least ``MIN_PIPELINE_LEAD_S``.
 
 Nothing here reads a clock, a file or the machine: the driver passes in what it measured.
+
+The LLM deployment (``resolve_llm_deployment``) is the file's last section.
 """
 
 from __future__ import annotations
@@ -246,6 +248,7 @@ def resolve_deployment(spec: DeploymentSpec, cost_model: CostModel,
     return Deployment(resolved, spec, tuple(notes))
 
 
+# -- The LLM deployment ----------------------------------------------------------------------------
 # The LLM deployment, resolved once: the ``LLMSchedulerConfig`` an engine runs, and its KV plan.
 #
 #     resolve_llm_deployment(spec, model, memory, free_bytes, swap_on_device)

@@ -22,6 +22,9 @@ however it is grouped, so reordering would only delay the requests it passes ove
 Budgets, checked for every candidate batch: ``cap`` requests; ``max_batch_tokens`` over computed tokens
 (``n × padded_len`` padded, ``Σ len`` for padding ``none``); ``max_batch_memory_bytes`` against the cost
 model's memory. Admission guarantees every request fits alone, so a batch is never empty.
+
+The groupings' windows of length-sorted candidates (``partition``, ``best_group``, ``PartitionCache``)
+are the file's first section.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from batchpilot.core.config import PlannerConfig
 from batchpilot.core.costmodel import BatchShape, CostModel
 from batchpilot.core.request import Request
 
+# -- Groups of length-sorted candidates ------------------------------------------------------------
 # Contiguous groups of length-sorted candidates: what the ``sorted`` and ``dp`` groupings choose from.
 #
 # The planner sorts its candidates by length; a group ``(s, e)`` is the window ``lens[s:e]`` of that

@@ -18,6 +18,9 @@ sorted *front* list in front of the heap::
 dispatched or cancelled front entry is deleted from the list at once (bisect + O(k) memmove); a new
 request whose key sorts before the front's last entry (a higher priority, an earlier deadline) is
 inserted into the front, which keeps the invariant.
+
+The time orders the queue keeps (``TimeHeap``: arrival and deadline heaps with lazy deletion) are the
+file's first section.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from batchpilot.core.config import QUEUE_ORDERS, QueueOrder
 from batchpilot.core.request import Request
 
+# -- Time orders (arrival, deadline) ---------------------------------------------------------------
 # The request queue's time orders (arrival, deadline): binary heaps of ``(time, seq, request)`` with
 # lazy deletion.
 #

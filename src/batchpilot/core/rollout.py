@@ -28,6 +28,9 @@ primary is never rolled back: it is what traffic returns to. A rolled-back arm s
 ``enable``.
 
 Pure: no clock, no I/O; ``now`` is always an argument.
+
+Arm assignment (``arm_for``: a stable hash of the client key, else a uniform draw) is the file's first
+section.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import numpy as np
 
 from batchpilot.core.deployment import DeploymentSpec
 
+# -- Arm assignment --------------------------------------------------------------------------------
 # Which arm of a rollout a request lands on: a stable hash of its client key, else a uniform draw,
 # in the arms' slices of [0, 1) (``core/rollout.py`` has the whole contract).
 

@@ -18,6 +18,9 @@ Inside, the pieces are composed in this order::
                   policy.decide(now, QueueState) ─▶ Wait: stop  |  Dispatch:
                   planner.plan(queue.peek(lookahead × cap)) ─▶ queue.take ─▶ Batch
     done:     scheduler.done (the work scale behind the predicted backlog) ─▶ policy.on_batch_done
+
+Sections: the batches in flight (``InFlight``, the work scale and the predicted backlog), the
+counters drivers export (``SchedulerStats``), then ``BatchScheduler``.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from batchpilot.core.policy import Dispatch, Policy, QueueState, Wait, make_poli
 from batchpilot.core.queue import RequestQueue
 from batchpilot.core.request import Request
 
+# -- Batches in flight -----------------------------------------------------------------------------
 # Batches dispatched and not yet done, and the work scale: what the scheduler's predicted backlog is
 # made of.
 #
@@ -89,6 +93,7 @@ class InFlight:
         return queued_work_s * scale + left / self._num_slots
 
 
+# -- Counters --------------------------------------------------------------------------------------
 # The encoder scheduler's running counters: what drivers export as metrics.
 
 @dataclass(slots=True)

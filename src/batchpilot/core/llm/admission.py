@@ -21,6 +21,8 @@ static fallback drops its requests by the same test.
 
 The live engine admits on the caller's thread under its lock (the engine thread owns the scheduler,
 not this count), the simulator at each arrival, the fallback as the engine does. Pure: no clock.
+
+Whether a sequence can ever fit (``never_fits``) is the file's last section.
 """
 
 from __future__ import annotations
@@ -124,6 +126,7 @@ def past_deadline(seq: Sequence, now: float) -> bool:
     return seq.deadline is not None and seq.deadline <= now
 
 
+# -- Whether a sequence can ever fit ---------------------------------------------------------------
 # Whether a sequence can ever run to completion within an engine's limits: ``never_fits(config, seq)``.
 #
 # A sequence is refused at admission, with a reason a client can act on, when its worst case (prompt +

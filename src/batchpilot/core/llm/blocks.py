@@ -15,6 +15,9 @@ blocks are freed tail first, so a shared prefix outlives the tails that hang off
  free list (evict from the left) ─▶ [ b7 | b3 (key k2) | b9 (key k1) ]
  cache: {k1: b9, k2: b3}            ref[b] == 0 for every b in the free list
 ```
+
+Host swap space (``SwapSpace``: the host blocks a preempted sequence's device blocks are copied to)
+is the file's last section: the same mechanism, on the host.
 """
 
 from __future__ import annotations
@@ -228,6 +231,7 @@ class BlockManager:
         )
 
 
+# -- Host swap space -------------------------------------------------------------------------------
 # Host swap space: the host KV blocks a preempted sequence's device blocks are copied to. Mechanism only.
 #
 # ``SwapSpace(num_blocks)`` is a free list of host block numbers and, per swapped sequence, its host table

@@ -12,6 +12,9 @@ Plain data, validated on construction. Three groups of fields:
 
 A config a scheduler runs is *resolved*: ``num_kv_blocks`` and ``num_swap_blocks`` are what the memory
 plan gave. The budget fields stay as the user wrote them, so the plan can be checked and reported.
+
+The KV memory plan (``plan_kv``: how many device and host blocks a memory budget holds) is the file's
+last section.
 """
 
 from __future__ import annotations
@@ -129,6 +132,7 @@ def largest_gather(config: LLMSchedulerConfig) -> int:
 
 
 
+# -- The KV memory plan ----------------------------------------------------------------------------
 # The LLM engine's memory plan: how many KV blocks (and host swap blocks) a memory budget holds.
 #
 # ``plan_kv(config, memory, free_bytes)`` is the one place the pool is sized: the live engine calls it
