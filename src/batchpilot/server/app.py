@@ -17,15 +17,15 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
 
 from batchpilot.core.config import SchedulerConfig
 from batchpilot.core.costmodel import CostModel
@@ -275,8 +275,7 @@ class DirectRoutes:
         self.state = app.state
         self.routes = routes
 
-    async def __call__(self, scope: MutableMapping[str, Any], receive: Callable[[], Awaitable[Any]],
-                       send: Callable[[Any], Awaitable[None]]) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         handler = None
         if scope["type"] == "http":
             handler = self.routes.get((scope["method"], scope["path"]))

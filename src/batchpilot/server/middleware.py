@@ -31,12 +31,12 @@ import json
 import logging
 import re
 import secrets
-from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from batchpilot.server.config import ServerConfig
 from batchpilot.server.errors import ClientStalled, error_body, internal_error_body
@@ -128,9 +128,6 @@ class ShapeWatch:
 
 log = logging.getLogger("batchpilot.server")
 
-Scope = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Any]]
-Send = Callable[[Any], Awaitable[None]]
 
 DRAIN_RETRY_AFTER_S = 5
 OPEN_PATHS = frozenset({"/health"})
@@ -144,7 +141,8 @@ class RequestLifecycle:
     """ASGI middleware: auth, body limits with a read deadline, in-flight counting, drain, request ids,
     the last-resort 500. ``.app`` is the FastAPI app; ``.state`` its state (``.state.service``)."""
 
-    def __init__(self, app: Any, settings: ServerConfig, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, app: ASGIApp, settings: ServerConfig, registry: CollectorRegistry | None = None
+                 ) -> None:
         self.app = app
         self.state = getattr(app, "state", None)
         self.settings = settings
@@ -280,7 +278,7 @@ class RequestLifecycle:
 
     async def _refuse_draining(self, scope: Scope, send: Send) -> None:
         if scope["path"] == "/health":
-            body: dict[str, Any] = {"status": "draining", "in_flight": self.in_flight}
+            body: dict[str, object] = {"status": "draining", "in_flight": self.in_flight}
         else:
             self.refused += 1
             self._count("shutting_down")
@@ -311,7 +309,7 @@ class _Sender:
         self.timeout_s = timeout_s
         self.started = False
 
-    async def __call__(self, message: Any) -> None:
+    async def __call__(self, message: Message) -> None:
         if message["type"] == "http.response.start":
             self.started = True
             message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", self.rid)]}
@@ -350,7 +348,7 @@ async def send_error(send: Send, status: int, message: str, code: str, close: bo
     await _send_json(send, status, error_body(status, message, code=code), extra)
 
 
-async def _send_json(send: Send, status: int, body: dict[str, Any],
+async def _send_json(send: Send, status: int, body: dict[str, object],
                      extra: list[tuple[bytes, bytes]] | None = None) -> None:
     payload = json.dumps(body, ensure_ascii=True).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),

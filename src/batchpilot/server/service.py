@@ -28,6 +28,7 @@ from typing import Any
 import orjson
 from fastapi import Request
 from fastapi.responses import Response
+from prometheus_client import Counter, Histogram
 
 from batchpilot.core.admission import RejectReason
 from batchpilot.core.config import SchedulerConfig
@@ -40,7 +41,7 @@ from batchpilot.runtime.executor import EncoderPath, FallbackExecutor, ModelExec
 from batchpilot.server.config import ServerConfig
 from batchpilot.server.errors import APIError, request_id_of
 from batchpilot.server.metrics import ServerMetrics
-from batchpilot.server.schemas import PRIORITY_MAX
+from batchpilot.server.schemas import PRIORITY_MAX, DetokenizeRequest, TokenizeRequest
 
 log = logging.getLogger("batchpilot.server")
 
@@ -109,8 +110,8 @@ class ModelService:
         self.tokenizer_pool = ThreadPoolExecutor(tokenizer_workers(settings),
                                                  thread_name_prefix="batchpilot-tokenize")
         self.created = int(time.time())
-        self._answered: dict[tuple[str, int], Any] = {}  # (route, status) -> its counter child
-        self._latency: dict[str, Any] = {}
+        self._answered: dict[tuple[str, int], Counter] = {}  # (route, status) -> its counter child
+        self._latency: dict[str, Histogram] = {}
 
     def count(self, route: str, status: int, seconds: float) -> None:
         counter = self._answered.get((route, status))
@@ -186,7 +187,7 @@ class ModelService:
             raise ClientGone
         raise APIError(504, f"not answered within {self.timeout_s:g} s", code="timeout")
 
-    async def tokenize_text(self, body: Any, request: Request) -> Response:
+    async def tokenize_text(self, body: TokenizeRequest, request: Request) -> Response:
         """``POST /tokenize``: the ids the model would see for ``prompt`` (vLLM's body)."""
         ids = await self._tokenizer_call("token_ids", request, "prompt", len(body.prompt),
                                          self.settings.max_input_chars, "characters", INLINE_TOKENIZE_CHARS,
@@ -194,7 +195,7 @@ class ModelService:
         out = {"count": len(ids), "max_model_len": self.max_length, "tokens": ids}
         return Response(orjson.dumps(out), media_type="application/json")
 
-    async def detokenize(self, body: Any, request: Request) -> Response:
+    async def detokenize(self, body: DetokenizeRequest, request: Request) -> Response:
         """``POST /detokenize``: the text of ``tokens`` (ids outside the vocabulary are a 400)."""
         text = await self._tokenizer_call("detokenize", request, "tokens", len(body.tokens),
                                           self.settings.max_input_tokens, "ids", INLINE_TOKENIZE_IDS,

@@ -25,14 +25,15 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
 
 from ray import serve
+from starlette.types import Message, Receive, Scope, Send
 
+from batchpilot.core.config import SchedulerConfig
 from batchpilot.core.deployment import DeploymentSpec
 from batchpilot.core.rollout import RolloutSpec
 from batchpilot.server.config import ServerConfig
+from batchpilot.server.middleware import RequestLifecycle
 from batchpilot.server.ray.autoscale import replica_stats
 from batchpilot.server.ray.limits import check_max_ongoing
 
@@ -40,17 +41,14 @@ log = logging.getLogger("batchpilot.server")
 
 REPLICA_HEADER = b"x-batchpilot-replica"
 
-Scope = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Any]]
-Send = Callable[[Any], Awaitable[None]]
 
 
 class ReplicaHeader:
     """ASGI: the wrapped app, with ``x-batchpilot-replica: <pid>`` on every HTTP response."""
 
-    def __init__(self, app: Any, pid: int) -> None:
+    def __init__(self, app: RequestLifecycle, pid: int) -> None:
         self.app = app
-        self.state = getattr(app, "state", None)
+        self.state = app.state
         self.value = str(pid).encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -58,7 +56,7 @@ class ReplicaHeader:
             await self.app(scope, receive, send)
             return
 
-        async def tagged(message: Any) -> None:
+        async def tagged(message: Message) -> None:
             if message["type"] == "http.response.start":
                 message = {**message, "headers": [*message.get("headers", ()),
                                                   (REPLICA_HEADER, self.value)]}
@@ -67,7 +65,7 @@ class ReplicaHeader:
         await self.app(scope, receive, tagged)
 
 
-def served_configs(app: Any) -> list[tuple[str, Any]]:
+def served_configs(app: RequestLifecycle) -> list[tuple[str, SchedulerConfig]]:
     """``(model name, resolved SchedulerConfig)`` of every model the app serves."""
     return [(s.model_name, s.batcher.scheduler.config) for s in app.state.models.services]
 
@@ -88,7 +86,7 @@ class BatchpilotReplica:
         models = ", ".join(f"{n} (batch {c.policy.max_batch_size} x {c.num_slots} slots)" for n, c in configs)
         log.info("ray replica %d: %s, max_ongoing_requests %d", os.getpid(), models, max_ongoing)
 
-    def __serve_build_asgi_app__(self) -> Any:
+    def __serve_build_asgi_app__(self) -> ReplicaHeader:
         return ReplicaHeader(self.served, os.getpid())
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
