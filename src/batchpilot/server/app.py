@@ -32,11 +32,12 @@ from batchpilot.core.costmodel import CostModel
 from batchpilot.core.rollout import RolloutSpec
 from batchpilot.runtime.executor import ModelExecutor
 from batchpilot.runtime.journal import BatchLog
-from batchpilot.server.arms import ArmedModel, arms_router
+from batchpilot.server.arms import AnyArmed, ArmedModel, arms_router
 from batchpilot.server.config import ServerConfig
 from batchpilot.server.embeddings import EmbeddingService
 from batchpilot.server.errors import install_error_handlers
 from batchpilot.server.gc_pauses import GCPauses, freeze_heap
+from batchpilot.server.llm.served import ServedEngine
 from batchpilot.server.metrics import ModelLabels
 from batchpilot.server.middleware import RequestLifecycle
 from batchpilot.server.routing import TASK_ROUTES, ModelRoute, Models
@@ -115,7 +116,7 @@ class MountedEngine:
     router: Callable[[CollectorRegistry], APIRouter]
     model_name: str | None = None
     alive: Callable[[], bool] = _alive
-    arms: tuple[ArmedModel, ...] = ()
+    arms: tuple[ArmedModel[ServedEngine], ...] = ()
     on_shutdown: tuple[Callable[[], object], ...] = ()
     on_drain_timeout: tuple[Callable[[], Awaitable[None]], ...] = ()
 
@@ -128,7 +129,8 @@ def make_service(settings: ServerConfig, model: ServedModel, executor: ModelExec
                 model.cost_model or CostModel.default_cpu_minilm(), model.name)
 
 
-def make_arms(settings: ServerConfig, model: ServedModel, primary: ModelService) -> ArmedModel | None:
+def make_arms(settings: ServerConfig, model: ServedModel, primary: ModelService
+              ) -> ArmedModel[ModelService] | None:
     """The model's arms (``server/arms.py``), or None when it has no candidates."""
     if model.rollout is None or not model.rollout.arms:
         return None
@@ -171,7 +173,7 @@ def create_app(settings: ServerConfig, models: Sequence[ServedModel],
     for engine in engines:
         app.include_router(engine.router(registry))
     direct = model_routes(app, served)
-    armed = [*served.arms.values(), *(a for e in engines for a in e.arms)]
+    armed: list[AnyArmed] = [*served.arms.values(), *(a for e in engines for a in e.arms)]
     add_info_routes(app, served, engines, armed, registry)
     if armed:
         app.include_router(arms_router(armed))
@@ -217,7 +219,7 @@ def model_routes(app: FastAPI, served: Models) -> dict[tuple[str, str], Handler]
 
 
 def add_info_routes(app: FastAPI, served: Models, engines: Sequence[MountedEngine],
-                    armed: Sequence[ArmedModel], registry: CollectorRegistry) -> None:
+                    armed: Sequence[AnyArmed], registry: CollectorRegistry) -> None:
     """``GET /v1/models``, ``/health`` and ``/metrics``."""
     svc = served.primary
 

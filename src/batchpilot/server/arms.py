@@ -22,14 +22,16 @@ import logging
 import random
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Generic, TypedDict, TypeVar
 
 from fastapi import APIRouter, Request
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from batchpilot.core.abtest import ArmSample, compare_arms
+from batchpilot.core.batch import Batch
 from batchpilot.core.rollout import PRIMARY, ArmWindow, Outcome, Rollback, RolloutGuard, RolloutSpec, arm_for
 from batchpilot.server.errors import APIError
+from batchpilot.server.llm.served import ServedEngine
 from batchpilot.server.metrics import ModelLabels
 from batchpilot.server.service import ModelService
 
@@ -51,19 +53,48 @@ def outcome_of(status: int) -> Outcome | None:
     return None
 
 
-def describe_service(svc: ModelService) -> dict[str, Any]:
+# What routes a request, per arm: an encoder's ``ModelService``, or an LLM's engine
+Backend = TypeVar("Backend")
+# A JSON object the routes answer with; nothing reads its values back, so they are only ``object``
+JSONObject = dict[str, object]
+
+
+class EncoderArmConfig(TypedDict):
+    policy: str
+    max_batch_size: int
+    max_wait_s: float
+    padding: str
+    num_slots: int
+
+
+class LLMArmConfig(TypedDict):
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    num_kv_blocks: int
+    block_size: int
+    policy: str
+    enable_chunked_prefill: bool
+    enable_prefix_caching: bool
+    kv_usage: float
+    kv_fragmentation: float
+    preemptions: int
+    running: int
+    waiting: int
+
+
+def describe_service(svc: ModelService) -> EncoderArmConfig:
     """An encoder arm's config as ``/v1/arms`` shows it."""
     cfg = svc.batcher.config
     return {"policy": cfg.policy.name, "max_batch_size": cfg.policy.max_batch_size,
             "max_wait_s": cfg.policy.max_wait_s, "padding": cfg.planner.padding, "num_slots": cfg.num_slots}
 
 
-class ArmedModel:
+class ArmedModel(Generic[Backend]):
     """The arms of one model over ``backends`` (primary first: an encoder's ``ModelService`` per arm,
     or an LLM's engine per arm); ``describe(backend)`` is what ``/v1/arms`` shows of each."""
 
-    def __init__(self, model_name: str, backends: Sequence[Any], rollout: RolloutSpec,
-                 describe: Callable[[Any], dict[str, Any]], seed: int = 0,
+    def __init__(self, model_name: str, backends: Sequence[Backend], rollout: RolloutSpec,
+                 describe: Callable[[Backend], EncoderArmConfig | LLMArmConfig], seed: int = 0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         names = rollout.names()
         if len(backends) != len(names):
@@ -88,19 +119,19 @@ class ArmedModel:
         self._publish()
 
     @classmethod
-    def of_services(cls, services: Sequence[ModelService], rollout: RolloutSpec) -> ArmedModel:
+    def of_services(cls, services: Sequence[ModelService], rollout: RolloutSpec) -> ArmedModel[ModelService]:
         """An encoder's arms: one ``ModelService`` each, their batches in the windows."""
-        armed = cls(services[0].model_name, services, rollout, describe_service)
+        armed = ArmedModel(services[0].model_name, services, rollout, describe_service)
         for name, svc in armed.backends.items():
             svc.batcher.batch_observers.append(armed._batch_recorder(name))
         return armed
 
-    def _batch_recorder(self, name: str) -> Callable[[Any, float, float], None]:
-        def record(batch: Any, start: float, slot_s: float) -> None:
+    def _batch_recorder(self, name: str) -> Callable[[Batch, float, float], None]:
+        def record(batch: Batch, start: float, slot_s: float) -> None:
             self.guard.record_batch(name, start, batch.size, batch.shape.useful_tokens, batch.shape.tokens)
         return record
 
-    def pick(self, request: Request) -> tuple[str, Any]:
+    def pick(self, request: Request) -> tuple[str, Backend]:
         key = request.headers.get("x-client-id")
         if key is None and self.rollout.assign == "client":
             client = request.scope.get("client")
@@ -167,10 +198,10 @@ class ArmedModel:
         now = self.clock()
         return {n: self.guard.window(n, now) for n in self.guard.names}
 
-    def status(self, windows: dict[str, ArmWindow], resamples: int = 500) -> dict[str, Any]:
+    def status(self, windows: dict[str, ArmWindow], resamples: int = 500) -> JSONObject:
         """The windows and each candidate against the primary (a bootstrap: may run off the loop)."""
         now = self.clock()
-        arms = []
+        arms: list[JSONObject] = []
         for (name, w), share, base in zip(windows.items(), self._shares, self.base_shares, strict=True):
             rb = self.guard.rolled_back.get(name)
             arms.append({
@@ -207,13 +238,17 @@ def _num(x: float) -> float | None:
 #
 # ``model`` may be left out when one model is served in arms.
 
-def arms_router(models: Sequence[ArmedModel]) -> APIRouter:
+# a model served in arms: an encoder's (over its services) or the LLM's (over its engines)
+AnyArmed = ArmedModel[ModelService] | ArmedModel[ServedEngine]
+
+
+def arms_router(models: Sequence[AnyArmed]) -> APIRouter:
     """The routes over every model served in arms (the encoders' and the LLM's)."""
     router = APIRouter()
     by_name = {a.model_name: a for a in models}
     one_at_a_time = asyncio.Lock()  # each status runs bootstraps: concurrent GETs queue, not pile up
 
-    def armed(model: str | None) -> ArmedModel:
+    def armed(model: str | None) -> AnyArmed:
         if model is None:
             if len(by_name) == 1:
                 return next(iter(by_name.values()))
@@ -225,13 +260,13 @@ def arms_router(models: Sequence[ArmedModel]) -> APIRouter:
         return found
 
     @router.get("/v1/arms")
-    async def arms_status() -> dict[str, Any]:
+    async def arms_status() -> JSONObject:
         loop = asyncio.get_running_loop()  # the bootstrap takes a while: off the event loop
         async with one_at_a_time:
             status = [await loop.run_in_executor(None, a.status, a.windows()) for a in models]
         return {"object": "list", "data": status}
 
-    async def change(arm: str, model: str | None, enable: bool) -> dict[str, Any]:
+    async def change(arm: str, model: str | None, enable: bool) -> JSONObject:
         target = armed(model)
         try:
             changed = target.enable(arm) if enable else target.disable(arm)
@@ -242,11 +277,11 @@ def arms_router(models: Sequence[ArmedModel]) -> APIRouter:
         return {"model": target.model_name, "arm": arm, "changed": changed, "states": target.states()}
 
     @router.post("/v1/arms/{arm}/enable")
-    async def enable(arm: str, model: str | None = None) -> dict[str, Any]:
+    async def enable(arm: str, model: str | None = None) -> JSONObject:
         return await change(arm, model, True)
 
     @router.post("/v1/arms/{arm}/disable")
-    async def disable(arm: str, model: str | None = None) -> dict[str, Any]:
+    async def disable(arm: str, model: str | None = None) -> JSONObject:
         return await change(arm, model, False)
 
     return router
@@ -264,7 +299,7 @@ def arms_router(models: Sequence[ArmedModel]) -> APIRouter:
 # fragmentation, preemptions and queue, read from the engine when asked. Every LLM series carries
 # ``arm=<name>``; the arm series (share, rollbacks) carry ``model=<the LLM's name>``.
 
-def describe_engine(engine: Any) -> dict[str, Any]:
+def describe_engine(engine: ServedEngine) -> LLMArmConfig:
     """An LLM arm's settings and its KV cache now, as ``/v1/arms`` shows them."""
     c, s = engine.config, engine.stats()
     return {"max_num_seqs": c.max_num_seqs, "max_num_batched_tokens": c.max_num_batched_tokens,
@@ -276,12 +311,13 @@ def describe_engine(engine: Any) -> dict[str, Any]:
 
 
 class LLMArms:
-    def __init__(self, engines: Sequence[Any], rollout: RolloutSpec) -> None:
-        self.armed = ArmedModel(engines[0].model_name, engines, rollout, describe_engine)
+    def __init__(self, engines: Sequence[ServedEngine], rollout: RolloutSpec) -> None:
+        self.armed: ArmedModel[ServedEngine] = ArmedModel(engines[0].model_name, engines, rollout,
+                                                          describe_engine)
         self.registries = {name: CollectorRegistry() for name in self.armed.backends}
 
     @property
-    def engines(self) -> dict[str, Any]:
+    def engines(self) -> dict[str, ServedEngine]:
         return self.armed.backends
 
     def register(self, registry: CollectorRegistry) -> dict[str, CollectorRegistry]:

@@ -43,7 +43,8 @@ class Models:
     """The served models, in the order given (the first of a task is that task's default); ``services``
     are their primaries, ``arms`` the models served in arms, ``all_services`` every arm's service."""
 
-    def __init__(self, services: Sequence[ModelService], arms: Sequence[ArmedModel] = ()) -> None:
+    def __init__(self, services: Sequence[ModelService], arms: Sequence[ArmedModel[ModelService]] = ()
+                 ) -> None:
         if not services:
             raise ValueError("a server needs at least one model")
         self.services = list(services)
@@ -102,7 +103,7 @@ class ModelRoute:
 
     async def __call__(self, request: Request) -> Response:
         t0, status, svc = time.perf_counter(), 200, self.default
-        armed: ArmedModel | None = None
+        armed: ArmedModel[ModelService] | None = None
         arm, retried = "", False
         try:
             try:

@@ -17,19 +17,21 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Iterator
-from typing import Any
+from typing import cast
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from batchpilot.runtime.llm.engine import REASONS
+from batchpilot.runtime.llm.engine import REASONS, EngineStats, LLMEngine, TokenEvent
+from batchpilot.runtime.llm.failover import LLMFailover
+from batchpilot.server.llm.served import ServedEngine
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class _EngineCollector(Collector):
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: ServedEngine) -> None:
         self.engine = engine
 
     def collect(self) -> Iterator[Metric]:
@@ -87,7 +89,7 @@ class _EngineCollector(Collector):
         yield from _memory(self.engine, s)
 
 
-def _refused(engine: Any) -> collections.Counter[str]:
+def _refused(engine: ServedEngine) -> collections.Counter[str]:
     """Requests refused by reason: the core's counts (``LLMAdmission.refused``) of the engine, and
     behind a failover of the engine it runs now and of its fallback (each keeps its counts across
     rebuilds). A stand-in without an admission counts nothing."""
@@ -99,11 +101,12 @@ def _refused(engine: Any) -> collections.Counter[str]:
     return total
 
 
-def _memory(engine: Any, s: Any) -> Iterator[Metric]:
+def _memory(engine: ServedEngine, s: EngineStats) -> Iterator[Metric]:
     """The memory plan (``core/llm/config.py``) beside what is used: planned bytes by part, the KV bytes the
     blocks in use hold, and what the process holds on the device now."""
-    engine = getattr(engine, "main", engine)  # behind a failover: the engine it runs now
-    plan = getattr(engine, "memory_plan", None)
+    # behind a failover: the engine it runs now; only an LLMEngine (or a stand-in for one) has a plan
+    main = cast(LLMEngine, getattr(engine, "main", engine))
+    plan = getattr(main, "memory_plan", None)
     if plan is None:
         return
     from batchpilot.models.device import free_memory_bytes, used_memory_bytes
@@ -113,12 +116,12 @@ def _memory(engine: Any, s: Any) -> Iterator[Metric]:
                                 labels=["part"])
     parts = [("weights", plan.weights_bytes), ("overhead", plan.overhead_bytes), ("kv", plan.kv_bytes),
              ("swap", plan.swap_bytes)]
-    if getattr(getattr(engine, "memory_profile", None), "source", "none") != "none":  # measured, so planned
+    if getattr(getattr(main, "memory_profile", None), "source", "none") != "none":  # measured, so planned
         parts.append(("activation", plan.activation_bytes))
     for part, value in parts:
         planned.add_metric([part], float(value))
     yield planned
-    device = engine.runner.device
+    device = main.runner.device
     used = GaugeMetricFamily("batchpilot_llm_memory_used_bytes", "Memory in use: kv = KV blocks in use x "
                              "block bytes; device = what this process holds on the device (CUDA: torch's "
                              "allocations; CPU: the resident set)", labels=["part"])
@@ -131,7 +134,7 @@ def _memory(engine: Any, s: Any) -> Iterator[Metric]:
 
 
 class _FailoverCollector(Collector):
-    def __init__(self, failover: Any) -> None:
+    def __init__(self, failover: LLMFailover) -> None:
         self.failover = failover
 
     def collect(self) -> Iterator[Metric]:
@@ -170,10 +173,10 @@ class _FailoverCollector(Collector):
 
 
 class LLMMetrics:
-    def __init__(self, engine: Any, registry: CollectorRegistry) -> None:
+    def __init__(self, engine: ServedEngine, registry: CollectorRegistry) -> None:
         registry.register(_EngineCollector(engine))
-        if hasattr(engine, "breaker"):  # behind a failover: its health too
-            registry.register(_FailoverCollector(engine))
+        if hasattr(engine, "breaker"):  # behind a failover (or a stand-in for one): its health too
+            registry.register(_FailoverCollector(cast(LLMFailover, engine)))
         self.ttft = Histogram("batchpilot_llm_time_to_first_token_seconds", "Arrival to first token",
                               buckets=LATENCY_BUCKETS, registry=registry)
         self.itl = Histogram("batchpilot_llm_inter_token_latency_seconds", "Time between output tokens",
@@ -184,7 +187,7 @@ class LLMMetrics:
                                      registry=registry)
         engine.observers.append(self.on_token)
 
-    def on_token(self, event: Any) -> None:
+    def on_token(self, event: TokenEvent) -> None:
         if event.ttft_s is not None:
             self.ttft.observe(event.ttft_s)
         if event.itl_s is not None:

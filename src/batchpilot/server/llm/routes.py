@@ -24,9 +24,9 @@ import functools
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextvars import ContextVar
-from typing import Any
+from typing import NotRequired, TypedDict, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -42,8 +42,7 @@ from batchpilot.runtime.llm.engine import (
     EngineUnavailable,
     GenerationFailed,
     GenerationOutput,
-    LLMEngine,
-    LLMRequest,
+    GenerationStream,
     RequestRejected,
     RequestTimedOut,
 )
@@ -58,6 +57,7 @@ from batchpilot.server.llm.schemas import (
     _SamplingFields,
     header_deadline_ms,
 )
+from batchpilot.server.llm.served import ServedEngine
 from batchpilot.server.service import header_num
 
 # How an LLM request's failure reaches its client: an error body before the response starts, an SSE
@@ -116,14 +116,30 @@ def sse_error(exc: BaseException) -> bytes:
 OnFinish = Callable[[GenerationOutput], None]
 
 
-def sse(obj: dict[str, Any] | str) -> bytes:
+T = TypeVar("T")
+
+
+class PromptTokensDetails(TypedDict):
+    cached_tokens: int
+
+
+class Usage(TypedDict):
+    """OpenAI's ``usage`` of one answer; ``prompt_tokens_details`` only when the prefix cache served
+    part of the prompt."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: NotRequired[PromptTokensDetails]
+
+
+def sse(obj: dict[str, object] | str) -> bytes:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode()
 
 
-def usage_of(last: GenerationOutput) -> dict[str, Any]:
-    usage: dict[str, Any] = {"prompt_tokens": last.num_prompt_tokens,
-                             "completion_tokens": last.num_output_tokens,
-                             "total_tokens": last.num_prompt_tokens + last.num_output_tokens}
+def usage_of(last: GenerationOutput) -> Usage:
+    usage: Usage = {"prompt_tokens": last.num_prompt_tokens, "completion_tokens": last.num_output_tokens,
+                    "total_tokens": last.num_prompt_tokens + last.num_output_tokens}
     if last.num_cached_tokens:
         usage["prompt_tokens_details"] = {"cached_tokens": last.num_cached_tokens}
     return usage
@@ -141,7 +157,7 @@ def first_token_timing(received: float, first: GenerationOutput) -> dict[str, st
                              f"app;dur={(now - received) * 1e3:.3f}"}
 
 
-async def outputs(first: GenerationOutput, req: LLMRequest) -> AsyncIterator[GenerationOutput]:
+async def outputs(first: GenerationOutput, req: GenerationStream) -> AsyncIterator[GenerationOutput]:
     """The primed first output, then the rest."""
     yield first
     if first.finish_reason is None:
@@ -149,7 +165,7 @@ async def outputs(first: GenerationOutput, req: LLMRequest) -> AsyncIterator[Gen
             yield item
 
 
-async def completion_events(head: dict[str, Any], first: GenerationOutput, req: LLMRequest,
+async def completion_events(head: dict[str, object], first: GenerationOutput, req: GenerationStream,
                             include_usage: bool, on_finish: OnFinish) -> AsyncIterator[bytes]:
     last = first
     async for item in outputs(first, req):
@@ -162,9 +178,9 @@ async def completion_events(head: dict[str, Any], first: GenerationOutput, req: 
     yield sse("[DONE]")
 
 
-async def chat_events(head: dict[str, Any], first: GenerationOutput, req: LLMRequest,
+async def chat_events(head: dict[str, object], first: GenerationOutput, req: GenerationStream,
                       include_usage: bool, on_finish: OnFinish) -> AsyncIterator[bytes]:
-    def chunk(delta: dict[str, Any], reason: str | None) -> bytes:
+    def chunk(delta: dict[str, str], reason: str | None) -> bytes:
         return sse({**head, "choices": [{"index": 0, "delta": delta, "logprobs": None,
                                          "finish_reason": reason}]})
 
@@ -185,17 +201,16 @@ async def chat_events(head: dict[str, Any], first: GenerationOutput, req: LLMReq
 # an engine's own failures: on a candidate arm, faults that the primary answers instead
 _ENGINE_FAULTS = ("generation_failed", "engine_unavailable")
 # the engine answering this request and its metrics (an arm's, with arms), set by the route's attempt
-Served = LLMEngine | LLMFailover
-_served: ContextVar[tuple[Served, LLMMetrics]] = ContextVar("batchpilot_llm_served")
+_served: ContextVar[tuple[ServedEngine, LLMMetrics]] = ContextVar("batchpilot_llm_served")
 
 # when the client gives no max_tokens: OpenAI's legacy completions default, and a bounded chat answer
 # (OpenAI lets chat run to the context limit; a bound keeps one request from holding the engine)
 DEFAULT_MAX_TOKENS = {"/v1/completions": 16, "/v1/chat/completions": 256}
 # a route's work: (requests, received, deadline, priority)
-Work = Callable[[list[LLMRequest], float, float, int], Awaitable[Response]]
+Work = Callable[[list[GenerationStream], float, float, int], Awaitable[Response]]
 
 
-def make_llm_router(engine: LLMEngine | LLMFailover, registry: CollectorRegistry,
+def make_llm_router(engine: ServedEngine, registry: CollectorRegistry,
                     limits: LLMLimits | None = None, arms: LLMArms | None = None) -> APIRouter:
     """The routes over ``engine``, or over ``arms`` (``server/arms.py``: each request assigned an
     arm's engine, its outcome recorded for the comparison and rollback; a candidate that fails before
@@ -203,14 +218,15 @@ def make_llm_router(engine: LLMEngine | LLMFailover, registry: CollectorRegistry
     routes = LLMRoutes(engine, registry, limits or LLMLimits(), arms)
     router = APIRouter(tags=["llm"])
 
-    # ``Any``, not ``Response``: FastAPI documents an untyped answer, and the OpenAPI schema stays as it is
+    # ``object``, not ``Response``: the answer is JSON or an SSE stream, which FastAPI documents as an
+    # untyped answer (the OpenAPI schema as it was under ``Any``); a returned Response is sent as it is
     @router.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Any:
+    async def completions(body: CompletionRequest, request: Request) -> object:
         return await routes.answer("/v1/completions", body, request,
                                    functools.partial(routes.completions, body))
 
     @router.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> object:
         return await routes.answer("/v1/chat/completions", body, request,
                                    functools.partial(routes.chat_completions, body))
 
@@ -220,7 +236,7 @@ def make_llm_router(engine: LLMEngine | LLMFailover, registry: CollectorRegistry
 class LLMRoutes:
     """What the two routes share: the engine (or its arms), the metrics of each arm, the limits."""
 
-    def __init__(self, engine: LLMEngine | LLMFailover, registry: CollectorRegistry, limits: LLMLimits,
+    def __init__(self, engine: ServedEngine, registry: CollectorRegistry, limits: LLMLimits,
                  arms: LLMArms | None) -> None:
         self.engine, self.limits, self.arms = engine, limits, arms
         if arms is None:
@@ -268,7 +284,7 @@ class LLMRoutes:
             return out
 
     async def attempt(self, route: str, body: _SamplingFields, request: Request, work: Work,
-                      received: float, arm: str, chosen: Served, record: bool = True) -> Response:
+                      received: float, arm: str, chosen: ServedEngine, record: bool = True) -> Response:
         arms = self.arms
         token = _served.set((chosen, self.per_arm[arm]))
         try:
@@ -299,7 +315,7 @@ class LLMRoutes:
 
     @staticmethod
     def submit(prompts: list[list[int]], params: SamplingParams, priority: int, deadline: float,
-               stream: bool) -> list[LLMRequest]:
+               stream: bool) -> Sequence[GenerationStream]:
         target = _served.get()[0]
         if isinstance(target, LLMFailover):  # an answer not streamed can restart on the fallback
             return target.submit(prompts, params, priority, deadline, replayable=not stream)
@@ -308,7 +324,7 @@ class LLMRoutes:
     def params_of(self, body: _SamplingFields, route: str) -> SamplingParams:
         return body.sampling_params(DEFAULT_MAX_TOKENS[route], self.limits, self.max_len)
 
-    async def completions(self, body: CompletionRequest, reqs: list[LLMRequest], received: float,
+    async def completions(self, body: CompletionRequest, reqs: list[GenerationStream], received: float,
                           deadline: float, priority: int) -> Response:
         route, rid, created = "/v1/completions", f"cmpl-{self.ids()}", int(time.time())
         target, metrics = _served.get()
@@ -323,23 +339,26 @@ class LLMRoutes:
         reqs.extend(self.submit(token_ids, params, priority, deadline, body.stream))
         if body.stream:
             first = await anext(reqs[0])
-            head = {"id": rid, "object": "text_completion", "created": created, "model": model}
+            head: dict[str, object] = {"id": rid, "object": "text_completion", "created": created,
+                                       "model": model}
             events = completion_events(head, first, reqs[0], body.include_usage,
                                        lambda last: self.finished(route, last, metrics))
             return _stream(events, reqs[0], first_token_timing(received, first))
         results = await _all_or_none([_collect(r) for r in reqs])
-        choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+        choices: list[dict[str, object]] = []
+        usage: Usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
         for i, (text, last) in enumerate(results):
             self.finished(route, last, metrics)
             choices.append({"index": i, "text": text, "logprobs": None, "finish_reason": last.finish_reason})
-            for k, v in usage_of(last).items():
-                if k in usage:
-                    usage[k] += v
+            one = usage_of(last)  # the prompts' cached tokens are not summed: only the three totals
+            usage["prompt_tokens"] += one["prompt_tokens"]
+            usage["completion_tokens"] += one["completion_tokens"]
+            usage["total_tokens"] += one["total_tokens"]
         return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model,
                              "choices": choices, "usage": usage})
 
-    async def chat_completions(self, body: ChatCompletionRequest, reqs: list[LLMRequest], received: float,
-                               deadline: float, priority: int) -> Response:
+    async def chat_completions(self, body: ChatCompletionRequest, reqs: list[GenerationStream],
+                               received: float, deadline: float, priority: int) -> Response:
         route, rid, created = "/v1/chat/completions", f"chatcmpl-{self.ids()}", int(time.time())
         target, metrics = _served.get()
         model = self.served_model(body.model)
@@ -350,7 +369,8 @@ class LLMRoutes:
         prompt = await self.engine.prompts.encode_chat_async(messages)
         reqs.extend(self.submit([prompt], params, priority, deadline, body.stream))
         first = await anext(reqs[0])
-        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+        head: dict[str, object] = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                                   "model": model}
         if body.stream:
             events = chat_events(head, first, reqs[0], body.include_usage,
                                  lambda last: self.finished(route, last, metrics))
@@ -365,19 +385,19 @@ class LLMRoutes:
         })
 
 
-async def _guarded(request: Request, deadline: float, work: Callable[[list[LLMRequest]], Awaitable[Any]],
-                   ) -> Any:
+async def _guarded(request: Request, deadline: float,
+                   work: Callable[[list[GenerationStream]], Awaitable[Response]]) -> Response:
     """Run a route's work while watching the connection and the deadline. Until the response starts (the
     whole generation when not streaming; the first token when streaming) a client that disconnects is
     not noticed by Starlette, so its sequences would run to ``max_tokens`` for nobody. When the client
     leaves, the deadline passes or the work fails, every request the work submitted is closed: its
     sequences are aborted and their KV blocks freed. A returned StreamingResponse owns its request."""
-    reqs: list[LLMRequest] = []
+    reqs: list[GenerationStream] = []
     handed_over = False
     task = asyncio.ensure_future(work(reqs))
     watch = asyncio.ensure_future(_disconnected(request))
     try:
-        done: set[Any] = set()
+        done: set[asyncio.Future[Response] | asyncio.Future[None]] = set()
         # a timer may fire a little before its time (the loop's clock granularity): wait until the
         # deadline has come by the core's rule (``past_deadline``), which the engine's count checks
         while not done and time.monotonic() < deadline:
@@ -400,7 +420,7 @@ async def _guarded(request: Request, deadline: float, work: Callable[[list[LLMRe
                 req.close()
 
 
-async def _all_or_none(coros: list[Coroutine[Any, Any, Any]]) -> list[Any]:
+async def _all_or_none(coros: list[Awaitable[T]]) -> list[T]:
     """Every result, or the first failure with the rest cancelled (the caller closes their requests)."""
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:
@@ -414,7 +434,8 @@ async def _all_or_none(coros: list[Coroutine[Any, Any, Any]]) -> list[Any]:
             t.cancel()
 
 
-async def _collect(req: LLMRequest, first: GenerationOutput | None = None) -> tuple[str, GenerationOutput]:
+async def _collect(req: GenerationStream, first: GenerationOutput | None = None
+                   ) -> tuple[str, GenerationOutput]:
     parts, last = [], first
     if first is not None:
         parts.append(first.text)
@@ -426,7 +447,8 @@ async def _collect(req: LLMRequest, first: GenerationOutput | None = None) -> tu
     return "".join(parts), last
 
 
-def _stream(events: AsyncIterator[bytes], req: LLMRequest, headers: dict[str, str]) -> StreamingResponse:
+def _stream(events: AsyncIterator[bytes], req: GenerationStream, headers: dict[str, str]
+            ) -> StreamingResponse:
     """The SSE response: a failure mid-way becomes an error event, then the stream ends; however it
     ends (finished, failed, client gone) the request is closed."""
     async def guarded() -> AsyncIterator[bytes]:
