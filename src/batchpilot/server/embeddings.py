@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -73,7 +74,7 @@ class EmbeddingService(ModelService):
                            param="dimensions")
         texts, ids = split_input(body.input, self.settings)
         priority, deadline = self.deadline(request, body.priority, body.deadline_ms, received)
-        tokens = await self.tokenize_off_loop(self.tokenize, texts, ids, body.truncate,
+        tokens = await self.tokenize_off_loop(functools.partial(self.tokenize, texts, ids, body.truncate),
                                               cheap=_cheap_to_tokenize(texts, ids), request=request)
         tokenized = self.batcher.clock()
         times = StageTimes()

@@ -16,6 +16,7 @@ says otherwise), what ``CrossEncoder.predict`` returns. Limits are the embedding
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -118,7 +119,7 @@ class ScoringService(ModelService):
         received = self.batcher.clock()
         priority, deadline = self.deadline(request, body.priority, body.deadline_ms, received)
         chars = sum(len(t) for x in items for t in (x if isinstance(x, tuple) else (x,)))
-        payloads = await self.tokenize_off_loop(tokenize, items, body.truncate,
+        payloads = await self.tokenize_off_loop(functools.partial(tokenize, items, body.truncate),
                                                 cheap=chars <= INLINE_TOKENIZE_CHARS, request=request)
         lengths = [len(p.token_ids) for p in payloads]
         logits = await self.run_group(payloads, lengths, request, priority, deadline)

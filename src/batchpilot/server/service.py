@@ -2,7 +2,7 @@
 and the path of a request through them.
 
     count(route, status, seconds)          the route's HTTP metrics, on this model's series
-    tokenize_off_loop(fn, *args, cheap)    on the loop when cheap, else on the pool of
+    tokenize_off_loop(fn, cheap)           on the loop when cheap, else on the pool of
                                            ``tokenizer_workers`` threads; InvalidInput -> 400
     run_group(payloads, lengths, ...)      Batcher.submit_group (the core admits all inputs or none)
                                            ─▶ wait for all, the client's disconnect, or the request
@@ -17,13 +17,14 @@ that disconnects while its inputs wait has them withdrawn from the queue.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from fastapi import Request
@@ -44,6 +45,9 @@ from batchpilot.server.metrics import ServerMetrics
 from batchpilot.server.schemas import PRIORITY_MAX, DetokenizeRequest, TokenizeRequest
 
 log = logging.getLogger("batchpilot.server")
+
+T = TypeVar("T")
+Num = TypeVar("Num", int, float)  # a numeric header's kind
 
 _REJECT_STATUS = {RejectReason.TOO_LONG: 400, RejectReason.INFEASIBLE_DEADLINE: 429,
                   RejectReason.RATE_LIMITED: 429, RejectReason.QUEUE_FULL: 503,
@@ -124,15 +128,15 @@ class ModelService:
             latency = self._latency[route] = self.metrics.http_latency.labels(route=route)
         latency.observe(seconds)
 
-    async def tokenize_off_loop(self, fn: Callable[..., Any], *args: Any, cheap: bool = False,
-                                request: Request | None = None) -> Any:
-        """``fn(*args)``: on the event loop when ``cheap`` (less work than the hand-off to a thread),
+    async def tokenize_off_loop(self, fn: Callable[[], T], cheap: bool = False,
+                                request: Request | None = None) -> T:
+        """``fn()``: on the event loop when ``cheap`` (less work than the hand-off to a thread),
         else on the tokenizer pool. The executor's typed refusals are 400s with their code; any other
         tokenizer error is a fixed 400 (its text only in the log)."""
         try:
             if cheap:
-                return fn(*args)
-            return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
+                return fn()
+            return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn)
         except InvalidInput as exc:
             raise APIError(400, str(exc), code=exc.code, param="input") from None
         except ValueError as exc:
@@ -212,7 +216,8 @@ class ModelService:
         if size > limit:
             raise APIError(400, f"{param} has {size} {unit}; at most {limit}", code="input_too_long",
                            param=param)
-        return await self.tokenize_off_loop(fn, *args, cheap=size <= inline, request=request)
+        return await self.tokenize_off_loop(functools.partial(fn, *args), cheap=size <= inline,
+                                            request=request)
 
     async def close(self) -> None:
         await self.watchdog.stop()
@@ -220,12 +225,12 @@ class ModelService:
         self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
 
-def header_num(request: Request, name: str, kind: type) -> Any:
+def header_num(request: Request, name: str, kind: type[Num]) -> Num | None:
     """A numeric header: an int within the priority range, or a finite float; anything else is 400."""
     raw = request.headers.get(name)
     if raw is None:
         return None
-    value: Any = None
+    value: Num | None = None
     try:
         value = kind(raw)
         ok = -PRIORITY_MAX <= value <= PRIORITY_MAX if kind is int else math.isfinite(value)

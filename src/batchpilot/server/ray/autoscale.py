@@ -21,18 +21,23 @@ receives Serve's ``AutoscalingContext`` and reads only its documented attributes
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Hashable, Iterable, Mapping
+from typing import TYPE_CHECKING, TypeVar
 
 from batchpilot.core.autoscale import AutoscaleConfig, Autoscaler, ReplicaSignal, signal_of
+from batchpilot.core.scheduler import BatchScheduler
+
+if TYPE_CHECKING:  # ray is an optional dependency; Serve's controller hands the policy its context
+    from ray.serve.config import AutoscalingContext
 
 QUEUE_DEPTH = "batchpilot_queue_length"
 PREDICTED_WAIT = "batchpilot_backlog_seconds"
 RUNNING = "batchpilot_batches_in_flight"
 POLICY_PATH = "batchpilot.server.ray.autoscale:BatchpilotAutoscalingPolicy"
+Replica = TypeVar("Replica", bound=Hashable)  # Serve's replica id
 
 
-def replica_stats(schedulers: Iterable[Any], now: float) -> dict[str, float]:
+def replica_stats(schedulers: Iterable[BatchScheduler], now: float) -> dict[str, float]:
     """What one replica reports: the signals of the schedulers it runs, as one replica's signal."""
     signals = [signal_of(s, now) for s in schedulers]
     return {QUEUE_DEPTH: float(sum(s.queue_depth for s in signals)),
@@ -40,12 +45,12 @@ def replica_stats(schedulers: Iterable[Any], now: float) -> dict[str, float]:
             RUNNING: float(sum(s.running for s in signals))}
 
 
-def signals_from(metrics: Mapping[str, Mapping[Any, float]], replicas: Iterable[Any]
+def signals_from(metrics: Mapping[str, Mapping[Replica, float]], replicas: Iterable[Replica]
                  ) -> list[ReplicaSignal]:
     """One ``ReplicaSignal`` per running replica that reported, from Serve's aggregated custom metrics."""
     waits = metrics.get(PREDICTED_WAIT, {})
 
-    def value(key: str, replica: Any) -> float:
+    def value(key: str, replica: Replica) -> float:
         return max(float(metrics.get(key, {}).get(replica, 0.0)), 0.0)
 
     return [ReplicaSignal(queue_depth=round(value(QUEUE_DEPTH, r)),
@@ -57,11 +62,11 @@ class BatchpilotAutoscalingPolicy:
     """Serve's custom autoscaling policy (a callable class): ``policy(ctx) -> (replicas, state)``.
     ``kwargs`` are ``AutoscaleConfig``'s fields (JSON values, from ``policy_kwargs``)."""
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, **kwargs: float) -> None:
         self.config = AutoscaleConfig(**kwargs)
         self.autoscaler = Autoscaler(self.config)
 
-    def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
+    def __call__(self, ctx: AutoscalingContext) -> tuple[int, dict[str, object]]:
         now = time.monotonic()  # the controller's clock: the delays need one that never goes back
         signals = signals_from(ctx.aggregated_metrics or {}, ctx.running_replicas)
         decision = self.autoscaler.decide(now, ctx.target_num_replicas, signals)
@@ -71,7 +76,7 @@ class BatchpilotAutoscalingPolicy:
 def autoscaling_config(min_replicas: int, max_replicas: int, target_queue_wait_s: float,
                        upscale_delay_s: float, downscale_delay_s: float,
                        metrics_interval_s: float = 1.0, look_back_period_s: float = 5.0
-                       ) -> dict[str, Any]:
+                       ) -> dict[str, object]:
     """Serve's ``autoscaling_config`` running ``BatchpilotAutoscalingPolicy``. Serve's own delays are 0:
     the core's Autoscaler holds them (Serve still clamps to min/max)."""
     kwargs = {"min_replicas": min_replicas, "max_replicas": max_replicas,
