@@ -208,7 +208,7 @@ def server_config(args: argparse.Namespace, spec: DeploymentSpec) -> ServerConfi
     return ServerConfig(
         host=args.host, port=args.port, models=model_specs(args),
         max_length=args.max_length, num_threads=args.threads,
-        tokenizer_workers=spec.server.tokenizer_workers or None,
+        tokenizer_workers=spec.server.tokenizer_workers,
         noop=args.noop, noop_delay_s=args.noop_delay_ms / 1000.0,
         startup_profile=not args.no_startup_profile, api_key=args.api_key,
         max_body_bytes=args.max_body_bytes, header_timeout_s=args.header_timeout_s,

@@ -37,7 +37,9 @@ class ServerConfig:
     models: tuple[ModelSpec, ...] = (ModelSpec(),)  # each with its own scheduler; the first is the default
     max_length: int | None = None  # None: the model's position limit
     num_threads: int | None = None  # torch intra-op threads, fixed; None: a measured per-batch plan
-    tokenizer_workers: int | None = None  # threads tokenising inputs/prompts, per model; None: one per core
+    # threads tokenising inputs/prompts, per model; 0: one per core (the unset value of the ``server:``
+    # section's tokenizer_workers, ``core.deployment.ServingOptions``, which serve passes on as it is)
+    tokenizer_workers: int = 0
     noop: bool = False  # a model that costs nothing (benchmarks of the serving path)
     noop_delay_s: float = 0.0
     startup_profile: bool = True  # no profile given: measure briefly at start-up (else the stated default)
@@ -78,8 +80,8 @@ class ServerConfig:
             raise ValueError("server.models is empty; serve at least one model")
         if not 0 <= self.port < 65536:
             raise ValueError(f"server.port must be in [0, 65535], got {self.port}")
-        if self.tokenizer_workers is not None and self.tokenizer_workers < 1:
-            raise ValueError(f"server.tokenizer_workers must be >= 1 (or unset: one per core), "
+        if self.tokenizer_workers < 0:
+            raise ValueError(f"server.tokenizer_workers must be >= 0 (0 = one per core), "
                              f"got {self.tokenizer_workers}")
         for name in ("max_body_bytes", "max_inputs", "max_input_chars", "max_input_tokens", "max_json_values",
                      "max_json_containers"):
