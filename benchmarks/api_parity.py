@@ -33,7 +33,7 @@ from batchpilot.bench.loadgen import load_tokenizer
 from batchpilot.bench.serverproc import free_port
 from batchpilot.models.encoder import default_model_path
 from batchpilot.models.seeded import build_classifier, build_cross_encoder
-from batchpilot.sim.texts import texts_for_lengths
+from batchpilot.models.texts import texts_for_lengths
 from batchpilot.sim.traces import load_workload
 
 DIMS = (384, 256, 128, 64, 32)

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 import batchpilot.models.lean as lean
 from batchpilot.core.costmodel import CostModel
 from batchpilot.models.tasks import load_model
-from batchpilot.profile.encoder import STANDARD_BATCH_SIZES, STANDARD_LENGTHS, _Shape, grid_lengths
+from batchpilot.models.profiler import STANDARD_BATCH_SIZES, STANDARD_LENGTHS, _Shape, grid_lengths
 from batchpilot.sim.traces import load_workload
 
 

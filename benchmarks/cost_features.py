@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/cost_features.py PROFILE.json [PROFILE.json ...]
 
 For each `batchpilot profile` file (encoder), every grid point is predicted by a cost model fitted on
-all the others (``profile.encoder.leave_one_out``), once with the linear features
+all the others (``models.profiler.leave_one_out``), once with the linear features
 (``ENCODER_FEATURES``) and once with ``tokens_sq`` beside them (``PROFILED_ENCODER_FEATURES``, what
 the profiler fits). Printed per profile and feature set: the median |error| over all points, and the
 mean signed error and largest |error| over the points of 1,000 computed tokens or more (positive: the
@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from batchpilot.core.costmodel import ENCODER_FEATURES, PROFILED_ENCODER_FEATURES, ProfilePoint
-from batchpilot.profile.encoder import leave_one_out
+from batchpilot.models.profiler import leave_one_out
 
 BIG_TOKENS = 1000
 

@@ -5,7 +5,7 @@
 
 For each run of `benchmarks/fidelity.py --out DIR`, its profile (DIR/<workload>-<cpus>/profile.json) is
 fitted again from what the profile measured itself (``rate_slope.priced_by``): the grid points
-(``CostModel.fit`` on ``profile.encoder.fitted_features``, or the four linear features with
+(``CostModel.fit`` on ``models.profiler.fitted_features``, or the four linear features with
 ``--linear``) and the loaded batches it kept (``profile.serving.fit_loaded``; ``--no-wander`` sets the
 speed wander to 0 and leaves the residuals whole; ``--no-rate-slope`` fits the line without the
 accounted CPU per request, the level in ``loaded_alpha``). Every point is then predicted again at its

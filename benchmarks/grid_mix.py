@@ -6,7 +6,7 @@ One process, one MiniLM executor (``--dtype auto`` chooses as ``serve`` does), p
 sets of batches are built: the standard grid with every input of exactly ``L`` (``uniform``), the same
 grid with lengths spread evenly over ``L +- 25%`` so that a batch of ``n`` holds ``n * L`` tokens
 (``even``), the same grid with lengths drawn at random over ``L +- 25%`` as
-``profile.encoder.grid_lengths`` draws them (``random``: what ``batchpilot profile`` measures), and
+``models.profiler.grid_lengths`` draws them (``random``: what ``batchpilot profile`` measures), and
 ``--holdout`` batches of 1-16 rows drawn from the conv-embed trace (seeded; a quarter lone rows, the
 rest sorted by length and cut into neighbours, as the sorted planner forms them). Every batch of the
 four sets is timed once per round, all interleaved, so a drift of this CPU's speed falls on all of
@@ -27,7 +27,7 @@ from batchpilot.core.costmodel import CostModel
 from batchpilot.models.device import resolve_device
 from batchpilot.models.encoder import EncoderConfig, EncoderExecutor
 from batchpilot.models.precision import choose_precision
-from batchpilot.profile.encoder import (
+from batchpilot.models.profiler import (
     MIX_SPREAD,
     STANDARD_BATCH_SIZES,
     STANDARD_LENGTHS,

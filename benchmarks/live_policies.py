@@ -169,7 +169,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from batchpilot.models.encoder import EncoderConfig, EncoderExecutor
-    from batchpilot.sim.texts import texts_for_lengths
+    from batchpilot.models.texts import texts_for_lengths
     from batchpilot.sim.traces import load_workload
 
     ex = EncoderExecutor(EncoderConfig(num_threads=args.threads))

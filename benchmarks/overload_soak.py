@@ -82,7 +82,7 @@ def rss_mib(pid: int) -> float:
 def conv_embed_texts(n: int, seed: int) -> list[str]:
     """Real English texts with conv-embed's token lengths (the trace's first ``n`` rows)."""
     from batchpilot.bench.loadgen import load_tokenizer
-    from batchpilot.sim.texts import texts_for_lengths
+    from batchpilot.models.texts import texts_for_lengths
     from batchpilot.sim.traces import conv_embed
 
     lengths = [int(x) for x in conv_embed().input_tokens[:n]]

@@ -33,8 +33,8 @@ import torch
 from batchpilot.bench.loadgen import load_tokenizer
 from batchpilot.models.encoder import EncoderConfig, EncoderExecutor, default_model_path, make_batch
 from batchpilot.models.precision import candidates, choose_precision, min_cosine
-from batchpilot.profile.encoder import measure
-from batchpilot.sim.texts import texts_for_lengths
+from batchpilot.models.profiler import measure
+from batchpilot.models.texts import texts_for_lengths
 from batchpilot.sim.traces import load_workload
 
 BASE = "torch/float32"

@@ -40,7 +40,7 @@ from pathlib import Path
 import batchpilot.profile.serving as sl
 from batchpilot.bench.fidelity import busy_before, by_rate, idle_before, logged_rates, priced_seconds, split
 from batchpilot.core.costmodel import ENCODER_FEATURES, CostModel, ProfilePoint
-from batchpilot.profile.encoder import fitted_features
+from batchpilot.models.profiler import fitted_features
 from batchpilot.profile.serving import LOADED_TOKEN_EDGES, Loaded, fit_loaded, frontend_fields, turnaround
 from batchpilot.runtime.journal import LoggedBatch, read_batches
 from batchpilot.sim.service import BUSY_EDGES, FACTOR_FIELDS, FrontEnd
@@ -75,7 +75,7 @@ def priced_by(profile: Path, refit: bool = False, part: tuple[float, float] = (0
               linear: bool = False, wander: bool = True, slope: bool = True) -> tuple[CostModel, FrontEnd]:
     """The profile's cost model and serving path; ``refit``: both fitted again by this checkout's code
     from what the profile measured itself, the cost model from its grid points (on
-    ``profile.encoder.fitted_features``; ``linear``: the four linear features) and the loaded line from
+    ``models.profiler.fitted_features``; ``linear``: the four linear features) and the loaded line from
     the batches it kept (``fit_loaded``, same competing CPU and token steps; ``slope`` False: without
     the competing CPU, the level in ``loaded_alpha``; ``wander`` False: no speed wander, the residuals
     whole), from the batches that started in the ``part`` of its loaded phase only (fractions of its

@@ -45,7 +45,7 @@ from batchpilot.bench.loadgen import LoadGenConfig, PlannedRequest, load_tokeniz
 from batchpilot.bench.records import summarize
 from batchpilot.bench.scrape import parse_metrics
 from batchpilot.bench.serverproc import free_port
-from batchpilot.sim.texts import texts_for_lengths
+from batchpilot.models.texts import texts_for_lengths
 from batchpilot.sim.traces import load_workload
 
 SLA_S = 2.0

@@ -21,7 +21,7 @@ from batchpilot import cli
 from batchpilot.core.costmodel import BatchShape, CostModel
 from batchpilot.models.device import peak_memory_bytes
 from batchpilot.models.encoder import PROBE_SHAPES, EncoderConfig, EncoderExecutor, ThreadPlan
-from batchpilot.profile.encoder import (
+from batchpilot.models.profiler import (
     MIX_SPREAD,
     Measurement,
     grid_lengths,
@@ -182,7 +182,7 @@ class _DriftingExecutor:
 def test_a_speed_step_during_the_profile_scales_every_shape_alike(monkeypatch: pytest.MonkeyPatch) -> None:
     """Timed round-robin, a step in the CPU's speed moves every shape's median alike (a speed, which the
     live fit corrects); timed shape after shape it would bend the model's shape."""
-    import batchpilot.profile.encoder as profiler
+    import batchpilot.models.profiler as profiler
 
     fake = _DriftingExecutor(step_after=10 + 6)  # 6 shapes: 6 warm-ups, then 5 rounds; step in round 2
     monkeypatch.setattr(profiler.time, "perf_counter", lambda: fake.now)

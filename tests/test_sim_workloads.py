@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from batchpilot.sim.texts import texts_for_lengths
+from batchpilot.models.texts import texts_for_lengths
 from batchpilot.sim.traces import conv_embed, conv_llm, load_workload
 
 

@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-import batchpilot.profile.encoder as profiler
+import batchpilot.models.profiler as profiler
 import batchpilot.profile.speed_check as speed_check
 from batchpilot import cli
 from batchpilot.core.costmodel import CostModel
-from batchpilot.profile.encoder import profile_grid
+from batchpilot.models.profiler import profile_grid
 from batchpilot.profile.speed_check import SpeedCheck, check_speed, reference_batches, rescaled
 from batchpilot.sim.service import FrontEnd
 

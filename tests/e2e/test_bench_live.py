@@ -137,7 +137,7 @@ def test_server_timing_splits_each_request(server: str) -> None:
     import asyncio
 
     from batchpilot.bench.loadgen import build_plan, load_tokenizer, one_by_one_async
-    from batchpilot.sim.texts import texts_for_lengths
+    from batchpilot.models.texts import texts_for_lengths
 
     wl = load_workload("conv-embed", rate_scale=1.0, start=0, count=8)
     texts = texts_for_lengths(load_tokenizer(), wl.input_tokens.tolist())

@@ -34,7 +34,7 @@ def st_model() -> Any:
 
 @pytest.fixture(scope="module")
 def texts(st_model: Any) -> list[str]:
-    from batchpilot.sim.texts import texts_for_lengths
+    from batchpilot.models.texts import texts_for_lengths
 
     return texts_for_lengths(st_model.tokenizer, LENGTHS, seed=3)
 

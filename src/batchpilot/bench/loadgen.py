@@ -11,7 +11,7 @@ request is sent and its answer recorded, per endpoint, is ``bench.loadgen``.
 What is sent, per workload row (the simulator replays the same rows, from ``sim.traces``):
 
 * ``embeddings``: ``POST /v1/embeddings {"model", "input": text}`` where ``text`` is real English that
-  tokenises to exactly the row's ``input_tokens`` (``sim.texts.texts_for_lengths`` with the model's
+  tokenises to exactly the row's ``input_tokens`` (``models.texts.texts_for_lengths`` with the model's
   tokenizer);
 * ``rerank``: ``POST /v1/rerank`` with the plan's own bodies (``query``, ``documents``): a request is
   one query and its documents; it is a success when every document has a result (``top_n`` unset);
@@ -295,7 +295,7 @@ def build_plan(
     lengths = workload.input_tokens.tolist()
     need_text = endpoint == "embeddings" or prompt == "text"
     if need_text and texts is None:
-        from batchpilot.sim.texts import texts_for_lengths
+        from batchpilot.models.texts import texts_for_lengths
 
         tok = tokenizer if tokenizer is not None else load_tokenizer()
         texts = texts_for_lengths(tok, lengths, seed=seed)

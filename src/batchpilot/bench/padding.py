@@ -142,7 +142,7 @@ def fit_cost_model(grid: dict[tuple[int, int], float]) -> CostModel:
 
 
 def padding_section(executor: Any, args: argparse.Namespace) -> dict[str, Any]:
-    from batchpilot.sim.texts import texts_for_lengths
+    from batchpilot.models.texts import texts_for_lengths
     from batchpilot.sim.traces import load_workload
 
     wl = load_workload("conv-embed", start=args.start, count=args.requests)

@@ -17,7 +17,7 @@ precision is checked by the guard too, and one that fails it is an error (the ca
 nothing else is served silently in its place).
 
 **The guard.** A fixed probe set of real English texts of mixed lengths (8 to 512 tokens,
-``sim.texts``) is embedded by the fp32 executor and by the candidate, with every padding mode the
+``models.texts``) is embedded by the fp32 executor and by the candidate, with every padding mode the
 executor supports ("dynamic" and, where it runs, "none"); the candidate passes if the minimum cosine
 similarity of its embeddings to fp32's is at least ``min_cosine`` (default 0.999). The report keeps
 what was measured (ms on the probe shapes, min cosine) for the log and ``/metrics``.
@@ -81,7 +81,7 @@ def candidates(device: torch.device, backend: str = "torch") -> list[str]:
 
 
 def probe_texts(tokenizer: Any) -> list[str]:
-    from batchpilot.sim.texts import texts_for_lengths
+    from batchpilot.models.texts import texts_for_lengths
 
     return texts_for_lengths(tokenizer, list(PROBE_LENGTHS), seed=7)
 
@@ -103,7 +103,7 @@ def _embed(executor: Any, texts: list[str]) -> dict[str, np.ndarray]:
 
 def probe_ms(executor: Any, repeats: int = 3) -> float:
     """Milliseconds for the probe shapes, the median of ``repeats`` runs each after a warm-up."""
-    from batchpilot.profile.encoder import measure
+    from batchpilot.models.profiler import measure
 
     rng = random.Random(0)
     total = 0.0

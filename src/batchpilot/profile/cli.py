@@ -1,4 +1,4 @@
-"""``batchpilot profile``: measure an encoder over a grid of batch shapes (``profile/encoder.py``),
+"""``batchpilot profile``: measure an encoder over a grid of batch shapes (``models/profiler.py``),
 fit the cost model, measure the serving path, and write the profile JSON.
 
 Unless ``--no-serving-path``, the serving path around the batcher: the real app served in-process,
@@ -32,7 +32,7 @@ from typing import Any
 from batchpilot.core.costmodel import CostModel
 from batchpilot.core.deployment import BACKENDS, ModelOptions
 from batchpilot.core.deployment import PRECISIONS as PRECISION_CHOICES
-from batchpilot.profile.encoder import (
+from batchpilot.models.profiler import (
     STANDARD_BATCH_SIZES,
     STANDARD_LENGTHS,
     Measurement,

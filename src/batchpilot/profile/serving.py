@@ -5,7 +5,7 @@ serves the real app (``create_app``, the one ``batchpilot serve`` runs) in-proce
 free 127.0.0.1 port, and measures three things the simulator's ``sim.service.FrontEnd`` needs:
 
 1. **The two front-end stages.** Real texts of lengths spread from 4 tokens to the model's limit
-   (``sim.texts.texts_for_lengths``), each sent ``rounds`` times in a seeded shuffled order, strictly
+   (``models.texts.texts_for_lengths``), each sent ``rounds`` times in a seeded shuffled order, strictly
    one at a time, ``LONE_GAP_S`` apart, from a client process placed as ``bench`` places its load
    generator (``profile.serving.lone_elsewhere``): no queueing anywhere, so each request's
    ``Server-Timing`` split (``tokenize``, ``batcher``) and its client latency are the bare path as a
@@ -524,7 +524,7 @@ def measure_serving_path(executor: Any, cost_model: CostModel, *, requests: int 
                          loaded_requests: int = LOADED_REQUESTS) -> tuple[FrontEnd, dict[str, Any]]:
     """Serve ``executor`` in-process and measure its serving path (module docstring): ``requests``
     lengths from 4 tokens to ``executor.max_length``, each sent ``rounds`` times. ``texts_for_length``
-    maps token lengths to texts of exactly those lengths (default: ``sim.texts.texts_for_lengths``
+    maps token lengths to texts of exactly those lengths (default: ``models.texts.texts_for_lengths``
     with the executor's tokenizer). ``padding`` is what the server would run ("none" or "dynamic";
     default "none", "dynamic" for an executor without a padding-free path, as ``serve`` does).
     Returns the fitted ``FrontEnd`` and a JSON-ready dict of what was measured."""
@@ -606,7 +606,7 @@ def lone_plan(executor: Any, requests: int = 24, rounds: int = 2, seed: int = 0,
     top = int(executor.max_length)
     wanted = sorted({int(round(x)) for x in np.linspace(min(4, top), top, requests)})
     if texts_for_length is None:
-        from batchpilot.sim.texts import texts_for_lengths
+        from batchpilot.models.texts import texts_for_lengths
 
         texts = texts_for_lengths(executor.tokenizer, wanted, seed=seed)
     else:

@@ -5,7 +5,7 @@ tens of percent between minutes, and a prediction made from an older look inheri
 (docs/benchmarks.md, Fidelity). A full profile takes minutes; the recheck takes seconds: it loads the
 model as the profile ran it (precision, backend, thread plan from the profile's meta), times the
 profile's smaller grid batches again (the same input lengths, round-robin, median of ``repeats``
-calls each, as ``profile/encoder.py`` timed them), and compares each with the time the profile
+calls each, as ``models/profiler.py`` timed them), and compares each with the time the profile
 measured for it. The median of those ratios is the machine's speed against the profile
 (``SpeedCheck.ratio``: 1.10 = batches take 10% longer now).
 
@@ -73,7 +73,7 @@ def _lengths(point: dict[str, Any]) -> list[int]:
 def check_speed(executor: Any, doc: dict[str, Any], repeats: int = 5, seed: int = 0) -> SpeedCheck:
     """Time the profile's reference batches on ``executor`` (round-robin, one warm-up call each, the
     median of ``repeats``) and compare each with the profile's own time for it."""
-    from batchpilot.profile.encoder import TimedBatch
+    from batchpilot.models.profiler import TimedBatch
 
     if repeats < 1:
         raise ValueError(f"recheck: repeats must be >= 1, got {repeats}")

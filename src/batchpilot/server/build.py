@@ -4,7 +4,7 @@ arms' resolved by ``core.deployment.resolve_deployment``, and the LLM routes beh
 failover when ``--llm``.
 
 Cost model of each model, in order: its ``--profile`` (``CostModel.load``); else a brief bounded
-start-up profile of the loaded model (``profile.encoder.profile_encoder``) unless
+start-up profile of the loaded model (``models.profiler.profile_encoder``) unless
 ``--no-startup-profile``; else the stated default ``CostModel.default_cpu_minilm()``. The log says
 which was used.
 """
@@ -183,7 +183,7 @@ def choose_cost_model(settings: ServerConfig, model: ModelSpec, executor: ModelE
         return CostModel(latency_coef=(settings.noop_delay_s, 0.0, 0.0, 0.0), meta={"source": "noop"})
     if settings.startup_profile and not settings.noop:
         try:
-            from batchpilot.profile.encoder import profile_encoder
+            from batchpilot.models.profiler import profile_encoder
         except ImportError as exc:
             log.warning("cost model: start-up profiling unavailable (%s)", exc)
         else:
@@ -215,7 +215,7 @@ STARTUP_PROFILE = {"batch_sizes": (1, 8), "lengths": (16, 128, 512), "repeats": 
 
 def startup_profile(profile: Callable[..., tuple[CostModel, list[object]]], executor: ModelExecutor,
                     padding: str) -> CostModel:
-    """The encoder profile (`profile.encoder.profile_encoder`) bounded to ~15 s, padded as served."""
+    """The encoder profile (`models.profiler.profile_encoder`) bounded to ~15 s, padded as served."""
     model, points = profile(executor, padding="none" if padding == "none" else "dynamic", **STARTUP_PROFILE)
     log.info("cost model: start-up profile of %d shapes; batch 1 x 128 tokens predicted %.1f ms", len(points),
              1e3 * model.latency(BatchShape.padded([128], 128)))

@@ -11,7 +11,7 @@ Each ``--model`` is served with its own scheduler, slots and metrics (label ``mo
 single ``--task`` or ``--profile`` with several models is refused: say it for each).
 
 Cost model of each model, in order: its ``--profile`` (``CostModel.load``); else a brief bounded
-start-up profile of the loaded model (``profile.encoder.profile_encoder``) unless
+start-up profile of the loaded model (``models.profiler.profile_encoder``) unless
 ``--no-startup-profile``; else the stated default ``CostModel.default_cpu_minilm()``. The log says
 which was used. The API key may also come from ``$BATCHPILOT_API_KEY`` (keeps it out of the process
 list).

@@ -191,7 +191,7 @@ def read_trace(path: str | Path, name: str | None = None) -> Workload:
 #
 # ``load_workload`` also accepts a trace path (any format ``traces.read_trace`` knows, lengths as given).
 # Rounding is numpy's (half to even), the same as Python's ``round``. Real English texts of an exact
-# token length for conv-embed come from ``batchpilot.sim.texts`` and are re-exported here.
+# token length for conv-embed come from ``batchpilot.models.texts`` and are re-exported here.
 
 
 TRACE_FILE = "azure_llm_2023_conv.csv"
