@@ -30,8 +30,8 @@ import torch.nn.functional as F
 
 import batchpilot.models.lean as lean
 from batchpilot.core.costmodel import CostModel
-from batchpilot.models.tasks import load_model
 from batchpilot.models.profiler import STANDARD_BATCH_SIZES, STANDARD_LENGTHS, _Shape, grid_lengths
+from batchpilot.models.tasks import load_model
 from batchpilot.sim.traces import load_workload
 
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from batchpilot.cli import build_parser
-from batchpilot.server.cli import server_config
+from batchpilot.server.cli import LIMITS, flag, server_config
 from batchpilot.server.config import ServerConfig
 from batchpilot.server.llm.schemas import CAP, LLMLimits
-from batchpilot.settings import LIMITS, flag, spec_from_args
+from batchpilot.settings import spec_from_args
 
 
 def settings(*argv: str) -> ServerConfig:

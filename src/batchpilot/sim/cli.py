@@ -13,7 +13,6 @@ with ``--lengths`` (``lognormal:median=128,sigma=0.8``, ``bimodal:...``, ``empir
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -480,9 +479,3 @@ class _progress:
     def __exit__(self, *exc: object) -> None:
         if self._bar is not None:
             self._bar.stop()
-
-
-if __name__ == "__main__":  # pragma: no cover
-    from batchpilot.cli import main
-
-    sys.exit(main())
