@@ -15,7 +15,19 @@ from hypothesis import strategies as st
 from batchpilot.core.config import PolicyConfig, SchedulerConfig
 from batchpilot.core.costmodel import CostModel
 from batchpilot.sim.metrics import summarize
-from batchpilot.sim.service import FrontEnd
+from batchpilot.sim.service import (
+    BUSY_EDGES,
+    BUSY_WINDOW_S,
+    MIN_WINDOW_BATCHES,
+    WANDER_WINDOW_S,
+    BatchNoise,
+    BusyWindow,
+    FrontEnd,
+    busy_factor,
+    busy_shares,
+    served_seconds,
+    split_wander,
+)
 from batchpilot.sim.target import DONE, simulate_encoder
 from batchpilot.sim.traces import Workload
 
@@ -303,3 +315,166 @@ def test_with_two_slots_a_batch_finds_no_idle_time_while_the_other_slot_runs() -
     run = simulate_encoder(_workload([0.0, 0.0, 1.0], [8] * 3), cfg, cm, frontend=fe)
     assert sorted(run.record.b_duration[:2]) == pytest.approx([0.005, 0.02])
     assert run.record.b_duration[2] == pytest.approx(0.02)
+
+
+# What ran before a batch (``sim.service``): the busy share, its factors, and that the simulator
+# and the batch-log pricing compute it alike.
+
+def _covered(spans: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """The time in [lo, hi] covered by some span, on a fine grid (brute force)."""
+    grid = np.linspace(lo, hi, 20001)[:-1] + (hi - lo) / 40000
+    hit = np.zeros_like(grid, dtype=bool)
+    for a, b in spans:
+        hit |= (grid >= a) & (grid < b)
+    return float(hit.mean() * (hi - lo))
+
+
+def test_the_busy_share_counts_overlapping_spans_once_and_a_running_one_up_to_now() -> None:
+    w = BusyWindow()
+    assert w.share(5.0) == 0.0
+    w.add(0.0, 0.3)
+    w.add(0.2, 0.4)  # overlaps the first (another slot): counted once
+    w.add(0.6, 2.0)  # still running at 1.0
+    assert w.share(1.0) == pytest.approx(0.8)
+    assert w.share(1.5) == pytest.approx(0.9)  # [0.5, 1.5]: 0.9 s of the running span
+    assert w.share(3.5) == 0.0  # all spans out of the window
+    assert busy_shares([0.0, 0.5, 0.6], [0.5, 0.1, 0.1]) == [0.0, pytest.approx(0.5), pytest.approx(0.6)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 0.4), st.floats(0.001, 0.6)), min_size=1, max_size=25))
+def test_busy_shares_are_the_covered_part_of_the_window_before_each_start(gaps: list) -> None:
+    starts = np.cumsum([g for g, _ in gaps]).tolist()
+    took = [d for _, d in gaps]
+    shares = busy_shares(starts, took)
+    for i, s in enumerate(starts):
+        spans = [(a, a + d) for a, d in zip(starts[:i], took[:i], strict=True)]
+        want = _covered(spans, s - BUSY_WINDOW_S, s) / BUSY_WINDOW_S
+        assert 0.0 <= shares[i] <= 1.0 and shares[i] == pytest.approx(want, abs=2e-3)
+
+
+def test_busy_factors_price_a_batch_by_its_busy_share_and_are_checked() -> None:
+    factors = (1.2, 0.9)
+    assert len(factors) == len(BUSY_EDGES) + 1
+    assert [busy_factor(factors, s) for s in (0.0, 0.399, 0.4, 1.0)] == [1.2, 1.2, 0.9, 0.9]
+    assert busy_factor((), 0.7) == 1.0
+    fe = FrontEnd(loaded_busy_factors=factors)
+    assert FrontEnd.from_dict(fe.to_dict()) == fe and FrontEnd.from_dict({}).loaded_busy_factors == ()
+    assert fe.batch_seconds(0.01, busy=0.9) == pytest.approx(0.009)
+    assert fe.batch_seconds(0.01, busy=0.0) == pytest.approx(0.012)
+    for bad in ((1.0,) * 3, (1.0, math.nan), (0.0, 1.0)):
+        with pytest.raises(ValueError, match="loaded_busy_factors"):
+            FrontEnd(loaded_busy_factors=bad)
+
+
+@pytest.mark.parametrize("max_batch", [1, 8])
+def test_the_simulator_prices_each_batch_at_the_busy_share_its_own_log_shows(max_batch: int) -> None:
+    # bursts and gaps on one slot, pipelined batches included: every simulated batch took the price
+    # of the busy share that ``busy_shares`` reads off the simulated batches' own starts and times
+    rng = np.random.default_rng(3)
+    bursts = (rng.uniform(0, 2, 60), rng.uniform(3, 3.4, 80), rng.uniform(5, 9, 40))
+    arrivals = np.sort(np.concatenate(bursts))
+    tokens = rng.integers(8, 200, arrivals.size)
+    factors = tuple(np.linspace(1.3, 0.7, len(BUSY_EDGES) + 1).tolist())
+    fe = FrontEnd(loaded_busy_factors=factors)
+    cm = CostModel(latency_coef=(0.004, 0.0, 0.0001, 0.0))
+    cfg = SchedulerConfig(policy=PolicyConfig(name="window", max_batch_size=max_batch, max_wait_s=0.002))
+    workload = Workload.from_columns("t", arrivals.tolist(), tokens.tolist())
+    run = simulate_encoder(workload, cfg, cm, frontend=fe)
+    rec = run.record
+    order = np.argsort(rec.b_start, kind="stable")
+    starts, took = np.asarray(rec.b_start)[order], np.asarray(rec.b_duration)[order]
+    shares = busy_shares(starts.tolist(), took.tolist())
+    want = [served_seconds(cm.batch_latency(int(n), int(t), float(a)), (1.0, 0.0, 0.0), 0.0, 0.0, float(t),
+                           busy=s, busy_factors=factors)
+            for n, t, a, s in zip(np.asarray(rec.b_size)[order], np.asarray(rec.b_tokens)[order],
+                                  np.asarray(rec.b_attn)[order], shares, strict=True)]
+    assert took == pytest.approx(want, rel=1e-9)
+    assert {busy_factor(factors, s) for s in shares} >= {1.3, 0.7}  # both ends of the bins were hit
+
+
+# The batch-time noise: the wander split off the loaded residuals, and drawn per window of simulated time.
+
+def synthetic(wander: float, spread: float, windows: int = 60, per: int = 12, seed: int = 0
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """Batch starts and relative residuals: a log-normal speed per 2 s window times one per batch."""
+    rng = np.random.default_rng(seed)
+    starts = np.concatenate([w * WANDER_WINDOW_S + np.sort(rng.uniform(0, WANDER_WINDOW_S * 0.99, per))
+                             for w in range(windows)])
+    starts[0] = 0.0  # the windows count from the first batch
+    speed = np.repeat(rng.normal(0.0, wander, windows), per)
+    return starts, np.expm1(speed + rng.normal(0.0, spread, windows * per))
+
+
+@pytest.mark.parametrize("wander", [0.0, 0.03, 0.08])
+def test_split_wander_recovers_the_speed_wander_beside_a_larger_per_batch_spread(wander: float) -> None:
+    estimates = [split_wander(*synthetic(wander, 0.10, seed=s))[0] for s in range(20)]
+    assert abs(float(np.median(estimates)) - wander) < 0.012
+    assert all(e >= 0.0 for e in estimates)
+
+
+def test_split_wander_takes_each_windows_offset_out_of_its_residuals() -> None:
+    starts, rel = synthetic(0.08, 0.0, windows=10, per=5)  # no per-batch spread: only the wander
+    sigma, within, windows = split_wander(starts, rel)
+    assert windows == 10
+    assert sigma > 0.02
+    logs = np.log1p(within)
+    assert np.allclose(logs, logs[0])  # every window moved onto the same level
+
+
+def test_split_wander_leaves_residuals_alone_without_enough_windows() -> None:
+    starts = np.linspace(0.0, 3.9, 2 * MIN_WINDOW_BATCHES)  # two windows
+    rel = np.linspace(-0.2, 0.2, starts.size)
+    sigma, within, windows = split_wander(starts, rel)
+    assert (sigma, windows) == (0.0, 2)
+    assert np.allclose(within, rel)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.floats(0.0, 0.3), st.integers(0, 10_000), st.floats(0.0, 50.0))
+def test_batch_noise_one_speed_per_window_with_mean_one(wander: float, seed: int, t: float) -> None:
+    noise = BatchNoise((), wander=wander, seed=seed)
+    k = math.floor(t / WANDER_WINDOW_S)
+    inside = k * WANDER_WINDOW_S + 0.5 * WANDER_WINDOW_S
+    assert noise.draw(1.0, t) == noise.draw(1.0, inside) == noise.speed(t) > 0.0
+    if wander == 0.0:
+        assert noise.speed(t) == 1.0
+    again = BatchNoise((), wander=wander, seed=seed)
+    assert again.speed(t) == noise.speed(t)  # seeded
+
+
+def test_batch_noise_speed_is_log_normal_with_the_given_spread_and_mean_one() -> None:
+    noise = BatchNoise((), wander=0.1, seed=3)
+    speeds = np.array([noise.speed(k * WANDER_WINDOW_S) for k in range(20_000)])
+    assert abs(float(np.log(speeds).std()) - 0.1) < 0.005
+    assert abs(float(speeds.mean()) - 1.0) < 0.005
+
+
+def test_batch_noise_without_wander_draws_residuals_as_before() -> None:
+    res = (-0.2, 0.0, 0.3)
+    a, b = BatchNoise(res, seed=7), BatchNoise(res, wander=0.0, seed=7)
+    rng = np.random.default_rng(7)
+    u = rng.random(4096).tolist()
+    for i in range(50):
+        want = 1.0 + res[min(int(u.pop() * 3), 2)]
+        assert a.draw(1.0, i * 0.1) == b.draw(1.0, i * 0.1) == pytest.approx(want)
+    with pytest.raises(ValueError, match="wander"):
+        BatchNoise(res, wander=-0.1)
+
+
+def test_the_simulator_slows_every_batch_of_a_window_together() -> None:
+    """Residuals of 0 leave only the wander: a window's batches share one factor over their line."""
+    n = 400
+    wl = Workload.from_columns("steady", [i * 0.05 for i in range(n)], [64] * n, [0] * n)
+    still = simulate_encoder(wl, frontend=FrontEnd(loaded_residuals=(0.0,)), seed=1).record
+    moved = simulate_encoder(wl, frontend=FrontEnd(loaded_residuals=(0.0,), loaded_wander=0.2), seed=1).record
+    ratio = np.array(moved.b_duration) / np.array(still.b_duration)
+    window = np.floor(np.array(moved.b_start) / WANDER_WINDOW_S)
+    assert np.array(still.b_size).max() == 1  # one request a batch in both: the same batches
+    assert np.allclose(np.array(moved.b_start), np.array(still.b_start), atol=0.05)
+    per_window = [ratio[window == w] for w in np.unique(window)]
+    assert all(np.allclose(r, r[0]) for r in per_window)
+    assert np.std([r[0] for r in per_window]) > 0.05
+    assert FrontEnd.from_dict(FrontEnd(loaded_wander=0.2).to_dict()).loaded_wander == 0.2
+    with pytest.raises(ValueError, match="loaded_wander"):
+        FrontEnd(loaded_wander=-0.1)
