@@ -54,6 +54,7 @@ from batchpilot.bench.llm_fidelity import (
 from batchpilot.bench.loadgen import LoadGenConfig, build_plan, replay
 from batchpilot.bench.serverproc import serve
 from batchpilot.core.costmodel import CostModel
+from batchpilot.core.deployment import ServingOptions
 from batchpilot.profile.serving import send_elsewhere
 from batchpilot.runtime.executor import NoopExecutor
 from batchpilot.runtime.journal import wait_written
@@ -102,7 +103,8 @@ def main() -> int:
     steps: list[Any] = []
     folder = Path(tempfile.mkdtemp(prefix="llm-loaded-level-"))
     sock, port = bound_socket()
-    app = create_app(ServerConfig(port=port, request_timeout_s=600.0, drain_timeout_s=5.0),
+    app = create_app(ServerConfig(port=port, drain_timeout_s=5.0,
+                                  serving=ServingOptions(request_timeout_s=600.0)),
                      [ServedModel(NoopExecutor())],
                      [MountedEngine(lambda registry: make_llm_router(engine, registry), engine.model_name)])
     results: dict[str, list[list[LoggedStep]]] = {v: [] for v in variants}

@@ -34,6 +34,7 @@ from batchpilot.bench.fidelity import idle_before, logged_rates, priced_seconds
 from batchpilot.bench.loadgen import LoadGenConfig, replay
 from batchpilot.bench.serverproc import serve
 from batchpilot.core.costmodel import CostModel
+from batchpilot.core.deployment import ServingOptions
 from batchpilot.models.encoder import EncoderConfig, EncoderExecutor
 from batchpilot.profile.serving import (
     LOADED_REQUESTS,
@@ -83,7 +84,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="loaded-level-"))
     (tmp / "sched.yaml").write_text(json.dumps({"encoder": sched.to_dict()}))  # JSON is YAML
     model = ex.model_name
-    settings = ServerConfig(request_timeout_s=30.0, drain_timeout_s=5.0)
+    settings = ServerConfig(serving=ServingOptions(request_timeout_s=30.0), drain_timeout_s=5.0)
     logs: dict[str, Path] = {}
     senders: dict[str, Callable[[], Any]] = {}
 

@@ -32,6 +32,7 @@ import httpx
 
 from batchpilot.bench.loadgen import LoadGenConfig, one_by_one_async
 from batchpilot.core.costmodel import CostModel
+from batchpilot.core.deployment import ServingOptions
 from batchpilot.models.encoder import EncoderConfig, EncoderExecutor, plan_for
 from batchpilot.profile.serving import lone_elsewhere, lone_plan, scheduler_config
 from batchpilot.server.app import ServedModel, create_app
@@ -77,7 +78,7 @@ def main() -> int:
     plan = lone_plan(ex, rounds=1)[2]  # the profile's lone requests, one round of its 24 lengths
     sock, port = bound_socket()
     cost_model = CostModel.default_cpu_minilm()
-    app = create_app(ServerConfig(port=port, request_timeout_s=30.0),
+    app = create_app(ServerConfig(port=port, serving=ServingOptions(request_timeout_s=30.0)),
                      [ServedModel(ex, scheduler_config(ex, "none", cost_model), cost_model)])
     proc, serve_url = start_serve(args.serve_profile) if args.serve_profile else (None, "")
     results: dict[str, list[float]] = {}

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from batchpilot.bench.loadgen import build_plan
+from batchpilot.core.deployment import ServingOptions
 from batchpilot.profile.serving import send_elsewhere
 from batchpilot.runtime.executor import NoopExecutor
 from batchpilot.runtime.llm.build import build_llm_engine
@@ -124,7 +125,8 @@ def main() -> None:
     plan = build_plan(workload(args.rate, args.requests, args.seed), "completions", seed=args.seed)
     warm = build_plan(workload(args.rate, 8, args.seed + 1), "completions", seed=args.seed + 1)
     sock, port = bound_socket()
-    app = create_app(ServerConfig(port=port, request_timeout_s=60.0, drain_timeout_s=5.0),
+    app = create_app(ServerConfig(port=port, drain_timeout_s=5.0,
+                                  serving=ServingOptions(request_timeout_s=60.0)),
                      [ServedModel(NoopExecutor())],
                      [MountedEngine(lambda registry: make_llm_router(engine, registry), engine.model_name)])
     steps: dict[str, list[StepRecord]] = {a: [] for a in arms}

@@ -132,9 +132,9 @@ def test_the_deployments_tokenizer_threads_are_the_simulators_serial_servers(tmp
     from batchpilot.cli import build_parser
 
     args = build_parser().parse_args(["serve", "--noop", "--tokenizer-workers", "1"])
-    assert server_config(args, spec_from_args(args)).tokenizer_workers == 1
+    assert server_config(args, spec_from_args(args)).serving.tokenizer_workers == 1
     args = build_parser().parse_args(["serve", "--noop"])
-    assert server_config(args, spec_from_args(args)).tokenizer_workers == 0  # unset: one per core
+    assert server_config(args, spec_from_args(args)).serving.tokenizer_workers == 0  # unset: one per core
 
 
 @pytest.mark.parametrize(("meta", "asked", "resolved"), [

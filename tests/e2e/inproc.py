@@ -22,6 +22,7 @@ from batchpilot.bench.scrape import parse_metrics
 from batchpilot.core.batch import Batch
 from batchpilot.core.config import SchedulerConfig
 from batchpilot.core.costmodel import CostModel
+from batchpilot.core.deployment import ServingOptions
 from batchpilot.runtime.errors import ExecutorCrashed
 from batchpilot.runtime.executor import NoopExecutor
 from batchpilot.server.app import MountedEngine, ServedModel, create_app
@@ -159,7 +160,7 @@ def live_server(executor: Any, config: SchedulerConfig | None = None, *,
     """The real app on a free port in a thread. ``config`` is used as given (tests that want the
     server's deployment pass ``resolve_deployment(...).scheduler``); ``models`` are ``ServedModel``s
     (with ``executor=None``, the only ones served); ``engines`` are mounted beside them."""
-    settings.setdefault("request_timeout_s", 30.0)
+    settings.setdefault("serving", ServingOptions(request_timeout_s=30.0))
     settings.setdefault("drain_timeout_s", 5.0)
     cfg = ServerConfig(port=free_port(), **settings)
     first = [ServedModel(executor, config or SchedulerConfig(), cost_model)] if executor is not None else []

@@ -22,6 +22,7 @@ import uvicorn
 from inproc import FaultyExecutor, StepGate, free_port, scrape, wait_for
 
 from batchpilot.core.breaker import BreakerConfig
+from batchpilot.core.deployment import ServingOptions
 from batchpilot.core.stall import StallRule
 from batchpilot.runtime.llm.build import build_fallback, build_llm_engine
 from batchpilot.runtime.llm.engine import LLMEngine, StepRecord
@@ -47,7 +48,8 @@ def serving(fallback: bool = True, stall_s: float = 60.0) -> Iterator[tuple[str,
     engine = small_engine()
     failover = LLMFailover(engine, build_fallback(engine, max_batch_size=4) if fallback else None,
                            StallRule(timeout_s=stall_s), BreakerConfig(probe_interval_s=0.05, backoff=1.0))
-    cfg = ServerConfig(port=free_port(), noop=True, request_timeout_s=60.0, drain_timeout_s=5.0)
+    cfg = ServerConfig(port=free_port(), noop=True, drain_timeout_s=5.0,
+                       serving=ServingOptions(request_timeout_s=60.0))
     llm = MountedEngine(lambda reg: make_llm_router(failover, reg), "m", lambda: failover.is_alive)
     app: Any = create_app(cfg, [ServedModel(FaultyExecutor())], [llm])
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=cfg.port, log_level="warning"))

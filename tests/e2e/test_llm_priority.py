@@ -22,6 +22,7 @@ import openai
 import pytest
 from inproc import FaultyExecutor, StepGate, live_server, llm_routes, wait_for
 
+from batchpilot.core.deployment import ServingOptions
 from batchpilot.runtime.llm.build import build_llm_engine
 from batchpilot.runtime.llm.engine import LLMEngine, TokenEvent
 from batchpilot.settings import load_spec
@@ -83,9 +84,9 @@ def deployments(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, 
     served: dict[str, Served] = {}
     try:
         with live_server(FaultyExecutor(), engines=[llm_routes(engines["strict"], "m")],
-                         request_timeout_s=60.0) as strict_srv, \
+                         serving=ServingOptions(request_timeout_s=60.0)) as strict_srv, \
              live_server(FaultyExecutor(), engines=[llm_routes(engines["aging"], "m")],
-                         request_timeout_s=60.0) as aging_srv:
+                         serving=ServingOptions(request_timeout_s=60.0)) as aging_srv:
             for name, srv in (("strict", strict_srv), ("aging", aging_srv)):
                 served[name] = record(Served(srv.url, engines[name]))
             yield served

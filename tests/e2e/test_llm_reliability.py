@@ -19,6 +19,7 @@ import pytest
 import uvicorn
 from inproc import FaultyExecutor, StepGate, engine_held_full, free_port, wait_for
 
+from batchpilot.core.deployment import ServingOptions
 from batchpilot.runtime.llm.build import build_llm_engine
 from batchpilot.runtime.llm.engine import LLMEngine, StepRecord
 from batchpilot.server.app import MountedEngine, ServedModel, create_app
@@ -66,7 +67,8 @@ def small_engine(**overrides: Any) -> LLMEngine:
 
 @contextmanager
 def serving(engine: LLMEngine, limits: LLMLimits | None = None) -> Iterator[str]:
-    cfg = ServerConfig(port=free_port(), noop=True, request_timeout_s=30.0, drain_timeout_s=5.0)
+    cfg = ServerConfig(port=free_port(), noop=True, drain_timeout_s=5.0,
+                       serving=ServingOptions(request_timeout_s=30.0))
     llm = MountedEngine(lambda reg: make_llm_router(engine, reg, limits), engine.model_name,
                         lambda: engine.is_alive)
     app: Any = create_app(cfg, [ServedModel(FaultyExecutor())], [llm])
@@ -233,7 +235,7 @@ def test_a_stream_past_its_deadline_ends_with_a_timeout_event(live: tuple[str, L
 
 
 # -- limits, checked before tokenising ---------------------------------------------------------------
-LIMIT_CASES = [  # every limit, one by one: tests/test_llm_limits.py
+LIMIT_CASES = [  # every limit, one by one: tests/test_llm_schemas.py
     ("too many prompts", "/v1/completions", {"prompt": ["p"] * 65}, "too_many_prompts", "prompt"),
     ("prompt too long", "/v1/completions", {"prompt": "x" * ((1 << 20) + 1)}, "prompt_too_long", "prompt"),
     ("stop too long", "/v1/completions", {"prompt": "p", "stop": ["s" * 257]}, "stop_too_long", "stop"),

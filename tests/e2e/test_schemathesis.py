@@ -25,6 +25,7 @@ from inproc import FaultyExecutor, LiveServer, live_server, llm_routes, small_ll
 from schemathesis import GenerationMode
 
 from batchpilot.core.config import PolicyConfig, SchedulerConfig
+from batchpilot.core.deployment import ServingOptions
 
 EXAMPLES = {GenerationMode.POSITIVE: 60, GenerationMode.NEGATIVE: 60}
 SEED_ENV = "BATCHPILOT_SCHEMATHESIS_SEED"
@@ -42,7 +43,7 @@ def server() -> Iterator[LiveServer]:
     engine = small_llm_engine()
     cfg = SchedulerConfig(policy=PolicyConfig(name="window", max_batch_size=8, max_wait_s=0.002))
     with live_server(FaultyExecutor(), cfg, engines=[llm_routes(engine, engine.model_name)],
-                     request_timeout_s=60.0) as srv:
+                     serving=ServingOptions(request_timeout_s=60.0)) as srv:
         yield srv
 
 

@@ -30,6 +30,7 @@ import torch
 
 from batchpilot.bench.loadgen import build_plan
 from batchpilot.core.costmodel import LLM_FEATURES, CostModel, ProfilePoint
+from batchpilot.core.deployment import ServingOptions
 from batchpilot.core.llm.scheduler import SWAP_META_KEYS, StepPlan
 from batchpilot.models.llm.runner import LLMModelRunner, measure_swap, step_plan
 from batchpilot.profile.serving import LONE_GAP_S, alternating_arrivals, lone_elsewhere, send_elsewhere
@@ -285,7 +286,8 @@ def measure_llm_serving_path(engine: Any, cost_model: Any, requests: int = REQUE
     wl = Workload.from_columns("llm-serving-path", [0.0] * requests, lengths, [OUTPUT_TOKENS] * requests)
     plan = build_plan(wl, "completions", seed=seed)
     sock, port = bound_socket()
-    app = create_app(ServerConfig(port=port, request_timeout_s=60.0, drain_timeout_s=5.0),
+    app = create_app(ServerConfig(port=port, drain_timeout_s=5.0,
+                                  serving=ServingOptions(request_timeout_s=60.0)),
                      [ServedModel(NoopExecutor())],
                      [MountedEngine(lambda registry: make_llm_router(engine, registry), engine.model_name)])
     with in_thread(app, sock, "batchpilot-llm-serving-profile") as url:

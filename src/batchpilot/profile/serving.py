@@ -63,7 +63,7 @@ import numpy as np
 from batchpilot.bench.loadgen import LoadGenConfig, PlannedRequest
 from batchpilot.core.config import Padding, PolicyConfig, SchedulerConfig
 from batchpilot.core.costmodel import BatchShape, CostModel, nonneg_lstsq
-from batchpilot.core.deployment import DeploymentSpec, resolve_deployment
+from batchpilot.core.deployment import DeploymentSpec, ServingOptions, resolve_deployment
 from batchpilot.server.app import ServedModel, create_app
 from batchpilot.server.build import model_limits
 from batchpilot.server.config import ServerConfig
@@ -640,7 +640,8 @@ def _serve_and_send(executor: Any, sched: SchedulerConfig, cost_model: CostModel
     per loaded request that competed with the model (``competing_cpu``) and the loaded requests'
     rows (``profile.serving.DelayRow``)."""
     sock, port = bound_socket()
-    app = create_app(ServerConfig(port=port, request_timeout_s=30.0, drain_timeout_s=5.0),
+    app = create_app(ServerConfig(port=port, drain_timeout_s=5.0,
+                                  serving=ServingOptions(request_timeout_s=30.0)),
                      [ServedModel(executor, sched, cost_model)])
     seen: list[Loaded] = []
     app.state.service.batcher.batch_observers.append(

@@ -258,7 +258,8 @@ def llm_engine(settings: ServerConfig, spec: DeploymentSpec) -> LLMEngine:
     from batchpilot.runtime.llm.build import build_llm_engine
 
     extra = {"memory_profile": settings.llm_profile} if settings.llm_profile else {}
-    return build_llm_engine(settings.llm_model, spec=spec, tokenizer_threads=settings.tokenizer_workers,
+    return build_llm_engine(settings.llm_model, spec=spec,
+                            tokenizer_threads=settings.serving.tokenizer_workers,
                             threads=settings.num_threads or 0, **extra)
 
 

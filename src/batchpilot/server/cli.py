@@ -208,7 +208,7 @@ def server_config(args: argparse.Namespace, spec: DeploymentSpec) -> ServerConfi
     return ServerConfig(
         host=args.host, port=args.port, models=model_specs(args),
         max_length=args.max_length, num_threads=args.threads,
-        tokenizer_workers=spec.server.tokenizer_workers,
+        serving=spec.server,
         noop=args.noop, noop_delay_s=args.noop_delay_ms / 1000.0,
         startup_profile=not args.no_startup_profile, api_key=args.api_key,
         max_body_bytes=args.max_body_bytes, header_timeout_s=args.header_timeout_s,
@@ -217,7 +217,6 @@ def server_config(args: argparse.Namespace, spec: DeploymentSpec) -> ServerConfi
         send_timeout_s=args.send_timeout_s, max_json_values=args.max_json_values,
         max_json_containers=args.max_json_containers, max_inputs=args.max_inputs,
         max_input_chars=args.max_input_chars, max_input_tokens=args.max_input_tokens,
-        request_timeout_s=spec.server.request_timeout_s,
         drain_timeout_s=args.drain_timeout_s, warmup=not args.no_warmup, llm=args.llm,
         llm_model=args.llm_model, llm_profile=args.llm_profile, llm_limits=llm_limits_from_args(args),
         llm_step_log=args.llm_step_log,

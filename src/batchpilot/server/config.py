@@ -1,13 +1,16 @@
 """Server settings: what the HTTP layer needs (where to bind, what to load, the guards).
 
 What the server decides about requests lives in the deployment (``core.deployment``, read from the
-config file by ``settings``), not here.
+config file by ``settings``): ``ServerConfig.serving`` holds its ``server:`` section
+(``core.deployment.ServingOptions``) as resolved, so each of those settings (the request timeout, the
+tokenizer threads) is stated and defaulted once, there.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from batchpilot.core.deployment import ServingOptions
 from batchpilot.server.llm.schemas import LLMLimits
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # 2048 inputs of a few KB of text each
@@ -37,9 +40,10 @@ class ServerConfig:
     models: tuple[ModelSpec, ...] = (ModelSpec(),)  # each with its own scheduler; the first is the default
     max_length: int | None = None  # None: the model's position limit
     num_threads: int | None = None  # torch intra-op threads, fixed; None: a measured per-batch plan
-    # threads tokenising inputs/prompts, per model; 0: one per core (the unset value of the ``server:``
-    # section's tokenizer_workers, ``core.deployment.ServingOptions``, which serve passes on as it is)
-    tokenizer_workers: int = 0
+    # the deployment's ``server:`` section as resolved (flags on the file): the request timeout (504),
+    # the tokenizer threads per model (0: one per core) and the admission limits; serve passes
+    # ``DeploymentSpec.server`` on as it is
+    serving: ServingOptions = ServingOptions()
     noop: bool = False  # a model that costs nothing (benchmarks of the serving path)
     noop_delay_s: float = 0.0
     startup_profile: bool = True  # no profile given: measure briefly at start-up (else the stated default)
@@ -58,7 +62,6 @@ class ServerConfig:
     send_timeout_s: float = 30.0  # a client that reads nothing of its response for this long is dropped
     max_json_values: int = 2_097_152  # a body's JSON values (about twice 2048 lists of 512 token ids)
     max_json_containers: int = 65_536  # a body's JSON objects and arrays (32x what 2048 token lists need)
-    request_timeout_s: float = 60.0  # a request not answered by then gets 504 (and leaves the queue)
     drain_timeout_s: float = 30.0  # on shutdown, how long in-flight work may take
     warmup: bool = True
     llm: bool = False
@@ -80,14 +83,11 @@ class ServerConfig:
             raise ValueError("server.models is empty; serve at least one model")
         if not 0 <= self.port < 65536:
             raise ValueError(f"server.port must be in [0, 65535], got {self.port}")
-        if self.tokenizer_workers < 0:
-            raise ValueError(f"server.tokenizer_workers must be >= 0 (0 = one per core), "
-                             f"got {self.tokenizer_workers}")
         for name in ("max_body_bytes", "max_inputs", "max_input_chars", "max_input_tokens", "max_json_values",
                      "max_json_containers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"server.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("request_timeout_s", "drain_timeout_s", "header_timeout_s", "keep_alive_s",
+        for name in ("drain_timeout_s", "header_timeout_s", "keep_alive_s",
                      "body_timeout_s", "send_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"server.{name} must be > 0 seconds, got {getattr(self, name)}")

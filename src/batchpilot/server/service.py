@@ -66,7 +66,7 @@ INLINE_TOKENIZE_IDS = 512
 def tokenizer_workers(settings: ServerConfig) -> int:
     """Threads tokenising inputs, per model: the setting, else one per core this process may use (the
     simulator's serial stage has as many servers: ``FrontEnd.serial_servers``)."""
-    return settings.tokenizer_workers or len(os.sched_getaffinity(0))
+    return settings.serving.tokenizer_workers or len(os.sched_getaffinity(0))
 
 
 class ClientGone(Exception):
@@ -108,7 +108,7 @@ class ModelService:
         self.max_length = executor.max_length
         # the deployment's timeout (core/deployment.py fills it from the server's when the config has
         # none): the core drops a queued input at it, and this answers 504 at it for one still running
-        self.timeout_s = config.admission.timeout_s or settings.request_timeout_s
+        self.timeout_s = config.admission.timeout_s or settings.serving.request_timeout_s
         # a thread per core: the executors' tokenizers are called with fixed settings (a fast tokenizer
         # is shared safely then) and release the GIL while they work
         self.tokenizer_pool = ThreadPoolExecutor(tokenizer_workers(settings),
