@@ -271,14 +271,14 @@ def engine_config_and_profile(out: Path, spec: DeploymentSpec, profile: str | No
     started, on ``cpus`` as the server runs), and the step profile: ``profile``, or a fresh ``batchpilot
     profile --llm`` of that engine's model, device and precision, pinned like the server
     (``fidelity.run_llm_profile``: the step cost model and the serving path around it)."""
-    from batchpilot.runtime.llm.build import build_llm_engine
+    from batchpilot.runtime.llm.build import BuildOptions, build_llm_engine
 
     saved = os.sched_getaffinity(0) if cpus and hasattr(os, "sched_getaffinity") else None
     if saved is not None:
         os.sched_setaffinity(0, cores(cpus))  # type: ignore[arg-type]
     try:
         threads = len(os.sched_getaffinity(0)) if saved is not None else 0
-        engine = build_llm_engine(model, spec, start=False, threads=threads)
+        engine = build_llm_engine(model, spec, BuildOptions(start=False, threads=threads))
         config, runner = engine.config, engine.runner
         device, dtype = str(runner.device), str(runner.dtype).removeprefix("torch.")
         del engine, runner

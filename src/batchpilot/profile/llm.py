@@ -155,7 +155,7 @@ def run_llm(args: argparse.Namespace) -> int:
 
     from batchpilot.core.llm.config import MIB
     from batchpilot.models.device import free_memory_bytes, resolve_device
-    from batchpilot.runtime.llm.build import build_llm_engine, profile_engine_memory
+    from batchpilot.runtime.llm.build import BuildOptions, build_llm_engine, profile_engine_memory
 
     device = resolve_device(args.device)
     dtype = "float32" if args.dtype in ("auto", "float32") else args.dtype
@@ -165,8 +165,8 @@ def run_llm(args: argparse.Namespace) -> int:
         return 2
     free = free_memory_bytes(device)
     t0 = time.perf_counter()
-    engine = build_llm_engine(args.model, device=str(device), dtype=dtype, threads=args.threads or 0,
-                              num_swap_blocks=16, start=False)  # host blocks: the swap copies get timed
+    built_as = BuildOptions(device=str(device), dtype=dtype, threads=args.threads or 0, start=False)
+    engine = build_llm_engine(args.model, None, built_as, num_swap_blocks=16)  # host blocks: swaps get timed
     runner = engine.runner
     print(f"{engine.model_name} on {device} ({dtype}, {torch.get_num_threads()} threads), loaded in "
           f"{time.perf_counter() - t0:.1f} s; KV pool {runner.num_kv_blocks} blocks x {runner.block_size}")
@@ -197,8 +197,7 @@ def run_llm(args: argparse.Namespace) -> int:
     }
     if not args.no_serving_path:
         del engine, runner  # the memory burst shut that engine down: the serving path gets a fresh one
-        fresh = build_llm_engine(args.model, device=str(device), dtype=dtype, threads=args.threads or 0,
-                                 start=False)
+        fresh = build_llm_engine(args.model, None, built_as)
         doc["frontend"], doc["serving_path"] = serving_path(fresh, model)
     Path(args.output).write_text(json.dumps(doc, indent=2))
     print(f"wrote {args.output} in {time.perf_counter() - t1:.1f} s")

@@ -137,8 +137,8 @@ def check_llm_speed(doc: dict[str, Any], repeats: int = 5) -> SpeedCheck:
     points = meta.get("step_points")
     if not points:
         raise ValueError("the LLM profile holds no step points to recheck; profile it again")
-    engine = build_llm_engine(meta.get("model_path"), device=meta.get("device", "cpu"),
-                              dtype=meta.get("dtype", "float32"), threads=int(meta.get("threads", 0)),
+    engine = build_llm_engine(meta.get("model_path"), device=str(meta.get("device", "cpu")),
+                              dtype=str(meta.get("dtype", "float32")), threads=int(meta.get("threads", 0)),
                               start=False)
     now = recheck_steps(engine.runner, points, repeats)
     batches = [{"n": p["decodes"] + len(p["prefills"]), "lengths": p["prefills"], "decodes": p["decodes"],

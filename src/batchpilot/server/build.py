@@ -255,12 +255,11 @@ def mount_llm(settings: ServerConfig, spec: DeploymentSpec, rollout: RolloutSpec
 
 def llm_engine(settings: ServerConfig, spec: DeploymentSpec) -> LLMEngine:
     """The started engine ``--llm-model`` and the deployment ask for."""
-    from batchpilot.runtime.llm.build import build_llm_engine
+    from batchpilot.runtime.llm.build import BuildOptions, build_llm_engine
 
-    extra = {"memory_profile": settings.llm_profile} if settings.llm_profile else {}
-    return build_llm_engine(settings.llm_model, spec=spec,
-                            tokenizer_threads=settings.serving.tokenizer_workers,
-                            threads=settings.num_threads or 0, **extra)
+    return build_llm_engine(settings.llm_model, spec=spec, options=BuildOptions(
+        tokenizer_threads=settings.serving.tokenizer_workers, threads=settings.num_threads or 0,
+        memory_profile=settings.llm_profile))
 
 
 def llm_failover(settings: ServerConfig, engine: LLMEngine) -> LLMFailover:

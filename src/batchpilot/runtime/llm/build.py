@@ -1,9 +1,9 @@
-"""Building LLM engines: ``build_llm_engine(model_path, **engine_config)`` loads the model and tokenizer,
-plans the KV pool and builds the paged KV runner, scheduler and engine; ``build_llm_arm(engine)`` another
-engine over the same weights (a rollout arm); ``build_fallback(engine)`` the static-batching fallback on
-the same weights; ``build_failover(engine)`` the engine behind its watchdog and circuit breaker, with that
-fallback or none. First, the engine's memory plan at start-up, which the builders and
-``batchpilot profile --llm`` use.
+"""Building LLM engines: ``build_llm_engine(model_path, spec, BuildOptions(...))`` loads the model and
+tokenizer, plans the KV pool and builds the paged KV runner, scheduler and engine;
+``build_llm_arm(engine)`` another engine over the same weights (a rollout arm); ``build_fallback(engine)``
+the static-batching fallback on the same weights; ``build_failover(engine)`` the engine behind its
+watchdog and circuit breaker, with that fallback or none. First, the engine's memory plan at start-up,
+which the builders and ``batchpilot profile --llm`` use.
 """
 
 from __future__ import annotations
@@ -13,13 +13,20 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 from batchpilot.core.deployment import DeploymentSpec, LLMDeployment, LLMModelLimits, resolve_llm_deployment
-from batchpilot.core.llm.config import KVPlan, LLMSchedulerConfig, MemoryProfile, largest_gather
+from batchpilot.core.llm.config import (
+    KVPlan,
+    LLMPolicy,
+    LLMSchedulerConfig,
+    MemoryProfile,
+    PreemptionMode,
+    largest_gather,
+)
+from batchpilot.models.seeded import LLMModelConfig  # a dataclass: importing it loads no torch
 
 if TYPE_CHECKING:  # the builders import the model side when they run: torch loads only then
-    from batchpilot.models.seeded import LLMModelConfig
     from batchpilot.runtime.llm.engine import LLMEngine
     from batchpilot.runtime.llm.failover import LLMFailover
     from batchpilot.runtime.llm.fallback import StaticFallback
@@ -147,33 +154,99 @@ def profile_engine_memory(engine: Any, burst_seqs: int = 32, burst_prompt: int =
 
 # -- The builders ---------------------------------------------------------------------------------------
 
-_SCHED_FIELDS = {f.name for f in dataclasses.fields(LLMSchedulerConfig)}
+@dataclass(frozen=True)
+class BuildOptions:
+    """How and where ``build_llm_engine`` builds an engine; what the engine schedules is the
+    deployment's ``llm:`` section (its ``spec``), not these."""
+
+    device: str = "cpu"  # "cpu", "cuda", "cuda:1"
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    model_name: str | None = None  # what clients send (None: the model folder, else batchpilot-tiny-llama)
+    start: bool = True  # start the engine thread (False: built, for measuring its runner)
+    sampler_seed: int = 0
+    threads: int = 0  # torch intra-op threads of every thread that runs the model; 0 = every core allowed
+    tokenizer_threads: int = 0  # the prompt tokenising pool; 0 = one per core
+    # an LLM profile file (``batchpilot profile --llm``) or ``MemoryProfile`` the KV pool is planned from
+    # (None: measured at start-up)
+    memory_profile: MemoryProfile | str | Path | None = None
+    # pad a step's token rows to the counts its matmuls run fastest at, measured at start-up
+    # (``models/llm/runner.py``)
+    plan_rows: bool = True
+    model: LLMModelConfig = LLMModelConfig()  # the random default model's shape (no model folder given)
+
+
+class BuildKeys(TypedDict, total=False):
+    """``build_llm_engine``'s keyword form, typed: a ``BuildOptions`` field, an ``LLMModelConfig`` field
+    (the random default model) or an ``LLMSchedulerConfig`` field (set on top of the spec's ``llm:``
+    section, as given). The defaults are the dataclasses'; the assertion below keeps the keys theirs."""
+
+    device: str
+    dtype: str
+    model_name: str | None
+    start: bool
+    sampler_seed: int
+    threads: int
+    tokenizer_threads: int
+    memory_profile: MemoryProfile | str | Path | None
+    plan_rows: bool
+    model: LLMModelConfig
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    max_position_embeddings: int
+    rope_theta: float
+    rms_norm_eps: float
+    initializer_range: float
+    seed: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    policy: LLMPolicy
+    enable_chunked_prefill: bool
+    enable_prefix_caching: bool
+    eos_token_ids: tuple[int, ...]
+    max_waiting_seqs: int
+    request_timeout_s: float
+    max_priority_wait_s: float
+    kv_cache_memory: int | None
+    memory_utilization: float | None
+    preemption: PreemptionMode
+    swap_space: int | None
+    num_swap_blocks: int
+    decode_run_tokens: int
+
+
+_OPTION_FIELDS = frozenset(f.name for f in dataclasses.fields(BuildOptions))
+_MODEL_FIELDS = frozenset(f.name for f in dataclasses.fields(LLMModelConfig))
+_SCHED_FIELDS = frozenset(f.name for f in dataclasses.fields(LLMSchedulerConfig))
+assert set(BuildKeys.__annotations__) == _OPTION_FIELDS | _MODEL_FIELDS | _SCHED_FIELDS, \
+    "BuildKeys names every BuildOptions, LLMModelConfig and LLMSchedulerConfig field"
 
 
 def build_llm_engine(model_path: str | None = None, spec: DeploymentSpec | None = None,
-                     **engine_config: Any) -> LLMEngine:
-    """Model, tokenizer, paged KV runner and scheduler, started and ready for ``generate``.
+                     options: BuildOptions | None = None, **keys: Unpack[BuildKeys]) -> LLMEngine:
+    """Model, tokenizer, paged KV runner and scheduler, started (unless ``options.start`` is False)
+    and ready for ``generate``.
 
     ``spec``: the deployment whose ``llm:`` section (and server-wide settings) the engine runs, as
     ``serve --llm`` resolves it (``core.llm.config.resolve_llm_deployment``: request timeout,
-    admission bound, the model's length and EOS, the KV plan). ``engine_config`` keys: any
-    ``LLMSchedulerConfig`` field, set on top of ``spec``'s ``llm:`` section (``max_num_seqs``,
-    ``max_num_batched_tokens``, ``num_kv_blocks``, ``block_size``, ``max_model_len``, ``policy``,
-    ``enable_chunked_prefill``, ``enable_prefix_caching``, ``max_waiting_seqs``, ``request_timeout_s``),
-    any ``LLMModelConfig`` field for the random default model (``num_hidden_layers``, ``hidden_size``,
-    ``seed``, ``initializer_range``, ...), and ``device`` ("cpu", "cuda"), ``dtype`` ("float32",
-    "bfloat16", "float16"), ``model_name``, ``sampler_seed``, ``threads`` (torch intra-op threads of
-    every thread that runs the model, 0 = every core this process may use), ``tokenizer_threads`` (the
-    prompt tokenising pool, 0 = one per core), ``start`` (default True), ``memory_profile`` (an LLM
-    profile file or ``MemoryProfile`` the KV pool is planned from: ``runtime/llm/build.py``),
-    ``plan_rows`` (default True: the runner pads a step's token rows to the counts its matmuls run
-    fastest at, measured here: ``models/llm/runner.py``). Unknown keys are errors.
+    admission bound, the model's length and EOS, the KV plan). ``options``: how and where it is built
+    (``BuildOptions``). ``keys``: the same, typed (``BuildKeys``), for short call sites such as tests:
+    ``BuildOptions`` fields replace ``options``', ``LLMModelConfig`` fields shape the random default
+    model, ``LLMSchedulerConfig`` fields are set on top of ``spec``'s ``llm:`` section.
 
     The KV pool is sized by ``core.llm.config.plan_kv`` (``kv_cache_memory``, ``memory_utilization`` of the
     free memory read before the model loads, or ``num_kv_blocks``) and checked there; a pool too small
     for the model's positions lowers ``max_model_len`` when it was not given, and is an error when it
     was (``KVPlanError`` says what to change). ``engine.deployment`` keeps the resolved deployment.
     """
+    import torch
+
     from batchpilot.models.device import configure_threads, free_memory_bytes, used_memory_bytes
     from batchpilot.models.llm.runner import LLMModelRunner
     from batchpilot.models.llm.sampler import Sampler
@@ -181,8 +254,8 @@ def build_llm_engine(model_path: str | None = None, spec: DeploymentSpec | None 
     from batchpilot.models.llm.weights import LlamaWeights, load_hf_llama
     from batchpilot.runtime.llm.engine import LLMEngine
 
-    o = build_options(model_path, spec, engine_config)
-    device, dtype, threads, model_cfg, spec = o.device, o.dtype, o.threads, o.model, o.spec
+    o, spec = build_options(options, spec, dict(keys))
+    device, dtype, threads, model_cfg = o.device, getattr(torch, o.dtype), o.threads, o.model
 
     if device == "cpu" or threads:  # 1 is steadier than every core when other jobs share them; set
         # here for the start-up measurements (row plan, preemption costs) and again by each thread that
@@ -217,7 +290,8 @@ def build_llm_engine(model_path: str | None = None, spec: DeploymentSpec | None 
     runner.threads = threads or None
     if o.plan_rows:
         log.info("llm rows: token rows padded (rows: padded to) %s", runner.plan_rows().padded() or "none")
-    engine = LLMEngine(runner, tokenizer, config, model_name=o.name, sampler=Sampler(o.sampler_seed),
+    name = o.model_name or model_path or "batchpilot-tiny-llama"
+    engine = LLMEngine(runner, tokenizer, config, model_name=name, sampler=Sampler(o.sampler_seed),
                        tokenizer_threads=o.tokenizer_threads)
     engine.memory_plan, engine.memory_profile = plan, memory
     engine.deployment = deployment
@@ -228,51 +302,25 @@ def build_llm_engine(model_path: str | None = None, spec: DeploymentSpec | None 
     return engine.start() if o.start else engine
 
 
-@dataclass(frozen=True)
-class BuildOptions:
-    """``build_llm_engine``'s keys, sorted: how and where the model runs, and the deployment with the
-    scheduler fields given as keys set on top of its ``llm:`` section."""
-
-    device: str
-    dtype: Any  # a torch.dtype
-    name: str
-    start: bool
-    sampler_seed: int
-    threads: int
-    tokenizer_threads: int
-    memory_profile: MemoryProfile | str | Path | None
-    plan_rows: bool
-    model: LLMModelConfig
-    spec: DeploymentSpec
-
-
-def build_options(model_path: str | None, spec: DeploymentSpec | None,
-                  engine_config: dict[str, Any]) -> BuildOptions:
-    """``build_llm_engine``'s keys read (its docstring lists them); an unknown key is an error."""
-    import torch
-
-    from batchpilot.models.seeded import LLMModelConfig
-
-    cfg = dict(engine_config)
-    device = str(cfg.pop("device", "cpu"))
-    dtype = getattr(torch, str(cfg.pop("dtype", "float32")))
-    start = bool(cfg.pop("start", True))
-    sampler_seed = int(cfg.pop("sampler_seed", 0))
-    threads = int(cfg.pop("threads", 0))
-    tokenizer_threads = int(cfg.pop("tokenizer_threads", 0))
-    memory_profile = cfg.pop("memory_profile", None)
-    plan_rows = bool(cfg.pop("plan_rows", True))
-    model_fields = {f.name for f in dataclasses.fields(LLMModelConfig)}
-    model_kw = {k: cfg.pop(k) for k in list(cfg) if k in model_fields}
-    sched_kw = {k: cfg.pop(k) for k in list(cfg) if k in _SCHED_FIELDS}
+def build_options(options: BuildOptions | None, spec: DeploymentSpec | None,
+                  keys: dict[str, Any]) -> tuple[BuildOptions, DeploymentSpec]:
+    """``options`` and ``spec`` with ``build_llm_engine``'s keyword form applied (``BuildKeys``); an
+    unknown key is an error (for callers mypy does not check)."""
+    unknown = sorted(set(keys) - _OPTION_FIELDS - _MODEL_FIELDS - _SCHED_FIELDS)
+    if unknown:
+        raise ValueError(f"build_llm_engine: unknown option(s) {unknown}; the keys are BuildKeys'")
+    o = options or BuildOptions()
+    given = {k: v for k, v in keys.items() if k in _OPTION_FIELDS}
+    shape = {k: v for k, v in keys.items() if k in _MODEL_FIELDS}
+    if shape:
+        given["model"] = dataclasses.replace(given.get("model", o.model), **shape)
+    if given:
+        o = dataclasses.replace(o, **given)
+    sched = {k: v for k, v in keys.items() if k in _SCHED_FIELDS}
     spec = spec or DeploymentSpec()
-    if sched_kw:
-        spec = spec.replace(llm=dataclasses.replace(spec.llm, **sched_kw), llm_given=frozenset(sched_kw))
-    name = str(cfg.pop("model_name", model_path or "batchpilot-tiny-llama"))
-    if cfg:
-        raise ValueError(f"build_llm_engine: unknown option(s) {sorted(cfg)}; see the docstring for the keys")
-    return BuildOptions(device, dtype, name, start, sampler_seed, threads, tokenizer_threads, memory_profile,
-                        plan_rows, LLMModelConfig(**model_kw), spec)
+    if sched:
+        spec = spec.replace(llm=dataclasses.replace(spec.llm, **sched), llm_given=frozenset(sched))
+    return o, spec
 
 
 def check_built_overhead(engine: LLMEngine, plan: KVPlan) -> None:
