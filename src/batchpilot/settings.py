@@ -117,6 +117,26 @@ def dump_spec(spec: DeploymentSpec, path: str | Path, header: str = "",
     return p
 
 
+def flag(help: str, **argparse_kw: Any) -> dict[str, Any]:
+    """A dataclass field's metadata for ``add_field_flags``: its flag's help, and any ``add_argument``
+    keyword where the field's own does not do (``type``, ``choices``, ``metavar``, ``dest``)."""
+    return {"flag": {"help": help, **argparse_kw}}
+
+
+def add_field_flags(group: Any, cls: type, names: tuple[str, ...] | None = None) -> None:
+    """One flag per field of the dataclass ``cls`` that carries ``flag`` metadata (in ``names``' order
+    when given): ``--field-name``, dest the field's name, type and default the field's default's, help
+    the metadata's. A section whose flags map one to one to its fields states each default and help
+    once, on the field."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for name in names or tuple(n for n, f in fields.items() if "flag" in f.metadata):
+        f = fields[name]
+        kw = dict(f.metadata["flag"])
+        kw.setdefault("type", type(f.default))
+        kw.setdefault("dest", name)
+        group.add_argument("--" + name.replace("_", "-"), default=f.default, **kw)
+
+
 def add_deployment_args(p: argparse.ArgumentParser, *, config_help: str | None = None) -> None:
     """``--config`` and the flags that override it (the same in serve, simulate, tune and bench)."""
     g = p.add_argument_group("deployment (the same flags in serve, simulate, tune and bench fidelity)")

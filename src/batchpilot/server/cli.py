@@ -29,11 +29,12 @@ from typing import Any
 
 from batchpilot.core.deployment import DeploymentSpec
 from batchpilot.server.build import build_app
-from batchpilot.server.config import TASKS, ModelSpec, ServerConfig
+from batchpilot.server.config import REQUEST_LIMITS, TASKS, ModelSpec, ServerConfig
 from batchpilot.server.llm.schemas import CAP, LLMLimits
 from batchpilot.server.ray.cli import add_ray_args, run_ray
 from batchpilot.settings import (
     add_deployment_args,
+    add_field_flags,
     add_llm_args,
     add_precision_args,
     add_rollout_args,
@@ -97,34 +98,7 @@ def add_listener_args(p: argparse.ArgumentParser) -> None:
 def add_request_limit_args(p: argparse.ArgumentParser) -> None:
     """The request guards of ``server/middleware.py`` and the embeddings routes."""
     limits = p.add_argument_group("request limits (docs/reliability.md)")
-    limits.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes,
-                        help="request bodies over this get 413 (default: %(default)s, 16 MiB)")
-    limits.add_argument("--header-timeout-s", type=float, default=ServerConfig.header_timeout_s,
-                        help="a request line and headers not complete this long after the connection "
-                             "opened (or the request's first byte) get 408 and the connection closed "
-                             "(default: %(default)s)")
-    limits.add_argument("--keep-alive-s", type=float, default=ServerConfig.keep_alive_s,
-                        help="an idle kept-alive connection is closed after this; keep it above the "
-                             "clients' idle expiry (httpx, openai: 5 s) (default: %(default)s)")
-    limits.add_argument("--body-timeout-s", type=float, default=ServerConfig.body_timeout_s,
-                        help="a body not fully arrived this long after its headers gets 408 and the "
-                             "connection closed (default: %(default)s)")
-    limits.add_argument("--send-timeout-s", type=float, default=ServerConfig.send_timeout_s,
-                        help="a client that reads none of its response for this long is dropped "
-                             "(default: %(default)s)")
-    limits.add_argument("--max-json-values", type=int, default=ServerConfig.max_json_values,
-                        help="JSON values per body, checked before parsing; over it: 413 "
-                             "(default: %(default)s)")
-    limits.add_argument("--max-json-containers", type=int, default=ServerConfig.max_json_containers,
-                        help="JSON objects and arrays per body, checked before parsing; over it: 413 "
-                             "(default: %(default)s)")
-    limits.add_argument("--max-inputs", type=int, default=ServerConfig.max_inputs,
-                        help="embedding inputs per request (default: %(default)s, as OpenAI)")
-    limits.add_argument("--max-input-chars", type=int, default=ServerConfig.max_input_chars,
-                        help="characters per embedding text, truncated or not (default: %(default)s)")
-    limits.add_argument("--max-input-tokens", type=int, default=ServerConfig.max_input_tokens,
-                        help="token ids per embedding token-id input, before truncation "
-                             "(default: %(default)s, as OpenAI)")
+    add_field_flags(limits, ServerConfig, REQUEST_LIMITS)
 
 
 def add_serving_args(p: argparse.ArgumentParser) -> None:
@@ -211,12 +185,7 @@ def server_config(args: argparse.Namespace, spec: DeploymentSpec) -> ServerConfi
         serving=spec.server,
         noop=args.noop, noop_delay_s=args.noop_delay_ms / 1000.0,
         startup_profile=not args.no_startup_profile, api_key=args.api_key,
-        max_body_bytes=args.max_body_bytes, header_timeout_s=args.header_timeout_s,
-        keep_alive_s=args.keep_alive_s,
-        body_timeout_s=args.body_timeout_s,
-        send_timeout_s=args.send_timeout_s, max_json_values=args.max_json_values,
-        max_json_containers=args.max_json_containers, max_inputs=args.max_inputs,
-        max_input_chars=args.max_input_chars, max_input_tokens=args.max_input_tokens,
+        **{name: getattr(args, name) for name in REQUEST_LIMITS},
         drain_timeout_s=args.drain_timeout_s, warmup=not args.no_warmup, llm=args.llm,
         llm_model=args.llm_model, llm_profile=args.llm_profile, llm_limits=llm_limits_from_args(args),
         llm_step_log=args.llm_step_log,

@@ -8,10 +8,11 @@ tokenizer threads) is stated and defaulted once, there.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from batchpilot.core.deployment import ServingOptions
 from batchpilot.server.llm.schemas import LLMLimits
+from batchpilot.settings import flag
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # 2048 inputs of a few KB of text each
 TASKS = ("auto", "embed", "score", "classify")
@@ -33,6 +34,12 @@ class ModelSpec:
             raise ValueError(f"task = {self.task!r}; choose one of {', '.join(TASKS)}")
 
 
+# serve's request-limit flags, in their --help order (each a ``ServerConfig`` field of the same name)
+REQUEST_LIMITS = ("max_body_bytes", "header_timeout_s", "keep_alive_s", "body_timeout_s", "send_timeout_s",
+                  "max_json_values", "max_json_containers", "max_inputs", "max_input_chars",
+                  "max_input_tokens")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"  # loopback unless told otherwise
@@ -48,20 +55,39 @@ class ServerConfig:
     noop_delay_s: float = 0.0
     startup_profile: bool = True  # no profile given: measure briefly at start-up (else the stated default)
     api_key: str | None = None  # Bearer key on every route but /health
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    max_inputs: int = 2048  # per request, as OpenAI
-    max_input_chars: int = 65536  # per text input (tokenising is paid per character, truncated or not)
-    max_input_tokens: int = 8192  # per token-id input, as OpenAI's per-input limit
+    # the request limits (serve's flags of the same names, ``REQUEST_LIMITS``; their help is the metadata)
+    max_body_bytes: int = field(default=DEFAULT_MAX_BODY_BYTES, metadata=flag(
+        "request bodies over this get 413 (default: %(default)s, 16 MiB)"))
+    max_inputs: int = field(default=2048, metadata=flag(  # per request, as OpenAI
+        "embedding inputs per request (default: %(default)s, as OpenAI)"))
+    # per text input (tokenising is paid per character, truncated or not)
+    max_input_chars: int = field(default=65536, metadata=flag(
+        "characters per embedding text, truncated or not (default: %(default)s)"))
+    max_input_tokens: int = field(default=8192, metadata=flag(  # as OpenAI's per-input limit
+        "token ids per embedding token-id input, before truncation (default: %(default)s, as OpenAI)"))
     # a request's line and headers must be complete this long after the connection opened or the
     # request's first byte, else 408 and the connection closed (header_timeout.py)
-    header_timeout_s: float = 10.0
+    header_timeout_s: float = field(default=10.0, metadata=flag(
+        "a request line and headers not complete this long after the connection opened (or the request's "
+        "first byte) get 408 and the connection closed (default: %(default)s)"))
     # an idle kept-alive connection is closed after this; longer than clients' own idle expiry (httpx,
     # openai: 5 s), so that a client never reuses a connection the server is closing (header_timeout.py)
-    keep_alive_s: float = 30.0
-    body_timeout_s: float = 30.0  # the whole body must arrive within this from its headers, else 408
-    send_timeout_s: float = 30.0  # a client that reads nothing of its response for this long is dropped
-    max_json_values: int = 2_097_152  # a body's JSON values (about twice 2048 lists of 512 token ids)
-    max_json_containers: int = 65_536  # a body's JSON objects and arrays (32x what 2048 token lists need)
+    keep_alive_s: float = field(default=30.0, metadata=flag(
+        "an idle kept-alive connection is closed after this; keep it above the clients' idle expiry "
+        "(httpx, openai: 5 s) (default: %(default)s)"))
+    # the whole body must arrive within this from its headers, else 408
+    body_timeout_s: float = field(default=30.0, metadata=flag(
+        "a body not fully arrived this long after its headers gets 408 and the connection closed "
+        "(default: %(default)s)"))
+    # a client that reads nothing of its response for this long is dropped
+    send_timeout_s: float = field(default=30.0, metadata=flag(
+        "a client that reads none of its response for this long is dropped (default: %(default)s)"))
+    # a body's JSON values (about twice 2048 lists of 512 token ids)
+    max_json_values: int = field(default=2_097_152, metadata=flag(
+        "JSON values per body, checked before parsing; over it: 413 (default: %(default)s)"))
+    # a body's JSON objects and arrays (32x what 2048 token lists need)
+    max_json_containers: int = field(default=65_536, metadata=flag(
+        "JSON objects and arrays per body, checked before parsing; over it: 413 (default: %(default)s)"))
     drain_timeout_s: float = 30.0  # on shutdown, how long in-flight work may take
     warmup: bool = True
     llm: bool = False
