@@ -21,9 +21,12 @@
                                                        # place of this deployment's (flags applied)
       rollback: {max_p99_ratio: 1.5, max_p50_ratio: 2.0, window_s: 60}  # core.rollout.RollbackRules
 
-Every section is optional. ``add_deployment_args`` adds the flags that override the file, with the
-same names and meanings in every command, and ``spec_from_args`` reads them back, so ``simulate`` and
-``serve`` given the same flags run the same deployment (``core.deployment.resolve_deployment``).
+Every section is optional. ``add_deployment_args`` (with ``add_precision_args`` and ``add_llm_args``)
+adds the flags that override the file, with the same names and meanings in every command, and
+``spec_from_args`` reads them back, so ``simulate`` and ``serve`` given the same flags run the same
+deployment (``core.deployment.resolve_deployment``). Each flag is made from its section's dataclass
+field (``add_field_flags``: the field's ``flag`` metadata gives its help and, where they differ from the
+field's, its name, type and unit), so a key and its flag are defaulted, typed and described once.
 """
 
 from __future__ import annotations
@@ -36,9 +39,9 @@ from typing import Any
 
 import yaml
 
-from batchpilot.core.config import PADDINGS, POLICIES, _build
-from batchpilot.core.deployment import BACKENDS, PRECISIONS, DeploymentSpec
-from batchpilot.core.llm.config import PREEMPTION_MODES
+from batchpilot.core.config import PlannerConfig, PolicyConfig, SchedulerConfig, _build, parse_bytes
+from batchpilot.core.deployment import DeploymentSpec, ModelOptions, ServingOptions
+from batchpilot.core.llm.config import LLMSchedulerConfig
 from batchpilot.core.rollout import ASSIGNMENTS, ArmSpec, RollbackRules, RolloutSpec
 
 
@@ -123,18 +126,78 @@ def flag(help: str, **argparse_kw: Any) -> dict[str, Any]:
     return {"flag": {"help": help, **argparse_kw}}
 
 
-def add_field_flags(group: Any, cls: type, names: tuple[str, ...] | None = None) -> None:
+# A field's "flag" metadata is a plain dict (core's dataclasses carry it without importing argparse):
+#   help             the help; an override flag's is formatted with {key} (the section key, e.g.
+#                    llm.max_num_seqs) and {default} (the field's default)
+#   name, aliases    the flag and its other spellings, where it is not --field-name
+#   type, choices, metavar   as add_argument's (type: the default's type unless given)
+#   unit             how the flag reads a bare number where the field differs: "ms" (the field holds
+#                    seconds), "bytes" or "gib" (a size with an optional unit: 4GiB, 512MiB, 2e9)
+_SIZE_UNITS = {"bytes": "", "gib": "gib"}
+
+
+def _options(name: str, meta: dict[str, Any]) -> tuple[str, ...]:
+    return (meta.get("name", "--" + name.replace("_", "-")), *meta.get("aliases", ()))
+
+
+def _dest(name: str, meta: dict[str, Any]) -> str:
+    """Where argparse puts a field's flag: its first spelling's name (``--latency-sla``: latency_sla)."""
+    return _options(name, meta)[0].lstrip("-").replace("-", "_")
+
+
+def add_field_flags(group: Any, cls: type, names: tuple[str, ...] | None = None, *,
+                    section: str | None = None, help: str = "{key}") -> None:
     """One flag per field of the dataclass ``cls`` that carries ``flag`` metadata (in ``names``' order
-    when given): ``--field-name``, dest the field's name, type and default the field's default's, help
-    the metadata's. A section whose flags map one to one to its fields states each default and help
-    once, on the field."""
+    when given): ``--field-name`` unless the metadata names it, type the field's default's unless the
+    metadata says, a bool field ``--x/--no-x``. Without ``section`` the flag sets the field (dest the
+    field's name, default the field's). With one it overrides the config file's ``section:`` key:
+    default None ("not given, the file's value stands"), help the metadata's (else ``help``) with
+    ``{key}`` and ``{default}`` filled in; ``fields_from_args`` reads the given ones back. A section
+    whose flags map one to one to its fields states each default and help once, on the field."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for name in names or tuple(n for n, f in fields.items() if "flag" in f.metadata):
         f = fields[name]
         kw = dict(f.metadata["flag"])
-        kw.setdefault("type", type(f.default))
-        kw.setdefault("dest", name)
-        group.add_argument("--" + name.replace("_", "-"), default=f.default, **kw)
+        options = _options(name, kw)
+        kw.pop("name", None)
+        kw.pop("aliases", None)
+        unit = kw.pop("unit", None)
+        if unit == "ms":
+            kw.setdefault("type", float)
+        elif unit is not None:
+            kw.setdefault("type", _size(_SIZE_UNITS[unit]))
+        if isinstance(f.default, bool) and "type" not in kw:
+            kw.setdefault("action", argparse.BooleanOptionalAction)
+        else:
+            kw.setdefault("type", type(f.default))
+        if section is None:
+            kw.setdefault("dest", name)
+            group.add_argument(*options, default=f.default, **kw)
+        else:
+            kw["help"] = kw.get("help", help).format(key=f"{section}.{name}", default=f.default)
+            group.add_argument(*options, default=None, **kw)
+
+
+def fields_from_args(args: argparse.Namespace, cls: type) -> dict[str, Any]:
+    """The fields of ``cls`` whose override flags (``add_field_flags`` with a section) were given, in
+    the field's unit; a namespace without a flag counts it as not given."""
+    given: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        meta = f.metadata.get("flag")
+        if meta is None:
+            continue
+        value = getattr(args, _dest(f.name, meta), None)
+        if value is not None:
+            given[f.name] = value / 1000.0 if meta.get("unit") == "ms" else value
+    return given
+
+
+# The deployment flags, in --help order: the encoder: fields they override, then the server: ones
+_ENCODER_FLAGS: tuple[tuple[str, type, tuple[str, ...]], ...] = (
+    ("encoder.policy", PolicyConfig, ("name", "max_batch_size", "max_wait_s")),
+    ("encoder.planner", PlannerConfig, ("padding",)),
+    ("encoder", SchedulerConfig, ("num_slots",)))
+_SERVER_FLAGS = ("max_concurrency", "request_timeout_s", "tokenizer_workers", "latency_sla_s")
 
 
 def add_deployment_args(p: argparse.ArgumentParser, *, config_help: str | None = None) -> None:
@@ -142,73 +205,50 @@ def add_deployment_args(p: argparse.ArgumentParser, *, config_help: str | None =
     g = p.add_argument_group("deployment (the same flags in serve, simulate, tune and bench fidelity)")
     g.add_argument("--config", default=None,
                    help=config_help or "config YAML with encoder:, llm: and server: sections")
-    g.add_argument("--policy", choices=POLICIES, default=None, help="override encoder.policy.name")
-    g.add_argument("--max-batch-size", type=int, default=None, help="override encoder.policy.max_batch_size")
-    g.add_argument("--max-wait-ms", type=float, default=None, help="override encoder.policy.max_wait_s")
-    g.add_argument("--padding", choices=PADDINGS, default=None, help="override encoder.planner.padding")
-    g.add_argument("--num-slots", type=int, default=None, help="override encoder.num_slots")
-    g.add_argument("--max-concurrency", type=int, default=None,
-                   help="requests in progress at once before 503 (server.max_concurrency, default 512; "
-                        "0 = no limit); given, it also bounds the LLM engine's admitted sequences unless "
-                        "llm.max_waiting_seqs is set (core/llm/config.py)")
-    g.add_argument("--request-timeout-s", type=float, default=None,
-                   help="answer 504 when a request is not done by then (server.request_timeout_s, "
-                        "default 60); given, it also applies to the LLM routes unless "
-                        "llm.request_timeout_s is set (their own default: 600)")
-    g.add_argument("--tokenizer-workers", type=int, default=None,
-                   help="threads tokenising inputs and prompts off the event loop, per model "
-                        "(server.tokenizer_workers; default: one per core the server may run on); the "
-                        "simulator's serial stage has as many servers")
-    g.add_argument("--latency-sla", type=float, default=None, metavar="S",
-                   help="declare a latency SLA in seconds: refuse (503) a request whose predicted "
-                        "completion would miss it (server.latency_sla_s; default none: no shedding)")
+    for section, cls, names in _ENCODER_FLAGS:
+        add_field_flags(g, cls, names, section=section, help="override {key}")
+    add_field_flags(g, ServingOptions, _SERVER_FLAGS, section="server")
 
 
 def spec_from_args(args: argparse.Namespace) -> DeploymentSpec:
     """The config file with the command-line overrides applied on top."""
     spec = load_spec(getattr(args, "config", None))
     enc = spec.encoder
-    pol: dict[str, Any] = {}
-    if getattr(args, "policy", None) is not None:
-        pol["name"] = args.policy
-    if getattr(args, "max_batch_size", None) is not None:
-        pol["max_batch_size"] = args.max_batch_size
-    if getattr(args, "max_wait_ms", None) is not None:
-        pol["max_wait_s"] = args.max_wait_ms / 1000.0
+    pol = fields_from_args(args, PolicyConfig)
     if pol:
         enc = dataclasses.replace(enc, policy=dataclasses.replace(enc.policy, **pol))
-    if getattr(args, "padding", None) is not None:
-        enc = dataclasses.replace(enc, planner=dataclasses.replace(enc.planner, padding=args.padding))
-    if getattr(args, "num_slots", None) is not None:
-        enc = dataclasses.replace(enc, num_slots=args.num_slots)
+    planner = fields_from_args(args, PlannerConfig)
+    if planner:
+        enc = dataclasses.replace(enc, planner=dataclasses.replace(enc.planner, **planner))
+    top = fields_from_args(args, SchedulerConfig)
+    if top:
+        enc = dataclasses.replace(enc, **top)
     model = spec.model
-    given = {k: getattr(args, k, None) for k in ("dtype", "min_cosine", "backend")}
-    if any(v is not None for v in given.values()):
-        model = dataclasses.replace(model, **{k: v for k, v in given.items() if v is not None})
+    given = fields_from_args(args, ModelOptions)
+    if given:
+        model = dataclasses.replace(model, **given)
     spec = llm_from_args(spec, args)
-    return spec.replace(encoder=enc, model=model, max_concurrency=getattr(args, "max_concurrency", None),
-                        request_timeout_s=getattr(args, "request_timeout_s", None),
-                        latency_sla_s=getattr(args, "latency_sla", None),
-                        tokenizer_workers=getattr(args, "tokenizer_workers", None))
+    return spec.replace(encoder=enc, model=model, **fields_from_args(args, ServingOptions))
 
 
-_FLAGS = (("config", "--config"), ("policy", "--policy"), ("max_batch_size", "--max-batch-size"),
-          ("max_wait_ms", "--max-wait-ms"), ("padding", "--padding"), ("num_slots", "--num-slots"),
-          ("max_concurrency", "--max-concurrency"), ("request_timeout_s", "--request-timeout-s"),
-          ("latency_sla", "--latency-sla"), ("tokenizer_workers", "--tokenizer-workers"))
+def _deployment_flag_names() -> tuple[tuple[str, str], ...]:
+    """(dest, flag) of ``--config`` and each deployment flag, in --help order."""
+    pairs = [("config", "--config")]
+    sections = (*((cls, names) for _, cls, names in _ENCODER_FLAGS), (ServingOptions, _SERVER_FLAGS))
+    for cls, names in sections:
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        pairs += [(_dest(n, fields[n].metadata["flag"]), _options(n, fields[n].metadata["flag"])[0])
+                  for n in names]
+    return tuple(pairs)
 
 
-# LLM engine flags: the llm: section's field names, as vLLM spells its flags
+_FLAGS = _deployment_flag_names()
+
+
 def add_precision_args(p: argparse.ArgumentParser) -> None:
     """``--dtype``, ``--min-cosine`` and ``--backend`` (serve): override the file's ``model:`` section."""
     g = p.add_argument_group("precision (models/precision.py)")
-    g.add_argument("--dtype", choices=PRECISIONS, default=None,
-                   help="encoder precision (default auto: the fastest this machine supports that passes "
-                        "the accuracy guard; a --profile's measured choice when given one)")
-    g.add_argument("--min-cosine", type=float, default=None,
-                   help="accuracy guard: least cosine to float32 embeddings on the probe set (default 0.999)")
-    g.add_argument("--backend", choices=BACKENDS, default=None,
-                   help="encoder backend: torch (default) or onnx (ONNX Runtime, padded batches)")
+    add_field_flags(g, ModelOptions, section="model")
 
 
 def deployment_flags(args: argparse.Namespace) -> list[str]:
@@ -263,50 +303,23 @@ def rollout_from_args(args: argparse.Namespace, primary: DeploymentSpec) -> Roll
 
 
 # The LLM engine's settings as command-line flags, the same for ``serve --llm`` and ``simulate --target
-# llm``: each overrides the config file's ``llm:`` section (``core/llm/config.py``; docs/llm.md).
-
-LLM_FLAGS: dict[str, type] = {"max_num_seqs": int, "max_num_batched_tokens": int, "max_model_len": int,
-                              "block_size": int, "num_kv_blocks": int, "max_waiting_seqs": int,
-                              "max_priority_wait_s": float, "decode_run_tokens": int}
+# llm``: each overrides the config file's ``llm:`` section (``core/llm/config.py``; docs/llm.md). In
+# --help order; each field's flag metadata says how it is spelled where not --field-name.
+_LLM_ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_kv_blocks",
+                     "max_waiting_seqs", "max_priority_wait_s", "decode_run_tokens", "enable_chunked_prefill",
+                     "enable_prefix_caching", "policy", "request_timeout_s")
+_LLM_MEMORY_FLAGS = ("kv_cache_memory", "memory_utilization", "swap_space", "preemption")
 
 
 def add_llm_args(p: argparse.ArgumentParser) -> None:
     """The LLM engine's settings as flags (serve --llm, simulate --target llm): override ``llm:``."""
-    from batchpilot.core.llm.config import LLMSchedulerConfig
-
     g = p.add_argument_group("LLM engine (override the config file's llm: section; docs/llm.md)")
-    d = LLMSchedulerConfig()
-    for name, kind in LLM_FLAGS.items():
-        g.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
-                       help=f"llm.{name} (default {getattr(d, name)})")
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
-                   help=f"llm.enable_chunked_prefill (default {d.enable_chunked_prefill})")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                   help=f"llm.enable_prefix_caching (default {d.enable_prefix_caching})")
-    g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=None,
-                   help=f"llm.policy (default {d.policy})")
-    g.add_argument("--llm-request-timeout-s", type=float, default=None, dest="llm_request_timeout_s",
-                   help=f"llm.request_timeout_s: a completion not done by then ends with 504 (or an SSE "
-                        f"error event) and its sequence is freed (default: --request-timeout-s when "
-                        f"given, else {d.request_timeout_s:g})")
+    add_field_flags(g, LLMSchedulerConfig, _LLM_ENGINE_FLAGS, section="llm", help="{key} (default {default})")
     m = p.add_argument_group("LLM memory (docs/llm.md, \"Memory planning\")")
-    m.add_argument("--kv-cache-memory", type=_size(""), default=None, metavar="SIZE",
-                   help="llm.kv_cache_memory: bytes of KV cache (4GiB, 512MiB, 2e9); sizes the pool")
-    m.add_argument("--memory-utilization", "--gpu-memory-utilization", type=float, default=None,
-                   dest="memory_utilization", metavar="SHARE",
-                   help="llm.memory_utilization: the share in (0, 1] of the device's free memory at start-up "
-                        "the engine may use; the KV pool is what weights and the activation peak leave")
-    m.add_argument("--swap-space", type=_size("gib"), default=None, metavar="SIZE",
-                   help="llm.swap_space: host memory for swapped-out KV blocks (a bare number is GiB, "
-                        "here and in the file; default: none, no swap)")
-    m.add_argument("--preemption", choices=PREEMPTION_MODES, default=None,
-                   help=f"llm.preemption: recompute, swap, or auto (swap when copying is cheaper than "
-                        f"recomputing; default {d.preemption})")
+    add_field_flags(m, LLMSchedulerConfig, _LLM_MEMORY_FLAGS, section="llm")
 
 
 def _size(default_unit: str) -> Callable[[str], int]:
-    from batchpilot.core.config import parse_bytes
-
     def parse(text: str) -> int:
         try:
             return parse_bytes(text, default_unit)
@@ -318,14 +331,7 @@ def _size(default_unit: str) -> Callable[[str], int]:
 def llm_from_args(spec: DeploymentSpec, args: argparse.Namespace) -> DeploymentSpec:
     """``spec`` with the LLM flags given on this command line applied to its ``llm:`` section (the
     section's own validation names what to change)."""
-    names = (*LLM_FLAGS, "enable_chunked_prefill", "enable_prefix_caching", "kv_cache_memory",
-             "memory_utilization", "swap_space", "preemption")
-    given = {k: getattr(args, k, None) for k in names}
-    if getattr(args, "scheduling_policy", None) is not None:
-        given["policy"] = args.scheduling_policy
-    if getattr(args, "llm_request_timeout_s", None) is not None:
-        given["request_timeout_s"] = args.llm_request_timeout_s
-    changed = {k: v for k, v in given.items() if v is not None}
+    changed = fields_from_args(args, LLMSchedulerConfig)
     # a flag that sizes the pool replaces the file's way of sizing it
     if {"kv_cache_memory", "memory_utilization", "num_kv_blocks"} & set(changed):
         changed.setdefault("kv_cache_memory", None)

@@ -65,9 +65,10 @@ class PolicyConfig:
     """When to dispatch. ``max_wait_s`` is measured from the oldest waiting request (Triton)."""
 
     # Defaults = the tuner's winner on conv-embed (docs/benchmarks.md): short window, modest batches.
-    name: PolicyName = "hybrid"
-    max_batch_size: int = 16
-    max_wait_s: float = 0.005
+    # "flag": the deployment flags that override these (settings.add_field_flags)
+    name: PolicyName = field(default="hybrid", metadata={"flag": {"name": "--policy", "choices": POLICIES}})
+    max_batch_size: int = field(default=16, metadata={"flag": {}})
+    max_wait_s: float = field(default=0.005, metadata={"flag": {"name": "--max-wait-ms", "unit": "ms"}})
     # backlog / hybrid: fire early once this much is waiting (0 = off for tokens)
     backlog_requests: int = 16
     backlog_tokens: int = 0
@@ -144,7 +145,7 @@ class PlannerConfig:
     grouping: Grouping = "sorted"
     # Padding-free by default: padding mixed lengths to the longest costs more than batching saves
     # (simulated and measured in docs/benchmarks.md); executors without a ragged path fall back.
-    padding: Padding = "none"
+    padding: Padding = field(default="none", metadata={"flag": {"choices": PADDINGS}})
     max_len: int = 512
     max_batch_tokens: int = 0  # 0 = no token budget
     max_batch_memory_bytes: float = 0.0  # 0 = no memory budget
@@ -216,7 +217,8 @@ class SchedulerConfig:
     bucketing: BucketingConfig = field(default_factory=BucketingConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     queue_order: QueueOrder = "fcfs"
-    num_slots: int = 1  # executor slots (model instances / worker threads)
+    # executor slots (model instances / worker threads)
+    num_slots: int = field(default=1, metadata={"flag": {}})
     # Pipelining: a busy slot takes its next batch ``pipeline_lead_s`` before its running batch is
     # predicted to end, so the next batch is collated while this one runs (``next_batch_at``). "auto":
     # the deployment turns it on only where collation is a measurable share of a batch (the profile's

@@ -53,15 +53,30 @@ BACKENDS = ("torch", "onnx")
 class ServingOptions:
     """The ``server:`` section: what the server promises every request, whatever the scheduler config."""
 
+    # "flag": the deployment flag that overrides the field (settings.add_field_flags; {key} is
+    # server.<field>)
+
     # requests (each with all its inputs) admitted and not yet answered; more get 503 + Retry-After.
     # TEI's default; 0 = no limit
-    max_concurrency: int = 512
-    request_timeout_s: float = 60.0  # not answered by then: 504 (queued inputs are dropped by the core)
-    latency_sla_s: float = 0.0  # a declared SLA (seconds): latency-based shedding; 0 = none declared
+    max_concurrency: int = field(default=512, metadata={"flag": {
+        "help": "requests in progress at once before 503 ({key}, default {default}; 0 = no limit); given, "
+                "it also bounds the LLM engine's admitted sequences unless llm.max_waiting_seqs is set "
+                "(core/llm/config.py)"}})
+    # not answered by then: 504 (queued inputs are dropped by the core)
+    request_timeout_s: float = field(default=60.0, metadata={"flag": {
+        "help": "answer 504 when a request is not done by then ({key}, default {default:g}); given, it also "
+                "applies to the LLM routes unless llm.request_timeout_s is set (their own default: 600)"}})
+    # a declared SLA (seconds): latency-based shedding; 0 = none declared
+    latency_sla_s: float = field(default=0.0, metadata={"flag": {
+        "name": "--latency-sla", "metavar": "S",
+        "help": "declare a latency SLA in seconds: refuse (503) a request whose predicted completion would "
+                "miss it ({key}; default none: no shedding)"}})
     memory_share: float = 0.25  # one batch may use this share of device memory (0 = no budget)
     # threads tokenising inputs and prompts off the event loop, per model: the servers of the simulator's
     # serial stage (sim.service); 0 = one per core the server may run on (what the profile recorded)
-    tokenizer_workers: int = 0
+    tokenizer_workers: int = field(default=0, metadata={"flag": {
+        "help": "threads tokenising inputs and prompts off the event loop, per model ({key}; default: one "
+                "per core the server may run on); the simulator's serial stage has as many servers"}})
 
     def __post_init__(self) -> None:
         if self.tokenizer_workers < 0:
@@ -84,9 +99,16 @@ class ModelOptions:
     float32 on a fixed probe set (``models/precision.py``; a profile's measured choice when serving
     with one)."""
 
-    dtype: str = "auto"
-    min_cosine: float = 0.999
-    backend: str = "torch"
+    # "flag": serve's flag that overrides the field (settings.add_field_flags)
+    dtype: str = field(default="auto", metadata={"flag": {
+        "choices": PRECISIONS,
+        "help": "encoder precision (default {default}: the fastest this machine supports that passes the "
+                "accuracy guard; a --profile's measured choice when given one)"}})
+    min_cosine: float = field(default=0.999, metadata={"flag": {
+        "help": "accuracy guard: least cosine to float32 embeddings on the probe set (default {default})"}})
+    backend: str = field(default="torch", metadata={"flag": {
+        "choices": BACKENDS,
+        "help": "encoder backend: {default} (default) or onnx (ONNX Runtime, padded batches)"}})
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

@@ -20,10 +20,11 @@ last section.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 LLMPolicy = Literal["fcfs", "priority"]
+LLM_POLICIES: tuple[LLMPolicy, ...] = ("fcfs", "priority")
 PreemptionMode = Literal["recompute", "swap", "auto"]
 PREEMPTION_MODES: tuple[PreemptionMode, ...] = ("recompute", "swap", "auto")
 DECODE_RUN_TOKENS = 2048  # decode_run_tokens's default (core/llm/scheduler.py, docs/llm.md "Decode runs")
@@ -57,24 +58,41 @@ class LLMSchedulerConfig:
     The default was measured on CPU, where a run's buffer past a few MiB leaves the caches; a GPU,
     where each run is a kernel launch per layer, wants far larger runs."""
 
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    num_kv_blocks: int = 2048
-    block_size: int = 16
-    max_model_len: int = 2048
-    policy: LLMPolicy = "fcfs"
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = False
+    # "flag": the field's override flag (settings.add_field_flags; help "llm.<field> (default ...)"
+    # where the metadata gives none), the same in serve --llm and simulate --target llm
+    max_num_seqs: int = field(default=64, metadata={"flag": {}})
+    max_num_batched_tokens: int = field(default=512, metadata={"flag": {}})
+    num_kv_blocks: int = field(default=2048, metadata={"flag": {}})
+    block_size: int = field(default=16, metadata={"flag": {}})
+    max_model_len: int = field(default=2048, metadata={"flag": {}})
+    policy: LLMPolicy = field(default="fcfs", metadata={"flag": {
+        "name": "--scheduling-policy", "choices": LLM_POLICIES}})
+    enable_chunked_prefill: bool = field(default=True, metadata={"flag": {}})
+    enable_prefix_caching: bool = field(default=False, metadata={"flag": {}})
     eos_token_ids: tuple[int, ...] = ()
-    max_waiting_seqs: int = 256
-    request_timeout_s: float = 600.0
-    max_priority_wait_s: float = 10.0
-    kv_cache_memory: int | None = None
-    memory_utilization: float | None = None
-    preemption: PreemptionMode = "auto"
-    swap_space: int | None = None
+    max_waiting_seqs: int = field(default=256, metadata={"flag": {}})
+    request_timeout_s: float = field(default=600.0, metadata={"flag": {
+        "name": "--llm-request-timeout-s",
+        "help": "{key}: a completion not done by then ends with 504 (or an SSE error event) and its sequence "
+                "is freed (default: --request-timeout-s when given, else {default:g})"}})
+    max_priority_wait_s: float = field(default=10.0, metadata={"flag": {}})
+    kv_cache_memory: int | None = field(default=None, metadata={"flag": {
+        "unit": "bytes", "metavar": "SIZE",
+        "help": "{key}: bytes of KV cache (4GiB, 512MiB, 2e9); sizes the pool"}})
+    memory_utilization: float | None = field(default=None, metadata={"flag": {
+        "aliases": ("--gpu-memory-utilization",), "type": float, "metavar": "SHARE",
+        "help": "{key}: the share in (0, 1] of the device's free memory at start-up the engine may use; "
+                "the KV pool is what weights and the activation peak leave"}})
+    preemption: PreemptionMode = field(default="auto", metadata={"flag": {
+        "choices": PREEMPTION_MODES,
+        "help": "{key}: recompute, swap, or auto (swap when copying is cheaper than recomputing; "
+                "default {default})"}})
+    swap_space: int | None = field(default=None, metadata={"flag": {
+        "unit": "gib", "metavar": "SIZE",
+        "help": "{key}: host memory for swapped-out KV blocks (a bare number is GiB, here and in the file; "
+                "default: none, no swap)"}})
     num_swap_blocks: int = 0
-    decode_run_tokens: int = DECODE_RUN_TOKENS
+    decode_run_tokens: int = field(default=DECODE_RUN_TOKENS, metadata={"flag": {}})
 
     def __post_init__(self) -> None:
         limits = ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size", "max_model_len",
