@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -15,10 +16,21 @@ from batchpilot.core.deployment import (
     MIN_PIPELINE_LEAD_S,
     DeploymentSpec,
     ModelLimits,
+    ModelOptions,
     ServingOptions,
     resolve_deployment,
 )
-from batchpilot.settings import add_deployment_args, deployment_flags, dump_spec, load_spec, spec_from_args
+from batchpilot.core.llm.config import LLMSchedulerConfig
+from batchpilot.settings import (
+    add_deployment_args,
+    add_llm_args,
+    add_precision_args,
+    deployment_flags,
+    dump_spec,
+    fields_from_args,
+    load_spec,
+    spec_from_args,
+)
 
 CM = CostModel.default_cpu_minilm()
 
@@ -159,3 +171,28 @@ def test_pipelining_is_kept_where_collation_is_a_measurable_share(meta: dict[str
     sched.submit(make_request(10, 0.0), 0.0)
     (batch,) = sched.schedule(0.0, 1).batches
     assert (sched.next_batch_at(batch, 0.0) == float("inf")) == (resolved == "off")
+
+
+def test_every_field_with_flag_metadata_has_an_override_flag_that_reads_back() -> None:
+    p = argparse.ArgumentParser()
+    add_deployment_args(p)
+    add_precision_args(p)
+    add_llm_args(p)
+    flags = [a for a in p._actions if a.dest not in ("help", "config")]
+    assert all(a.default is None for a in flags)  # not given: the file's value stands
+    sections = (PolicyConfig, PlannerConfig, SchedulerConfig, ServingOptions, ModelOptions,
+                LLMSchedulerConfig)
+    flagged = [(cls, f) for cls in sections for f in dataclasses.fields(cls) if "flag" in f.metadata]
+    assert len(flagged) == len(flags)  # one flag per flagged field, none left out or hand-written
+    for cls, f in flagged:
+        meta = f.metadata["flag"]
+        option = meta.get("name", "--" + f.name.replace("_", "-"))
+        assert fields_from_args(p.parse_args([]), cls) == {}
+        if f.default is None:  # a size or share with no default: any value reads back as given
+            argv = [option, "0.5" if meta.get("type") is float else "1GiB"]
+        elif isinstance(f.default, bool):  # given at its default still counts as given
+            argv = [option if f.default else "--no-" + option[2:]]
+        else:
+            argv = [option, str(f.default * 1000 if meta.get("unit") == "ms" else f.default)]
+        given = fields_from_args(p.parse_args(argv), cls)
+        assert list(given) == [f.name] and (f.default is None or given[f.name] == f.default), (option, given)
