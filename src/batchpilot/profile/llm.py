@@ -8,9 +8,11 @@ JSON-serialisable, loadable by ``batchpilot simulate --workload conv-llm --profi
 A runner with swap space also gets its block copies timed (``measure_swap``), recorded in the profile's
 ``meta`` (``core.llm.scheduler.SWAP_META_KEYS``).
 
-``probe_preemption_costs(runner)`` is the engine's start-up probe for ``preemption: auto`` (through
-``engine_preemption_costs``): the swap copies and a few short prefills into ``PreemptionCosts``, a
-fraction of a second on the tiny Llama on 2 CPU cores.
+The swap and prefill probes themselves (``measure_swap``, ``probe_preemption_costs``) live with the
+runner (``models/llm/runner.py``): the engine runs them at start-up for ``preemption: auto``.
+
+Sections: the step profile; ``batchpilot profile --llm`` (``run_llm``: steps, memory and serving path
+written as one profile file); the LLM routes' serving path (``measure_llm_serving_path``).
 """
 
 from __future__ import annotations
@@ -129,6 +131,7 @@ def recheck_steps(runner: LLMModelRunner, step_points: Sequence[dict[str, Any]],
     return [sorted(times[i])[len(times[i]) // 2] if i in times else math.nan for i in range(len(step_points))]
 
 
+# -- batchpilot profile --llm ----------------------------------------------------------------------
 # ``batchpilot profile --llm``: the LLM engine's step cost model and memory, written as one profile file.
 #
 # The engine is built as ``serve --llm`` builds it (``runtime/llm/build.build_llm_engine``: the same
@@ -224,6 +227,7 @@ def serving_path(engine: Any, cost_model: Any, **measure: Any) -> tuple[dict[str
     return frontend.to_dict(), details
 
 
+# -- The LLM routes' serving path ------------------------------------------------------------------
 # The LLM routes' serving path: what a live step and a client's first token cost beyond the step profile.
 #
 # The step profile times forward + sampling of a step shape alone. ``measure_llm_serving_path`` serves the

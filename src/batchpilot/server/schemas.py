@@ -1,4 +1,5 @@
-"""Request and response bodies of the OpenAI-compatible embeddings API (pydantic v2).
+"""Request and response bodies of the encoder routes (pydantic v2): embeddings first, then scoring,
+classification and tokenizing (their section below).
 
 ``input`` is strict: a string, a list of strings, a list of token ids, or a list of token-id lists —
 ``[1, "a"]``, ``true`` or ``[[1], "a"]`` are 422s, never coerced. ``priority``, ``deadline_ms`` and
@@ -89,6 +90,7 @@ class Health(BaseModel):
         default=None, description="models served in arms: each arm's state (serving, rolled_back)")
 
 
+# -- Scoring, classification and tokenizing --------------------------------------------------------
 # Request and response bodies of the scoring, classification and tokenizer routes (pydantic v2).
 #
 #     POST /v1/rerank      RerankRequest    -> RerankResponse    (the Cohere / Jina / vLLM body)

@@ -1,5 +1,17 @@
-"""The serving-path fits' shapes: a robust straight line (``y ~ a + b x`` with ``a, b >= 0``), and factors
-per bin of a step function (``binned_factors``, read back with ``step_factor``)."""
+"""What a batch and a request cost around the scheduler, in simulation, as ``batchpilot profile`` measured it.
+
+The scheduler prices a batch with the cost model; a served request also pays the serving path around
+the Batcher, and a served batch's time moves with what ran before it and scatters around its price.
+This file models those, each fitted from the profile alone (never from the traffic it predicts):
+
+    fits            ``fit_line`` (a robust ``y ~ a + b x``, ``a, b >= 0``), ``binned_factors`` /
+                    ``step_factor`` (a factor per bin of a step function)
+    FrontEnd        the serving path: tokenizer and HTTP stages, each ``const + per_token * L``, and
+                    the loaded-batch terms (``served_seconds``)
+    before a batch  its idle time and how busy the last second was (``BusyWindow``, ``idle_factor``,
+                    ``busy_factor``), which move a loaded batch off its price
+    noise           ``BatchNoise``: a residual per batch and a wander of the machine's speed, seeded
+"""
 
 from __future__ import annotations
 
@@ -16,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+# -- Fits ------------------------------------------------------------------------------------------
 
 def fit_line(x: np.ndarray, y: np.ndarray, trim: bool = True) -> tuple[float, float]:
     """``y ~ a + b x`` by least squares without the worst 10% of residuals (``trim``), with a, b >= 0 (a
@@ -80,6 +93,7 @@ def backfit_factors(bins: Sequence[tuple[np.ndarray, int]], took: np.ndarray, ba
     return out
 
 
+# -- FrontEnd: the serving path --------------------------------------------------------------------
 # The serving path around the batcher: what a request spends outside it, as a two-part model.
 #
 # A live request does more than wait in the Batcher: the HTTP server parses it, the one tokenizer
@@ -363,6 +377,7 @@ def rates_at(arrival_s: Sequence[float] | np.ndarray) -> np.ndarray:
     return (np.arange(a.size) - np.searchsorted(a, a - RATE_WINDOW_S, side="left")) / RATE_WINDOW_S
 
 
+# -- Before a batch --------------------------------------------------------------------------------
 # What ran just before a batch: how long no batch ran (its idle time) and how busy the last second was.
 #
 # Both move a batch's time under serving load off its price, and both are known when it starts, to
@@ -446,6 +461,7 @@ def idle_times(starts: Sequence[float], slot_s: Sequence[float]) -> list[float]:
     return out
 
 
+# -- Noise -----------------------------------------------------------------------------------------
 # How a served batch's time scatters around its line: a spread per batch and a wander of the machine's speed.
 #
 # The profile's loaded phase (``profile.serving.fit_loaded``) prices every batch it served by the
