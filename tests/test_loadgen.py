@@ -433,3 +433,65 @@ def test_replay_keeps_an_idle_connection_for_keepalive_s_and_no_longer(fake: tup
                      LoadGenConfig(url, progress=False, scrape_interval_s=0, keepalive_s=keep))
         assert all(r.ok for r in res.records)
         assert len(set(state.ports)) == connections, (keep, state.ports)
+
+
+def test_spread_scores_a_prediction_against_the_replays_median_and_widened_range() -> None:
+    from batchpilot.bench.fidelity import score_spread
+
+    # three replays of P99: 100, 130, 90 ms -> median 100, range 90 .. 130, widened 81 .. 143
+    c = score_spread("P99 ms", 140.0, [100.0, 130.0, 90.0], 0.5)
+    assert (c.median, c.lo, c.hi) == (100.0, 90.0, 130.0)
+    assert c.error == pytest.approx(0.40) and c.inside  # 40% off the median, still inside the spread
+    assert score_spread("P99 ms", 82.0, [100.0, 130.0, 90.0]).inside
+    out = score_spread("P99 ms", 150.0, [100.0, 130.0, 90.0])  # above 130 * 1.1 = 143
+    assert not out.inside and out.error == pytest.approx(0.5)
+    assert not score_spread("P50 ms", 80.0, [100.0, 130.0, 90.0]).inside  # below 90 * 0.9 = 81
+    # rejected counts: within 10% or 5 requests of the median
+    assert score_spread("rejected", 5.0, [0.0, 0.0, 40.0]).inside
+    assert not score_spread("rejected", 6.0, [0.0, 0.0, 40.0]).inside
+    assert score_spread("rejected", 108.0, [100.0, 90.0, 120.0]).inside
+    assert not score_spread("rejected", 111.0, [100.0, 90.0, 120.0]).inside
+    # NaN replays are left out; none left: never inside
+    assert score_spread("P50 ms", 10.0, [math.nan, 10.0]).median == 10.0
+    assert not score_spread("P50 ms", 10.0, [math.nan]).inside
+
+
+def test_matrix_score_gives_the_signed_bias_and_the_latency_cells_inside() -> None:
+    from batchpilot.bench.fidelity import (
+        format_matrix,
+        matrix_score,
+        spread_cells,
+        spread_rows,
+    )
+
+    metrics = ("P50 ms", "P99 ms", "throughput req/s", "rejected")
+    replays = [[10.0, 100.0, 20.0, 0.0], [12.0, 120.0, 19.0, 0.0], [11.0, 140.0, 21.0, 2.0]]
+    low = spread_cells(0.5, metrics, [9.9, 80.0, 20.0, 0.0], replays)  # P99 20% under the median 100
+    high = spread_cells(0.8, metrics, [13.2, 300.0, 20.0, 0.0], [[v * 2 for v in r] for r in replays])
+    score = matrix_score(low + high)
+    # P50: -10% against 11, +-40% against 22 -> mean -25%; P99: -33.3% and +25% -> mean -4.2%
+    assert score["bias"]["P50 ms"] == pytest.approx((-0.1 - 0.4) / 2)
+    assert score["bias"]["P99 ms"] == pytest.approx((80 / 120 - 1 + 300 / 240 - 1) / 2)
+    assert score["bias"]["P99 ms"] < 0 < matrix_score(high)["bias"]["P99 ms"]  # the sign: + predicts high
+    assert math.isnan(score["bias"]["rejected"])  # no finite relative error against a median of 0
+    # latency cells: P50 inside at 50% (9.9 >= 9), outside at 80% (13.2 < 18); P99 outside at 50%
+    # (80 < 90), inside at 80% (300 <= 308)
+    assert [c.inside for c in low + high if c.metric.endswith("ms")] == [True, False, False, True]
+    assert (score["latency_inside"], score["latency_cells"], score["latency_inside_share"]) == (2, 4, 0.5)
+    rows = spread_rows(low)
+    assert rows[1] == ["50%", "P99 ms", "80.00", "120.00", "100.00 .. 140.00", "-33.3%", "no"]
+    assert rows[3][2:5] == ["0", "0", "0 .. 2"]
+    assert "2 of 4" in format_matrix(score) and "P50 ms -25.0%" in format_matrix(score)
+
+
+def test_combine_results_scores_several_result_folders_together(tmp_path: Path) -> None:
+    from batchpilot.bench.fidelity import combine_results, matrix_score, spread_cells
+
+    a = spread_cells(0.5, ("P99 ms",), [90.0], [[100.0], [110.0]])
+    b = spread_cells(0.8, ("P99 ms",), [200.0], [[100.0], [120.0]])
+    for name, cells in (("a", a), ("b", b)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "fidelity.json").write_text(
+            json.dumps({"points": [{"spread": [c.to_dict() for c in cells]}]}))
+    assert combine_results([tmp_path / "a", tmp_path / "b"]) == matrix_score(a + b)
+    assert combine_results([tmp_path / "a", tmp_path / "b"])["latency_inside"] == 1

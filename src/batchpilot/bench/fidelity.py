@@ -30,6 +30,7 @@ import dataclasses
 import json
 import math
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -399,6 +400,100 @@ def comparison_rows(load: float, k: float, pred: Any, live: Measurement, speed: 
                      check_cell,
                      f"{relative_error(f, b):+.1%}" if math.isfinite(f) else "-"])
     return rows
+
+
+# Scoring against the replays' spread: the live server does not reproduce itself on a shared machine (the
+# same rows replayed twice differ by tens of percent in P99), so each point is replayed ``--live-repeats``
+# times and its prediction scored against the median and the [min, max] of those replays. Pure functions:
+# the commands (encoder and LLM) gather the numbers, print and write what these return.
+
+WIDEN = 0.10  # the replays' [min, max] widened by this share each way: ``inside`` is min*0.9 <= p <= max*1.1
+SPREAD_HEAD = ["load", "metric", "predicted", "replays' median", "replays' min .. max", "error vs median",
+               "inside"]
+
+
+@dataclass(frozen=True)
+class SpreadCell:
+    """One metric of one point: the prediction against the replays' median and range."""
+
+    metric: str
+    predicted: float
+    median: float  # of the replays' values
+    lo: float  # the replays' lowest
+    hi: float  # and highest
+    error: float  # ``relative_error(predicted, median)``
+    inside: bool  # within [lo * 0.9, hi * 1.1]; rejected counts: within 10% or 5 requests of the median
+    load: float = math.nan
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def score_spread(metric: str, predicted: float, replays: Sequence[float],
+                 load: float = math.nan) -> SpreadCell:
+    """``predicted`` against the finite ones of ``replays`` (one value per replay): ``SpreadCell``; a
+    metric without a finite replay is never inside."""
+    vals = sorted(v for v in replays if math.isfinite(v))
+    if not vals:
+        return SpreadCell(metric, predicted, math.nan, math.nan, math.nan, math.nan, False, load)
+    med, lo, hi = statistics.median(vals), vals[0], vals[-1]
+    if metric == "rejected":
+        inside = abs(predicted - med) <= max(5, 0.10 * med)
+    else:
+        inside = lo * (1.0 - WIDEN) <= predicted <= hi * (1.0 + WIDEN)
+    return SpreadCell(metric, predicted, med, lo, hi, relative_error(predicted, med), bool(inside), load)
+
+
+def spread_cells(load: float, metrics: Sequence[str], predicted: Sequence[float],
+                 replays: Sequence[Sequence[float]]) -> list[SpreadCell]:
+    """Per metric, ``score_spread`` of its predicted value against its value in each replay (``replays``:
+    one sequence per replay, in ``metrics``' order)."""
+    return [score_spread(m, p, [r[i] for r in replays], load)
+            for i, (m, p) in enumerate(zip(metrics, predicted, strict=True))]
+
+
+def is_latency(metric: str) -> bool:
+    """A latency metric (``P99 ms``, ``TTFT P50 ms``, ...): the cells ``matrix_score`` counts inside."""
+    return metric.endswith(" ms")
+
+
+def matrix_score(cells: Sequence[SpreadCell]) -> dict[str, Any]:
+    """Across a matrix of points: per metric, the mean signed relative error against the replays' median
+    (``bias``: + the prediction is high), and how many latency cells lie inside the widened range."""
+    bias: dict[str, float] = {}
+    for metric in dict.fromkeys(c.metric for c in cells):
+        errs = [c.error for c in cells if c.metric == metric and math.isfinite(c.error)]
+        bias[metric] = statistics.fmean(errs) if errs else math.nan
+    latency = [c for c in cells if is_latency(c.metric)]
+    inside = sum(c.inside for c in latency)
+    return {"bias": bias, "latency_inside": inside, "latency_cells": len(latency),
+            "latency_inside_share": inside / len(latency) if latency else math.nan}
+
+
+def spread_rows(cells: Sequence[SpreadCell]) -> list[list[Any]]:
+    """``SPREAD_HEAD`` rows of ``cells`` (counts as integers, the rest to two decimals)."""
+    def fmt(v: float, metric: str) -> str:
+        return "-" if not math.isfinite(v) else (f"{v:.0f}" if metric == "rejected" else f"{v:.2f}")
+    return [[f"{c.load:.0%}" if math.isfinite(c.load) else "-", c.metric, fmt(c.predicted, c.metric),
+             fmt(c.median, c.metric), f"{fmt(c.lo, c.metric)} .. {fmt(c.hi, c.metric)}",
+             f"{c.error:+.1%}" if math.isfinite(c.error) else "-", "yes" if c.inside else "no"]
+            for c in cells]
+
+
+def format_matrix(score: dict[str, Any]) -> str:
+    """``matrix_score`` in two lines."""
+    bias = ", ".join(f"{m} {b:+.1%}" if math.isfinite(b) else f"{m} -" for m, b in score["bias"].items())
+    return (f"bias (mean signed error against the replays' median): {bias}\n"
+            f"latency cells inside the replays' range widened by {WIDEN:.0%}: {score['latency_inside']} of "
+            f"{score['latency_cells']}")
+
+
+def combine_results(folders: Sequence[Path]) -> dict[str, Any]:
+    """``matrix_score`` over the points of several ``bench fidelity`` output folders (their
+    ``fidelity.json``)."""
+    points = [pt for f in folders for pt in json.loads((Path(f) / "fidelity.json").read_text())["points"]]
+    cells = [SpreadCell(**c) for pt in points for c in pt.get("spread", [])]
+    return matrix_score(cells)
 
 
 def text_table(head: list[str], rows: list[list[Any]]) -> str:
