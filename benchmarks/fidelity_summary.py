@@ -17,7 +17,9 @@ prediction and for the profile alone.
 Where the points were replayed (``benchmarks/fidelity.py ... -- --live-repeats 2``), a table of the
 second replay against the first, counted under the same targets, beside the prediction counted
 against each replay: how often the live server meets the targets against itself, back to back on
-one server, which bounds how often any prediction made before the run can.
+one server, which bounds how often any prediction made before the run can. Where the points hold their
+score against the replays' spread (``spread``), the bias per metric and the latency cells inside it
+over all folders (``fidelity.combine_results``).
 
 A second table checks the serving path outside the batcher per point: the median of each answered
 request's latency minus its `tokenize` and `batcher` parts (records-<load>.csv) beside what the
@@ -39,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from batchpilot.bench.fidelity import within_target
+from batchpilot.bench.fidelity import combine_results, format_matrix, within_target
 from batchpilot.bench.records import read_csv, tail_seconds
 from batchpilot.profile.serving import LOADED_SHARES
 from batchpilot.sim.service import FrontEnd, fit_line
@@ -108,6 +110,10 @@ def main() -> int:
     if all(hindsight.values()):
         print("median |error| at the run's speed: "
               + ", ".join(f"{k.split()[0]} {statistics.median(v):.1f}%" for k, v in hindsight.items()))
+    folders = [run.parent for run in sorted(Path(args.out).glob("*-*/fidelity.json"))]
+    if any(p.get("spread") for f in folders for p in json.loads((f / "fidelity.json").read_text())["points"]):
+        print("against the spread of the live replays, over the whole matrix:\n"
+              + format_matrix(combine_results(folders)))
     repeat_table(Path(args.out))
     delay_table(Path(args.out))
     return 0

@@ -126,6 +126,31 @@ def test_repeat_rows_score_the_second_replay_against_the_first() -> None:
     assert slow[0][5] == slow[2][5] == slow[-1][5] == "no" and slow[0][6] == "- / -"
 
 
+def test_llm_points_are_scored_against_the_replays_spread_with_the_shared_scoring() -> None:
+    """TTFT/TPOT (ms), tokens/s and refusals of each replay go through ``fidelity.spread_cells``."""
+    from batchpilot.bench.fidelity import matrix_score, spread_cells
+    from batchpilot.bench.llm_fidelity import SPREAD_METRICS, spread_values
+    from batchpilot.bench.records import RequestRecord, summarize
+
+    def run(ttft: float, refused: int) -> Any:
+        recs = [RequestRecord(i, i * 0.5, 32, 8, sent_s=i * 0.5, done_s=i * 0.5 + 0.2, status=200,
+                              latency_s=0.2, ttft_s=ttft, tokens_received=8) for i in range(20)]
+        recs += [RequestRecord(20 + i, 10.0, 40, 6, sent_s=10.0, done_s=10.01, status=503, latency_s=0.01)
+                 for i in range(refused)]
+        return summarize(recs, 2.0)
+
+    replays = [run(0.050, 0), run(0.060, 2), run(0.040, 0)]
+    values = [spread_values(r, r.num_requests - r.num_ok) for r in replays]
+    assert values[0][0] == pytest.approx(50.0) and values[1][-1] == 2.0
+    assert SPREAD_METRICS[-1] == "rejected" and len(values[0]) == len(SPREAD_METRICS)
+    predicted = [70.0, *values[0][1:]]  # TTFT P50 70 ms: above 60 * 1.1 = 66
+    cells = spread_cells(0.5, SPREAD_METRICS, predicted, values)
+    assert cells[0].median == pytest.approx(50.0) and not cells[0].inside and cells[0].error > 0
+    assert cells[-1].inside  # 0 refused predicted, median 0
+    score = matrix_score(cells)
+    assert score["latency_cells"] == 4 and score["bias"]["TTFT P50 ms"] == pytest.approx(0.4)
+
+
 def test_speed_vs_profile_with_the_serving_path_counts_the_interval_to_the_next_busy_step() -> None:
     """Against the profile's serving path a busy step costs the interval to the next step's start (the
     gap between steps included), a step before an idle wait its own wall time."""

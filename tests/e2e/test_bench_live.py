@@ -173,6 +173,13 @@ def test_fidelity_predicts_from_the_profile_alone_and_scores_each_point_on_its_f
     (again,) = point["repeats"]  # replayed a second time on the same server, compared with the first
     assert again["measured"]["num_requests"] == 120
     assert [r[1] for r in res["repeat_table"]["rows"]][:2] == ["P50 ms", "P99 ms"]
+    # the prediction against both replays' median and range, and the run's bias and latency cells inside
+    assert [c["metric"] for c in point["spread"]] == ["P50 ms", "P99 ms", "throughput req/s", "rejected"]
+    p99 = point["spread"][1]
+    assert p99["lo"] <= p99["median"] <= p99["hi"]
+    assert p99["predicted"] == pytest.approx(point["predicted"]["latency"]["p99"] * 1e3)
+    assert res["matrix"]["latency_cells"] == 2 and set(res["matrix"]["bias"]) >= {"P50 ms", "P99 ms"}
+    assert len(res["spread_table"]["rows"]) == 4
     # the no-op model sleeps 20 ms a batch: the logged batches take at least that (how much more
     # depends on this machine's load, so it is not asserted)
     assert point["speed_vs_profile"] > -0.2 and math.isfinite(point["speed_vs_profile"])
@@ -181,4 +188,5 @@ def test_fidelity_predicts_from_the_profile_alone_and_scores_each_point_on_its_f
     text = capsys.readouterr().out
     assert "P99 ms" in text and "speed vs profile" in text and "rejected" in text
     assert "The live run against itself" in text
+    assert "bias (mean signed error against the replays' median)" in text
     assert (out / "batches.jsonl").stat().st_size > 0

@@ -81,9 +81,10 @@ def _fidelity_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batcher-only", action="store_true",
                    help="predict without the profile's serving path (HTTP, JSON, tokenisation)")
     p.add_argument("--warmup-requests", type=int, default=30, help="unmeasured requests before each point")
-    p.add_argument("--live-repeats", type=int, default=1,
-                   help="replay each point this many times on the same server; the repeats are compared "
-                        "with the first run (how far the live run agrees with itself), never predicted")
+    p.add_argument("--live-repeats", type=int, default=3,
+                   help="replay each point this many times on the same server, round-robin over the points; "
+                        "the prediction is scored against the replays' median and min-max widened by 10%%, "
+                        "and each repeat is compared with the first run")
     p.add_argument("--draws", type=int, default=DEFAULT_DRAWS,
                    help="service-noise draws per prediction: each metric is predicted as its median over "
                         "them, with the 5-95%% band beside it (sim.draws)")

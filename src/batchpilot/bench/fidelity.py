@@ -6,9 +6,10 @@
 1. Profile: ``--profile`` or a fresh ``batchpilot profile`` run (pinned like the server with ``--cpus``),
    made before any measured traffic. It holds the batch cost model and the serving path outside the
    batcher (``frontend``); the prediction uses that file (with ``--speed-check``, rechecked before
-   each point, step 4) and nothing else. Nothing is fitted on the traffic being measured, and each
-   point is scored on its first replay (``--live-repeats`` replays it again only to show how far the
-   live run agrees with itself).
+   each point, step 4) and nothing else. Nothing is fitted on the traffic being measured. Each point is
+   replayed ``--live-repeats`` times (default 3; the points' replays round-robin: A, B, A, B, ...) and
+   its prediction scored against their median and widened [min, max] (``score_spread``), beside the
+   first replay's table with its targets.
 2. Deployment: the flags (``--config``, ``--latency-sla``, ``--max-concurrency``, ...) go through
    ``core.deployment.resolve_deployment`` for the simulator and, unchanged, to ``batchpilot serve``.
 3. Capacity from the simulator: the highest rate scale of the rows whose predicted P99 meets ``--sla``
@@ -408,6 +409,7 @@ def comparison_rows(load: float, k: float, pred: Any, live: Measurement, speed: 
 # the commands (encoder and LLM) gather the numbers, print and write what these return.
 
 WIDEN = 0.10  # the replays' [min, max] widened by this share each way: ``inside`` is min*0.9 <= p <= max*1.1
+SPREAD_METRICS = METRICS[:4]  # the metrics scored against the replays' spread (all but mean batch size)
 SPREAD_HEAD = ["load", "metric", "predicted", "replays' median", "replays' min .. max", "error vs median",
                "inside"]
 
@@ -488,6 +490,15 @@ def format_matrix(score: dict[str, Any]) -> str:
             f"{score['latency_cells']}")
 
 
+def print_spread(cells: Sequence[SpreadCell]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Print the spread table and the matrix score of ``cells``; both returned for the results JSON."""
+    rows, score = spread_rows(cells), matrix_score(cells)
+    print(f"\nThe prediction against the spread of the live replays (median, min .. max; inside: within "
+          f"min-{WIDEN:.0%} .. max+{WIDEN:.0%}, rejected within 10% or 5 of the median)\n"
+          f"{text_table(SPREAD_HEAD, rows)}\n{format_matrix(score)}", flush=True)
+    return {"head": SPREAD_HEAD, "rows": rows}, score
+
+
 def combine_results(folders: Sequence[Path]) -> dict[str, Any]:
     """``matrix_score`` over the points of several ``bench fidelity`` output folders (their
     ``fidelity.json``)."""
@@ -553,7 +564,7 @@ class FidelityOptions:
     speed_check: bool = False
     batcher_only: bool = False
     warmup_requests: int = 30
-    live_repeats: int = 1
+    live_repeats: int = 3
     draws: int = DEFAULT_DRAWS
     noop_delay_ms: float | None = None
     tokenizer: str | None = None
@@ -667,9 +678,15 @@ def check_fidelity(wl: Workload, opts: FidelityOptions) -> int:
                               "deployment": deployment.describe(), "capacity_scale": cap.capacity,
                               "capacity_rps": cap.rps, "cpus": opts.cpus, "points": []}
     with serve(serve_args, log_path=out / "serve.log", cpus=opts.cpus) as url:
-        for load in opts.loads:
-            result["points"].append(run.point(url, wl, load, load * cap.capacity))
+        points = []
+        for load in opts.loads:  # each point's first replay, its prediction made right before it
+            points.append(run.point(url, wl, load, load * cap.capacity))
             wait_idle(url, 10.0)
+        for j in range(2, opts.live_repeats + 1):  # round-robin: A #2, B #2, A #3, B #3, ...
+            for p in points:
+                run.again(url, p, j)
+                wait_idle(url, 10.0)
+    result["points"] = [run.finish(p) for p in points]
     report = write_results(out, wl, run, result, opts.sla_s)
     print(f"fidelity.json and {report} written to {out}/ in {time.monotonic() - t_start:.0f} s")
     return 0
@@ -687,6 +704,7 @@ class LivePoints:
                                                                              keepalive_s, check)
         self.rows: list[list[Any]] = []
         self.repeats: list[list[Any]] = []
+        self.spread: list[SpreadCell] = []
         self.runs: list[RunData] = []
 
     def predict(self, scaled: Workload, speed: float = 0.0) -> Prediction:
@@ -701,7 +719,8 @@ class LivePoints:
         wait_written()
         return live, run_speed(self.batch_log, offset, self.cost_model, self.frontend, live.sent_monotonic())
 
-    def point(self, url: str, wl: Workload, load: float, k: float) -> dict[str, Any]:
+    def point(self, url: str, wl: Workload, load: float, k: float) -> LivePoint:
+        """The point's prediction and its first replay (the rest: ``again``, then ``finish``)."""
         o = self.opts
         scaled = wl.scale_rate(k)
         alone = self.predict(scaled)
@@ -729,17 +748,41 @@ class LivePoints:
                                  "predicted_mean_batch_size": pred.drawn.median("mean_batch_size"),
                                  "predicted_bands": predicted_bands(pred),
                                  "measured": live.summary.to_dict(), "server": live.server, "repeats": []}
-        for j in range(2, o.live_repeats + 1):  # never predicted: how far the live run agrees with itself
-            wait_idle(url, 10.0)
-            again, rs_again = self.replay(url, scaled, f"{load:.0%} live #{j}")
-            self.repeats += repeat_rows(load, live, again, (rs.speed, rs_again.speed))
-            point["repeats"].append({"measured": again.summary.to_dict(), "server": again.server,
-                                     "run_speed": rs_again.to_dict()})
-            write_csv(again.records, o.out / f"records-{int(load * 100)}-again{j}.csv")
         write_csv(live.records, o.out / f"records-{int(load * 100)}.csv")
         self.runs.append(RunData(f"live {load:.0%}", live.records, live.summary, live.metrics,
                                  {"rate_scale": k}))
-        return point
+        return LivePoint(load, scaled, pred, live, rs.speed, point)
+
+    def again(self, url: str, p: LivePoint, j: int) -> None:
+        """Replay #``j`` of the point's rows: compared with the first (``repeat_rows``) and part of the
+        spread the prediction is scored against (``finish``)."""
+        again, rs_again = self.replay(url, p.scaled, f"{p.load:.0%} live #{j}")
+        self.repeats += repeat_rows(p.load, p.first, again, (p.speed, rs_again.speed))
+        p.replays.append(again)
+        p.point["repeats"].append({"measured": again.summary.to_dict(), "server": again.server,
+                                   "run_speed": rs_again.to_dict()})
+        write_csv(again.records, self.opts.out / f"records-{int(p.load * 100)}-again{j}.csv")
+
+    def finish(self, p: LivePoint) -> dict[str, Any]:
+        """The point scored against the spread of all its replays (``spread_cells``): its result."""
+        cells = spread_cells(p.load, SPREAD_METRICS, _metrics(p.pred)[:len(SPREAD_METRICS)],
+                             [measured_metrics(m)[:len(SPREAD_METRICS)] for m in [p.first, *p.replays]])
+        self.spread += cells
+        p.point["spread"] = [c.to_dict() for c in cells]
+        return p.point
+
+
+@dataclass
+class LivePoint:
+    """One load point between its first replay and its score: the prediction and every replay."""
+
+    load: float
+    scaled: Workload
+    pred: Prediction
+    first: Measurement
+    speed: float  # the first replay's speed against the profile
+    point: dict[str, Any]  # its entry of fidelity.json's points
+    replays: list[Measurement] = field(default_factory=list)  # the replays after the first
 
 
 def describe_speed(rs: RunSpeed) -> str:
@@ -768,6 +811,7 @@ def write_results(out: Path, wl: Workload, run: LivePoints, result: dict[str, An
               f"{sum(r[5] in ('yes', 'no') for r in repeats)} cells within the prediction's targets\n"
               f"{text_table(REPEAT_HEAD, repeats)}", flush=True)
         result["repeat_table"] = {"head": REPEAT_HEAD, "rows": repeats}
+    result["spread_table"], result["matrix"] = print_spread(run.spread)
     (out / "fidelity.json").write_text(json.dumps(result, indent=2, default=str))
     return write_report(out, run.runs, title=f"fidelity: {wl.name}", sla_s=sla_s,
                         sections=[("Fidelity: predicted vs measured", html_table(HEAD, rows))])

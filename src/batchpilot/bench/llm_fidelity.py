@@ -13,9 +13,11 @@
 3. Capacity from the simulator (``sim.llm.simulate_llm``): the highest rate scale of the ``--requests``
    rows whose simulated TTFT P99 meets ``--sla``.
 4. At each ``--loads`` fraction of it (default 50% and 80%), the simulator and the live server replay the
-   same rows once (streamed ``/v1/completions``, token-id prompts of the trace's length, ``max_tokens``
-   from the trace, ``ignore_eos``). The table holds TTFT P50/P99, TPOT P50/P99, output tokens/s and the
-   rejected count, predicted against measured, with their targets.
+   same rows (streamed ``/v1/completions``, token-id prompts of the trace's length, ``max_tokens``
+   from the trace, ``ignore_eos``), the server ``--live-repeats`` times, round-robin over the points.
+   The table holds TTFT P50/P99, TPOT P50/P99, output tokens/s and the rejected count, predicted against
+   the first replay, with their targets; a second scores the prediction against all the replays'
+   median and widened [min, max] (``fidelity.score_spread``), with the bias and the share inside.
 5. With ``--speed-check``, before each point a speed check (``batchpilot profile --recheck``, pinned
    like the server): the step profile's own steps of under 50 ms timed again and the profile rescaled
    to the machine's speed now (``profile/speed_check.py``); the point is predicted from it, the
@@ -35,14 +37,23 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from batchpilot.bench.capacity import CapacityConfig, probe_workload, search_capacity, wait_idle
-from batchpilot.bench.fidelity import FidelityOptions, run_llm_profile, run_recheck, text_table, within_target
+from batchpilot.bench.fidelity import (
+    FidelityOptions,
+    SpreadCell,
+    print_spread,
+    run_llm_profile,
+    run_recheck,
+    spread_cells,
+    text_table,
+    within_target,
+)
 from batchpilot.bench.fidelity import relative_error as _err
 from batchpilot.bench.loadgen import LoadGenConfig, build_plan, replay
 from batchpilot.bench.records import Summary, format_summary, summarize, write_csv
@@ -217,6 +228,15 @@ def _values(s: Summary) -> list[float]:
             s.tpot.get("p99", math.nan), s.output_tokens_per_s]
 
 
+SPREAD_METRICS = (*METRICS, "rejected")  # scored against the replays' spread (``fidelity.score_spread``)
+
+
+def spread_values(s: Summary, rejected: int) -> list[float]:
+    """A run's value of each of ``SPREAD_METRICS``, the latencies in ms as the tables show them."""
+    return [v * (1.0 if m == "output tok/s" else 1e3) for m, v in zip(METRICS, _values(s), strict=True)] + [
+        float(rejected)]
+
+
 def comparison_rows(load: float, k: float, pred: Summary, rejected_pred: int, meas: Summary,
                     speed: float, checked: float = math.nan,
                     alone: tuple[Summary, int] | None = None) -> list[list[Any]]:
@@ -364,8 +384,11 @@ def check_llm_fidelity(wl: Workload, start: int, opts: FidelityOptions) -> int:
         first = wl.slice(0, min(2, len(wl)))  # the server's first steps allocate: not measured
         replay(build_plan(first, "completions", warmup_requests=len(first)), run.quiet)
         wait_idle(url, 30.0)
-        for load in opts.loads:
-            result["points"].append(run.point(wl, load, load * cap.rate_scale))
+        points = [run.point(wl, load, load * cap.rate_scale) for load in opts.loads]  # each's first replay
+        for j in range(2, opts.live_repeats + 1):  # round-robin: A #2, B #2, A #3, B #3, ...
+            for p in points:
+                run.again(p, j)
+    result["points"] = [run.finish(p) for p in points]
     report = write_llm_results(out, run, result)
     print(f"fidelity.json and {report} written to {out}/ in {time.monotonic() - t0:.0f} s")
     return 0
@@ -385,6 +408,7 @@ class LLMPoints:
         self.live = LoadGenConfig(url, "completions", progress=opts.progress, keepalive_s=keepalive_s)
         self.rows: list[list[Any]] = []
         self.repeats: list[list[Any]] = []
+        self.spread: list[SpreadCell] = []
         self.runs: list[RunData] = []
 
     def predict(self, rows_wl: Workload, load: float) -> tuple[Predicted, Predicted, float]:
@@ -401,7 +425,8 @@ class LLMPoints:
                         LLMFrontEnd.from_profile(o.out / now))
         return alone, pred, checked
 
-    def point(self, wl: Workload, load: float, k: float) -> dict[str, Any]:
+    def point(self, wl: Workload, load: float, k: float) -> LLMPoint:
+        """The point's prediction and its first replay (the rest: ``again``, then ``finish``)."""
         o = self.opts
         rows_wl = probe_workload(wl, k, o.max_live_s) if o.max_live_s else wl.scale_rate(k)
         alone, (pred, rep), checked = self.predict(rows_wl, load)
@@ -420,22 +445,49 @@ class LLMPoints:
               f"sequences per step: {format_by_seqs(by_seqs)}", flush=True)
         self.rows += comparison_rows(load, k, pred, rep.num_rejected, meas, speed, checked,
                                      (alone[0], alone[1].num_rejected) if self.check else None)
-        again: list[dict[str, Any]] = []
-        for j in range(2, o.live_repeats + 1):  # never predicted: the live run's floor
-            res2, steps2 = _replay(plan, self.live, self.step_log, f"{load:.0%} live #{j}")
-            meas2, speed2 = summarize(res2.records, o.sla_s), speed_vs_profile(self.cost_model, steps2,
-                                                                               self.frontend)
-            self.repeats += repeat_rows(load, meas, meas2, (speed, speed2))
-            again.append({"measured": meas2.to_dict(), "speed_vs_profile": speed2, "steps": len(steps2)})
-            write_csv(res2.records, o.out / f"records-llm-{int(round(load * 100))}-again{j}.csv")
         write_csv(res.records, o.out / f"records-llm-{int(round(load * 100))}.csv")
         self.runs.append(RunData(f"llm live {load:.0%}", res.records, meas, res.metrics, {"rate_scale": k}))
-        return {"load": load, "rate_scale": k, "rows": len(rows_wl), "speed_vs_profile": speed,
-                "speed_checked_before": checked, "predicted_profile_alone": alone[0].to_dict(),
-                "steps": len(steps), "speed_by_seqs": by_seqs, "predicted": pred.to_dict(),
-                "predicted_rejected": rep.num_rejected, "measured": meas.to_dict(),
-                "measured_rejected": meas.num_requests - meas.num_ok, "repeats": again,
-                "load_average_1m": os.getloadavg()[0]}
+        point = {"load": load, "rate_scale": k, "rows": len(rows_wl), "speed_vs_profile": speed,
+                 "speed_checked_before": checked, "predicted_profile_alone": alone[0].to_dict(),
+                 "steps": len(steps), "speed_by_seqs": by_seqs, "predicted": pred.to_dict(),
+                 "predicted_rejected": rep.num_rejected, "measured": meas.to_dict(),
+                 "measured_rejected": meas.num_requests - meas.num_ok, "repeats": [],
+                 "load_average_1m": os.getloadavg()[0]}
+        return LLMPoint(load, plan, spread_values(pred, rep.num_rejected), meas, speed, point)
+
+    def again(self, p: LLMPoint, j: int) -> None:
+        """Replay #``j`` of the point's rows: compared with the first (``repeat_rows``) and part of the
+        spread the prediction is scored against (``finish``)."""
+        o = self.opts
+        res2, steps2 = _replay(p.plan, self.live, self.step_log, f"{p.load:.0%} live #{j}")
+        meas2 = summarize(res2.records, o.sla_s)
+        speed2 = speed_vs_profile(self.cost_model, steps2, self.frontend)
+        self.repeats += repeat_rows(p.load, p.first, meas2, (p.speed, speed2))
+        p.replays.append(meas2)
+        p.point["repeats"].append({"measured": meas2.to_dict(), "speed_vs_profile": speed2,
+                                   "steps": len(steps2)})
+        write_csv(res2.records, o.out / f"records-llm-{int(round(p.load * 100))}-again{j}.csv")
+
+    def finish(self, p: LLMPoint) -> dict[str, Any]:
+        """The point scored against the spread of all its replays (``fidelity.spread_cells``): its result."""
+        cells = spread_cells(p.load, SPREAD_METRICS, p.predicted,
+                             [spread_values(m, m.num_requests - m.num_ok) for m in [p.first, *p.replays]])
+        self.spread += cells
+        p.point["spread"] = [c.to_dict() for c in cells]
+        return p.point
+
+
+@dataclass
+class LLMPoint:
+    """One load point between its first replay and its score: the prediction and every replay."""
+
+    load: float
+    plan: Any  # the point's replayed requests (``loadgen.build_plan``)
+    predicted: list[float]  # ``spread_values`` of the prediction
+    first: Summary
+    speed: float  # the first replay's steps against the profile
+    point: dict[str, Any]  # its entry of fidelity.json's points
+    replays: list[Summary] = field(default_factory=list)  # the replays after the first
 
 
 def write_llm_results(out: Path, run: LLMPoints, result: dict[str, Any]) -> Path:
@@ -452,6 +504,7 @@ def write_llm_results(out: Path, run: LLMPoints, result: dict[str, Any]) -> Path
               f"{len(repeats)} cells within the prediction's targets\n{text_table(REPEAT_HEAD, repeats)}",
               flush=True)
         result["repeat_table"] = {"head": REPEAT_HEAD, "rows": repeats}
+    result["spread_table"], result["matrix"] = print_spread(run.spread)
     (out / "fidelity.json").write_text(json.dumps(result, indent=2, default=str))
     return write_report(out, run.runs, title="fidelity: conv-llm", sla_s=None,
                         sections=[("LLM fidelity: predicted vs measured", html_table(HEAD, rows))])
