@@ -150,6 +150,18 @@ def refused(refusal: LLMRefusal) -> RequestRejected | EngineBusy:
     return EngineBusy(refusal.message, refusal.retry_after_s or 1.0)
 
 
+def ask_room(admission: LLMAdmission, lock: threading.Lock, alive: bool, n: int) -> None:
+    """The room check the engine and the static fallback both make: ``EngineStopped`` unless ``alive``,
+    else the core's answer to ``n`` more sequences (``LLMAdmission.ask``, under the engine's lock), a
+    refusal raised as the engine's error."""
+    if not alive:
+        raise EngineStopped
+    with lock:
+        refusal = admission.ask(n)
+    if refusal is not None:
+        raise refused(refusal)
+
+
 # -- What the engine hands out ---------------------------------------------------------------------
 # Streamed outputs, token and step events for observers, and its stats.
 
@@ -662,12 +674,7 @@ class LLMEngine:
         """Raise ``EngineStopped`` or ``EngineBusy`` if ``n`` more sequences would be refused now: the
         cheap check a server makes before it spends time tokenising them (counted as a refusal:
         ``LLMAdmission.ask``)."""
-        if not self.is_alive:
-            raise EngineStopped
-        with self._lock:
-            refusal = self.admission.ask(n)
-        if refusal is not None:
-            raise refused(refusal)
+        ask_room(self.admission, self._lock, self.is_alive, n)
 
     def submit(self, prompts: list[list[int]], params: SamplingParams | None = None, priority: int = 0,
                deadline: float | None = None) -> list[LLMRequest]:

@@ -51,7 +51,7 @@ from batchpilot.runtime.llm.engine import (
     RequestTimedOut,
     StepRecord,
     admit_requests,
-    refused,
+    ask_room,
 )
 
 log = logging.getLogger("batchpilot.llm")
@@ -125,12 +125,7 @@ class StaticFallback:
 
     def check_room(self, n: int = 1) -> None:
         """As ``LLMEngine.check_room``: ``EngineStopped`` or ``EngineBusy`` (counted as a refusal)."""
-        if not self.is_alive:
-            raise EngineStopped
-        with self._lock:
-            refusal = self.admission.ask(n)
-        if refusal is not None:
-            raise refused(refusal)
+        ask_room(self.admission, self._lock, self.is_alive, n)
 
     def stats(self) -> EngineStats:
         """A snapshot as ``LLMEngine.stats`` gives one, taken by its thread after each decoding step and
