@@ -85,7 +85,7 @@ def register(subparsers: Any) -> None:
                    help="serving path: input lengths from 4 tokens to the model's limit, each sent twice")
     p.add_argument("--loaded-requests", type=int, default=None,
                    help="serving path: open-loop requests that measure a batch's time under serving load "
-                        "(default: serving_load.LOADED_REQUESTS, 1080; 0 = not measured)")
+                        "(default: profile.serving.LOADED_REQUESTS, 1080; 0 = not measured)")
     p.add_argument("--recheck", default=None, metavar="PROFILE",
                    help="instead of profiling: time PROFILE's smaller grid batches again (seconds, --repeats "
                         "calls each) and write it to --output at this machine's speed now "
