@@ -3,8 +3,8 @@
 * M/D/1 (batch size 1, Poisson, deterministic service): the simulated waits equal the Lindley
   recursion exactly, and their mean matches Pollaczek-Khinchine Wq = lam D^2 / (2 (1 - rho)) within 2%.
   (200k requests at rho = 0.5: over 20 seeds the relative error has sd ~1.0% and is at worst 1.7%,
-  see benchmarks/sim_theory.py; the seed is fixed, and the exact Lindley equality is what catches a
-  wrong loop.)
+  so the 2% bound leaves room for the one seed the test fixes; the exact Lindley equality is what
+  catches a wrong loop.)
 * Bulk service with a Triton window (up to B per batch, service c0 + c1 b): equal, request by request,
   to a 15-line reference that knows nothing of events or schedulers.
 * Engine mechanics with a toy target: tie order, slots, wake-ups, stalls, determinism.
