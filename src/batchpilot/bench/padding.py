@@ -17,7 +17,6 @@ clock is this process's CPU time with one intra-op thread (``--clock process --t
 shared with other jobs, wall time measures the neighbours (and OpenMP barriers waiting for a
 descheduled thread), CPU time measures the work. On a quiet machine use ``--clock wall --threads 2``.
 Prints the table; writes ``padding.json`` and ``padding.png`` into ``--out``.
-(Per-call fixed cost and the CPU attention choice: benchmarks/fixed_cost.py.)
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ from batchpilot.models.tokens import TextTokenizer
 # op, on a virtual machine an idle vCPU can be slow to wake, and the two-thread time of a small batch
 # moves with what else runs on the other core (the front end, the load generator). Whether a second
 # thread pays on a lone short input, and from what batch size on, differs between machines (even VMs
-# sold as the same CPU): it is measured, never assumed (``benchmarks/threads.py`` prints this machine's).
+# sold as the same CPU): it is measured, never assumed.
 #
 # The plan: probe shapes from a lone short input to a large batch, each timed at every candidate count
 # (1, then doubling, up to ``cores``; the counts interleaved, median of ``repeats`` after a warm-up). A

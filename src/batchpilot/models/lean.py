@@ -81,7 +81,7 @@ def padded_rows(t: int) -> int:
 # not a multiple of its tile far slower than the next multiple: in bfloat16 on an AMX Xeon, 8 x 127
 # tokens took 2.3x the time of 8 x 128. Padding the attention width to a multiple of 16 with a key
 # mask took the attention over lengths 5-509 to 0.81x of the exact widths in bfloat16 and 0.94x in
-# float32 (benchmarks/attention_width.py), and makes its cost grow smoothly with the length, which
+# float32, and makes its cost grow smoothly with the length, which
 # the cost model's features can price.
 CPU_ATTENTION_MULTIPLE = 16
 

@@ -211,7 +211,7 @@ def grid_lengths(n: int, length: int, limit: int, rng: random.Random) -> list[in
     lengths (every input of exactly ``L``, or lengths spread evenly so that a batch holds ``n * L``
     tokens) runs only the shapes the CPU kernels are fastest at, whole tiles of attention and power-of-two
     row counts, and priced live-like batches 7-11% low where random lengths priced them within 2%
-    (``benchmarks/grid_mix.py``, docs/profiler.md). Live batches almost never repeat a length either, and
+    (docs/profiler.md). Live batches almost never repeat a length either, and
     the padding-free forward attends each attention width apart (``models/ragged.py``). A padded point's
     features count its width, ``max(lengths)``."""
     lo, hi = length * (1.0 - MIX_SPREAD), length * (1.0 + MIX_SPREAD)

@@ -19,8 +19,8 @@ Attention strategies (``attention=``):
                 dispatches to the flash / memory-efficient varlen kernels.
 * ``flash``     ``flash_attn.flash_attn_varlen_func`` (CUDA, fp16/bf16, only if flash-attn is installed).
 * ``auto``      CUDA: ``flash`` for half precision when available, else ``nested``; CPU: ``group``
-                with ``group_slack=0``, the fastest we measured here (benchmarks/fixed_cost.py, section
-                attention; docs/padding.md): ~0.9x of ``loop``, ~0.1x of ``nested`` (which has no fused
+                with ``group_slack=0``, the fastest we measured here (docs/padding.md): ~0.9x of
+                ``loop``, ~0.1x of ``nested`` (which has no fused
                 CPU kernel and falls back to per-sequence math attention), ~0.15x of padding the batch.
 """
 

@@ -4,7 +4,7 @@ The engine thread logs every step (``StepLog``, ``serve --llm-step-log``) and th
 (``BatchLog``, ``serve --batch-log``). A write on the thread that runs the model is a system call that
 releases the GIL: on shared cores another thread (the event loop, with a step's tokens to stream) takes
 it there and the next step waits until that thread lets go. On two shared cores a line written per
-step made each step 0.3-0.7 ms longer, the more sequences the longer (``benchmarks/step_log_cost.py``):
+step made each step 0.3-0.7 ms longer, the more sequences the longer:
 the log slowed the server it was there to observe.
 
 So ``append`` only queues the item (a ``deque`` append: no lock, no system call, nothing formatted). A

@@ -52,8 +52,8 @@ from batchpilot.models.llm.weights import LlamaWeights
 # Every token of a step goes through the dense layers as one ``[T, D]`` matrix (``model_runner``). A
 # matrix multiply's time is not monotone in its row count: the BLAS kernels work in tiles of rows,
 # and on an AMD EPYC in float32 a decode step of the tiny Llama took 13.87 ms with 3 sequences and
-# 11.87 ms with 4, 16.07 ms with 7 and 15.33 ms with 8 (context 256, exact rows:
-# ``benchmarks/llm_step_layout.py``). No step model linear in the sequences prices both 3 and 4.
+# 11.87 ms with 4, 16.07 ms with 7 and 15.33 ms with 8 (context 256, exact rows).
+# No step model linear in the sequences prices both 3 and 4.
 #
 # ``RowPlan.measure`` times the matmuls every token row pays (qkv, o, gate_up, down of every layer: all
 # of them, so the weights stream from memory as in a step, where one layer's alone would stay in the

@@ -36,7 +36,7 @@ log = logging.getLogger("batchpilot.llm")
 
 # -- The memory plan at start-up ----------------------------------------------------------------------
 # Which ``MemoryProfile`` feeds the deployment's KV plan
-# (``core.llm.config.resolve_llm_deployment``, which runs ``core.llm.config.plan_kv`` on it).
+# (``core.deployment.resolve_llm_deployment``, which runs ``core.llm.config.plan_kv`` on it).
 #
 # * a profile file from ``batchpilot profile --llm`` (its ``"memory"`` section): measured before the
 #   run, checked to be of this model and precision (same KV bytes per token);
@@ -93,7 +93,7 @@ def engine_memory(weights: Any, config: LLMSchedulerConfig, device: str, dtype: 
 def plan_engine_memory(weights: Any, spec: DeploymentSpec, model: LLMModelLimits, device: str, dtype: Any,
                        free_bytes: float | None, profile: MemoryProfile | str | Path | None = None,
                        overhead_bytes: float = 0.0) -> tuple[LLMDeployment, MemoryProfile]:
-    """The engine's deployment (``core.llm.config.resolve_llm_deployment`` on this memory), logged;
+    """The engine's deployment (``core.deployment.resolve_llm_deployment`` on this memory), logged;
     raises ``core.llm.config.KVPlanError`` with what to change."""
     mem = engine_memory(weights, spec.llm, device, dtype, profile, overhead_bytes)
     dep = resolve_llm_deployment(spec, model, mem, free_bytes, swap_on_device=str(device).startswith("cpu"))
@@ -234,7 +234,7 @@ def build_llm_engine(model_path: str | None = None, spec: DeploymentSpec | None 
     and ready for ``generate``.
 
     ``spec``: the deployment whose ``llm:`` section (and server-wide settings) the engine runs, as
-    ``serve --llm`` resolves it (``core.llm.config.resolve_llm_deployment``: request timeout,
+    ``serve --llm`` resolves it (``core.deployment.resolve_llm_deployment``: request timeout,
     admission bound, the model's length and EOS, the KV plan). ``options``: how and where it is built
     (``BuildOptions``). ``keys``: the same, typed (``BuildKeys``), for short call sites such as tests:
     ``BuildOptions`` fields replace ``options``', ``LLMModelConfig`` fields shape the random default
