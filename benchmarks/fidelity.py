@@ -1,21 +1,20 @@
-"""Simulator vs live server over a matrix: three workloads, unpinned and pinned, each run profiled first.
+"""Simulator vs live server over the encoder matrix: three workloads, each at 50% and 80% of the
+predicted capacity, each point replayed three times, scored against the replays' spread.
 
     .venv/bin/python benchmarks/fidelity.py [--requests 1000] [--workloads conv-embed mmpp bimodal]
-                                            [--pinnings none 1] [--profile-once] [--out bench-out/fidelity]
+                                            [--pinnings none] [--out bench-out/fidelity]
+    .venv/bin/python benchmarks/fidelity.py --rescore [--out bench-out/fidelity]   # no server: ablation
 
-For each pinning (``none``: server and load generator share both cores, torch on every core; ``1``:
-the server and the profiler on core 1, the load generator on core 0) and each workload, ``batchpilot
-profile`` runs first (``<workload>-<cpus>/profile.json``), then ``batchpilot bench fidelity`` runs
-that workload with that profile at 50% and 80% of the predicted capacity (its own table: P50, P99,
-throughput, rejected, mean batch size, with the machine's speed against the profile beside each
-point). The prediction uses the profile file only; a profile made right before its run is the
-freshest look at the machine's speed a prediction can have (on a shared VM that speed moves by
-several percent within minutes). ``--profile-once``: one profile per pinning, first, for all its
-workloads (``profile-<cpus>.json``).
-This script prints every table and one summary of cells within target. Pass ``-- --live-repeats 2``
-to replay each point a second time on the same server and see how far the live run agrees with itself,
-``-- --speed-check`` to predict each point from a recheck of the profile made right before it (the
-profile-alone errors beside, ``fidelity_summary.py`` counts both).
+For each pinning (``none``: server and load generator share both cores; ``1``: the server and the
+profiler on core 1, the load generator on core 0) one ``batchpilot profile`` runs first
+(``profile-<cpus>.json``), before any measured traffic; then ``batchpilot bench fidelity`` runs each
+workload with that profile (``--live-repeats 3`` by default). The script prints each run's tables and
+the matrix score over all its points: the bias (mean signed error against the replays' median) of P50,
+P99 and throughput, and the latency cells inside the replays' range widened by 10%.
+
+``--rescore`` runs no server: it predicts every point of the folders again (``bench fidelity --rescore
+--ablate``) with each term of the service model removed in turn, and prints the matrix score per
+variant — the ablation table of docs/simulator.md.
 
 Workloads: ``conv-embed`` (the standard trace slice), ``mmpp`` (bursty on/off arrivals, lognormal
 lengths) and ``bimodal`` (Poisson arrivals, 80% short and 20% long inputs).
@@ -29,6 +28,17 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from batchpilot.bench.fidelity import (  # noqa: E402
+    SPREAD_METRICS,
+    ablation_table,
+    combine_results,
+    format_matrix,
+    text_table,
+)
 
 WORKLOADS = {
     "conv-embed": ["--workload", "conv-embed"],
@@ -52,46 +62,47 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=1000, help="rows per load point")
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
-    ap.add_argument("--pinnings", nargs="+", default=["none", "1"], help="'none' or taskset cores")
+    ap.add_argument("--pinnings", nargs="+", default=["none"], help="'none' or taskset cores")
     ap.add_argument("--out", default="bench-out/fidelity")
-    ap.add_argument("--profile-once", action="store_true",
-                    help="one profile per pinning for all its workloads, instead of one made right before "
-                         "each workload's run")
+    ap.add_argument("--rescore", action="store_true",
+                    help="no server: predict the folders' points again with each service-model term removed")
     ap.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more `bench fidelity` options")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cli = [sys.executable, "-m", "batchpilot.cli"]
     extra = [a for a in args.extra if a != "--"]
-    summary = []
     for pin in args.pinnings:
         cpus = [] if pin == "none" else ["--cpus", pin]
         taskset = [] if pin == "none" else ["taskset", "-c", pin]
-        shared = make_profile([*taskset, *cli], out / f"profile-{pin}.json", pin) if args.profile_once \
-            else None
+        profile = out / f"profile-{pin}.json"
+        if not args.rescore:
+            make_profile([*taskset, *cli], profile, pin)
+        folders = []
         for name in args.workloads:
             run_out = out / f"{name}-{pin}"
-            profile = shared or make_profile([*taskset, *cli], run_out / "profile.json", f"{name}, {pin}")
-            cmd = [*cli, "bench", "fidelity", *WORKLOADS[name], "--requests", str(args.requests),
-                   "--profile", str(profile), *cpus, "--no-progress", "--out", str(run_out), *extra]
+            what = ["--rescore", str(run_out), "--ablate"] if args.rescore else \
+                ["--profile", str(profile), *cpus, "--no-progress", "--out", str(run_out)]
+            cmd = [*cli, "bench", "fidelity", *WORKLOADS[name], "--requests", str(args.requests), *what,
+                   *extra]
             print(f"\n$ {' '.join(cmd)}", flush=True)
-            rc = subprocess.run(cmd).returncode
-            if rc != 0:
-                summary.append((name, pin, "failed", "", "", ""))
-                continue
-            res = json.loads((run_out / "fidelity.json").read_text())
-            rows = res["table"]["rows"]
-            scored = [r for r in rows if r[7] in ("yes", "no")]
-            speeds = [f"{p['speed_vs_profile']:+.1%}" for p in res["points"]]
-            repeat = res.get("repeat_table", {}).get("rows", [])
-            again = [f"{r[4]}" for r in repeat if r[1] in ("P50 ms", "P99 ms")]
-            summary.append((name, pin, f"{sum(r[7] == 'yes' for r in scored)}/{len(scored)}",
-                            f"{res['capacity_rps']:.2f}", ", ".join(speeds), " ".join(again) or "-"))
-    print("\nworkload     cpus  cells within target  predicted capacity req/s  speed vs profile (per load)"
-          "  live again: P50 P99 (per load)")
-    for name, pin, cells, cap, speed, again_cell in summary:
-        print(f"{name:<12} {pin:<5} {cells:>19}  {cap:>24}  {speed:<27}  {again_cell}")
+            if subprocess.run(cmd).returncode == 0:
+                folders.append(run_out)
+        print(f"\nThe matrix, pinning {pin}: {', '.join(f.name for f in folders)}")
+        if args.rescore:
+            print(text_table(*ablation_table(combined_variants(folders), SPREAD_METRICS[:3])))
+        else:
+            print(format_matrix(combine_results(folders)))
     return 0
+
+
+def combined_variants(folders: list[Path]) -> dict[str, list[dict[str, Any]]]:
+    """Every folder's rescore.json, the cells of each service-model variant put together."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for f in folders:
+        for name, cells in json.loads((f / "rescore.json").read_text())["variants"].items():
+            out.setdefault(name, []).extend(cells)
+    return out
 
 
 if __name__ == "__main__":

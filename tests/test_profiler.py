@@ -6,6 +6,7 @@ however slow the cores are.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -29,7 +30,7 @@ from batchpilot.models.profiler import (
     profile_encoder,
     profile_grid,
 )
-from batchpilot.sim.service import BUSY_EDGES, FACTOR_FIELDS, IDLE_EDGES_S, FrontEnd
+from batchpilot.sim.service import ServiceModel
 
 
 @pytest.fixture(scope="module")
@@ -124,17 +125,14 @@ def test_cli_writes_a_profile_the_server_can_load(tmp_path: Path, capsys: pytest
                    "--loaded-requests", "30"])
     assert rc == 0
     doc = json.loads(out.read_text())
-    assert set(doc) == {"cost_model", "points", "holdout", "meta", "frontend", "serving_path"}
+    assert set(doc) == {"cost_model", "points", "holdout", "meta", "service", "serving_path"}
     assert len(doc["points"]) == 6 and len(doc["holdout"]) == 2
-    frontend = FrontEnd.from_profile(out)  # the serving path, measured on the real app in-process
-    assert frontend is not None and frontend.serial_busy_factor >= 1.0
-    assert all(math.isfinite(v) and v >= 0 for k, v in frontend.to_dict().items()
-               if k not in FACTOR_FIELDS)
-    assert all(r > -1 for r in frontend.loaded_residuals)
-    assert len(frontend.loaded_idle_factors) == len(IDLE_EDGES_S) + 1  # one per idle bin, all > 0
-    assert all(f > 0 for f in frontend.loaded_idle_factors)
-    assert len(frontend.loaded_busy_factors) == len(BUSY_EDGES) + 1  # one per busy-share bin, all > 0
-    assert all(f > 0 for f in frontend.loaded_busy_factors)
+    service = ServiceModel.from_profile(out)  # the serving path, measured on the real app in-process
+    assert service is not None and service.request.delay_const_s > 0
+    assert all(math.isfinite(v) and v >= 0 for v in dataclasses.asdict(service.request).values())
+    assert all(r > -1 for r in service.noise.residuals)
+    batch = service.batch
+    assert batch.alpha > 0 and batch.token_factors and all(f > 0 for _, f in batch.token_factors)
     assert doc["serving_path"]["requests"] == 2 * 3 and doc["serving_path"]["padding"] == "dynamic"
     prepare = doc["cost_model"]["meta"]["prepare_s"]  # the median collation time of the grid's batches
     assert prepare == pytest.approx(statistics.median(p["prepare_s"] for p in doc["points"]))

@@ -85,8 +85,7 @@ def test_simulate_runs_the_servers_deployment_and_the_profiles_serving_path(tmp_
     assert int(capped["num_rejected"]) > 0  # type: ignore[call-overload]
     with_fe = tmp_path / "profile_fe.json"
     with_fe.write_text(json.dumps({"cost_model": CostModel.default_cpu_minilm().to_dict(), "points": [],
-                                   "frontend": {"serial_const_s": 0.0, "serial_per_token_s": 0.0,
-                                                "delay_const_s": 0.25, "delay_per_token_s": 0.0}}))
+                                   "service": {"request": {"delay_const_s": 0.25}}}))
     slow = run("--profile", str(with_fe))
     lat, lat_fe = plain["latency"], slow["latency"]
     assert lat_fe["p50"] == pytest.approx(lat["p50"] + 0.25)  # type: ignore[index]

@@ -15,7 +15,7 @@ from batchpilot.core.config import SchedulerConfig
 from batchpilot.core.costmodel import CostModel
 from batchpilot.sim.draws import draw_reports, encoder_draws
 from batchpilot.sim.metrics import summarize
-from batchpilot.sim.service import FrontEnd
+from batchpilot.sim.service import Noise, ServiceModel
 from batchpilot.sim.target import draws_batch_times, simulate_encoder
 from batchpilot.sim.traces import Workload
 
@@ -26,20 +26,20 @@ def _bursty(n: int = 400) -> Workload:
     return Workload.from_columns("bursty", np.cumsum(gaps).tolist(), rng.integers(8, 300, n).tolist())
 
 
-def _noisy_frontend() -> FrontEnd:
-    return FrontEnd(loaded_residuals=(-0.3, -0.1, 0.0, 0.1, 0.5, 1.5))
+def _noisy_service() -> ServiceModel:
+    return ServiceModel(noise=Noise(residuals=(-0.3, -0.1, 0.0, 0.1, 0.5, 1.5)))
 
 
 def test_draws_differ_only_by_the_noise_and_are_reproducible() -> None:
     wl, cm = _bursty(), CostModel.default_cpu_minilm()
-    fe = _noisy_frontend()
-    drawn = encoder_draws(wl, SchedulerConfig(), cm, 8, seed=5, frontend=fe)
+    fe = _noisy_service()
+    drawn = encoder_draws(wl, SchedulerConfig(), cm, 8, seed=5, service=fe)
     p99 = drawn.values("p99")
     assert len(drawn.reports) == 8 and np.unique(p99).size > 1  # the noise moves the tail
-    again = encoder_draws(wl, SchedulerConfig(), cm, 8, seed=5, frontend=fe)
+    again = encoder_draws(wl, SchedulerConfig(), cm, 8, seed=5, service=fe)
     assert np.array_equal(p99, again.values("p99"))  # seeded: the same draws again
     # draw i is exactly the simulation with seed 5 + i
-    third = summarize(simulate_encoder(wl, SchedulerConfig(), cm, seed=7, frontend=fe))
+    third = summarize(simulate_encoder(wl, SchedulerConfig(), cm, seed=7, service=fe))
     assert drawn.reports[2].latency["p99"] == third.latency["p99"]
     lo, hi = drawn.band("p99")
     assert p99.min() <= lo <= drawn.median("p99") <= hi <= p99.max()
@@ -51,25 +51,26 @@ def test_draws_differ_only_by_the_noise_and_are_reproducible() -> None:
 def test_draws_differ_exactly_when_the_target_draws_batch_times() -> None:
     wl, cm = _bursty(100), CostModel.default_cpu_minilm()
     bare = CostModel(latency_coef=cm.latency_coef)  # no residuals of its own
-    assert draws_batch_times(False, _noisy_frontend(), bare) and draws_batch_times(True, None, cm)
-    assert not draws_batch_times(False, FrontEnd(), cm) and not draws_batch_times(True, None, bare)
-    for noise, fe, model in ((False, FrontEnd(), cm), (True, None, bare), (True, None, cm)):
-        drawn = encoder_draws(wl, SchedulerConfig(), model, 4, frontend=fe, noise=noise)
+    assert draws_batch_times(False, _noisy_service(), bare) and draws_batch_times(True, None, cm)
+    assert not draws_batch_times(False, ServiceModel(), cm) and not draws_batch_times(True, None, bare)
+    for noise, fe, model in ((False, ServiceModel(), cm), (True, None, bare), (True, None, cm)):
+        drawn = encoder_draws(wl, SchedulerConfig(), model, 4, service=fe, noise=noise)
         assert (np.unique(drawn.values("p99")).size > 1) == draws_batch_times(noise, fe, model)
 
 
 def test_the_fidelity_prediction_is_the_median_of_the_draws_with_their_band() -> None:
     from batchpilot.bench.fidelity import METRICS, predicted_bands, simulate
 
-    wl, cm, fe = _bursty(), CostModel.default_cpu_minilm(), _noisy_frontend()
+    wl, cm, fe = _bursty(), CostModel.default_cpu_minilm(), _noisy_service()
     pred = simulate(wl, SchedulerConfig(), cm, 1.0, fe, draws=6)
-    drawn = encoder_draws(wl, SchedulerConfig(), cm, 6, frontend=fe)
+    drawn = encoder_draws(wl, SchedulerConfig(), cm, 6, service=fe)
     assert len(pred.drawn.reports) == 6
     assert pred.summary.p99 == drawn.median("p99") and pred.summary.p50 == drawn.median("p50")
     bands = predicted_bands(pred)
     assert set(bands) == set(METRICS)
     assert bands["P99 ms"] == [x * 1e3 for x in drawn.band("p99")] and bands["P99 ms"][0] < bands["P99 ms"][1]
-    assert len(simulate(wl, SchedulerConfig(), cm, 1.0, FrontEnd(), draws=6).drawn.reports) == 1  # no noise
+    quiet = simulate(wl, SchedulerConfig(), cm, 1.0, ServiceModel(), draws=6)
+    assert len(quiet.drawn.reports) == 1  # no noise: one draw
 
 
 @settings(max_examples=60, deadline=None)

@@ -28,7 +28,7 @@ from batchpilot.core.costmodel import CostModel
 from batchpilot.sim.fleet import simulate_fleet
 from batchpilot.sim.metrics import summarize
 from batchpilot.sim.router import ROUTERS, LeastLoaded, PowerOfTwo, RoundRobin, make_router
-from batchpilot.sim.service import FrontEnd
+from batchpilot.sim.service import BatchCost, Noise, RequestCost, ServiceModel
 from batchpilot.sim.synthetic import synthetic_workload
 from batchpilot.sim.target import DONE, PENDING, simulate_encoder
 from batchpilot.sim.traces import conv_embed
@@ -36,9 +36,10 @@ from core_factories import lindley_waits
 
 FIELDS = ("dispatch_s", "finish_s", "status", "reasons", "b_start", "b_duration", "b_size", "b_padded_len",
           "b_tokens", "b_useful", "b_attn")
-FRONTEND = FrontEnd(serial_const_s=0.001, serial_per_token_s=1e-5, delay_const_s=0.002,
-                    delay_per_token_s=1e-6, batch_overhead_s=0.0005, loaded_alpha=1.1, loaded_rate_coef=0.001,
-                    serial_busy_factor=1.2)
+SERVICE = ServiceModel(RequestCost(delay_const_s=0.002, delay_per_token_s=1e-6),
+                       BatchCost(overhead_s=0.0005, alpha=1.1, const_s=0.0002,
+                                 token_factors=((0, 1.1), (64, 0.95))),
+                       Noise(residuals=(-0.1, 0.0, 0.2)))
 
 
 def linear_cost(c0: float) -> CostModel:
@@ -51,19 +52,19 @@ def one_at_a_time() -> SchedulerConfig:
                            planner=PlannerConfig(grouping="fifo", padding="dynamic"))
 
 
-@pytest.mark.parametrize("slots,pipeline,frontend,request_sla", [
-    (1, "off", None, None), (2, "on", None, None), (1, "on", FRONTEND, None), (2, "on", FRONTEND, 0.4),
+@pytest.mark.parametrize("slots,pipeline,service,request_sla", [
+    (1, "off", None, None), (2, "on", None, None), (1, "on", SERVICE, None), (2, "on", SERVICE, 0.4),
 ])
 def test_a_one_replica_fleet_is_the_plain_simulation(
-    slots: int, pipeline: str, frontend: FrontEnd | None, request_sla: float | None
+    slots: int, pipeline: str, service: ServiceModel | None, request_sla: float | None
 ) -> None:
     wl = conv_embed().slice(0, 1500).scale_rate(3)
     cfg = SchedulerConfig(num_slots=slots, pipeline=pipeline, pipeline_lead_s=0.01,  # type: ignore[arg-type]
                           admission=AdmissionConfig(timeout_s=2.0))
     cm = CostModel.default_cpu_minilm()
-    plain = simulate_encoder(wl, cfg, cm, noise=True, seed=5, request_sla_s=request_sla, frontend=frontend)
+    plain = simulate_encoder(wl, cfg, cm, noise=True, seed=5, request_sla_s=request_sla, service=service)
     fleet = simulate_fleet(wl, cfg, cm, replicas=1, noise=True, seed=5, request_sla_s=request_sla,
-                           frontend=frontend)
+                           service=service)
     for name in FIELDS:
         got, want = getattr(fleet.run.record, name), getattr(plain.record, name)
         if isinstance(want, dict):
@@ -80,17 +81,17 @@ def test_a_one_replica_fleet_is_the_plain_simulation(
 
 @settings(max_examples=25, deadline=None)
 @given(replicas=st.integers(1, 4), router=st.sampled_from(ROUTERS), rate=st.floats(5, 80),
-       batch=st.sampled_from((1, 4, 16)), slots=st.integers(1, 2), frontend=st.booleans(),
+       batch=st.sampled_from((1, 4, 16)), slots=st.integers(1, 2), with_service=st.booleans(),
        concurrency=st.sampled_from((0, 8)), seed=st.integers(0, 3))
 def test_no_request_is_lost_or_duplicated_across_replicas(
-    replicas: int, router: str, rate: float, batch: int, slots: int, frontend: bool, concurrency: int,
+    replicas: int, router: str, rate: float, batch: int, slots: int, with_service: bool, concurrency: int,
     seed: int
 ) -> None:
     wl = synthetic_workload(f"poisson:rate={rate}", 300, "lognormal:median=64,sigma=0.8", seed=seed)
     cfg = SchedulerConfig(policy=PolicyConfig(name="window", max_batch_size=batch, max_wait_s=0.01),
                           num_slots=slots, admission=AdmissionConfig(max_concurrent_requests=concurrency))
     out = simulate_fleet(wl, cfg, CostModel.default_cpu_minilm(), replicas=replicas, router=router,
-                         seed=seed, frontend=FRONTEND if frontend else None)
+                         seed=seed, service=SERVICE if with_service else None)
     rec = out.run.record
     assert (out.routed >= 0).all() and set(out.routed.tolist()) <= set(range(replicas))
     assert PENDING not in rec.status  # every row finished, was refused or was dropped

@@ -17,7 +17,7 @@ from batchpilot import cli
 from batchpilot.core.costmodel import CostModel
 from batchpilot.models.profiler import profile_grid
 from batchpilot.profile.speed_check import SpeedCheck, check_speed, reference_batches, rescaled
-from batchpilot.sim.service import FrontEnd
+from batchpilot.sim.service import BatchCost, ServiceModel
 
 
 class _ClockedExecutor:
@@ -44,7 +44,7 @@ def _profile_doc(monkeypatch: pytest.MonkeyPatch, padding: str = "none") -> dict
     monkeypatch.setattr(profiler.time, "perf_counter", lambda: fake.now)
     model, points = profile_grid(fake, (1, 2, 4, 16), (16, 64, 128), 3, None, padding, False, False, 0)
     return {"cost_model": model.to_dict(), "points": [m.to_dict() for m in points], "meta": {},
-            "frontend": FrontEnd(loaded_alpha=1.1, loaded_rate_coef=0.01, loaded_const_s=0.002).to_dict()}
+            "service": ServiceModel(batch=BatchCost(alpha=1.1, const_s=0.002)).to_dict()}
 
 
 @pytest.mark.parametrize("padding", ["none", "dynamic"])
@@ -72,9 +72,9 @@ def test_a_rescaled_profile_prices_every_batch_at_the_checked_speed(monkeypatch:
     for p in doc["points"]:
         assert b.latency(p["features"]) == pytest.approx(1.25 * a.latency(p["features"]))
         assert b.memory(p["features"]) == pytest.approx(a.memory(p["features"]))
-    fa, fb = FrontEnd.from_dict(doc["frontend"]), FrontEnd.from_dict(out["frontend"])
-    assert fb.batch_seconds(1.25 * 0.02, 10.0) == pytest.approx(1.25 * fa.batch_seconds(0.02, 10.0))
-    assert fb.delay_const_s == fa.delay_const_s and fb.serial_const_s == fa.serial_const_s
+    fa, fb = ServiceModel.from_dict(doc["service"]), ServiceModel.from_dict(out["service"])
+    assert fb.batch.seconds(1.25 * 0.02) == pytest.approx(1.25 * fa.batch.seconds(0.02))
+    assert fb.request == fa.request
     assert out["speed_check"]["of"] == "p.json" and out["speed_check"]["spread"] == [1.2, 1.3]
     # rechecking a rechecked profile scales from the original, not twice
     again = rescaled(out, SpeedCheck(0.9), "p2.json")
@@ -121,8 +121,7 @@ def test_an_llm_profile_rechecks_its_own_steps(monkeypatch: pytest.MonkeyPatch) 
     assert {(tuple(p["prefills"]), p["decodes"], p["context"]) for p in points} >= {((8,), 0, 1), ((), 2, 32),
                                                                                   ((8,), 1, 32)}
     doc = {"kind": "llm", "cost_model": model.to_dict(),
-           "frontend": {"first_token_delay_s": 0.005, "step_alpha": 1.1, "step_const_s": 0.001,
-                        "step_per_seq_s": 0.0001}}
+           "service": {"first_token_delay_s": 0.005, "step_alpha": 1.1, "prefill_factor": 0.9}}
     built: list[dict[str, Any]] = []
     real = build_llm_engine
 
@@ -135,9 +134,7 @@ def test_an_llm_profile_rechecks_its_own_steps(monkeypatch: pytest.MonkeyPatch) 
     assert built[0]["dtype"] == "float32" and built[0]["start"] is False
     assert check.ratio > 0 and len(check.batches) == len(points)  # every step under 50 ms here
     out = rescaled(doc, check)
-    assert out["frontend"]["step_const_s"] == pytest.approx(0.001 * check.ratio)
-    assert out["frontend"]["step_per_seq_s"] == pytest.approx(0.0001 * check.ratio)
-    assert out["frontend"]["step_alpha"] == 1.1 and out["frontend"]["first_token_delay_s"] == 0.005
+    assert out["service"] == doc["service"]  # ratios to the step model's price: they move with it
     assert out["cost_model"]["latency_coef"] == pytest.approx([c * check.ratio for c in model.latency_coef])
     # every step, the grid's own shape included (sim.llm), is priced at the checked speed
     from batchpilot.sim.llm import StepPricer, step_point_shape

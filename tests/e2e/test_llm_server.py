@@ -7,7 +7,7 @@ on the LLM routes and engine; ``batchpilot serve --llm`` mounts the same router.
 from __future__ import annotations
 
 import asyncio
-import math
+import json
 import socket
 import threading
 import time
@@ -225,9 +225,7 @@ def test_step_counters(server: tuple[str, LLMEngine, CollectorRegistry]) -> None
 def test_step_log_records_every_step_with_its_shape(server: tuple[str, LLMEngine, CollectorRegistry],
                                                     tmp_path: Path) -> None:
     """``serve --llm-step-log``: one line per engine step, its features summing to the engine's own
-    counters, and the steps' speed against a step profile readable from it."""
-    from batchpilot.bench.llm_fidelity import read_steps, speed_vs_profile
-    from batchpilot.core.costmodel import LLM_FEATURES, CostModel
+    counters."""
     from batchpilot.runtime.llm.engine import StepLog
 
     url, engine, _ = server
@@ -249,17 +247,15 @@ def test_step_log_records_every_step_with_its_shape(server: tuple[str, LLMEngine
         engine.step_observers.remove(log)
         log.close()
     after = engine.stats()
-    steps, _ = read_steps(tmp_path / "steps.jsonl")
+    steps = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
     assert len(steps) == after.num_steps - before.num_steps >= 10
-    assert steps[0].after_idle
+    assert steps[0]["after_idle"]
     for name in ("const", "prefill_tokens", "decode_seqs", "multi_row"):
-        logged = sum(s.features.get(name, 0.0) for s in steps)
+        logged = sum(s["features"].get(name, 0.0) for s in steps)
         assert logged == pytest.approx(after.step_features[name] - before.step_features.get(name, 0.0))
-    assert all(0 < s.forward_s <= s.wall_s for s in steps if s.seqs)
+    assert all(0 < s["forward_s"] <= s["wall_s"] for s in steps if s["seqs"])
     for a, b in zip(steps, steps[1:], strict=False):
-        assert b.start >= a.start + a.wall_s  # steps never overlap: one engine thread
-    profile = CostModel(LLM_FEATURES, (0.001, 1e-5, 1e-5, 0.0, 0.0, 0.002), (0.0,) * len(LLM_FEATURES))
-    assert math.isfinite(speed_vs_profile(profile, steps)) and speed_vs_profile(profile, steps) > -1.0
+        assert b["start"] >= a["start"] + a["wall_s"]  # steps never overlap: one engine thread
 
 
 def _idle(engine: LLMEngine) -> None:

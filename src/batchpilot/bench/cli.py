@@ -73,18 +73,18 @@ def _fidelity_args(p: argparse.ArgumentParser) -> None:
                    help="fractions of the predicted capacity")
     p.add_argument("--lengths", default="lognormal:median=128,sigma=0.8",
                    help="synthetic workloads: input lengths (as `simulate --lengths`)")
-    p.add_argument("--speed-check", action="store_true",
-                   help="before each point, `batchpilot profile --recheck` times the profile's batches "
-                        "again and the point is predicted at that speed, the profile-alone error beside "
-                        "(profile/speed_check.py; on a shared VM it did worse than the profile alone: "
-                        "docs/benchmarks.md)")
     p.add_argument("--batcher-only", action="store_true",
-                   help="predict without the profile's serving path (HTTP, JSON, tokenisation)")
+                   help="predict without the profile's service model (HTTP, JSON, tokens, loaded batches)")
+    p.add_argument("--rescore", default=None, metavar="OUT",
+                   help="no server: predict the points of an earlier run's OUT folder again (its "
+                        "profile, today's simulator) and score them against its replays; give the run's "
+                        "workload flags")
+    p.add_argument("--ablate", action="store_true",
+                   help="with --rescore: also predict with each term of the service model removed")
     p.add_argument("--warmup-requests", type=int, default=30, help="unmeasured requests before each point")
     p.add_argument("--live-repeats", type=int, default=3,
                    help="replay each point this many times on the same server, round-robin over the points; "
-                        "the prediction is scored against the replays' median and min-max widened by 10%%, "
-                        "and each repeat is compared with the first run")
+                        "the prediction is scored against the replays' median and min-max widened by 10%%")
     p.add_argument("--draws", type=int, default=DEFAULT_DRAWS,
                    help="service-noise draws per prediction: each metric is predicted as its median over "
                         "them, with the 5-95%% band beside it (sim.draws)")
@@ -177,7 +177,8 @@ def _fidelity(args: argparse.Namespace) -> int:
         out=Path(args.out), spec=spec_from_args(args),
         serve_flags=(*deployment_flags(args), *shlex.split(args.serve_args)), sla_s=args.sla,
         loads=tuple(args.loads), profile=args.profile, profile_args=args.profile_args, cpus=args.cpus,
-        speed_check=args.speed_check, batcher_only=args.batcher_only, warmup_requests=args.warmup_requests,
+        batcher_only=args.batcher_only, warmup_requests=args.warmup_requests,
+        rescore=args.rescore, ablate=args.ablate,
         live_repeats=args.live_repeats, draws=args.draws, noop_delay_ms=args.noop_delay_ms,
         tokenizer=args.tokenizer, seed=args.seed, keepalive_s=args.keepalive_s, progress=not args.no_progress,
         llm_model=args.llm_model)

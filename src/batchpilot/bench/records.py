@@ -107,19 +107,6 @@ def percentiles(values: Sequence[float] | np.ndarray, ps: Sequence[float] = PERC
     return {f"p{p:g}": (float(np.percentile(arr, p)) if arr.size else math.nan) for p in ps}
 
 
-def tail_seconds(records: Sequence[RequestRecord], q: float = 99.0) -> tuple[int, int]:
-    """``(requests, seconds)``: how many answered requests (warm-up left out) took at least the
-    ``q``-th percentile latency, and in how many distinct whole seconds of the schedule they arrived.
-    A P99 whose slowest requests all arrived in one or two seconds is one burst's (or one stall's)
-    latency, and moves with the machine's state in that second, run to run."""
-    ok = [r for r in records if r.ok and not r.warmup and math.isfinite(r.latency_s)]
-    if not ok:
-        return 0, 0
-    cut = float(np.percentile([r.latency_s for r in ok], q))
-    slow = [r for r in ok if r.latency_s >= cut]
-    return len(slow), len({math.floor(r.scheduled_s) for r in slow})
-
-
 @dataclass
 class Summary:
     """What one run measured (warm-up requests excluded). Rates are per second of the measured window."""

@@ -17,7 +17,9 @@
    ``dynamic``, ``bucket``): every config measured at its last rung, merged into one ranking by
    predicted goodput (the highest rate scale whose P99, refusals counted as late, meets ``--sla``).
 3. ``--configs`` of them spread over the predicted goodput (``pick``: the winner, the last, and the
-   ones nearest to evenly spaced levels between), plus the default config when it is not among them;
+   ones nearest to evenly spaced levels between) among those predicted at a third of the winner's
+   goodput or more (a config far below the others orders itself), plus the default config when it is
+   not among them (scored in the correlation only when it is within that third);
    each is written as a config file. Spread by goodput, not by rank position: most of a ranking sits
    within a few percent of the winner, closer than two live capacity searches on this machine agree,
    and a rank among configs predicted equal is not a prediction the check can test.
@@ -48,7 +50,7 @@ from batchpilot.bench.serverproc import client_keepalive_s, pin_load_generator, 
 from batchpilot.core.costmodel import CostModel
 from batchpilot.core.deployment import DeploymentSpec
 from batchpilot.settings import dump_spec
-from batchpilot.sim.service import FrontEnd
+from batchpilot.sim.service import ServiceModel
 from batchpilot.sim.traces import Workload
 from batchpilot.sim.tune import TuneConfig
 
@@ -108,6 +110,7 @@ def pick(rps: list[float], k: int) -> list[int]:
 
 
 PADDED = ("max", "dynamic", "bucket")
+MIN_SHARE_OF_BEST = 1 / 3  # configs predicted below this share of the best goodput are not picked
 
 
 def ranked_candidates(wl: Any, profiles: dict[str, Path], tc: Any,
@@ -120,7 +123,7 @@ def ranked_candidates(wl: Any, profiles: dict[str, Path], tc: Any,
     for family, path in profiles.items():
         modes = ("none",) if family == "none" else PADDED
         result = Tuner(wl, CostModel.load(path), replace(tc, paddings=modes), spec=spec,
-                       frontend=FrontEnd.from_profile(path), log=print).run()
+                       service=ServiceModel.from_profile(path), log=print).run()
         for c in result.candidates:
             if c.config.planner.padding in modes and c.rps > 0:
                 merged.append(c)
@@ -154,7 +157,9 @@ def check_tuner(wl: Workload, opts: TunerCheckOptions) -> int:
         return 1
     # the tuned config: the best search result, or the default when it predicts more (as the tuner picks)
     best = next(c for c in ranked if c.kind in ("search", "default"))
-    chosen = [ranked[i] for i in pick([c.rps for c in ranked], opts.configs)]
+    # configs predicted under a third of the best would order themselves: the check picks among the rest
+    eligible = [c for c in ranked if c.rps >= ranked[0].rps * MIN_SHARE_OF_BEST]
+    chosen = [eligible[i] for i in pick([c.rps for c in eligible], opts.configs)]
     chosen += [c for c in ranked if (c is best or c.kind == "default") and c not in chosen]
     rank = {id(c): i + 1 for i, c in enumerate(ranked)}
     names = {id(c): f"c{rank[id(c)]}" for c in chosen}
@@ -185,19 +190,21 @@ def check_tuner(wl: Workload, opts: TunerCheckOptions) -> int:
         meas.append(res.rps)
         rows.append([f"#{rank[id(c)]}", c.label, c.kind, source[id(c)].name, f"{c.rps:.2f}",
                      f"{res.rps:.2f}" + ("" if res.bracketed else " (lower bound)"), str(len(res.probes))])
-    rho = spearman(pred, meas)
+    scored = [i for i, c in enumerate(chosen) if c.rps >= ranked[0].rps * MIN_SHARE_OF_BEST]
+    rho = spearman([pred[i] for i in scored], [meas[i] for i in scored])
     default = next((c for c in chosen if c.kind == "default"), None)
     ratio = (live[names[id(best)]].rps / live[names[id(default)]].rps
              if default is not None and live[names[id(default)]].rps > 0 else math.nan)
     pred_ratio = best.rps / default.rps if default is not None and default.rps > 0 else math.nan
     print("\nTuner check: predicted vs live goodput (highest rate with P99 <= "
           f"{opts.sla_s:g} s, refusals counted as late)\n{text_table(HEAD, rows)}")
-    print(f"Spearman rank correlation, predicted vs live: {rho:.2f} over {len(chosen)} configs\n"
+    print(f"Spearman rank correlation, predicted vs live: {rho:.2f} over the {len(scored)} configs "
+          f"predicted at {MIN_SHARE_OF_BEST:.2f} of the best or more\n"
           f"tuned ({best.label}) / default goodput: live {ratio:.3f}, predicted {pred_ratio:.3f}\n"
           f"{time.monotonic() - t0:.0f} s in all", flush=True)
     (out / "tuner_check.json").write_text(json.dumps({
         "workload": wl.name, "requests": len(wl), "profiles": {k: str(v) for k, v in profiles.items()},
-        "spearman": rho,
+        "spearman": rho, "spearman_configs": len(scored),
         "tuned_over_default_live": ratio, "tuned_over_default_predicted": pred_ratio,
         "rows": rows, "probes": {n: [(p.rate_scale, p.passed, p.summary.p99) for p in r.probes]
                                  for n, r in live.items()}}, indent=2, default=str))

@@ -3,7 +3,7 @@ fit the cost model, measure the serving path, and write the profile JSON.
 
 Unless ``--no-serving-path``, the serving path around the batcher: the real app served in-process,
 requests sent one at a time (``profile/serving.py``), fitted into the simulator's
-``sim.service.FrontEnd`` and written under the profile's ``"frontend"`` key.
+``sim.service.ServiceModel`` and written under the profile's ``"service"`` key.
 
 The precision profiled is chosen as ``serve`` chooses it (``models/precision.py``) and recorded in the
 cost model's meta (``dtype``, ``backend``). ``--all-backends`` profiles every backend and precision
@@ -80,7 +80,7 @@ def register(subparsers: Any) -> None:
                    "the model's position limit)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-serving-path", action="store_true",
-                   help="skip the serving-path measurement (the profile's 'frontend' entry)")
+                   help="skip the serving-path measurement (the profile's 'service' entry)")
     p.add_argument("--serving-requests", type=int, default=24,
                    help="serving path: input lengths from 4 tokens to the model's limit, each sent twice")
     p.add_argument("--loaded-requests", type=int, default=None,
@@ -199,7 +199,7 @@ def profile_one(args: argparse.Namespace, backend: str, dtype: str, output: str)
     if not args.no_serving_path:
         serving = _serving_path(ex, model, args, console)
         if serving is not None:
-            doc["frontend"], doc["serving_path"] = serving
+            doc["service"], doc["serving_path"] = serving
     Path(output).write_text(json.dumps(doc, indent=2))
     print(f"wrote {output} ({len(points)} shapes + {len(held)} held-out batches in {wall:.1f} s)")
     return 0
@@ -207,40 +207,33 @@ def profile_one(args: argparse.Namespace, backend: str, dtype: str, output: str)
 
 def _serving_path(ex: Any, model: CostModel, args: argparse.Namespace,
                   console: Any) -> tuple[dict[str, float], dict[str, Any]] | None:
-    """The serving-path measurement (``profile/serving.py``) as the profile's ``frontend`` and
+    """The serving-path measurement (``profile/serving.py``) as the profile's ``service`` and
     ``serving_path`` entries; None, with a warning, when the server stack is missing or it failed (the
     cost model is still written)."""
     try:
         from batchpilot.profile.serving import measure_serving_path
     except ImportError as exc:
         console.print(f"[yellow]warning:[/] serving path not measured: the server stack is not importable "
-                      f"({exc}); the profile has no 'frontend' entry")
+                      f"({exc}); the profile has no 'service' entry")
         return None
     try:
         loaded = {} if args.loaded_requests is None else {"loaded_requests": args.loaded_requests}
-        frontend, details = measure_serving_path(ex, model, requests=args.serving_requests, seed=args.seed,
-                                                 padding=args.padding, **loaded)
+        service, details = measure_serving_path(ex, model, requests=args.serving_requests, seed=args.seed,
+                                                padding=args.padding, **loaded)
     except (RuntimeError, ValueError, OSError) as exc:
         console.print(f"[yellow]warning:[/] serving path not measured: {exc}; the profile has no "
-                      "'frontend' entry")
+                      "'service' entry")
         return None
+    req, batch = service.request, service.batch
     print(f"serving path ({details['ok']} lone requests, {details['min_tokens']}-{details['max_tokens']} "
-          f"tokens, {details['wall_s']:.1f} s): tokenizer {frontend.serial_const_s * 1e3:.2f} ms + "
-          f"{frontend.serial_per_token_s * 1e6:.2f} us/token (x{frontend.serial_busy_factor:.2f} with the "
-          f"model busy), HTTP/JSON/client {frontend.delay_const_s * 1e3:.2f} ms + "
-          f"{frontend.delay_per_token_s * 1e6:.2f} us/token (under load "
-          f"+ {frontend.delay_loaded_s * 1e3:.2f} ms + {frontend.delay_rate_coef_s * 1e3:.3f} ms "
-          "x requests/s), driver overhead "
-          f"{frontend.batch_overhead_s * 1e3:.2f} ms/batch ({frontend.batch_gap_s * 1e3:.2f} ms + "
-          f"{frontend.batch_gap_per_input_s * 1e3:.3f} ms per input before, batch to batch under load); "
-          f"under load a batch takes the cost model x ({frontend.loaded_alpha:.3f} + "
-          f"{frontend.loaded_rate_coef:.4f} x requests/s) + {frontend.loaded_const_s * 1e3:.2f} ms"
-          + "".join(f", x{f:.2f} from {lo} tokens" for lo, f in frontend.loaded_token_factors)
-          + (", busy share " + "/".join(f"x{f:.2f}" for f in frontend.loaded_busy_factors)
-             if frontend.loaded_busy_factors else "")
+          f"tokens, {details['wall_s']:.1f} s): outside the batcher {req.delay_const_s * 1e3:.2f} ms + "
+          f"{req.delay_per_token_s * 1e6:.2f} us/token, driver overhead {batch.overhead_s * 1e3:.2f} ms a "
+          "batch; "
+          f"under load a batch takes the cost model x {batch.alpha:.3f} + {batch.const_s * 1e3:.2f} ms"
+          + "".join(f", x{f:.2f} from {lo} tokens" for lo, f in batch.token_factors)
           + f", spread {details['loaded'].get('residual_std', 0.0):.1%} "
           f"({details['loaded'].get('batches', 0)} batches)")
-    return frontend.to_dict(), details
+    return service.to_dict(), details
 
 
 def _table(name: str, padding: str, model: CostModel, points: list[Measurement], loo: list[float],

@@ -40,7 +40,7 @@ from batchpilot.runtime.executor import NoopExecutor
 from batchpilot.server.app import MountedEngine, ServedModel, create_app
 from batchpilot.server.config import ServerConfig
 from batchpilot.server.inproc_server import bound_socket, in_thread
-from batchpilot.sim.llm import LLMFrontEnd
+from batchpilot.sim.llm import LLMServiceModel
 from batchpilot.sim.traces import Workload
 
 
@@ -76,7 +76,7 @@ def profile_llm_steps(runner: LLMModelRunner, *,
     profiles. Decode counts between the powers of two: the runner's matmuls run whole tiles of rows
     (``row_plan.py``), so a step's cost climbs in stairs with its sequences, and powers of two alone
     sit on the stairs' cheap edges. Context 512 beside 64, 256 and 1024: where a conversation's decodes
-    mostly run. ``benchmarks/llm_step_model.py`` prices shapes outside the grid with the fitted model."""
+    mostly run."""
     points = []
     shapes: list[tuple[list[int], int, int]] = []
     shapes += [([n], 0, 1) for n in prefill_lengths]
@@ -147,7 +147,7 @@ def recheck_steps(runner: LLMModelRunner, step_points: Sequence[dict[str, Any]],
 #   budget can be planned in the simulator as it would be on this machine;
 # * the swap copy times (``cost_model.meta``, from ``profile_llm_steps``), what swap preemption is
 #   priced with in the simulator;
-# * ``frontend`` and ``serving_path``: the routes' serving path, measured after the steps on a fresh
+# * ``service`` and ``serving_path``: the routes' serving path, measured after the steps on a fresh
 #   engine built the same way (the memory burst stopped the first) and started behind the real app
 #   (``profile/llm.measure_llm_serving_path``: the first-token delay and a step's price
 #   under the profile's own streamed load), what ``simulate --target llm --profile`` times every step
@@ -201,7 +201,7 @@ def run_llm(args: argparse.Namespace) -> int:
     if not args.no_serving_path:
         del engine, runner  # the memory burst shut that engine down: the serving path gets a fresh one
         fresh = build_llm_engine(args.model, None, built_as)
-        doc["frontend"], doc["serving_path"] = serving_path(fresh, model)
+        doc["service"], doc["serving_path"] = serving_path(fresh, model)
     Path(args.output).write_text(json.dumps(doc, indent=2))
     print(f"wrote {args.output} in {time.perf_counter() - t1:.1f} s")
     return 0
@@ -209,22 +209,20 @@ def run_llm(args: argparse.Namespace) -> int:
 
 def serving_path(engine: Any, cost_model: Any, **measure: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """Start ``engine`` (built, never started), measure its serving path through the real app and shut
-    it down; returns the ``frontend`` entry and what was measured (``serving_path``). ``measure``:
+    it down; returns the ``service`` entry and what was measured (``serving_path``). ``measure``:
     keyword arguments of ``measure_llm_serving_path`` (``loaded_requests``, ...)."""
 
     t0 = time.perf_counter()
     engine.start()
     try:
-        frontend, details = measure_llm_serving_path(engine, cost_model, **measure)
+        service, details = measure_llm_serving_path(engine, cost_model, **measure)
     finally:
         engine.shutdown()
-    print(f"serving path: first token {frontend.first_token_delay_s * 1e3:.2f} ms after the engine's "
+    print(f"serving path: first token {service.first_token_delay_s * 1e3:.2f} ms after the engine's "
           f"({details['first_token']['ok']} lone streams); under load a step takes "
-          f"{frontend.step_alpha:.3f} x the step model + {frontend.step_const_s * 1e3:.2f} ms + "
-          f"{frontend.step_per_seq_s * 1e3:.3f} ms per sequence ({details['loaded'].get('steps', 0)} "
-          f"steps) in {time.perf_counter() - t0:.1f} s; the forward by sequences per step: "
-          + ", ".join(f"x{f:.3f} from {lo}" for lo, f in frontend.step_seq_factors))
-    return frontend.to_dict(), details
+          f"{service.step_alpha:.3f} x the step model (x{service.prefill_factor:.3f} more with a prefill "
+          f"chunk; {details['loaded'].get('steps', 0)} steps) in {time.perf_counter() - t0:.1f} s")
+    return service.to_dict(), details
 
 
 # -- The LLM routes' serving path ------------------------------------------------------------------
@@ -248,20 +246,18 @@ def serving_path(engine: Any, cost_model: Any, **measure: Any) -> tuple[dict[str
 #    rate at which the engine would serve them one at a time (from the step profile): about 1, 5-15, 3-5 and
 #    10-30 sequences per step, with requests arriving while they run. Each share runs in two segments of
 #    its own, so that the decode-only steps at 4-31 sequences, the counts a loaded server runs most,
-#    number several hundred per bin of ``step_seq_factors`` and are spread over the phase, not taken in
-#    one stretch of the machine's speed. A live step of many sequences usually has new
+#    number several hundred and are spread over the phase, not taken in one stretch of the machine's
+#    speed. A live step of many sequences usually has new
 #    requests arriving beside it (their HTTP, tokenising, first chunks on the same cores), and such steps ran
 #    slower than those of a burst's walk-down, where every stream arrived at the start (docs/benchmarks.md,
 #    conv-llm). Then ``BURST_ROUNDS`` bursts, one after another, of ``burst_streams`` streams (the engine's
 #    ``max_num_seqs``, at most ``BURST_MAX_SEQS``, as many as its KV pool holds) arriving within
 #    ``BURST_WINDOW_STEPS`` one-sequence decode steps: every stream of a burst runs at once and, as their
 #    outputs (16-128 tokens) end, the steps walk down from that many sequences to one, the batch sizes a
-#    loaded
-#    server runs. Every engine step is observed (``engine.step_observers``); ``LLMFrontEnd.fit_steps`` turns
-#    them into the speed of the forward under load (``step_alpha``) and what a busy step costs beyond it
-#    (``step_const_s + step_per_seq_s * seqs``: scheduling, detokenising and delivering each token, the event
-#    loop streaming it on the same cores, the gap to the next step), measured over the sequences per step
-#    observed (``loaded``: ``mean_seqs``, ``p90_seqs``, ``max_seqs``).
+#    loaded server runs. Every engine step is observed (``engine.step_observers``);
+#    ``LLMServiceModel.fit_steps`` turns them into the speed of the forward under load (``step_alpha``,
+#    and ``prefill_factor`` for steps with a prefill chunk), over the sequences per step observed
+#    (``loaded``: ``mean_seqs``, ``p90_seqs``, ``max_seqs``).
 
 REQUESTS = 12
 OUTPUT_TOKENS = 4
@@ -277,11 +273,11 @@ OUTPUT_RANGE = (16, 128)  # loaded streams' output tokens, both ends included
 
 def measure_llm_serving_path(engine: Any, cost_model: Any, requests: int = REQUESTS, seed: int = 0,
                              loaded_requests: int = LOADED_REQUESTS,
-                             burst: int | None = None) -> tuple[LLMFrontEnd, dict[str, Any]]:
+                             burst: int | None = None) -> tuple[LLMServiceModel, dict[str, Any]]:
     """Serve ``engine`` (started) in-process and measure its serving path (module docstring) against the
     step profile ``cost_model``. ``burst``: the burst's streams (None: ``burst_streams`` of the engine's
     config; 0: no burst); ``loaded_requests`` 0 skips the loaded phase, burst included. Returns the
-    ``LLMFrontEnd`` and a JSON-ready dict of what was measured."""
+    ``LLMServiceModel`` and a JSON-ready dict of what was measured."""
     from batchpilot.server.llm.routes import make_llm_router
 
     top = min(int(engine.config.max_model_len) - OUTPUT_TOKENS - 1, 512)
@@ -315,11 +311,11 @@ def measure_llm_serving_path(engine: Any, cost_model: Any, requests: int = REQUE
     delay = max(float(np.median(gaps)), 0.0)
     lone = {"requests": len(records), "ok": int(gaps.size), "median_s": delay,
             "p10_s": float(np.percentile(gaps, 10)), "p90_s": float(np.percentile(gaps, 90))}
-    frontend, loaded = LLMFrontEnd.fit_steps(
+    service, loaded = LLMServiceModel.fit_steps(
         cost_model, [r.start for r in steps], [r.forward_s for r in steps], [r.wall_s for r in steps],
         [r.num_seqs for r in steps], [r.features for r in steps], [r.after_idle for r in steps],
         first_token_delay_s=delay)
-    return frontend, {"first_token": lone, "loaded": loaded, "loaded_requests": loaded_requests,
+    return service, {"first_token": lone, "loaded": loaded, "loaded_requests": loaded_requests,
                       "burst_streams": streams if loaded_requests > 0 else 0}
 
 

@@ -102,10 +102,9 @@ def rescaled(doc: dict[str, Any], check: SpeedCheck, source: str = "") -> dict[s
         # the grid keeps its own times (the next recheck compares against them); the step model's shape
         # table reads them at this speed (``sim.llm``)
         cm["meta"]["step_points_speed"] = check.ratio
-    front = out.get("frontend") or {}
-    for key in ("step_const_s", "step_per_seq_s") if out.get("kind") == "llm" else ("loaded_const_s",):
-        if key in front:  # seconds per batch or step: the machine's speed moves them too
-            front[key] *= r
+    batch = ((out.get("service") or {}).get("batch") or {}) if out.get("kind") != "llm" else {}
+    if "const_s" in batch:  # seconds per batch: the machine's speed moves them too
+        batch["const_s"] *= r
     out["speed_check"] = {"of": source, "date": datetime.datetime.now(datetime.timezone.utc)
                           .isoformat(timespec="seconds"), **check.to_dict()}
     return out

@@ -65,7 +65,7 @@ INLINE_TOKENIZE_IDS = 512
 
 def tokenizer_workers(settings: ServerConfig) -> int:
     """Threads tokenising inputs, per model: the setting, else one per core this process may use (the
-    simulator's serial stage has as many servers: ``FrontEnd.serial_servers``)."""
+    simulator's serial stage has as many servers: ``RequestCost.serial_servers``)."""
     return settings.serving.tokenizer_workers or len(os.sched_getaffinity(0))
 
 

@@ -26,7 +26,7 @@ from batchpilot.core.costmodel import CostModel
 from batchpilot.core.deployment import DeploymentSpec, ModelLimits, resolve_deployment
 from batchpilot.core.rollout import RolloutSpec, arm_for
 from batchpilot.sim.metrics import SimReport
-from batchpilot.sim.service import FrontEnd
+from batchpilot.sim.service import ServiceModel
 from batchpilot.sim.target import SimRun, simulate_encoder
 from batchpilot.sim.traces import Workload
 
@@ -46,7 +46,7 @@ def assign(keys: Sequence[str], rollout: RolloutSpec) -> np.ndarray:
 
 def simulate_arms(workload: Workload, keys: Sequence[str], primary: DeploymentSpec, rollout: RolloutSpec,
                   cost_model: CostModel, limits: ModelLimits | None = None,
-                  frontend: FrontEnd | None = None) -> dict[str, SimRun]:
+                  service: ServiceModel | None = None) -> dict[str, SimRun]:
     """Each arm's rows through its own deployment (arms with no rows are left out)."""
     if len(keys) != len(workload):
         raise ValueError(f"{len(keys)} client keys for {len(workload)} workload rows")
@@ -61,7 +61,7 @@ def simulate_arms(workload: Workload, keys: Sequence[str], primary: DeploymentSp
                                     workload.input_tokens[rows], workload.output_tokens[rows],
                                     workload.priority[rows])
         scheduler = resolve_deployment(spec, cost_model, limits).scheduler
-        out[name] = simulate_encoder(sub, scheduler, cost_model, frontend=frontend)
+        out[name] = simulate_encoder(sub, scheduler, cost_model, service=service)
     return out
 
 

@@ -26,7 +26,7 @@ from batchpilot.sim.draws import DEFAULT_DRAWS, Drawn, encoder_draws, spread_tab
 from batchpilot.sim.fleet import FleetScaling, replicas_table, scaling_table, simulate_fleet
 from batchpilot.sim.metrics import SimReport, report_table, summarize
 from batchpilot.sim.router import ROUTERS
-from batchpilot.sim.service import FrontEnd
+from batchpilot.sim.service import ServiceModel
 from batchpilot.sim.synthetic import ARRIVALS, named_workload
 from batchpilot.sim.target import SimRun, draws_batch_times, simulate_encoder
 from batchpilot.sim.traces import STANDARD_WORKLOADS, Workload
@@ -68,13 +68,13 @@ def register_simulate(subparsers: Any) -> None:
                         "deadline drops use it")
     p.add_argument("--noise", action="store_true", help="draw batch times from the profile's residuals")
     p.add_argument("--draws", type=int, default=DEFAULT_DRAWS,
-                   help="with drawn batch times (--noise, or a profile with a serving path): replay the "
+                   help="with drawn batch times (--noise, or a profile with noise): replay the "
                         "requests under this many noise draws and report each metric's median and 5-95%% "
                         "band, the range one live run of them should fall in (1: one draw; each draw is "
                         "a full simulation)")
     p.add_argument("--batcher-only", action="store_true",
-                   help="leave out the serving path outside the batcher (the profile's 'frontend': HTTP, "
-                        "JSON, tokenisation) and predict the batcher's latency alone")
+                   help="leave out the profile's service model (HTTP, JSON, tokenisation, loaded batches) "
+                        "and predict the batcher's latency alone")
     p.add_argument("--plot", metavar="DIR", help="write latency CDF, queue length and batch size PNGs here")
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     p.add_argument("--target", choices=("encoder", "llm"), default=None,
@@ -94,7 +94,7 @@ def register_tune(subparsers: Any) -> None:
     p.set_defaults(requests=8000)
     p.add_argument("--sla-p99", type=float, default=1.0, help="P99 latency SLA in seconds")
     p.add_argument("--batcher-only", action="store_true",
-                   help="leave out the profile's serving path (HTTP, JSON, tokenisation)")
+                   help="leave out the profile's service model (HTTP, JSON, tokenisation, loaded batches)")
     p.add_argument("-o", "--output", default="best.yaml", help="where to write the winning config")
     p.add_argument("--candidates", type=int, default=TuneConfig.candidates, help="grid points sampled")
     p.add_argument("--paddings", default="max,dynamic,bucket,none",
@@ -200,14 +200,11 @@ def resolve(spec: DeploymentSpec, cost_model: CostModel) -> Deployment:
     return resolve_deployment(spec, cost_model, ModelLimits.from_meta(cost_model.meta))
 
 
-def load_frontend(args: argparse.Namespace) -> FrontEnd | None:
-    """The serving path outside the batcher, from the profile file and nowhere else, on a server with the
-    deployment's tokenizer threads (``--tokenizer-workers`` or the config's ``server.tokenizer_workers``;
-    default the profiled server's)."""
+def load_service(args: argparse.Namespace) -> ServiceModel | None:
+    """The service model, from the profile file and nowhere else (None with ``--batcher-only``)."""
     if getattr(args, "batcher_only", False) or not getattr(args, "profile", None):
         return None
-    frontend = FrontEnd.from_profile(args.profile)
-    return frontend and frontend.serving(spec_from_args(args).server.tokenizer_workers)
+    return ServiceModel.from_profile(args.profile)
 
 
 
@@ -245,7 +242,7 @@ def run_llm(args: argparse.Namespace, workload: Workload, spec: DeploymentSpec, 
     machine (``sim.llm.planned_llm_config``), and its report."""
     try:
         from batchpilot.sim.llm import (
-            LLMFrontEnd,
+            LLMServiceModel,
             default_llm_cost_model,
             planned_llm_config,
             simulate_llm,
@@ -262,17 +259,17 @@ def run_llm(args: argparse.Namespace, workload: Workload, spec: DeploymentSpec, 
     console.print("\n".join(f"llm deployment: {line}" for line in (*dep.notes, dep.describe())))
     if dep.plan is not None:
         console.print(f"llm memory: {dep.plan.describe()}")
-    frontend = None
+    service = None
     if args.profile:
         cost_model = CostModel.load(args.profile)
-        frontend = LLMFrontEnd.from_profile(args.profile)  # the serving path, when the profile has it
+        service = LLMServiceModel.from_profile(args.profile)  # the serving path, when the profile has it
     else:
         console.print("[yellow]no --profile: using the stated default_llm_cost_model() (tiny Llama on 2 CPU "
                       "cores)[/]")
         cost_model = default_llm_cost_model()
     try:
         run = simulate_llm(workload, dep.config, cost_model, noise=args.noise, seed=args.seed,
-                           frontend=frontend)
+                           service=service)
     except ValueError as exc:
         return _refuse(console, "simulate", exc)
     report = run.report(warmup_s=args.warmup_s)
@@ -300,32 +297,32 @@ def run_encoder(args: argparse.Namespace, workload: Workload, spec: DeploymentSp
     for note in deployment.notes:
         console.print(f"deployment: {note}")
     console.print(f"deployment: {deployment.describe()}")
-    frontend = load_frontend(args)
-    if frontend is None and not args.batcher_only:
-        console.print("[yellow]the profile has no serving-path section ('frontend'): predicting the batcher "
-                      "alone; re-run `batchpilot profile` to include HTTP, JSON and tokenisation[/]")
-    if (armed := run_arms(args, console, workload, spec, cost_model, frontend)) is not None:
+    service = load_service(args)
+    if service is None and not args.batcher_only:
+        console.print("[yellow]the profile has no service model ('service'): predicting the batcher alone; "
+                      "re-run `batchpilot profile` to include HTTP, JSON, tokenisation and loaded batches[/]")
+    if (armed := run_arms(args, console, workload, spec, cost_model, service)) is not None:
         return armed
     fleet = None
     with _progress(console, len(workload)) as progress:
         if args.replicas == 1 and scaling is None:
             run = simulate_encoder(workload, config, cost_model, noise=args.noise, seed=args.seed,
-                                   request_sla_s=args.request_sla, progress=progress, frontend=frontend)
+                                   request_sla_s=args.request_sla, progress=progress, service=service)
         else:
             fleet = simulate_fleet(workload, config, cost_model, replicas=args.replicas, router=args.router,
                                    noise=args.noise, seed=args.seed, request_sla_s=args.request_sla,
-                                   progress=progress, frontend=frontend, autoscale=scaling)
+                                   progress=progress, service=service, autoscale=scaling)
             run = fleet.run
     report = summarize(run, sla_s=args.sla, warmup_s=args.warmup_s)
     where = "" if fleet is None else f" over {fleet.replicas} replicas ({fleet.router})"
     title = f"{workload.name}: {len(workload)} requests, {workload.mean_rate:.2f} req/s offered{where}"
-    noisy = fleet is None and args.draws > 1 and draws_batch_times(args.noise, frontend, cost_model)
+    noisy = fleet is None and args.draws > 1 and draws_batch_times(args.noise, service, cost_model)
     console.print(report_table(report, title + (f" (draw of seed {args.seed})" if noisy else "")))
     drawn = None
     if noisy:
         drawn = encoder_draws(workload, config, cost_model, args.draws, args.seed, args.sla, args.warmup_s,
                               first=report, noise=args.noise, request_sla_s=args.request_sla,
-                              frontend=frontend)
+                              service=service)
         console.print(spread_table(drawn, f"the prediction over {args.draws} noise draws"))
     if fleet is not None:
         console.print(replicas_table(fleet))
@@ -357,14 +354,14 @@ def write_outputs(args: argparse.Namespace, console: Any, workload: Workload, ru
 
 
 def run_arms(args: argparse.Namespace, console: Any, workload: Workload, primary: DeploymentSpec,
-             cost_model: CostModel, frontend: FrontEnd | None) -> int | None:
+             cost_model: CostModel, service: ServiceModel | None) -> int | None:
     """``simulate`` of a deployment with candidate arms: a table of the arms; None without candidates."""
     rollout = rollout_from_args(args, primary)
     if not rollout.arms:
         return None
     keys = client_keys(len(workload), args.clients, args.seed)
     runs = simulate_arms(workload, keys, primary, rollout, cost_model,
-                         ModelLimits.from_meta(cost_model.meta), frontend)
+                         ModelLimits.from_meta(cost_model.meta), service)
     reports = {arm: summarize(run, sla_s=args.sla, warmup_s=args.warmup_s) for arm, run in runs.items()}
     console.print(arms_table(workload, rollout, reports, args.clients))
     console.print("arms share no cores here: where a CPU-bound model serves them, each slows the others")
@@ -389,7 +386,7 @@ def run_tune(args: argparse.Namespace) -> int:
     console.print(f"tuning on {workload.name}: {len(workload)} rows, {workload.mean_rate:.2f} req/s at "
                   f"scale 1; {tc.candidates} sampled configs + baselines, {tc.rungs} rungs of successive "
                   "halving")
-    tuner = Tuner(workload, cost_model, tc, log=console.print, spec=spec, frontend=load_frontend(args))
+    tuner = Tuner(workload, cost_model, tc, log=console.print, spec=spec, service=load_service(args))
     result = tuner.run()
     console.print(result_table(result))
     console.print(explain(result))
@@ -434,7 +431,7 @@ def run_fleet_tune(args: argparse.Namespace) -> int:
                   f"req/s (the target rate), P99 <= {tc.sla_p99_s:g} s, 1..{args.max_replicas} replicas "
                   f"behind {args.router}; one search of {tc.candidates} configs + baselines per count")
     res = tune_fleet(workload, cost_model, tc, max_replicas=args.max_replicas, router=args.router, spec=spec,
-                     frontend=load_frontend(args), log=console.print)
+                     service=load_service(args), log=console.print)
     n, chosen = res.chosen
     console.print(result_table(chosen))
     console.print(explain(chosen))

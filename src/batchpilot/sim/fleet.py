@@ -6,9 +6,9 @@
 
 Every replica is the single-replica simulation's own code: an ``EncoderTarget`` around its own
 ``BatchScheduler`` built from the same resolved ``SchedulerConfig`` and cost model, on its own
-``num_slots`` slots (``sim/fleet.py``), with its own serving-path serial stage when a ``FrontEnd`` is
-given. A request is routed when it arrives (``sim/router.py``) on what the router can count: each
-replica's outstanding requests. Nothing is decided here that a replica's core or the router does not
+``num_slots`` slots (``sim/fleet.py``), with the service model's batch costs when one is given. A
+request is routed when it arrives (``sim/router.py``) on what the router can count: each replica's
+outstanding requests. Nothing is decided here that a replica's core or the router does not
 decide. With ``replicas=1`` the run is the plain simulation's, request by request.
 
 The fleet's ``SimRun`` has every row's record from the replica that served it, every replica's
@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,8 +34,8 @@ from batchpilot.core.costmodel import CostModel
 from batchpilot.core.scheduler import BatchScheduler
 from batchpilot.sim.engine import Engine, EngineStats, Job, StopSimulation
 from batchpilot.sim.router import Router, make_router
-from batchpilot.sim.service import FrontEnd
-from batchpilot.sim.target import DONE, PENDING, EncoderRecord, EncoderTarget, SimRun, served_batch_terms
+from batchpilot.sim.service import ServiceModel
+from batchpilot.sim.target import DONE, PENDING, EncoderRecord, EncoderTarget, SimRun
 from batchpilot.sim.traces import Workload
 
 # One replica of a fleet: an ``EncoderTarget`` (its own ``BatchScheduler``) on its own executor slots.
@@ -55,20 +55,16 @@ from batchpilot.sim.traces import Workload
 #   list gives them; jobs for busy slots wait behind the running batch of that slot;
 # * its next instant is its own ``wake_at`` or, while work waits, the next accept time of a busy slot.
 #
-# The serving path's serial stage (the tokenizer threads of ``sim/service.py``) is per replica as well:
-# a request routed at ``a`` reaches this replica's batcher at ``max(a, f) + c``, ``f`` the time the
-# earliest of *its* servers is free. ``tests/test_sim_fleet.py`` checks that a fleet of one replica gives
-# the plain simulation's results request by request.
+# ``tests/test_sim_fleet.py`` checks that a fleet of one replica gives the plain simulation's results
+# request by request.
 
 _INF = math.inf
 
 
 class Replica:
-    """The slots, pipelining and serial stage of one replica around its ``EncoderTarget``."""
+    """The slots and pipelining of one replica around its ``EncoderTarget``."""
 
-    def __init__(self, target: EncoderTarget, num_slots: int, serial_s: Sequence[float] | None = None,
-                 serial_servers: int = 1) -> None:
-        """``serial_s``: per workload row, the serial stage's service time (None: no serial stage)."""
+    def __init__(self, target: EncoderTarget, num_slots: int) -> None:
         self.target = target
         self.num_slots = num_slots
         self._free = list(range(num_slots - 1, -1, -1))  # pop() gives the lowest slot first
@@ -76,10 +72,7 @@ class Replica:
         self._waiting: list[Job | None] = [None] * num_slots
         self._slot_of: dict[int, int] = {}  # id(job) -> slot, for jobs running here
         self._starting: list[Job] = []  # collated jobs whose slot came free at this instant
-        self._arriving: list[tuple[float, int]] = []  # heap of (batcher arrival, row) not yet submitted
-        self._serial = serial_s
-        self._servers = [-_INF] * serial_servers
-        self.batcher_arrival: dict[int, float] = {}  # row -> when it reached this replica's batcher
+        self._arriving: list[tuple[float, int]] = []  # heap of (arrival, row) not yet submitted
         self._due = _INF
         self._dirty = False
         self.num_routed = 0
@@ -87,7 +80,7 @@ class Replica:
 
     @property
     def outstanding(self) -> int:
-        """Requests routed here and not yet answered: on their way to the batcher plus the core's count
+        """Requests routed here and not yet answered: routed and not yet submitted plus the core's count
         of requests in progress (finished, refused and dropped ones have left it)."""
         return len(self._arriving) + self.target.scheduler.num_requests
 
@@ -101,15 +94,9 @@ class Replica:
         return min(self._due, self._arriving[0][0]) if self._arriving else self._due
 
     def route(self, index: int, now: float) -> None:
-        """Row ``index`` is routed here at ``now``; it reaches the batcher after the serial stage."""
+        """Row ``index`` is routed here at ``now``; the replica's next step submits it."""
         self.num_routed += 1
-        at = now
-        if self._serial is not None:
-            free = self._servers[0]
-            at = (now if now > free else free) + self._serial[index]
-            heapq.heapreplace(self._servers, at)
-        self.batcher_arrival[index] = at
-        heapq.heappush(self._arriving, (at, index))
+        heapq.heappush(self._arriving, (now, index))
 
     def on_job_done(self, job: Job, now: float) -> None:
         slot = self._slot_of.pop(id(job))
@@ -256,7 +243,7 @@ def simulate_fleet(
     request_sla_s: float | None = None,
     progress: Callable[[int], None] | None = None,
     stop_after_misses: tuple[float, int, float] | None = None,
-    frontend: FrontEnd | None = None,
+    service: ServiceModel | None = None,
     autoscale: FleetScaling | None = None,
 ) -> FleetRun:
     """Replay ``workload`` through ``replicas`` copies of ``BatchScheduler(config, cost_model)`` behind
@@ -270,11 +257,6 @@ def simulate_fleet(
         raise ValueError(f"fleet: replicas must be >= 1, got {replicas}")
     config = config or SchedulerConfig()
     cost_model = cost_model or CostModel.default_cpu_minilm()
-    fe = frontend
-    serial = None
-    if fe is not None:
-        serial = (fe.serial_busy_factor * (fe.serial_const_s + fe.serial_per_token_s
-                                          * np.asarray(workload.input_tokens, dtype=float))).tolist()
     # each replica counts its own misses and never stops the run itself: the fleet stops on the total
     count_only = None if stop_after_misses is None else (stop_after_misses[0], len(workload),
                                                          stop_after_misses[2])
@@ -282,34 +264,29 @@ def simulate_fleet(
     for k in range(replicas):
         target = EncoderTarget(
             BatchScheduler(config, cost_model), workload, service_model, noise, seed + k, request_sla_s,
-            count_only, **served_batch_terms(fe))
-        reps.append(Replica(target, config.num_slots, serial, fe.serial_servers if fe is not None else 1))
+            count_only, service)
+        reps.append(Replica(target, config.num_slots))
     scaler = Scaler(autoscale, reps) if autoscale is not None else None
     fleet = FleetTarget(reps, make_router(router, seed), stop_after_misses, scaler)
     stats = Engine(fleet, replicas * config.num_slots, progress=progress).run(workload.arrival_s)
     stats.num_pipelined = sum(r.num_pipelined for r in reps)
     routed = np.asarray(fleet.routed, dtype=np.int64)
-    record, at_batcher = _merge(workload, reps, routed, fe is not None)
-    if fe is not None:
-        delay = fe.delay(workload.input_tokens)
-        for k in range(replicas):  # each replica's own traffic loads its own serving path
-            mine = routed == k
-            delay[mine] = fe.delay(workload.input_tokens[mine], workload.arrival_s[mine])
+    record = _merge(workload, reps, routed)
+    if service is not None:
+        delay = service.request.delay(workload.input_tokens)
         record.finish_s = (np.asarray(record.finish_s) + delay).tolist()
     fleet_config = dataclasses.replace(config, num_slots=replicas * config.num_slots)
-    run = SimRun(workload, fleet_config, cost_model, reps[0].target.service_model, stats, record, at_batcher)
+    run = SimRun(workload, fleet_config, cost_model, reps[0].target.service_model, stats, record)
     return FleetRun(run, replicas, router, config, _summaries(run, reps, routed, stats), routed,
                     [r.target.record for r in reps])
 
 
-def _merge(workload: Workload, reps: list[Replica], routed: np.ndarray,
-           with_frontend: bool) -> tuple[EncoderRecord, np.ndarray | None]:
+def _merge(workload: Workload, reps: list[Replica], routed: np.ndarray) -> EncoderRecord:
     """Every row's record from the replica it was routed to; every replica's batches, in turn."""
     n = len(workload)
     dispatch = np.full(n, math.nan)
     finish = np.full(n, math.nan)
     status = np.full(n, PENDING, dtype=np.int64)
-    at_batcher = workload.arrival_s.astype(float).copy() if with_frontend else None
     record = EncoderRecord(n)
     for k, r in enumerate(reps):
         rows = np.flatnonzero(routed == k)
@@ -321,11 +298,8 @@ def _merge(workload: Workload, reps: list[Replica], routed: np.ndarray,
             record.reasons[key] = record.reasons.get(key, 0) + v
         for name in ("b_start", "b_duration", "b_size", "b_padded_len", "b_tokens", "b_useful", "b_attn"):
             getattr(record, name).extend(getattr(rec, name))
-        if at_batcher is not None:
-            for row, t in r.batcher_arrival.items():
-                at_batcher[row] = t
     record.dispatch_s, record.finish_s, record.status = dispatch.tolist(), finish.tolist(), status.tolist()
-    return record, at_batcher
+    return record
 
 
 def _summaries(run: SimRun, reps: list[Replica], routed: np.ndarray,

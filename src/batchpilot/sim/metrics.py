@@ -108,8 +108,7 @@ def summarize(run: SimRun, sla_s: float = 1.0, warmup_s: float = 0.0) -> SimRepo
     measured = arrival >= warmup_s
     done = measured & (status == DONE)
     lat = finish[done] - arrival[done]
-    at_batcher = arrival if run.batcher_arrival_s is None else run.batcher_arrival_s
-    wait = dispatch[done] - at_batcher[done]  # queue time in the batcher, as the server measures it
+    wait = dispatch[done] - arrival[done]  # queue time in the batcher, as the server measures it
     n_meas = int(measured.sum())
     # failures as a huge finite latency (inf would make the interpolation inf - inf = nan)
     lat_all = np.where(done, finish - arrival, _FAILED)[measured]

@@ -12,12 +12,9 @@ Every decision is the scheduler's. It records (per request and per batch, flat l
 
 from __future__ import annotations
 
-import heapq
 import math
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -28,7 +25,7 @@ from batchpilot.core.costmodel import CostModel
 from batchpilot.core.request import Request
 from batchpilot.core.scheduler import BatchScheduler
 from batchpilot.sim.engine import Engine, EngineStats, Job, StopSimulation
-from batchpilot.sim.service import RATE_WINDOW_S, BatchNoise, BusyWindow, FrontEnd, served_seconds
+from batchpilot.sim.service import BatchCost, BatchNoise, ServiceModel
 from batchpilot.sim.traces import Workload
 
 DONE, PENDING, REJECTED, DROPPED = 1, 0, 2, 3
@@ -71,63 +68,27 @@ class EncoderTarget:
         seed: int = 0,
         request_sla_s: float | None = None,
         stop_after_misses: tuple[float, int, float] | None = None,
-        batch_overhead_s: float = 0.0,
-        batch_gap_s: float = 0.0,
-        loaded: tuple[float, float, float] = (1.0, 0.0, 0.0),
-        loaded_residuals: tuple[float, ...] = (),
-        loaded_residual_ref_s: float = 0.0,
-        loaded_idle_factors: tuple[float, ...] = (),
-        loaded_token_factors: tuple[tuple[int, float], ...] = (),
-        loaded_busy_factors: tuple[float, ...] = (),
-        loaded_wander: float = 0.0,
-        batch_gap_per_input_s: float = 0.0,
+        service: ServiceModel | None = None,
     ) -> None:
-        """``batch_overhead_s``: seconds the live driver adds to every batch outside the model (thread
-        hand-offs, the event loop; the profile's ``frontend.batch_overhead_s``); ``batch_gap_s``: in
-        its place for a batch that starts as the one before it ends, the driver's turnaround under
-        load, plus ``batch_gap_per_input_s`` per input of the batch that ended last (``frontend``'s;
-        both 0: ``batch_overhead_s``). ``loaded``: (alpha,
-        rate coefficient, const) of a batch's time under serving load, ``cost model * (alpha + coef *
-        rate) + const`` with ``rate`` the arrivals of the last ``RATE_WINDOW_S`` per second (the
-        profile's ``frontend.loaded_*``); ``loaded_residuals``: the served batches'
-        spread around it, drawn from for every batch (seeded) in place of the profile's residuals, in
-        the units of a batch of ``loaded_residual_ref_s`` seconds (``FrontEnd.residual_scale``);
-        ``loaded_idle_factors``: the line's factor by the idle time before the batch (no batch running
-        on any slot; ``sim.service.idle_factor``); ``loaded_token_factors``: its factor by the batch's
-        computed tokens (the thread plan's steps; ``sim.service.step_factor``);
-        ``loaded_busy_factors``: its factor by the share of the second before the batch starts in
-        which a batch ran (``sim.service.BusyWindow``); ``loaded_wander``: the machine's speed
-        wander between windows of simulated time (``sim.service``), drawn with the residuals.
-        ``stop_after_misses = (sla_s, max_misses, warmup_s)``: stop the run (``StopSimulation``) once more
-        than ``max_misses`` measured requests finished later than ``sla_s`` or failed — the tuner's
-        early exit when a probe's P99 is already lost for certain."""
+        """``service``: what a served batch costs beyond its price and how it scatters (the profile's
+        ``ServiceModel``: ``batch`` and ``noise``; its ``request`` part is added to each request by
+        ``simulate_encoder``); None: every batch takes the cost model's time, drawn with its own
+        residuals when ``noise``. ``stop_after_misses = (sla_s, max_misses, warmup_s)``: stop the run
+        (``StopSimulation``) once more than ``max_misses`` measured requests finished later than
+        ``sla_s`` or failed — the tuner's early exit when a probe's P99 is already lost for certain."""
         self.scheduler = scheduler
         self.workload = workload
         self.service_model = service_model or scheduler.cost_model
-        self.noise = noise
         self.request_sla_s = request_sla_s
         self.record = EncoderRecord(len(workload))
         self._lengths = workload.input_tokens.tolist()
         self._prio = workload.priority.tolist()
-        self.noise = noise or bool(loaded_residuals)
-        self._noise = BatchNoise(loaded_residuals or self.service_model.rel_residuals,
-                                 loaded_residual_ref_s if loaded_residuals else 0.0,
-                                 loaded_wander if loaded_residuals else 0.0, seed) if self.noise else None
+        self._batch = service.batch if service is not None else BatchCost()
+        self._noise = service.noise.sampler(seed) if service is not None else None
+        if self._noise is None and noise and self.service_model.rel_residuals:  # the cost model's own spread
+            self._noise = BatchNoise(self.service_model.rel_residuals, seed=seed)
+        self.noise = self._noise is not None
         self._stop = stop_after_misses
-        self._overhead, self._per_input = batch_overhead_s, batch_gap_per_input_s
-        self._gap = batch_gap_s if batch_gap_s or batch_gap_per_input_s else batch_overhead_s
-        self._answered = self._started = 0  # inputs of the batch that ended last / that started last
-        self._loaded = loaded
-        self._rate_coef = loaded[1]
-        self._idle_factors = loaded_idle_factors
-        self._token_factors = loaded_token_factors
-        self._busy_factors = loaded_busy_factors
-        self._busy = BusyWindow() if loaded_busy_factors else None
-        self._ends: list[float] = []  # the batches in flight: when each ends (only with busy factors)
-        self._slots = scheduler.config.num_slots
-        self._in_flight = 0  # batches started (or collated behind a running one) and not done
-        self._last_end = -math.inf  # when the last batch done so far ended
-        self._recent: deque[float] = deque()  # arrivals in the last RATE_WINDOW_S (only with a rate coef)
         self.num_misses = 0
 
     @property
@@ -135,8 +96,6 @@ class EncoderTarget:
         return self.scheduler.num_waiting > 0
 
     def on_arrival(self, index: int, now: float) -> None:
-        if self._rate_coef:
-            self._recent.append(now)
         req = Request(index, now, self._lengths[index], self._prio[index], None, self.request_sla_s)
         rejection = self.scheduler.submit(req, now)
         if rejection is not None:
@@ -168,11 +127,6 @@ class EncoderTarget:
 
     def on_job_done(self, job: Job, now: float) -> None:
         batch: Batch = job.payload
-        self._in_flight -= 1
-        if self._ends:
-            heapq.heappop(self._ends)
-        self._last_end = max(self._last_end, now)
-        self._answered = batch.shape.n
         rec = self.record
         finish, status = rec.finish_s, rec.status
         for r in batch.requests:
@@ -193,30 +147,10 @@ class EncoderTarget:
 
     def _duration(self, batch: Batch, now: float) -> float:
         shape = batch.shape
-        rate = 0.0
-        if self._rate_coef:
-            recent, start = self._recent, now - RATE_WINDOW_S
-            while recent and recent[0] < start:
-                recent.popleft()
-            rate = len(recent) / RATE_WINDOW_S
-        # a batch started while another runs (or behind it) found no idle time
-        idle_s = 0.0 if self._in_flight else now - self._last_end
-        # answered on the event loop before this batch begins: the batch it starts behind, else the last
-        answered, self._started = self._started if self._in_flight else self._answered, shape.n
-        busy, start = 0.0, now
-        if self._busy is not None:  # with every slot busy the batch starts when the first one ends
-            start = max(now, self._ends[0]) if self._in_flight >= self._slots and self._ends else now
-            busy = self._busy.share(start)
-        self._in_flight += 1
-        mean = served_seconds(self.service_model.batch_latency(shape.n, shape.tokens, shape.attn),
-                              self._loaded, rate, idle_s, shape.tokens, self._idle_factors,
-                              self._token_factors, busy, self._busy_factors)
-        took = (self._noise.draw(mean, start) if self._noise is not None else mean) \
-            + (self._gap + self._per_input * answered if idle_s == 0.0 else self._overhead)
-        if self._busy is not None:
-            self._busy.add(start, start + took)
-            heapq.heappush(self._ends, start + took)
-        return took
+        line = self._batch.seconds(self.service_model.batch_latency(shape.n, shape.tokens, shape.attn),
+                                   shape.tokens)
+        took = self._noise.draw(line) if self._noise is not None else line
+        return took + self._batch.overhead_s
 
     def _fail(self, rej: Rejection, kind: int, now: float) -> None:
         rec = self.record
@@ -233,25 +167,13 @@ class EncoderTarget:
             raise StopSimulation(f"{self.num_misses} requests missed the SLA")
 
 
-def draws_batch_times(noise: bool, frontend: FrontEnd | None, service_model: CostModel) -> bool:
+def draws_batch_times(noise: bool, service: ServiceModel | None, service_model: CostModel) -> bool:
     """Whether ``simulate_encoder`` draws batch times (so that runs of different seeds differ): the
-    profile's loaded residuals, or ``noise`` with the service model's own residuals (the rule of
+    service model's noise, else ``noise`` with the cost model's own residuals (the rule of
     ``EncoderTarget``)."""
-    if frontend is not None and frontend.loaded_residuals:
+    if service is not None and service.draws_batch_times:
         return True
     return bool(noise and service_model.rel_residuals)
-
-
-def served_batch_terms(frontend: FrontEnd | None) -> dict[str, Any]:
-    """``EncoderTarget``'s keyword arguments for what the profile's serving path says a served batch
-    costs beyond the cost model (none without a front end)."""
-    if frontend is None:
-        return {}
-    names = ("batch_overhead_s", "batch_gap_s", "batch_gap_per_input_s", "loaded_residuals",
-             "loaded_residual_ref_s", "loaded_idle_factors", "loaded_token_factors", "loaded_busy_factors",
-             "loaded_wander")
-    return {"loaded": (frontend.loaded_alpha, frontend.loaded_rate_coef, frontend.loaded_const_s),
-            **{name: getattr(frontend, name) for name in names}}
 
 
 @dataclass
@@ -264,7 +186,6 @@ class SimRun:
     service_model: CostModel  # what batches really cost (the same object unless a study says otherwise)
     stats: EngineStats
     record: EncoderRecord
-    batcher_arrival_s: np.ndarray | None = None  # after the front end's serial stage (None: = arrival)
 
 
 def simulate_encoder(
@@ -278,23 +199,20 @@ def simulate_encoder(
     request_sla_s: float | None = None,
     progress: Callable[[int], None] | None = None,
     stop_after_misses: tuple[float, int, float] | None = None,
-    frontend: FrontEnd | None = None,
+    service: ServiceModel | None = None,
 ) -> SimRun:
     """Replay ``workload`` through a fresh ``BatchScheduler(config, cost_model)`` on ``config.num_slots``.
 
-    With ``frontend`` (``sim.service``), requests reach the scheduler after its serial stage and
-    finish after its delay; latencies stay measured from the workload's own arrival times."""
+    With ``service`` (``sim.service.ServiceModel``), batches take its batch part's time with its noise
+    and requests finish after its request part's delay; latencies are measured from the workload's
+    arrival times."""
     config = config or SchedulerConfig()
     cost_model = cost_model or CostModel.default_cpu_minilm()
     target = EncoderTarget(BatchScheduler(config, cost_model), workload, service_model, noise, seed,
-                           request_sla_s, stop_after_misses, **served_batch_terms(frontend))
+                           request_sla_s, stop_after_misses, service)
     engine = Engine(target, config.num_slots, progress=progress)
-    at_batcher = None
-    if frontend is not None:
-        at_batcher = frontend.batcher_arrivals(workload.arrival_s, workload.input_tokens)
-    stats = engine.run(workload.arrival_s if at_batcher is None else at_batcher)
-    if frontend is not None:
+    stats = engine.run(workload.arrival_s)
+    if service is not None:
         rec = target.record
-        delay = frontend.delay(workload.input_tokens, workload.arrival_s)
-        rec.finish_s = (np.asarray(rec.finish_s) + delay).tolist()
-    return SimRun(workload, config, cost_model, target.service_model, stats, target.record, at_batcher)
+        rec.finish_s = (np.asarray(rec.finish_s) + service.request.delay(workload.input_tokens)).tolist()
+    return SimRun(workload, config, cost_model, target.service_model, stats, target.record)

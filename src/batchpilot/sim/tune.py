@@ -34,7 +34,7 @@ from batchpilot.core.costmodel import CostModel
 from batchpilot.core.deployment import DeploymentSpec, ModelLimits, resolve_deployment
 from batchpilot.sim.fleet import simulate_fleet
 from batchpilot.sim.metrics import SimReport, summarize
-from batchpilot.sim.service import FrontEnd
+from batchpilot.sim.service import ServiceModel
 from batchpilot.sim.target import simulate_encoder
 from batchpilot.sim.traces import Workload
 
@@ -138,17 +138,17 @@ class TuneResult:
 class Tuner:
     """Every probe simulates the deployment ``serve`` would run with the candidate as its ``encoder:``
     section and ``spec``'s ``server:`` options (``core.deployment.resolve_deployment``), and, with
-    ``frontend``, the serving path the profile measured."""
+    ``service``, the service model the profile measured."""
 
     def __init__(self, workload: Workload, cost_model: CostModel, tc: TuneConfig,
                  base: SchedulerConfig | None = None, log: Callable[[str], None] | None = None,
-                 spec: DeploymentSpec | None = None, frontend: FrontEnd | None = None) -> None:
+                 spec: DeploymentSpec | None = None, service: ServiceModel | None = None) -> None:
         self.workload = workload
         self.cost_model = cost_model
         self.tc = tc
         self.spec = spec or DeploymentSpec()
         self.base = base or self.spec.encoder
-        self.frontend = frontend and frontend.serving(self.spec.server.tokenizer_workers)
+        self.service = service
         self.limits = ModelLimits.from_meta(cost_model.meta)
         self.log = log or (lambda _: None)
         self.num_simulations = 0
@@ -173,7 +173,7 @@ class Tuner:
         stop = self.stop_rule(scaled) if stop_early else None
         self.num_simulations += 1
         run = simulate_encoder(scaled, self.deployed(cfg), self.cost_model, noise=tc.noise, seed=tc.seed,
-                               stop_after_misses=stop, frontend=self.frontend)
+                               stop_after_misses=stop, service=self.service)
         if run.stats.aborted:
             return None
         return summarize(run, tc.sla_p99_s, tc.warmup_s)
@@ -362,9 +362,9 @@ def tune_variants(workload: Workload, profiles: Sequence[str], tc: TuneConfig, s
     for path in profiles:
         cost_model = CostModel.load(path)
         meta = cost_model.meta
-        frontend = None if batcher_only else FrontEnd.from_profile(path)
+        service = None if batcher_only else ServiceModel.from_profile(path)
         v = VariantResult(path, str(meta.get("backend", "torch")), str(meta.get("dtype", "float32")),
-                          Tuner(workload, cost_model, tc, log=log, spec=spec, frontend=frontend).run())
+                          Tuner(workload, cost_model, tc, log=log, spec=spec, service=service).run())
         log(f"{v.label}: best {v.result.best.label}, {v.result.best.rps:.2f} req/s")
         out.append(v)
     return sorted(out, key=lambda v: -v.result.best.rps)
@@ -420,8 +420,8 @@ class FleetTuner(Tuner):
 
     def __init__(self, workload: Workload, cost_model: CostModel, tc: TuneConfig, *, replicas: int,
                  router: str, log: Callable[[str], None] | None = None, spec: DeploymentSpec | None = None,
-                 frontend: FrontEnd | None = None) -> None:
-        super().__init__(workload, cost_model, tc, log=log, spec=spec, frontend=frontend)
+                 service: ServiceModel | None = None) -> None:
+        super().__init__(workload, cost_model, tc, log=log, spec=spec, service=service)
         self.replicas = replicas
         self.router = router
 
@@ -434,7 +434,7 @@ class FleetTuner(Tuner):
         fleet = simulate_fleet(scaled, self.deployed(cfg), self.cost_model, replicas=self.replicas,
                                router=self.router, noise=tc.noise, seed=tc.seed,
                                stop_after_misses=self.stop_rule(scaled) if stop_early else None,
-                               frontend=self.frontend)
+                               service=self.service)
         if fleet.run.stats.aborted:
             return None
         return summarize(fleet.run, tc.sla_p99_s, tc.warmup_s)
@@ -456,7 +456,7 @@ class FleetTuneResult:
 
 
 def tune_fleet(workload: Workload, cost_model: CostModel, tc: TuneConfig, *, max_replicas: int, router: str,
-               spec: DeploymentSpec | None = None, frontend: FrontEnd | None = None,
+               spec: DeploymentSpec | None = None, service: ServiceModel | None = None,
                log: Callable[[str], None] = lambda _: None) -> FleetTuneResult:
     """One tuner search per replica count from 1, up to the first that holds the SLA at scale 1."""
     if max_replicas < 1:
@@ -465,7 +465,7 @@ def tune_fleet(workload: Workload, cost_model: CostModel, tc: TuneConfig, *, max
     tuner = None
     for n in range(1, max_replicas + 1):
         tuner = FleetTuner(workload, cost_model, tc, replicas=n, router=router, log=log, spec=spec,
-                           frontend=frontend)
+                           service=service)
         result = tuner.run()
         searches.append((n, result))
         holds = result.best.capacity >= 1.0
