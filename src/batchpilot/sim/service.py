@@ -60,7 +60,8 @@ def binned_factors(index: np.ndarray, bins: int, took: np.ndarray, line: np.ndar
                    prior: float) -> tuple[tuple[float, ...], list[int]]:
     """Per bin ``k`` (the rows with ``index == k``): ``(sum took + prior * m) / (sum line + prior * m)``,
     ``m`` the bin's mean line, so a bin of few rows stays near 1 (none: exactly 1). Normalised so that
-    the line times the factors keeps the totals (``sum took``). Returns the factors and the rows per
+    the line times the factors keeps the line's total (``sum line``; pass a line scaled to ``sum took``
+    for factors that keep the measured total). Returns the factors and the rows per
     bin."""
     factors, counts = [], []
     for k in range(bins):
@@ -250,19 +251,22 @@ class ServiceModel:
     def from_dict(cls, d: dict[str, Any]) -> ServiceModel:
         """The inverse of ``to_dict``; fields a part lacks keep their defaults, unknown ones (a profile
         of another batchpilot version) are refused."""
-        unknown = sorted(set(d) - {"request", "batch", "noise"})
+        kinds = {"request": RequestCost, "batch": BatchCost, "noise": Noise}
+        unknown = sorted(set(d) - set(kinds))
+        for name, kind in kinds.items():
+            known = {f.name for f in fields(kind)}
+            unknown += [f"{name}.{k}" for k in sorted(set(d.get(name) or {}) - known)]
+        if unknown:
+            raise ValueError(f"the profile's service model has unknown fields {', '.join(unknown)}: it was "
+                             "written by another batchpilot version; run `batchpilot profile` again")
         parts: dict[str, Any] = {}
-        for name, kind in (("request", RequestCost), ("batch", BatchCost), ("noise", Noise)):
+        for name, kind in kinds.items():
             entry = dict(d.get(name) or {})
-            unknown += [f"{name}.{k}" for k in sorted(set(entry) - {f.name for f in fields(kind)})]
             if "token_factors" in entry:
                 entry["token_factors"] = tuple((int(lo), float(f)) for lo, f in entry["token_factors"])
             if "residuals" in entry:
                 entry["residuals"] = tuple(float(x) for x in entry["residuals"])
-            parts[name] = kind(**{k: v for k, v in entry.items() if k in {f.name for f in fields(kind)}})
-        if unknown:
-            raise ValueError(f"the profile's service model has unknown fields {', '.join(unknown)}: it was "
-                             "written by another batchpilot version; run `batchpilot profile` again")
+            parts[name] = kind(**entry)
         return cls(**parts)
 
     @classmethod
@@ -273,8 +277,7 @@ class ServiceModel:
         doc = json.loads(Path(path).read_text())
         if not isinstance(doc, dict):
             return None
-        old = doc.get("frontend")
-        if "service" not in doc and isinstance(old, dict) and "serial_const_s" in old:
+        if "service" not in doc and "frontend" in doc:
             raise ValueError(f"{path} holds a service model of an older batchpilot version ('frontend'); run "
                              "`batchpilot profile` again")
         entry = doc.get("service")
