@@ -101,16 +101,15 @@ def test_each_open_loop_segment_arrives_at_its_share_of_the_one_at_a_time_rate()
 
 def test_the_loaded_phase_runs_hundreds_of_decode_steps_at_each_count_a_loaded_server_runs_most() -> None:
     """Simulated on the stated default step model, the open-loop segments and bursts give every bin of
-    sequences per step from 4 to 31 (4-7, 8-15, 16-31) at least 200 decode-only steps: the loaded
-    phase's speed is measured where a loaded server runs."""
-    from batchpilot.sim.llm import default_llm_cost_model, simulate_llm
+    ``step_seq_factors`` from 4 to 31 sequences at least 200 decode-only steps (the factors' fit)."""
+    from batchpilot.sim.llm import SEQ_EDGES, default_llm_cost_model, simulate_llm
 
     config, model = LLMSchedulerConfig(), default_llm_cost_model()
     wl = loaded_workload(config, model, seed=0, n=LOADED_REQUESTS, burst=burst_streams(config))
     record = simulate_llm(wl, config, model).record
     seqs, tokens = np.array(record.step_seqs), np.array(record.step_tokens)
     decode = tokens == seqs
-    edges = [1, 2, 4, 8, 16, 32, 10**9]
+    edges = [*SEQ_EDGES, 10**9]
     steps = {lo: int((decode & (seqs >= lo) & (seqs < hi)).sum())
              for lo, hi in zip(edges, edges[1:], strict=False)}
     assert all(steps[lo] >= 200 for lo in (4, 8, 16)), steps

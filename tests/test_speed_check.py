@@ -121,7 +121,8 @@ def test_an_llm_profile_rechecks_its_own_steps(monkeypatch: pytest.MonkeyPatch) 
     assert {(tuple(p["prefills"]), p["decodes"], p["context"]) for p in points} >= {((8,), 0, 1), ((), 2, 32),
                                                                                   ((8,), 1, 32)}
     doc = {"kind": "llm", "cost_model": model.to_dict(),
-           "service": {"first_token_delay_s": 0.005, "step_alpha": 1.1, "prefill_factor": 0.9}}
+           "service": {"first_token_delay_s": 0.005, "step_alpha": 1.1, "step_const_s": 0.001,
+                       "step_per_seq_s": 0.0001}}
     built: list[dict[str, Any]] = []
     real = build_llm_engine
 
@@ -134,7 +135,9 @@ def test_an_llm_profile_rechecks_its_own_steps(monkeypatch: pytest.MonkeyPatch) 
     assert built[0]["dtype"] == "float32" and built[0]["start"] is False
     assert check.ratio > 0 and len(check.batches) == len(points)  # every step under 50 ms here
     out = rescaled(doc, check)
-    assert out["service"] == doc["service"]  # ratios to the step model's price: they move with it
+    assert out["service"]["step_const_s"] == pytest.approx(0.001 * check.ratio)
+    assert out["service"]["step_per_seq_s"] == pytest.approx(0.0001 * check.ratio)
+    assert out["service"]["step_alpha"] == 1.1 and out["service"]["first_token_delay_s"] == 0.005
     assert out["cost_model"]["latency_coef"] == pytest.approx([c * check.ratio for c in model.latency_coef])
     # every step, the grid's own shape included (sim.llm), is priced at the checked speed
     from batchpilot.sim.llm import StepPricer, step_point_shape

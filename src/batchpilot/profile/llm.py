@@ -220,8 +220,10 @@ def serving_path(engine: Any, cost_model: Any, **measure: Any) -> tuple[dict[str
         engine.shutdown()
     print(f"serving path: first token {service.first_token_delay_s * 1e3:.2f} ms after the engine's "
           f"({details['first_token']['ok']} lone streams); under load a step takes "
-          f"{service.step_alpha:.3f} x the step model (x{service.prefill_factor:.3f} more with a prefill "
-          f"chunk; {details['loaded'].get('steps', 0)} steps) in {time.perf_counter() - t0:.1f} s")
+          f"{service.step_alpha:.3f} x the step model + {service.step_const_s * 1e3:.2f} ms + "
+          f"{service.step_per_seq_s * 1e3:.3f} ms per sequence ({details['loaded'].get('steps', 0)} "
+          f"steps) in {time.perf_counter() - t0:.1f} s; the forward by sequences per step: "
+          + ", ".join(f"x{f:.3f} from {lo}" for lo, f in service.step_seq_factors))
     return service.to_dict(), details
 
 
@@ -246,8 +248,8 @@ def serving_path(engine: Any, cost_model: Any, **measure: Any) -> tuple[dict[str
 #    rate at which the engine would serve them one at a time (from the step profile): about 1, 5-15, 3-5 and
 #    10-30 sequences per step, with requests arriving while they run. Each share runs in two segments of
 #    its own, so that the decode-only steps at 4-31 sequences, the counts a loaded server runs most,
-#    number several hundred and are spread over the phase, not taken in one stretch of the machine's
-#    speed. A live step of many sequences usually has new
+#    number several hundred per bin of ``step_seq_factors`` and are spread over the phase, not taken in
+#    one stretch of the machine's speed. A live step of many sequences usually has new
 #    requests arriving beside it (their HTTP, tokenising, first chunks on the same cores), and such steps ran
 #    slower than those of a burst's walk-down, where every stream arrived at the start (docs/benchmarks.md,
 #    conv-llm). Then ``BURST_ROUNDS`` bursts, one after another, of ``burst_streams`` streams (the engine's
@@ -255,9 +257,11 @@ def serving_path(engine: Any, cost_model: Any, **measure: Any) -> tuple[dict[str
 #    ``BURST_WINDOW_STEPS`` one-sequence decode steps: every stream of a burst runs at once and, as their
 #    outputs (16-128 tokens) end, the steps walk down from that many sequences to one, the batch sizes a
 #    loaded server runs. Every engine step is observed (``engine.step_observers``);
-#    ``LLMServiceModel.fit_steps`` turns them into the speed of the forward under load (``step_alpha``,
-#    and ``prefill_factor`` for steps with a prefill chunk), over the sequences per step observed
-#    (``loaded``: ``mean_seqs``, ``p90_seqs``, ``max_seqs``).
+#    ``LLMServiceModel.fit_steps`` turns them into the speed of the forward under load (``step_alpha``)
+#    and what a busy step costs beyond it (``step_const_s + step_per_seq_s * seqs``: scheduling,
+#    detokenising and delivering each token, the event loop streaming it on the same cores, the gap to
+#    the next step), measured over the sequences per step observed (``loaded``: ``mean_seqs``,
+#    ``p90_seqs``, ``max_seqs``).
 
 REQUESTS = 12
 OUTPUT_TOKENS = 4

@@ -102,9 +102,11 @@ def rescaled(doc: dict[str, Any], check: SpeedCheck, source: str = "") -> dict[s
         # the grid keeps its own times (the next recheck compares against them); the step model's shape
         # table reads them at this speed (``sim.llm``)
         cm["meta"]["step_points_speed"] = check.ratio
-    batch = ((out.get("service") or {}).get("batch") or {}) if out.get("kind") != "llm" else {}
-    if "const_s" in batch:  # seconds per batch: the machine's speed moves them too
-        batch["const_s"] *= r
+    llm = out.get("kind") == "llm"
+    part = (out.get("service") or {}) if llm else (out.get("service") or {}).get("batch") or {}
+    for key in ("step_const_s", "step_per_seq_s") if llm else ("const_s",):
+        if key in part:  # seconds per batch or step: the machine's speed moves them too
+            part[key] *= r
     out["speed_check"] = {"of": source, "date": datetime.datetime.now(datetime.timezone.utc)
                           .isoformat(timespec="seconds"), **check.to_dict()}
     return out

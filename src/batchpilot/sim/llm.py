@@ -1,7 +1,7 @@
 """The LLM target: the real ``LLMScheduler`` in the simulator's event loop, each step timed by a cost model.
 
 One slot (one engine), one job per iteration (docs/simulator.md): ``schedule`` asks the scheduler for a
-step and returns ``Job(service.step_seconds(price, prefill), plan)``, ``price`` the step model's
+step and returns ``Job(service.step_seconds(price, seqs, prefill), plan)``, ``price`` the step model's
 line times the step profile's measured shape (``sim.llm.StepPricer``), ``prefill`` whether
 the step carries a prefill chunk (the serving path's step terms, ``sim.llm``; nothing added
 without one); when the job ends,
@@ -39,7 +39,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from batchpilot.core.costmodel import LLM_FEATURES, CostModel, StepShape
+from batchpilot.core.costmodel import LLM_FEATURES, CostModel, StepShape, nonneg_lstsq
 from batchpilot.core.deployment import DeploymentSpec, LLMDeployment, LLMModelLimits, resolve_llm_deployment
 from batchpilot.core.llm.admission import NEVER_FITS, TIMEOUT, LLMAdmission, request_deadline
 from batchpilot.core.llm.config import LLMSchedulerConfig, MemoryProfile
@@ -53,7 +53,7 @@ from batchpilot.core.llm.scheduler import (
 from batchpilot.core.llm.sequence import SamplingParams
 from batchpilot.core.llm.sequence import Sequence as LLMSequence
 from batchpilot.sim.engine import Engine, EngineStats, Job
-from batchpilot.sim.service import check_finite_nonneg
+from batchpilot.sim.service import binned_factors, check_finite_nonneg, step_factor
 from batchpilot.sim.traces import Workload
 
 # The step profile's own shape error, read back as a factor on the step model's price.
@@ -192,64 +192,105 @@ class StepPricer:
         return self.cost_model.sample_latency(shape, u) * self.table.factor(shape)
 
 
-# The LLM service model: what the simulator adds to each engine step and each token.
+# The LLM serving path around the step cost model: what the simulator adds to each step and each token.
 #
-# The step profile (``profile.llm``) times forward + sampling of a step shape alone. A live engine step
-# runs slower while the server streams tokens on the same cores, and a client's first token arrives
-# after the engine made it. ``profile.llm`` measures both on the real app with the profile's own traffic
-# (never the traffic it predicts) and writes these fields into the profile's ``service``:
+# The step profile (``profile.llm``) times forward + sampling of a step shape alone. A live engine
+# step costs the streams more: scheduling, detokenising and delivering each sequence's token, the event
+# loop writing every token's SSE chunk on the same cores, the gap to the next step, and the machine's
+# speed under that load. ``profile.llm`` measures it on the real app with the profile's
+# own traffic (never the traffic it predicts) and writes these fields into the profile's ``service``:
 #
 # * ``first_token_delay_s``: a client's first token arrives this long after the engine made it (HTTP in,
 #   hand-off, the first chunk out); every token pays it, so TPOT is unchanged.
-# * ``step_alpha``: the loaded steps' forward seconds over ``StepPricer``'s prediction for the same
-#   shapes (the speed under load, contention inside the forward included).
-# * ``prefill_factor``: the same ratio for the steps that carry a prefill chunk, over ``step_alpha``:
-#   such a step is mostly prompt work, which load slows differently from decodes.
+# * ``step_alpha``: the loaded steps' forward seconds over the step profile's prediction for the same
+#   shapes (the speed, contention inside the forward included).
+# * ``step_const_s``, ``step_per_seq_s``: what a busy step costs beyond its forward, ``step_const_s +
+#   step_per_seq_s * seqs``: a step's start-to-next-start interval less its own measured forward,
+#   averaged over the steps of each sequence count, and the line fitted (non-negative least
+#   squares) to those means, each count weighing the square root of its steps, so the many steps at
+#   one to three sequences an open-loop load runs do not outweigh a few at many sequences: the line
+#   holds over the whole range of sequences per step the load reached (``mean_seqs``, ``max_seqs`` in
+#   what ``fit_steps`` reports), and is extrapolated beyond it. The forward's own deviation from
+#   ``step_alpha`` times its prediction stays out of it: a step model that is off by a different
+#   fraction at one and at 64 sequences would otherwise tilt the line (its slope would price the step
+#   model's error, paid again on every sequence of every simulated step).
 #
-# A simulated step takes ``step_seconds(predicted, prefill)``; ``LLMServiceModel()`` adds nothing. A line
-# for a busy step's cost beyond its forward (per step and per sequence) and a factor per count of
-# sequences were measured too, and dropped: on conv-llm, removing them moved every bias toward 0
-# (docs/simulator.md, "The service-time model").
+# * ``step_seq_factors``: ``(min_seqs, factor)`` per bin of sequences per step (``SEQ_EDGES``: 1, 2-3,
+#   4-7, 8-15, 16-31, 32+), for steps of decodes only: their forward over ``step_alpha`` times the
+#   prediction, per bin (``service.binned_factors``: each bin weighs ``SEQ_PRIOR_STEPS`` steps at 1
+#   beside its own, so a bin of few steps stays near 1). Streaming more sequences' tokens on the same
+#   cores slows the forward beside it: conv-llm profiles put a loaded decode step's forward at about
+#   0.9 of its price at one sequence and 1.1 at 16-31 (their ``service.step_seq_factors``,
+#   docs/simulator.md).
+# * ``prefill_factor``: the same ratio for the steps that carry a prefill chunk, one for every count.
+#   Such a step is mostly prompt work, which does not follow the decodes' curve; a factor per count
+#   pooled over both kinds is priced by the profile's mix of them (its loaded phase runs many prefills
+#   beside few decodes; a loaded server runs mostly decodes) and misprices the other mix.
+#
+# The prediction these ratios are taken against is ``StepPricer``'s (``sim.llm``): the step
+# model's line times the step profile's own measured shape, so that they hold only what load adds.
+#
+# A simulated step takes ``step_seconds(predicted, seqs, prefill)``. ``LLMServiceModel()`` adds nothing.
+
+SEQ_EDGES = (1, 2, 4, 8, 16, 32)  # the lower bounds of the bins of sequences per step
+SEQ_PRIOR_STEPS = 10.0  # a bin's factor weighs this many steps at 1 beside its own
 
 
 @dataclass(frozen=True)
 class LLMServiceModel:
-    """The profile's LLM service-model fields (above); all finite and >= 0."""
+    """The profile's LLM serving-path fields (module docstring); all finite and >= 0."""
 
     first_token_delay_s: float = 0.0
     step_alpha: float = 1.0
+    step_const_s: float = 0.0
+    step_per_seq_s: float = 0.0
+    step_seq_factors: tuple[tuple[int, float], ...] = ()
     prefill_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        scalars = {k: v for k, v in asdict(self).items() if k != "step_seq_factors"}
+        check_finite_nonneg("llm service", scalars)
+        factors = tuple((int(lo), float(f)) for lo, f in self.step_seq_factors)
+        object.__setattr__(self, "step_seq_factors", factors)
+        if factors and (any(not (math.isfinite(f) and f > 0) for _, f in factors)
+                        or [lo for lo, _ in factors] != sorted({lo for lo, _ in factors})):
+            raise ValueError(f"llm service.step_seq_factors = {factors!r}; must be (min_seqs, factor > 0) "
+                             "pairs with ascending min_seqs")
 
     # per term, the values of its fields that remove it (``without``: the ablation of ``bench fidelity``)
     TERMS: ClassVar[dict[str, dict[str, Any]]] = {
         "first-token delay": {"first_token_delay_s": 0.0},
         "step speed": {"step_alpha": 1.0},
+        "step overhead": {"step_const_s": 0.0, "step_per_seq_s": 0.0},
+        "sequence factors": {"step_seq_factors": ()},
         "prefill factor": {"prefill_factor": 1.0},
     }
-
-    def __post_init__(self) -> None:
-        check_finite_nonneg("llm service", asdict(self))
 
     def without(self, term: str) -> LLMServiceModel:
         """This model with ``term`` (a key of ``TERMS``) removed, the other terms as fitted."""
         return dataclasses.replace(self, **self.TERMS[term])
 
-    def step_seconds(self, predicted_s: float, prefill: bool = False) -> float:
+    def forward_factor(self, seqs: int, prefill: bool = False) -> float:
+        """``step_alpha`` times ``prefill_factor`` for a step with a prefill chunk, else the
+        ``step_seq_factors`` entry of a step of ``seqs`` sequences."""
+        factor = self.prefill_factor if prefill else step_factor(self.step_seq_factors, seqs)
+        return self.step_alpha * factor
+
+    def step_seconds(self, predicted_s: float, seqs: int, prefill: bool = False) -> float:
         """A step's time as the streams see it, from ``StepPricer``'s ``predicted_s``."""
-        return predicted_s * self.step_alpha * (self.prefill_factor if prefill else 1.0)
+        forward = self.forward_factor(seqs, prefill) * predicted_s
+        return forward + self.step_const_s + self.step_per_seq_s * seqs
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d: dict[str, Any] = asdict(self)
+        d["step_seq_factors"] = [list(p) for p in self.step_seq_factors]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LLMServiceModel:
-        """The inverse of ``to_dict``; unknown fields (a profile of another version) are refused."""
-        unknown = sorted(set(d) - {f.name for f in fields(cls)})
-        if unknown:
-            raise ValueError(f"the profile's llm service model has unknown fields {', '.join(unknown)}: "
-                             "it was written by another batchpilot version; run `batchpilot profile --llm` "
-                             "again")
-        return cls(**{k: float(v) for k, v in d.items()})
+        names = {f.name for f in fields(cls)} - {"step_seq_factors"}
+        factors = tuple((int(lo), float(f)) for lo, f in d.get("step_seq_factors") or ())
+        return cls(**{k: float(v) for k, v in d.items() if k in names}, step_seq_factors=factors)
 
     @classmethod
     def from_profile(cls, path: str | Path) -> LLMServiceModel:
@@ -266,10 +307,11 @@ class LLMServiceModel:
                   wall_s: Sequence[float], seqs: Sequence[int], features: Sequence[dict[str, float]],
                   after_idle: Sequence[bool],
                   first_token_delay_s: float = 0.0) -> tuple[LLMServiceModel, dict[str, Any]]:
-        """Fit the step fields on logged loaded steps, in order, each priced by ``StepPricer(cost_model)``.
-        Returns the fields and a JSON-ready dict of the fit: the sequences per step it covered
-        (``mean_seqs``, ``p90_seqs``, ``max_seqs``), the steps with a prefill chunk, and how the steps'
-        start-to-next-start cycles (``step_cycles``) compare with the fitted forward."""
+        """Fit the step fields on logged loaded steps, in order (module docstring), each priced by
+        ``StepPricer(cost_model)``; a step's cost to the streams is ``step_cycles``. Returns the fields
+        and a JSON-ready dict of the fit, with the sequences per step it covered: ``mean_seqs``,
+        ``p90_seqs``, ``max_seqs`` and ``seqs_levels`` (distinct counts), and the steps with a prefill
+        chunk (``prefill_steps``, and per bin of ``SEQ_EDGES``: ``prefill_steps_by_bin``)."""
         if len(starts) < 10:
             return cls(first_token_delay_s), {"steps": len(starts), "note": "too few steps: not measured"}
         pricer = StepPricer(cost_model)
@@ -278,20 +320,43 @@ class LLMServiceModel:
         fwd = np.asarray(forward_s, dtype=float)
         cycle = step_cycles(starts, wall_s, after_idle)
         alpha = float(fwd.sum() / pred.sum()) if pred.sum() > 0 else 1.0
-        with_prefill = alpha * pred[prefill]
-        prior = PREFILL_PRIOR_STEPS * (float(with_prefill.mean()) if with_prefill.size else 1.0)
-        pre = (float(fwd[prefill].sum()) + prior) / (float(with_prefill.sum()) + prior)
-        fe = cls(first_token_delay_s, alpha, pre)
+        extra = cycle - fwd  # beyond the step's own forward (module docstring)
         n = np.asarray(seqs, dtype=float)
-        line = np.array([fe.step_seconds(p, bool(k)) for p, k in zip(pred, prefill, strict=True)])
+        const, per_seq = per_level_line(n, extra)
+        index = np.searchsorted(np.asarray(SEQ_EDGES[1:]), n, side="right")
+        dec = ~prefill
+        factors, counts = ((1.0,) * len(SEQ_EDGES), [0] * len(SEQ_EDGES))
+        if dec.any():  # binned_factors keeps its line's total: give it the decodes' own
+            share = float(fwd[dec].sum() / (alpha * pred[dec]).sum())
+            factors, counts = binned_factors(index[dec], len(SEQ_EDGES), fwd[dec], share * alpha * pred[dec],
+                                             SEQ_PRIOR_STEPS)
+            factors = tuple(f * share for f in factors)
+        with_prefill = alpha * pred[prefill]
+        prior = SEQ_PRIOR_STEPS * (float(with_prefill.mean()) if with_prefill.size else 1.0)
+        pre = (float(fwd[prefill].sum()) + prior) / (float(with_prefill.sum()) + prior)
+        fe = cls(first_token_delay_s, alpha, const, per_seq, tuple(zip(SEQ_EDGES, factors, strict=True)), pre)
+        factor = np.array([fe.forward_factor(int(k), bool(p)) for k, p in zip(n, prefill, strict=True)])
+        line = factor * pred + const + per_seq * n  # step_seconds
         return fe, {
             "steps": len(starts), "mean_seqs": float(n.mean()), "p90_seqs": float(np.percentile(n, 90)),
-            "max_seqs": int(n.max()), "forward_over_predicted": alpha,
-            "cycle_over_predicted": float(cycle.sum() / pred.sum()), "prefill_factor": pre,
-            "prefill_steps": int(prefill.sum()), "residual_std": float((fwd / line - 1.0).std())}
+            "max_seqs": int(n.max()), "seqs_levels": int(np.unique(n).size),
+            "forward_over_predicted": alpha, "cycle_over_predicted": float(cycle.sum() / pred.sum()),
+            "mean_extra_s": float(extra.mean()), "step_const_s": const, "step_per_seq_s": per_seq,
+            "seq_factors": [list(p) for p in fe.step_seq_factors], "seq_factor_steps": counts,
+            "prefill_factor": pre, "prefill_steps": int(prefill.sum()),
+            "prefill_steps_by_bin": np.bincount(index[prefill], minlength=len(SEQ_EDGES)).tolist(),
+            "residual_std": float((cycle / line - 1.0).std())}
 
 
-PREFILL_PRIOR_STEPS = 10.0  # the prefill factor weighs this many steps at 1 beside the prefill steps
+def per_level_line(seqs: np.ndarray, extra: np.ndarray) -> tuple[float, float]:
+    """``(const, per_seq) >= 0`` of the line ``const + per_seq * seqs`` through the mean ``extra`` of each
+    distinct ``seqs``, least squares with each mean weighing the square root of its count (rows
+    scaled by its fourth root). Exact on points on such a line."""
+    levels, index, counts = np.unique(seqs, return_inverse=True, return_counts=True)
+    means = np.bincount(index, weights=extra) / counts
+    w = counts ** 0.25
+    coef = nonneg_lstsq(np.column_stack([np.ones_like(levels), levels]) * w[:, None], means * w)
+    return float(coef[0]), float(coef[1])
 
 
 def step_cycles(starts: Sequence[float], wall_s: Sequence[float], after_idle: Sequence[bool]) -> np.ndarray:
@@ -515,7 +580,7 @@ class LLMTarget:
         shape = plan.shape
         predicted = (self.pricer.sample_latency(shape, float(self._rng.random())) if self.noise
                      else self.pricer.latency(shape))
-        duration = self.service.step_seconds(predicted, shape.prefill_tokens > 0)
+        duration = self.service.step_seconds(predicted, len(plan.chunks), shape.prefill_tokens > 0)
         duration += self.preemption_costs.swap_s(len(plan.swap_out), len(plan.swap_in))
         rec = self.record
         rec.step_start.append(now)
