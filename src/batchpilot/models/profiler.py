@@ -187,8 +187,8 @@ def profile_grid(executor: Any, batch_sizes: tuple[int, ...], lengths: tuple[int
         # then the timed calls round-robin: every shape once per round. This CPU's speed moves by a
         # quarter within minutes; timing shape after shape put a step of it between the small shapes
         # and the large ones and bent the fit (one profile's large batches came out 15 % off their
-        # neighbours). Round-robin, a drift moves every shape alike: a speed, which ``bench fidelity``
-        # reports as "speed vs profile".
+        # neighbours). Round-robin, a drift moves every shape alike: a speed, which ``profile --recheck``
+        # measures.
         for r in range(repeats):
             for s in kept:
                 s.time_once()

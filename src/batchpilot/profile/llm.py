@@ -90,8 +90,8 @@ def profile_llm_steps(runner: LLMModelRunner, *,
             runner.forward(plan.chunks).argmax(-1).tolist()  # warm-up: a new shape's first call allocates
         # timed round-robin, every shape once per round: this CPU's speed moves by a quarter within
         # minutes, and timed shape after shape a step of it lands between the cheap shapes and the dear
-        # ones and bends the fit; round-robin it scales every shape alike (a speed, which ``bench fidelity``
-        # reports as "speed vs profile")
+        # ones and bends the fit; round-robin it scales every shape alike (a speed, which
+        # ``profile --recheck`` measures)
         times: list[list[float]] = [[] for _ in plans]
         for _ in range(repeats):
             for plan, t in zip(plans, times, strict=True):
