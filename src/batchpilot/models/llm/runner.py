@@ -193,8 +193,10 @@ class LLMModelRunner:
         for name in ("embed", "norm", "lm_head"):
             setattr(w, name, getattr(w, name).to(self.device, dtype))
         for layer in w.layers:
-            for name in ("input_norm", "qkv", "o", "post_norm", "gate_up", "down"):
-                setattr(layer, name, getattr(layer, name).to(self.device, dtype))
+            for name in ("input_norm", "qkv", "o", "post_norm", "gate_up", "down", "qkv_bias", "q_norm",
+                         "k_norm"):
+                if getattr(layer, name) is not None:
+                    setattr(layer, name, getattr(layer, name).to(self.device, dtype))
         self.num_heads, self.num_kv_heads, self.head_dim = w.num_heads, w.num_kv_heads, w.head_dim
         self.group = self.num_heads // self.num_kv_heads
         shape = (len(w.layers), num_kv_blocks * block_size, self.num_kv_heads, self.head_dim)
@@ -340,9 +342,13 @@ class LLMModelRunner:
         for li, layer in enumerate(w.layers):
             h = _rms_norm(x, layer.input_norm, w.rms_norm_eps)
             qkv = h @ layer.qkv.T
+            if layer.qkv_bias is not None:  # the family's data (weights.FAMILIES), not a branch per family
+                qkv = qkv + layer.qkv_bias
             q = qkv[:, : H * hd].view(T, H, hd)
             k = qkv[:, H * hd : (H + KV) * hd].view(T, KV, hd)
             v = qkv[:, (H + KV) * hd :].view(T, KV, hd)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                q, k = _rms_norm(q, layer.q_norm, w.rms_norm_eps), _rms_norm(k, layer.k_norm, w.rms_norm_eps)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             kc, vc = self.k_cache[li], self.v_cache[li]
@@ -430,7 +436,7 @@ def weights_bytes(runner: LLMModelRunner) -> int:
     w = runner.w
     tensors = [w.embed, w.norm, w.lm_head, runner.cos, runner.sin]
     for layer in w.layers:
-        tensors += [layer.input_norm, layer.qkv, layer.o, layer.post_norm, layer.gate_up, layer.down]
+        tensors += layer.tensors()
     return _tensor_bytes(tensors)
 
 
@@ -452,7 +458,7 @@ def weights_memory(weights: Any, dtype: torch.dtype) -> MemoryProfile:
     w = weights
     tensors = [w.embed, w.norm, w.lm_head]
     for layer in w.layers:
-        tensors += [layer.input_norm, layer.qkv, layer.o, layer.post_norm, layer.gate_up, layer.down]
+        tensors += layer.tensors()
     size = torch.empty(0, dtype=dtype).element_size()
     rope = 2 * w.max_position_embeddings * w.head_dim * size
     kv = 2 * len(w.layers) * w.num_kv_heads * w.head_dim * size

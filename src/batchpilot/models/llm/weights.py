@@ -1,9 +1,15 @@
-"""HF ``LlamaForCausalLM`` in, the runner's fused weights out.
+"""An HF decoder checkpoint in, the runner's fused weights out.
 
-``load_hf_llama`` loads a local checkpoint (``local_files_only``: never the hub) or builds the seeded
-random default. ``LlamaWeights.from_hf`` fuses q/k/v into one matrix and gate/up into another (two
-matmuls per layer instead of five) and takes RoPE's ``inv_freq`` and scaling from the HF module itself,
-so any RoPE variant HF computes statically (default, llama3, linear, yarn) is reproduced exactly.
+``load_hf_llama`` loads a local checkpoint (``AutoModelForCausalLM``, ``local_files_only``: never the
+hub) or builds the seeded random default (a Llama). ``LlamaWeights.from_hf`` fuses q/k/v into one matrix
+and gate/up into another (two matmuls per layer instead of five) and takes RoPE's ``inv_freq`` and
+scaling from the HF module itself, so any RoPE variant HF computes statically (default, llama3,
+linear, yarn) is reproduced exactly.
+
+One runner serves every family; what differs is data, ``FAMILIES``: a ``DecoderSpec`` per
+``model_type`` (q/k/v biases as Qwen2 has them, an RMSNorm of each head's q and k before RoPE as
+Qwen3 has). A checkpoint of any other ``model_type`` is refused at load with the list of the ones
+served.
 """
 
 from __future__ import annotations
@@ -19,16 +25,50 @@ from batchpilot.models.seeded import LLMModelConfig
 
 def load_hf_llama(model_path: str | Path | None, config: LLMModelConfig | None = None,
                   dtype: torch.dtype = torch.float32) -> Any:
-    """A ``LlamaForCausalLM`` in eval mode: from a local folder, or random from ``config`` and its seed."""
-    from transformers import LlamaForCausalLM
+    """A causal LM in eval mode: from a local folder (its ``model_type`` must be one of ``FAMILIES``), or a
+    random Llama from ``config`` and its seed."""
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
 
     if model_path is not None:
-        model = LlamaForCausalLM.from_pretrained(str(model_path), local_files_only=True, dtype=dtype)
+        family(AutoConfig.from_pretrained(str(model_path), local_files_only=True))  # refused before loading
+        model = AutoModelForCausalLM.from_pretrained(str(model_path), local_files_only=True, dtype=dtype)
     else:
         cfg = config or LLMModelConfig()
         torch.manual_seed(cfg.seed)
         model = LlamaForCausalLM(cfg.to_hf()).to(dtype)
     return model.eval()
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """What a decoder family adds to the Llama block, as data the runner reads."""
+
+    qkv_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool = False  # each head's q and k pass an RMSNorm over head_dim before RoPE (Qwen3)
+
+
+FAMILIES: dict[str, DecoderSpec] = {
+    "llama": DecoderSpec(),
+    "mistral": DecoderSpec(),
+    "qwen2": DecoderSpec(qkv_bias=True),
+    "qwen3": DecoderSpec(qk_norm=True),
+}
+
+
+def family(cfg: Any) -> DecoderSpec:
+    """The ``DecoderSpec`` of an HF config's ``model_type``; ``ValueError`` naming the ones served."""
+    model_type = getattr(cfg, "model_type", "llama")
+    if model_type not in FAMILIES:
+        raise ValueError(f"llm model: model_type {model_type!r} is not served; served: "
+                         f"{', '.join(sorted(FAMILIES))}")
+    return FAMILIES[model_type]
+
+
+def served_positions(cfg: Any) -> int:
+    """The positions served: the model's, or fewer for a sliding-window attention (Mistral's, a Qwen's
+    with ``use_sliding_window``), which the runner's full attention reproduces only within the window."""
+    window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
+    return int(min(cfg.max_position_embeddings, window)) if window else int(cfg.max_position_embeddings)
 
 
 @dataclass
@@ -39,6 +79,14 @@ class LayerWeights:
     post_norm: torch.Tensor
     gate_up: torch.Tensor  # [2 * I, D]
     down: torch.Tensor
+    qkv_bias: torch.Tensor | None = None  # [(H + 2*KV) * hd] (``DecoderSpec.qkv_bias``)
+    q_norm: torch.Tensor | None = None  # [hd] (``DecoderSpec.qk_norm``)
+    k_norm: torch.Tensor | None = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the layer, for the memory accounts."""
+        extra = [t for t in (self.qkv_bias, self.q_norm, self.k_norm) if t is not None]
+        return [self.input_norm, self.qkv, self.o, self.post_norm, self.gate_up, self.down, *extra]
 
 
 @dataclass
@@ -60,15 +108,20 @@ class LlamaWeights:
     @classmethod
     def from_hf(cls, model: Any) -> LlamaWeights:
         cfg = model.config
-        if getattr(cfg, "model_type", "llama") not in ("llama", "mistral", "qwen2"):
-            raise ValueError(f"llm weights: model_type {cfg.model_type!r} is not a Llama-family decoder")
+        spec = family(cfg)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         layers = []
         with torch.no_grad():
             for layer in model.model.layers:
                 a, m = layer.self_attn, layer.mlp
-                if any(getattr(p, "bias", None) is not None for p in (a.q_proj, a.o_proj, m.gate_proj)):
-                    raise ValueError("llm weights: attention/MLP biases are not supported")
+                biased = [p for p in (a.q_proj, a.k_proj, a.v_proj) if getattr(p, "bias", None) is not None]
+                if len(biased) not in (0, 3) or (biased and not spec.qkv_bias) or any(
+                        getattr(p, "bias", None) is not None for p in (a.o_proj, m.gate_proj, m.up_proj,
+                                                                       m.down_proj)):
+                    raise ValueError(f"llm weights: {cfg.model_type} with biases outside q/k/v of its "
+                                     "family is not supported")
+                bias = (torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]).detach().contiguous()
+                        if biased else None)
                 # fused tensors are new; the HF module's projections become views of them at once, so
                 # loading holds one layer's projections twice at most, never the whole model
                 qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach().contiguous()
@@ -85,6 +138,9 @@ class LlamaWeights:
                     post_norm=layer.post_attention_layernorm.weight.detach(),
                     gate_up=gate_up,
                     down=m.down_proj.weight.detach(),
+                    qkv_bias=bias,
+                    q_norm=a.q_norm.weight.detach() if spec.qk_norm else None,
+                    k_norm=a.k_norm.weight.detach() if spec.qk_norm else None,
                 ))
             rotary = model.model.rotary_emb
             eos = cfg.eos_token_id
@@ -100,7 +156,7 @@ class LlamaWeights:
                 num_kv_heads=cfg.num_key_value_heads,
                 head_dim=head_dim,
                 rms_norm_eps=cfg.rms_norm_eps,
-                max_position_embeddings=cfg.max_position_embeddings,
+                max_position_embeddings=served_positions(cfg),
                 vocab_size=cfg.vocab_size,
                 eos_token_ids=eos_ids,
             )
