@@ -33,10 +33,13 @@ def build(model_type: str, seed: int = 1) -> Any:
     import transformers
 
     config_cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-                  "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[model_type]
+                  "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+                  "phi3": transformers.Phi3Config}[model_type]
     extra: dict[str, Any] = {"tie_word_embeddings": False}
-    if model_type == "mistral":
+    if model_type in ("mistral", "phi3"):
         extra["sliding_window"] = None
+    if model_type == "phi3":  # its config names token ids of a 32k vocabulary
+        extra.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
     if model_type == "qwen3":
         extra["head_dim"] = 64
     torch.manual_seed(seed)
@@ -45,8 +48,8 @@ def build(model_type: str, seed: int = 1) -> Any:
     with torch.no_grad():
         for layer in model.model.layers:
             a = layer.self_attn
-            for proj in (a.q_proj, a.k_proj, a.v_proj):
-                if proj.bias is not None:
+            for proj in (getattr(a, "q_proj", None), getattr(a, "k_proj", None), getattr(a, "v_proj", None)):
+                if proj is not None and proj.bias is not None:
                     proj.bias.copy_(0.2 * torch.randn(proj.bias.shape, generator=g))
             for norm in (getattr(a, "q_norm", None), getattr(a, "k_norm", None)):
                 if norm is not None:
@@ -118,7 +121,7 @@ def test_another_model_type_is_refused_with_the_families_served(tmp_path: Path) 
 
     transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=64, n_head=2,
                                                          vocab_size=512)).save_pretrained(tmp_path)
-    served = "served: llama, mistral, qwen2, qwen3"
+    served = "served: llama, mistral, phi3, qwen2, qwen3"
     with pytest.raises(ValueError, match=rf"model_type 'gpt2' is not served; {served}"):
         load_hf_llama(tmp_path)
 
@@ -135,3 +138,21 @@ def test_a_sliding_window_is_served_up_to_its_window() -> None:
     off = transformers.Qwen2Config(**SHAPE, sliding_window=64, use_sliding_window=False)
     assert served_positions(off) == 512
     assert served_positions(transformers.LlamaConfig(**SHAPE)) == 512
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "phi3"])
+def test_the_fallback_shares_the_runners_tensors_and_still_generates_the_same(model_type: str) -> None:
+    """``share_runner_weights`` points the HF model (the static fallback's) at the runner's fused tensors,
+    the family's biases and norms included: HF then generates what it generated on its own."""
+    from batchpilot.runtime.llm.build import share_runner_weights
+
+    hf = build(model_type)
+    ps = prompts()[:2]
+    want = reference(hf, ps)
+    weights = LlamaWeights.from_hf(hf)
+    runner = LLMModelRunner(weights, 64, 8)
+    share_runner_weights(hf, runner.w)
+    layer, w = hf.model.layers[0], runner.w.layers[0]
+    shared = getattr(layer.self_attn, "qkv_proj", None) or layer.self_attn.q_proj
+    assert shared.weight.data_ptr() == w.qkv.data_ptr()
+    assert reference(hf, ps) == want

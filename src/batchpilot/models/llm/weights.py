@@ -8,8 +8,8 @@ linear, yarn) is reproduced exactly.
 
 One runner serves every family; what differs is data, ``FAMILIES``: a ``DecoderSpec`` per
 ``model_type`` (q/k/v biases as Qwen2 has them, an RMSNorm of each head's q and k before RoPE as
-Qwen3 has). A checkpoint of any other ``model_type`` is refused at load with the list of the ones
-served.
+Qwen3 has, q/k/v and gate/up stored fused as Phi-3 has them). A checkpoint of any other
+``model_type`` is refused at load with the list of the ones served.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ class DecoderSpec:
 
     qkv_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool = False  # each head's q and k pass an RMSNorm over head_dim before RoPE (Qwen3)
+    fused: bool = False  # q/k/v and gate/up stored fused, in the runner's order (Phi-3)
 
 
 FAMILIES: dict[str, DecoderSpec] = {
@@ -52,6 +53,7 @@ FAMILIES: dict[str, DecoderSpec] = {
     "mistral": DecoderSpec(),
     "qwen2": DecoderSpec(qkv_bias=True),
     "qwen3": DecoderSpec(qk_norm=True),
+    "phi3": DecoderSpec(fused=True),
 }
 
 
@@ -61,7 +63,36 @@ def family(cfg: Any) -> DecoderSpec:
     if model_type not in FAMILIES:
         raise ValueError(f"llm model: model_type {model_type!r} is not served; served: "
                          f"{', '.join(sorted(FAMILIES))}")
+    if float(getattr(cfg, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
+        raise ValueError(f"llm model: {model_type} with partial_rotary_factor {cfg.partial_rotary_factor} is "
+                         "not served (the runner rotates every dimension of a head)")
     return FAMILIES[model_type]
+
+
+def fused_projections(a: Any, m: Any, spec: DecoderSpec,
+                      model_type: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One layer's q/k/v and gate/up as the runner's fused matrices (a family that stores them fused,
+    as the checkpoint has them), and the fused q/k/v bias where the family has one. Fused tensors are
+    new; the HF module's projections become views of them at once, so loading holds one layer's
+    projections twice at most, never the whole model."""
+    if spec.fused:
+        if any(getattr(p, "bias", None) is not None for p in (a.qkv_proj, a.o_proj, m.gate_up_proj)):
+            raise ValueError(f"llm weights: {model_type} with projection biases is not supported")
+        return a.qkv_proj.weight.detach(), m.gate_up_proj.weight.detach(), None
+    biased = [p for p in (a.q_proj, a.k_proj, a.v_proj) if getattr(p, "bias", None) is not None]
+    if len(biased) not in (0, 3) or (biased and not spec.qkv_bias) or any(
+            getattr(p, "bias", None) is not None for p in (a.o_proj, m.gate_proj, m.up_proj, m.down_proj)):
+        raise ValueError(f"llm weights: {model_type} with biases outside q/k/v of its family is not "
+                         "supported")
+    bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]).detach().contiguous() if biased else None
+    qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach().contiguous()
+    gate_up = torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach().contiguous()
+    nq, nk = a.q_proj.weight.shape[0], a.k_proj.weight.shape[0]
+    a.q_proj.weight.data, a.k_proj.weight.data = qkv[:nq], qkv[nq : nq + nk]
+    a.v_proj.weight.data = qkv[nq + nk :]
+    ni = m.gate_proj.weight.shape[0]
+    m.gate_proj.weight.data, m.up_proj.weight.data = gate_up[:ni], gate_up[ni:]
+    return qkv, gate_up, bias
 
 
 def served_positions(cfg: Any) -> int:
@@ -114,23 +145,7 @@ class LlamaWeights:
         with torch.no_grad():
             for layer in model.model.layers:
                 a, m = layer.self_attn, layer.mlp
-                biased = [p for p in (a.q_proj, a.k_proj, a.v_proj) if getattr(p, "bias", None) is not None]
-                if len(biased) not in (0, 3) or (biased and not spec.qkv_bias) or any(
-                        getattr(p, "bias", None) is not None for p in (a.o_proj, m.gate_proj, m.up_proj,
-                                                                       m.down_proj)):
-                    raise ValueError(f"llm weights: {cfg.model_type} with biases outside q/k/v of its "
-                                     "family is not supported")
-                bias = (torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]).detach().contiguous()
-                        if biased else None)
-                # fused tensors are new; the HF module's projections become views of them at once, so
-                # loading holds one layer's projections twice at most, never the whole model
-                qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach().contiguous()
-                gate_up = torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach().contiguous()
-                nq, nk = a.q_proj.weight.shape[0], a.k_proj.weight.shape[0]
-                a.q_proj.weight.data, a.k_proj.weight.data = qkv[:nq], qkv[nq : nq + nk]
-                a.v_proj.weight.data = qkv[nq + nk :]
-                ni = m.gate_proj.weight.shape[0]
-                m.gate_proj.weight.data, m.up_proj.weight.data = gate_up[:ni], gate_up[ni:]
+                qkv, gate_up, bias = fused_projections(a, m, spec, cfg.model_type)
                 layers.append(LayerWeights(  # the rest is shared with the HF module, not copied
                     input_norm=layer.input_layernorm.weight.detach(),
                     qkv=qkv,

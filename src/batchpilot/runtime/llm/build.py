@@ -401,12 +401,20 @@ def share_runner_weights(model: Any, weights: Any) -> Any:
     with torch.no_grad():
         for layer, w in zip(model.model.layers, weights.layers, strict=True):
             a, m = layer.self_attn, layer.mlp
-            a.q_proj.weight.data = w.qkv[: H * hd]
-            a.k_proj.weight.data = w.qkv[H * hd : (H + KV) * hd]
-            a.v_proj.weight.data = w.qkv[(H + KV) * hd :]
+            if hasattr(a, "qkv_proj"):  # a family that stores them fused (weights.FAMILIES)
+                a.qkv_proj.weight.data, m.gate_up_proj.weight.data = w.qkv, w.gate_up
+            else:
+                q, k, v = w.qkv[: H * hd], w.qkv[H * hd : (H + KV) * hd], w.qkv[(H + KV) * hd :]
+                a.q_proj.weight.data, a.k_proj.weight.data, a.v_proj.weight.data = q, k, v
+                inter = w.gate_up.shape[0] // 2
+                m.gate_proj.weight.data, m.up_proj.weight.data = w.gate_up[:inter], w.gate_up[inter:]
+            if w.qkv_bias is not None:
+                b = w.qkv_bias
+                a.q_proj.bias.data, a.k_proj.bias.data = b[: H * hd], b[H * hd : (H + KV) * hd]
+                a.v_proj.bias.data = b[(H + KV) * hd :]
+            if w.q_norm is not None and w.k_norm is not None:
+                a.q_norm.weight.data, a.k_norm.weight.data = w.q_norm, w.k_norm
             a.o_proj.weight.data = w.o
-            inter = w.gate_up.shape[0] // 2
-            m.gate_proj.weight.data, m.up_proj.weight.data = w.gate_up[:inter], w.gate_up[inter:]
             m.down_proj.weight.data = w.down
             layer.input_layernorm.weight.data = w.input_norm
             layer.post_attention_layernorm.weight.data = w.post_norm
