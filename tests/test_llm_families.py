@@ -156,3 +156,15 @@ def test_the_fallback_shares_the_runners_tensors_and_still_generates_the_same(mo
     shared = getattr(layer.self_attn, "qkv_proj", None) or layer.self_attn.q_proj
     assert shared.weight.data_ptr() == w.qkv.data_ptr()
     assert reference(hf, ps) == want
+
+
+def test_every_eos_of_the_config_and_its_generation_config_ends_a_sequence(tmp_path: Path) -> None:
+    """Llama 3 and Qwen name several EOS ids in ``generation_config.json``: all of them are read."""
+    from batchpilot.models.llm.weights import eos_of
+
+    hf = build("llama")
+    hf.config.eos_token_id = 2
+    hf.generation_config.eos_token_id = [2, 7, 9]
+    hf.save_pretrained(tmp_path)
+    assert LlamaWeights.from_hf(load_hf_llama(tmp_path)).eos_token_ids == (2, 7, 9)
+    assert eos_of(None, 5) == (5,) and eos_of([1, 2], (2, 3), None) == (1, 2, 3) and eos_of(None) == ()

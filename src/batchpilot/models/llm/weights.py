@@ -95,6 +95,17 @@ def fused_projections(a: Any, m: Any, spec: DecoderSpec,
     return qkv, gate_up, bias
 
 
+def eos_of(*entries: Any) -> tuple[int, ...]:
+    """Every EOS id the model's config and its ``generation_config.json`` name (each an id, a list of
+    ids, or None), in order, once each: Llama 3 and Qwen list several in the latter only."""
+    out: list[int] = []
+    for e in entries:
+        for i in (e if isinstance(e, list | tuple) else () if e is None else (e,)):
+            if int(i) not in out:
+                out.append(int(i))
+    return tuple(out)
+
+
 def served_positions(cfg: Any) -> int:
     """The positions served: the model's, or fewer for a sliding-window attention (Mistral's, a Qwen's
     with ``use_sliding_window``), which the runner's full attention reproduces only within the window."""
@@ -158,8 +169,8 @@ class LlamaWeights:
                     k_norm=a.k_norm.weight.detach() if spec.qk_norm else None,
                 ))
             rotary = model.model.rotary_emb
-            eos = cfg.eos_token_id
-            eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, list | tuple) else (int(eos),))
+            gen = getattr(model, "generation_config", None)
+            eos_ids = eos_of(cfg.eos_token_id, getattr(gen, "eos_token_id", None))
             return cls(
                 embed=model.model.embed_tokens.weight.detach(),
                 layers=layers,
