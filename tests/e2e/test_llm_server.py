@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -289,3 +290,40 @@ def test_the_prompts_of_one_request_enter_the_engine_together(server: Server) ->
         engine.step_observers.remove(obs)
     assert r.status_code == 200 and len(r.json()["choices"]) == 3
     assert steps[0] == 3  # all three prefilled in the first step
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
+    ("response_format", {"type": "json_object"}),
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
+    ("tool_choice", "required"),
+    ("logit_bias", {"5": 10}),
+    ("repetition_penalty", 1.2),
+    ("min_tokens", 3),
+    ("guided_regex", "a+"),
+])
+def test_a_field_that_would_change_the_answer_is_refused_not_dropped(server: Server, field: str,
+                                                                   value: Any) -> None:
+    """The OpenAI client sends these; a server that dropped them would answer something else than asked."""
+    for route, body in (("/v1/completions", {"prompt": "x"}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+        r = httpx.post(server[0] + route, json={**body, "model": "m", "max_tokens": 2, field: value})
+        assert r.status_code == 400, (route, field, r.text)
+        err = r.json()["error"]
+        assert (err["param"], err["code"]) == (field, "unsupported_value") and field in err["message"]
+
+
+def test_the_values_that_change_nothing_are_accepted(server: Server) -> None:
+    body = {"prompt": "x", "model": "m", "max_tokens": 2, "response_format": {"type": "text"},
+            "tool_choice": "none", "logit_bias": {}, "repetition_penalty": 1, "min_tokens": 0, "priority": 0}
+    assert httpx.post(server[0] + "/v1/completions", json=body).status_code == 200
+
+
+def test_a_priority_sent_to_an_fcfs_engine_is_refused_with_the_flag_that_honours_it(server: Server) -> None:
+    assert server[1].config.policy == "fcfs"
+    for kw in ({"json": {"prompt": "x", "max_tokens": 2, "priority": 3}},
+               {"json": {"prompt": "x", "max_tokens": 2}, "headers": {"X-Priority": "-2"}}):
+        r = httpx.post(server[0] + "/v1/completions", **kw)  # type: ignore[arg-type]
+        assert r.status_code == 400
+        err = r.json()["error"]
+        assert err["param"] == "priority" and "--scheduling-policy priority" in err["message"]

@@ -260,11 +260,17 @@ class LLMRoutes:
             request.headers.get("x-deadline-ms"))
         return request_deadline(self.engine.config, received, None if ms is None else ms / 1000.0)
 
-    @staticmethod
-    def priority_of(body: _SamplingFields, request: Request) -> int:
-        if body.priority is not None:
-            return body.priority
-        return int(header_num(request, "x-priority", int) or 0)  # the embeddings routes' header rule
+    def priority_of(self, body: _SamplingFields, request: Request) -> int:
+        """The request's priority (``priority``, else ``X-Priority``); one other than 0 sent to an engine that
+        does not order by it is a 400 naming the flag that would honour it."""
+        priority = body.priority if body.priority is not None else int(
+            header_num(request, "x-priority", int) or 0)  # the embeddings routes' header rule
+        policy = self.engine.config.policy
+        if priority and policy != "priority":
+            raise APIError(400, f"priority {priority} is honoured only by an engine started with "
+                           f"--scheduling-policy priority; this one schedules {policy}",
+                           code="unsupported_value", param="priority")
+        return priority
 
     async def answer(self, route: str, body: _SamplingFields, request: Request, work: Work) -> Response:
         received = time.monotonic()

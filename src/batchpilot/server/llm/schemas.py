@@ -1,12 +1,13 @@
 """Request bodies of the OpenAI-compatible completion routes (pydantic), and their sampling params.
 
-Unknown OpenAI fields (``user``, ``logit_bias`` ...) are accepted and ignored, as most OpenAI-compatible
-servers do; fields that would change the answer and are not supported (``n > 1``, ``logprobs``,
-``echo``, penalties) are rejected with a 400 that names the field. ``top_k``, ``ignore_eos``,
-``stop_token_ids``, ``priority`` and ``deadline_ms`` are extensions (the ``openai`` client sends them in
-``extra_body``). Every list has a hard cap far above the limits of ``llm_limits``, so that validation of
-a hostile body stops at its first items instead of building an error for each of millions; the limits
-themselves are checked after parsing, with 400s that name them.
+Unknown fields that change nothing (``user``, ``metadata`` ...) are accepted and ignored; fields that
+would change the answer and are not served (``n > 1``, ``logprobs``, ``echo``, penalties, and
+``UNSERVED``: ``response_format`` other than text, ``tools``, ``logit_bias``, vLLM's guided and
+structured outputs ...) are rejected with a 400 that names the field, never dropped. ``top_k``,
+``ignore_eos``, ``stop_token_ids``, ``priority`` and ``deadline_ms`` are extensions (the ``openai``
+client sends them in ``extra_body``). Every list has a hard cap far above the limits of
+``llm_limits``, so that validation of a hostile body stops at its first items instead of building an
+error for each of millions; the limits themselves are checked after parsing, with 400s that name them.
 """
 
 from __future__ import annotations
@@ -28,6 +29,27 @@ _Tokens = Annotated[list[int], Field(max_length=TOKEN_CAP)]
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+# Fields of the OpenAI API (and vLLM's extensions) that change the answer and that this server does not
+# serve: each is refused with a 400 naming it, unless it has the value that changes nothing.
+UNSERVED: dict[str, Any] = {
+    "response_format": lambda v: isinstance(v, dict) and v.get("type") == "text",
+    "structured_outputs": lambda v: not v,
+    "guided_json": lambda v: False,
+    "guided_regex": lambda v: False,
+    "guided_choice": lambda v: False,
+    "guided_grammar": lambda v: False,
+    "tools": lambda v: not v,
+    "tool_choice": lambda v: v == "none",
+    "functions": lambda v: not v,
+    "function_call": lambda v: v == "none",
+    "logit_bias": lambda v: not v,
+    "top_logprobs": lambda v: not v,
+    "repetition_penalty": lambda v: v == 1,
+    "min_tokens": lambda v: not v,
+    "best_of": lambda v: v == 1,
+}
 
 
 class _SamplingFields(BaseModel):
@@ -53,6 +75,11 @@ class _SamplingFields(BaseModel):
     deadline_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
     def check_supported(self) -> None:
+        for name, unchanged in UNSERVED.items():  # fields that change the answer, not served: refused
+            value = (self.model_extra or {}).get(name)
+            if value is not None and not unchanged(value):
+                raise APIError(400, f"{name} is not supported by this server", code="unsupported_value",
+                               param=name)
         if self.n != 1:
             raise APIError(400, "only n = 1 is supported", code="unsupported_value", param="n")
         if self.logprobs not in (None, False, 0):
