@@ -80,11 +80,10 @@ def test_cuda_pinned_side_stream_copy(folder: str, reference: np.ndarray) -> Non
 def test_llm_paged_decode_on_cuda_is_greedy_identical_to_hf_generate() -> None:
     from batchpilot.core.llm.config import LLMSchedulerConfig
     from batchpilot.core.llm.scheduler import LLMScheduler
-    from batchpilot.core.llm.sequence import SamplingParams, Sequence
     from batchpilot.models.llm.runner import LLMModelRunner
-    from batchpilot.models.llm.sampler import Sampler
     from batchpilot.models.llm.weights import LlamaWeights, load_hf_llama
     from batchpilot.models.seeded import LLMModelConfig
+    from llm_greedy import engine_greedy, hf_greedy
 
     cfg = LLMModelConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, initializer_range=0.06, seed=1)
@@ -93,27 +92,8 @@ def test_llm_paged_decode_on_cuda_is_greedy_identical_to_hf_generate() -> None:
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(7, 4096, (n,), generator=g).tolist() for n in (5, 17, 33, 8, 41, 3)]
     weights = LlamaWeights.from_hf(hf)
-    hf = hf.to(DEVICE)
-    want = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p], device=DEVICE)
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
-                              pad_token_id=0)
-            want.append(out[0, len(p):].tolist())
+    want = hf_greedy(hf.to(DEVICE), prompts, 10, DEVICE)
     config = LLMSchedulerConfig(block_size=8, max_model_len=2048, num_kv_blocks=256,
                                 max_num_batched_tokens=64)
-    sched = LLMScheduler(config)
     runner = LLMModelRunner(weights, config.num_kv_blocks, config.block_size, device=DEVICE)
-    sampler = Sampler()
-    seqs = [Sequence(i, p, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True), arrival=i)
-            for i, p in enumerate(prompts)]
-    for q in seqs:
-        assert sched.add(q) is None
-    while sched.has_unfinished():
-        plan = sched.schedule()
-        logits = runner.forward(plan.chunks)
-        ids = [c.seq_id for c in plan.chunks if c.sample]
-        toks = sampler.sample(logits, ids, [sched.seqs[i].params for i in ids])
-        sched.update(plan, dict(zip(ids, toks, strict=True)))
-    assert [q.output_token_ids for q in seqs] == want
+    assert engine_greedy(LLMScheduler(config), runner, prompts, 10) == want

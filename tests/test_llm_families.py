@@ -17,10 +17,9 @@ import torch
 
 from batchpilot.core.llm.config import LLMSchedulerConfig
 from batchpilot.core.llm.scheduler import LLMScheduler
-from batchpilot.core.llm.sequence import SamplingParams, Sequence
 from batchpilot.models.llm.runner import LLMModelRunner
-from batchpilot.models.llm.sampler import Sampler
 from batchpilot.models.llm.weights import FAMILIES, LlamaWeights, load_hf_llama
+from llm_greedy import engine_greedy, hf_greedy
 
 MAX_TOKENS = 10
 SHAPE = dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
@@ -64,29 +63,14 @@ def prompts() -> list[list[int]]:
 
 
 def reference(hf: Any, ps: list[list[int]]) -> list[list[int]]:
-    with torch.inference_mode():
-        return [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                            max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
-                for p in ps]
+    return hf_greedy(hf, ps, MAX_TOKENS)
 
 
 def greedy(weights: LlamaWeights, ps: list[list[int]], **cfg: Any) -> list[list[int]]:
     """Scheduler + runner to completion, every prompt at once."""
     config = LLMSchedulerConfig(block_size=8, max_model_len=512, **cfg)
-    sched = LLMScheduler(config)
     runner = LLMModelRunner(weights, config.num_kv_blocks, config.block_size, decode_run_tokens=64)
-    sampler = Sampler()
-    seqs = [Sequence(i, p, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True), arrival=i)
-            for i, p in enumerate(ps)]
-    for q in seqs:
-        assert sched.add(q) is None
-    while sched.has_unfinished():
-        plan = sched.schedule()
-        logits = runner.forward(plan.chunks)
-        ids = [c.seq_id for c in plan.chunks if c.sample]
-        sched.update(plan, dict(zip(ids, sampler.sample(logits, ids, [sched.seqs[i].params for i in ids]),
-                                    strict=True)))
-    return [q.output_token_ids for q in seqs]
+    return engine_greedy(LLMScheduler(config), runner, ps, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))

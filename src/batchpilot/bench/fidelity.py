@@ -448,18 +448,23 @@ def check_fidelity(wl: Workload, opts: FidelityOptions) -> int:
                 runs.append(RunData(label, live.records, live.summary, live.metrics,
                                     {"rate_scale": p.rate_scale}))
                 wait_idle(url, 10.0)
-    cells: list[SpreadCell] = []
-    for p in points:
-        point = p.result()
-        cells += [SpreadCell(**c) for c in point["spread"]]
-        result["points"].append(point)
-    result["spread_table"], result["matrix"] = print_spread(cells)
-    (out / "fidelity.json").write_text(json.dumps(result, indent=2, default=str))
-    report = write_report(out, runs, title=f"fidelity: {wl.name}", sla_s=opts.sla_s,
-                          sections=[("The prediction against the replays",
-                                     html_table(SPREAD_HEAD, result["spread_table"]["rows"]))])
+    report = write_scored(out, result, [p.result() for p in points], runs, f"fidelity: {wl.name}",
+                          opts.sla_s)
     print(f"fidelity.json and {report} written to {out}/ in {time.monotonic() - t_start:.0f} s")
     return 0
+
+
+def write_scored(out: Path, result: dict[str, Any], points: Sequence[dict[str, Any]], runs: list[RunData],
+                 title: str, sla_s: float | None) -> Path:
+    """Every point's result into ``result``, the spread table and the matrix score printed and added,
+    fidelity.json and report.html written (encoder and LLM alike); returns the report's path."""
+    result["points"] = list(points)
+    cells = [SpreadCell(**c) for point in points for c in point["spread"]]
+    result["spread_table"], result["matrix"] = print_spread(cells)
+    (out / "fidelity.json").write_text(json.dumps(result, indent=2, default=str))
+    return write_report(out, runs, title=title, sla_s=sla_s,
+                        sections=[("The prediction against the replays",
+                                   html_table(SPREAD_HEAD, result["spread_table"]["rows"]))])
 
 
 @dataclass

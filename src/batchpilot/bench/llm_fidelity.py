@@ -33,7 +33,6 @@ from typing import Any
 
 from batchpilot.bench.capacity import CapacityConfig, probe_workload, search_capacity, wait_idle
 from batchpilot.bench.fidelity import (
-    SPREAD_HEAD,
     FidelityOptions,
     SpreadCell,
     ablation_table,
@@ -41,10 +40,11 @@ from batchpilot.bench.fidelity import (
     run_llm_profile,
     spread_cells,
     text_table,
+    write_scored,
 )
 from batchpilot.bench.loadgen import LoadGenConfig, build_plan, replay
 from batchpilot.bench.records import Summary, format_summary, summarize, write_csv
-from batchpilot.bench.report import RunData, html_table, write_report
+from batchpilot.bench.report import RunData
 from batchpilot.bench.serverproc import client_keepalive_s, cores, pin_load_generator, serve
 from batchpilot.core.costmodel import CostModel
 from batchpilot.core.deployment import DeploymentSpec
@@ -184,16 +184,7 @@ def check_llm_fidelity(wl: Workload, start: int, opts: FidelityOptions) -> int:
                 write_csv(res.records, out / f"records-llm-{int(round(p.load * 100))}-{j}.csv")
                 runs.append(RunData(f"llm {label}", res.records, meas, res.metrics,
                                     {"rate_scale": p.rate_scale}))
-    cells: list[SpreadCell] = []
-    for p in points:
-        point = p.result()
-        cells += [SpreadCell(**c) for c in point["spread"]]
-        result["points"].append(point)
-    result["spread_table"], result["matrix"] = print_spread(cells)
-    (out / "fidelity.json").write_text(json.dumps(result, indent=2, default=str))
-    report = write_report(out, runs, title="fidelity: conv-llm", sla_s=None,
-                          sections=[("The prediction against the replays",
-                                     html_table(SPREAD_HEAD, result["spread_table"]["rows"]))])
+    report = write_scored(out, result, [p.result() for p in points], runs, "fidelity: conv-llm", None)
     print(f"fidelity.json and {report} written to {out}/ in {time.monotonic() - t0:.0f} s")
     return 0
 
