@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 BlockKey = tuple[int, tuple[int, ...]]
+Source = tuple[int, int]  # (sequence id, its leading computed tokens another sequence may share)
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -92,15 +93,21 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return _ceil_div(num_tokens, self.block_size)
 
-    def _prefix_hits(self, token_ids: Sequence[int]) -> list[int]:
-        """Cached blocks matching the longest run of leading full blocks, leaving >= 1 token to compute
-        (the step that computes the last prompt token is the one that yields logits)."""
+    def _prefix_hits(self, token_ids: Sequence[int], source: Source | None = None) -> list[int]:
+        """Blocks to share for the longest run of leading full blocks, leaving >= 1 token to compute (the
+        step that computes the last prompt token is the one that yields logits): the prefix cache's, or
+        with ``source = (seq_id, tokens)``, the blocks of that sequence's first ``tokens`` tokens (the
+        samples of one prompt share its blocks whether or not the prefix cache is on; the caller vouches
+        that those tokens are computed and that ``token_ids`` starts with them)."""
         hits: list[int] = []
+        bs = self.block_size
+        limit = (len(token_ids) - 1) // bs
+        if source is not None:
+            return list(self._tables.get(source[0], [])[: min(limit, source[1] // bs)])
         if not self.enable_prefix_caching:
             return hits
-        bs = self.block_size
         parent = 0
-        for i in range((len(token_ids) - 1) // bs):
+        for i in range(limit):
             key = (parent, tuple(token_ids[i * bs : (i + 1) * bs]))
             block = self._cache.get(key)
             if block is None:
@@ -109,42 +116,48 @@ class BlockManager:
             parent = hash(key)
         return hits
 
-    def num_cached_tokens(self, seq_id: int, token_ids: Sequence[int]) -> int:
-        """Tokens a sequence without blocks would get from the prefix cache on ``allocate``."""
+    def num_cached_tokens(self, seq_id: int, token_ids: Sequence[int], source: Source | None = None) -> int:
+        """Tokens a sequence without blocks would get from the prefix cache (or ``source``) on
+        ``allocate``."""
         if seq_id in self._tables:
             return 0
-        return len(self._prefix_hits(token_ids)) * self.block_size
+        return len(self._prefix_hits(token_ids, source)) * self.block_size
 
-    def _free_blocks_needed(self, seq_id: int, num_tokens: int, token_ids: Sequence[int] | None) -> int:
+    def _free_blocks_needed(self, seq_id: int, num_tokens: int, token_ids: Sequence[int] | None,
+                            source: Source | None = None) -> int:
         table = self._tables.get(seq_id)
         if table is not None:
             return max(0, self.blocks_for(num_tokens) - len(table))
-        hits = self._prefix_hits(token_ids) if token_ids is not None else []
+        hits = self._prefix_hits(token_ids, source) if token_ids is not None else []
         revived = sum(1 for b in hits if self._ref[b] == 0)  # cached but free: taking it uses a free block
         return max(0, self.blocks_for(num_tokens) - len(hits)) + revived
 
-    def can_allocate(self, seq_id: int, num_tokens: int, token_ids: Sequence[int] | None = None) -> bool:
+    def can_allocate(self, seq_id: int, num_tokens: int, token_ids: Sequence[int] | None = None,
+                     source: Source | None = None) -> bool:
         """Whether the sequence's table can grow to hold ``num_tokens`` KV slots in total."""
-        return self._free_blocks_needed(seq_id, num_tokens, token_ids) <= len(self._free)
+        return self._free_blocks_needed(seq_id, num_tokens, token_ids, source) <= len(self._free)
 
     # -- mutations ---------------------------------------------------------------------------
-    def allocate(self, seq_id: int, num_tokens: int, token_ids: Sequence[int] | None = None) -> int:
+    def allocate(self, seq_id: int, num_tokens: int, token_ids: Sequence[int] | None = None,
+                 source: Source | None = None) -> int:
         """Grow the sequence's table to hold ``num_tokens`` slots; return prefix-cache hit tokens.
 
         ``token_ids`` (the sequence's tokens so far) is only used on the first allocation, to look up
-        the prefix cache. Raises ``NoFreeBlocksError`` with the state untouched when blocks run out.
+        the prefix cache, or with ``source`` to share that sequence's leading full blocks (``_prefix_hits``).
+        Raises ``NoFreeBlocksError`` with the state untouched when blocks run out.
         """
-        if self._free_blocks_needed(seq_id, num_tokens, token_ids) > len(self._free):
+        needed = self._free_blocks_needed(seq_id, num_tokens, token_ids, source)
+        if needed > len(self._free):
             self.num_failed_allocations += 1
             raise NoFreeBlocksError(
-                f"sequence {seq_id} needs {self._free_blocks_needed(seq_id, num_tokens, token_ids)} "
+                f"sequence {seq_id} needs {needed} "
                 f"free KV blocks for {num_tokens} tokens, {len(self._free)} are free"
             )
         hit_tokens = 0
         table = self._tables.get(seq_id)
         if table is None:
             table = []
-            hits = self._prefix_hits(token_ids) if token_ids is not None else []
+            hits = self._prefix_hits(token_ids, source) if token_ids is not None else []
             for b in hits:
                 if self._ref[b] == 0:
                     del self._free[b]

@@ -43,7 +43,7 @@ from typing import Any, Literal
 
 from batchpilot.core.costmodel import CostModel, StepShape
 from batchpilot.core.llm.admission import never_fits, past_deadline
-from batchpilot.core.llm.blocks import BlockManager, BlockStats, SwapSpace
+from batchpilot.core.llm.blocks import BlockManager, BlockStats, Source, SwapSpace
 from batchpilot.core.llm.config import DECODE_RUN_TOKENS, LLMSchedulerConfig, PreemptionMode
 from batchpilot.core.llm.sequence import FinishReason, SeqStatus, Sequence
 
@@ -430,6 +430,28 @@ class LLMScheduler:
         seq.num_computed_tokens = 0
         self._insert(self.waiting, seq)
 
+    def _preempt_group_tail(self, victim: Sequence, served: Sequence, plan: StepPlan) -> None:
+        """A preempted sample's running group-mates at the tail of the key order (not yet served this
+        step) go with it: a group is brought back together, sharing its prompt's blocks again."""
+        while (victim.group is not None and self.running and self.running[-1] is not served
+               and self.running[-1].group == victim.group):
+            self._preempt(self.running[-1], plan)
+
+    def _group_source(self, seq: Sequence) -> tuple[bool, Source | None]:
+        """(wait, source): where a waiting sample of an ``n > 1`` group takes its prompt's blocks from.
+        Its group's first sequence once that has computed the prompt: ``(False, (seq_id, prompt
+        tokens))``; ``(True, None)`` while the first is still computing it (or waits to); ``(False,
+        None)`` for a sequence outside a group, the first itself, or one whose first has finished (the
+        prefix cache may still serve it)."""
+        if seq.group is None or seq.group == seq.seq_id:
+            return False, None
+        first = self.seqs.get(seq.group)
+        if first is None:
+            return False, None
+        if first.status is not SeqStatus.RUNNING or first.num_computed_tokens < first.num_prompt_tokens:
+            return True, None
+        return False, (first.seq_id, first.num_prompt_tokens)
+
     def _swap_in(self, plan: StepPlan, budget: int, served: list[tuple[Sequence, int]]) -> int:
         """Swapped sequences back to the device in key order (head-of-line), each with a chunk in this
         step; returns the token budget left."""
@@ -474,6 +496,7 @@ class LLMScheduler:
                 self._preempt(victim, plan)
                 if victim is seq:
                     break
+                self._preempt_group_tail(victim, seq, plan)
             if seq.status is not SeqStatus.RUNNING:
                 break  # seq preempted itself: it was the last running sequence not yet served
             bm.allocate(seq.seq_id, target)
@@ -486,17 +509,20 @@ class LLMScheduler:
         if not plan.preempted and not self.swapped:
             while self.waiting and budget > 0 and len(self.running) < c.max_num_seqs:
                 seq = self.waiting[0]
+                wait, source = self._group_source(seq)
+                if wait:
+                    break  # its group's first sequence is still computing the prompt they share
                 tokens = seq.all_token_ids
-                cached = bm.num_cached_tokens(seq.seq_id, tokens)
+                cached = bm.num_cached_tokens(seq.seq_id, tokens, source)
                 n = min(seq.num_tokens - cached, budget)
                 if not c.enable_chunked_prefill and n < seq.num_tokens - cached and not seq.num_preemptions:
                     # a prompt waits for a step with room for all of it; a preempted sequence's
                     # recompute (prompt + tokens generated so far) may exceed the budget, which only
                     # chunks can serve: without them it would wait forever
                     break
-                if not bm.can_allocate(seq.seq_id, cached + n, tokens):
+                if not bm.can_allocate(seq.seq_id, cached + n, tokens, source):
                     break
-                hit = bm.allocate(seq.seq_id, cached + n, tokens)
+                hit = bm.allocate(seq.seq_id, cached + n, tokens, source)
                 seq.num_computed_tokens = hit
                 if seq.num_preemptions == 0:
                     seq.num_cached_tokens = hit
@@ -533,7 +559,7 @@ class LLMScheduler:
             seq.output_token_ids.append(token)
             reason: FinishReason | None = None
             p = seq.params
-            if (
+            if seq.num_output_tokens > p.min_tokens and (
                 seq.seq_id in stopped
                 or (not p.ignore_eos and token in c.eos_token_ids)
                 or token in p.stop_token_ids

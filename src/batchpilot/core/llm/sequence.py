@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Literal
 
 
 class SeqStatus(enum.Enum):
@@ -38,6 +39,26 @@ class FinishReason(str, enum.Enum):
     EXPIRED = "expired"  # its deadline passed first (``LLMScheduler.expire``; the server's 504)
 
 
+StructuredKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+STRUCTURED_KINDS: tuple[StructuredKind, ...] = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A constraint on the answer's text, applied as a token mask each step (``models/llm/grammar.py``).
+
+    ``spec`` is plain text: a JSON schema (json_schema), ignored (json_object: any JSON object), a regular
+    expression (regex), the JSON list of allowed strings (choice), or an EBNF grammar (grammar)."""
+
+    kind: StructuredKind
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured output: kind {self.kind!r}; choose one of "
+                             f"{', '.join(STRUCTURED_KINDS)}")
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick tokens and when to stop. ``temperature == 0`` is greedy.
@@ -45,6 +66,13 @@ class SamplingParams:
     ``stop`` strings are matched by the engine on detokenised text (core has no tokenizer); every
     other stop condition is checked here. ``seed`` makes one request's sampling reproducible no
     matter which other requests share its batches.
+
+    What changes the logits before a token is chosen, in this order (``models/llm/sampler.py``): the
+    structured-output mask, ``logit_bias``, ``min_tokens`` (EOS and ``stop_token_ids`` masked until that
+    many tokens are out), ``repetition_penalty`` (HF's rule over prompt and output tokens), then
+    ``presence_penalty`` / ``frequency_penalty`` (OpenAI's rule over output tokens). ``logprobs``: None
+    = none returned, k >= 0 = the chosen token's log-probability and the k most likely alternatives, of
+    the model's own distribution (before any of the above; what HF's ``log_softmax`` of the logits gives).
     """
 
     max_tokens: int = 16
@@ -55,6 +83,13 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1 = off
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -65,10 +100,32 @@ class SamplingParams:
             raise ValueError(f"sampling: top_k must be >= 0 (0 = off), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"sampling: top_p must be in (0, 1], got {self.top_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"sampling: {name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 100.0:
+            raise ValueError(f"sampling: repetition_penalty must be in (0, 100], got "
+                             f"{self.repetition_penalty}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"sampling: min_tokens must be in [0, max_tokens = {self.max_tokens}], got "
+                             f"{self.min_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"sampling: logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if any(not -100.0 <= b <= 100.0 for _, b in self.logit_bias):
+            raise ValueError("sampling: each logit_bias value must be in [-100, 100]")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def penalised(self) -> bool:
+        """Whether the logits depend on the tokens so far (penalties, or EOS held back by min_tokens)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.min_tokens)
+
+
+MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 
 
 @dataclass(slots=True, eq=False)
@@ -90,6 +147,10 @@ class Sequence:
     finish_reason: FinishReason | None = None
     reject_reason: str | None = None
     deadline: float | None = None
+    # the samples of one prompt (``n > 1``) share a group, named by its first sequence's id: the
+    # scheduler admits a group's followers once its first has computed the prompt (so they take its
+    # KV blocks from the prefix cache), and preempts a group's running members together
+    group: int | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
