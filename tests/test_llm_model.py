@@ -83,8 +83,8 @@ def run_greedy(hf: Any, prompts: list[list[int]], late: int = 0, row_plan: RowPl
         plan = sched.schedule()
         logits = runner.forward(plan.chunks)
         ids = [c.seq_id for c in plan.chunks if c.sample]
-        toks = sampler.sample(logits, ids, [sched.seqs[i].params for i in ids])
-        sched.update(plan, dict(zip(ids, toks, strict=True)))
+        toks = sampler.choose(logits, [sched.seqs[i] for i in ids])
+        sched.update(plan, dict(zip(ids, [c.token for c in toks], strict=True)))
         step += 1
     assert sched.block_manager.num_free_blocks == config.num_kv_blocks
     return [q.output_token_ids for q in seqs], sched
@@ -149,13 +149,17 @@ def test_sampler_filters_and_seeds() -> None:
     assert torch.isinf(filter_logits(logits, top_k=2, top_p=1.0)).tolist() == [True, False, False, True]
     # softmax([3,2,1,0]) ~ [.64,.24,.09,.03]: top_p 0.8 keeps the first two
     assert torch.isinf(filter_logits(logits, top_k=0, top_p=0.8)).tolist() == [True, False, False, True]
+    def tokens(rows: torch.Tensor, params: list[SamplingParams]) -> list[int]:
+        seqs = [Sequence(i, [0], p) for i, p in enumerate(params)]
+        return [c.token for c in Sampler().choose(rows, seqs)]
+
     params = SamplingParams(temperature=1.0, seed=5)
     rows = torch.randn(1, 50).repeat(40, 1)
-    a = [Sampler().sample(rows[i : i + 1], [0], [params])[0] for i in range(3)]
+    a = [tokens(rows[i : i + 1], [params])[0] for i in range(3)]
     assert len(set(a)) == 1  # same seed, same first draw
-    draws = Sampler().sample(rows, list(range(40)), [SamplingParams(temperature=1.0)] * 40)
+    draws = tokens(rows, [SamplingParams(temperature=1.0)] * 40)
     assert len(set(draws)) > 1  # different sequences draw differently
-    greedy = Sampler().sample(rows[:2], [0, 1], [SamplingParams(temperature=0)] * 2)
+    greedy = tokens(rows[:2], [SamplingParams(temperature=0)] * 2)
     assert greedy == [int(rows[0].argmax())] * 2
 
 

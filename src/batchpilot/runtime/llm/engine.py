@@ -51,10 +51,12 @@ from batchpilot.core.llm.admission import (
 )
 from batchpilot.core.llm.config import KVPlan, LLMSchedulerConfig, MemoryProfile
 from batchpilot.core.llm.scheduler import LLMScheduler, PreemptionCosts, StepPlan
-from batchpilot.core.llm.sequence import SamplingParams, Sequence
+from batchpilot.core.llm.sequence import SamplingParams, Sequence, StructuredOutput
 from batchpilot.core.request import IdCounter
 from batchpilot.models.device import bind_threads
+from batchpilot.models.llm.grammar import GrammarRefused, grammars_for
 from batchpilot.models.llm.runner import engine_preemption_costs
+from batchpilot.models.llm.sampler import Choice
 from batchpilot.models.llm.tokenizer import IncrementalDetokenizer, make_decode
 from batchpilot.runtime.journal import JsonLines
 
@@ -180,6 +182,9 @@ class GenerationOutput:
     # step; the server's Server-Timing header splits the first token's time with them
     arrival: float = 0.0
     emitted: float = 0.0
+    # the token's log-probability and the most likely alternatives (id, logprob), when the params ask
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,12 +198,13 @@ class TokenEvent:
     finished: bool
 
 
-def token_records(seq: Sequence, token_id: int, finish_reason: str | None, text: str, now: float,
+def token_records(seq: Sequence, choice: Choice, finish_reason: str | None, text: str, now: float,
                   last_t: float | None) -> tuple[GenerationOutput, TokenEvent]:
     """One token of ``seq`` leaving its step at ``now``: the stream's increment and the observers' event
     (TTFT when ``last_t``, the previous token's time, is None; else the gap since it)."""
-    output = GenerationOutput(seq.seq_id, text, [token_id], finish_reason, seq.num_prompt_tokens,
-                              seq.num_output_tokens, seq.num_cached_tokens, seq.arrival, now)
+    output = GenerationOutput(seq.seq_id, text, [choice.token], finish_reason, seq.num_prompt_tokens,
+                              seq.num_output_tokens, seq.num_cached_tokens, seq.arrival, now,
+                              choice.logprob, choice.top)
     first = last_t is None
     event = TokenEvent(seq.seq_id, now, now - seq.arrival if first else None,
                        None if first else now - (last_t or now), finish_reason is not None)
@@ -446,9 +452,11 @@ class PromptEncoder:
     the tokenizer or template cannot take (a lone surrogate, roles out of order) is a ``RequestRejected``
     with a fixed message; the tokenizer's own text goes to the log only."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int | None, threads: int = 0) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int | None, threads: int = 0,
+                 eos_ids: Items[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.eos_ids = tuple(eos_ids)
         self.threads = threads or os.cpu_count() or 1
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="batchpilot-llm-tokenize")
         self._local = threading.local()
@@ -488,7 +496,20 @@ class PromptEncoder:
             raise RequestRejected("the messages encode to no tokens", "invalid_value", "messages")
         return ids
 
+    def check_constraint(self, constraint: StructuredOutput, param: str = "response_format") -> None:
+        """Compile a structured-output constraint (cached for the engine's sampler), or refuse it with the
+        grammar library's reason."""
+        vocab = self.vocab_size or len(self.tokenizer)
+        try:
+            grammars_for(self.tokenizer, vocab, self.eos_ids).compile(constraint)
+        except GrammarRefused as exc:
+            raise RequestRejected(f"{param} cannot be served: {exc}", "invalid_value", param) from None
+
     # -- off the event loop ------------------------------------------------------------------
+    async def check_constraint_async(self, constraint: StructuredOutput, param: str) -> None:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._pool, self.check_constraint, constraint, param)
+
     async def encode_async(self, prompt: str | list[int]) -> list[int]:
         return await self._run(self.encode, prompt)
 
@@ -568,7 +589,8 @@ class LLMEngine:
         self.scheduler = LLMScheduler(config, engine_preemption_costs(runner, config, preemption_costs))
         self.sampler = sampler or Sampler()
         vocab = getattr(getattr(runner, "w", None), "vocab_size", None)
-        self.prompts = PromptEncoder(tokenizer, vocab, tokenizer_threads)
+        self.sampler.bind(tokenizer, vocab or len(tokenizer), config.eos_token_ids)
+        self.prompts = PromptEncoder(tokenizer, vocab, tokenizer_threads, config.eos_token_ids)
         self._ids = IdCounter()
         self._lock = threading.Lock()  # ids, the admission count, and closing the inbox
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
@@ -825,13 +847,13 @@ class LLMEngine:
         if not plan.chunks:
             return
         t0 = time.perf_counter()
+        sampling = [self.scheduler.seqs[c.seq_id] for c in plan.chunks if c.sample]
+        self.sampler.prefetch(sampling)  # structured-output masks, filled while the forward runs
         logits = self.runner.forward(plan.chunks)
-        sampling = [c.seq_id for c in plan.chunks if c.sample]
-        seqs = self.scheduler.seqs
-        tokens = self.sampler.sample(logits, sampling, [seqs[i].params for i in sampling])
+        choices = dict(zip([s.seq_id for s in sampling], self.sampler.choose(logits, sampling), strict=True))
         self._last_forward_s = time.perf_counter() - t0
         self.counters.forward_seconds += self._last_forward_s
-        sampled = dict(zip(sampling, tokens, strict=True))
+        sampled = {sid: c.token for sid, c in choices.items()}
         stopped: set[int] = set()
         deltas: dict[int, str] = {}
         for sid, tok in sampled.items():
@@ -854,7 +876,7 @@ class LLMEngine:
             text = deltas.get(out.seq_id, "")
             if reason is not None and out.seq_id not in stopped:
                 text += req.detok.flush(seq.output_token_ids)
-            output, event = token_records(seq, out.token_id, reason, text, now, req.last_t)
+            output, event = token_records(seq, choices[out.seq_id], reason, text, now, req.last_t)
             req.put(output)
             req.last_t = now
             for obs in self.observers:

@@ -38,7 +38,7 @@ from batchpilot.core.llm.config import LLMSchedulerConfig
 from batchpilot.core.llm.sequence import SamplingParams, Sequence
 from batchpilot.core.request import IdCounter
 from batchpilot.models.device import bind_threads
-from batchpilot.models.llm.sampler import Sampler
+from batchpilot.models.llm.sampler import Choice, Sampler
 from batchpilot.models.llm.tokenizer import make_decode
 from batchpilot.runtime.llm.engine import (
     EngineCounters,
@@ -72,6 +72,7 @@ class StaticFallback:
         self.max_batch_size = max_batch_size
         self.threads: int | None = None  # CPU intra-op threads of its thread (the engine runner's)
         self.sampler = sampler or Sampler()
+        self.sampler.bind(tokenizer, int(model.config.vocab_size), config.eos_token_ids)
         self.admission = LLMAdmission(config)  # the main engine's rules and bound, under ``_lock``
         self._decode = make_decode(tokenizer)
         pad = getattr(tokenizer, "pad_token_id", None)
@@ -277,6 +278,7 @@ class _Rows:
     def __init__(self, owner: StaticFallback, batch: list[LLMRequest]) -> None:
         self.owner, self.batch = owner, batch
         self.done = [False] * len(batch)
+        self.choices: dict[int, Choice] = {}  # row -> the choice ``choose`` made this decoding step
 
     def live(self) -> list[int]:
         return [i for i, d in enumerate(self.done) if not d]
@@ -292,10 +294,9 @@ class _Rows:
         live = self.live()
         picked = torch.full((scores.shape[0],), self.owner._pad, dtype=torch.long)
         if live:
-            seqs = [self.batch[i].seq for i in live]
-            tokens = self.owner.sampler.sample(scores[live].float(), [s.seq_id for s in seqs],
-                                               [s.params for s in seqs])
-            picked[live] = torch.tensor(tokens, dtype=torch.long)
+            choices = self.owner.sampler.choose(scores[live].float(), [self.batch[i].seq for i in live])
+            self.choices = dict(zip(live, choices, strict=True))
+            picked[live] = torch.tensor([c.token for c in choices], dtype=torch.long)
         out = torch.full_like(scores, float("-inf"))
         out[torch.arange(scores.shape[0]), picked.to(scores.device)] = 0.0
         return out
@@ -323,14 +324,16 @@ class _Rows:
             p = seq.params
             text, hit = req.detok.step(seq.output_token_ids)
             reason = None
-            if hit or tok in p.stop_token_ids or (not p.ignore_eos and tok in cfg.eos_token_ids):
+            if seq.num_output_tokens > p.min_tokens and (
+                    hit or tok in p.stop_token_ids or (not p.ignore_eos and tok in cfg.eos_token_ids)):
                 reason = "stop"
             elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= cfg.max_model_len:
                 reason = "length"
             if reason is not None and not hit:
                 text += req.detok.flush(seq.output_token_ids)
+            choice = self.choices.get(i, Choice(tok))
             req.put(GenerationOutput(seq.seq_id, text, [tok], reason, seq.num_prompt_tokens,
-                                     seq.num_output_tokens, 0, seq.arrival, now))
+                                     seq.num_output_tokens, 0, seq.arrival, now, choice.logprob, choice.top))
             delivered += 1
             if reason is not None:
                 self.end(i)
