@@ -29,8 +29,8 @@ _ids = iter(range(10**9))
 
 
 def make_request(length: int = 16, arrival: float = 0.0, *, id: int | None = None, priority: int = 0,
-                 deadline: float | None = None, sla: float | None = None) -> Request:
-    return Request(next(_ids) if id is None else id, arrival, length, priority, deadline, sla)
+                 deadline: float | None = None, sla: float | None = None, tenant: str = "default") -> Request:
+    return Request(next(_ids) if id is None else id, arrival, length, priority, deadline, sla, tenant=tenant)
 
 
 def simple_cost_model(const: float = 0.010, per_req: float = 0.0, per_token: float = 1e-4,

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchpilot.core.admission import AdmissionController, LoadState, RejectReason, TokenBucket
+from batchpilot.core.admission import AdmissionController, LoadState, RejectReason
+from batchpilot.core.bucket import TokenBucket
 from batchpilot.core.config import AdmissionConfig, PlannerConfig, PolicyConfig, SchedulerConfig
 from batchpilot.core.costmodel import CostModel
 from batchpilot.core.request import Request

@@ -1,7 +1,7 @@
 """Properties of the whole scheduling core over random arrival sequences (hypothesis).
 
 Random configs (policy, grouping, padding, queue order, budgets, slots) and random arrivals (gaps,
-lengths, priorities, deadlines) are driven through ``BatchScheduler`` by the fake event-driven
+lengths, priorities, deadlines, tenants) are driven through ``BatchScheduler`` by the fake event-driven
 executor in ``core_factories.drive``. Checked:
 
 * no request lost or duplicated: each admitted request is dispatched once or dropped once;
@@ -54,7 +54,7 @@ def scenarios(draw: Any) -> dict[str, Any]:
                       "refit_every_s": 0.05},
         "admission": {"max_length": max_len, "max_queued_requests": draw(st.sampled_from([0, 12])),
                       "rate": draw(st.sampled_from([0.0, 300.0])), "burst": 5},
-        "queue_order": draw(st.sampled_from(["fcfs", "priority", "edf"])),
+        "queue_order": draw(st.sampled_from(["fcfs", "priority", "edf", "fair"])),
     }
     n = draw(st.integers(1, 40))
     gaps = draw(st.lists(st.sampled_from([0.0, 0.0005, 0.002, 0.01, 0.05]), min_size=n, max_size=n))
@@ -65,7 +65,8 @@ def scenarios(draw: Any) -> dict[str, Any]:
         length = draw(st.integers(1, max_len + 10))
         priority = draw(st.integers(0, 2))
         sla = draw(st.sampled_from([None, None, 0.02, 0.1, 1.0]))
-        arrivals.append(make_request(length, t, id=i, priority=priority, sla=sla))
+        tenant = draw(st.sampled_from(["default", "x", "y"]))
+        arrivals.append(make_request(length, t, id=i, priority=priority, sla=sla, tenant=tenant))
     return {"cfg": cfg, "arrivals": arrivals, "slots": draw(st.integers(1, 3))}
 
 

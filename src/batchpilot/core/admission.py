@@ -21,9 +21,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from batchpilot.core.arrivals import GapAverage
+from batchpilot.core.bucket import TokenBucket
 from batchpilot.core.config import AdmissionConfig, PlannerConfig
 from batchpilot.core.costmodel import CostModel
 from batchpilot.core.request import Request
+from batchpilot.core.tenants import TenantLedger
 
 OFFER_GAP_ALPHA = 1.0 / 16  # the moving average of the gaps between offered requests
 
@@ -38,6 +40,8 @@ class RejectReason(enum.Enum):
     DEADLINE_EXPIRED = "deadline_expired"  # dropped from the queue: its deadline passed (504)
     CANCELLED = "cancelled"
     SHUTTING_DOWN = "shutting_down"  # 503
+    QUOTA_TOKENS = "quota_tokens"  # 429 + Retry-After: over the tenant's tokens per second
+    QUOTA_CONCURRENCY = "quota_concurrency"  # 429 + Retry-After: at the tenant's concurrent requests
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,36 +103,15 @@ def pad_length(max_len_in_batch: int, multiple: int, cap: int) -> int:
     return min(max(padded, max_len_in_batch), max(cap, max_len_in_batch))
 
 
-class TokenBucket:
-    """``rate`` tokens per second up to ``burst``; starts full. Time is the caller's clock."""
-
-    def __init__(self, rate: float, burst: int) -> None:
-        self.rate = rate
-        self.burst = float(burst)
-        self._tokens = float(burst)
-        self._last: float | None = None
-
-    def _refill(self, now: float) -> None:
-        if self._last is not None and now > self._last:
-            self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)
-        if self._last is None or now > self._last:
-            self._last = now
-
-    def try_take(self, now: float) -> float:
-        """Take one token: returns 0.0 on success, else the seconds until one is available."""
-        self._refill(now)
-        if self._tokens >= 1.0:
-            self._tokens -= 1.0
-            return 0.0
-        return (1.0 - self._tokens) / self.rate
-
-
 class AdmissionController:
     """Decides ``submit``: ``check`` returns None (admit; the bucket is charged) or a ``Rejection``."""
 
     def __init__(self, config: AdmissionConfig, planner: PlannerConfig, cost_model: CostModel,
-                 max_batch_size: int, num_slots: int = 1) -> None:
+                 max_batch_size: int, num_slots: int = 1, fair: bool = False) -> None:
+        """``fair``: the queue order is ``fair`` (``core/fair.py``), so the request bounds are shared
+        among tenants (``check_group``)."""
         self.config = config
+        self.fair = fair
         self.planner = planner
         self.cost_model = cost_model
         self.max_batch_size = max_batch_size
@@ -214,74 +197,123 @@ class AdmissionController:
                                  f"to take {need * 1e3:.1f} ms (p{self.cost_model.quantile * 100:g})")
         return None
 
-    def check_group(self, reqs: Sequence[Request], now: float, state: LoadState) -> Rejection | None:
+    def check_group(self, reqs: Sequence[Request], now: float, state: LoadState,
+                    tenants: TenantLedger | None = None) -> Rejection | None:
         """Admit the request ``reqs`` (one or more inputs) as a whole, or refuse it: None (admit; the rate
-        bucket is charged once) or the ``Rejection`` of the first rule it breaks, naming the request's
-        first input. Rules, cheapest and most permanent first: each input's own checks
-        (``check_input``); the concurrency limit; the queue bounds (inputs, tokens, predicted work),
-        which always admit into an empty queue, so a request larger than a bound is served alone rather
-        than refused forever; a declared latency SLA or the inputs' own deadlines against the predicted
-        completion (``predicted_completion_s``); the rate limit."""
+        bucket and the tenant's quota are charged once) or the ``Rejection`` of the first rule it breaks,
+        naming the request's first input. Rules, cheapest and most permanent first: each input's own
+        checks (``check_input``); the tenant's quotas (``check_quota``, with ``tenants``); the concurrency
+        limit; the queue bounds (inputs, tokens, predicted work), which always admit into an empty queue,
+        so a request larger than a bound is served alone rather than refused forever; a declared latency
+        SLA or the inputs' own deadlines against the predicted completion (``predicted_completion_s``);
+        the rate limit. Under the ``fair`` order a tenant below its weighted share of the concurrency
+        limit is admitted at the limit (up to twice it): a tenant that floods the server cannot lock the
+        others out."""
         first = reqs[0]
         self._offers.observe(now)
         for r in reqs:
             rej = self.check_input(r, now)
             if rej is not None:
                 return rej
-        cfg = self.config
         n = len(reqs)
-        if cfg.max_concurrent_requests and state.num_requests >= cfg.max_concurrent_requests:
-            return Rejection(first, RejectReason.QUEUE_FULL,
-                             f"{state.num_requests} requests are in progress "
-                             f"(admission.max_concurrent_requests = {cfg.max_concurrent_requests})",
-                             self._drain_s(state.num_waiting, state.num_tokens))
-        waiting = state.num_waiting
-        if waiting and cfg.max_queued_requests and waiting + n > cfg.max_queued_requests:
-            return Rejection(first, RejectReason.QUEUE_FULL,
-                             f"{waiting} inputs are waiting and this request adds {n} "
-                             f"(admission.max_queued_requests = {cfg.max_queued_requests})",
-                             self._drain_s(waiting, state.num_tokens))
         tokens = sum(r.length for r in reqs) if n > 1 else first.length
-        if waiting and cfg.max_queued_tokens and state.num_tokens + tokens > cfg.max_queued_tokens:
-            return Rejection(first, RejectReason.QUEUE_FULL,
-                             f"{state.num_tokens} tokens are waiting and this request adds {tokens} "
-                             f"(admission.max_queued_tokens = {cfg.max_queued_tokens})",
-                             self._drain_s(waiting, state.num_tokens))
+        if tenants is not None:
+            rej = self.check_quota(first, tokens, now, state, tenants)
+            if rej is not None:
+                return rej
+        rej = self._check_bounds(first, n, tokens, state, tenants)
+        if rej is not None:
+            return rej
+        cfg = self.config
         if cfg.max_backlog_s or cfg.latency_sla_s or first.deadline is not None:
-            work = self.work_s
-            own = (sum(work[r.length] for r in reqs) if n > 1 else work[first.length]) * state.work_scale
-            ahead = state.backlog_s
-            if cfg.max_backlog_s:
-                over = work_refusal(cfg.max_backlog_s, waiting, ahead, own)
-                if over > 0.0:
-                    return Rejection(first, RejectReason.QUEUE_FULL,
-                                     f"{ahead * 1e3:.0f} ms of predicted work is waiting and this request "
-                                     f"adds {own * 1e3:.1f} ms "
-                                     f"(admission.max_backlog_s = {cfg.max_backlog_s * 1e3:.0f} ms)", over)
-            if ahead > 0.0:
-                gap = self._offers.mean_s
-                mates = batch_mates_s(waiting, n, self.max_batch_size, state.mate_s, own, self.num_slots,
-                                      ahead / gap if gap > 0.0 else math.inf)
-                done_in = predicted_completion_s(ahead, own, mates)
-                if cfg.latency_sla_s and done_in > cfg.latency_sla_s:
-                    return Rejection(first, RejectReason.QUEUE_FULL,
-                                     f"predicted to finish in {done_in * 1e3:.0f} ms "
-                                     f"({ahead * 1e3:.0f} ms of work ahead + {own * 1e3:.0f} ms of its own "
-                                     f"+ {mates * 1e3:.0f} ms of batch-mates after it), "
-                                     "over the latency SLA "
-                                     f"of {cfg.latency_sla_s * 1e3:.0f} ms", done_in - cfg.latency_sla_s)
-                deadline = min((r.deadline for r in reqs if r.deadline is not None), default=None)
-                if deadline is not None and now + done_in > deadline:
-                    return Rejection(first, RejectReason.QUEUE_FULL,
-                                     f"predicted to finish in {done_in * 1e3:.0f} ms behind "
-                                     f"{ahead * 1e3:.0f} ms of work; its deadline leaves "
-                                     f"{(deadline - now) * 1e3:.0f} ms", now + done_in - deadline)
+            rej = self._check_latency(reqs, now, state)
+            if rej is not None:
+                return rej
         if self.bucket is not None:
             wait = self.bucket.try_take(now)
             if wait > 0.0:
                 return Rejection(first, RejectReason.RATE_LIMITED,
                                  f"over the admitted rate of {cfg.rate:g} requests/s (burst {cfg.burst})",
                                  wait)
+        if tenants is not None:
+            tenants.admit(first.tenant, tokens, now)
+        return None
+
+    def check_quota(self, first: Request, tokens: int, now: float, state: LoadState,
+                    tenants: TenantLedger) -> Rejection | None:
+        """The tenant's quotas (``TenantLedger.check``) for a request of ``tokens`` tokens; charges nothing.
+        Over the token quota, ``retry_after_s`` is when the bucket holds them; at the concurrency quota,
+        one full batch's predicted time."""
+        refusal = tenants.check(first.tenant, tokens, now)
+        if refusal is None:
+            return None
+        if refusal.quota == "tokens":
+            return Rejection(first, RejectReason.QUOTA_TOKENS, refusal.message, refusal.retry_after_s)
+        return Rejection(first, RejectReason.QUOTA_CONCURRENCY, refusal.message,
+                         self._drain_s(state.num_waiting, state.num_tokens))
+
+    def _check_bounds(self, first: Request, n: int, tokens: int, state: LoadState,
+                      tenants: TenantLedger | None) -> Rejection | None:
+        """The concurrency limit and the queue bounds in inputs and tokens."""
+        cfg = self.config
+        limit = cfg.max_concurrent_requests
+        if limit and state.num_requests >= limit:
+            share = tenants.share(first.tenant, limit) if self.fair and tenants is not None else 0.0
+            held = tenants.in_progress(first.tenant) if tenants is not None else 0
+            if not (held < share and state.num_requests < 2 * limit):
+                why = (f"; tenant {first.tenant!r} holds {held}, its weighted share is {share:.1f}"
+                       if share else "")
+                return Rejection(first, RejectReason.QUEUE_FULL,
+                                 f"{state.num_requests} requests are in progress "
+                                 f"(admission.max_concurrent_requests = {limit}){why}",
+                                 self._drain_s(state.num_waiting, state.num_tokens))
+        waiting = state.num_waiting
+        if waiting and cfg.max_queued_requests and waiting + n > cfg.max_queued_requests:
+            return Rejection(first, RejectReason.QUEUE_FULL,
+                             f"{waiting} inputs are waiting and this request adds {n} "
+                             f"(admission.max_queued_requests = {cfg.max_queued_requests})",
+                             self._drain_s(waiting, state.num_tokens))
+        if waiting and cfg.max_queued_tokens and state.num_tokens + tokens > cfg.max_queued_tokens:
+            return Rejection(first, RejectReason.QUEUE_FULL,
+                             f"{state.num_tokens} tokens are waiting and this request adds {tokens} "
+                             f"(admission.max_queued_tokens = {cfg.max_queued_tokens})",
+                             self._drain_s(waiting, state.num_tokens))
+        return None
+
+    def _check_latency(self, reqs: Sequence[Request], now: float, state: LoadState) -> Rejection | None:
+        """The work bound, a declared latency SLA and the inputs' own deadlines against the predicted
+        completion (``state.backlog_s`` is the work ahead of this request)."""
+        cfg = self.config
+        first, n, waiting = reqs[0], len(reqs), state.num_waiting
+        work = self.work_s
+        own = (sum(work[r.length] for r in reqs) if n > 1 else work[first.length]) * state.work_scale
+        ahead = state.backlog_s
+        if cfg.max_backlog_s:
+            over = work_refusal(cfg.max_backlog_s, waiting, ahead, own)
+            if over > 0.0:
+                return Rejection(first, RejectReason.QUEUE_FULL,
+                                 f"{ahead * 1e3:.0f} ms of predicted work is waiting and this request "
+                                 f"adds {own * 1e3:.1f} ms "
+                                 f"(admission.max_backlog_s = {cfg.max_backlog_s * 1e3:.0f} ms)", over)
+        if ahead <= 0.0:
+            return None
+        gap = self._offers.mean_s
+        mates = batch_mates_s(waiting, n, self.max_batch_size, state.mate_s, own, self.num_slots,
+                              ahead / gap if gap > 0.0 else math.inf)
+        done_in = predicted_completion_s(ahead, own, mates)
+        if cfg.latency_sla_s and done_in > cfg.latency_sla_s:
+            return Rejection(first, RejectReason.QUEUE_FULL,
+                             f"predicted to finish in {done_in * 1e3:.0f} ms "
+                             f"({ahead * 1e3:.0f} ms of work ahead + {own * 1e3:.0f} ms of its own "
+                             f"+ {mates * 1e3:.0f} ms of batch-mates after it), "
+                             "over the latency SLA "
+                             f"of {cfg.latency_sla_s * 1e3:.0f} ms", done_in - cfg.latency_sla_s)
+        deadline = min((r.deadline for r in reqs if r.deadline is not None), default=None)
+        if deadline is not None and now + done_in > deadline:
+            return Rejection(first, RejectReason.QUEUE_FULL,
+                             f"predicted to finish in {done_in * 1e3:.0f} ms behind "
+                             f"{ahead * 1e3:.0f} ms of work; its deadline leaves "
+                             f"{(deadline - now) * 1e3:.0f} ms", now + done_in - deadline)
         return None
 
     def _drain_s(self, num_waiting: int, num_waiting_tokens: int) -> float:

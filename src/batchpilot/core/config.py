@@ -39,13 +39,15 @@ def parse_bytes(text: str | int | float, default_unit: str = "") -> int:
 PolicyName = Literal["static", "window", "backlog", "hybrid", "adaptive", "sla", "aimd"]
 Grouping = Literal["fifo", "bucket", "sorted", "dp"]
 Padding = Literal["max", "dynamic", "bucket", "none"]
-QueueOrder = Literal["fcfs", "priority", "edf"]
+RequestOrder = Literal["fcfs", "priority", "edf"]  # the orders of one queue of requests
+QueueOrder = Literal["fcfs", "priority", "edf", "fair"]  # fair: among tenants, then a RequestOrder
 BucketMethod = Literal["fixed", "quantile", "kmeans", "dp"]
 
 POLICIES = ("static", "window", "backlog", "hybrid", "adaptive", "sla", "aimd")
 GROUPINGS = ("fifo", "bucket", "sorted", "dp")
 PADDINGS = ("max", "dynamic", "bucket", "none")
-QUEUE_ORDERS = ("fcfs", "priority", "edf")
+REQUEST_ORDERS = ("fcfs", "priority", "edf")
+QUEUE_ORDERS = (*REQUEST_ORDERS, "fair")
 BUCKET_METHODS = ("fixed", "quantile", "kmeans", "dp")
 
 
@@ -217,6 +219,8 @@ class SchedulerConfig:
     bucketing: BucketingConfig = field(default_factory=BucketingConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     queue_order: QueueOrder = "fcfs"
+    # under queue_order "fair" (core/fair.py): the order of one tenant's own requests
+    tenant_order: RequestOrder = "fcfs"
     # executor slots (model instances / worker threads)
     num_slots: int = field(default=1, metadata={"flag": {}})
     # Pipelining: a busy slot takes its next batch ``pipeline_lead_s`` before its running batch is
@@ -229,6 +233,7 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         _choice("scheduler", "queue_order", self.queue_order, QUEUE_ORDERS)
+        _choice("scheduler", "tenant_order", self.tenant_order, REQUEST_ORDERS)
         if self.num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {self.num_slots}")
         _positive("scheduler", "pipeline_lead_s", self.pipeline_lead_s, allow_zero=True)
@@ -256,7 +261,7 @@ class SchedulerConfig:
         return cls(**kwargs)
 
 
-_TOP_LEVEL = ("queue_order", "num_slots", "pipeline", "pipeline_lead_s")
+_TOP_LEVEL = ("queue_order", "tenant_order", "num_slots", "pipeline", "pipeline_lead_s")
 T = TypeVar("T")
 
 

@@ -30,7 +30,7 @@ import heapq
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
-from batchpilot.core.config import QUEUE_ORDERS, QueueOrder
+from batchpilot.core.config import REQUEST_ORDERS, RequestOrder
 from batchpilot.core.request import Request
 
 # -- Time orders (arrival, deadline) ---------------------------------------------------------------
@@ -105,15 +105,15 @@ MEAN_WORK_ALPHA = 1.0 / 32  # ``mean_work_s``: the last ~32 inputs pushed
 class RequestQueue:
     """Bounded queue of waiting requests. ``capacity`` 0 means unbounded."""
 
-    def __init__(self, order: QueueOrder = "fcfs", capacity: int = 0,
+    def __init__(self, order: RequestOrder = "fcfs", capacity: int = 0,
                  work_s: Sequence[float] | None = None) -> None:
         """``work_s[length]``: predicted seconds an input of that length adds to draining the queue
         (``AdmissionController.work_s``); without it ``num_work_s`` stays 0."""
-        if order not in QUEUE_ORDERS:
-            raise ValueError(f"queue order {order!r}; choose one of {', '.join(QUEUE_ORDERS)}")
+        if order not in REQUEST_ORDERS:  # "fair" is a queue of these: core/fair.py
+            raise ValueError(f"queue order {order!r}; choose one of {', '.join(REQUEST_ORDERS)}")
         if capacity < 0:
             raise ValueError(f"queue capacity must be >= 0 (0 = unbounded), got {capacity}")
-        self.order: QueueOrder = order
+        self.order: RequestOrder = order
         self.capacity = capacity
         self._front: list[Entry] = []
         self._heap: list[Entry] = []

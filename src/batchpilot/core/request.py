@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+DEFAULT_TENANT = "default"  # the tenant of a request that names none
 
 @dataclass(slots=True, eq=False)
 class Request:
@@ -18,6 +19,8 @@ class Request:
     the same convention as vLLM. ``deadline`` is absolute (driver clock); ``sla`` is a relative
     latency budget from arrival. When only ``sla`` is given, ``deadline = arrival + sla``.
     ``payload`` is an opaque handle (texts, token ids, a future) that core never looks at.
+    ``tenant`` is who the request is for (``core/tenants.py``): its quotas, its share under the
+    ``fair`` queue order, and the usage it is counted in.
     """
 
     id: int
@@ -28,6 +31,7 @@ class Request:
     sla: float | None = None
     payload: Any = field(default=None, repr=False)
     group: int = -1  # the scheduler's: the id of the request's first input when it has several, else -1
+    tenant: str = DEFAULT_TENANT
 
     def __post_init__(self) -> None:
         if self.length < 1:

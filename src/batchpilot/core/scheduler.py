@@ -35,10 +35,12 @@ from batchpilot.core.batch import Batch, SchedulerOutput
 from batchpilot.core.bucketing import Bucketer
 from batchpilot.core.config import SchedulerConfig
 from batchpilot.core.costmodel import CostModel
+from batchpilot.core.fair import FairQueue, make_queue
 from batchpilot.core.planner import BatchPlanner
 from batchpilot.core.policy import Dispatch, Policy, QueueState, Wait, make_policy
 from batchpilot.core.queue import RequestQueue
 from batchpilot.core.request import Request
+from batchpilot.core.tenants import TenantLedger, TenantState, TenantTable
 
 # -- Batches in flight -----------------------------------------------------------------------------
 # Batches dispatched and not yet done, and the work scale: what the scheduler's predicted backlog is
@@ -118,10 +120,32 @@ class SchedulerStats:
 
 
 
+@dataclass(frozen=True, slots=True)
+class TenantUsage:
+    """One tenant as a scheduler sees it (``BatchScheduler.tenant_usage``): its spec, what it has used,
+    its counter under the fair order (None under another order) and its quota state."""
+
+    tenant: str
+    weight: float
+    requests: int  # admitted
+    tokens: int  # input tokens admitted
+    in_progress: int
+    waiting: int  # inputs waiting (fair order only; else 0)
+    counter: float | None  # weighted tokens dispatched (the fair order's virtual token counter)
+    tokens_per_s: float  # the quota (0 = none)
+    bucket_tokens: float | None  # what its token bucket holds now (None: no token quota)
+    max_concurrent_requests: int
+    rejected: dict[str, int]
+
+
 class BatchScheduler:
     """Admission, queue, dispatch policy, batch planner and bucketing behind four calls."""
 
-    def __init__(self, config: SchedulerConfig | None = None, cost_model: CostModel | None = None) -> None:
+    def __init__(self, config: SchedulerConfig | None = None, cost_model: CostModel | None = None,
+                 tenants: TenantTable | None = None) -> None:
+        """``tenants``: the tenants' weights and quotas (``core/tenants.py``); with it, or under the
+        ``fair`` order, the scheduler keeps a ledger per tenant (quotas, usage). Without either, a
+        request's ``tenant`` is not looked at."""
         self.config = config = config or SchedulerConfig()
         self.cost_model = cost_model = cost_model or CostModel.default_cpu_minilm()
         plan = config.planner
@@ -129,11 +153,14 @@ class BatchScheduler:
                          if plan.grouping == "bucket" or plan.padding == "bucket" else None)
         self.policy: Policy = make_policy(config.policy, cost_model, plan)
         self.planner = BatchPlanner(plan, cost_model, self.bucketer)
+        self._fair = config.queue_order == "fair"
         self.admission = AdmissionController(config.admission, plan, cost_model, config.policy.max_batch_size,
-                                             config.num_slots)
+                                             config.num_slots, self._fair)
         self.stats = SchedulerStats()
+        self.tenants = TenantLedger(tenants) if tenants is not None or self._fair else None
         # admission alone bounds the queue (a request is admitted whole): the queue itself is unbounded
-        self._queue = RequestQueue(config.queue_order, 0, self.admission.work_s)
+        self._queue: RequestQueue = make_queue(config.queue_order, config.tenant_order, self.admission.work_s,
+                                               self.tenants.weight if self.tenants is not None else None)
         # The queue's id -> entry dict and deadline heap (never rebound): truth-testing them directly
         # saves Python-level calls on the hot path, which runs ~3 times per request in the simulator.
         self._live = self._queue._live
@@ -212,20 +239,24 @@ class BatchScheduler:
             raise ValueError("submit_group: a request needs at least one input")
         self.stats.submitted += n
         q = self._queue
-        backlog = self.predicted_backlog_s(now) if (self._reads_backlog or requests[0].deadline is not None) \
-            else 0.0  # hot path in the simulator
+        first = requests[0]
+        backlog = self._backlog_ahead_s(first.tenant, requests, now) \
+            if (self._reads_backlog or first.deadline is not None) else 0.0  # hot path in the simulator
         scale = self._in_flight.scale
         state = LoadState(self._num_requests, len(self._live), q.num_tokens, backlog, scale,
                           q.mean_work_s * scale if backlog else 0.0)
-        rejection = self.admission.check_group(requests, now, state)
+        rejection = self.admission.check_group(requests, now, state, self.tenants)
         if rejection is not None:
             self.stats.rejected[rejection.reason.value] += n
+            if self.tenants is not None:
+                self.tenants.refused(first.tenant, rejection.reason.value, now)
             return rejection
         if n > 1:
-            group = requests[0].id
+            group = first.id
             self._group_left[group] = n
             for r in requests:
                 r.group = group
+                r.tenant = first.tenant  # one request, one tenant
         for r in requests:
             q.push(r)
         self._num_requests += 1
@@ -236,6 +267,35 @@ class BatchScheduler:
             if bucketer is not None:
                 bucketer.observe(r.length, now)
         return None
+
+    # -- tenants -----------------------------------------------------------------------------
+    def check_tenant(self, tenant: str, tokens: int, now: float) -> Rejection | None:
+        """The tenant's quotas for a request of at least ``tokens`` tokens, charging nothing: what a
+        server asks before it tokenises a request (``submit_group`` checks them again, exactly)."""
+        if self.tenants is None:
+            return None
+        probe = Request(-1, now, max(tokens, 1), tenant=tenant)
+        state = LoadState(self._num_requests, len(self._live), self._queue.num_tokens, 0.0)
+        rejection = self.admission.check_quota(probe, probe.length, now, state, self.tenants)
+        if rejection is not None:
+            self.stats.rejected[rejection.reason.value] += 1
+            self.tenants.refused(tenant, rejection.reason.value, now)
+        return rejection
+
+    def set_tenants(self, table: TenantTable, now: float) -> None:
+        """New weights and quotas (a reloaded keys file), applied from now on."""
+        if self.tenants is None:
+            self.tenants = TenantLedger(table)
+        else:
+            self.tenants.set_table(table, now)
+
+    def tenant_usage(self, now: float) -> list[TenantUsage]:
+        """Every tenant the scheduler tracks, by name (empty without a ledger)."""
+        if self.tenants is None:
+            return []
+        q = self._queue
+        fair = q if isinstance(q, FairQueue) else None
+        return [_usage(name, st, now, fair) for name, st in self.tenants]
 
     def cancel(self, request_id: int, now: float) -> bool:
         req = self._queue.remove(request_id)
@@ -329,11 +389,24 @@ class BatchScheduler:
                 return
             del self._group_left[group]
         self._num_requests -= 1
+        if self.tenants is not None:
+            self.tenants.leave(req.tenant)
 
     def _drop(self, req: Request, out: SchedulerOutput, reason: RejectReason, message: str) -> None:
         out.dropped.append(Rejection(req, reason, message))
         self.stats.rejected[reason.value] += 1
+        if self.tenants is not None:
+            self.tenants.refused(req.tenant, reason.value)
         self._leave(req)
+
+    def _backlog_ahead_s(self, tenant: str, requests: Sequence[Request], now: float) -> float:
+        """The predicted work ahead of a new request: ``predicted_backlog_s``, or under the fair order
+        the batches in flight and the part of the queue fair order serves before it
+        (``FairQueue.work_ahead_s``)."""
+        q = self._queue
+        if not isinstance(q, FairQueue):
+            return self.predicted_backlog_s(now)
+        return self._in_flight.backlog_s(now, q.work_ahead_s(tenant, sum(r.length for r in requests)))
 
     def _drop_timed_out(self, now: float, out: SchedulerOutput) -> None:
         q, timeout = self._queue, self._timeout_s
@@ -363,3 +436,12 @@ class BatchScheduler:
                 self._drop(r, out, RejectReason.INFEASIBLE_DEADLINE,
                            f"dropped: {(r.deadline - now) * 1e3:.1f} ms left but it alone is predicted to "
                            f"take {need * 1e3:.1f} ms")
+
+
+def _usage(name: str, st: TenantState, now: float, fair: FairQueue | None) -> TenantUsage:
+    spec = st.spec
+    return TenantUsage(name, spec.weight, st.requests, st.tokens, st.in_progress,
+                       fair.num_waiting_of(name) if fair is not None else 0,
+                       fair.counter(name) if fair is not None else None, spec.tokens_per_s,
+                       st.bucket.level(now) if st.bucket is not None else None,
+                       spec.max_concurrent_requests, dict(st.rejected))
