@@ -18,6 +18,7 @@ far are prefilled again, so the sequence resumes exactly where it stopped.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 from typing import Literal
@@ -117,6 +118,13 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    def for_sample(self, j: int) -> SamplingParams:
+        """The params of a prompt's ``j``-th sample (``n > 1``): a seeded request's samples draw from
+        ``seed + j``, so each is reproducible and none repeats another; unseeded ones need nothing."""
+        if j == 0 or self.seed is None:
+            return self
+        return dataclasses.replace(self, seed=(self.seed + j + 2**63) % 2**64 - 2**63)
 
     @property
     def penalised(self) -> bool:

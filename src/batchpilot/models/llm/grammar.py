@@ -19,8 +19,9 @@ nothing needs rolling back. The engine calls ``prefetch`` before the step's forw
 filled while the matmuls run (xgrammar's fill releases the GIL) and ``masks`` only waits for what is
 left.
 
-JSON answers are compact (no whitespace between tokens: ``any_whitespace=False``), as a random or
-small model would otherwise fill the answer with whitespace; ``json_object`` is any JSON object.
+JSON answers are compact (no whitespace between tokens: ``any_whitespace=False``, separators ``,`` and
+``:``), as a random or small model would otherwise fill the answer with whitespace; ``json_object`` is
+any JSON object.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ from typing import Any
 import torch
 
 from batchpilot.core.llm.sequence import Sequence, StructuredOutput
+
+COMPACT = (",", ":")  # JSON separators: no whitespace at all
+JSON_KINDS = ("json_schema", "json_object")
 
 
 class GrammarRefused(ValueError):
@@ -71,9 +75,9 @@ class Grammars:
                 json.loads(c.spec)
             except ValueError as exc:
                 raise GrammarRefused(f"json_schema: not valid JSON ({exc})") from None
-            return cc.compile_json_schema(c.spec, any_whitespace=False)
+            return cc.compile_json_schema(c.spec, any_whitespace=False, separators=COMPACT)
         if c.kind == "json_object":
-            return cc.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            return cc.compile_json_schema('{"type": "object"}', any_whitespace=False, separators=COMPACT)
         if c.kind == "regex":
             return cc.compile_regex(c.spec)
         if c.kind == "choice":
@@ -82,6 +86,23 @@ class Grammars:
 
     def matcher(self, c: StructuredOutput) -> Any:
         return self.xgr.GrammarMatcher(self.compile(c))
+
+    @functools.cached_property
+    def json_safe(self) -> torch.Tensor:
+        """The bitmask of the tokens a compact JSON answer may contain: none whose bytes hold a control
+        character (U+0000-U+001F may not appear raw anywhere in compact JSON, but xgrammar's string rule
+        under ``maxLength`` admits them), plus the stop tokens."""
+        words = self.bitmask(1)[0]
+        words.zero_()
+        stops = set(self.info.stop_token_ids)
+        allowed = [i for i, b in enumerate(self.info.decoded_vocab[: self.vocab_size])
+                   if i in stops or (b and not any(x < 0x20 for x in b))]
+        ids = torch.tensor(allowed, dtype=torch.int64)
+        bits = torch.zeros(words.shape[0] * 32, dtype=torch.int64)
+        bits[ids] = 1
+        weights = 2 ** torch.arange(32, dtype=torch.int64)
+        packed = (bits.view(-1, 32) * weights).sum(dim=1)
+        return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 
     def bitmask(self, rows: int) -> torch.Tensor:
         return self.xgr.allocate_token_bitmask(rows, self.vocab_size)
@@ -157,6 +178,8 @@ class Constraints:
         bitmask = self.grammars.bitmask(len(seqs))
         for i in live:
             self._matchers[seqs[i].seq_id].fill_next_token_bitmask(bitmask, i)
+            if seqs[i].params.structured.kind in JSON_KINDS:  # type: ignore[union-attr]
+                bitmask[i] &= self.grammars.json_safe
         return bitmask, live
 
     def accept(self, seq: Sequence, token: int) -> None:

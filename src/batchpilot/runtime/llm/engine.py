@@ -551,8 +551,9 @@ class Engine(Protocol):
     """What serves LLM requests, as the routes, the metrics and the failover call it: this module's
     ``LLMEngine``, the ``StaticFallback`` (``runtime/llm/fallback.py``) and the ``LLMFailover`` in front
     of both (``runtime/llm/failover.py``). ``submit`` admits every prompt of one request or none
-    (``RequestRejected``, ``EngineBusy``, ``EngineStopped``); ``check_room`` asks first, before the
-    caller spends time tokenising; ``deadline`` is on ``time.monotonic``."""
+    (``RequestRejected``, ``EngineBusy``, ``EngineStopped``), ``n`` samples of each in prompt order;
+    ``check_room`` asks first, before the caller spends time tokenising; ``deadline`` is on
+    ``time.monotonic``."""
 
     @property
     def is_alive(self) -> bool: ...
@@ -563,7 +564,7 @@ class Engine(Protocol):
     def check_room(self, n: int = 1) -> None: ...
 
     def submit(self, prompts: list[list[int]], params: SamplingParams | None = None, priority: int = 0,
-               deadline: float | None = None) -> Items[GenerationStream]: ...
+               deadline: float | None = None, n: int = 1) -> Items[GenerationStream]: ...
 
     def stats(self) -> EngineStats: ...
 
@@ -699,18 +700,24 @@ class LLMEngine:
         ask_room(self.admission, self._lock, self.is_alive, n)
 
     def submit(self, prompts: list[list[int]], params: SamplingParams | None = None, priority: int = 0,
-               deadline: float | None = None) -> list[LLMRequest]:
+               deadline: float | None = None, n: int = 1) -> list[LLMRequest]:
         """Admit the prompts together, or none of them: ``RequestRejected`` if one can never fit,
         ``EngineBusy`` if the queue bound would be passed, ``EngineStopped`` if the loop is not running.
-        Call on the event loop the requests are iterated on. ``deadline`` is on ``time.monotonic``."""
+        Call on the event loop the requests are iterated on. ``deadline`` is on ``time.monotonic``.
+        ``n`` samples of each prompt (``SamplingParams.for_sample``), in prompt order; the samples of one
+        prompt are a group that shares its KV blocks (``core/llm/scheduler.py``)."""
         params = params or SamplingParams()
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         with self._lock:
             if self._closed or self._stopping:
                 raise EngineStopped
-            seqs = [Sequence(self._ids(), ids, params, arrival=now, priority=priority, deadline=deadline)
-                    for ids in prompts]
+            seqs = []
+            for ids in prompts:
+                first = self._ids()
+                seqs += [Sequence(first if j == 0 else self._ids(), ids, params.for_sample(j), arrival=now,
+                                  priority=priority, deadline=deadline, group=first if n > 1 else None)
+                         for j in range(n)]
             reqs = admit_requests(self.admission, seqs, self._decode, params.stop, loop, self.abort,
                                   self._release)
             self._inbox.put(("add", reqs))

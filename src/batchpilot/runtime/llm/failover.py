@@ -246,14 +246,16 @@ class LLMFailover:
         self._target().check_room(n)
 
     def submit(self, prompts: list[list[int]], params: SamplingParams | None = None, priority: int = 0,
-               deadline: float | None = None, replayable: bool = False) -> list[FailoverRequest]:
+               deadline: float | None = None, n: int = 1, replayable: bool = False) -> list[FailoverRequest]:
         """As ``LLMEngine.submit``, on whichever engine serves now. ``replayable``: the caller shows the
-        client nothing before the end (not streamed), so a fault at any point can restart it."""
+        client nothing before the end (not streamed), so a fault at any point can restart it (each
+        sample on its own, with its own params)."""
         params = params or SamplingParams()
+        samples = [(p, params.for_sample(j)) for p in prompts for j in range(n)]
         for _ in range(2):  # the main engine may fail between the choice and the submit: then once more
             target = self._target()
             try:
-                inner = target.submit(prompts, params, priority, deadline)
+                inner = target.submit(prompts, params, priority, deadline, n)
             except EngineStopped:
                 if target is self.fallback or self.closing:
                     raise EngineUnavailable(retry_after_s=self.retry_after_s()) from None
@@ -261,8 +263,8 @@ class LLMFailover:
                 continue
             if target is self.fallback:
                 self.fallback_requests += len(inner)
-            return [FailoverRequest(self, p, params, priority, deadline, r, target, replayable)
-                    for p, r in zip(prompts, inner, strict=True)]
+            return [FailoverRequest(self, p, sp, priority, deadline, r, target, replayable)
+                    for (p, sp), r in zip(samples, inner, strict=True)]
         raise EngineUnavailable(retry_after_s=self.retry_after_s())
 
     def resubmit(self, req: FailoverRequest) -> tuple[GenerationStream, StaticFallback] | None:

@@ -135,15 +135,16 @@ class StaticFallback:
         return self._stats
 
     def submit(self, prompts: list[list[int]], params: SamplingParams | None = None, priority: int = 0,
-               deadline: float | None = None) -> list[LLMRequest]:
-        """As ``LLMEngine.submit``: all the prompts together or none; call on the requests' event loop."""
+               deadline: float | None = None, n: int = 1) -> list[LLMRequest]:
+        """As ``LLMEngine.submit``: all the prompts together or none; call on the requests' event loop.
+        A prompt's ``n`` samples are rows of their own (HF's cache shares nothing between rows)."""
         params = params or SamplingParams()
         loop, now = asyncio.get_running_loop(), time.monotonic()
         with self._lock:
             if self._closed or self._stopping:
                 raise EngineStopped
-            seqs = [Sequence(self._ids(), ids, params, arrival=now, priority=priority, deadline=deadline)
-                    for ids in prompts]
+            seqs = [Sequence(self._ids(), ids, params.for_sample(j), arrival=now, priority=priority,
+                             deadline=deadline) for ids in prompts for j in range(n)]
             reqs = admit_requests(self.admission, seqs, self._decode, params.stop, loop, self.abort,
                                   self._release)
             self.num_requests += len(reqs)

@@ -20,20 +20,21 @@ all its sequences aborted and their KV blocks freed.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextvars import ContextVar
-from typing import NotRequired, TypedDict, TypeVar
+from typing import TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry
 
 from batchpilot.core.llm.admission import request_deadline
-from batchpilot.core.llm.sequence import SamplingParams
+from batchpilot.core.llm.sequence import SamplingParams, StructuredOutput
 from batchpilot.core.request import IdCounter
 from batchpilot.core.rollout import PRIMARY
 from batchpilot.runtime.llm.engine import (
@@ -49,6 +50,16 @@ from batchpilot.runtime.llm.engine import (
 from batchpilot.runtime.llm.failover import LLMFailover
 from batchpilot.server.arms import ARM_HEADER, LLMArms
 from batchpilot.server.errors import APIError, error_body
+from batchpilot.server.llm.answers import (
+    Chunks,
+    TokenText,
+    best,
+    chat_choice,
+    collect,
+    completion_choice,
+    first_token_timing,
+    usage_of,
+)
 from batchpilot.server.llm.metrics import LLMMetrics
 from batchpilot.server.llm.schemas import (
     ChatCompletionRequest,
@@ -107,96 +118,7 @@ def sse_error(exc: BaseException) -> bytes:
     return f"data: {json.dumps(body)}\n\n".encode()
 
 
-# The SSE bodies of streamed completions and chat completions, and the headers and usage they carry.
-#
-# Each generator starts from the request's first output (awaited before the response starts) and reads
-# the rest from the request; ``on_finish`` gets the last output. Errors are not handled here: the route
-# turns one into an error event (``server.llm.routes._stream``).
-
-OnFinish = Callable[[GenerationOutput], None]
-
-
 T = TypeVar("T")
-
-
-class PromptTokensDetails(TypedDict):
-    cached_tokens: int
-
-
-class Usage(TypedDict):
-    """OpenAI's ``usage`` of one answer; ``prompt_tokens_details`` only when the prefix cache served
-    part of the prompt."""
-
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: NotRequired[PromptTokensDetails]
-
-
-def sse(obj: dict[str, object] | str) -> bytes:
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode()
-
-
-def usage_of(last: GenerationOutput) -> Usage:
-    usage: Usage = {"prompt_tokens": last.num_prompt_tokens, "completion_tokens": last.num_output_tokens,
-                    "total_tokens": last.num_prompt_tokens + last.num_output_tokens}
-    if last.num_cached_tokens:
-        usage["prompt_tokens_details"] = {"cached_tokens": last.num_cached_tokens}
-    return usage
-
-
-def first_token_timing(received: float, first: GenerationOutput) -> dict[str, str]:
-    """W3C ``Server-Timing`` of a stream's first token (the headers leave with it): ``tokenize`` = the
-    handler's start -> the sequence in the engine (prompt encoding), ``engine`` = the engine's TTFT
-    (queue, prefill, first token out of its step), ``app`` = the handler's start -> that token back on
-    the event loop. ``app - tokenize - engine`` is the hand-off from the engine thread to the loop;
-    the client's TTFT minus ``app`` is HTTP both ways (the load generator records each part)."""
-    now = time.monotonic()
-    return {"server-timing": f"tokenize;dur={max(first.arrival - received, 0.0) * 1e3:.3f}, "
-                             f"engine;dur={max(first.emitted - first.arrival, 0.0) * 1e3:.3f}, "
-                             f"app;dur={(now - received) * 1e3:.3f}"}
-
-
-async def outputs(first: GenerationOutput, req: GenerationStream) -> AsyncIterator[GenerationOutput]:
-    """The primed first output, then the rest."""
-    yield first
-    if first.finish_reason is None:
-        async for item in req:
-            yield item
-
-
-async def completion_events(head: dict[str, object], first: GenerationOutput, req: GenerationStream,
-                            include_usage: bool, on_finish: OnFinish) -> AsyncIterator[bytes]:
-    last = first
-    async for item in outputs(first, req):
-        last = item
-        yield sse({**head, "choices": [{"index": 0, "text": item.text, "logprobs": None,
-                                        "finish_reason": item.finish_reason}]})
-    on_finish(last)
-    if include_usage:
-        yield sse({**head, "choices": [], "usage": usage_of(last)})
-    yield sse("[DONE]")
-
-
-async def chat_events(head: dict[str, object], first: GenerationOutput, req: GenerationStream,
-                      include_usage: bool, on_finish: OnFinish) -> AsyncIterator[bytes]:
-    def chunk(delta: dict[str, str], reason: str | None) -> bytes:
-        return sse({**head, "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                         "finish_reason": reason}]})
-
-    yield chunk({"role": "assistant", "content": ""}, None)
-    last = first
-    async for item in outputs(first, req):
-        last = item
-        if item.text:
-            yield chunk({"content": item.text}, None)
-    yield chunk({}, last.finish_reason)
-    on_finish(last)
-    if include_usage:
-        yield sse({**head, "choices": [], "usage": usage_of(last)})
-    yield sse("[DONE]")
-
-
 
 # an engine's own failures: on a candidate arm, faults that the primary answers instead
 _ENGINE_FAULTS = ("generation_failed", "engine_unavailable")
@@ -246,6 +168,7 @@ class LLMRoutes:
             self.per_arm = {name: LLMMetrics(e, regs[name]) for name, e in arms.engines.items()}
         self.ids = IdCounter(1)
         self.max_len = int(engine.config.max_model_len)
+        self.token_text = TokenText(engine.prompts.tokenizer)  # logprobs' token strings
 
     def served_model(self, name: str | None) -> str:
         # OpenAI clients must name a model; a name this server does not serve is a 404, not silently ours
@@ -321,14 +244,21 @@ class LLMRoutes:
 
     @staticmethod
     def submit(prompts: list[list[int]], params: SamplingParams, priority: int, deadline: float,
-               stream: bool) -> Sequence[GenerationStream]:
+               stream: bool, n: int = 1) -> Sequence[GenerationStream]:
         target = _served.get()[0]
         if isinstance(target, LLMFailover):  # an answer not streamed can restart on the fallback
-            return target.submit(prompts, params, priority, deadline, replayable=not stream)
-        return target.submit(prompts, params, priority, deadline)
+            return target.submit(prompts, params, priority, deadline, n, replayable=not stream)
+        return target.submit(prompts, params, priority, deadline, n)
 
-    def params_of(self, body: _SamplingFields, route: str) -> SamplingParams:
-        return body.sampling_params(DEFAULT_MAX_TOKENS[route], self.limits, self.max_len)
+    async def params_of(self, body: _SamplingFields, route: str, constraint: StructuredOutput | None = None,
+                        param: str = "") -> SamplingParams:
+        """The request's sampling params; a structured-output constraint is compiled first (off the event
+        loop: a refused one is a 400 with the grammar library's reason, before any tokenising)."""
+        params = body.sampling_params(DEFAULT_MAX_TOKENS[route], self.limits, self.max_len,
+                                      self.engine.prompts.vocab_size, constraint)
+        if constraint is not None:
+            await self.engine.prompts.check_constraint_async(constraint, param)
+        return params
 
     async def completions(self, body: CompletionRequest, reqs: list[GenerationStream], received: float,
                           deadline: float, priority: int) -> Response:
@@ -337,31 +267,26 @@ class LLMRoutes:
         model = self.served_model(body.model)
         prompts = body.prompts()
         self.limits.check_prompts(prompts, self.max_len)
-        params = self.params_of(body, route)
-        if body.stream and len(prompts) != 1:
-            raise APIError(400, "streaming takes a single prompt", code="unsupported_value", param="prompt")
-        target.check_room(len(prompts))  # before the tokenising it would waste
+        params = await self.params_of(body, route, *body.constraint())
+        samples, n = body.samples, body.n
+        if samples > n and params.logprobs is None:  # best_of ranks by logprob: computed, not shown
+            params = dataclasses.replace(params, logprobs=0)
+        target.check_room(len(prompts) * samples)  # before the tokenising it would waste
         token_ids = await _all_or_none([self.engine.prompts.encode_async(p) for p in prompts])
-        reqs.extend(self.submit(token_ids, params, priority, deadline, body.stream))
+        reqs.extend(self.submit(token_ids, params, priority, deadline, body.stream, samples))
+        text = self.token_text if body.logprobs is not None else None
+        head: dict[str, object] = {"id": rid, "object": "text_completion", "created": created, "model": model}
         if body.stream:
-            first = await anext(reqs[0])
-            head: dict[str, object] = {"id": rid, "object": "text_completion", "created": created,
-                                       "model": model}
-            events = completion_events(head, first, reqs[0], body.include_usage,
-                                       lambda last: self.finished(route, last, metrics))
-            return _stream(events, reqs[0], first_token_timing(received, first))
-        results = await _all_or_none([_collect(r) for r in reqs])
-        choices: list[dict[str, object]] = []
-        usage: Usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
-        for i, (text, last) in enumerate(results):
-            self.finished(route, last, metrics)
-            choices.append({"index": i, "text": text, "logprobs": None, "finish_reason": last.finish_reason})
-            one = usage_of(last)  # the prompts' cached tokens are not summed: only the three totals
-            usage["prompt_tokens"] += one["prompt_tokens"]
-            usage["completion_tokens"] += one["completion_tokens"]
-            usage["total_tokens"] += one["total_tokens"]
-        return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                             "choices": choices, "usage": usage})
+            firsts = await _all_or_none([anext(r) for r in reqs])
+            chunks = Chunks(head, chat=False, text=text, include_usage=body.include_usage, samples=samples)
+            events = chunks.events(firsts, reqs, lambda last: self.finished(route, last, metrics))
+            return _stream(events, reqs, first_token_timing(received, firsts[0]))
+        answers = await _all_or_none([collect(r) for r in reqs])
+        for a in answers:
+            self.finished(route, a.last, metrics)
+        kept = [a for i in range(0, len(answers), samples) for a in best(answers[i : i + samples], n)]
+        return JSONResponse({**head, "choices": [completion_choice(i, a, text) for i, a in enumerate(kept)],
+                             "usage": usage_of([a.last for a in answers], samples)})
 
     async def chat_completions(self, body: ChatCompletionRequest, reqs: list[GenerationStream],
                                received: float, deadline: float, priority: int) -> Response:
@@ -370,24 +295,31 @@ class LLMRoutes:
         model = self.served_model(body.model)
         messages = body.chat()
         self.limits.check_messages([m["content"] for m in messages])
-        params = self.params_of(body, route)
-        target.check_room(1)
+        tools = body.tool_plan()
+        constraint, param = (tools.constraint(), "tools") if tools is not None else body.constraint()
+        if tools is not None and body.constraint()[0] is not None:
+            raise APIError(400, "a forced tool call is already a structured output: drop response_format",
+                           code="invalid_value", param="response_format")
+        params = await self.params_of(body, route, constraint, param)
+        target.check_room(body.n)
         prompt = await self.engine.prompts.encode_chat_async(messages)
-        reqs.extend(self.submit([prompt], params, priority, deadline, body.stream))
-        first = await anext(reqs[0])
-        head: dict[str, object] = {"id": rid, "object": "chat.completion.chunk", "created": created,
-                                   "model": model}
+        reqs.extend(self.submit([prompt], params, priority, deadline, body.stream, body.n))
+        text = self.token_text if body.logprobs else None
         if body.stream:
-            events = chat_events(head, first, reqs[0], body.include_usage,
-                                 lambda last: self.finished(route, last, metrics))
-            return _stream(events, reqs[0], first_token_timing(received, first))
-        text, last = await _collect(reqs[0], first)
-        self.finished(route, last, metrics)
+            firsts = await _all_or_none([anext(r) for r in reqs])
+            head: dict[str, object] = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                                       "model": model}
+            chunks = Chunks(head, chat=True, text=text, tools=tools, include_usage=body.include_usage,
+                            samples=body.n)
+            events = chunks.events(firsts, reqs, lambda last: self.finished(route, last, metrics))
+            return _stream(events, reqs, first_token_timing(received, firsts[0]))
+        answers = await _all_or_none([collect(r) for r in reqs])
+        for a in answers:
+            self.finished(route, a.last, metrics)
         return JSONResponse({
             "id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                         "finish_reason": last.finish_reason}],
-            "usage": usage_of(last),
+            "choices": [chat_choice(i, a, text, tools) for i, a in enumerate(answers)],
+            "usage": usage_of([a.last for a in answers], body.n),
         })
 
 
@@ -440,23 +372,10 @@ async def _all_or_none(coros: list[Awaitable[T]]) -> list[T]:
             t.cancel()
 
 
-async def _collect(req: GenerationStream, first: GenerationOutput | None = None
-                   ) -> tuple[str, GenerationOutput]:
-    parts, last = [], first
-    if first is not None:
-        parts.append(first.text)
-    if first is None or first.finish_reason is None:
-        async for item in req:
-            parts.append(item.text)
-            last = item
-    assert last is not None
-    return "".join(parts), last
-
-
-def _stream(events: AsyncIterator[bytes], req: GenerationStream, headers: dict[str, str]
+def _stream(events: AsyncIterator[bytes], reqs: Sequence[GenerationStream], headers: dict[str, str]
             ) -> StreamingResponse:
     """The SSE response: a failure mid-way becomes an error event, then the stream ends; however it
-    ends (finished, failed, client gone) the request is closed."""
+    ends (finished, failed, client gone) its requests are closed."""
     async def guarded() -> AsyncIterator[bytes]:
         try:
             async for chunk in events:
@@ -464,7 +383,8 @@ def _stream(events: AsyncIterator[bytes], req: GenerationStream, headers: dict[s
         except Exception as exc:
             yield sse_error(exc)
         finally:
-            req.close()
+            for req in reqs:
+                req.close()
 
     return StreamingResponse(guarded(), media_type="text/event-stream", headers=headers)
 

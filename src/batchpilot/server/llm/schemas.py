@@ -1,25 +1,31 @@
 """Request bodies of the OpenAI-compatible completion routes (pydantic), and their sampling params.
 
 Unknown fields that change nothing (``user``, ``metadata`` ...) are accepted and ignored; fields that
-would change the answer and are not served (``n > 1``, ``logprobs``, ``echo``, penalties, and
-``UNSERVED``: ``response_format`` other than text, ``tools``, ``logit_bias``, vLLM's guided and
-structured outputs ...) are rejected with a 400 that names the field, never dropped. ``top_k``,
-``ignore_eos``, ``stop_token_ids``, ``priority`` and ``deadline_ms`` are extensions (the ``openai``
-client sends them in ``extra_body``). Every list has a hard cap far above the limits of
-``llm_limits``, so that validation of a hostile body stops at its first items instead of building an
-error for each of millions; the limits themselves are checked after parsing, with 400s that name them.
+would change the answer and are not served (``echo``, the legacy ``functions``, ``tool_choice: "auto"``
+...: ``UNSERVED``) are rejected with a 400 that names the field, never dropped. Served beyond the basics:
+``n`` (and ``best_of`` on completions), ``logprobs`` / ``top_logprobs``, ``presence_penalty``,
+``frequency_penalty``, ``logit_bias``, and structured outputs: ``response_format`` (``json_object``,
+``json_schema``), vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``,
+``json_object``) and its older ``guided_*`` names, and forced tool calls (``server/llm/tools.py``).
+``top_k``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``priority``
+and ``deadline_ms`` are extensions (the ``openai`` client sends them in ``extra_body``). Every list has
+a hard cap far above the limits of ``llm_limits``, so that validation of a hostile body stops at its
+first items instead of building an error for each of millions; the limits themselves are checked after
+parsing, with 400s that name them.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from batchpilot.core.llm.sequence import SamplingParams
+from batchpilot.core.llm.sequence import MAX_LOGPROBS, SamplingParams, StructuredOutput
 from batchpilot.server.errors import APIError
+from batchpilot.server.llm.tools import NamedToolChoice, Tool, ToolPlan, tool_plan
 
 GREEDY_BELOW = 1e-5
 CAP = 4096  # items in any list of a request (the limits' defaults are far below)
@@ -34,22 +40,62 @@ class StreamOptions(BaseModel):
 # Fields of the OpenAI API (and vLLM's extensions) that change the answer and that this server does not
 # serve: each is refused with a 400 naming it, unless it has the value that changes nothing.
 UNSERVED: dict[str, Any] = {
-    "response_format": lambda v: isinstance(v, dict) and v.get("type") == "text",
-    "structured_outputs": lambda v: not v,
-    "guided_json": lambda v: False,
-    "guided_regex": lambda v: False,
-    "guided_choice": lambda v: False,
-    "guided_grammar": lambda v: False,
-    "tools": lambda v: not v,
-    "tool_choice": lambda v: v == "none",
     "functions": lambda v: not v,
     "function_call": lambda v: v == "none",
-    "logit_bias": lambda v: not v,
-    "top_logprobs": lambda v: not v,
-    "repetition_penalty": lambda v: v == 1,
-    "min_tokens": lambda v: not v,
-    "best_of": lambda v: v == 1,
 }
+MAX_N = 16  # samples of one prompt (n, best_of)
+LOGIT_BIAS_CAP = 300  # OpenAI's bound on logit_bias entries
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+    def constraint(self) -> StructuredOutput | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutput("json_object")
+        schema = (self.json_schema or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise APIError(400, "response_format json_schema needs json_schema.schema, a JSON schema object",
+                           code="invalid_value", param="response_format")
+        return StructuredOutput("json_schema", json.dumps(schema))
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: exactly one of its constraints."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(max_length=CAP)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def constraint(self) -> StructuredOutput | None:
+        given = {k: v for k, v in (("json", self.json_), ("regex", self.regex), ("choice", self.choice),
+                                   ("grammar", self.grammar), ("json_object", self.json_object or None))
+                 if v is not None}
+        if len(given) > 1:
+            raise APIError(400, f"structured_outputs takes one constraint, got {', '.join(given)}",
+                           code="invalid_value", param="structured_outputs")
+        if not given:
+            return None
+        [(kind, value)] = given.items()
+        if kind == "json":
+            return StructuredOutput("json_schema", value if isinstance(value, str) else json.dumps(value))
+        if kind == "choice":
+            return StructuredOutput("choice", json.dumps(value))
+        if kind == "json_object":
+            return StructuredOutput("json_object")
+        return StructuredOutput(kind, value)  # type: ignore[arg-type]
+
+
+# vLLM's older names of the same constraints
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+          "guided_grammar": "grammar"}
 
 
 class _SamplingFields(BaseModel):
@@ -65,10 +111,14 @@ class _SamplingFields(BaseModel):
     stop: str | Annotated[list[str], Field(max_length=CAP)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: Any = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: Annotated[dict[str, float], Field(max_length=LOGIT_BIAS_CAP)] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
     # extensions
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0)
+    min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: Annotated[list[int], Field(max_length=CAP)] | None = None
     priority: int | None = Field(default=None, ge=-(2**31), le=2**31 - 1)  # None: X-Priority, else 0
@@ -80,16 +130,35 @@ class _SamplingFields(BaseModel):
             if value is not None and not unchanged(value):
                 raise APIError(400, f"{name} is not supported by this server", code="unsupported_value",
                                param=name)
-        if self.n != 1:
-            raise APIError(400, "only n = 1 is supported", code="unsupported_value", param="n")
-        if self.logprobs not in (None, False, 0):
-            raise APIError(400, "logprobs are not supported", code="unsupported_value", param="logprobs")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise APIError(400, f"{name} is not supported", code="unsupported_value", param=name)
+        if not 1 <= self.n <= MAX_N:
+            raise APIError(400, f"n must be in [1, {MAX_N}], got {self.n}", code="invalid_value", param="n")
+
+    def constraint(self) -> tuple[StructuredOutput | None, str]:
+        """The structured-output constraint the body asks for (at most one way), and the field it came by."""
+        found: list[tuple[StructuredOutput, str]] = []
+        if self.response_format is not None and (c := self.response_format.constraint()) is not None:
+            found.append((c, "response_format"))
+        if self.structured_outputs is not None and (c := self.structured_outputs.constraint()) is not None:
+            found.append((c, "structured_outputs"))
+        for name, kind in GUIDED.items():
+            value = (self.model_extra or {}).get(name)
+            if value is not None:
+                so = StructuredOutputs.model_validate({kind: value})
+                c = so.constraint()
+                if c is not None:
+                    found.append((c, name))
+        if len(found) > 1:
+            raise APIError(400, "ask for one structured output, got " + ", ".join(n for _, n in found),
+                           code="invalid_value", param=found[1][1])
+        return found[0] if found else (None, "")
+
+    def logprobs_asked(self) -> int | None:
+        """How many alternatives per token the answer shows (None: no logprobs)."""
+        return None
 
     def sampling_params(self, default_max_tokens: int, limits: LLMLimits | None = None,
-                        max_model_len: int | None = None) -> SamplingParams:
+                        max_model_len: int | None = None, vocab_size: int | None = None,
+                        structured: StructuredOutput | None = None) -> SamplingParams:
         """The engine's params, after the limits (a 400 naming the field past its limit)."""
         self.check_supported()
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -108,6 +177,13 @@ class _SamplingFields(BaseModel):
                 stop=tuple(stop),
                 stop_token_ids=tuple(self.stop_token_ids or ()),
                 ignore_eos=self.ignore_eos,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                repetition_penalty=self.repetition_penalty,
+                min_tokens=self.min_tokens,
+                logit_bias=logit_bias(self.logit_bias, vocab_size),
+                logprobs=self.logprobs_asked(),
+                structured=structured,
             )
         except ValueError as exc:
             raise APIError(400, str(exc), code="invalid_value") from None
@@ -120,10 +196,49 @@ class _SamplingFields(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+def logit_bias(bias: dict[str, float] | None, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias`` (token id strings -> bias in [-100, 100]) as sorted pairs; a key that is
+    not a token id of this model is a 400."""
+    out = []
+    for key, value in (bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            token = -1
+        if not 0 <= token < (vocab_size or 2**31):
+            raise APIError(400, f"logit_bias key {key!r} is not a token id of this model (0 to "
+                                f"{(vocab_size or 2**31) - 1})", code="invalid_value", param="logit_bias")
+        out.append((token, float(value)))
+    return tuple(sorted(out))
+
+
 class CompletionRequest(_SamplingFields):
     prompt: (str | Annotated[list[str], Field(max_length=CAP)] | _Tokens
              | Annotated[list[_Tokens], Field(max_length=CAP)])
     echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
+
+    def logprobs_asked(self) -> int | None:
+        return self.logprobs
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        for name in ("tools", "tool_choice"):
+            if (self.model_extra or {}).get(name) not in (None, [], "none"):
+                raise APIError(400, f"{name} is served on /v1/chat/completions, not on /v1/completions",
+                               code="unsupported_value", param=name)
+        if self.best_of is not None and self.best_of < self.n:
+            raise APIError(400, f"best_of ({self.best_of}) must be >= n ({self.n})", code="invalid_value",
+                           param="best_of")
+        if self.best_of not in (None, self.n) and self.stream:
+            raise APIError(400, "best_of cannot be streamed (the best are known at the end)",
+                           code="invalid_value", param="best_of")
+
+    @property
+    def samples(self) -> int:
+        """Sequences per prompt: ``best_of`` when it asks for more than ``n``."""
+        return max(self.n, self.best_of or 0)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -175,6 +290,20 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=CAP)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: Annotated[list[Tool], Field(max_length=CAP)] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    def logprobs_asked(self) -> int | None:
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", code="invalid_value",
+                           param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def tool_plan(self) -> ToolPlan | None:
+        return tool_plan(self.tools, self.tool_choice)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
