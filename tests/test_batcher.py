@@ -85,7 +85,7 @@ class Recorder(BatcherObserver):
     def on_cancel(self, request: Any, queued: bool) -> None:
         self.cancels.append(queued)
 
-    def on_reject(self, reason: RejectReason) -> None:
+    def on_reject(self, reason: RejectReason, tenant: str = "default") -> None:
         self.rejects.append(reason)
 
     def on_request_done(self, request: Any, latency_s: float, ok: bool) -> None:

@@ -35,7 +35,7 @@ from batchpilot.core.admission import RejectReason
 from batchpilot.core.batch import Batch
 from batchpilot.core.config import SchedulerConfig
 from batchpilot.core.costmodel import BatchShape, CostModel
-from batchpilot.core.request import IdCounter, Request
+from batchpilot.core.request import DEFAULT_TENANT, IdCounter, Request
 from batchpilot.core.scheduler import BatchScheduler
 from batchpilot.core.stall import StallRule, StallWatch
 from batchpilot.runtime.errors import ExecutionError, ExecutorCrashed, RequestRejected
@@ -52,8 +52,9 @@ class BatcherObserver:
     def on_admit(self, request: Request) -> None:
         """The scheduler accepted the request into its queue."""
 
-    def on_reject(self, reason: RejectReason) -> None:
-        """Rejected at admission, dropped from the queue (expired deadline) or failed at shutdown."""
+    def on_reject(self, reason: RejectReason, tenant: str = DEFAULT_TENANT) -> None:
+        """Rejected at admission (a tenant's quota included), dropped from the queue (expired deadline)
+        or failed at shutdown; ``tenant``: whose request it was."""
 
     def on_dispatch(self, batch: Batch, now: float) -> None:
         """A batch left the queue (queue time of each request is ``now - request.arrival``)."""
@@ -139,12 +140,14 @@ class Batcher:
 
     def submit_group_nowait(self, payloads: list[Any], lengths: list[int], priority: int = 0,
                             deadline: float | None = None, sla: float | None = None,
-                            times: StageTimes | None = None) -> list[asyncio.Future[Any]]:
+                            times: StageTimes | None = None, tenant: str = DEFAULT_TENANT
+                            ) -> list[asyncio.Future[Any]]:
         """One request of several inputs, admitted or refused as a whole by the core
         (``BatchScheduler.submit_group``): a future per input, or ``RequestRejected`` for all of them.
         Cancelling a future withdraws its input. ``times``, if given, is filled in as the inputs go
-        through (``StageTimes``). Must be called on the event loop thread."""
-        pairs = self._enqueue_group(payloads, lengths, priority, deadline, sla, times)
+        through (``StageTimes``). ``tenant``: who the request is for (its quotas, its fair share).
+        Must be called on the event loop thread."""
+        pairs = self._enqueue_group(payloads, lengths, priority, deadline, sla, times, tenant)
         for rid, future in pairs:
             future.add_done_callback(functools.partial(self._withdraw_if_cancelled, rid))
         return [f for _, f in pairs]
@@ -175,7 +178,7 @@ class Batcher:
         for rid, pending in list(self._pending.items()):
             if pending.batch_id is None:
                 self.scheduler.cancel(rid, now)
-            self.observer.on_reject(RejectReason.SHUTTING_DOWN)
+            self.observer.on_reject(RejectReason.SHUTTING_DOWN, pending.request.tenant)
             self._finish(rid, exc=RequestRejected(RejectReason.SHUTTING_DOWN, "the server is shutting down"))
         for task in [self._task, *self._work]:
             if task is not None:
@@ -187,21 +190,31 @@ class Batcher:
         self._set_health("stopped")
 
     # -- admission ---------------------------------------------------------------------------
+    def check_tenant(self, tenant: str, tokens: int) -> None:
+        """Raise ``RequestRejected`` when ``tenant`` is over a quota for a request of at least ``tokens``
+        tokens (``BatchScheduler.check_tenant``: charges nothing); what a server asks before it
+        tokenises."""
+        rejection = self.scheduler.check_tenant(tenant, tokens, self.clock())
+        if rejection is not None:
+            self.observer.on_reject(rejection.reason, tenant)
+            raise RequestRejected.from_rejection(rejection)
+
     def _enqueue_group(self, payloads: list[Any], lengths: list[int], priority: int,
                        deadline: float | None, sla: float | None,
-                       times: StageTimes | None = None) -> list[tuple[int, asyncio.Future[Any]]]:
+                       times: StageTimes | None = None, tenant: str = DEFAULT_TENANT
+                       ) -> list[tuple[int, asyncio.Future[Any]]]:
         if not self._accepting:
-            self.observer.on_reject(RejectReason.SHUTTING_DOWN)
+            self.observer.on_reject(RejectReason.SHUTTING_DOWN, tenant)
             raise RequestRejected(RejectReason.SHUTTING_DOWN, "the server is shutting down",
                                   SHUTDOWN_RETRY_AFTER_S)
         if self._task is None:
             self._start()
         now = self.clock()
-        reqs = [Request(self._ids(), now, length, priority, deadline, sla, payload)
+        reqs = [Request(self._ids(), now, length, priority, deadline, sla, payload, tenant=tenant)
                 for payload, length in zip(payloads, lengths, strict=True)]
         rejection = self.scheduler.submit_group(reqs, now)
         if rejection is not None:
-            self.observer.on_reject(rejection.reason)
+            self.observer.on_reject(rejection.reason, tenant)
             raise RequestRejected.from_rejection(rejection)
         if times is not None:
             times.admitted = now
@@ -262,7 +275,7 @@ class Batcher:
         free = sorted((s for s in self.slots if s.accepts(now)), key=lambda s: not s.is_idle)
         out = self.scheduler.schedule(now, len(free))
         for rej in out.dropped:
-            self.observer.on_reject(rej.reason)
+            self.observer.on_reject(rej.reason, rej.request.tenant)
             self._finish(rej.request.id, exc=RequestRejected.from_rejection(rej))
         for slot, batch in zip(free, out.batches, strict=False):
             self._dispatch(slot, batch, now)

@@ -60,6 +60,7 @@ from batchpilot.server.schemas import (
 )
 from batchpilot.server.scoring import ScoringService
 from batchpilot.server.service import ModelService
+from batchpilot.server.tenants import Tenancy, tenants_router
 
 log = logging.getLogger("batchpilot.server")
 
@@ -148,13 +149,16 @@ def serve_models(settings: ServerConfig, models: Sequence[ServedModel]) -> Model
 
 
 def create_app(settings: ServerConfig, models: Sequence[ServedModel],
-               engines: Sequence[MountedEngine] = ()) -> RequestLifecycle:
+               engines: Sequence[MountedEngine] = (), tenancy: Tenancy | None = None) -> RequestLifecycle:
     """The ASGI app to hand to uvicorn: the request middleware (``middleware.RequestLifecycle``) around
     the FastAPI app (``.app`` is the FastAPI instance, ``.state.service`` the first model's service,
-    ``.state.models`` all of them), serving ``models`` (the first is the default) and the ``engines``
-    mounted beside them. A model's ``config`` is the resolved deployment's scheduler config: every
-    admission rule is in it."""
+    ``.state.models`` all of them, ``.state.tenancy`` the keys and tenants, whose ``reload`` SIGHUP
+    calls), serving ``models`` (the first is the default) and the ``engines`` mounted beside them. A
+    model's ``config`` is the resolved deployment's scheduler config: every admission rule is in it."""
+    tenancy = tenancy or Tenancy.of(settings.api_keys, settings.api_key)
     served = serve_models(settings, models)
+    for service in served.all_services:
+        service.use_tenancy(tenancy)
     registry = CollectorRegistry()
     registry.register(ModelLabels(metric_sources(served)))
     hooks = [hook for e in engines for hook in e.on_shutdown]
@@ -165,6 +169,7 @@ def create_app(settings: ServerConfig, models: Sequence[ServedModel],
     app = FastAPI(title="batchpilot", version="0.1.0", lifespan=lifespan(served, GCPauses(registry), hooks))
     app.state.service = served.primary
     app.state.models = served
+    app.state.tenancy = tenancy
     # run when the shutdown drain times out: what is still queued or running gets an answer, not a cut
     # connection (an engine's stop ends its open streams with an error event)
     app.state.drain_timeout_hooks = [*(lambda s=s: s.batcher.shutdown(0.0) for s in served.all_services),
@@ -175,9 +180,12 @@ def create_app(settings: ServerConfig, models: Sequence[ServedModel],
     direct = model_routes(app, served)
     armed: list[AnyArmed] = [*served.arms.values(), *(a for e in engines for a in e.arms)]
     add_info_routes(app, served, engines, armed, registry)
+    clock = served.primary.batcher.clock
+    app.include_router(tenants_router(tenancy, lambda: [(s.model_name, s.batcher.scheduler)
+                                                        for s in served.services], clock))
     if armed:
         app.include_router(arms_router(armed))
-    return RequestLifecycle(DirectRoutes(app, direct), settings, registry)
+    return RequestLifecycle(DirectRoutes(app, direct), settings, registry, tenancy)
 
 
 def lifespan(served: Models, pauses: GCPauses, hooks: Sequence[Callable[[], object]]

@@ -34,6 +34,7 @@ from batchpilot.runtime.executor import (
 from batchpilot.server.app import MountedEngine, ServedArm, ServedModel, create_app
 from batchpilot.server.config import ModelSpec, ServerConfig
 from batchpilot.server.middleware import RequestLifecycle
+from batchpilot.server.tenants import Tenancy
 
 if TYPE_CHECKING:
     from batchpilot.models.encoder import ThreadPlan
@@ -44,13 +45,13 @@ log = logging.getLogger("batchpilot.server")
 
 
 def build_app(settings: ServerConfig, spec: DeploymentSpec | SchedulerConfig | None = None,
-              rollout: RolloutSpec | None = None) -> RequestLifecycle:
+              rollout: RolloutSpec | None = None, tenancy: Tenancy | None = None) -> RequestLifecycle:
     """Load each model's executor and cost model, resolve its deployment (``core.deployment``: the
     same function ``simulate`` runs) and its arms' (``rollout``), mount the optional LLM routes."""
     if not isinstance(spec, DeploymentSpec):
         spec = DeploymentSpec(encoder=spec or SchedulerConfig())
     served = [served_model(settings, model, spec, rollout) for model in settings.models]
-    return create_app(settings, served, [mount_llm(settings, spec, rollout)] if settings.llm else [])
+    return create_app(settings, served, [mount_llm(settings, spec, rollout)] if settings.llm else [], tenancy)
 
 
 def served_model(settings: ServerConfig, model: ModelSpec, spec: DeploymentSpec,

@@ -32,6 +32,7 @@ from batchpilot.server.build import build_app
 from batchpilot.server.config import REQUEST_LIMITS, TASKS, ModelSpec, ServerConfig
 from batchpilot.server.llm.schemas import CAP, LLMLimits
 from batchpilot.server.ray.cli import add_ray_args, run_ray
+from batchpilot.server.tenants import Tenancy
 from batchpilot.settings import (
     add_deployment_args,
     add_field_flags,
@@ -91,7 +92,10 @@ def add_listener_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("BATCHPILOT_API_KEY"),
-                   help="require Authorization: Bearer KEY on every route but /health")
+                   help="require Authorization: Bearer KEY on every route but /health (one tenant)")
+    p.add_argument("--api-keys", default=None, metavar="FILE",
+                   help="a YAML keys file: each key names its tenant, each tenant its weight and quotas; "
+                        "unknown keys get 401; SIGHUP reloads it (docs/tenants.md)")
     p.add_argument("--drain-timeout-s", type=float, default=30.0)
 
 
@@ -159,15 +163,16 @@ def run(args: argparse.Namespace) -> int:
     try:  # a setting that cannot work: its message says what to change, no traceback
         spec = spec_from_args(args)
         settings = server_config(args, spec)
+        tenancy = Tenancy.of(settings.api_keys, settings.api_key)
     except (ValueError, FileNotFoundError) as exc:  # validation of the file and the flags
         print(f"batchpilot serve: {exc}", file=sys.stderr)
         return 2
     try:
-        app = build_app(settings, spec, rollout_from_args(args, spec))
+        app = build_app(settings, spec, rollout_from_args(args, spec), tenancy)
     except KVPlanError as exc:  # the LLM's memory plan (core/llm/config.py)
         print(f"batchpilot serve: {exc}", file=sys.stderr)
         return 2
-    if settings.host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
+    if settings.host not in ("127.0.0.1", "localhost", "::1") and not tenancy.requires_key:
         log.warning("binding %s without --api-key: anyone who can reach this port can use the model",
                     settings.host)
     # SIGTERM: 503 to new requests while in-flight work drains, then exit 0 (lifecycle.py)
@@ -185,6 +190,7 @@ def server_config(args: argparse.Namespace, spec: DeploymentSpec) -> ServerConfi
         serving=spec.server,
         noop=args.noop, noop_delay_s=args.noop_delay_ms / 1000.0,
         startup_profile=not args.no_startup_profile, api_key=args.api_key,
+        api_keys=getattr(args, "api_keys", None),
         **{name: getattr(args, name) for name in REQUEST_LIMITS},
         drain_timeout_s=args.drain_timeout_s, warmup=not args.no_warmup, llm=args.llm,
         llm_model=args.llm_model, llm_profile=args.llm_profile, llm_limits=llm_limits_from_args(args),

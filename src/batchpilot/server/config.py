@@ -55,6 +55,7 @@ class ServerConfig:
     noop_delay_s: float = 0.0
     startup_profile: bool = True  # no profile given: measure briefly at start-up (else the stated default)
     api_key: str | None = None  # Bearer key on every route but /health
+    api_keys: str | None = None  # the keys file: keys -> tenants, weights, quotas (server/tenants.py)
     # the request limits (serve's flags of the same names, ``REQUEST_LIMITS``; their help is the metadata)
     max_body_bytes: int = field(default=DEFAULT_MAX_BODY_BYTES, metadata=flag(
         "request bodies over this get 413 (default: %(default)s, 16 MiB)"))

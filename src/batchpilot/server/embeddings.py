@@ -74,11 +74,13 @@ class EmbeddingService(ModelService):
                            param="dimensions")
         texts, ids = split_input(body.input, self.settings)
         priority, deadline = self.deadline(request, body.priority, body.deadline_ms, received)
+        tenant = self.tenant(request, body.user, len(texts if texts is not None else ids or ()))
         tokens = await self.tokenize_off_loop(functools.partial(self.tokenize, texts, ids, body.truncate),
                                               cheap=_cheap_to_tokenize(texts, ids), request=request)
         tokenized = self.batcher.clock()
         times = StageTimes()
-        results = await self.run_group(tokens, [len(x) for x in tokens], request, priority, deadline, times)
+        results = await self.run_group(tokens, [len(x) for x in tokens], request, priority, deadline, times,
+                                       tenant)
         answered = self.batcher.clock()
         content = self._body(results, tokens, body)
         done = self.batcher.clock()

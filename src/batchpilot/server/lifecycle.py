@@ -7,6 +7,7 @@
             ─▶ uvicorn's normal shutdown: close the listener, lifespan shutdown (the Batcher fails
                whatever is left — nothing, after a complete drain), exit status 0
     second SIGTERM / SIGINT ─▶ stop draining now
+    SIGHUP ─▶ the app's ``on_hangup`` on the event loop (the keys file reloaded: ``server/tenants.py``)
 
 uvicorn alone closes the listening socket at the first signal (late clients see "connection refused")
 and re-raises the signal after shutting down, so the process dies *by* SIGTERM (status -15). The
@@ -42,8 +43,10 @@ class GracefulServer(uvicorn.Server):
     the process exits normally instead of re-raising the signal. ``drained`` says how it went."""
 
     def __init__(self, config: uvicorn.Config, drainer: RequestLifecycle, drain_timeout_s: float,
-                 on_timeout: Callable[[], Awaitable[Any]] | None = None) -> None:
+                 on_timeout: Callable[[], Awaitable[Any]] | None = None,
+                 on_hangup: Callable[[], object] | None = None) -> None:
         super().__init__(config)
+        self.on_hangup = on_hangup  # SIGHUP, run on the event loop (a reload of the keys file)
         self.drainer = drainer
         self.drain_timeout_s = drain_timeout_s
         self.on_timeout = on_timeout  # fails what is left (e.g. Batcher.shutdown(0): 503 shutting_down)
@@ -61,6 +64,10 @@ class GracefulServer(uvicorn.Server):
             self.should_exit = True
             return
         self._loop.call_soon_threadsafe(self._begin_drain, sig)
+
+    def handle_hangup(self, sig: int, frame: FrameType | None) -> None:
+        if self.on_hangup is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self.on_hangup)
 
     def _begin_drain(self, sig: int) -> None:
         if self._drain_task is None:
@@ -86,6 +93,8 @@ class GracefulServer(uvicorn.Server):
             yield
             return
         original = {sig: signal.signal(sig, self.handle_exit) for sig in _HANDLED}
+        if self.on_hangup is not None:
+            original[signal.SIGHUP] = signal.signal(signal.SIGHUP, self.handle_hangup)
         try:
             yield
         finally:
@@ -115,6 +124,8 @@ def serve(app: RequestLifecycle, *, host: str, port: int, drain_timeout_s: float
             except Exception:
                 log.exception("drain timeout: %r failed", hook)
 
-    server = GracefulServer(config, app, drain_timeout_s, on_timeout if hooks else None)
+    tenancy = getattr(getattr(app, "state", None), "tenancy", None)
+    server = GracefulServer(config, app, drain_timeout_s, on_timeout if hooks else None,
+                            tenancy.reload if tenancy is not None else None)
     server.run()
     return 0 if server.drained is not False else 1

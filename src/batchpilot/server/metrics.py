@@ -15,6 +15,12 @@ Names (all prefixed ``batchpilot_``):
     padding_efficiency                               gauge: useful / computed since start
     executor_busy_seconds_total / executor_busy_slots / executor_utilization
     rejections_total{reason}                         counter: core RejectReason values
+    tenant_requests_total{tenant} / tenant_tokens_total{tenant}
+                                                     counters: requests and input tokens admitted
+    tenant_rejections_total{tenant,reason}           counter: refused or dropped, by tenant
+    tenant_request_latency_seconds{tenant}           histogram: arrival -> result, per input
+                                                     (``tenant``: a keys-file tenant, ``default``, or
+                                                     ``other``: bounded, ``server/tenants.py``)
     cancellations_total{stage}                       counter: queued | running
     batch_failures_total                             counter: executor calls that raised
     health                                           gauge: 1 ok, 0.5 degraded, 0 draining/stopped
@@ -43,8 +49,9 @@ from prometheus_client.metrics_core import Metric
 
 from batchpilot.core.admission import RejectReason
 from batchpilot.core.batch import Batch
-from batchpilot.core.request import Request
+from batchpilot.core.request import DEFAULT_TENANT, Request
 from batchpilot.runtime.batcher import BatcherObserver
+from batchpilot.server.tenants import OTHER
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.35, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0,
                    10.0)
@@ -108,6 +115,20 @@ class ServerMetrics(BatcherObserver):
             "embeddings to float32 on the probe set (1 for float32)", registry=r)
         for reason in RejectReason:  # export zeros so dashboards see every reason before it happens
             self.rejections.labels(reason=reason.value)
+        self.tenant_requests = Counter("batchpilot_tenant_requests", "Requests admitted, by tenant",
+                                       ["tenant"], registry=r)
+        self.tenant_tokens = Counter("batchpilot_tenant_tokens", "Input tokens admitted, by tenant",
+                                     ["tenant"], registry=r)
+        self.tenant_rejections = Counter("batchpilot_tenant_rejections",
+                                         "Requests refused or dropped, by tenant and reason",
+                                         ["tenant", "reason"], registry=r)
+        self.tenant_latency = Histogram("batchpilot_tenant_request_latency_seconds",
+                                        "Arrival to result, per input, by tenant", ["tenant"],
+                                        buckets=LATENCY_BUCKETS, registry=r)
+        # a tenant's label: bounded (the keys file's tenants, default, other); the server sets it
+        # (``server.tenants.Tenancy.label``)
+        self.tenant_label: Callable[[str], str] = _default_label
+        self._tenant_children: dict[tuple[str, str], Any] = {}
 
     def bind(self, scheduler: Any, num_pending: Callable[[], int]) -> None:
         """Read queue gauges from the live scheduler at scrape time (no per-request updates)."""
@@ -144,9 +165,25 @@ class ServerMetrics(BatcherObserver):
         elapsed = (now - self._started) * self.num_slots
         return busy / elapsed if elapsed > 0 else 0.0
 
+    def _of_tenant(self, kind: str, tenant: str) -> Any:
+        """The ``kind`` series' child for ``tenant``'s label (cached per label: a bounded set)."""
+        label = self.tenant_label(tenant)
+        child = self._tenant_children.get((kind, label))
+        if child is None:
+            family = {"requests": self.tenant_requests, "tokens": self.tenant_tokens,
+                      "latency": self.tenant_latency}[kind]
+            child = self._tenant_children[kind, label] = family.labels(tenant=label)
+        return child
+
     # -- BatcherObserver ---------------------------------------------------------------------
-    def on_reject(self, reason: RejectReason) -> None:
+    def on_admit(self, request: Request) -> None:
+        if request.group < 0 or request.group == request.id:  # once per request, at its first input
+            self._of_tenant("requests", request.tenant).inc()
+        self._of_tenant("tokens", request.tenant).inc(request.length)
+
+    def on_reject(self, reason: RejectReason, tenant: str = DEFAULT_TENANT) -> None:
         self.rejections.labels(reason=reason.value).inc()
+        self.tenant_rejections.labels(tenant=self.tenant_label(tenant), reason=reason.value).inc()
 
     def on_dispatch(self, batch: Batch, now: float) -> None:
         self.batch_size.observe(batch.size)
@@ -166,6 +203,7 @@ class ServerMetrics(BatcherObserver):
 
     def on_request_done(self, request: Request, latency_s: float, ok: bool) -> None:
         self.latency.observe(latency_s)
+        self._of_tenant("latency", request.tenant).observe(latency_s)
 
     def on_cancel(self, request: Request, queued: bool) -> None:
         self.cancellations.labels(stage="queued" if queued else "running").inc()
@@ -183,6 +221,10 @@ class ServerMetrics(BatcherObserver):
 
     def on_health(self, state: str) -> None:
         self.health.set(_HEALTH.get(state, 0.0))
+
+
+def _default_label(tenant: str) -> str:
+    return DEFAULT_TENANT if tenant == DEFAULT_TENANT else OTHER
 
 
 class ModelLabels:

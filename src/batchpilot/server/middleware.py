@@ -3,7 +3,8 @@
     request head ─▶ not complete within ``header_timeout_s``: 408, closed by the HTTP protocol before
                     this middleware runs (``header_timeout.py``; counted here, ``count_header_timeout``)
     request ─▶ draining? 503 shutting_down (/health: 503 "draining"; /metrics still answers)
-            ─▶ Bearer API key (every route but /health) ─▶ 401
+            ─▶ Bearer API key (every route but /health) ─▶ 401; the key names the request's tenant
+               (``server/tenants.py``; without keys, the ``X-Client-Id`` header may name it)
             ─▶ Content-Length over the limit ─▶ 413, before a byte of the body is read
             ─▶ the body, bounded (413) and within ``body_timeout_s`` of the headers (else 408 and the
                connection closed: a slow-loris upload holds nothing for long)
@@ -25,7 +26,6 @@ limit is the core's (``admission.max_concurrent_requests``), so the simulator ap
 from __future__ import annotations
 
 import asyncio
-import hmac
 import itertools
 import json
 import logging
@@ -40,6 +40,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from batchpilot.server.config import ServerConfig
 from batchpilot.server.errors import ClientStalled, error_body, internal_error_body
+from batchpilot.server.tenants import TENANT_KEY, Tenancy, client_tenant
 
 # How many JSON values and containers a raw body holds, counted without parsing it.
 #
@@ -141,12 +142,12 @@ class RequestLifecycle:
     """ASGI middleware: auth, body limits with a read deadline, in-flight counting, drain, request ids,
     the last-resort 500. ``.app`` is the FastAPI app; ``.state`` its state (``.state.service``)."""
 
-    def __init__(self, app: ASGIApp, settings: ServerConfig, registry: CollectorRegistry | None = None
-                 ) -> None:
+    def __init__(self, app: ASGIApp, settings: ServerConfig, registry: CollectorRegistry | None = None,
+                 tenancy: Tenancy | None = None) -> None:
         self.app = app
         self.state = getattr(app, "state", None)
         self.settings = settings
-        self._expected = f"Bearer {settings.api_key}".encode() if settings.api_key else None
+        self.tenancy = tenancy or Tenancy.of(settings.api_keys, settings.api_key)
         self.in_flight = 0
         self.draining = False
         self.refused = 0  # requests refused while draining
@@ -211,9 +212,17 @@ class RequestLifecycle:
 
     def _check_headers(self, scope: Scope) -> tuple[int, str, str] | None:
         headers = dict(scope["headers"])
-        if self._expected is not None and scope["path"] not in OPEN_PATHS and not hmac.compare_digest(
-                headers.get(b"authorization", b""), self._expected):
-            return 401, "missing or wrong API key: send Authorization: Bearer <key>", "invalid_api_key"
+        if scope["path"] not in OPEN_PATHS:
+            tenancy = self.tenancy
+            if tenancy.requires_key:
+                tenant = tenancy.authenticate(headers.get(b"authorization"))
+                if tenant is None:
+                    return 401, "missing or wrong API key: send Authorization: Bearer <key>", \
+                        "invalid_api_key"
+            else:
+                tenant = client_tenant(headers)
+            if tenant is not None:
+                scope["state"][TENANT_KEY] = tenant
         length = headers.get(b"content-length")
         if length is not None:
             if not length.isdigit():

@@ -115,6 +115,8 @@ class _Scheduling(BaseModel):
                                       description="latency budget from receipt; infeasible -> 429")
     truncate: bool = Field(default=False, description=(
         "cut inputs longer than the model's limit (pairs: the longer side first); otherwise 400"))
+    user: str | None = Field(default=None, description=(
+        "the client's name for itself: its tenant on a server without API keys (docs/tenants.md)"))
 
 
 class RerankRequest(_Scheduling):

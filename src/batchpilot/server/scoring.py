@@ -118,11 +118,12 @@ class ScoringService(ModelService):
         (``[n, num_labels]``) and the request's token count."""
         received = self.batcher.clock()
         priority, deadline = self.deadline(request, body.priority, body.deadline_ms, received)
+        tenant = self.tenant(request, body.user, len(items))
         chars = sum(len(t) for x in items for t in (x if isinstance(x, tuple) else (x,)))
         payloads = await self.tokenize_off_loop(functools.partial(tokenize, items, body.truncate),
                                                 cheap=chars <= INLINE_TOKENIZE_CHARS, request=request)
         lengths = [len(p.token_ids) for p in payloads]
-        logits = await self.run_group(payloads, lengths, request, priority, deadline)
+        logits = await self.run_group(payloads, lengths, request, priority, deadline, tenant=tenant)
         probs = self.executor.scores(np.stack(logits))  # type: ignore[attr-defined]
         if not np.isfinite(probs).all():
             raise APIError(500, "the model produced a non-finite score", code="model_error")

@@ -34,6 +34,7 @@ from prometheus_client import Counter, Histogram
 from batchpilot.core.admission import RejectReason
 from batchpilot.core.config import SchedulerConfig
 from batchpilot.core.costmodel import CostModel
+from batchpilot.core.request import DEFAULT_TENANT
 from batchpilot.core.stall import StallRule
 from batchpilot.models.tokens import InvalidInput
 from batchpilot.runtime.batcher import Batcher, BatcherWatchdog, StageTimes
@@ -43,6 +44,7 @@ from batchpilot.server.config import ServerConfig
 from batchpilot.server.errors import APIError, request_id_of
 from batchpilot.server.metrics import ServerMetrics
 from batchpilot.server.schemas import PRIORITY_MAX, DetokenizeRequest, TokenizeRequest
+from batchpilot.server.tenants import Tenancy, tenant_of
 
 log = logging.getLogger("batchpilot.server")
 
@@ -50,9 +52,13 @@ T = TypeVar("T")
 Num = TypeVar("Num", int, float)  # a numeric header's kind
 
 _REJECT_STATUS = {RejectReason.TOO_LONG: 400, RejectReason.INFEASIBLE_DEADLINE: 429,
-                  RejectReason.RATE_LIMITED: 429, RejectReason.QUEUE_FULL: 503,
+                  RejectReason.RATE_LIMITED: 429, RejectReason.QUOTA_TOKENS: 429,
+                  RejectReason.QUOTA_CONCURRENCY: 429, RejectReason.QUEUE_FULL: 503,
                   RejectReason.SHUTTING_DOWN: 503, RejectReason.DEADLINE_EXPIRED: 504,
                   RejectReason.CANCELLED: 499}
+# refusals that waiting does not cure when the core gives no retry time (a request over its tenant's
+# token burst): no Retry-After
+_PERMANENT = (RejectReason.INFEASIBLE_DEADLINE, RejectReason.QUOTA_TOKENS)
 
 
 # A request whose texts total at most this many characters (or token-id lists this many ids) is
@@ -77,7 +83,7 @@ def rejection_error(exc: RequestRejected) -> APIError:
     status = _REJECT_STATUS.get(exc.reason, 503)
     code = "context_length_exceeded" if exc.reason is RejectReason.TOO_LONG else exc.reason.value
     retry = exc.retry_after_s if status in (429, 503) else None
-    if status in (429, 503) and retry is None and exc.reason is not RejectReason.INFEASIBLE_DEADLINE:
+    if status in (429, 503) and retry is None and exc.reason not in _PERMANENT:
         retry = 1.0  # overload: always tell the client when to come back
     return APIError(status, exc.message, code=code, retry_after_s=retry)
 
@@ -117,6 +123,25 @@ class ModelService:
         self._answered: dict[tuple[str, int], Counter] = {}  # (route, status) -> its counter child
         self._latency: dict[str, Histogram] = {}
 
+    def use_tenancy(self, tenancy: Tenancy) -> None:
+        """Serve the server's tenants: their table in this model's scheduler (and every reload's), their
+        bounded labels on its metrics."""
+        scheduler, clock = self.batcher.scheduler, self.batcher.clock
+        scheduler.set_tenants(tenancy.table, clock())
+        tenancy.on_table.append(lambda table: scheduler.set_tenants(table, clock()))
+        self.metrics.tenant_label = tenancy.label
+
+    def tenant(self, request: Request, user: str | None, num_inputs: int) -> str:
+        """The request's tenant (``server.tenants.tenant_of``), checked against its quotas before its
+        inputs are tokenised (each input is at least one token: the core checks the exact count again
+        at admission); over a quota, the 429."""
+        tenant = tenant_of(request, user)
+        try:
+            self.batcher.check_tenant(tenant, num_inputs)
+        except RequestRejected as exc:
+            raise rejection_error(exc) from None
+        return tenant
+
     def count(self, route: str, status: int, seconds: float) -> None:
         counter = self._answered.get((route, status))
         if counter is None:
@@ -147,12 +172,12 @@ class ModelService:
 
     async def run_group(self, payloads: list[Any], lengths: list[int], request: Request,
                         priority: int | None, deadline: float | None,
-                        times: StageTimes | None = None) -> list[Any]:
+                        times: StageTimes | None = None, tenant: str = DEFAULT_TENANT) -> list[Any]:
         """The inputs of one request through the core and the executor: a result per input, in order."""
         futures: list[asyncio.Future[Any]] = []
         try:  # the core admits or refuses the request's inputs together
             futures = self.batcher.submit_group_nowait(payloads, lengths, priority or 0, deadline,
-                                                       times=times)
+                                                       times=times, tenant=tenant)
             return await self._wait(futures, request)
         except RequestRejected as exc:
             raise rejection_error(exc) from None
