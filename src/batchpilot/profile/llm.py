@@ -36,6 +36,7 @@ from batchpilot.core.deployment import ServingOptions
 from batchpilot.core.llm.scheduler import SWAP_META_KEYS, StepPlan
 from batchpilot.models.llm.runner import LLMModelRunner, measure_swap, step_plan
 from batchpilot.profile.serving import LONE_GAP_S, alternating_arrivals, lone_elsewhere, send_elsewhere
+from batchpilot.profile.structured import measure_structured_cost
 from batchpilot.runtime.executor import NoopExecutor
 from batchpilot.server.app import MountedEngine, ServedModel, create_app
 from batchpilot.server.config import ServerConfig
@@ -151,7 +152,8 @@ def recheck_steps(runner: LLMModelRunner, step_points: Sequence[dict[str, Any]],
 #   engine built the same way (the memory burst stopped the first) and started behind the real app
 #   (``profile/llm.measure_llm_serving_path``: the first-token delay and a step's price
 #   under the profile's own streamed load), what ``simulate --target llm --profile`` times every step
-#   with; ``--no-serving-path`` leaves them out.
+#   with, and what a sequence under a grammar adds to its step (``profile/structured.py``, the
+#   ``structured`` entry); ``--no-serving-path`` leaves them out.
 
 def run_llm(args: argparse.Namespace) -> int:
     import torch
@@ -201,7 +203,11 @@ def run_llm(args: argparse.Namespace) -> int:
     if not args.no_serving_path:
         del engine, runner  # the memory burst shut that engine down: the serving path gets a fresh one
         fresh = build_llm_engine(args.model, None, built_as)
+        per_seq, doc["structured"] = measure_structured_cost(fresh)  # before it starts: its runner is free
+        print(f"structured outputs: a sequence under a JSON schema adds {per_seq * 1e3:.3f} ms to its step "
+              f"({doc['structured']['seqs']} decoding sequences, all under the schema against none)")
         doc["service"], doc["serving_path"] = serving_path(fresh, model)
+        doc["service"]["structured_s_per_seq"] = per_seq
     Path(args.output).write_text(json.dumps(doc, indent=2))
     print(f"wrote {args.output} in {time.perf_counter() - t1:.1f} s")
     return 0

@@ -18,6 +18,7 @@ from typing import Any
 
 import batchpilot.sim.tune as tune_module
 from batchpilot.core.autoscale import AutoscaleConfig
+from batchpilot.core.config import SchedulerConfig
 from batchpilot.core.costmodel import CostModel
 from batchpilot.core.deployment import Deployment, DeploymentSpec, ModelLimits, resolve_deployment
 from batchpilot.settings import add_deployment_args, add_llm_args, rollout_from_args, spec_from_args
@@ -29,6 +30,7 @@ from batchpilot.sim.router import ROUTERS
 from batchpilot.sim.service import ServiceModel
 from batchpilot.sim.synthetic import ARRIVALS, named_workload
 from batchpilot.sim.target import SimRun, draws_batch_times, simulate_encoder
+from batchpilot.sim.tenants import TenantLoad, compare_orders, tenant_mix, tenants_table
 from batchpilot.sim.traces import STANDARD_WORKLOADS, Workload
 from batchpilot.sim.tune import (
     TuneConfig,
@@ -79,6 +81,11 @@ def register_simulate(subparsers: Any) -> None:
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     p.add_argument("--target", choices=("encoder", "llm"), default=None,
                    help="which scheduler to drive (default: llm for conv-llm, else encoder)")
+    p.add_argument("--samples", type=int, default=1, metavar="N",
+                   help="llm: sequences per request (the API's n), sharing the prompt's KV blocks")
+    p.add_argument("--structured-share", type=float, default=0.0, metavar="F",
+                   help="llm: the share of requests under a grammar (structured outputs), each of their "
+                        "steps priced by the profile's structured_s_per_seq")
     add_fleet_args(p)
     add_arms_args(p)
     p.set_defaults(func=run_simulate)
@@ -150,6 +157,11 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile",
                    help="profile JSON from `batchpilot profile` (default: a stated CPU MiniLM model)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tenant", action="append", default=None, metavar="NAME:rate=R[,weight=W,...]",
+                   help="a tenant's traffic (repeat for each): requests/s, weight, workload (conv-embed or "
+                        "a synthetic kind), start row, lengths; replaces --workload, and the report gives "
+                        "each tenant's latency under the fair order, FIFO, and alone (docs/tenants.md)")
+    p.add_argument("--duration-s", type=float, default=120.0, help="--tenant: seconds of traffic")
 
 
 # -- from the parsed flags to the library's arguments --------------------------------------------
@@ -242,6 +254,7 @@ def run_llm(args: argparse.Namespace, workload: Workload, spec: DeploymentSpec, 
     machine (``sim.llm.planned_llm_config``), and its report."""
     try:
         from batchpilot.sim.llm import (
+            LLMRequests,
             LLMServiceModel,
             default_llm_cost_model,
             planned_llm_config,
@@ -269,7 +282,7 @@ def run_llm(args: argparse.Namespace, workload: Workload, spec: DeploymentSpec, 
         cost_model = default_llm_cost_model()
     try:
         run = simulate_llm(workload, dep.config, cost_model, noise=args.noise, seed=args.seed,
-                           service=service)
+                           service=service, requests=LLMRequests(args.samples, args.structured_share))
     except ValueError as exc:
         return _refuse(console, "simulate", exc)
     report = run.report(warmup_s=args.warmup_s)
@@ -303,6 +316,8 @@ def run_encoder(args: argparse.Namespace, workload: Workload, spec: DeploymentSp
                       "re-run `batchpilot profile` to include HTTP, JSON, tokenisation and loaded batches[/]")
     if (armed := run_arms(args, console, workload, spec, cost_model, service)) is not None:
         return armed
+    if getattr(args, "tenant", None):
+        return run_tenants(args, console, config, cost_model, service)
     fleet = None
     with _progress(console, len(workload)) as progress:
         if args.replicas == 1 and scaling is None:
@@ -329,6 +344,22 @@ def run_encoder(args: argparse.Namespace, workload: Workload, spec: DeploymentSp
         if scaling is not None:
             console.print(scaling_table(scaling, run.stats.end_s))
     return write_outputs(args, console, workload, run, report, drawn)
+
+
+def run_tenants(args: argparse.Namespace, console: Any, config: SchedulerConfig, cost_model: CostModel,
+                service: ServiceModel | None) -> int:
+    """``simulate --tenant ...``: each tenant's latency under the fair order, FIFO and alone."""
+    try:
+        loads = [TenantLoad.parse(spec) for spec in args.tenant]
+        workload, table = tenant_mix(loads, args.duration_s, args.seed, args.trace)
+    except (ValueError, FileNotFoundError) as exc:
+        return _refuse(console, "simulate", exc)
+    results = compare_orders(workload, table, config, cost_model, service=service, sla_s=args.sla,
+                             warmup_s=args.warmup_s, noise=args.noise, seed=args.seed)
+    title = (f"{len(loads)} tenants, {len(workload)} requests over {args.duration_s:g} s "
+             f"({workload.mean_rate:.2f} req/s offered)")
+    console.print(tenants_table(results, table, title))
+    return 0
 
 
 def write_outputs(args: argparse.Namespace, console: Any, workload: Workload, run: SimRun, report: SimReport,

@@ -50,7 +50,7 @@ from batchpilot.core.llm.scheduler import (
     PreemptionCounters,
     StepPlan,
 )
-from batchpilot.core.llm.sequence import SamplingParams
+from batchpilot.core.llm.sequence import SamplingParams, StructuredOutput
 from batchpilot.core.llm.sequence import Sequence as LLMSequence
 from batchpilot.sim.engine import Engine, EngineStats, Job
 from batchpilot.sim.service import binned_factors, check_finite_nonneg, step_factor
@@ -230,7 +230,10 @@ class StepPricer:
 # The prediction these ratios are taken against is ``StepPricer``'s (``sim.llm``): the step
 # model's line times the step profile's own measured shape, so that they hold only what load adds.
 #
-# A simulated step takes ``step_seconds(predicted, seqs, prefill)``. ``LLMServiceModel()`` adds nothing.
+# A simulated step takes ``step_seconds(predicted, seqs, prefill, structured)``: the last term,
+# ``structured_s_per_seq`` for each sampled sequence under a grammar, is measured apart by ``profile``
+# (``profile/llm.measure_structured_cost``: decode steps with every sequence under a JSON schema against
+# none, interleaved). ``LLMServiceModel()`` adds nothing.
 
 SEQ_EDGES = (1, 2, 4, 8, 16, 32)  # the lower bounds of the bins of sequences per step
 SEQ_PRIOR_STEPS = 10.0  # a bin's factor weighs this many steps at 1 beside its own
@@ -246,6 +249,7 @@ class LLMServiceModel:
     step_per_seq_s: float = 0.0
     step_seq_factors: tuple[tuple[int, float], ...] = ()
     prefill_factor: float = 1.0
+    structured_s_per_seq: float = 0.0  # a sampled sequence under a grammar adds this to its step
 
     def __post_init__(self) -> None:
         scalars = {k: v for k, v in asdict(self).items() if k != "step_seq_factors"}
@@ -276,10 +280,13 @@ class LLMServiceModel:
         factor = self.prefill_factor if prefill else step_factor(self.step_seq_factors, seqs)
         return self.step_alpha * factor
 
-    def step_seconds(self, predicted_s: float, seqs: int, prefill: bool = False) -> float:
-        """A step's time as the streams see it, from ``StepPricer``'s ``predicted_s``."""
+    def step_seconds(self, predicted_s: float, seqs: int, prefill: bool = False,
+                     structured: int = 0) -> float:
+        """A step's time as the streams see it, from ``StepPricer``'s ``predicted_s``; ``structured``
+        of its sampled sequences are under a grammar (the mask, its application, the matcher's step)."""
         forward = self.forward_factor(seqs, prefill) * predicted_s
-        return forward + self.step_const_s + self.step_per_seq_s * seqs
+        return (forward + self.step_const_s + self.step_per_seq_s * seqs
+                + self.structured_s_per_seq * structured)
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = asdict(self)
@@ -403,6 +410,7 @@ class LLMRecord:
     expired (the server's error code; None: served); per step: shape and time."""
 
     n: int
+    samples: int = 1  # sequences per request: its tokens are all its samples' (TPOT is per sample)
     first_token_s: list[float] = field(default_factory=list)
     finish_s: list[float] = field(default_factory=list)
     num_output: list[int] = field(default_factory=list)
@@ -467,8 +475,9 @@ def summarize_llm(record: LLMRecord, arrival_s: np.ndarray, num_preemptions: int
     served = np.asarray([r is None for r in rec.rejected], dtype=bool)
     done = ~np.isnan(fin) & (nout > 0) & served & (arr >= warmup_s)
     ttft = (first - arr)[done]
-    multi = done & (nout > 1)
-    tpot = ((fin - first)[multi] / (nout[multi] - 1))
+    per_sample = nout / rec.samples
+    multi = done & (per_sample > 1)
+    tpot = ((fin - first)[multi] / (per_sample[multi] - 1))
     e2e = (fin - arr)[done]
 
     def q(x: np.ndarray, p: float) -> float:
@@ -524,7 +533,7 @@ class LLMTarget:
 
     def __init__(self, scheduler: LLMScheduler, workload: Workload, cost_model: CostModel,
                  noise: bool = False, seed: int = 0, preemption_costs: PreemptionCosts | None = None,
-                 service: LLMServiceModel | None = None) -> None:
+                 service: LLMServiceModel | None = None, requests: LLMRequests | None = None) -> None:
         if not {"const", "decode_seqs"} <= set(cost_model.feature_names) <= set(LLM_FEATURES):
             raise ValueError(f"LLM target: the cost model has features {cost_model.feature_names}, an LLM "
                              f"step model needs {LLM_FEATURES}; profile the LLM (not the encoder)")
@@ -538,10 +547,12 @@ class LLMTarget:
         self.noise = noise
         self.service = service or LLMServiceModel()
         self._rng = np.random.default_rng(seed)
-        self.record = LLMRecord(len(workload))
+        self.requests = requests or LLMRequests()
+        self.record = LLMRecord(len(workload), self.requests.samples)
         self._inputs = workload.input_tokens.tolist()
         self._outputs = workload.output_tokens.tolist()
         self._prio = workload.priority.tolist()
+        self._left = [self.requests.samples] * len(workload)  # samples of each request not finished
         self._busy = False
 
     @property
@@ -552,15 +563,21 @@ class LLMTarget:
         n_in = max(1, int(self._inputs[index]))
         n_out = max(1, int(self._outputs[index]))
         base = 3 + (index * 7919) % 4000
-        params = SamplingParams(max_tokens=n_out, ignore_eos=True)
-        seq = LLMSequence(index, [base + i for i in range(n_in)], params, arrival=now,
-                       priority=int(self._prio[index]), deadline=request_deadline(self.scheduler.config, now))
-        refusal = self.admission.admit([seq])
+        k = self.requests.samples
+        params = SamplingParams(max_tokens=n_out, ignore_eos=True,
+                                structured=STRUCTURED if self.requests.is_structured(index) else None)
+        prompt = [base + i for i in range(n_in)]
+        deadline = request_deadline(self.scheduler.config, now)
+        seqs = [LLMSequence(index * k + j, prompt, params, arrival=now, priority=int(self._prio[index]),
+                            deadline=deadline, group=index * k if k > 1 else None) for j in range(k)]
+        refusal = self.admission.admit(seqs)
         if refusal is not None:
             self._end(index, refusal.reason, now)
-        elif self.scheduler.add(seq) is not None:  # unreachable: admission ran the same fit test
-            self.admission.release()
-            self._end(index, NEVER_FITS, now)
+            return
+        for seq in seqs:
+            if self.scheduler.add(seq) is not None:  # unreachable: admission ran the same fit test
+                self.admission.release()
+                self._end(index, NEVER_FITS, now)
 
     def _end(self, index: int, reason: str, now: float) -> None:
         self.record.rejected[index] = reason
@@ -571,7 +588,7 @@ class LLMTarget:
             return [], None
         for seq in self.scheduler.expire(now):  # before each step, as the engine thread
             self.admission.release()
-            self._end(seq.seq_id, TIMEOUT, now)
+            self._end(seq.seq_id // self.requests.samples, TIMEOUT, now)
         if not self.scheduler.has_unfinished():
             return [], None
         plan = self.scheduler.schedule(now)  # the same clock as the arrivals: priorities age as live
@@ -580,7 +597,11 @@ class LLMTarget:
         shape = plan.shape
         predicted = (self.pricer.sample_latency(shape, float(self._rng.random())) if self.noise
                      else self.pricer.latency(shape))
-        duration = self.service.step_seconds(predicted, len(plan.chunks), shape.prefill_tokens > 0)
+        seqs = self.scheduler.seqs
+        structured = sum(1 for c in plan.chunks
+                         if c.sample and seqs[c.seq_id].params.structured is not None)
+        duration = self.service.step_seconds(predicted, len(plan.chunks), shape.prefill_tokens > 0,
+                                             structured)
         duration += self.preemption_costs.swap_s(len(plan.swap_out), len(plan.swap_in))
         rec = self.record
         rec.step_start.append(now)
@@ -593,14 +614,40 @@ class LLMTarget:
         plan: StepPlan = job.payload
         sampled = {c.seq_id: 10 for c in plan.chunks if c.sample}
         rec = self.record
+        k = self.requests.samples
         for out in self.scheduler.update(plan, sampled):
-            i = out.seq_id
+            i = out.seq_id // k  # the request's row: its first token, its last sample's end
             if rec.num_output[i] == 0:
                 rec.first_token_s[i] = now
             rec.num_output[i] += 1
             if out.finish_reason is not None:
-                rec.finish_s[i] = now
                 self.admission.release()
+                self._left[i] -= 1
+                if not self._left[i]:
+                    rec.finish_s[i] = now
+
+
+STRUCTURED = StructuredOutput("json_object")  # what a structured request's sequences carry in the simulator
+
+
+@dataclass(frozen=True)
+class LLMRequests:
+    """What every simulated request asks beyond its tokens: ``samples`` sequences (``n``; one group that
+    shares the prompt's KV blocks, as the engine runs it), and for a ``structured_share`` of the requests
+    (chosen by row, the same rows on every run) a grammar, priced by the service model's
+    ``structured_s_per_seq``."""
+
+    samples: int = 1
+    structured_share: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.samples <= 64:
+            raise ValueError(f"llm requests: samples must be in [1, 64], got {self.samples}")
+        if not 0.0 <= self.structured_share <= 1.0:
+            raise ValueError(f"llm requests: structured_share must be in [0, 1], got {self.structured_share}")
+
+    def is_structured(self, index: int) -> bool:
+        return (index * 0.6180339887498949) % 1.0 < self.structured_share  # low-discrepancy: any share
 
 
 @dataclass
@@ -622,18 +669,20 @@ class LLMSimRun:
 def simulate_llm(workload: Workload, config: LLMSchedulerConfig | None = None,
                  cost_model: CostModel | None = None, *, noise: bool = False, seed: int = 0,
                  service: LLMServiceModel | None = None,
-                 preemption_costs: PreemptionCosts | None = None) -> LLMSimRun:
+                 preemption_costs: PreemptionCosts | None = None,
+                 requests: LLMRequests | None = None) -> LLMSimRun:
     """Replay ``workload`` (prompt = input_tokens, output = output_tokens) through a fresh LLMScheduler.
     ``service``: the serving path around the engine (the profile's ``service`` entry,
     ``sim.llm``): each step takes ``service.step_seconds`` of its predicted time, and
     ``first_token_delay_s`` is added to every token's time as the client sees it.
     ``preemption_costs``: what the scheduler weighs swap against recompute with and a step's copies cost
-    (default: ``sim_preemption_costs(cost_model)``)."""
+    (default: ``sim_preemption_costs(cost_model)``). ``requests``: samples per request and the share
+    under a grammar (``LLMRequests``)."""
     config = config or LLMSchedulerConfig()
     cost_model = cost_model or default_llm_cost_model()
     costs = preemption_costs or sim_preemption_costs(cost_model, config.block_size)
     scheduler = LLMScheduler(config, costs)
-    target = LLMTarget(scheduler, workload, cost_model, noise, seed, costs, service)
+    target = LLMTarget(scheduler, workload, cost_model, noise, seed, costs, service, requests)
     stats = Engine(target, num_slots=1).run(workload.arrival_s)  # type: ignore[arg-type]
     delay = service.first_token_delay_s if service is not None else 0.0
     if delay:
