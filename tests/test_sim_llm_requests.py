@@ -11,7 +11,7 @@ import pytest
 
 from batchpilot.core.llm.config import LLMSchedulerConfig
 from batchpilot.profile.structured import decode_step_seconds, measure_structured_cost
-from batchpilot.sim.llm import LLMRequests, LLMServiceModel, default_llm_cost_model, simulate_llm
+from batchpilot.sim.llm import LLMRequests, LLMServiceModel, simulate_llm
 from batchpilot.sim.traces import Workload
 
 CONFIG = LLMSchedulerConfig(num_kv_blocks=400, block_size=16, max_num_seqs=64, max_num_batched_tokens=512,
