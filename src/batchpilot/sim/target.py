@@ -24,6 +24,7 @@ from batchpilot.core.config import SchedulerConfig
 from batchpilot.core.costmodel import CostModel
 from batchpilot.core.request import Request
 from batchpilot.core.scheduler import BatchScheduler
+from batchpilot.core.tenants import TenantTable
 from batchpilot.sim.engine import Engine, EngineStats, Job, StopSimulation
 from batchpilot.sim.service import BatchCost, BatchNoise, ServiceModel
 from batchpilot.sim.traces import Workload
@@ -83,6 +84,7 @@ class EncoderTarget:
         self.record = EncoderRecord(len(workload))
         self._lengths = workload.input_tokens.tolist()
         self._prio = workload.priority.tolist()
+        self._tenants: list[str] | None = None if workload.tenant is None else workload.tenant.tolist()
         self._batch = service.batch if service is not None else BatchCost()
         self._noise = service.noise.sampler(seed) if service is not None else None
         if self._noise is None and noise and self.service_model.rel_residuals:  # the cost model's own spread
@@ -97,6 +99,8 @@ class EncoderTarget:
 
     def on_arrival(self, index: int, now: float) -> None:
         req = Request(index, now, self._lengths[index], self._prio[index], None, self.request_sla_s)
+        if self._tenants is not None:
+            req.tenant = self._tenants[index]
         rejection = self.scheduler.submit(req, now)
         if rejection is not None:
             self._fail(rejection, REJECTED, now)
@@ -200,15 +204,17 @@ def simulate_encoder(
     progress: Callable[[int], None] | None = None,
     stop_after_misses: tuple[float, int, float] | None = None,
     service: ServiceModel | None = None,
+    tenants: TenantTable | None = None,
 ) -> SimRun:
-    """Replay ``workload`` through a fresh ``BatchScheduler(config, cost_model)`` on ``config.num_slots``.
+    """Replay ``workload`` through a fresh ``BatchScheduler(config, cost_model, tenants)`` on
+    ``config.num_slots``; each row is its ``workload.tenant``'s (``tenants``: their weights and quotas).
 
     With ``service`` (``sim.service.ServiceModel``), batches take its batch part's time with its noise
     and requests finish after its request part's delay; latencies are measured from the workload's
     arrival times."""
     config = config or SchedulerConfig()
     cost_model = cost_model or CostModel.default_cpu_minilm()
-    target = EncoderTarget(BatchScheduler(config, cost_model), workload, service_model, noise, seed,
+    target = EncoderTarget(BatchScheduler(config, cost_model, tenants), workload, service_model, noise, seed,
                            request_sla_s, stop_after_misses, service)
     engine = Engine(target, config.num_slots, progress=progress)
     stats = engine.run(workload.arrival_s)

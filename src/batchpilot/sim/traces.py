@@ -37,18 +37,20 @@ class Arrival(NamedTuple):
 
 @dataclass(frozen=True)
 class Workload:
-    """Rows sorted by arrival; ``arrival_s[0] == 0`` after loading or slicing."""
+    """Rows sorted by arrival; ``arrival_s[0] == 0`` after loading or slicing. ``tenant``: each row's
+    tenant (strings; None: every row is the default tenant's), as ``sim.tenants.tenant_mix`` builds it."""
 
     name: str
     arrival_s: np.ndarray
     input_tokens: np.ndarray
     output_tokens: np.ndarray
     priority: np.ndarray
+    tenant: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = len(self.arrival_s)
-        for col in ("input_tokens", "output_tokens", "priority"):
-            if len(getattr(self, col)) != n:
+        for col in ("input_tokens", "output_tokens", "priority", "tenant"):
+            if getattr(self, col) is not None and len(getattr(self, col)) != n:
                 raise ValueError(f"workload {self.name!r}: column {col} has {len(getattr(self, col))} rows, "
                                  f"arrival_s has {n}; give every column the same length")
         if n and (np.diff(self.arrival_s) < 0).any():
@@ -90,7 +92,7 @@ class Workload:
         if not k > 0:
             raise ValueError(f"rate scale must be > 0, got {k}")
         return Workload(f"{self.name}x{k:g}", self.arrival_s / k, self.input_tokens, self.output_tokens,
-                        self.priority)
+                        self.priority, self.tenant)
 
     def slice(self, start: int = 0, count: int | None = None) -> Workload:
         """Contiguous rows ``[start, start + count)``, re-offset so the first arrives at 0."""
@@ -99,7 +101,7 @@ class Workload:
         end = len(self) if count is None else min(len(self), start + count)
         t = self.arrival_s[start:end]
         return Workload(self.name, t - t[0], self.input_tokens[start:end], self.output_tokens[start:end],
-                        self.priority[start:end])
+                        self.priority[start:end], None if self.tenant is None else self.tenant[start:end])
 
     def rows(self) -> Iterator[Arrival]:
         for t, i, o, p in zip(self.arrival_s.tolist(), self.input_tokens.tolist(),
