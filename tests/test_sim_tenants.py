@@ -1,11 +1,16 @@
 """Multi-tenant workloads in the simulator (sim/tenants.py): the mix, the per-tenant report, Jain's index
-of weighted service under the fair order, and ``batchpilot simulate --tenant``."""
+of weighted service under the fair order, ``batchpilot simulate --tenant``, and the load generator's
+plan of such a workload (each row sent as its tenant's)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from batchpilot.bench.loadgen import build_plan, with_tenants
+from batchpilot.bench.records import RequestRecord, by_tenant, read_csv, write_csv
 from batchpilot.cli import main
 from batchpilot.core.config import SchedulerConfig
 from batchpilot.core.costmodel import CostModel
@@ -82,3 +87,19 @@ def test_simulate_cli_reports_each_tenant(capsys: pytest.CaptureFixture[str]) ->
     assert code == 0
     assert "fair P50 / P99 ms" in out and "fcfs P50 / P99 ms" in out and "alone P50 / P99 ms" in out
     assert main(["simulate", "--tenant", "a"]) == 2
+
+
+def test_a_multi_tenant_plan_sends_each_row_as_its_tenant(tmp_path: Path) -> None:
+    wl, _ = tenant_mix([TenantLoad("a", 5.0), TenantLoad("b", 5.0, start=500)], 4.0)
+    plan = build_plan(wl, texts=["x"] * len(wl))
+    sent = with_tenants(plan, wl, {"b": "b-key-123456"})
+    for p in sent:
+        assert p.tenant == wl.tenant[p.index]  # type: ignore[index]
+        want = {"X-Client-Id": "a"} if p.tenant == "a" else {"Authorization": "Bearer b-key-123456"}
+        assert p.headers == want
+    records = [RequestRecord(p.index, p.scheduled_s, p.input_tokens, tenant=p.tenant, status=200,
+                             sent_s=p.scheduled_s, done_s=p.scheduled_s + 0.1, latency_s=0.1) for p in sent]
+    write_csv(records, tmp_path / "r.csv")
+    assert [r.tenant for r in read_csv(tmp_path / "r.csv")] == [r.tenant for r in records]
+    summaries = by_tenant(records)
+    assert set(summaries) == {"a", "b"} and summaries["a"].num_ok == sum(r.tenant == "a" for r in records)

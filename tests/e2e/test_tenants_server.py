@@ -171,3 +171,18 @@ def test_both_key_flags_are_refused(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "batchpilot.cli", "serve", "--noop", "--api-keys", str(keys)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "does not list" in out.stderr
+
+
+def test_bench_replays_a_multi_tenant_workload(keyed: tuple[str, subprocess.Popen[bytes], Path],
+                                               tmp_path: Path) -> None:
+    url = keyed[0]
+    out = subprocess.run([sys.executable, "-m", "batchpilot.cli", "bench", "--url", url, "--no-progress",
+                          "--tenant", "alpha:rate=10", "--tenant", "ops:rate=5,start=500",
+                          "--tenant-key", "alpha=alpha-key-0001", "--tenant-key", "ops=ops-key-00003",
+                          "--duration-s", "2", "--out", str(tmp_path)], capture_output=True, text=True,
+                         timeout=240, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "tenant alpha" in out.stdout and "tenant ops" in out.stdout
+    view = httpx.get(f"{url}/v1/tenants", headers=bearer("ops-key-00003")).json()
+    usage = {u["tenant"]: u for u in view["models"]["noop"]}
+    assert usage["ops"]["requests"] >= 5

@@ -55,6 +55,12 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
                    help="the load generator closes a connection idle this long (default: 2 s against --url, "
                         "the server's keep-alive less 5 s against a server bench starts)")
     g.add_argument("--serve-args", default="", help="extra args for `batchpilot serve` when a YAML is given")
+    g.add_argument("--tenant", action="append", default=None, metavar="NAME:rate=R[,weight=W,...]",
+                   help="run: a tenant's traffic, as `simulate --tenant` (repeat for each; replaces "
+                        "--workload); each request is sent with X-Client-Id: NAME, or its --tenant-key")
+    g.add_argument("--tenant-key", action="append", default=None, metavar="NAME=KEY",
+                   help="run: the API key a tenant sends (a server with --api-keys)")
+    g.add_argument("--duration-s", type=float, default=60.0, help="--tenant: seconds of traffic")
 
 
 def _run_args(p: argparse.ArgumentParser) -> None:
@@ -231,7 +237,23 @@ def _endpoint(args: argparse.Namespace) -> str:
 def load_args_workload(args: argparse.Namespace, rate_scale: float = 1.0) -> Any:
     from batchpilot.sim.traces import load_workload
 
+    if getattr(args, "tenant", None):
+        from batchpilot.sim.tenants import TenantLoad, tenant_mix
+
+        wl = tenant_mix([TenantLoad.parse(t) for t in args.tenant], args.duration_s, args.seed, args.trace)[0]
+        return wl.scale_rate(rate_scale) if rate_scale != 1.0 else wl
     return load_workload(args.workload, rate_scale, args.start, args.requests, trace=args.trace)
+
+
+def tenant_keys(args: argparse.Namespace) -> dict[str, str]:
+    """``--tenant-key NAME=KEY`` as a dict."""
+    keys = {}
+    for item in getattr(args, "tenant_key", None) or ():
+        name, eq, key = item.partition("=")
+        if not eq or not name or not key:
+            raise ValueError(f"--tenant-key wants NAME=KEY, got {item!r}")
+        keys[name] = key
+    return keys
 
 
 def _label(target: str) -> str:
@@ -241,8 +263,15 @@ def _label(target: str) -> str:
 
 
 def main_run(args: argparse.Namespace) -> int:
-    from batchpilot.bench.loadgen import KEEPALIVE_EXPIRY_S, LoadGenConfig, build_plan, load_tokenizer, replay
-    from batchpilot.bench.records import format_summary, summarize, write_csv
+    from batchpilot.bench.loadgen import (
+        KEEPALIVE_EXPIRY_S,
+        LoadGenConfig,
+        build_plan,
+        load_tokenizer,
+        replay,
+        with_tenants,
+    )
+    from batchpilot.bench.records import by_tenant, format_summary, summarize, write_csv
     from batchpilot.bench.report import RunData, write_report
     from batchpilot.bench.serverproc import client_keepalive_s, serve
 
@@ -271,12 +300,18 @@ def main_run(args: argparse.Namespace) -> int:
                 wl = base.scale_rate(k) if k != 1.0 else base
                 plan = build_plan(wl, endpoint, texts=texts, prompt=args.prompt, seed=args.seed,  # type: ignore[arg-type]
                                   warmup_requests=args.warmup, warmup_s=args.warmup_s / k)
+                plan = with_tenants(plan, wl, tenant_keys(args))
                 label = _label(target) + (f" x{k:g}" if len(args.rate_scale) > 1 else "")
+                keys = tenant_keys(args)  # a server with keys: the first one asks GET /v1/models
+                auth = {"Authorization": f"Bearer {next(iter(keys.values()))}"} if keys else None
                 cfg = LoadGenConfig(url, endpoint, args.model, args.timeout, progress=not args.no_progress,  # type: ignore[arg-type]
-                                    keepalive_s=keep)
+                                    keepalive_s=keep, headers=auth)
                 res = replay(plan, cfg, description=label)
                 s = summarize(res.records, args.sla)
                 print(format_summary(s, label))
+                if wl.tenant is not None:
+                    for name, ts in by_tenant(res.records, args.sla).items():
+                        print(format_summary(ts, f"{label} tenant {name}"))
                 safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", label)
                 write_csv(res.records, out / f"records-{safe}.csv")
                 info = {"url": url, "workload": args.workload, "rate_scale": k, "start": args.start,

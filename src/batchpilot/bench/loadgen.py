@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -221,6 +222,8 @@ class LoadGenConfig:
     # a pooled connection idle this long is closed; keep it under the server's keep-alive
     # (``serverproc.client_keepalive_s`` for a ``batchpilot serve`` started by bench)
     keepalive_s: float = KEEPALIVE_EXPIRY_S
+    # sent with every request unless the request sets the same header (an API key for GET /v1/models)
+    headers: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         if self.endpoint not in PATHS:
@@ -250,6 +253,7 @@ class PlannedRequest:
     body: dict[str, Any]
     warmup: bool = False
     headers: dict[str, str] | None = None  # e.g. X-Client-Id (``bench ab``)
+    tenant: str = ""  # whose request (``with_tenants``)
 
 
 @dataclass
@@ -314,6 +318,22 @@ def build_plan(
         plan.append(PlannedRequest(i, row.arrival_s, row.input_tokens, int(row.output_tokens), body,
                                    i < warmup_requests or row.arrival_s < warmup_s))
     return plan
+
+
+def with_tenants(plan: Sequence[PlannedRequest], workload: Workload,
+                 keys: Mapping[str, str] | None = None) -> list[PlannedRequest]:
+    """The plan of a multi-tenant workload (``workload.tenant``, as ``sim.tenants.tenant_mix`` builds it):
+    each request sent as its tenant's, with ``Authorization: Bearer <key>`` where ``keys`` names the
+    tenant's key (a server with ``--api-keys``), else ``X-Client-Id: <tenant>``."""
+    if workload.tenant is None:
+        return list(plan)
+    keys = keys or {}
+    out = []
+    for p in plan:
+        name = str(workload.tenant[p.index])
+        header = {"Authorization": f"Bearer {keys[name]}"} if name in keys else {"X-Client-Id": name}
+        out.append(dataclasses.replace(p, headers={**(p.headers or {}), **header}, tenant=name))
+    return out
 
 
 class _Sender:
@@ -391,14 +411,15 @@ async def replay_async(
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None,
                           keepalive_expiry=config.keepalive_s)
     timeout = httpx.Timeout(config.timeout_s, connect=min(config.timeout_s, 10.0))
-    async with httpx.AsyncClient(base_url=config.base_url, timeout=timeout, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=config.base_url, timeout=timeout, limits=limits,
+                                 headers=config.headers) as client:
         model = config.model or await discover_model(client, config.endpoint)
         loop = asyncio.get_running_loop()
         scraper = None
         if config.scrape_interval_s > 0:
             scraper = await MetricsScraper.start(client, config.scrape_interval_s)
-        records = [RequestRecord(p.index, p.scheduled_s, p.input_tokens, p.output_tokens, warmup=p.warmup)
-                   for p in plan]
+        records = [RequestRecord(p.index, p.scheduled_s, p.input_tokens, p.output_tokens, warmup=p.warmup,
+                                 tenant=p.tenant) for p in plan]
         stop = asyncio.Event()
         t0 = loop.time() + config.start_delay_s
         origin = time.monotonic() + (t0 - loop.time())  # the loop's clock may have another base

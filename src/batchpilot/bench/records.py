@@ -49,6 +49,7 @@ class RequestRecord:
     server_batcher_s: float = math.nan
     server_app_s: float = math.nan  # handler start -> response body ready; streams: first token on the loop
     arm: str = ""  # the server's X-Batchpilot-Arm: which arm answered (servers with arms)
+    tenant: str = ""  # whose request it was (a multi-tenant replay, ``sim.tenants``)
 
     @property
     def ok(self) -> bool:
@@ -96,6 +97,7 @@ def read_csv(path: str | Path) -> list[RequestRecord]:
                 tokens_received=int(row["tokens_received"]), warmup=bool(int(row["warmup"])),
                 error=row["error"], itl_s=[float(x) for x in row["itl_s"].split(";") if x],
                 **{k: num(k) for k in _SERVER_TIMING if row.get(k)}, arm=row.get("arm") or "",
+                tenant=row.get("tenant") or "",
             ))
     return out
 
@@ -217,3 +219,9 @@ def format_summary(s: Summary, label: str = "") -> str:
         lines.append("  errors: " + ", ".join(f"{k} x{v}" for k, v in s.errors.items()))
     lines += [f"  WARNING: {w}" for w in s.warnings]
     return "\n".join(lines)
+
+
+def by_tenant(records: Sequence[RequestRecord], sla_s: float = 1.0) -> dict[str, Summary]:
+    """``summarize`` of each tenant's records (a multi-tenant replay), by tenant name."""
+    names = sorted({r.tenant for r in records})
+    return {name: summarize([r for r in records if r.tenant == name], sla_s) for name in names}
