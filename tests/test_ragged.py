@@ -12,6 +12,10 @@ from transformers import (
     AutoModel,
     BertConfig,
     BertModel,
+    DistilBertConfig,
+    DistilBertModel,
+    MPNetConfig,
+    MPNetModel,
     RobertaConfig,
     RobertaModel,
     XLMRobertaConfig,
@@ -152,24 +156,52 @@ def _small(kind: str) -> torch.nn.Module:
         return BertModel(BertConfig(**common, hidden_act="gelu_new")).eval()
     if kind == "roberta":
         return RobertaModel(RobertaConfig(**common, pad_token_id=1)).eval()
+    if kind == "distilbert":  # DistilBERT's names: dim, n_layers, n_heads, hidden_dim; no token types
+        return DistilBertModel(DistilBertConfig(dim=64, n_layers=2, n_heads=4, hidden_dim=128, vocab_size=300,
+                                                max_position_embeddings=80, activation="gelu")).eval()
+    if kind == "mpnet":  # fairseq positions (padding_idx 1) and a relative position bias in attention
+        return MPNetModel(MPNetConfig(**common, pad_token_id=1), add_pooling_layer=False).eval()
     return XLMRobertaModel(XLMRobertaConfig(**common, pad_token_id=1)).eval()
 
 
-@pytest.mark.parametrize("kind", ["bert", "roberta", "xlm-roberta"])
-def test_other_layouts_match_hf(kind: str) -> None:
+_FAIRSEQ = ("roberta", "xlm-roberta", "mpnet")
+
+
+@pytest.mark.parametrize(("kind", "attention", "slack"), [
+    ("bert", "auto", 0.0), ("roberta", "auto", 0.0), ("xlm-roberta", "auto", 0.0),
+    ("distilbert", "loop", 0.0), ("distilbert", "group", 100.0),
+    ("mpnet", "loop", 0.0), ("mpnet", "group", 0.0), ("mpnet", "group", 100.0)])
+def test_other_layouts_match_hf(kind: str, attention: str, slack: float) -> None:
+    """Every layout (models/lean.py LAYOUTS), padding-free under each attention strategy and padded
+    right and left, equals HF's forward; MPNet's relative position bias rides in the SDPA mask."""
     model = _small(kind)
-    pad = int(model.config.pad_token_id or 0)
-    lengths = [5, 1, 40, 78 - (2 if kind != "bert" else 0), 5]  # RoBERTa positions start at pad + 1
+    pad = int(model.config.pad_token_id or 0) if kind != "distilbert" else 0
+    offset = pad + 1 if kind in _FAIRSEQ else 0  # fairseq positions start at pad + 1
+    lengths = [5, 1, 40, 80 - offset, 5, 16]
     batch = _batch(lengths, 300, low=5)
     ids, mask = _pad(batch, pad)
     ref = _hf(model, ids, mask)
-    enc = RaggedEncoder.from_hf(model)
-    assert enc.max_length == 80 - (pad + 1 if kind != "bert" else 0)
+    enc = RaggedEncoder.from_hf(model, attention=attention, group_slack=slack)
+    assert enc.max_length == 80 - offset
+    assert (enc.position_bias is not None) is (kind == "mpnet")
     with torch.inference_mode():
         hidden, _ = enc.hidden_ragged(batch)
         padded = enc.hidden_padded(ids, mask)
     assert (hidden - _packed_ref(ref, lengths)).abs().max().item() < TOL
     assert (padded - ref)[mask.bool()].abs().max().item() < TOL
+    lids, lmask = _pad(batch, pad, left=True)
+    pos = (lmask.cumsum(1) - 1).clamp_min(0) + offset
+    lref = _hf(model, lids, lmask, position_ids=pos)
+    with torch.inference_mode():
+        lgot = enc.hidden_padded(lids, lmask, position_ids=pos)
+    assert (lgot - lref)[lmask.bool()].abs().max().item() < TOL
+
+
+def test_a_position_bias_needs_an_attention_that_adds_it() -> None:
+    model = _small("mpnet")
+    assert RaggedEncoder.from_hf(model).attention == "group"  # auto, on any device
+    with pytest.raises(ValueError, match="relative position bias"):
+        RaggedEncoder.from_hf(model, attention="nested")
 
 
 def test_rejects_bad_inputs_and_config(minilm: BertModel) -> None:

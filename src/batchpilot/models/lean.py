@@ -1,4 +1,5 @@
-"""A lean forward over the weights of a HF BERT-family encoder (BERT, RoBERTa, XLM-R, MiniLM).
+"""A lean forward over the weights of a HF BERT-like encoder (BERT, RoBERTa, XLM-R, MiniLM, DistilBERT,
+MPNet).
 
 Why it exists: a HF ``BertModel`` call pays a per-call cost that has nothing to do with the tokens:
 the 4-D mask construction, three separate Q/K/V projections, the unused pooler (dense + tanh), dropout
@@ -6,6 +7,12 @@ modules, output dataclasses and ~100 ``nn.Module.__call__`` dispatches with thei
 copies the weights once into plain tensors (Q/K/V fused into one ``[3H, H]`` matrix, the token-type-0
 row folded into the position table) and runs the same arithmetic as straight-line ``torch.nn.functional``
 calls under ``inference_mode``. ``docs/padding.md`` has the before/after numbers.
+
+The families differ only in where their weights live and in one attention term, so a family is data
+(``LAYOUTS``): the attribute paths of its layers' weights, whether it has token-type embeddings, and
+MPNet's relative position bias (a ``[heads, L, L]`` table added to the attention scores, computed once
+by HF's own ``compute_position_bias``). Every family here is post-LN with absolute learned positions;
+anything else (rotary, alternating local attention, decoders) has no lean forward.
 
 Outputs equal the HF forward to float rounding (tests/test_ragged.py checks 1e-4); the padded path here
 is what the encoder executor calls for padding modes max/dynamic/bucket, and ``models/ragged.py`` reuses
@@ -47,17 +54,72 @@ class LayerWeights:
     ln2_b: torch.Tensor
 
 
-def _base_model(model: Any) -> Any:
-    """Accept a bare encoder or a task head wrapping one (``BertForSequenceClassification``...)."""
-    if hasattr(model, "embeddings") and hasattr(model, "encoder"):
-        return model
-    base = getattr(model, "base_model", None)
-    if base is not None and hasattr(base, "embeddings") and hasattr(base, "encoder"):
-        return base
-    raise ValueError(
-        f"lean encoder: {type(model).__name__} has no .embeddings/.encoder; pass a HF BertModel, "
-        "RobertaModel or XLMRobertaModel (or a task model whose base_model is one)"
-    )
+@dataclass(frozen=True)
+class Layout:
+    """Where a BERT-like family keeps its weights: ``layers`` from the base model, the rest (dotted
+    attribute paths) from one layer; ``activation`` is the config attribute naming the feed-forward
+    activation."""
+
+    layers: str
+    q: str
+    k: str
+    v: str
+    out: str
+    ln1: str
+    ffn_in: str
+    ffn_out: str
+    ln2: str
+    activation: str = "hidden_act"
+    token_types: bool = True  # embeddings.token_type_embeddings: row 0 folded into the positions
+    relative_bias: bool = False  # MPNet: encoder.compute_position_bias added to every layer's scores
+
+
+_BERT = Layout("encoder.layer", "attention.self.query", "attention.self.key", "attention.self.value",
+               "attention.output.dense", "attention.output.LayerNorm", "intermediate.dense", "output.dense",
+               "output.LayerNorm")
+# model_type -> layout; any other model with .embeddings and .encoder is read as a BERT
+LAYOUTS: dict[str, Layout] = {
+    "distilbert": Layout("transformer.layer", "attention.q_lin", "attention.k_lin", "attention.v_lin",
+                         "attention.out_lin", "sa_layer_norm", "ffn.lin1", "ffn.lin2", "output_layer_norm",
+                         activation="activation", token_types=False),
+    "mpnet": Layout("encoder.layer", "attention.attn.q", "attention.attn.k", "attention.attn.v",
+                    "attention.attn.o", "attention.LayerNorm", "intermediate.dense", "output.dense",
+                    "output.LayerNorm", token_types=False, relative_bias=True),
+}
+
+
+# families people serve as encoders that the lean forward does not run, and why (the executor logs it)
+NO_LEAN_FORWARD: dict[str, str] = {
+    "modernbert": "uses rotary positions and alternating local/global attention",
+    "qwen2": "is a decoder (rotary positions, causal attention)",
+    "qwen3": "is a decoder (rotary positions, causal attention)",
+    "gemma3_text": "is a decoder (rotary positions, sliding-window layers)",
+    "gemma2": "is a decoder (rotary positions, sliding-window layers)",
+    "llama": "is a decoder (rotary positions, causal attention)",
+    "mistral": "is a decoder (rotary positions, causal attention)",
+}
+
+
+def layout_of(model: Any) -> tuple[Any, Layout]:
+    """The base encoder of ``model`` (a bare encoder or a task head wrapping one) and its layout; a
+    ValueError saying why when it is not a family the lean forward runs."""
+    base = getattr(model, "base_model", model)
+    model_type = getattr(getattr(base, "config", None), "model_type", "")
+    if model_type in NO_LEAN_FORWARD:
+        raise ValueError(f"{model_type} {NO_LEAN_FORWARD[model_type]}, which the lean forward does not "
+                         "implement")
+    layout = LAYOUTS.get(model_type, _BERT)
+    if not hasattr(base, "embeddings") or _get(base, layout.layers) is None:
+        raise ValueError(
+            f"lean encoder: {type(model).__name__} ({model_type or 'no model_type'}) is not a BERT-like "
+            f"encoder (BERT, RoBERTa, XLM-R, DistilBERT, MPNet); it has no .embeddings and .{layout.layers}")
+    return base, layout
+
+
+def _get(obj: Any, path: str) -> Any:
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+    return obj
 
 
 def padded_rows(t: int) -> int:
@@ -99,14 +161,14 @@ class LeanEncoder:
     ) -> None:
         if pooling not in POOLINGS:
             raise ValueError(f"lean encoder: pooling must be one of {POOLINGS}, got {pooling!r}")
-        base = _base_model(model)
+        base, layout = layout_of(model)
         cfg = base.config
         pos_type = getattr(cfg, "position_embedding_type", "absolute") or "absolute"
         if pos_type != "absolute":
             raise ValueError(
                 f"lean encoder: position_embedding_type {pos_type!r} is not supported, only 'absolute'"
             )
-        act = getattr(cfg, "hidden_act", "gelu")
+        act = getattr(cfg, layout.activation, "gelu")
         if act not in _ACTIVATIONS:
             raise ValueError(f"lean encoder: hidden_act {act!r} not supported; one of {sorted(_ACTIVATIONS)}")
         if chunk_tokens < 1:
@@ -118,19 +180,27 @@ class LeanEncoder:
         self.hidden = int(cfg.hidden_size)
         self.num_heads = int(cfg.num_attention_heads)
         self.head_dim = self.hidden // self.num_heads
-        self.eps = float(cfg.layer_norm_eps)
-        # RoBERTa/XLM-R count positions from padding_idx + 1 (fairseq); BERT from 0.
-        self.padding_idx: int | None = getattr(base.embeddings, "padding_idx", None)
+        emb = base.embeddings
+        self.eps = float(emb.LayerNorm.eps)
+        # RoBERTa/XLM-R/MPNet count positions from padding_idx + 1 (fairseq); BERT and DistilBERT from 0.
+        self.padding_idx: int | None = getattr(emb, "padding_idx", None)
         self.position_offset = 0 if self.padding_idx is None else self.padding_idx + 1
         self.max_length = int(cfg.max_position_embeddings) - self.position_offset
-        emb = base.embeddings
         with torch.no_grad():
             self.word_emb = emb.word_embeddings.weight.detach().clone()
+            pos = emb.position_embeddings.weight
             # Token type is always 0 for single-segment inputs: fold that row into the position table.
-            type0 = emb.token_type_embeddings.weight[0]
-            self.pos_emb = (emb.position_embeddings.weight + type0).detach().clone()
+            self.pos_emb = (pos + emb.token_type_embeddings.weight[0] if layout.token_types else pos).detach(
+                ).clone()
             self.emb_ln = (emb.LayerNorm.weight.detach().clone(), emb.LayerNorm.bias.detach().clone())
-            self.layers = [self._layer(layer) for layer in base.encoder.layer]
+            self.layers = [self._layer(layer, layout) for layer in _get(base, layout.layers)]
+            # MPNet: the relative position bias [heads, w, w] of every width up to the model's limit
+            # (rounded up as attention rounds it); relative, so any width's is the top-left corner
+            self.position_bias: torch.Tensor | None = None
+            if layout.relative_bias:
+                width = attention_width(self.max_length, CPU_ATTENTION_MULTIPLE)
+                probe = emb.word_embeddings.weight.new_zeros(1, width, 1)
+                self.position_bias = base.encoder.compute_position_bias(probe)[0].detach().clone()
         self.device = self.word_emb.device
         self.dtype = self.word_emb.dtype
 
@@ -143,27 +213,38 @@ class LeanEncoder:
         return self.hidden
 
     @staticmethod
-    def _layer(layer: Any) -> LayerWeights:
-        att = layer.attention
-        q, k, v = att.self.query, att.self.key, att.self.value
+    def _layer(layer: Any, layout: Layout) -> LayerWeights:
+        q, k, v = (_get(layer, p) for p in (layout.q, layout.k, layout.v))
 
-        def c(t: torch.Tensor) -> torch.Tensor:
-            return t.detach().clone().contiguous()
+        def c(path: str, part: str) -> torch.Tensor:
+            return getattr(_get(layer, path), part).detach().clone().contiguous()
 
         return LayerWeights(
             qkv_w=torch.cat([q.weight, k.weight, v.weight]).detach().contiguous(),
             qkv_b=torch.cat([q.bias, k.bias, v.bias]).detach().contiguous(),
-            out_w=c(att.output.dense.weight),
-            out_b=c(att.output.dense.bias),
-            ln1_w=c(att.output.LayerNorm.weight),
-            ln1_b=c(att.output.LayerNorm.bias),
-            ffn_in_w=c(layer.intermediate.dense.weight),
-            ffn_in_b=c(layer.intermediate.dense.bias),
-            ffn_out_w=c(layer.output.dense.weight),
-            ffn_out_b=c(layer.output.dense.bias),
-            ln2_w=c(layer.output.LayerNorm.weight),
-            ln2_b=c(layer.output.LayerNorm.bias),
+            out_w=c(layout.out, "weight"),
+            out_b=c(layout.out, "bias"),
+            ln1_w=c(layout.ln1, "weight"),
+            ln1_b=c(layout.ln1, "bias"),
+            ffn_in_w=c(layout.ffn_in, "weight"),
+            ffn_in_b=c(layout.ffn_in, "bias"),
+            ffn_out_w=c(layout.ffn_out, "weight"),
+            ffn_out_b=c(layout.ffn_out, "bias"),
+            ln2_w=c(layout.ln2, "weight"),
+            ln2_b=c(layout.ln2, "bias"),
         )
+
+    def attention_mask(self, keys: torch.Tensor | None, width: int) -> torch.Tensor | None:
+        """The SDPA mask for sequences attended at ``width``: ``keys`` ``[B, width]`` (True = a real
+        key; None = every key real) as a ``[B, 1, 1, width]`` boolean mask, or with a relative position
+        bias (MPNet) the bias ``[1 | B, heads, width, width]`` with -inf on the masked keys."""
+        if self.position_bias is None:
+            return None if keys is None else keys[:, None, None, :]
+        bias = self.position_bias[:, :width, :width].unsqueeze(0)
+        if keys is None:
+            return bias
+        return torch.where(keys[:, None, None, :], bias, torch.tensor(float("-inf"), dtype=bias.dtype,
+                                                                       device=bias.device))
 
     # -- shared pieces (token-wise: they work on [..., H] whatever the leading shape) ------------
     def embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -228,7 +309,7 @@ class LeanEncoder:
         w = attention_width(n, self.attention_multiple())
         keys = torch.ones(b, n, dtype=torch.bool, device=self.device) if attention_mask is None else (
             attention_mask.to(self.device, torch.bool))
-        mask = None if all_real and w == n else F.pad(keys, (0, w - n))[:, None, None, :]
+        mask = self.attention_mask(None if all_real and w == n else F.pad(keys, (0, w - n)), w)
         nh, hd = self.num_heads, self.head_dim
         for lw in self.layers:
             qkv = F.linear(x, lw.qkv_w, lw.qkv_b)[:t].view(b, n, 3, nh, hd)

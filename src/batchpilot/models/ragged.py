@@ -82,6 +82,11 @@ class RaggedEncoder(LeanEncoder):
     def _resolve(self, attention: str) -> str:
         if attention == "flash" and (self.device.type != "cuda" or _flash_varlen() is None):
             raise ValueError("ragged encoder: attention='flash' needs CUDA and the flash-attn package")
+        if self.position_bias is not None:  # MPNet: the bias goes in as an SDPA mask, per sequence or group
+            if attention in ("nested", "flash"):
+                raise ValueError(f"ragged encoder: attention={attention!r} cannot add a relative position "
+                                 "bias (MPNet); use 'loop' or 'group'")
+            return "group" if attention == "auto" else attention
         if attention != "auto":
             return attention
         if self.device.type == "cuda":
@@ -113,7 +118,8 @@ class RaggedEncoder(LeanEncoder):
     def _sdpa(self, qkv: torch.Tensor, width: int | None = None,
               mask: torch.Tensor | None = None) -> torch.Tensor:
         """``qkv`` ``[n, 3, heads, hd]`` of one sequence -> context ``[n, heads, hd]``; attended at
-        ``width`` >= n (zero rows appended, masked as keys by ``mask`` ``[1, 1, 1, width]``)."""
+        ``width`` >= n (zero rows appended) under ``mask`` (``attention_mask``: the appended keys masked,
+        and any relative position bias)."""
         n = qkv.shape[0]
         if width is not None and width > n:
             qkv = F.pad(qkv, (0, 0, 0, 0, 0, 0, 0, width - n))
@@ -127,7 +133,7 @@ class RaggedEncoder(LeanEncoder):
             ctx = torch.empty(t, self.num_heads, self.head_dim, dtype=qkv.dtype, device=qkv.device)
             s = 0
             for n in lengths:
-                ctx[s : s + n] = self._sdpa(qkv[s : s + n])
+                ctx[s : s + n] = self._sdpa(qkv[s : s + n], None, self.attention_mask(None, n))
                 s += n
             return ctx.view(t, self.hidden)
         if self.attention == "group":
@@ -157,10 +163,11 @@ class RaggedEncoder(LeanEncoder):
         ``attention_multiple()``, models/lean.py), cut into groups whose padded attention work
         ``g * max(width)^2`` stays within ``1 + group_slack`` of their ``sum(width^2)``; each group is
         one dense SDPA call (``group_slack=0``: equal widths only). Per group ``(idx, mask, where)``:
-        the key mask ``[g, 1, 1, width]`` (None when every slot is a real token); for a lone sequence
-        ``idx`` None and ``where`` its (start, length, width) in the packed rows; else the gather index
-        ``idx`` ``[g, width]`` and ``where`` the real tokens' flat positions and their slots in the
-        group's output, to scatter the context back (None when every slot is real)."""
+        the SDPA mask (``attention_mask``: the key mask ``[g, 1, 1, width]``, None when every slot is a
+        real token, or the relative position bias with it); for a lone sequence ``idx`` None and
+        ``where`` its (start, length, width) in the packed rows; else the gather index ``idx``
+        ``[g, width]`` and ``where`` the real tokens' flat positions and their slots in the group's
+        output, to scatter the context back (None when every slot is real)."""
         starts = [0]
         for n in lengths[:-1]:
             starts.append(starts[-1] + n)
@@ -183,15 +190,16 @@ class RaggedEncoder(LeanEncoder):
             width = attention_width(int(lens.max()), m)
             pos = torch.arange(width)
             real = pos[None, :] < lens[:, None]  # [g, width]
-            mask = None if bool(real.all()) else real[:, None, None, :].to(self.device)
+            all_real = bool(real.all())
+            mask = self.attention_mask(None if all_real else real.to(self.device), width)
             if len(grp) == 1:  # a lone sequence: its rows of the packed QKV, zero-padded to the width
                 plan.append((None, mask, (starts[grp[0]], lengths[grp[0]], width)))
                 continue
             # padded slots read the sequence's last token: harmless, masked as keys, dropped as queries
             first = torch.tensor([starts[i] for i in grp])[:, None]
             idx = first + torch.minimum(pos[None, :], lens[:, None] - 1)
-            if mask is None:
-                plan.append((idx.to(self.device), None, None))
+            if all_real:
+                plan.append((idx.to(self.device), mask, None))
                 continue
             # where the real tokens' context goes (flat token index) and where it comes from (flat
             # slot of the group's output), computed once for every layer
@@ -211,7 +219,7 @@ class RaggedEncoder(LeanEncoder):
             g = qkv[idx].permute(2, 0, 3, 1, 4)  # [3, g, heads, width, hd]
             out = F.scaled_dot_product_attention(g[0], g[1], g[2], attn_mask=mask).transpose(1, 2)
             out = out.reshape(-1, self.num_heads, self.head_dim)
-            if mask is None:
+            if where is None:
                 ctx[idx.reshape(-1)] = out
             else:
                 dst, src = where
