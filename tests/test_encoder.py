@@ -25,6 +25,7 @@ from batchpilot.core.costmodel import BatchShape
 from batchpilot.core.request import Request
 from batchpilot.models.encoder import EncoderConfig, EncoderExecutor, default_model_path, make_batch
 from batchpilot.models.pooling import POOLING_MODES, PoolingConfig, pool
+from batchpilot.models.st_modules import STModules
 
 COS_MIN = 0.99999
 _WORDS = " ".join(topics[k] for k in sorted(topics)).split()
@@ -147,7 +148,8 @@ def test_pad_to_multiple_of_in_the_executor(ex: EncoderExecutor) -> None:
 
 def test_model_facts_and_limits(ex: EncoderExecutor) -> None:
     assert (ex.dim, ex.max_length, ex.model_name) == (384, 512, "all-MiniLM-L6-v2")
-    assert ex.pooling == PoolingConfig(modes=("mean",), normalize=True, st_max_seq_length=256)
+    assert ex.pooling == PoolingConfig(modes=("mean",), normalize=True)
+    assert ex.st.max_seq_length == 256  # the embedded default serves past its folder's cap, to 512
     assert torch.get_num_threads() == ex.num_threads >= 1
     with pytest.raises(ValueError, match="position limit of 512"):
         EncoderExecutor(EncoderConfig(device="cpu", max_length=600))
@@ -239,13 +241,13 @@ def test_model_folder_config_is_read_or_refused(tmp_path: Path) -> None:
     (tmp_path / "modules.json").write_text(json.dumps([
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"},
+        {"idx": 2, "name": "2", "path": "2_LayerNorm", "type": "sentence_transformers.models.LayerNorm"},
     ]))
-    with pytest.raises(ValueError, match="Dense.* is not supported"):
-        PoolingConfig.from_model_dir(tmp_path)
+    with pytest.raises(ValueError, match="LayerNorm.* is not supported"):
+        STModules.from_model_dir(tmp_path)
     (tmp_path / "modules.json").unlink()
-    assert PoolingConfig.from_model_dir(tmp_path) == PoolingConfig()  # plain HF folder: ST's default, mean
+    assert STModules.from_model_dir(tmp_path).pooling == PoolingConfig()  # plain HF folder: ST's default
     (tmp_path / "1_Pooling").mkdir()
     (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(
         {"pooling_mode_cls_token": True, "pooling_mode_max_tokens": True, "pooling_mode_mean_tokens": False}))
-    assert PoolingConfig.from_model_dir(tmp_path).modes == ("cls", "max")  # legacy flags, ST's order
+    assert STModules.from_model_dir(tmp_path).pooling.modes == ("cls", "max")  # legacy flags, ST's order

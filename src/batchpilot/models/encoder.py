@@ -19,6 +19,7 @@ this machine (``plan_for``; the first section below).
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import statistics
 import time
@@ -41,8 +42,11 @@ from transformers import AutoModel, AutoTokenizer
 
 from batchpilot.core.batch import Batch
 from batchpilot.models.device import HostToDevice, Staged, configure_threads, resolve_device
-from batchpilot.models.pooling import PoolingConfig, pool
+from batchpilot.models.pooling import pool
+from batchpilot.models.st_modules import STModules
 from batchpilot.models.tokens import TextTokenizer
+
+log = logging.getLogger("batchpilot.models")
 
 # -- The thread plan ----------------------------------------------------------------------------------
 # How many intra-op threads a batch runs on, chosen by its size from a measurement on this machine.
@@ -204,8 +208,8 @@ def plan_for(executor: Any, num_threads: int | None, plan: ThreadPlan | None = N
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 PRECISIONS = (*DTYPES, "int8")  # int8: fp32 weights with dynamic int8 linear layers (CPU)
-# Models whose positions start at padding_idx + 1 (fairseq lineage); BERT-likes start at 0.
-_FAIRSEQ_POSITIONS = ("roberta", "xlm-roberta", "camembert", "longformer", "data2vec-text", "xmod")
+# Models whose positions start at padding_idx + 1 (fairseq lineage, and MPNet); BERT-likes start at 0.
+_FAIRSEQ_POSITIONS = ("roberta", "xlm-roberta", "camembert", "longformer", "data2vec-text", "xmod", "mpnet")
 
 
 def default_model_path() -> str:
@@ -217,7 +221,9 @@ def default_model_path() -> str:
 
 @dataclass(frozen=True)
 class EncoderConfig:
-    """What to load and how to run it. ``max_length`` None = the model's position limit (512 for MiniLM)."""
+    """What to load and how to run it. ``max_length`` None = the model's position limit, or the
+    ``max_seq_length`` of its sentence-transformers config where that is lower (sentence-transformers
+    truncates there); the embedded default serves its position limit (512; see ``EncoderExecutor``)."""
 
     model_path: str | None = None
     model_name: str | None = None
@@ -273,7 +279,8 @@ class EncoderExecutor:
         self.num_threads = configure_threads(cfg.num_threads)
         self.threads: ThreadPlan | None = None  # per-batch counts (models/encoder.py); None: the pool as set
         self.device = resolve_device(cfg.device)
-        self.pooling = PoolingConfig.from_model_dir(path)
+        self.st = STModules.from_model_dir(path).to(self.device)  # pooling, Dense/Normalize, prompts
+        self.pooling = self.st.pooling
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.model = AutoModel.from_pretrained(path, dtype=DTYPES.get(cfg.dtype, torch.float32)).to(
             self.device).eval()
@@ -282,33 +289,76 @@ class EncoderExecutor:
         mcfg = self.model.config
         fairseq = mcfg.model_type in _FAIRSEQ_POSITIONS
         self._position_offset = (mcfg.pad_token_id + 1) if fairseq else 0
-        limit = int(mcfg.max_position_embeddings) - self._position_offset
-        self.max_length = cfg.max_length or limit
-        if self.max_length > limit:
-            raise ValueError(f"encoder.max_length = {self.max_length} exceeds {self.model_name}'s position "
-                             f"limit of {limit} tokens; set max_length <= {limit}")
+        self.max_length = self._max_length(int(mcfg.max_position_embeddings) - self._position_offset, path)
         self.tokenizer.model_max_length = self.max_length
         self.vocab_size = int(mcfg.vocab_size)
         self.tokens = TextTokenizer(self.tokenizer, self.max_length, self.model_name, self.vocab_size,
-                                    lower_case=self.pooling.do_lower_case)
+                                    lower_case=self.st.do_lower_case)
         self.pad_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0)
-        self.dim = int(mcfg.hidden_size) * len(self.pooling.modes)
-        self._has_token_types = "token_type_ids" in self.tokenizer.model_input_names
+        self.dim = self.st.dim(int(mcfg.hidden_size))
+        # what the HF forward takes beyond ids and mask (DistilBERT and the decoders have no token types)
+        takes = inspect.signature(self.model.forward).parameters
+        self._has_token_types = "token_type_ids" in takes and (
+            "token_type_ids" in self.tokenizer.model_input_names)
+        self._hf_extra = {"use_cache": False} if "use_cache" in takes else {}  # decoders: no KV cache
         self._h2d = HostToDevice(self.device)
         self._ragged: Any = None
         self._lean_takes_positions = False
+        # why padding "none" cannot run here (None: it can); set by _load_lean or below
+        self.padding_free_reason: str | None = None
+        if cfg.dtype == "int8":
+            self.padding_free_reason = ("int8 (quantised HF linear layers) has no padding-free forward; use "
+                                        "padding 'dynamic' or 'bucket'")
         self.lean: Any = None
         self.lean = self._load_lean() if cfg.lean_forward and cfg.dtype != "int8" else None
         self.forward_impl = "lean" if self.lean is not None else "hf"
 
-    # -- tokenisation (request handler side: models/tokens.py, thread-safe) ----------------------
-    def tokenize(self, texts: list[str], truncate: bool = False) -> list[list[int]]:
-        """Token ids with special tokens. Too long and not ``truncate`` -> InvalidInput (HTTP 400)."""
-        return self.tokens.tokenize(texts, truncate)
+    def _max_length(self, limit: int, path: str) -> int:
+        """The configured ``max_length``, else the position limit capped at the sentence-transformers
+        ``max_seq_length`` (what sentence-transformers truncates to). The embedded default is served to
+        its position limit (512) past its folder's 256: the project's standard workload (conv-embed)
+        needs 512 tokens."""
+        cfg = self.config
+        cap = self.st.max_seq_length
+        embedded = Path(path).resolve() == Path(default_model_path()).resolve()
+        max_length = cfg.max_length or (min(limit, cap) if cap and not embedded else limit)
+        if max_length > limit:
+            raise ValueError(f"encoder.max_length = {max_length} exceeds {self.model_name}'s position "
+                             f"limit of {limit} tokens; set max_length <= {limit}")
+        return max_length
 
-    def tokenize_ids(self, inputs: list[list[int]], truncate: bool = False) -> list[list[int]]:
-        """Client-supplied token ids, validated and wrapped in the special tokens (``TextTokenizer``)."""
-        return self.tokens.tokenize_ids(inputs, truncate)
+    # -- tokenisation (request handler side: models/tokens.py, thread-safe) ----------------------
+    # Prompts (models/st_modules.py): ``prompt_name`` None is the checkpoint's default prompt (or none);
+    # an unknown name is an InvalidInput listing the known ones. The prompt is text put before each input,
+    # as sentence-transformers does, so it counts towards the length limit and the usage.
+    @property
+    def prompts(self) -> dict[str, str]:
+        """The checkpoint's prompts (config_sentence_transformers.json), by name."""
+        return self.st.prompts
+
+    @property
+    def default_prompt_name(self) -> str | None:
+        return self.st.default_prompt_name
+
+    @property
+    def normalizes(self) -> bool:
+        """Whether the vectors served are L2-normalised (the folder ends in a Normalize module)."""
+        return self.st.normalize
+
+    def tokenize(self, texts: list[str], truncate: bool = False,
+                 prompt_name: str | None = None) -> list[list[int]]:
+        """Token ids with special tokens, the prompt before each text. Too long (prompt included) and not
+        ``truncate`` -> InvalidInput (HTTP 400); truncation keeps the prompt and cuts the text."""
+        prompt = self.st.prompt(prompt_name)
+        return self.tokens.tokenize([prompt + t for t in texts] if prompt else texts, truncate)
+
+    def tokenize_ids(self, inputs: list[list[int]], truncate: bool = False,
+                     prompt_name: str | None = None) -> list[list[int]]:
+        """Client-supplied token ids, validated and wrapped in the special tokens (``TextTokenizer``), the
+        prompt's own token ids (tokenised alone) after the leading special tokens."""
+        prompt = self.st.prompt(prompt_name)
+        prefix = self.tokens.token_ids(prompt, add_special_tokens=False) if prompt else []
+        return self.tokens.tokenize_ids(inputs, truncate, prefix=prefix)
 
     def token_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokens.token_ids(text, add_special_tokens)
@@ -367,6 +417,8 @@ class EncoderExecutor:
                 assert prepared.staged is not None
                 t = prepared.staged.wait()
                 vec = pool(self._hidden(t), t["attention_mask"], self.pooling)
+            if self.st.after:  # Dense / Normalize modules after pooling, in float32
+                vec = self.st.head(vec.float())
             arr = vec.float().cpu().numpy()
         if arr.shape[0] != prepared.n:
             raise RuntimeError(f"encoder returned {arr.shape[0]} vectors for a batch of {prepared.n}")
@@ -378,18 +430,20 @@ class EncoderExecutor:
                 return self.lean.hidden_padded(t["input_ids"], t["attention_mask"], t.get("position_ids"))
             if "position_ids" not in t:
                 return self.lean.hidden_padded(t["input_ids"], t["attention_mask"])
-        kwargs = dict(t)
+        kwargs: dict[str, Any] = {**t, **self._hf_extra}
         if self._has_token_types:
             kwargs["token_type_ids"] = torch.zeros_like(t["input_ids"])
         return self.model(**kwargs).last_hidden_state
 
     # -- which forward: the lean one when it matches HF on a probe batch, and the padding-free one ------
     # The lean forward (``models/ragged.py``'s ``RaggedEncoder``, else ``models/lean.py``'s ``LeanEncoder``)
-    # copies the HF weights into plain tensors and skips HF's per-call overhead. It is kept only when it
-    # matches HF's own forward on a seeded mixed-length probe batch, collated as ``prepare`` would collate
-    # it; otherwise the executor warns and runs HF. The padding-free path (padding "none") needs the
-    # ragged encoder: the lean one when it is ragged (one weight copy serves both forwards), else one
-    # built for it.
+    # copies the HF weights into plain tensors and skips HF's per-call overhead. It runs the BERT-like
+    # families (``models/lean.py``'s ``LAYOUTS``) and is kept only when it matches HF's own forward on a
+    # seeded mixed-length probe batch, collated as ``prepare`` would collate it. Otherwise the executor
+    # runs HF's padded forward, says so in one log line with the reason, and has no padding-free path
+    # (``padding_free_reason``; a deployment asking for padding "none" is served "dynamic", and the
+    # deployment's log says so). The padding-free path needs the ragged encoder: the lean one when it is
+    # ragged (one weight copy serves both forwards), else one built for it.
     def _load_lean(self) -> Any:
         """The lean forward (models/ragged.py's RaggedEncoder, which is also the padding-free one, else
         models/lean.py's LeanEncoder), kept only if it matches HF on a mixed-length probe batch."""
@@ -402,25 +456,29 @@ class EncoderExecutor:
         except ImportError:
             pass
         except (ValueError, AttributeError) as exc:
-            warnings.warn(f"lean forward unavailable for {self.model_name} ({exc}); using HF", stacklevel=2)
-            return None
+            return self._padded_hf_only(str(exc).removeprefix("lean encoder: "))
         if lean is None:
             try:
                 from batchpilot.models.lean import LeanEncoder
 
                 lean = LeanEncoder.from_hf(self.model, **kwargs)
             except (ImportError, ValueError, AttributeError) as exc:
-                warnings.warn(f"lean forward unavailable for {self.model_name} ({exc}); using HF",
-                              stacklevel=2)
-                return None
+                return self._padded_hf_only(str(exc).removeprefix("lean encoder: "))
         self._lean_takes_positions = "position_ids" in inspect.signature(lean.hidden_padded).parameters
         diff = self._probe(lean)
         tol = 1e-4 if self.config.dtype == "float32" else 5e-2
         if diff > tol:
-            warnings.warn(f"lean forward differs from HF by {diff:.2e} on {self.model_name}; using HF",
-                          stacklevel=2)
-            return None
+            return self._padded_hf_only(f"the lean forward differs from HF by {diff:.2e} on a probe batch",
+                                        logging.WARNING)
         return lean
+
+    def _padded_hf_only(self, reason: str, level: int = logging.INFO) -> None:
+        """Record and log (once, at load) that this model runs HF's padded forward only, and why."""
+        self.padding_free_reason = (f"{self.model_name} has no padding-free forward: {reason}; use padding "
+                                    "'dynamic' or 'bucket'")
+        log.log(level, "encoder %s (%s): HF's padded forward, no padding-free path: %s", self.model_name,
+                getattr(self.model.config, "model_type", "?"), reason)
+        return None
 
     def _probe(self, lean: Any) -> float:
         """Max |difference| of the real tokens' last hidden states, lean vs HF, on a seeded mixed batch
@@ -445,7 +503,10 @@ class EncoderExecutor:
         return modes[0] if len(modes) == 1 and modes[0] in ("mean", "cls") else None
 
     def supports_padding_free(self) -> bool:
-        """Whether padding 'none' can run on this model (BERT-family layouts and mean/CLS pooling do)."""
+        """Whether padding 'none' can run on this model (BERT-like layouts whose lean forward matched HF);
+        ``padding_free_reason`` says why not."""
+        if self.padding_free_reason is not None:
+            return False
         try:
             self._ragged_encoder()
         except (RuntimeError, ValueError, NotImplementedError, AttributeError, KeyError):
@@ -453,9 +514,8 @@ class EncoderExecutor:
         return True
 
     def _ragged_encoder(self) -> Any:
-        if self.config.dtype == "int8":
-            raise RuntimeError("padding 'none' needs the padding-free torch forward, which int8 (quantised "
-                               "HF linear layers) does not have; use padding 'dynamic' or 'bucket'")
+        if self.padding_free_reason is not None:
+            raise RuntimeError(f"padding 'none': {self.padding_free_reason}")
         if self._ragged is None:
             if self.lean is not None and hasattr(self.lean, "hidden_ragged"):
                 self._ragged = self.lean  # one weight copy serves the padded and the padding-free forward
@@ -485,9 +545,14 @@ class EncoderExecutor:
         return pool(padded, mask, self.pooling)
 
     # -- conveniences ---------------------------------------------------------------------------
-    def encode(self, inputs: list[str] | list[list[int]], padding: str = "dynamic") -> np.ndarray:
-        """Embed texts (or token-id lists from ``tokenize``) in one batch: ``[n, dim]`` float32."""
-        ids = self.tokenize(inputs) if inputs and isinstance(inputs[0], str) else [list(x) for x in inputs]
+    def encode(self, inputs: list[str] | list[list[int]], padding: str = "dynamic",
+               prompt_name: str | None = None) -> np.ndarray:
+        """Embed texts (with the prompt ``prompt_name``, None: the default) or token-id lists from
+        ``tokenize`` in one batch: ``[n, dim]`` float32."""
+        if inputs and isinstance(inputs[0], str):
+            ids = self.tokenize(inputs, prompt_name=prompt_name)
+        else:
+            ids = [list(x) for x in inputs]  # type: ignore[arg-type]
         batch = make_batch(ids, padding, self.max_length)
         return np.stack(self.run(self.prepare(batch)))
 

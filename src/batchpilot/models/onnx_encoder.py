@@ -73,7 +73,7 @@ class OnnxEncoderExecutor(EncoderExecutor):
         feeds = {name: (t[name] if name in t else torch.zeros_like(t["input_ids"])).numpy()
                  for name in self._inputs}
         hidden = self.session.run(["last_hidden_state"], feeds)[0]
-        vec = pool(torch.from_numpy(hidden), t["attention_mask"], self.pooling)
+        vec = self.st.head(pool(torch.from_numpy(hidden), t["attention_mask"], self.pooling))
         arr = vec.numpy()
         if arr.shape[0] != prepared.n:
             raise RuntimeError(f"onnx session returned {arr.shape[0]} vectors for a batch of {prepared.n}")

@@ -1,14 +1,11 @@
-"""Sentence-transformers pooling and normalisation, read from a model folder and applied to hidden states.
+"""Sentence-transformers pooling: how token states become one vector, applied to hidden states.
 
-A sentence-transformers folder says how token states become one vector:
-
-* ``modules.json`` lists the pipeline (Transformer -> Pooling -> optional Normalize);
-* ``<pooling dir>/config.json`` names the pooling mode(s), either the legacy booleans
-  (``pooling_mode_mean_tokens: true``...) or the newer ``pooling_mode: "mean" | [...]``;
-* ``sentence_bert_config.json`` holds ``max_seq_length`` and ``do_lower_case`` for the Transformer.
-
-A plain HF folder without these files gets what sentence-transformers would give it: mean pooling,
-no normalisation. Several modes concatenate in sentence-transformers' fixed order.
+``PoolingConfig`` names the mode(s) of a Pooling module's ``config.json`` (``modes_from``: the legacy
+booleans ``pooling_mode_mean_tokens: true``... or the newer ``pooling_mode: "mean" | [...]``) and whether
+the pooled vector is L2-normalised right away (a Normalize module directly after Pooling). Reading the
+folder (``modules.json``, the modules after pooling, lengths, prompts) is ``models/st_modules.py``'s.
+A plain HF folder gets what sentence-transformers would give it: mean pooling, no normalisation.
+Several modes concatenate in sentence-transformers' fixed order.
 
 ``pool`` works on padded ``[n, T, H]`` states with either padding side: CLS is the *first real*
 token and "last token" the last real one, so left-aligned batches pool the same as right-aligned.
@@ -16,9 +13,7 @@ token and "last token" the last real one, so left-aligned batches pool the same 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,12 +36,11 @@ _LONG_NAMES: dict[str, str] = {"cls_token": "cls", "max_tokens": "max", "mean_to
 
 @dataclass(frozen=True)
 class PoolingConfig:
-    """How token states become a sentence vector. ``modes`` are applied in order and concatenated."""
+    """How token states become a sentence vector. ``modes`` are applied in order and concatenated;
+    ``normalize``: L2-normalise the result (a Normalize module directly after Pooling)."""
 
     modes: tuple[str, ...] = ("mean",)
     normalize: bool = False
-    st_max_seq_length: int | None = None  # what sentence-transformers would truncate to (informational)
-    do_lower_case: bool = False
 
     def __post_init__(self) -> None:
         if not self.modes:
@@ -55,46 +49,9 @@ class PoolingConfig:
             if mode not in POOLING_MODES:
                 raise ValueError(f"pooling: unknown mode {mode!r}; choose from {', '.join(POOLING_MODES)}")
 
-    @classmethod
-    def from_model_dir(cls, path: str | Path) -> PoolingConfig:
-        """Read pooling, normalisation and tokenizer casing from a (sentence-transformers) model folder."""
-        root = Path(path)
-        modules = _read_json(root / "modules.json")
-        pooling_dir: Path | None = None
-        normalize = False
-        if isinstance(modules, list):
-            for module in modules:
-                kind = str(module.get("type", ""))
-                if kind.endswith(".Pooling"):
-                    pooling_dir = root / str(module.get("path", ""))
-                elif kind.endswith(".Normalize"):
-                    normalize = True
-                elif not kind.endswith(".Transformer"):
-                    # a Dense or other head we do not run would silently change the vectors: refuse
-                    raise ValueError(f"{root}: sentence-transformers module {kind!r} is not supported "
-                                     "(only Transformer, Pooling, Normalize); serve a model without it")
-        elif (root / "1_Pooling" / "config.json").exists():
-            pooling_dir = root / "1_Pooling"
-        modes: tuple[str, ...] = ("mean",)
-        if pooling_dir is not None:
-            modes = _modes_from(_read_json(pooling_dir / "config.json") or {})
-        st_cfg = _read_json(root / "sentence_bert_config.json") or {}
-        max_seq = st_cfg.get("max_seq_length")
-        return cls(
-            modes=modes,
-            normalize=normalize,
-            st_max_seq_length=int(max_seq) if max_seq else None,
-            do_lower_case=bool(st_cfg.get("do_lower_case", False)),
-        )
 
-
-def _read_json(path: Path) -> Any:
-    if not path.is_file():
-        return None
-    return json.loads(path.read_text())
-
-
-def _modes_from(cfg: dict[str, Any]) -> tuple[str, ...]:
+def modes_from(cfg: dict[str, Any]) -> tuple[str, ...]:
+    """The pooling modes a Pooling module's ``config.json`` names (mean when it names none)."""
     if "pooling_mode" in cfg:
         value = cfg["pooling_mode"]
         modes = (value,) if isinstance(value, str) else tuple(value)

@@ -54,10 +54,13 @@ class TextTokenizer:
             ids = [r if len(r) <= self.max_length else r[: self.max_length - len(tail)] + tail for r in ids]
         return self.check_lengths(ids)
 
-    def tokenize_ids(self, inputs: list[list[int]], truncate: bool = False) -> list[list[int]]:
+    def tokenize_ids(self, inputs: list[list[int]], truncate: bool = False,
+                     prefix: list[int] | None = None) -> list[list[int]]:
         """Client-supplied token ids (OpenAI ``input`` as integer lists): validated, wrapped in the
-        special tokens unless they already are, truncated (keeping the closing token) if asked."""
+        special tokens unless they already are, ``prefix`` (a prompt's ids) after the leading ones,
+        truncated (keeping the prefix and the closing token) if asked."""
         head, tail = self.specials
+        prefix = list(prefix or [])
         out: list[list[int]] = []
         for i, ids in enumerate(inputs):
             ids = self.check_vocab(ids, f"input {i}")
@@ -65,8 +68,8 @@ class TextTokenizer:
                 not tail or ids[-len(tail):] == tail)
             body = ids[len(head) : len(ids) - len(tail)] if wrapped else ids
             if truncate:
-                body = body[: self.max_length - len(head) - len(tail)]
-            out.append(head + body + tail)
+                body = body[: max(self.max_length - len(head) - len(prefix) - len(tail), 0)]
+            out.append(head + prefix + body + tail)
         return self.check_lengths(out)
 
     def token_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
