@@ -1,9 +1,12 @@
 """The embeddings route for one embedding model: validate, tokenise, admit through the core, answer.
 
     POST /v1/embeddings ─▶ parse + validate (pydantic-core, from the bytes) ─▶ size limits ─▶
-    tokenize (on the loop when short, else ``tokenizer_workers`` threads) ─▶ Batcher.submit_group
-    (the core admits all inputs or none) ─▶ wait (``service.ModelService``) ─▶ ``dimensions`` and
+    the prompt (``prompt_name``, else the checkpoint's default; unknown: 400) ─▶ tokenize, prompt first
+    (on the loop when short, else ``tokenizer_workers`` threads) ─▶ Batcher.submit_group (the core
+    admits all inputs or none) ─▶ wait (``service.ModelService``) ─▶ ``dimensions`` and
     ``embedding_type`` (``server/vectors.py``) ─▶ JSON (orjson)
+
+The prompt's tokens count like the input's: towards the model's length limit and in ``usage``.
 
 ``Server-Timing`` on every answer says where its time went.
 """
@@ -53,17 +56,30 @@ class EmbeddingService(ModelService):
                  cost_model: CostModel, name: str | None = None) -> None:
         super().__init__(settings, executor, config, cost_model, name)
         self.dim = int(executor.dim) or None
-        pooling = getattr(executor, "pooling", None)
-        self.normalizes = bool(getattr(pooling, "normalize", True))  # re-normalise truncated vectors
+        self.normalizes = bool(getattr(executor, "normalizes", True))  # re-normalise truncated vectors
+        # the checkpoint's prompts (models/st_modules.py); a model without them takes no prompt_name
+        self.prompts: dict[str, str] = dict(getattr(executor, "prompts", None) or {})
 
-    def tokenize(self, texts: list[str] | None, ids: list[list[int]] | None,
-                 truncate: bool) -> list[list[int]]:
+    def check_prompt(self, name: str | None) -> dict[str, str]:
+        """The tokenizer's prompt argument for ``prompt_name`` (none when the body names none: the
+        executor applies the checkpoint's default); an unknown name is a 400 listing the known ones."""
+        if name is None:
+            return {}
+        if name not in self.prompts:
+            known = ", ".join(repr(k) for k in self.prompts) or "none (its checkpoint defines no prompts)"
+            raise APIError(400, f"unknown prompt_name {name!r}; {self.model_name}'s prompts are: {known}",
+                           code="invalid_prompt_name", param="prompt_name")
+        return {"prompt_name": name}
+
+    def tokenize(self, texts: list[str] | None, ids: list[list[int]] | None, truncate: bool,
+                 prompt: dict[str, str] | None = None) -> list[list[int]]:
         ex: Any = self.executor
+        prompt = prompt or {}
         if texts is not None:
-            return [list(x) for x in ex.tokenize(texts, truncate=truncate)]
+            return [list(x) for x in ex.tokenize(texts, truncate=truncate, **prompt)]
         assert ids is not None
         if hasattr(ex, "tokenize_ids"):
-            return [list(x) for x in ex.tokenize_ids(ids, truncate=truncate)]
+            return [list(x) for x in ex.tokenize_ids(ids, truncate=truncate, **prompt)]
         return [x[: self.max_length] if truncate else x for x in ids]
 
     async def answer(self, body: EmbeddingRequest, request: Request) -> Response:
@@ -73,9 +89,11 @@ class EmbeddingService(ModelService):
                                 f"between 1 and {self.dim}", code="unsupported_dimensions",
                            param="dimensions")
         texts, ids = split_input(body.input, self.settings)
+        prompt = self.check_prompt(body.prompt_name)
         priority, deadline = self.deadline(request, body.priority, body.deadline_ms, received)
         tenant = self.tenant(request, body.user, len(texts if texts is not None else ids or ()))
-        tokens = await self.tokenize_off_loop(functools.partial(self.tokenize, texts, ids, body.truncate),
+        tokens = await self.tokenize_off_loop(functools.partial(self.tokenize, texts, ids, body.truncate,
+                                                                prompt),
                                               cheap=_cheap_to_tokenize(texts, ids), request=request)
         tokenized = self.batcher.clock()
         times = StageTimes()

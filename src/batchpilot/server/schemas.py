@@ -2,9 +2,9 @@
 classification and tokenizing (their section below).
 
 ``input`` is strict: a string, a list of strings, a list of token ids, or a list of token-id lists —
-``[1, "a"]``, ``true`` or ``[[1], "a"]`` are 422s, never coerced. ``priority``, ``deadline_ms`` and
-``truncate`` are batchpilot extensions (the OpenAI client passes them through ``extra_body``); the
-headers ``X-Priority`` / ``X-Deadline-Ms`` set the first two without touching the body.
+``[1, "a"]``, ``true`` or ``[[1], "a"]`` are 422s, never coerced. ``priority``, ``deadline_ms``,
+``truncate`` and ``prompt_name`` are extensions (the OpenAI client passes them through ``extra_body``);
+the headers ``X-Priority`` / ``X-Deadline-Ms`` set the first two without touching the body.
 
 Validation stops at a list's first bad item (``fail_fast``): a body of a million bad items gives one
 error per shape of ``input``, not a million. The limits on sizes (inputs per request, characters per
@@ -44,6 +44,9 @@ class EmbeddingRequest(BaseModel):
     deadline_ms: float | None = Field(default=None, gt=0, allow_inf_nan=False,
                                       description="latency budget from receipt; infeasible -> 429")
     truncate: bool = Field(default=False, description="cut inputs longer than the model's limit")
+    prompt_name: str | None = Field(default=None, description=(
+        "a prompt of the model's sentence-transformers config, put before every input (TEI's and "
+        "sentence-transformers' name); default: the checkpoint's default prompt, if it names one"))
 
 
 class Embedding(BaseModel):
