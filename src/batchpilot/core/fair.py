@@ -43,6 +43,50 @@ def _unit_weight(_: str) -> float:
     return 1.0
 
 
+class VirtualCounters:
+    """The tenants' virtual token counters and the lift (module docstring), for any queue that says
+    when a tenant becomes backlogged (``activate``) and stops being so (``deactivate``): the encoder's
+    ``FairQueue`` and the LLM scheduler's waiting queue (``core/llm/scheduler.py``)."""
+
+    def __init__(self) -> None:
+        self.counters: dict[str, float] = {}
+        self.backlogged: set[str] = set()  # tenants with waiting work
+        self._floor = 0.0  # the lift when no tenant is backlogged: the counter the last one left with
+
+    def lift(self) -> float:
+        """What a tenant becoming backlogged now is lifted to."""
+        counters = self.counters
+        return min((counters[t] for t in self.backlogged), default=self._floor)
+
+    def counter(self, tenant: str) -> float:
+        """The tenant's counter, or for one not backlogged what it would be lifted to."""
+        if tenant in self.backlogged:
+            return self.counters[tenant]
+        return max(self.counters.get(tenant, 0.0), self.lift())
+
+    def activate(self, tenant: str) -> None:
+        """``tenant`` has waiting work (again): lifted to the least backlogged counter."""
+        if tenant in self.backlogged:
+            return
+        low = self.lift()
+        self.counters[tenant] = max(self.counters.get(tenant, low), low)
+        self.backlogged.add(tenant)
+
+    def deactivate(self, tenant: str) -> None:
+        """``tenant`` has no waiting work left."""
+        self.backlogged.discard(tenant)
+        if not self.backlogged:
+            self._floor = max(self._floor, self.counters.get(tenant, 0.0))
+        if len(self.counters) > 2 * len(self.backlogged) + 256:  # a counter at or below the lift: no
+            low = self.lift()                                  # different from one never seen
+            self.counters = {t: c for t, c in self.counters.items() if t in self.backlogged or c > low}
+
+    def charge(self, tenant: str, amount: float) -> None:
+        """``tenant`` was served ``amount`` (weighted) more."""
+        counters = self.counters
+        counters[tenant] = counters.get(tenant, self.lift()) + amount
+
+
 class FairQueue(RequestQueue):
     """Waiting requests in fair order (module docstring). ``tenant_order`` orders one tenant's requests;
     ``weight_of(tenant)`` is its weight, read when it is charged (a reloaded table applies at once)."""
@@ -54,12 +98,15 @@ class FairQueue(RequestQueue):
             raise ValueError(f"tenant_order {tenant_order!r}; choose one of fcfs, priority, edf")
         self.tenant_order: RequestOrder = tenant_order
         self.weight_of = weight_of
-        self.counters: dict[str, float] = {}
+        self.vtc = VirtualCounters()
         self._queues: dict[str, RequestQueue] = {}  # tenants with waiting work -> their requests
-        self._floor = 0.0  # the lift when no tenant is backlogged: the counter the last one left with
         self._work_s = work_s
 
     # -- counters ----------------------------------------------------------------------------
+    @property
+    def counters(self) -> dict[str, float]:
+        return self.vtc.counters
+
     @property
     def backlogged(self) -> list[str]:
         """Tenants with waiting work."""
@@ -67,12 +114,11 @@ class FairQueue(RequestQueue):
 
     def lift(self) -> float:
         """What a tenant becoming backlogged now is lifted to."""
-        return min((self.counters[t] for t in self._queues), default=self._floor)
+        return self.vtc.lift()
 
     def counter(self, tenant: str) -> float:
         """The tenant's counter (weighted tokens dispatched), or what it would be lifted to."""
-        return max(self.counters.get(tenant, 0.0), self.lift()) if tenant not in self._queues \
-            else self.counters[tenant]
+        return self.vtc.counter(tenant)
 
     def num_waiting_of(self, tenant: str) -> int:
         q = self._queues.get(tenant)
@@ -83,8 +129,7 @@ class FairQueue(RequestQueue):
         tenant = req.tenant
         q = self._queues.get(tenant)
         if q is None:  # becomes backlogged: lifted to the least backlogged counter
-            low = self.lift()
-            self.counters[tenant] = max(self.counters.get(tenant, low), low)
+            self.vtc.activate(tenant)
             q = self._queues[tenant] = RequestQueue(self.tenant_order, 0, self._work_s)
         super().push(req)
         q.push(req)
@@ -93,9 +138,9 @@ class FairQueue(RequestQueue):
     def take(self, reqs: Iterable[Request]) -> None:
         """Dispatched: each request's tokens / its tenant's weight go to its tenant's counter."""
         reqs = list(reqs)
-        counters, weight_of = self.counters, self.weight_of
+        charge, weight_of = self.vtc.charge, self.weight_of
         for r in reqs:
-            counters[r.tenant] += r.length / weight_of(r.tenant)
+            charge(r.tenant, r.length / weight_of(r.tenant))
         super().take(reqs)
 
     def _drop(self, entry: Entry) -> None:
@@ -105,14 +150,7 @@ class FairQueue(RequestQueue):
         q.remove(req.id)
         if not q:
             del self._queues[req.tenant]
-            if not self._queues:
-                self._floor = max(self._floor, self.counters[req.tenant])
-            if len(self.counters) > 2 * len(self._queues) + 256:
-                self._forget()
-
-    def _forget(self) -> None:
-        low = self.lift()
-        self.counters = {t: c for t, c in self.counters.items() if t in self._queues or c > low}
+            self.vtc.deactivate(req.tenant)
 
     # -- ordered reads -----------------------------------------------------------------------
     def head(self) -> Request | None:
@@ -129,7 +167,7 @@ class FairQueue(RequestQueue):
             return []
         if len(queues) == 1:
             return next(iter(queues.values())).peek(k)
-        counters, weight_of = self.counters, self.weight_of
+        counters, weight_of = self.vtc.counters, self.weight_of
         runs: dict[str, list[Request]] = {}
         heap: list[tuple[float, float, str, int]] = []
         for tenant, q in queues.items():
@@ -162,7 +200,7 @@ class FairQueue(RequestQueue):
         for u, q in self._queues.items():
             if u == tenant or not q.num_tokens:
                 continue
-            served = (end - self.counters[u]) * self.weight_of(u)
+            served = (end - self.vtc.counters[u]) * self.weight_of(u)
             if served > 0.0:
                 ahead += q.num_work_s * min(1.0, served / q.num_tokens)
         return ahead

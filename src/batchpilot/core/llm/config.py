@@ -23,8 +23,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-LLMPolicy = Literal["fcfs", "priority"]
-LLM_POLICIES: tuple[LLMPolicy, ...] = ("fcfs", "priority")
+LLMPolicy = Literal["fcfs", "priority", "fair"]
+LLM_POLICIES: tuple[LLMPolicy, ...] = ("fcfs", "priority", "fair")  # fair: core/llm/fair.py
 PreemptionMode = Literal["recompute", "swap", "auto"]
 PREEMPTION_MODES: tuple[PreemptionMode, ...] = ("recompute", "swap", "auto")
 DECODE_RUN_TOKENS = 2048  # decode_run_tokens's default (core/llm/scheduler.py, docs/llm.md "Decode runs")
@@ -120,8 +120,9 @@ class LLMSchedulerConfig:
         for name in ("swap_space", "num_swap_blocks"):
             if (getattr(self, name) or 0) < 0:
                 raise ValueError(f"llm_scheduler.{name} must be >= 0, got {getattr(self, name)}")
-        if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"llm_scheduler.policy = {self.policy!r}; choose one of fcfs, priority")
+        if self.policy not in LLM_POLICIES:
+            raise ValueError(f"llm_scheduler.policy = {self.policy!r}; choose one of "
+                             f"{', '.join(LLM_POLICIES)}")
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
 
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
@@ -45,6 +45,7 @@ from batchpilot.core.costmodel import CostModel, StepShape
 from batchpilot.core.llm.admission import never_fits, past_deadline
 from batchpilot.core.llm.blocks import BlockManager, BlockStats, Source, SwapSpace
 from batchpilot.core.llm.config import DECODE_RUN_TOKENS, LLMSchedulerConfig, PreemptionMode
+from batchpilot.core.llm.fair import FairWaiting, TokenPrices
 from batchpilot.core.llm.sequence import FinishReason, SeqStatus, Sequence
 
 # -- One step's work -------------------------------------------------------------------------------
@@ -304,9 +305,13 @@ class LLMScheduler:
     None: auto recomputes). A swapped sequence has status ``WAITING`` and sits in ``swapped``."""
 
     def __init__(self, config: LLMSchedulerConfig | None = None,
-                 preemption_costs: PreemptionCosts | None = None) -> None:
+                 preemption_costs: PreemptionCosts | None = None, prices: TokenPrices | None = None,
+                 weight_of: Callable[[str], float] | None = None) -> None:
+        """``prices`` and ``weight_of``: what a chunk costs its tenant and each tenant's weight under
+        ``policy: fair`` (``core/llm/fair.py``; defaults: VTC's token weights, every weight 1)."""
         self.config = config or LLMSchedulerConfig()
         c = self.config
+        self.fair = FairWaiting(prices, weight_of) if c.policy == "fair" else None
         self.block_manager = BlockManager(c.num_kv_blocks, c.block_size, c.enable_prefix_caching)
         self.swap_space = SwapSpace(c.num_swap_blocks)
         self.preemption_costs = preemption_costs
@@ -340,6 +345,8 @@ class LLMScheduler:
 
     def _insert(self, queue: list[Sequence], seq: Sequence) -> None:
         bisect.insort(queue, seq, key=self._key)
+        if self.fair is not None and queue is self.waiting:
+            self.fair.entered(seq)
 
     @property
     def num_waiting(self) -> int:
@@ -389,6 +396,8 @@ class LLMScheduler:
         swapped = self.swap_space.has(seq_id)
         queue = self.running if seq.status is SeqStatus.RUNNING else self.swapped if swapped else self.waiting
         queue.remove(seq)
+        if self.fair is not None and queue is self.waiting:
+            self.fair.left(seq)
         self._finish(seq, reason)
         return True
 
@@ -506,9 +515,14 @@ class LLMScheduler:
 
         if not plan.preempted:
             budget = self._swap_in(plan, budget, served)
+        fair = self.fair
+        if fair is not None:  # what the running sequences get this step, before anyone is admitted
+            for seq, n in served:
+                fair.charge(seq, n)
         if not plan.preempted and not self.swapped:
             while self.waiting and budget > 0 and len(self.running) < c.max_num_seqs:
-                seq = self.waiting[0]
+                pick = fair.pick(self.waiting) if fair is not None else 0
+                seq = self.waiting[pick]
                 wait, source = self._group_source(seq)
                 if wait:
                     break  # its group's first sequence is still computing the prompt they share
@@ -526,7 +540,10 @@ class LLMScheduler:
                 seq.num_computed_tokens = hit
                 if seq.num_preemptions == 0:
                     seq.num_cached_tokens = hit
-                self.waiting.pop(0)
+                self.waiting.pop(pick)
+                if fair is not None:
+                    fair.left(seq)
+                    fair.charge(seq, n)
                 seq.status = SeqStatus.RUNNING
                 self._insert(self.running, seq)
                 served.append((seq, n))

@@ -23,6 +23,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Literal
 
+from batchpilot.core.request import DEFAULT_TENANT
+
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
@@ -159,6 +161,7 @@ class Sequence:
     # scheduler admits a group's followers once its first has computed the prompt (so they take its
     # KV blocks from the prefix cache), and preempts a group's running members together
     group: int | None = None
+    tenant: str = DEFAULT_TENANT  # who it is for: its share under the fair order (core/llm/fair.py)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

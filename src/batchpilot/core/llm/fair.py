@@ -1,0 +1,102 @@
+"""The LLM scheduler's ``fair`` order (``LLMSchedulerConfig.policy``): waiting sequences are admitted
+from the tenant that has received the least weighted service, with the lift of ``core/fair.py``
+(Virtual Token Counter, Sheng et al., OSDI 2024).
+
+Service is what the step model prices (``core/costmodel.py``, ``LLM_FEATURES``): a step's chunk of one
+sequence costs its tenant the seconds it adds to the step, less the step's fixed cost::
+
+    prefill chunk of n tokens ending at context c:  n * prefill_tokens + c * kv_tokens + n * c * prefill_attn
+    decode at context c:                            decode_seqs + c * kv_tokens
+
+divided by the tenant's weight, charged when the chunk is scheduled (so a tenant decoding long outputs
+pays for them step by step, and the next admission of the same step already sees it). Without a cost
+model the prices are VTC's own: a prefill token 1, a generated token 2.
+
+Only admission is reordered: running sequences keep the FCFS key (preemption takes the latest
+arrival), and a tenant's own sequences are admitted in arrival order.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+from batchpilot.core.costmodel import CostModel
+from batchpilot.core.fair import VirtualCounters
+from batchpilot.core.llm.sequence import Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class TokenPrices:
+    """The marginal price of a chunk (module docstring); the units are the step model's seconds, or
+    VTC's token weights by default."""
+
+    prefill_s_per_token: float = 1.0
+    decode_s_per_seq: float = 2.0
+    kv_s_per_token: float = 0.0
+    prefill_s_per_attn: float = 0.0
+
+    def chunk(self, start: int, n: int, is_decode: bool) -> float:
+        """A chunk of ``n`` tokens from position ``start``."""
+        ctx = start + n
+        if is_decode:
+            return self.decode_s_per_seq + self.kv_s_per_token * ctx
+        return n * self.prefill_s_per_token + ctx * self.kv_s_per_token + n * ctx * self.prefill_s_per_attn
+
+    @classmethod
+    def from_cost_model(cls, cost_model: CostModel) -> TokenPrices:
+        """The prices of an LLM step model's coefficients (features it lacks price 0)."""
+        coef = dict(zip(cost_model.feature_names, cost_model.latency_coef, strict=True))
+        prices = cls(coef.get("prefill_tokens", 0.0), coef.get("decode_seqs", 0.0),
+                     coef.get("kv_tokens", 0.0), coef.get("prefill_attn", 0.0))
+        if prices.prefill_s_per_token <= 0 and prices.decode_s_per_seq <= 0 and prices.kv_s_per_token <= 0:
+            return cls()  # a model that prices no token: VTC's weights
+        return prices
+
+
+class FairWaiting:
+    """The fair order's state in one ``LLMScheduler``: the tenants' counters (``VirtualCounters``), how
+    many sequences each has waiting, and which waiting sequence goes next (``pick``)."""
+
+    def __init__(self, prices: TokenPrices | None = None, weight_of: Callable[[str], float] | None = None
+                 ) -> None:
+        self.prices = prices or TokenPrices()
+        self.weight_of = weight_of or (lambda _: 1.0)
+        self.vtc = VirtualCounters()
+        self._waiting: Counter[str] = Counter()
+
+    def entered(self, seq: Sequence) -> None:
+        """``seq`` joined the waiting queue (new, or preempted to recompute)."""
+        self._waiting[seq.tenant] += 1
+        if self._waiting[seq.tenant] == 1:
+            self.vtc.activate(seq.tenant)
+
+    def left(self, seq: Sequence) -> None:
+        """``seq`` left the waiting queue (admitted, aborted or expired)."""
+        left = self._waiting[seq.tenant] - 1
+        if left > 0:
+            self._waiting[seq.tenant] = left
+            return
+        del self._waiting[seq.tenant]
+        self.vtc.deactivate(seq.tenant)
+
+    def charge(self, seq: Sequence, n: int) -> None:
+        """``seq`` has a chunk of ``n`` tokens in this step (before its computed count advances)."""
+        start = seq.num_computed_tokens
+        price = self.prices.chunk(start, n, start >= seq.num_prompt_tokens)
+        self.vtc.charge(seq.tenant, price / self.weight_of(seq.tenant))
+
+    def pick(self, waiting: Seq[Sequence]) -> int:
+        """The index in ``waiting`` (FCFS order) of the next sequence: the first of the tenant with the
+        least counter (ties: the earlier head, then the name)."""
+        heads: dict[str, int] = {}
+        for i, seq in enumerate(waiting):
+            if seq.tenant not in heads:
+                heads[seq.tenant] = i
+                if len(heads) == len(self._waiting):
+                    break
+        counters = self.vtc.counters
+        best = min(heads, key=lambda t: (counters[t], waiting[heads[t]].arrival, t))
+        return heads[best]
