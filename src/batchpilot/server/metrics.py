@@ -128,7 +128,8 @@ class ServerMetrics(BatcherObserver):
         # a tenant's label: bounded (the keys file's tenants, default, other); the server sets it
         # (``server.tenants.Tenancy.label``)
         self.tenant_label: Callable[[str], str] = _default_label
-        self._tenant_children: dict[tuple[str, str], Any] = {}
+        self._tenant_counts: dict[tuple[str, str], Counter] = {}  # (series, label) -> its child
+        self._tenant_latency: dict[str, Histogram] = {}
 
     def bind(self, scheduler: Any, num_pending: Callable[[], int]) -> None:
         """Read queue gauges from the live scheduler at scrape time (no per-request updates)."""
@@ -165,21 +166,21 @@ class ServerMetrics(BatcherObserver):
         elapsed = (now - self._started) * self.num_slots
         return busy / elapsed if elapsed > 0 else 0.0
 
-    def _of_tenant(self, kind: str, tenant: str) -> Any:
-        """The ``kind`` series' child for ``tenant``'s label (cached per label: a bounded set)."""
+    def _count(self, kind: str, tenant: str, amount: float = 1.0) -> None:
+        """Add to the ``kind`` counter (requests, tokens) of ``tenant``'s label (children cached per
+        label: a bounded set)."""
         label = self.tenant_label(tenant)
-        child = self._tenant_children.get((kind, label))
+        child = self._tenant_counts.get((kind, label))
         if child is None:
-            family = {"requests": self.tenant_requests, "tokens": self.tenant_tokens,
-                      "latency": self.tenant_latency}[kind]
-            child = self._tenant_children[kind, label] = family.labels(tenant=label)
-        return child
+            family = self.tenant_requests if kind == "requests" else self.tenant_tokens
+            child = self._tenant_counts[kind, label] = family.labels(tenant=label)
+        child.inc(amount)
 
     # -- BatcherObserver ---------------------------------------------------------------------
     def on_admit(self, request: Request) -> None:
         if request.group < 0 or request.group == request.id:  # once per request, at its first input
-            self._of_tenant("requests", request.tenant).inc()
-        self._of_tenant("tokens", request.tenant).inc(request.length)
+            self._count("requests", request.tenant)
+        self._count("tokens", request.tenant, request.length)
 
     def on_reject(self, reason: RejectReason, tenant: str = DEFAULT_TENANT) -> None:
         self.rejections.labels(reason=reason.value).inc()
@@ -203,7 +204,11 @@ class ServerMetrics(BatcherObserver):
 
     def on_request_done(self, request: Request, latency_s: float, ok: bool) -> None:
         self.latency.observe(latency_s)
-        self._of_tenant("latency", request.tenant).observe(latency_s)
+        label = self.tenant_label(request.tenant)
+        child = self._tenant_latency.get(label)
+        if child is None:
+            child = self._tenant_latency[label] = self.tenant_latency.labels(tenant=label)
+        child.observe(latency_s)
 
     def on_cancel(self, request: Request, queued: bool) -> None:
         self.cancellations.labels(stage="queued" if queued else "running").inc()

@@ -35,7 +35,6 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import yaml
 from fastapi import APIRouter, Request
@@ -77,7 +76,7 @@ class KeysFile:
         return cls.parse(data, str(path))
 
     @classmethod
-    def parse(cls, data: Any, where: str = "keys file") -> KeysFile:
+    def parse(cls, data: object, where: str = "keys file") -> KeysFile:
         if not isinstance(data, dict) or set(data) - {"tenants", "keys"}:
             raise ValueError(f"{where}: expected a mapping with the sections tenants: and keys:")
         tenants, keys = data.get("tenants") or {}, data.get("keys") or {}
@@ -202,7 +201,7 @@ def tenant_of(request: Request, user: str | None = None) -> str:
     return DEFAULT_TENANT
 
 
-def usage_json(scheduler: BatchScheduler, now: float) -> list[dict[str, Any]]:
+def usage_json(scheduler: BatchScheduler, now: float) -> list[dict[str, object]]:
     """One JSON object per tenant the scheduler tracks (``BatchScheduler.tenant_usage``)."""
     out = []
     for u in scheduler.tenant_usage(now):
@@ -216,7 +215,7 @@ def usage_json(scheduler: BatchScheduler, now: float) -> list[dict[str, Any]]:
 
 
 def tenants_router(tenancy: Tenancy, schedulers: Callable[[], Sequence[tuple[str, BatchScheduler]]],
-                   clock: Callable[[], float], extra: Callable[[], dict[str, Any]] | None = None
+                   clock: Callable[[], float], extra: Callable[[], dict[str, object]] | None = None
                    ) -> APIRouter:
     """``GET /v1/tenants``: for each model, what each tenant has used, its counter under the fair order
     and its quota state; the keys file's tenants with their specs. Admins only (``Tenancy.is_admin``)."""
@@ -230,7 +229,7 @@ def tenants_router(tenancy: Tenancy, schedulers: Callable[[], Sequence[tuple[str
                            code="forbidden")
         now = clock()
         table = tenancy.table
-        body: dict[str, Any] = {
+        body: dict[str, object] = {
             "object": "tenants",
             "keys_file": tenancy.keys_path,
             "tenants": {name: _spec_json(s) for name, s in sorted(table.specs.items())},
@@ -243,13 +242,13 @@ def tenants_router(tenancy: Tenancy, schedulers: Callable[[], Sequence[tuple[str
     return router
 
 
-def _spec_json(s: TenantSpec) -> dict[str, Any]:
+def _spec_json(s: TenantSpec) -> dict[str, float]:
     burst = s.burst if s.tokens_per_s else 0
     return {"weight": s.weight, "tokens_per_s": s.tokens_per_s, "burst_tokens": burst,
             "max_concurrent_requests": s.max_concurrent_requests}
 
 
-def _finite(value: Any) -> Any:
+def _finite(value: object) -> object:
     """JSON has no infinity: None in its place."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
