@@ -43,6 +43,7 @@ from batchpilot.core.costmodel import LLM_FEATURES, CostModel, StepShape, nonneg
 from batchpilot.core.deployment import DeploymentSpec, LLMDeployment, LLMModelLimits, resolve_llm_deployment
 from batchpilot.core.llm.admission import NEVER_FITS, TIMEOUT, LLMAdmission, request_deadline
 from batchpilot.core.llm.config import LLMSchedulerConfig, MemoryProfile
+from batchpilot.core.llm.fair import TokenPrices
 from batchpilot.core.llm.scheduler import (
     SWAP_META_KEYS,
     LLMScheduler,
@@ -52,6 +53,7 @@ from batchpilot.core.llm.scheduler import (
 )
 from batchpilot.core.llm.sequence import SamplingParams, StructuredOutput
 from batchpilot.core.llm.sequence import Sequence as LLMSequence
+from batchpilot.core.request import DEFAULT_TENANT
 from batchpilot.sim.engine import Engine, EngineStats, Job
 from batchpilot.sim.service import binned_factors, check_finite_nonneg, step_factor
 from batchpilot.sim.traces import Workload
@@ -552,6 +554,7 @@ class LLMTarget:
         self._inputs = workload.input_tokens.tolist()
         self._outputs = workload.output_tokens.tolist()
         self._prio = workload.priority.tolist()
+        self._tenants = None if workload.tenant is None else workload.tenant.tolist()
         self._left = [self.requests.samples] * len(workload)  # samples of each request not finished
         self._busy = False
 
@@ -568,8 +571,10 @@ class LLMTarget:
                                 structured=STRUCTURED if self.requests.is_structured(index) else None)
         prompt = [base + i for i in range(n_in)]
         deadline = request_deadline(self.scheduler.config, now)
+        tenant = self._tenants[index] if self._tenants is not None else DEFAULT_TENANT
         seqs = [LLMSequence(index * k + j, prompt, params, arrival=now, priority=int(self._prio[index]),
-                            deadline=deadline, group=index * k if k > 1 else None) for j in range(k)]
+                            deadline=deadline, group=index * k if k > 1 else None, tenant=tenant)
+                for j in range(k)]
         refusal = self.admission.admit(seqs)
         if refusal is not None:
             self._end(index, refusal.reason, now)
@@ -681,7 +686,7 @@ def simulate_llm(workload: Workload, config: LLMSchedulerConfig | None = None,
     config = config or LLMSchedulerConfig()
     cost_model = cost_model or default_llm_cost_model()
     costs = preemption_costs or sim_preemption_costs(cost_model, config.block_size)
-    scheduler = LLMScheduler(config, costs)
+    scheduler = LLMScheduler(config, costs, TokenPrices.from_cost_model(cost_model))  # prices: policy fair
     target = LLMTarget(scheduler, workload, cost_model, noise, seed, costs, service, requests)
     stats = Engine(target, num_slots=1).run(workload.arrival_s)  # type: ignore[arg-type]
     delay = service.first_token_delay_s if service is not None else 0.0
