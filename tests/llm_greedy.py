@@ -1,5 +1,6 @@
 """Greedy decoding two ways, for the runner's parity tests: HF ``generate`` on each prompt alone, and
-the engine's scheduler and runner over all the prompts at once."""
+the engine's scheduler and runner over all the prompts at once (greedy is the logits' argmax: the
+sampler's other rules are its own tests')."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import torch
 from batchpilot.core.llm.scheduler import LLMScheduler
 from batchpilot.core.llm.sequence import SamplingParams, Sequence
 from batchpilot.models.llm.runner import LLMModelRunner
-from batchpilot.models.llm.sampler import Sampler
 
 
 def hf_greedy(hf: Any, prompts: list[list[int]], max_tokens: int, device: str = "cpu") -> list[list[int]]:
@@ -28,7 +28,6 @@ def hf_greedy(hf: Any, prompts: list[list[int]], max_tokens: int, device: str = 
 def engine_greedy(sched: LLMScheduler, runner: LLMModelRunner, prompts: list[list[int]],
                   max_tokens: int) -> list[list[int]]:
     """Every prompt added at once, ``sched`` and ``runner`` stepped to completion; each one's tokens."""
-    sampler = Sampler()
     seqs = [Sequence(i, p, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), arrival=i)
             for i, p in enumerate(prompts)]
     for q in seqs:
@@ -37,6 +36,5 @@ def engine_greedy(sched: LLMScheduler, runner: LLMModelRunner, prompts: list[lis
         plan = sched.schedule()
         logits = runner.forward(plan.chunks)
         ids = [c.seq_id for c in plan.chunks if c.sample]
-        sched.update(plan, dict(zip(ids, sampler.sample(logits, ids, [sched.seqs[i].params for i in ids]),
-                                    strict=True)))
+        sched.update(plan, dict(zip(ids, logits.argmax(-1).tolist(), strict=True)))
     return [q.output_token_ids for q in seqs]

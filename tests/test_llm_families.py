@@ -1,10 +1,21 @@
 """One runner for every decoder family it serves (``models.llm.weights.FAMILIES``): greedy tokens equal to
-HF ``generate()`` for a tiny seeded model of each family, alone and batched with chunked prefill, loaded
-from a saved folder as a user's checkpoint is; any other ``model_type`` refused with the list served.
+HF ``generate()`` for a tiny seeded model of each family, loaded from a saved folder as a user's
+checkpoint is, for ``STEPS`` steps on ``PROMPTS`` prompts, each alone and all of them inside a crowd of
+``CROWD`` concurrent streams with chunked prefill and prefix caching on; any other ``model_type`` refused
+with the list served.
 
-The random models use ``initializer_range=0.06`` (as ``tests/test_llm_model.py``: no near-ties in the top
-logits), and the terms a family adds (Qwen2's q/k/v biases, Qwen3's q/k norms) are drawn away from their
-initial zeros and ones, so that a runner that ignored them would produce other tokens.
+The random models use ``initializer_range=0.06`` (as ``tests/test_llm_model.py``) and a seed whose
+greedy path has no near-tie (``SEEDS``: along HF's greedy path the smallest top-2 logit gap is 3e-4, at
+Llama's, or more). The terms a family adds are drawn away from their neutral values, so that a runner
+that ignored one would produce other tokens (``test_the_family_terms_change_the_tokens``): Qwen2's q/k/v
+biases, the q/k norms of Qwen3 and Gemma 3, Gemma's norms (around 0, as it stores them: the norm scales
+by ``1 + w``, and its post-attention and post-feedforward norms near 1 so the branches outweigh the
+embedding). Every family that has a sliding window has one of ``WINDOW`` positions, shorter than a prompt
+plus its output (layer 1 of Qwen2/3 through ``max_window_layers``; Gemma's layer 0 sliding, layer 1
+global), and Gemma 2's attention soft-cap is small enough to bite on these scores. The Gemma models of the
+greedy test have untied output embeddings: tied ones at this size repeat the last token whatever the
+context, which would test little; ``test_gemma_logits_with_tied_embeddings_and_a_final_softcap`` checks
+the tied ones (and the final soft-cap, which never changes an argmax) on the logits.
 """
 
 from __future__ import annotations
@@ -18,86 +29,160 @@ import torch
 from batchpilot.core.llm.config import LLMSchedulerConfig
 from batchpilot.core.llm.scheduler import LLMScheduler
 from batchpilot.models.llm.runner import LLMModelRunner
-from batchpilot.models.llm.weights import FAMILIES, LlamaWeights, load_hf_llama
+from batchpilot.models.llm.weights import FAMILIES, LlamaWeights, layer_windows, load_hf_llama
 from llm_greedy import engine_greedy, hf_greedy
 
-MAX_TOKENS = 10
+STEPS, PROMPTS, CROWD, WINDOW = 32, 8, 16, 16
 SHAPE = dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
              initializer_range=0.06, rms_norm_eps=1e-6)
+GEMMA = ("gemma2", "gemma3_text")
+# seeds whose greedy paths (PROMPTS x STEPS under HF) have a top-2 logit gap of 3e-4 or more at every step
+SEEDS = {"gemma3_text": 2}
 
 
-def build(model_type: str, seed: int = 1) -> Any:
-    """A tiny seeded model of ``model_type`` from its transformers config class, in eval mode."""
+def family_config(model_type: str, tied: bool = False, final_softcap: float | None = None) -> Any:
+    """A tiny config of ``model_type`` from its transformers config class (module docstring)."""
     import transformers
 
-    config_cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-                  "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
-                  "phi3": transformers.Phi3Config}[model_type]
-    extra: dict[str, Any] = {"tie_word_embeddings": False}
+    extra: dict[str, Any] = {"tie_word_embeddings": tied}
     if model_type in ("mistral", "phi3"):
-        extra["sliding_window"] = None
+        extra["sliding_window"] = WINDOW
+    if model_type in ("qwen2", "qwen3"):
+        extra.update(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
     if model_type == "phi3":  # its config names token ids of a 32k vocabulary
         extra.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    if model_type == "qwen3":
+    if model_type in ("qwen3", *GEMMA):
         extra["head_dim"] = 64
+    if model_type in GEMMA:
+        extra.update(sliding_window=WINDOW, query_pre_attn_scalar=48, final_logit_softcapping=final_softcap,
+                     layer_types=["sliding_attention", "full_attention"])
+    if model_type == "gemma2":
+        extra["attn_logit_softcapping"] = 1.0
+    config_cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+                  "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+                  "phi3": transformers.Phi3Config, "gemma2": transformers.Gemma2Config,
+                  "gemma3_text": transformers.Gemma3TextConfig}[model_type]
+    return config_cls(**SHAPE, **extra)
+
+
+def build(model_type: str, seed: int | None = None, tied: bool = False,
+          final_softcap: float | None = None) -> Any:
+    """A tiny seeded model of ``model_type``, in eval mode, its family's terms drawn (module docstring)."""
+    import transformers
+
+    seed = SEEDS.get(model_type, 1) if seed is None else seed
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config_cls(**SHAPE, **extra)).eval()
+    config = family_config(model_type, tied, final_softcap)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
     g = torch.Generator().manual_seed(seed + 1)
+
+    def draw(t: torch.Tensor, mean: float, std: float) -> None:
+        t.copy_(mean + std * torch.randn(t.shape, generator=g))
+
+    gemma = model_type in GEMMA
     with torch.no_grad():
         for layer in model.model.layers:
             a = layer.self_attn
             for proj in (getattr(a, "q_proj", None), getattr(a, "k_proj", None), getattr(a, "v_proj", None)):
                 if proj is not None and proj.bias is not None:
-                    proj.bias.copy_(0.2 * torch.randn(proj.bias.shape, generator=g))
+                    draw(proj.bias, 0.0, 0.2)
             for norm in (getattr(a, "q_norm", None), getattr(a, "k_norm", None)):
                 if norm is not None:
-                    norm.weight.copy_(1.0 + 0.3 * torch.randn(norm.weight.shape, generator=g))
+                    draw(norm.weight, 0.0 if gemma else 1.0, 0.3)
+            if gemma:
+                draw(layer.input_layernorm.weight, 0.0, 0.3)
+                draw(layer.pre_feedforward_layernorm.weight, 0.0, 0.3)
+                draw(layer.post_attention_layernorm.weight, 1.0, 0.5)
+                draw(layer.post_feedforward_layernorm.weight, 1.0, 0.5)
+        if gemma:
+            draw(model.model.norm.weight, 0.0, 0.3)
     model.generation_config.eos_token_id = None
     return model
 
 
-def prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(3)
-    return [torch.randint(7, 4096, (n,), generator=g).tolist() for n in (5, 17, 33, 8, 41, 3)]
+def prompts(n: int = PROMPTS, seed: int = 3) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = (5, 17, 33, 8, 41, 3, 24, 12, 29, 6, 19, 37, 10, 26, 15, 44)
+    return [torch.randint(7, 4096, (m,), generator=g).tolist() for m in lengths[:n]]
 
 
-def reference(hf: Any, ps: list[list[int]]) -> list[list[int]]:
-    return hf_greedy(hf, ps, MAX_TOKENS)
+def crowd(ps: list[list[int]]) -> list[list[int]]:
+    """``CROWD - len(ps)`` other streams, each one's first 16 tokens (two blocks) those of a prompt, so
+    the prompts that come after them find their leading blocks in the prefix cache."""
+    others = prompts(CROWD - len(ps), seed=4)
+    return [p[:16] + o for p, o in zip(ps, others, strict=False)]
 
 
-def greedy(weights: LlamaWeights, ps: list[list[int]], **cfg: Any) -> list[list[int]]:
-    """Scheduler + runner to completion, every prompt at once."""
+def greedy(weights: LlamaWeights, ps: list[list[int]], **cfg: Any) -> tuple[list[list[int]], LLMScheduler]:
+    """Scheduler + runner to completion, every prompt at once; the tokens and the scheduler."""
     config = LLMSchedulerConfig(block_size=8, max_model_len=512, **cfg)
     runner = LLMModelRunner(weights, config.num_kv_blocks, config.block_size, decode_run_tokens=64)
-    return engine_greedy(LLMScheduler(config), runner, ps, MAX_TOKENS)
+    sched = LLMScheduler(config)
+    return engine_greedy(sched, runner, ps, STEPS), sched
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
-def test_each_family_matches_hf_alone_and_in_a_chunked_batch(model_type: str, tmp_path: Path) -> None:
+def test_each_family_matches_hf_alone_and_in_a_crowd(model_type: str, tmp_path: Path) -> None:
     hf = build(model_type)
     ps = prompts()
-    want = reference(hf, ps)
+    want = hf_greedy(hf, ps, STEPS)
     hf.save_pretrained(tmp_path)  # served from the folder, as a user's checkpoint
     loaded = load_hf_llama(tmp_path)
     assert loaded.config.model_type == model_type
     weights = LlamaWeights.from_hf(loaded)
-    assert greedy(weights, ps[:1]) == want[:1]  # alone
-    weights = LlamaWeights.from_hf(load_hf_llama(tmp_path))
-    assert greedy(weights, ps, max_num_batched_tokens=32, enable_prefix_caching=True) == want
+    assert [greedy(weights, [p])[0][0] for p in ps] == want  # each prompt alone
+    others = crowd(ps)
+    got, sched = greedy(weights, others + ps, max_num_batched_tokens=32, enable_prefix_caching=True)
+    assert got[len(others):] == want  # after the crowd: in its steps, on its cached blocks
+    assert sched.block_manager.stats().num_cache_hit_tokens > 0
+
+
+@pytest.mark.parametrize("model_type", GEMMA)
+def test_gemma_logits_with_tied_embeddings_and_a_final_softcap(model_type: str, tmp_path: Path) -> None:
+    """Gemma ties its output to its input embeddings and soft-caps the final logits: a prompt's logits
+    (prefilled in chunks, over a window) equal HF's forward to float noise, below the cap, and not what
+    the uncapped logits would be."""
+    hf = build(model_type, tied=True, final_softcap=2.0)
+    hf.save_pretrained(tmp_path)
+    hf = load_hf_llama(tmp_path)
+    p = prompts()[4]  # 41 tokens, past the window
+    with torch.inference_mode():
+        want = hf(torch.tensor([p])).logits[0, -1].float()
+    weights = LlamaWeights.from_hf(hf)
+    assert weights.lm_head.data_ptr() == weights.embed.data_ptr()
+    runner = LLMModelRunner(weights, 64, 8)
+    from batchpilot.core.llm.scheduler import ScheduledChunk
+
+    table = list(range(6))
+    first = runner.forward([ScheduledChunk(0, 0, p[:24], table, False, False)])
+    got = runner.forward([ScheduledChunk(0, 24, p[24:], table, True, False)])[0]
+    assert first.shape[0] == 0
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+    cap = hf.config.final_logit_softcapping
+    assert got.abs().max() < cap
+    runner.w.final_softcap = None
+    uncapped = runner.forward([ScheduledChunk(0, 24, p[24:], table, True, False)])[0]
+    assert (uncapped - got).abs().max() > 0.5
 
 
 def test_the_family_terms_change_the_tokens() -> None:
-    """The runner reads Qwen2's biases and Qwen3's norms: without them the tokens differ."""
-    ps = prompts()[:2]
-    for model_type, attrs in (("qwen2", ("qkv_bias",)), ("qwen3", ("q_norm", "k_norm"))):
-        weights = LlamaWeights.from_hf(build(model_type))
-        full = greedy(weights, ps)
+    """The runner reads what each family adds: without it the tokens differ."""
+    ps = prompts()[:3]
+    terms: dict[str, dict[str, Any]] = {
+        "qwen2": {"qkv_bias": None}, "qwen3": {"q_norm": None, "k_norm": None},
+        "mistral": {"window": None}, "gemma2": {"softcap": None},
+        "gemma3_text": {"local_rope": False},
+    }
+    terms_of_gemma = {"window": None, "attn_out_norm": None, "mlp_out_norm": None}
+    cases = [(m, t) for m, t in terms.items()] + [("gemma2", {k: v}) for k, v in terms_of_gemma.items()]
+    full = {m: greedy(LlamaWeights.from_hf(build(m)), ps)[0] for m in terms}
+    for model_type, attrs in cases:
         weights = LlamaWeights.from_hf(build(model_type))
         for layer in weights.layers:
-            for name in attrs:
-                setattr(layer, name, None)
-        assert greedy(weights, ps) != full, model_type
+            for name, value in attrs.items():
+                setattr(layer, name, value)
+        assert greedy(weights, ps)[0] != full[model_type], (model_type, attrs)
 
 
 def test_another_model_type_is_refused_with_the_families_served(tmp_path: Path) -> None:
@@ -105,26 +190,36 @@ def test_another_model_type_is_refused_with_the_families_served(tmp_path: Path) 
 
     transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=64, n_head=2,
                                                          vocab_size=512)).save_pretrained(tmp_path)
-    served = "served: llama, mistral, phi3, qwen2, qwen3"
-    with pytest.raises(ValueError, match=rf"model_type 'gpt2' is not served; {served}"):
+    served = "served: gemma2, gemma3_text, llama, mistral, phi3, qwen2, qwen3"
+    with pytest.raises(ValueError, match=rf"model_type 'gpt2' is not served; {served}$"):
         load_hf_llama(tmp_path)
 
 
-def test_a_sliding_window_is_served_up_to_its_window() -> None:
-    """The runner attends every earlier token: a model with a sliding window is served only as far as the
-    window reaches, which the engine then takes as the model's length limit."""
+def test_each_layers_window_is_the_one_hf_attends_with() -> None:
+    """Mistral and Phi-3 slide every layer when the config sets a window; Qwen2/3 the layers their
+    ``layer_types`` mark (none without ``use_sliding_window``); Gemma by ``layer_types`` (Gemma 2
+    alternates, Gemma 3 has 5 local to 1 global); Llama never. The whole context is served."""
     import transformers
 
-    from batchpilot.models.llm.weights import served_positions
+    def windows(cfg: Any) -> list[int | None]:
+        return layer_windows(cfg, FAMILIES[cfg.model_type])
 
-    assert served_positions(transformers.MistralConfig(**SHAPE, sliding_window=64)) == 64
-    assert served_positions(transformers.MistralConfig(**SHAPE, sliding_window=None)) == 512
-    off = transformers.Qwen2Config(**SHAPE, sliding_window=64, use_sliding_window=False)
-    assert served_positions(off) == 512
-    assert served_positions(transformers.LlamaConfig(**SHAPE)) == 512
+    four = {**SHAPE, "num_hidden_layers": 4}
+    assert windows(transformers.MistralConfig(**four, sliding_window=64)) == [64] * 4
+    assert windows(transformers.MistralConfig(**four, sliding_window=None)) == [None] * 4
+    off = transformers.Qwen2Config(**four, sliding_window=64, use_sliding_window=False)
+    assert windows(off) == [None] * 4
+    on = transformers.Qwen2Config(**four, sliding_window=64, use_sliding_window=True, max_window_layers=2)
+    assert windows(on) == [None, None, 64, 64]
+    assert windows(transformers.LlamaConfig(**four)) == [None] * 4
+    assert windows(transformers.Gemma2Config(**four, sliding_window=64)) == [64, None, 64, None]
+    six = {**SHAPE, "num_hidden_layers": 7}
+    assert windows(transformers.Gemma3TextConfig(**six, sliding_window=64)) == [64] * 5 + [None, 64]
+    weights = LlamaWeights.from_hf(build("mistral"))
+    assert weights.max_position_embeddings == SHAPE["max_position_embeddings"]
 
 
-@pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "phi3", *GEMMA])
 def test_the_fallback_shares_the_runners_tensors_and_still_generates_the_same(model_type: str) -> None:
     """``share_runner_weights`` points the HF model (the static fallback's) at the runner's fused tensors,
     the family's biases and norms included: HF then generates what it generated on its own."""
@@ -132,14 +227,14 @@ def test_the_fallback_shares_the_runners_tensors_and_still_generates_the_same(mo
 
     hf = build(model_type)
     ps = prompts()[:2]
-    want = reference(hf, ps)
+    want = hf_greedy(hf, ps, 10)
     weights = LlamaWeights.from_hf(hf)
     runner = LLMModelRunner(weights, 64, 8)
     share_runner_weights(hf, runner.w)
     layer, w = hf.model.layers[0], runner.w.layers[0]
     shared = getattr(layer.self_attn, "qkv_proj", None) or layer.self_attn.q_proj
     assert shared.weight.data_ptr() == w.qkv.data_ptr()
-    assert reference(hf, ps) == want
+    assert hf_greedy(hf, ps, 10) == want
 
 
 def test_every_eos_of_the_config_and_its_generation_config_ends_a_sequence(tmp_path: Path) -> None:

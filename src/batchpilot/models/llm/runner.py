@@ -1,4 +1,4 @@
-"""Runs one scheduler step on a Llama-family decoder over a paged KV cache.
+"""Runs one scheduler step on a decoder (a family of ``weights.FAMILIES``) over a paged KV cache.
 
 Every token of the step (prefill chunks and decodes alike) goes through the dense layers as one
 packed ``[T, D]`` matrix: no padding between chunks, two fused matmuls per block (qkv, gate_up) plus o
@@ -14,6 +14,12 @@ Only attention differs by chunk kind, and it reads keys/values through block tab
 * prefill chunks: one SDPA each. A chunk starting at position 0 attends over its own fresh keys with
   ``is_causal``; a later chunk (chunked prefill, prefix-cache hit) gathers its context from the cache
   and uses an offset causal mask.
+
+A layer with a sliding window (``LayerWeights.window``) masks the keys more than ``window - 1`` positions
+behind each query; the cache still holds them (no block is freed for falling out of a window). A layer
+that soft-caps its attention scores (Gemma 2) runs the same attention spelled out (``_attend``), since
+SDPA cannot cap. The family's other terms (q/k/v bias, q/k norms, Gemma's norms, scaled embeddings,
+activation, final soft-cap) are data of the weights, applied in ``_layer`` and ``_logits``.
 
 Each layer writes the step's K/V into the cache (``index_copy_`` on slot numbers
 ``block_table[pos // bs] * bs + pos % bs``) before attention reads it. Logits are computed only for
@@ -44,7 +50,7 @@ from batchpilot.core.costmodel import CostModel, nonneg_lstsq
 from batchpilot.core.llm.config import DECODE_RUN_TOKENS, LLMSchedulerConfig, MemoryProfile
 from batchpilot.core.llm.scheduler import PreemptionCosts, ScheduledChunk, StepPlan, decode_groups
 from batchpilot.models.device import peak_memory_bytes
-from batchpilot.models.llm.weights import LlamaWeights
+from batchpilot.models.llm.weights import ACTIVATIONS, LayerWeights, LlamaWeights
 
 # -- The row plan ----------------------------------------------------------------------------------
 # The row counts a step's dense layers run fastest at, measured on the runner's own weights.
@@ -167,9 +173,77 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * xf.to(x.dtype)
 
 
+def _rms_norm_plus_one(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Gemma's RMSNorm (DecoderSpec.norm_plus_one): scaled by (1 + w) in float32, then cast, as HF does it
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * (1.0 + weight.float())).to(x.dtype)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    return torch.tanh(x / cap) * cap
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+            softcap: float | None) -> torch.Tensor:
+    """``q`` over ``k``/``v`` where ``mask`` is True (None: causal over a fresh chunk's own keys). SDPA,
+    unless the layer soft-caps its scores, which SDPA cannot: then spelled out in HF eager's order (scale,
+    ``tanh(s / c) * c``, mask, softmax in float32)."""
+    if softcap is None:
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = _softcap(torch.matmul(q, k.transpose(-1, -2)) * scale, softcap)
+    if mask is None:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+Window = int | None  # a layer's sliding window (LayerWeights.window); None: full attention
+
+
+@dataclass
+class DecodeRun:
+    """Decodes in rows ``r0:r1`` (sorted by context), attended as one batch over ``length`` gathered keys
+    (``blocks`` of the cache, each run's tables padded to its longest)."""
+
+    r0: int
+    r1: int
+    blocks: torch.Tensor
+    length: int
+    masks: dict[Window, torch.Tensor]  # per layer window: the keys each decode sees, [n, 1, 1, length]
+
+
+@dataclass
+class PrefillRun:
+    """A prefill chunk in rows ``r0:r1`` over positions ``start:stop``; one from position 0 attends to its own
+    fresh keys (``ctx_blocks`` None), a later one gathers positions ``0:stop`` from the cache."""
+
+    r0: int
+    r1: int
+    stop: int
+    ctx_blocks: torch.Tensor | None
+    masks: dict[Window, torch.Tensor | None]  # per layer window, [tokens, stop]; None: plain causal
+
+
+@dataclass
+class StepLayout:
+    """Where a step's chunks sit in the packed ``[T, D]`` rows, and what every layer's attention reads."""
+
+    decodes: list[ScheduledChunk]  # rows 0..len-1, sorted by context
+    prefills: list[ScheduledChunk]  # then each chunk's rows contiguously
+    ids: torch.Tensor  # [T] token ids, padding rows (RowPlan) last
+    slots: torch.Tensor  # [real] cache slots of the real rows
+    real: int
+    rope: list[tuple[torch.Tensor, torch.Tensor]]  # (cos, sin) [T, 1, hd] per RoPE table
+    decode_runs: list[DecodeRun]
+    prefill_runs: list[PrefillRun]
 
 
 class LLMModelRunner:
@@ -190,11 +264,13 @@ class LLMModelRunner:
         self.num_kv_blocks = num_kv_blocks
         w = weights
         self.w = w
+        tied = w.lm_head.data_ptr() == w.embed.data_ptr()  # one tensor (Gemma), kept one on the device
         for name in ("embed", "norm", "lm_head"):
             setattr(w, name, getattr(w, name).to(self.device, dtype))
+        if tied:
+            w.lm_head = w.embed
         for layer in w.layers:
-            for name in ("input_norm", "qkv", "o", "post_norm", "gate_up", "down", "qkv_bias", "q_norm",
-                         "k_norm"):
+            for name in LayerWeights.TENSORS:
                 if getattr(layer, name) is not None:
                     setattr(layer, name, getattr(layer, name).to(self.device, dtype))
         self.num_heads, self.num_kv_heads, self.head_dim = w.num_heads, w.num_kv_heads, w.head_dim
@@ -208,12 +284,25 @@ class LLMModelRunner:
         pin = self.device.type == "cuda"
         self.k_swap = torch.empty(host, dtype=dtype, pin_memory=pin)
         self.v_swap = torch.empty(host, dtype=dtype, pin_memory=pin)
-        pos = torch.arange(w.max_position_embeddings, dtype=torch.float32)
-        freqs = pos[:, None] * w.inv_freq[None, :]
+        # RoPE tables: [0] every layer's, [1] the sliding layers' where they have their own (Gemma 3)
+        self.rope = [self._rope_table(w.inv_freq, w.attention_scaling)]
+        if w.local_inv_freq is not None:
+            self.rope.append(self._rope_table(w.local_inv_freq, w.local_attention_scaling))
+        self.cos, self.sin = self.rope[0]
+        self.scale = w.attn_scale or self.head_dim**-0.5
+        # what the family adds, as the functions and constants the layers apply (weights.DecoderSpec)
+        self.norm = _rms_norm_plus_one if w.spec.norm_plus_one else _rms_norm
+        self.act = ACTIVATIONS[w.activation]
+        scale = w.embed.shape[1] ** 0.5 if w.spec.embed_scaled else None  # HF rounds it to the dtype too
+        self.embed_scale = None if scale is None else torch.tensor(scale, dtype=dtype, device=self.device)
+        self.windows: list[Window] = sorted({layer.window for layer in w.layers}, key=lambda x: x or 0)
+
+    def _rope_table(self, inv_freq: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(self.w.max_position_embeddings, dtype=torch.float32)
+        freqs = pos[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = (emb.cos() * w.attention_scaling).to(self.device, dtype)
-        self.sin = (emb.sin() * w.attention_scaling).to(self.device, dtype)
-        self.scale = self.head_dim**-0.5
+        cos, sin = emb.cos() * scaling, emb.sin() * scaling
+        return cos.to(self.device, self.dtype), sin.to(self.device, self.dtype)
 
     def plan_rows(self) -> RowPlan:
         """Measure and keep the row counts the dense layers run fastest at (``RowPlan.measure`` on every
@@ -290,112 +379,141 @@ class LLMModelRunner:
         """Run one step; return float32 logits ``[num_sampling_chunks, vocab]`` in chunk order."""
         if not chunks:
             return torch.empty(0, self.w.vocab_size)
-        dev, bs = self.device, self.block_size
-        # decodes sorted by context length, so each group pads its gathered keys to a similar length
+        step = self._layout(chunks)
+        x = self.w.embed[step.ids]
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        for li, layer in enumerate(self.w.layers):
+            x = self._layer(li, layer, x, step)
+        return self._logits(x, chunks, step)
+
+    def _layout(self, chunks: Sequence[ScheduledChunk]) -> StepLayout:
+        dev = self.device
+        # decodes sorted by context length, so each run pads its gathered keys to a similar length
         decodes = sorted((c for c in chunks if c.num_tokens == 1), key=lambda c: c.context_len)
         prefills = [c for c in chunks if c.num_tokens > 1]
-        ordered = decodes + prefills  # rows: decodes first, then each prefill chunk contiguously
         ids: list[int] = []
         positions: list[int] = []
         slot_parts: list[torch.Tensor] = []
-        for c in ordered:
+        for c in decodes + prefills:  # rows: decodes first, then each prefill chunk contiguously
             ids.extend(c.token_ids)
             positions.extend(range(c.start, c.context_len))
             slot_parts.append(self._slots(c.block_table, c.start, c.context_len))
-        slots = torch.cat(slot_parts).to(dev)
         real = len(ids)  # the step's token rows; the dense layers run runner.rows(real) (RowPlan)
         pad = self.row_plan.rows(real) - real
         self.rows_run = real + pad
         ids.extend([0] * pad)
         positions.extend([0] * pad)
         pos_t = torch.tensor(positions, device=dev)
-        cos, sin = self.cos[pos_t][:, None, :], self.sin[pos_t][:, None, :]
-
-        nd = len(decodes)
-        decode_groups = []
-        for g0, g1 in self._decode_groups([c.context_len for c in decodes]):
-            group = decodes[g0:g1]
-            ctx = torch.tensor([c.context_len for c in group])
-            max_blocks = -(-int(ctx.max()) // bs)
-            tables = torch.zeros(len(group), max_blocks, dtype=torch.long)
-            for i, c in enumerate(group):
-                nb = -(-c.context_len // bs)
-                tables[i, :nb] = torch.tensor(c.block_table[:nb])
-            mask = (torch.arange(max_blocks * bs)[None, :] < ctx[:, None]).to(dev)[:, None, None, :]
-            decode_groups.append((g0, g1, tables.view(-1).to(dev), mask, max_blocks * bs))
-        prefill_meta = []
-        row = nd
+        decode_runs = [self._decode_run(decodes[g0:g1], g0)
+                       for g0, g1 in self._decode_groups([c.context_len for c in decodes])]
+        prefill_runs, row = [], len(decodes)
         for c in prefills:
-            nb = -(-c.context_len // bs)
-            ctx_blocks = torch.tensor(c.block_table[:nb], device=dev) if c.start else None
-            mask = None
-            if c.start:
-                q_pos = torch.arange(c.start, c.context_len)[:, None]
-                mask = (torch.arange(c.context_len)[None, :] <= q_pos).to(dev)
-            prefill_meta.append((row, row + c.num_tokens, ctx_blocks, mask))
+            prefill_runs.append(self._prefill_run(c, row))
             row += c.num_tokens
+        rope = [(cos[pos_t][:, None, :], sin[pos_t][:, None, :]) for cos, sin in self.rope]
+        return StepLayout(decodes, prefills, torch.tensor(ids, device=dev), torch.cat(slot_parts).to(dev),
+                          real, rope, decode_runs, prefill_runs)
 
+    def _decode_run(self, group: Sequence[ScheduledChunk], r0: int) -> DecodeRun:
+        bs = self.block_size
+        ctx = torch.tensor([c.context_len for c in group])
+        max_blocks = -(-int(ctx.max()) // bs)
+        tables = torch.zeros(len(group), max_blocks, dtype=torch.long)
+        for i, c in enumerate(group):
+            nb = -(-c.context_len // bs)
+            tables[i, :nb] = torch.tensor(c.block_table[:nb])
+        keys = torch.arange(max_blocks * bs)[None, :]
+        seen = keys < ctx[:, None]
+        full = seen.to(self.device)[:, None, None, :]
+        masks = {window: full if window is None or int(ctx.max()) <= window else
+                 (seen & (keys >= ctx[:, None] - window)).to(self.device)[:, None, None, :]
+                 for window in self.windows}
+        return DecodeRun(r0, r0 + len(group), tables.view(-1).to(self.device), max_blocks * bs, masks)
+
+    def _prefill_run(self, c: ScheduledChunk, r0: int) -> PrefillRun:
+        start, stop = c.start, c.context_len
+        ctx_blocks = None
+        if start:
+            ctx_blocks = torch.tensor(c.block_table[: -(-stop // self.block_size)], device=self.device)
+        masks: dict[Window, torch.Tensor | None] = {}
+        for window in self.windows:
+            windowed = window is not None and stop > window
+            if not start and not windowed:
+                masks[window] = None  # causal over its own keys: SDPA's is_causal
+                continue
+            q_pos, k_pos = torch.arange(start, stop)[:, None], torch.arange(stop)[None, :]
+            seen = k_pos <= q_pos
+            if window is not None and windowed:
+                seen &= k_pos > q_pos - window
+            masks[window] = seen.to(self.device)
+        return PrefillRun(r0, r0 + c.num_tokens, stop, ctx_blocks, masks)
+
+    def _layer(self, li: int, layer: LayerWeights, x: torch.Tensor, step: StepLayout) -> torch.Tensor:
+        """One decoder layer over the step's rows; what a family adds is in ``layer`` (None: absent)."""
+        eps, T = self.w.rms_norm_eps, x.shape[0]
+        H, KV, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.norm(x, layer.input_norm, eps) @ layer.qkv.T
+        if layer.qkv_bias is not None:
+            qkv = qkv + layer.qkv_bias
+        q = qkv[:, : H * hd].view(T, H, hd)
+        k = qkv[:, H * hd : (H + KV) * hd].view(T, KV, hd)
+        v = qkv[:, (H + KV) * hd :].view(T, KV, hd)
+        if layer.q_norm is not None and layer.k_norm is not None:
+            q, k = self.norm(q, layer.q_norm, eps), self.norm(k, layer.k_norm, eps)
+        cos, sin = step.rope[int(layer.local_rope)]
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        self.k_cache[li].index_copy_(0, step.slots, k[: step.real])
+        self.v_cache[li].index_copy_(0, step.slots, v[: step.real])
+        attn = self._attention(li, layer, q, k, v, step).view(T, H * hd) @ layer.o.T
+        x = x + (attn if layer.attn_out_norm is None else self.norm(attn, layer.attn_out_norm, eps))
+        gate, up = (self.norm(x, layer.mlp_norm, eps) @ layer.gate_up.T).chunk(2, dim=-1)
+        mlp = (self.act(gate) * up) @ layer.down.T
+        return x + (mlp if layer.mlp_out_norm is None else self.norm(mlp, layer.mlp_out_norm, eps))
+
+    def _attention(self, li: int, layer: LayerWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   step: StepLayout) -> torch.Tensor:
+        """``[T, H, hd]``: each decode run and prefill chunk attends to its keys in layer ``li``'s cache,
+        within the layer's window."""
+        bs, H, KV, hd, G = self.block_size, self.num_heads, self.num_kv_heads, self.head_dim, self.group
+        # gather whole blocks (bs * KV * hd contiguous values each), not single slots
+        kb, vb = self.k_cache[li].view(-1, bs, KV, hd), self.v_cache[li].view(-1, bs, KV, hd)
+        out = torch.empty(q.shape[0], H, hd, dtype=q.dtype, device=q.device)
+        out[step.real :] = 0  # padding rows: computed by the dense layers, read by nothing
+        for d in step.decode_runs:
+            n = d.r1 - d.r0
+            kd = self._gather(kb, d.blocks, 0).view(n, d.length, KV, hd).transpose(1, 2)
+            vd = self._gather(vb, d.blocks, 1).view(n, d.length, KV, hd).transpose(1, 2)
+            qd = q[d.r0 : d.r1].view(n, KV, G, hd)  # fold the GQA group into the query axis
+            od = _attend(qd, kd, vd, d.masks[layer.window], self.scale, layer.softcap)
+            out[d.r0 : d.r1] = od.reshape(n, H, hd)
+        for p in step.prefill_runs:
+            if p.ctx_blocks is None:
+                kp, vp = k[p.r0 : p.r1], v[p.r0 : p.r1]
+            else:
+                kp = self._gather(kb, p.ctx_blocks, 0).view(-1, KV, hd)[: p.stop]
+                vp = self._gather(vb, p.ctx_blocks, 1).view(-1, KV, hd)[: p.stop]
+            kp = kp.repeat_interleave(G, dim=1).transpose(0, 1)[None]
+            vp = vp.repeat_interleave(G, dim=1).transpose(0, 1)[None]
+            qc = q[p.r0 : p.r1].transpose(0, 1)[None]
+            oc = _attend(qc, kp, vp, p.masks[layer.window], self.scale, layer.softcap)
+            out[p.r0 : p.r1] = oc[0].transpose(0, 1)
+        return out
+
+    def _logits(self, x: torch.Tensor, chunks: Sequence[ScheduledChunk], step: StepLayout) -> torch.Tensor:
+        """Logits of the rows that sample: a decode's row, a finished prefill's last row."""
         w = self.w
-        H, KV, hd, G = self.num_heads, self.num_kv_heads, self.head_dim, self.group
-        x = w.embed[torch.tensor(ids, device=dev)]
-        T = x.shape[0]
-        for li, layer in enumerate(w.layers):
-            h = _rms_norm(x, layer.input_norm, w.rms_norm_eps)
-            qkv = h @ layer.qkv.T
-            if layer.qkv_bias is not None:  # the family's data (weights.FAMILIES), not a branch per family
-                qkv = qkv + layer.qkv_bias
-            q = qkv[:, : H * hd].view(T, H, hd)
-            k = qkv[:, H * hd : (H + KV) * hd].view(T, KV, hd)
-            v = qkv[:, (H + KV) * hd :].view(T, KV, hd)
-            if layer.q_norm is not None and layer.k_norm is not None:
-                q, k = _rms_norm(q, layer.q_norm, w.rms_norm_eps), _rms_norm(k, layer.k_norm, w.rms_norm_eps)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            kc, vc = self.k_cache[li], self.v_cache[li]
-            kc.index_copy_(0, slots, k[:real])
-            vc.index_copy_(0, slots, v[:real])
-            # gather whole blocks (bs * KV * hd contiguous values each), not single slots
-            kb, vb = kc.view(-1, bs, KV, hd), vc.view(-1, bs, KV, hd)
-            out = torch.empty(T, H, hd, dtype=x.dtype, device=dev)
-            if pad:
-                out[real:] = 0  # padding rows: computed by the dense layers, read by nothing
-            for g0, g1, blocks, dmask, length in decode_groups:
-                n = g1 - g0
-                kd = self._gather(kb, blocks, 0).view(n, length, KV, hd).transpose(1, 2)
-                vd = self._gather(vb, blocks, 1).view(n, length, KV, hd).transpose(1, 2)
-                qd = q[g0:g1].view(n, KV, G, hd)  # fold the GQA group into the query axis
-                od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=dmask, scale=self.scale)
-                out[g0:g1] = od.reshape(n, H, hd)
-            for r0, r1, ctx_blocks, mask in prefill_meta:
-                qc = q[r0:r1].transpose(0, 1)[None]
-                if ctx_blocks is None:
-                    kp, vp = k[r0:r1], v[r0:r1]
-                else:
-                    n_ctx = mask.shape[1]
-                    kp = self._gather(kb, ctx_blocks, 0).view(-1, KV, hd)[:n_ctx]
-                    vp = self._gather(vb, ctx_blocks, 1).view(-1, KV, hd)[:n_ctx]
-                kp = kp.repeat_interleave(G, dim=1).transpose(0, 1)[None]
-                vp = vp.repeat_interleave(G, dim=1).transpose(0, 1)[None]
-                if mask is None:
-                    oc = F.scaled_dot_product_attention(qc, kp, vp, is_causal=True, scale=self.scale)
-                else:
-                    oc = F.scaled_dot_product_attention(qc, kp, vp, attn_mask=mask, scale=self.scale)
-                out[r0:r1] = oc[0].transpose(0, 1)
-            x = x + out.view(T, H * hd) @ layer.o.T
-            h = _rms_norm(x, layer.post_norm, w.rms_norm_eps)
-            gate, up = (h @ layer.gate_up.T).chunk(2, dim=-1)
-            x = x + (F.silu(gate) * up) @ layer.down.T
-
-        last_row: dict[int, int] = {}
-        for i, c in enumerate(decodes):
-            last_row[c.seq_id] = i
-        for c, (_, r1, _, _) in zip(prefills, prefill_meta, strict=True):
-            last_row[c.seq_id] = r1 - 1
+        last_row = {c.seq_id: i for i, c in enumerate(step.decodes)}
+        for c, p in zip(step.prefills, step.prefill_runs, strict=True):
+            last_row[c.seq_id] = p.r1 - 1
         rows = [last_row[c.seq_id] for c in chunks if c.sample]
         if not rows:
             return torch.empty(0, w.vocab_size)
-        h = _rms_norm(x[torch.tensor(rows, device=dev)], w.norm, w.rms_norm_eps)
-        return (h @ w.lm_head.T).float()
+        logits = self.norm(x[torch.tensor(rows, device=self.device)], w.norm, w.rms_norm_eps) @ w.lm_head.T
+        if w.final_softcap is not None:
+            logits = _softcap(logits, w.final_softcap)
+        return logits.float()
 
 
 # -- Memory and speed, measured on the runner ------------------------------------------------------
@@ -434,7 +552,7 @@ def _tensor_bytes(tensors: Sequence[torch.Tensor]) -> int:
 def weights_bytes(runner: LLMModelRunner) -> int:
     """Bytes of the runner's model tensors (shared storages once), RoPE tables included."""
     w = runner.w
-    tensors = [w.embed, w.norm, w.lm_head, runner.cos, runner.sin]
+    tensors = [w.embed, w.norm, w.lm_head, *(t for table in runner.rope for t in table)]
     for layer in w.layers:
         tensors += layer.tensors()
     return _tensor_bytes(tensors)
@@ -460,7 +578,8 @@ def weights_memory(weights: Any, dtype: torch.dtype) -> MemoryProfile:
     for layer in w.layers:
         tensors += layer.tensors()
     size = torch.empty(0, dtype=dtype).element_size()
-    rope = 2 * w.max_position_embeddings * w.head_dim * size
+    tables = 1 if w.local_inv_freq is None else 2
+    rope = 2 * tables * w.max_position_embeddings * w.head_dim * size
     kv = 2 * len(w.layers) * w.num_kv_heads * w.head_dim * size
     return MemoryProfile(_tensor_bytes(tensors) + rope, kv)
 

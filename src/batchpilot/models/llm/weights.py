@@ -4,21 +4,26 @@
 hub) or builds the seeded random default (a Llama). ``LlamaWeights.from_hf`` fuses q/k/v into one matrix
 and gate/up into another (two matmuls per layer instead of five) and takes RoPE's ``inv_freq`` and
 scaling from the HF module itself, so any RoPE variant HF computes statically (default, llama3,
-linear, yarn) is reproduced exactly.
+linear, yarn) is reproduced exactly, and so is a second RoPE for sliding-window layers (Gemma 3's).
 
 One runner serves every family; what differs is data, ``FAMILIES``: a ``DecoderSpec`` per
 ``model_type`` (q/k/v biases as Qwen2 has them, an RMSNorm of each head's q and k before RoPE as
-Qwen3 has, q/k/v and gate/up stored fused as Phi-3 has them). A checkpoint of any other
-``model_type`` is refused at load with the list of the ones served.
+Qwen3 and Gemma 3 have, q/k/v and gate/up stored fused as Phi-3 has them, Gemma's norms, scaled
+embeddings and soft-caps). What a config says per layer (its sliding window, its soft-cap, which RoPE)
+is read into ``LayerWeights``. A checkpoint of any other ``model_type`` is refused at load with the list
+of the ones served.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from batchpilot.models.seeded import LLMModelConfig
 
@@ -39,21 +44,45 @@ def load_hf_llama(model_path: str | Path | None, config: LLMModelConfig | None =
     return model.eval()
 
 
+# (HF module of each decoder layer, the runner's role for it): Llama-like layers norm the input of the
+# attention and of the MLP; Gemma's also norm what each branch returns before it joins the residual
+LLAMA_NORMS = (("input_layernorm", "input_norm"), ("post_attention_layernorm", "mlp_norm"))
+GEMMA_NORMS = (("input_layernorm", "input_norm"), ("post_attention_layernorm", "attn_out_norm"),
+               ("pre_feedforward_layernorm", "mlp_norm"), ("post_feedforward_layernorm", "mlp_out_norm"))
+
+
 @dataclass(frozen=True)
 class DecoderSpec:
     """What a decoder family adds to the Llama block, as data the runner reads."""
 
     qkv_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
-    qk_norm: bool = False  # each head's q and k pass an RMSNorm over head_dim before RoPE (Qwen3)
+    qk_norm: bool = False  # each head's q and k pass an RMSNorm over head_dim before RoPE (Qwen3, Gemma 3)
     fused: bool = False  # q/k/v and gate/up stored fused, in the runner's order (Phi-3)
+    norms: tuple[tuple[str, str], ...] = LLAMA_NORMS  # which norms a layer has (above)
+    norm_plus_one: bool = False  # RMSNorm scales by (1 + w), in float32 before the cast back (Gemma)
+    embed_scaled: bool = False  # embeddings times sqrt(hidden_size), rounded to the model's dtype (Gemma)
+    attn_softcap: bool = False  # attention scores soft-capped by ``attn_logit_softcapping`` (Gemma 2)
+    # where a sliding window applies: "layer_types" (each layer the config's ``layer_types`` marks
+    # sliding_attention), "all" (every layer, when the config sets one), "never"
+    sliding: str = "layer_types"
 
 
 FAMILIES: dict[str, DecoderSpec] = {
-    "llama": DecoderSpec(),
-    "mistral": DecoderSpec(),
+    "llama": DecoderSpec(sliding="never"),
+    "mistral": DecoderSpec(sliding="all"),
     "qwen2": DecoderSpec(qkv_bias=True),
     "qwen3": DecoderSpec(qk_norm=True),
-    "phi3": DecoderSpec(fused=True),
+    "phi3": DecoderSpec(fused=True, sliding="all"),
+    "gemma2": DecoderSpec(norms=GEMMA_NORMS, norm_plus_one=True, embed_scaled=True, attn_softcap=True),
+    # HF's Gemma 3 attention never applies attn_logit_softcapping, though its config has the field
+    "gemma3_text": DecoderSpec(qk_norm=True, norms=GEMMA_NORMS, norm_plus_one=True, embed_scaled=True),
+}
+
+# the MLP activations served (HF's ``ACT2FN`` names; ``hidden_activation`` or ``hidden_act``)
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
 }
 
 
@@ -66,7 +95,18 @@ def family(cfg: Any) -> DecoderSpec:
     if float(getattr(cfg, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
         raise ValueError(f"llm model: {model_type} with partial_rotary_factor {cfg.partial_rotary_factor} is "
                          "not served (the runner rotates every dimension of a head)")
+    if getattr(cfg, "use_bidirectional_attention", False):
+        raise ValueError(f"llm model: {model_type} with use_bidirectional_attention is not served (the "
+                         "runner attends causally)")
+    if activation(cfg) not in ACTIVATIONS:
+        raise ValueError(f"llm model: {model_type} with activation {activation(cfg)!r} is not served; "
+                         f"served: {', '.join(sorted(ACTIVATIONS))}")
     return FAMILIES[model_type]
+
+
+def activation(cfg: Any) -> str:
+    """The MLP activation's name: Gemma's configs call it ``hidden_activation``, the others ``hidden_act``."""
+    return str(getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "silu"))
 
 
 def fused_projections(a: Any, m: Any, spec: DecoderSpec,
@@ -106,11 +146,26 @@ def eos_of(*entries: Any) -> tuple[int, ...]:
     return tuple(out)
 
 
-def served_positions(cfg: Any) -> int:
-    """The positions served: the model's, or fewer for a sliding-window attention (Mistral's, a Qwen's
-    with ``use_sliding_window``), which the runner's full attention reproduces only within the window."""
-    window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
-    return int(min(cfg.max_position_embeddings, window)) if window else int(cfg.max_position_embeddings)
+def layer_windows(cfg: Any, spec: DecoderSpec) -> list[int | None]:
+    """Each layer's sliding window as HF's attention applies it (None: full attention). A query at
+    position ``p`` of a layer with window ``W`` attends to positions ``p - W + 1 .. p``."""
+    n = int(cfg.num_hidden_layers)
+    window = getattr(cfg, "sliding_window", None)
+    if spec.sliding == "never" or window is None or not getattr(cfg, "use_sliding_window", True):
+        return [None] * n
+    types = getattr(cfg, "layer_types", None) if spec.sliding == "layer_types" else None
+    if types is None:
+        return [int(window)] * n
+    return [int(window) if t == "sliding_attention" else None for t in types]
+
+
+def rope_of(rotary: Any, layer_type: str) -> tuple[torch.Tensor, float]:
+    """RoPE's ``inv_freq`` and scaling for a layer type: a rotary module with one table per type (Gemma 3:
+    ``sliding_attention_inv_freq`` with ``rope_local_base_freq``) has them by name, the others one."""
+    inv_freq = getattr(rotary, f"{layer_type}_inv_freq", None)
+    if inv_freq is None:
+        return rotary.inv_freq.detach().float().clone(), float(getattr(rotary, "attention_scaling", 1.0))
+    return inv_freq.detach().float().clone(), float(getattr(rotary, f"{layer_type}_attention_scaling", 1.0))
 
 
 @dataclass
@@ -118,17 +173,24 @@ class LayerWeights:
     input_norm: torch.Tensor
     qkv: torch.Tensor  # [(H + 2*KV) * hd, D]
     o: torch.Tensor
-    post_norm: torch.Tensor
+    mlp_norm: torch.Tensor  # in front of the MLP (Llama's post_attention_layernorm)
     gate_up: torch.Tensor  # [2 * I, D]
     down: torch.Tensor
     qkv_bias: torch.Tensor | None = None  # [(H + 2*KV) * hd] (``DecoderSpec.qkv_bias``)
     q_norm: torch.Tensor | None = None  # [hd] (``DecoderSpec.qk_norm``)
     k_norm: torch.Tensor | None = None
+    attn_out_norm: torch.Tensor | None = None  # on the attention's output (``GEMMA_NORMS``)
+    mlp_out_norm: torch.Tensor | None = None  # on the MLP's output
+    window: int | None = None  # sliding window in positions (``layer_windows``); None: full attention
+    softcap: float | None = None  # attention scores become tanh(s / c) * c before the softmax
+    local_rope: bool = False  # RoPE from ``LlamaWeights.local_inv_freq`` (a sliding layer of Gemma 3)
+
+    TENSORS = ("input_norm", "qkv", "o", "mlp_norm", "gate_up", "down", "qkv_bias", "q_norm", "k_norm",
+               "attn_out_norm", "mlp_out_norm")
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor of the layer, for the memory accounts."""
-        extra = [t for t in (self.qkv_bias, self.q_norm, self.k_norm) if t is not None]
-        return [self.input_norm, self.qkv, self.o, self.post_norm, self.gate_up, self.down, *extra]
+        return [t for t in (getattr(self, name) for name in self.TENSORS) if t is not None]
 
 
 @dataclass
@@ -146,43 +208,66 @@ class LlamaWeights:
     max_position_embeddings: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    spec: DecoderSpec = DecoderSpec()
+    activation: str = "silu"  # a key of ``ACTIVATIONS``
+    attn_scale: float | None = None  # None: head_dim ** -0.5; Gemma: query_pre_attn_scalar ** -0.5
+    final_softcap: float | None = None  # logits become tanh(l / c) * c (Gemma's final_logit_softcapping)
+    local_inv_freq: torch.Tensor | None = None  # the sliding layers' RoPE where it differs (Gemma 3)
+    local_attention_scaling: float = 1.0
 
     @classmethod
     def from_hf(cls, model: Any) -> LlamaWeights:
         cfg = model.config
         spec = family(cfg)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        windows = layer_windows(cfg, spec)
+        rotary = model.model.rotary_emb
+        local = hasattr(rotary, "sliding_attention_inv_freq")
+        types = getattr(cfg, "layer_types", None) or ["full_attention"] * len(windows)
+        softcap = getattr(cfg, "attn_logit_softcapping", None) if spec.attn_softcap else None
         layers = []
         with torch.no_grad():
-            for layer in model.model.layers:
+            for layer, window, layer_type in zip(model.model.layers, windows, types, strict=True):
                 a, m = layer.self_attn, layer.mlp
                 qkv, gate_up, bias = fused_projections(a, m, spec, cfg.model_type)
+                norms = {role: getattr(layer, name).weight.detach() for name, role in spec.norms}
                 layers.append(LayerWeights(  # the rest is shared with the HF module, not copied
-                    input_norm=layer.input_layernorm.weight.detach(),
                     qkv=qkv,
                     o=a.o_proj.weight.detach(),
-                    post_norm=layer.post_attention_layernorm.weight.detach(),
                     gate_up=gate_up,
                     down=m.down_proj.weight.detach(),
                     qkv_bias=bias,
                     q_norm=a.q_norm.weight.detach() if spec.qk_norm else None,
                     k_norm=a.k_norm.weight.detach() if spec.qk_norm else None,
+                    window=window,
+                    softcap=float(softcap) if softcap else None,
+                    local_rope=local and layer_type == "sliding_attention",
+                    **norms,
                 ))
-            rotary = model.model.rotary_emb
             gen = getattr(model, "generation_config", None)
             eos_ids = eos_of(cfg.eos_token_id, getattr(gen, "eos_token_id", None))
+            inv_freq, scaling = rope_of(rotary, "full_attention")
+            local_inv_freq, local_scaling = rope_of(rotary, "sliding_attention") if local else (None, 1.0)
+            pre_attn = getattr(cfg, "query_pre_attn_scalar", None)
+            final_softcap = getattr(cfg, "final_logit_softcapping", None)
             return cls(
                 embed=model.model.embed_tokens.weight.detach(),
                 layers=layers,
                 norm=model.model.norm.weight.detach(),
                 lm_head=model.lm_head.weight.detach(),
-                inv_freq=rotary.inv_freq.detach().float().clone(),
-                attention_scaling=float(getattr(rotary, "attention_scaling", 1.0)),
+                inv_freq=inv_freq,
+                attention_scaling=scaling,
                 num_heads=cfg.num_attention_heads,
                 num_kv_heads=cfg.num_key_value_heads,
                 head_dim=head_dim,
                 rms_norm_eps=cfg.rms_norm_eps,
-                max_position_embeddings=served_positions(cfg),
+                max_position_embeddings=int(cfg.max_position_embeddings),
                 vocab_size=cfg.vocab_size,
                 eos_token_ids=eos_ids,
+                spec=spec,
+                activation=activation(cfg),
+                attn_scale=float(pre_attn) ** -0.5 if pre_attn else None,
+                final_softcap=float(final_softcap) if final_softcap else None,
+                local_inv_freq=local_inv_freq,
+                local_attention_scaling=local_scaling,
             )

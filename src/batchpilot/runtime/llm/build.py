@@ -416,8 +416,8 @@ def share_runner_weights(model: Any, weights: Any) -> Any:
                 a.q_norm.weight.data, a.k_norm.weight.data = w.q_norm, w.k_norm
             a.o_proj.weight.data = w.o
             m.down_proj.weight.data = w.down
-            layer.input_layernorm.weight.data = w.input_norm
-            layer.post_attention_layernorm.weight.data = w.post_norm
+            for name, role in weights.spec.norms:  # the family's norms (weights.DecoderSpec.norms)
+                getattr(layer, name).weight.data = getattr(w, role)
         model.model.embed_tokens.weight.data = weights.embed
         model.model.norm.weight.data = weights.norm
         model.lm_head.weight.data = weights.lm_head
