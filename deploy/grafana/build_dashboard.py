@@ -2,11 +2,11 @@
 
     python deploy/grafana/build_dashboard.py > deploy/grafana/batchpilot.json
 
-Panels are grouped in rows (serving, batching, admission, latency, executor, LLM, arms, process); every
-query is per ``instance`` (a server, or a Ray replica's scrape target) and ``model`` where the series
-carries it, filtered by the dashboard's ``$instance`` and ``$model`` variables. The data source is
-the ``$datasource`` variable (any Prometheus). ``tests/test_deploy_files.py`` checks that every metric
-a query names is one the server exports.
+Panels are grouped in rows (serving, batching, admission, latency, executor, LLM, tenants, arms,
+process); every query is per ``instance`` (a server, or a Ray replica's scrape target) and ``model``
+where the series carries it, filtered by the dashboard's ``$instance`` and ``$model`` variables. The
+data source is the ``$datasource`` variable (any Prometheus). ``tests/test_deploy_files.py`` checks
+that every metric a query names is one the server exports.
 """
 
 from __future__ import annotations
@@ -165,6 +165,20 @@ ROWS: list[tuple[str, list[tuple[str, str, list[dict[str, Any]]]]]] = [
           q(f"increase(batchpilot_engine_recoveries_total{{{INST}}}[1h])", "recoveries/h {{instance}}"),
           q(f"rate(batchpilot_fallback_requests_total{{{INST}}}{W})", "fallback req/s {{instance}}"),
           q(f"batchpilot_engine_stall_timeout_seconds{{{INST}}}", "stall timeout s {{instance}}")]),
+    ]),
+    ("Tenants (docs/tenants.md)", [
+        ("Requests and tokens admitted per tenant", "reqps",
+         [q(f"sum by (instance, model, tenant) (rate(batchpilot_tenant_requests_total{{{SEL}}}{W}))",
+            "req/s {{instance}} {{model}} {{tenant}}"),
+          q(f"sum by (instance, model, tenant) (rate(batchpilot_tenant_tokens_total{{{SEL}}}{W}))",
+            "tokens/s {{instance}} {{model}} {{tenant}}")]),
+        ("P99 latency per tenant", "s",
+         [q(p99("batchpilot_tenant_request_latency_seconds", "instance, model, tenant"),
+            "{{instance}} {{model}} {{tenant}}")]),
+        ("Refused or dropped per tenant, by reason", "reqps",
+         [q(f"sum by (instance, model, tenant, reason) "
+            f"(rate(batchpilot_tenant_rejections_total{{{SEL}}}{W}))",
+            "{{instance}} {{model}} {{tenant}} {{reason}}")]),
     ]),
     ("Canary and A/B arms (docs/rollout.md)", [
         ("Share of new requests per arm", "percentunit",

@@ -196,7 +196,7 @@ def fields_from_args(args: argparse.Namespace, cls: type) -> dict[str, Any]:
 _ENCODER_FLAGS: tuple[tuple[str, type, tuple[str, ...]], ...] = (
     ("encoder.policy", PolicyConfig, ("name", "max_batch_size", "max_wait_s")),
     ("encoder.planner", PlannerConfig, ("padding",)),
-    ("encoder", SchedulerConfig, ("num_slots",)))
+    ("encoder", SchedulerConfig, ("num_slots", "queue_order")))
 _SERVER_FLAGS = ("max_concurrency", "request_timeout_s", "tokenizer_workers", "latency_sla_s")
 
 

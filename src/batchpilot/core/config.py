@@ -218,7 +218,7 @@ class SchedulerConfig:
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     bucketing: BucketingConfig = field(default_factory=BucketingConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
-    queue_order: QueueOrder = "fcfs"
+    queue_order: QueueOrder = field(default="fcfs", metadata={"flag": {"choices": QUEUE_ORDERS}})
     # under queue_order "fair" (core/fair.py): the order of one tenant's own requests
     tenant_order: RequestOrder = "fcfs"
     # executor slots (model instances / worker threads)
