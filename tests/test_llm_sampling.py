@@ -126,3 +126,24 @@ def test_a_matcher_made_late_replays_the_outputs_so_far(tok: Any) -> None:
 def test_a_constraint_the_library_refuses_says_why(tok: Any, kind: str, spec: str) -> None:
     with pytest.raises(GrammarRefused, match=kind):
         grammars_for(tok, VOCAB, (EOS_ID,)).compile(StructuredOutput(kind, spec))  # type: ignore[arg-type]
+
+
+def test_a_grammar_never_lets_a_surrogates_bytes_or_a_control_character_through(tok: Any) -> None:
+    """xgrammar's UTF-8 decoding takes a surrogate's encoding (ED A0-BF ..) that every decoder turns into
+    U+FFFD, and its bounded JSON string takes raw control characters: the sampler's masks do not."""
+    g = grammars_for(tok, VOCAB, (EOS_ID,))
+    vocab = g.info.decoded_vocab
+    ed, cont = vocab.index(b"\xed"), vocab.index(b"\xad")
+    ctrl = next(i for i, b in enumerate(vocab) if b == b"\x01")
+    c = StructuredOutput("json_schema", json.dumps({"type": "string", "maxLength": 5}))
+    seq = Sequence(0, [5], SamplingParams(temperature=0, structured=c))
+    seq.output_token_ids = [vocab.index(b'"')]
+    logits = torch.zeros(1, VOCAB)
+    logits[0, ctrl] = 50.0
+    logits[0, ed] = 40.0
+    s = sampler(tok)
+    assert s.choose(logits, [seq])[0].token == ed  # the control character is masked, ED is not
+    seq.output_token_ids.append(ed)
+    logits[0, cont] = 60.0
+    after = s.choose(logits, [seq])[0].token
+    assert after != cont and 0x80 <= vocab[after][0] <= 0x9F  # ED then A0-BF would be a surrogate

@@ -21,13 +21,16 @@ left.
 
 JSON answers are compact (no whitespace between tokens: ``any_whitespace=False``, separators ``,`` and
 ``:``), as a random or small model would otherwise fill the answer with whitespace; ``json_object`` is
-any JSON object.
+any JSON object. Two masks of our own close what xgrammar leaves open (``Grammars.valid_utf8``,
+``json_safe``, ``after_ed``): no answer holds a UTF-16 surrogate's bytes, no JSON answer a raw control
+character.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import re
 import threading
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -40,6 +43,7 @@ from batchpilot.core.llm.sequence import Sequence, StructuredOutput
 
 COMPACT = (",", ":")  # JSON separators: no whitespace at all
 JSON_KINDS = ("json_schema", "json_object")
+SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
 
 
 class GrammarRefused(ValueError):
@@ -87,22 +91,38 @@ class Grammars:
     def matcher(self, c: StructuredOutput) -> Any:
         return self.xgr.GrammarMatcher(self.compile(c))
 
+    # Two masks xgrammar's own leave out, ANDed into a constrained row's (``Constraints._fill``). Its
+    # UTF-8 decoding takes the encodings of the surrogates U+D800-U+DFFF (bytes ED A0-BF ..), which no
+    # decoder does (each byte becomes U+FFFD: a bounded string grows past its maxLength), and its JSON
+    # string rule under ``maxLength`` admits raw control characters, which compact JSON never holds.
+    @functools.cached_property
+    def valid_utf8(self) -> torch.Tensor:
+        """The tokens whose bytes hold no surrogate's encoding (and the stop tokens)."""
+        return self._mask(lambda b: not SURROGATE.search(b))
+
     @functools.cached_property
     def json_safe(self) -> torch.Tensor:
-        """The bitmask of the tokens a compact JSON answer may contain: none whose bytes hold a control
-        character (U+0000-U+001F may not appear raw anywhere in compact JSON, but xgrammar's string rule
-        under ``maxLength`` admits them), plus the stop tokens."""
-        words = self.bitmask(1)[0]
-        words.zero_()
+        """``valid_utf8`` less the tokens holding a control character (U+0000-U+001F)."""
+        return self._mask(lambda b: not SURROGATE.search(b) and not any(x < 0x20 for x in b))
+
+    @functools.cached_property
+    def after_ed(self) -> torch.Tensor:
+        """The tokens that may follow a lone trailing byte ED: none that begins with A0-BF."""
+        return self._mask(lambda b: not 0xA0 <= b[0] <= 0xBF)
+
+    def _mask(self, allowed: Callable[[bytes], bool]) -> torch.Tensor:
         stops = set(self.info.stop_token_ids)
-        allowed = [i for i, b in enumerate(self.info.decoded_vocab[: self.vocab_size])
-                   if i in stops or (b and not any(x < 0x20 for x in b))]
-        ids = torch.tensor(allowed, dtype=torch.int64)
-        bits = torch.zeros(words.shape[0] * 32, dtype=torch.int64)
-        bits[ids] = 1
-        weights = 2 ** torch.arange(32, dtype=torch.int64)
-        packed = (bits.view(-1, 32) * weights).sum(dim=1)
+        ids = [i for i, b in enumerate(self.info.decoded_vocab[: self.vocab_size])
+               if i in stops or (b and allowed(b))]
+        bits = torch.zeros(self.bitmask(1).shape[1] * 32, dtype=torch.int64)
+        bits[torch.tensor(ids, dtype=torch.int64)] = 1
+        packed = (bits.view(-1, 32) * 2 ** torch.arange(32, dtype=torch.int64)).sum(dim=1)
         return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+    def ends_in_ed(self, token: int) -> bool:
+        """The token's bytes end with a lone ED (a 3-byte character's first byte)."""
+        b = self.info.decoded_vocab[token] if 0 <= token < self.vocab_size else b""
+        return b.endswith(b"\xed")
 
     def bitmask(self, rows: int) -> torch.Tensor:
         return self.xgr.allocate_token_bitmask(rows, self.vocab_size)
@@ -178,8 +198,10 @@ class Constraints:
         bitmask = self.grammars.bitmask(len(seqs))
         for i in live:
             self._matchers[seqs[i].seq_id].fill_next_token_bitmask(bitmask, i)
-            if seqs[i].params.structured.kind in JSON_KINDS:  # type: ignore[union-attr]
-                bitmask[i] &= self.grammars.json_safe
+            g, seq = self.grammars, seqs[i]
+            bitmask[i] &= g.json_safe if seq.params.structured.kind in JSON_KINDS else g.valid_utf8  # type: ignore[union-attr]
+            if seq.output_token_ids and g.ends_in_ed(seq.output_token_ids[-1]):
+                bitmask[i] &= g.after_ed
         return bitmask, live
 
     def accept(self, seq: Sequence, token: int) -> None:
