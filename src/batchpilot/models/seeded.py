@@ -65,7 +65,7 @@ def build_word_encoder(out_dir: str | os.PathLike[str], words: int = 400, hidden
     vocab = out / "vocab.txt"
     vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]",
                                 *(f"w{i}" for i in range(words))]) + "\n")
-    BertTokenizerFast(vocab_file=str(vocab)).save_pretrained(out)
+    BertTokenizerFast(vocab=str(vocab)).save_pretrained(out)  # transformers 5 ignores vocab_file=
     torch.manual_seed(seed)
     cfg = BertConfig(vocab_size=words + 5, hidden_size=hidden, num_hidden_layers=layers,
                      num_attention_heads=heads, intermediate_size=4 * hidden,
