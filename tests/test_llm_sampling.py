@@ -82,7 +82,6 @@ def generate(s: Sampler, c: StructuredOutput, seed: int, steps: int = 80) -> str
     g = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         logits = torch.randn(1, VOCAB, generator=g) * 5
-        s.prefetch([seq])
         token = s.choose(logits, [seq])[0].token
         if token == EOS_ID:
             break

@@ -5,9 +5,8 @@
     measure_structured_cost(engine)                   seconds one structured sequence adds to a step:
                                                       all under the schema against none, interleaved
 
-A step here is what the engine thread does for it: the masks started on the sampler's worker
-(``prefetch``), the runner's forward, the sampler's choice (masks applied, matchers advanced) and the
-scheduler's update, on the engine's own runner and sampler (an engine built, not started: nothing else
+A step here is what the engine thread does for it: the runner's forward, the sampler's choice (masks
+filled and applied, matchers advanced) and the scheduler's update, on the engine's own runner and sampler (an engine built, not started: nothing else
 runs on them). ``batchpilot profile --llm`` stores the cost as the service model's
 ``structured_s_per_seq``, what ``simulate --target llm --structured-share`` prices each structured
 sequence's step with (``sim/llm.py``).
@@ -55,7 +54,6 @@ def decode_step_seconds(engine: Any, seqs: int, share: float, steps: int = 16, s
         plan = sched.schedule()
         t0 = time.perf_counter()
         batch = [sched.seqs[c.seq_id] for c in plan.chunks if c.sample]
-        sampler.prefetch(batch)
         choices = sampler.choose(runner.forward(plan.chunks), batch)
         sched.update(plan, {s.seq_id: c.token for s, c in zip(batch, choices, strict=True)})
         if plan.shape.prefill_tokens == 0 and len(plan.chunks) == seqs:

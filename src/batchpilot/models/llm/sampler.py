@@ -1,7 +1,6 @@
 """Token choice per sequence: from a step's logits to each sampling sequence's token (and its logprobs).
 
     Sampler(base_seed, constraints=None)
-        .prefetch(seqs)          before the forward: start the structured-output masks (``grammar.py``)
         .choose(logits, seqs)    -> one ``Choice`` per row: the token, and its logprobs when asked
         .forget(seq_id)          a sequence is done: drop its generator and matcher
 
@@ -105,10 +104,6 @@ class Sampler:
         self._generators.pop(seq_id, None)
         if self.constraints is not None:
             self.constraints.forget(seq_id)
-
-    def prefetch(self, seqs: Seq[Sequence]) -> None:
-        if self.constraints is not None:
-            self.constraints.prefetch(seqs)
 
     def choose(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> list[Choice]:
         """One choice per row of ``logits [N, vocab]``, row i for ``seqs[i]``."""

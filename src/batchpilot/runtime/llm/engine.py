@@ -855,7 +855,6 @@ class LLMEngine:
             return
         t0 = time.perf_counter()
         sampling = [self.scheduler.seqs[c.seq_id] for c in plan.chunks if c.sample]
-        self.sampler.prefetch(sampling)  # structured-output masks, filled while the forward runs
         logits = self.runner.forward(plan.chunks)
         choices = dict(zip([s.seq_id for s in sampling], self.sampler.choose(logits, sampling), strict=True))
         self._last_forward_s = time.perf_counter() - t0
