@@ -6,10 +6,10 @@
                                                       all under the schema against none, interleaved
 
 A step here is what the engine thread does for it: the runner's forward, the sampler's choice (masks
-filled and applied, matchers advanced) and the scheduler's update, on the engine's own runner and sampler (an engine built, not started: nothing else
-runs on them). ``batchpilot profile --llm`` stores the cost as the service model's
-``structured_s_per_seq``, what ``simulate --target llm --structured-share`` prices each structured
-sequence's step with (``sim/llm.py``).
+filled and applied, matchers advanced) and the scheduler's update, on the engine's own runner and
+sampler (an engine built, not started: nothing else runs on them). ``batchpilot profile --llm`` stores
+the cost as the service model's ``structured_s_per_seq``, what ``simulate --target llm
+--structured-share`` prices each structured sequence's step with (``sim/llm.py``).
 
 The schema keeps an answer open for the whole measurement (an array of at least 16 objects, each with
 a bounded string, an enum, a number and a nested array), so no matcher terminates and every step masks.
