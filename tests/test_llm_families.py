@@ -12,9 +12,10 @@ biases, the q/k norms of Qwen3 and Gemma 3, Gemma's norms (around 0, as it store
 by ``1 + w``, and its post-attention and post-feedforward norms near 1 so the branches outweigh the
 embedding). Every family that has a sliding window has one of ``WINDOW`` positions, shorter than a prompt
 plus its output (layer 1 of Qwen2/3 through ``max_window_layers``; Gemma's layer 0 sliding, layer 1
-global), and Gemma 2's attention soft-cap is small enough to bite on these scores. The Gemma models of the
-greedy test have untied output embeddings: tied ones at this size repeat the last token whatever the
-context, which would test little; ``test_gemma_logits_with_tied_embeddings_and_a_final_softcap`` checks
+global; ``gemma3`` is the multimodal Gemma 3, served on its language model), and Gemma 2's attention
+soft-cap is small enough to bite on these scores. The Gemma models of the greedy test have untied
+output embeddings: tied ones at this size repeat the last token whatever the context, which would test
+little; ``test_gemma_logits_with_tied_embeddings_and_a_final_softcap`` checks
 the tied ones (and the final soft-cap, which never changes an argmax) on the logits.
 """
 
@@ -29,16 +30,16 @@ import torch
 from batchpilot.core.llm.config import LLMSchedulerConfig
 from batchpilot.core.llm.scheduler import LLMScheduler
 from batchpilot.models.llm.runner import LLMModelRunner
-from batchpilot.models.llm.weights import FAMILIES, LlamaWeights, layer_windows, load_hf_llama
+from batchpilot.models.llm.weights import FAMILIES, LlamaWeights, decoder_of, layer_windows, load_hf_llama
 from llm_greedy import engine_greedy, hf_greedy
 
 STEPS, PROMPTS, CROWD, WINDOW = 32, 8, 16, 16
 SHAPE = dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
              initializer_range=0.06, rms_norm_eps=1e-6)
-GEMMA = ("gemma2", "gemma3_text")
+GEMMA = ("gemma2", "gemma3", "gemma3_text")
 # seeds whose greedy paths (PROMPTS x STEPS under HF) have a top-2 logit gap of 3e-4 or more at every step
-SEEDS = {"gemma3_text": 2}
+SEEDS = {"gemma3_text": 2, "gemma3": 8}
 
 
 def family_config(model_type: str, tied: bool = False, final_softcap: float | None = None) -> Any:
@@ -52,6 +53,13 @@ def family_config(model_type: str, tied: bool = False, final_softcap: float | No
         extra.update(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
     if model_type == "phi3":  # its config names token ids of a 32k vocabulary
         extra.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if model_type == "gemma3":  # multimodal: its text decoder is a gemma3_text; a one-layer vision tower
+        vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                 num_attention_heads=2, image_size=28, patch_size=14)
+        text = family_config("gemma3_text", tied, final_softcap).to_dict()
+        return transformers.Gemma3Config(text_config=text, vision_config=vision.to_dict(),
+                                         mm_tokens_per_image=4, boi_token_index=4093, eoi_token_index=4094,
+                                         image_token_index=4095, tie_word_embeddings=tied)
     if model_type in ("qwen3", *GEMMA):
         extra["head_dim"] = 64
     if model_type in GEMMA:
@@ -81,8 +89,9 @@ def build(model_type: str, seed: int | None = None, tied: bool = False,
         t.copy_(mean + std * torch.randn(t.shape, generator=g))
 
     gemma = model_type in GEMMA
+    decoder, _ = decoder_of(model)
     with torch.no_grad():
-        for layer in model.model.layers:
+        for layer in decoder.layers:
             a = layer.self_attn
             for proj in (getattr(a, "q_proj", None), getattr(a, "k_proj", None), getattr(a, "v_proj", None)):
                 if proj is not None and proj.bias is not None:
@@ -96,7 +105,7 @@ def build(model_type: str, seed: int | None = None, tied: bool = False,
                 draw(layer.post_attention_layernorm.weight, 1.0, 0.5)
                 draw(layer.post_feedforward_layernorm.weight, 1.0, 0.5)
         if gemma:
-            draw(model.model.norm.weight, 0.0, 0.3)
+            draw(decoder.norm.weight, 0.0, 0.3)
     model.generation_config.eos_token_id = None
     return model
 
@@ -140,9 +149,11 @@ def test_each_family_matches_hf_alone_and_in_a_crowd(model_type: str, tmp_path: 
 
 @pytest.mark.parametrize("model_type", GEMMA)
 def test_gemma_logits_with_tied_embeddings_and_a_final_softcap(model_type: str, tmp_path: Path) -> None:
-    """Gemma ties its output to its input embeddings and soft-caps the final logits: a prompt's logits
-    (prefilled in chunks, over a window) equal HF's forward to float noise, below the cap, and not what
-    the uncapped logits would be."""
+    """Gemma ties its output to its input embeddings and its causal LMs soft-cap the final logits (HF's
+    multimodal Gemma 3 does not): a prompt's logits, prefilled in two chunks past the window, equal HF's
+    forward to float noise; capped, they stay below the cap and differ from the uncapped ones."""
+    from batchpilot.core.llm.scheduler import ScheduledChunk
+
     hf = build(model_type, tied=True, final_softcap=2.0)
     hf.save_pretrained(tmp_path)
     hf = load_hf_llama(tmp_path)
@@ -152,15 +163,15 @@ def test_gemma_logits_with_tied_embeddings_and_a_final_softcap(model_type: str, 
     weights = LlamaWeights.from_hf(hf)
     assert weights.lm_head.data_ptr() == weights.embed.data_ptr()
     runner = LLMModelRunner(weights, 64, 8)
-    from batchpilot.core.llm.scheduler import ScheduledChunk
-
     table = list(range(6))
     first = runner.forward([ScheduledChunk(0, 0, p[:24], table, False, False)])
     got = runner.forward([ScheduledChunk(0, 24, p[24:], table, True, False)])[0]
     assert first.shape[0] == 0
     torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
-    cap = hf.config.final_logit_softcapping
-    assert got.abs().max() < cap
+    if model_type == "gemma3":
+        assert weights.final_softcap is None
+        return
+    assert weights.final_softcap == 2.0 and got.abs().max() < 2.0
     runner.w.final_softcap = None
     uncapped = runner.forward([ScheduledChunk(0, 24, p[24:], table, True, False)])[0]
     assert (uncapped - got).abs().max() > 0.5
@@ -190,7 +201,7 @@ def test_another_model_type_is_refused_with_the_families_served(tmp_path: Path) 
 
     transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=64, n_head=2,
                                                          vocab_size=512)).save_pretrained(tmp_path)
-    served = "served: gemma2, gemma3_text, llama, mistral, phi3, qwen2, qwen3"
+    served = "served: gemma2, gemma3, gemma3_text, llama, mistral, phi3, qwen2, qwen3"
     with pytest.raises(ValueError, match=rf"model_type 'gpt2' is not served; {served}$"):
         load_hf_llama(tmp_path)
 
@@ -231,7 +242,7 @@ def test_the_fallback_shares_the_runners_tensors_and_still_generates_the_same(mo
     weights = LlamaWeights.from_hf(hf)
     runner = LLMModelRunner(weights, 64, 8)
     share_runner_weights(hf, runner.w)
-    layer, w = hf.model.layers[0], runner.w.layers[0]
+    layer, w = decoder_of(hf)[0].layers[0], runner.w.layers[0]
     shared = getattr(layer.self_attn, "qkv_proj", None) or layer.self_attn.q_proj
     assert shared.weight.data_ptr() == w.qkv.data_ptr()
     assert hf_greedy(hf, ps, 10) == want
@@ -247,3 +258,20 @@ def test_every_eos_of_the_config_and_its_generation_config_ends_a_sequence(tmp_p
     hf.save_pretrained(tmp_path)
     assert LlamaWeights.from_hf(load_hf_llama(tmp_path)).eos_token_ids == (2, 7, 9)
     assert eos_of(None, 5) == (5,) and eos_of([1, 2], (2, 3), None) == (1, 2, 3) and eos_of(None) == ()
+
+
+def test_a_multimodal_gemma3_checkpoint_builds_an_engine_on_its_text_and_refuses_a_static_fallback(
+        tmp_path: Path) -> None:
+    """The engine serves Gemma 3's language model; HF's static fallback path does not take the multimodal
+    model, so it is refused by name with the flag that serves without it."""
+    from batchpilot.models.llm.tokenizer import build_tokenizer
+    from batchpilot.runtime.llm.build import build_fallback, build_llm_engine
+
+    build("gemma3").save_pretrained(tmp_path)
+    build_tokenizer(4096).save_pretrained(tmp_path)
+    engine = build_llm_engine(str(tmp_path), num_kv_blocks=64, max_model_len=256, plan_rows=False,
+                              start=False)
+    assert engine.runner.w.local_inv_freq is not None and engine.runner.w.layers[0].window == WINDOW
+    refused = r"multimodal checkpoint \(gemma3\) has no static fallback; serve it with --llm-fallback off"
+    with pytest.raises(ValueError, match=refused):
+        build_fallback(engine)

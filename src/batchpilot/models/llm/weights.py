@@ -62,6 +62,7 @@ class DecoderSpec:
     norm_plus_one: bool = False  # RMSNorm scales by (1 + w), in float32 before the cast back (Gemma)
     embed_scaled: bool = False  # embeddings times sqrt(hidden_size), rounded to the model's dtype (Gemma)
     attn_softcap: bool = False  # attention scores soft-capped by ``attn_logit_softcapping`` (Gemma 2)
+    final_softcap: bool = False  # logits soft-capped by ``final_logit_softcapping`` (Gemma's causal LMs)
     # where a sliding window applies: "layer_types" (each layer the config's ``layer_types`` marks
     # sliding_attention), "all" (every layer, when the config sets one), "never"
     sliding: str = "layer_types"
@@ -73,9 +74,14 @@ FAMILIES: dict[str, DecoderSpec] = {
     "qwen2": DecoderSpec(qkv_bias=True),
     "qwen3": DecoderSpec(qk_norm=True),
     "phi3": DecoderSpec(fused=True, sliding="all"),
-    "gemma2": DecoderSpec(norms=GEMMA_NORMS, norm_plus_one=True, embed_scaled=True, attn_softcap=True),
+    "gemma2": DecoderSpec(norms=GEMMA_NORMS, norm_plus_one=True, embed_scaled=True, attn_softcap=True,
+                          final_softcap=True),
     # HF's Gemma 3 attention never applies attn_logit_softcapping, though its config has the field
-    "gemma3_text": DecoderSpec(qk_norm=True, norms=GEMMA_NORMS, norm_plus_one=True, embed_scaled=True),
+    "gemma3_text": DecoderSpec(qk_norm=True, norms=GEMMA_NORMS, norm_plus_one=True, embed_scaled=True,
+                               final_softcap=True),
+    # Gemma 3 of 4B and up is multimodal (Gemma3ForConditionalGeneration): its language model is served, on
+    # text; HF's multimodal head applies no final soft-cap
+    "gemma3": DecoderSpec(qk_norm=True, norms=GEMMA_NORMS, norm_plus_one=True, embed_scaled=True),
 }
 
 # the MLP activations served (HF's ``ACT2FN`` names; ``hidden_activation`` or ``hidden_act``)
@@ -86,12 +92,14 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-def family(cfg: Any) -> DecoderSpec:
-    """The ``DecoderSpec`` of an HF config's ``model_type``; ``ValueError`` naming the ones served."""
-    model_type = getattr(cfg, "model_type", "llama")
+def family(top: Any) -> DecoderSpec:
+    """The ``DecoderSpec`` of an HF config's ``model_type``; ``ValueError`` naming the ones served, or what
+    of its text decoder the runner does not do."""
+    model_type = getattr(top, "model_type", "llama")
     if model_type not in FAMILIES:
         raise ValueError(f"llm model: model_type {model_type!r} is not served; served: "
                          f"{', '.join(sorted(FAMILIES))}")
+    cfg = top.get_text_config() if hasattr(top, "get_text_config") else top
     if float(getattr(cfg, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
         raise ValueError(f"llm model: {model_type} with partial_rotary_factor {cfg.partial_rotary_factor} is "
                          "not served (the runner rotates every dimension of a head)")
@@ -102,6 +110,15 @@ def family(cfg: Any) -> DecoderSpec:
         raise ValueError(f"llm model: {model_type} with activation {activation(cfg)!r} is not served; "
                          f"served: {', '.join(sorted(ACTIVATIONS))}")
     return FAMILIES[model_type]
+
+
+def decoder_of(model: Any) -> tuple[Any, Any]:
+    """A causal LM's text decoder (the module holding ``layers``) and its config: the model's own, or a
+    multimodal model's language model (Gemma 3's ``Gemma3ForConditionalGeneration``, served on text)."""
+    language_model = getattr(model.model, "language_model", None)
+    if language_model is None:
+        return model.model, model.config
+    return language_model, model.config.get_text_config()
 
 
 def activation(cfg: Any) -> str:
@@ -217,17 +234,17 @@ class LlamaWeights:
 
     @classmethod
     def from_hf(cls, model: Any) -> LlamaWeights:
-        cfg = model.config
-        spec = family(cfg)
+        spec = family(model.config)
+        decoder, cfg = decoder_of(model)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         windows = layer_windows(cfg, spec)
-        rotary = model.model.rotary_emb
+        rotary = decoder.rotary_emb
         local = hasattr(rotary, "sliding_attention_inv_freq")
         types = getattr(cfg, "layer_types", None) or ["full_attention"] * len(windows)
         softcap = getattr(cfg, "attn_logit_softcapping", None) if spec.attn_softcap else None
         layers = []
         with torch.no_grad():
-            for layer, window, layer_type in zip(model.model.layers, windows, types, strict=True):
+            for layer, window, layer_type in zip(decoder.layers, windows, types, strict=True):
                 a, m = layer.self_attn, layer.mlp
                 qkv, gate_up, bias = fused_projections(a, m, spec, cfg.model_type)
                 norms = {role: getattr(layer, name).weight.detach() for name, role in spec.norms}
@@ -245,15 +262,16 @@ class LlamaWeights:
                     **norms,
                 ))
             gen = getattr(model, "generation_config", None)
-            eos_ids = eos_of(cfg.eos_token_id, getattr(gen, "eos_token_id", None))
+            eos_ids = eos_of(getattr(model.config, "eos_token_id", None), cfg.eos_token_id,
+                             getattr(gen, "eos_token_id", None))
             inv_freq, scaling = rope_of(rotary, "full_attention")
             local_inv_freq, local_scaling = rope_of(rotary, "sliding_attention") if local else (None, 1.0)
             pre_attn = getattr(cfg, "query_pre_attn_scalar", None)
-            final_softcap = getattr(cfg, "final_logit_softcapping", None)
+            final_softcap = getattr(cfg, "final_logit_softcapping", None) if spec.final_softcap else None
             return cls(
-                embed=model.model.embed_tokens.weight.detach(),
+                embed=decoder.embed_tokens.weight.detach(),
                 layers=layers,
-                norm=model.model.norm.weight.detach(),
+                norm=decoder.norm.weight.detach(),
                 lm_head=model.lm_head.weight.detach(),
                 inv_freq=inv_freq,
                 attention_scaling=scaling,

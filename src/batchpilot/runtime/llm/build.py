@@ -397,9 +397,12 @@ def share_runner_weights(model: Any, weights: Any) -> Any:
     """Point the HF model's parameters at the runner's (fused, device-resident) tensors: views, no copy."""
     import torch
 
+    from batchpilot.models.llm.weights import decoder_of
+
     H, KV, hd = weights.num_heads, weights.num_kv_heads, weights.head_dim
+    decoder, _ = decoder_of(model)
     with torch.no_grad():
-        for layer, w in zip(model.model.layers, weights.layers, strict=True):
+        for layer, w in zip(decoder.layers, weights.layers, strict=True):
             a, m = layer.self_attn, layer.mlp
             if hasattr(a, "qkv_proj"):  # a family that stores them fused (weights.FAMILIES)
                 a.qkv_proj.weight.data, m.gate_up_proj.weight.data = w.qkv, w.gate_up
@@ -418,8 +421,8 @@ def share_runner_weights(model: Any, weights: Any) -> Any:
             m.down_proj.weight.data = w.down
             for name, role in weights.spec.norms:  # the family's norms (weights.DecoderSpec.norms)
                 getattr(layer, name).weight.data = getattr(w, role)
-        model.model.embed_tokens.weight.data = weights.embed
-        model.model.norm.weight.data = weights.norm
+        decoder.embed_tokens.weight.data = weights.embed
+        decoder.norm.weight.data = weights.norm
         model.lm_head.weight.data = weights.lm_head
     return model.to(weights.embed.device).eval()  # the rest (RoPE buffers) follows the weights
 
@@ -432,6 +435,9 @@ def build_fallback(engine: LLMEngine, max_batch_size: int = 8, sampler_seed: int
     model = getattr(engine, "hf_model", None)
     if model is None:
         raise ValueError("this engine keeps no HF model to fall back on; build it with build_llm_engine")
+    if getattr(model.model, "language_model", None) is not None:  # weights.decoder_of: a multimodal model
+        raise ValueError(f"llm fallback static: a multimodal checkpoint ({model.config.model_type}) has no "
+                         "static fallback; serve it with --llm-fallback off")
     fallback = StaticFallback(model, engine.tokenizer, engine.config, engine.model_name, max_batch_size,
                               Sampler(sampler_seed))
     fallback.threads = getattr(engine.runner, "threads", None)
