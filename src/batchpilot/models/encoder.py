@@ -208,6 +208,8 @@ def plan_for(executor: Any, num_threads: int | None, plan: ThreadPlan | None = N
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 PRECISIONS = (*DTYPES, "int8")  # int8: fp32 weights with dynamic int8 linear layers (CPU)
+# (model path, reason) of every "HF's padded forward only" already logged in this process
+_SAID: set[tuple[str, str]] = set()
 # Models whose positions start at padding_idx + 1 (fairseq lineage, and MPNet); BERT-likes start at 0.
 _FAIRSEQ_POSITIONS = ("roberta", "xlm-roberta", "camembert", "longformer", "data2vec-text", "xmod", "mpnet")
 
@@ -476,11 +478,14 @@ class EncoderExecutor:
         return lean
 
     def _padded_hf_only(self, reason: str, level: int = logging.INFO) -> None:
-        """Record and log (once, at load) that this model runs HF's padded forward only, and why."""
+        """Record that this model runs HF's padded forward only, and why; logged once per model and
+        reason in a process (``--dtype auto`` loads the model once per precision it tries)."""
         self.padding_free_reason = (f"{self.model_name} has no padding-free forward: {reason}; use padding "
                                     "'dynamic' or 'bucket'")
-        log.log(level, "encoder %s (%s): HF's padded forward, no padding-free path: %s", self.model_name,
-                getattr(self.model.config, "model_type", "?"), reason)
+        if (self.model_path, reason) not in _SAID:
+            _SAID.add((self.model_path, reason))
+            log.log(level, "encoder %s (%s): HF's padded forward, no padding-free path: %s", self.model_name,
+                    getattr(self.model.config, "model_type", "?"), reason)
         return None
 
     def _probe(self, lean: Any) -> tuple[float, float]:
