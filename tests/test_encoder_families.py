@@ -15,6 +15,7 @@ references are checked to tell texts apart (``test_the_references_tell_texts_and
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -120,6 +121,16 @@ def test_a_family_without_a_padding_free_path_says_why(folders: dict[str, str], 
     assert ex.padding_free_reason is not None and ex.model.config.model_type in ex.padding_free_reason
     with pytest.raises(RuntimeError, match="has no padding-free forward"):
         ex.prepare(make_batch([[5, 6, 7]], "none", ex.max_length))
+
+
+def test_the_padded_path_is_logged_once_with_its_reason(folders: dict[str, str], tmp_path: Path,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    folder = shutil.copytree(folders["modernbert"], tmp_path / "modernbert")  # a path not loaded before
+    with caplog.at_level(logging.INFO, logger="batchpilot.models"):
+        for _ in range(2):  # as --dtype auto loads a model once per precision
+            EncoderExecutor(EncoderConfig(model_path=str(folder), device="cpu"))
+    said = [r.getMessage() for r in caplog.records if "HF's padded forward" in r.getMessage()]
+    assert len(said) == 1 and "rotary positions and alternating local/global attention" in said[0], said
 
 
 @pytest.mark.parametrize(("family", "prompt_name"), PROMPTS)
