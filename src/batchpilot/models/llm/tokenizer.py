@@ -3,23 +3,29 @@
 No hub: the corpus is ``pydoc_data.topics`` (English documentation bundled with CPython), the trainer
 is the ``tokenizers`` library, and the result is deterministic (same merges on every machine, checked
 in tests). Any text round-trips because the base alphabet is the 256 bytes. A local checkpoint brings
-its own tokenizer instead (``load_tokenizer(path)``). The last section turns token ids back into streamed
-text (``IncrementalDetokenizer``).
+its own tokenizer instead (``load_tokenizer(path)``), and its own chat template (``chat_prompt_ids``: the
+template of ``tokenizer_config.json`` or ``chat_template.jinja``; the built-in format only for a
+checkpoint without one). The last section turns token ids back into streamed text
+(``IncrementalDetokenizer``).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+log = logging.getLogger(__name__)
+
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>")
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 
-# role markers are special tokens; the assistant turn is left open for the model to complete
+# the built-in chat format, the default tokenizer's template: role markers (special tokens there, text in
+# a checkpoint's tokenizer), the assistant turn left open for the model to complete
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|' + message['role'] + '|>' }}\n{{ message['content'] }}\n"
@@ -64,8 +70,24 @@ def load_tokenizer(model_path: str | Path | None, vocab_size: int = 4096) -> Pre
         return build_tokenizer(vocab_size)
     tok = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
     if getattr(tok, "chat_template", None) is None:
-        tok.chat_template = CHAT_TEMPLATE
+        log.warning("llm chat: %s has no chat template; chat prompts use the built-in format (<|role|> "
+                    "lines) with the tokenizer's special tokens", model_path)
+    else:
+        log.info("llm chat: chat prompts use the chat template of %s", model_path)
     return tok
+
+
+def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """A chat's prompt ids. With the tokenizer's own template (the checkpoint's), exactly what
+    ``apply_chat_template(messages, add_generation_prompt=True, tokenize=True)`` gives: rendered, then
+    tokenized without special tokens, since the template writes the BOS where the model wants one (adding
+    the tokenizer's would put a second one in front). Without one, the built-in format (``CHAT_TEMPLATE``),
+    tokenized as a completion prompt is, with the tokenizer's special tokens (its BOS): that format
+    writes none. Raises what the template raises (e.g. on roles out of order)."""
+    own = getattr(tokenizer, "chat_template", None) is not None
+    text = tokenizer.apply_chat_template(messages, chat_template=None if own else CHAT_TEMPLATE,
+                                         add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=not own)["input_ids"])
 
 
 # -- Incremental detokenizing ----------------------------------------------------------------------

@@ -57,7 +57,7 @@ from batchpilot.models.device import bind_threads
 from batchpilot.models.llm.grammar import GrammarRefused, grammars_for
 from batchpilot.models.llm.runner import engine_preemption_costs
 from batchpilot.models.llm.sampler import Choice
-from batchpilot.models.llm.tokenizer import IncrementalDetokenizer, make_decode
+from batchpilot.models.llm.tokenizer import IncrementalDetokenizer, chat_prompt_ids, make_decode
 from batchpilot.runtime.journal import JsonLines
 
 log = logging.getLogger("batchpilot.llm")
@@ -485,8 +485,7 @@ class PromptEncoder:
     def encode_chat(self, messages: list[dict[str, str]], tokenizer: Any = None) -> list[int]:
         tok = tokenizer or self.tokenizer
         try:
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            ids = list(tok(text, add_special_tokens=False)["input_ids"])
+            ids = chat_prompt_ids(tok, messages)  # the checkpoint's template, else the built-in format
         except Exception as exc:  # a template that refuses the conversation (e.g. role order), bad text
             log.info("chat template failed: %r", exc)
             raise RequestRejected("the chat template could not render these messages (check the order "
