@@ -322,7 +322,10 @@ class EncoderExecutor:
         needs 512 tokens."""
         cfg = self.config
         cap = self.st.max_seq_length
-        embedded = Path(path).resolve() == Path(default_model_path()).resolve()
+        try:
+            embedded = Path(path).resolve() == Path(default_model_path()).resolve()
+        except ImportError:  # the embedded model's package is not installed: this is another model
+            embedded = False
         max_length = cfg.max_length or (min(limit, cap) if cap and not embedded else limit)
         if max_length > limit:
             raise ValueError(f"encoder.max_length = {max_length} exceeds {self.model_name}'s position "
