@@ -194,3 +194,9 @@ def test_penalties_logit_bias_and_min_tokens_change_the_answer(client: openai.Op
                                           logit_bias={"2": 100}, extra_body={"min_tokens": 5})
     assert eos_first.usage is not None and eos_first.usage.completion_tokens == 6  # EOS right after the 5
     assert eos_first.choices[0].finish_reason == "stop"
+
+
+def test_a_constraint_past_its_size_limit_is_a_400_before_it_is_compiled(served: tuple[str, Any]) -> None:
+    huge = {"structured_outputs": {"regex": "a" * 70_000}}
+    r = httpx.post(served[0] + "/v1/completions", json={"prompt": "x", **huge})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "constraint_too_long"

@@ -156,6 +156,8 @@ LLM_CASES: list[Any] = [
     ("denormal temperature", "/v1/completions",  # found by schemathesis: logits / 1e-300 = inf -> 500
      {"prompt": "hi", "max_tokens": 2, "temperature": 1e-300}, 200),
     ("denormal top_p", "/v1/completions", {"prompt": "hi", "max_tokens": 2, "top_p": 5e-324}, 200),
+    ("denormal repetition_penalty", "/v1/completions",  # found by schemathesis: logits / 5e-324 = inf -> 500
+     {"prompt": "hi", "max_tokens": 2, "repetition_penalty": 5e-324}, 422),
     ("empty prompt list", "/v1/completions", {"prompt": []}, 400),
     ("empty token prompt", "/v1/completions", {"prompt": [[]], "max_tokens": 2}, 400),
     ("token id outside the vocabulary", "/v1/completions", {"prompt": [99_999_999], "max_tokens": 2}, 400),

@@ -106,8 +106,8 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"sampling: {name} must be in [-2, 2], got {getattr(self, name)}")
-        if not 0.0 < self.repetition_penalty <= 100.0:
-            raise ValueError(f"sampling: repetition_penalty must be in (0, 100], got "
+        if not 0.01 <= self.repetition_penalty <= 100.0:  # a smaller one overflows logits / penalty to inf
+            raise ValueError(f"sampling: repetition_penalty must be in [0.01, 100], got "
                              f"{self.repetition_penalty}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"sampling: min_tokens must be in [0, max_tokens = {self.max_tokens}], got "

@@ -44,6 +44,7 @@ UNSERVED: dict[str, Any] = {
     "function_call": lambda v: v == "none",
 }
 MAX_N = 16  # samples of one prompt (n, best_of)
+MAX_CONSTRAINT_CHARS = 1 << 16  # a JSON schema, expression, choice list or grammar
 LOGIT_BIAS_CAP = 300  # OpenAI's bound on logit_bias entries
 
 
@@ -117,7 +118,7 @@ class _SamplingFields(BaseModel):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     # extensions
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0)
+    repetition_penalty: float = Field(default=1.0, ge=0.01, le=100.0)  # below: logits / p overflow
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: Annotated[list[int], Field(max_length=CAP)] | None = None
@@ -150,6 +151,9 @@ class _SamplingFields(BaseModel):
         if len(found) > 1:
             raise APIError(400, "ask for one structured output, got " + ", ".join(n for _, n in found),
                            code="invalid_value", param=found[1][1])
+        if found and len(found[0][0].spec) > MAX_CONSTRAINT_CHARS:  # compiling is not free: bounded
+            raise APIError(400, f"{found[0][1]}: the constraint has {len(found[0][0].spec)} characters; at "
+                                f"most {MAX_CONSTRAINT_CHARS}", code="constraint_too_long", param=found[0][1])
         return found[0] if found else (None, "")
 
     def logprobs_asked(self) -> int | None:
