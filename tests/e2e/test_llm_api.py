@@ -200,3 +200,33 @@ def test_a_constraint_past_its_size_limit_is_a_400_before_it_is_compiled(served:
     huge = {"structured_outputs": {"regex": "a" * 70_000}}
     r = httpx.post(served[0] + "/v1/completions", json={"prompt": "x", **huge})
     assert r.status_code == 400 and r.json()["error"]["code"] == "constraint_too_long"
+
+
+def test_the_fair_order_serves_a_light_tenant_ahead_of_a_flood_over_http() -> None:
+    """``--scheduling-policy fair`` on the real routes: the tenant is the request's X-Client-Id (no keys
+    file), one sequence runs at a time, a light tenant's request arriving behind six of a flood's goes
+    next, not last."""
+    import asyncio
+
+    engine = build_llm_engine(None, num_hidden_layers=2, hidden_size=128, intermediate_size=344,
+                              num_attention_heads=4, num_key_value_heads=2, num_kv_blocks=64, block_size=16,
+                              max_num_seqs=1, max_model_len=256, policy="fair", model_name="m")
+    done: list[str] = []
+
+    async def one(http: httpx.AsyncClient, who: str, delay: float) -> None:
+        await asyncio.sleep(delay)
+        r = await http.post("/v1/completions", headers={"X-Client-Id": who},
+                            json={"prompt": "x", "max_tokens": 24, "ignore_eos": True, "temperature": 0})
+        assert r.status_code == 200
+        done.append(who)
+
+    async def run(url: str) -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            await asyncio.gather(*(one(http, "flood", 0.0) for _ in range(6)), one(http, "light", 0.05))
+
+    try:
+        with live_server(NoopExecutor(), engines=[llm_routes(engine, "m")]) as srv:
+            asyncio.run(run(srv.url))
+    finally:
+        engine.shutdown()
+    assert done.index("light") <= 2, done  # the running flood request, maybe one more, then light

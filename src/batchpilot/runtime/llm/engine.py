@@ -52,7 +52,7 @@ from batchpilot.core.llm.admission import (
 from batchpilot.core.llm.config import KVPlan, LLMSchedulerConfig, MemoryProfile
 from batchpilot.core.llm.scheduler import LLMScheduler, PreemptionCosts, StepPlan
 from batchpilot.core.llm.sequence import SamplingParams, Sequence, StructuredOutput
-from batchpilot.core.request import IdCounter
+from batchpilot.core.request import DEFAULT_TENANT, IdCounter
 from batchpilot.models.device import bind_threads
 from batchpilot.models.llm.grammar import GrammarRefused, grammars_for
 from batchpilot.models.llm.runner import engine_preemption_costs
@@ -531,6 +531,9 @@ class PromptEncoder:
 
 # -- The protocol the engines share ---------------------------------------------------------------
 
+Tenant = tuple[str, float]  # who a request is for, and that tenant's weight under the fair order
+NO_TENANT: Tenant = (DEFAULT_TENANT, 1.0)
+
 
 class GenerationStream(Protocol):
     """One sequence's outputs as its caller iterates them: an ``LLMRequest``, or the failover's
@@ -563,7 +566,8 @@ class Engine(Protocol):
     def check_room(self, n: int = 1) -> None: ...
 
     def submit(self, prompts: list[list[int]], params: SamplingParams | None = None, priority: int = 0,
-               deadline: float | None = None, n: int = 1) -> Items[GenerationStream]: ...
+               deadline: float | None = None, n: int = 1, tenant: Tenant = NO_TENANT
+               ) -> Items[GenerationStream]: ...
 
     def stats(self) -> EngineStats: ...
 
@@ -586,7 +590,9 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.config = config
-        self.scheduler = LLMScheduler(config, engine_preemption_costs(runner, config, preemption_costs))
+        self._weights: dict[str, float] = {}  # each tenant's weight, as its last request gave it
+        self.scheduler = LLMScheduler(config, engine_preemption_costs(runner, config, preemption_costs),
+                                      weight_of=lambda t: self._weights.get(t, 1.0))
         self.sampler = sampler or Sampler()
         vocab = getattr(getattr(runner, "w", None), "vocab_size", None)
         self.sampler.bind(tokenizer, vocab or len(tokenizer), config.eos_token_ids)
@@ -699,24 +705,26 @@ class LLMEngine:
         ask_room(self.admission, self._lock, self.is_alive, n)
 
     def submit(self, prompts: list[list[int]], params: SamplingParams | None = None, priority: int = 0,
-               deadline: float | None = None, n: int = 1) -> list[LLMRequest]:
+               deadline: float | None = None, n: int = 1, tenant: Tenant = NO_TENANT) -> list[LLMRequest]:
         """Admit the prompts together, or none of them: ``RequestRejected`` if one can never fit,
         ``EngineBusy`` if the queue bound would be passed, ``EngineStopped`` if the loop is not running.
         Call on the event loop the requests are iterated on. ``deadline`` is on ``time.monotonic``.
         ``n`` samples of each prompt (``SamplingParams.for_sample``), in prompt order; the samples of one
-        prompt are a group that shares its KV blocks (``core/llm/scheduler.py``)."""
+        prompt are a group that shares its KV blocks (``core/llm/scheduler.py``). ``tenant``: who they
+        are for and that tenant's weight (the fair order's, ``core/llm/fair.py``)."""
         params = params or SamplingParams()
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         with self._lock:
             if self._closed or self._stopping:
                 raise EngineStopped
+            self._weights[tenant[0]] = tenant[1]  # the engine thread's weight_of reads the latest
             seqs = []
             for ids in prompts:
                 first = self._ids()
                 seqs += [Sequence(first if j == 0 else self._ids(), ids, params.for_sample(j), arrival=now,
-                                  priority=priority, deadline=deadline, group=first if n > 1 else None)
-                         for j in range(n)]
+                                  priority=priority, deadline=deadline, group=first if n > 1 else None,
+                                  tenant=tenant[0]) for j in range(n)]
             reqs = admit_requests(self.admission, seqs, self._decode, params.stop, loop, self.abort,
                                   self._release)
             self._inbox.put(("add", reqs))

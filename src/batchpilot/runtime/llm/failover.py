@@ -42,6 +42,7 @@ from batchpilot.core.breaker import BreakerConfig, CircuitBreaker
 from batchpilot.core.llm.sequence import SamplingParams
 from batchpilot.core.stall import StallRule, StallWatch
 from batchpilot.runtime.llm.engine import (
+    NO_TENANT,
     Engine,
     EngineStats,
     EngineStopped,
@@ -51,6 +52,7 @@ from batchpilot.runtime.llm.engine import (
     GenerationStream,
     LLMEngine,
     StepRecord,
+    Tenant,
 )
 
 if TYPE_CHECKING:  # the fallback module imports torch at once; the failover runs without a fallback too
@@ -108,8 +110,9 @@ class FailoverRequest:
     deadline) reaches it as it is. Either way the request is answered once."""
 
     def __init__(self, owner: LLMFailover, prompt: list[int], params: SamplingParams, priority: int,
-                 deadline: float | None, inner: GenerationStream, engine: Engine, replayable: bool) -> None:
-        self.owner, self.prompt, self.params = owner, prompt, params
+                 deadline: float | None, inner: GenerationStream, engine: Engine, replayable: bool,
+                 tenant: Tenant = NO_TENANT) -> None:
+        self.owner, self.prompt, self.params, self.tenant = owner, prompt, params, tenant
         self.priority, self.deadline = priority, deadline
         self.inner, self.engine = inner, engine  # the LLMRequest and the engine it is on
         self.replayable = replayable
@@ -246,7 +249,8 @@ class LLMFailover:
         self._target().check_room(n)
 
     def submit(self, prompts: list[list[int]], params: SamplingParams | None = None, priority: int = 0,
-               deadline: float | None = None, n: int = 1, replayable: bool = False) -> list[FailoverRequest]:
+               deadline: float | None = None, n: int = 1, tenant: Tenant = NO_TENANT,
+               replayable: bool = False) -> list[FailoverRequest]:
         """As ``LLMEngine.submit``, on whichever engine serves now. ``replayable``: the caller shows the
         client nothing before the end (not streamed), so a fault at any point can restart it (each
         sample on its own, with its own params)."""
@@ -255,7 +259,7 @@ class LLMFailover:
         for _ in range(2):  # the main engine may fail between the choice and the submit: then once more
             target = self._target()
             try:
-                inner = target.submit(prompts, params, priority, deadline, n)
+                inner = target.submit(prompts, params, priority, deadline, n, tenant)
             except EngineStopped:
                 if target is self.fallback or self.closing:
                     raise EngineUnavailable(retry_after_s=self.retry_after_s()) from None
@@ -263,7 +267,7 @@ class LLMFailover:
                 continue
             if target is self.fallback:
                 self.fallback_requests += len(inner)
-            return [FailoverRequest(self, p, sp, priority, deadline, r, target, replayable)
+            return [FailoverRequest(self, p, sp, priority, deadline, r, target, replayable, tenant)
                     for (p, sp), r in zip(samples, inner, strict=True)]
         raise EngineUnavailable(retry_after_s=self.retry_after_s())
 
@@ -273,7 +277,7 @@ class LLMFailover:
         if fallback is None or not fallback.is_alive or self.closing:
             return None
         try:
-            [inner] = fallback.submit([req.prompt], req.params, req.priority, req.deadline)
+            [inner] = fallback.submit([req.prompt], req.params, req.priority, req.deadline, 1, req.tenant)
         except Exception as exc:  # full or stopped: the client hears the main engine's failure
             log.warning("llm fallback refused a request moved from the failed engine: %r", exc)
             return None

@@ -41,6 +41,7 @@ from batchpilot.models.device import bind_threads
 from batchpilot.models.llm.sampler import Choice, Sampler
 from batchpilot.models.llm.tokenizer import make_decode
 from batchpilot.runtime.llm.engine import (
+    NO_TENANT,
     EngineCounters,
     EngineStats,
     EngineStopped,
@@ -50,6 +51,7 @@ from batchpilot.runtime.llm.engine import (
     LLMRequest,
     RequestTimedOut,
     StepRecord,
+    Tenant,
     admit_requests,
     ask_room,
 )
@@ -135,7 +137,7 @@ class StaticFallback:
         return self._stats
 
     def submit(self, prompts: list[list[int]], params: SamplingParams | None = None, priority: int = 0,
-               deadline: float | None = None, n: int = 1) -> list[LLMRequest]:
+               deadline: float | None = None, n: int = 1, tenant: Tenant = NO_TENANT) -> list[LLMRequest]:
         """As ``LLMEngine.submit``: all the prompts together or none; call on the requests' event loop.
         A prompt's ``n`` samples are rows of their own (HF's cache shares nothing between rows)."""
         params = params or SamplingParams()
@@ -144,7 +146,7 @@ class StaticFallback:
             if self._closed or self._stopping:
                 raise EngineStopped
             seqs = [Sequence(self._ids(), ids, params.for_sample(j), arrival=now, priority=priority,
-                             deadline=deadline) for ids in prompts for j in range(n)]
+                             deadline=deadline, tenant=tenant[0]) for ids in prompts for j in range(n)]
             reqs = admit_requests(self.admission, seqs, self._decode, params.stop, loop, self.abort,
                                   self._release)
             self.num_requests += len(reqs)

@@ -35,7 +35,7 @@ from prometheus_client import CollectorRegistry
 
 from batchpilot.core.llm.admission import request_deadline
 from batchpilot.core.llm.sequence import SamplingParams, StructuredOutput
-from batchpilot.core.request import IdCounter
+from batchpilot.core.request import DEFAULT_TENANT, IdCounter
 from batchpilot.core.rollout import PRIMARY
 from batchpilot.runtime.llm.engine import (
     EngineBusy,
@@ -70,6 +70,7 @@ from batchpilot.server.llm.schemas import (
 )
 from batchpilot.server.llm.served import ServedEngine
 from batchpilot.server.service import header_num
+from batchpilot.server.tenants import tenant_of
 
 # How an LLM request's failure reaches its client: an error body before the response starts, an SSE
 # error event (``data: {"error": {...}}``) once a stream has. One fixed message per code; whatever an
@@ -124,6 +125,8 @@ T = TypeVar("T")
 _ENGINE_FAULTS = ("generation_failed", "engine_unavailable")
 # the engine answering this request and its metrics (an arm's, with arms), set by the route's attempt
 _served: ContextVar[tuple[ServedEngine, LLMMetrics]] = ContextVar("batchpilot_llm_served")
+# who the request is for and the tenant's weight (the engine's fair order), set by the route's attempt
+_tenant: ContextVar[tuple[str, float]] = ContextVar("batchpilot_llm_tenant", default=(DEFAULT_TENANT, 1.0))
 
 # when the client gives no max_tokens: OpenAI's legacy completions default, and a bounded chat answer
 # (OpenAI lets chat run to the context limit; a bound keeps one request from holding the engine)
@@ -183,6 +186,15 @@ class LLMRoutes:
             request.headers.get("x-deadline-ms"))
         return request_deadline(self.engine.config, received, None if ms is None else ms / 1000.0)
 
+    @staticmethod
+    def tenant_of(body: _SamplingFields, request: Request) -> tuple[str, float]:
+        """Who the request is for (its key's tenant, else ``X-Client-Id``, else the body's ``user``:
+        ``server/tenants.tenant_of``) and that tenant's weight in the keys file (1 without one)."""
+        user = (body.model_extra or {}).get("user")
+        tenant = tenant_of(request, user if isinstance(user, str) else None)
+        tenancy = getattr(request.app.state, "tenancy", None)
+        return tenant, float(tenancy.table.spec(tenant).weight) if tenancy is not None else 1.0
+
     def priority_of(self, body: _SamplingFields, request: Request) -> int:
         """The request's priority (``priority``, else ``X-Priority``); one other than 0 sent to an engine that
         does not order by it is a 400 naming the flag that would honour it."""
@@ -219,6 +231,7 @@ class LLMRoutes:
         try:
             deadline = self.deadline_of(body, request, received)
             priority = self.priority_of(body, request)
+            _tenant.set(self.tenant_of(body, request))
             out = await _guarded(request, deadline, lambda reqs: work(reqs, received, deadline, priority))
             if arms is not None:
                 if record:
@@ -245,10 +258,10 @@ class LLMRoutes:
     @staticmethod
     def submit(prompts: list[list[int]], params: SamplingParams, priority: int, deadline: float,
                stream: bool, n: int = 1) -> Sequence[GenerationStream]:
-        target = _served.get()[0]
+        target, who = _served.get()[0], _tenant.get()
         if isinstance(target, LLMFailover):  # an answer not streamed can restart on the fallback
-            return target.submit(prompts, params, priority, deadline, n, replayable=not stream)
-        return target.submit(prompts, params, priority, deadline, n)
+            return target.submit(prompts, params, priority, deadline, n, who, replayable=not stream)
+        return target.submit(prompts, params, priority, deadline, n, who)
 
     async def params_of(self, body: _SamplingFields, route: str, constraint: StructuredOutput | None = None,
                         param: str = "") -> SamplingParams:
