@@ -275,3 +275,36 @@ def test_a_multimodal_gemma3_checkpoint_builds_an_engine_on_its_text_and_refuses
     refused = r"multimodal checkpoint \(gemma3\) has no static fallback; serve it with --llm-fallback off"
     with pytest.raises(ValueError, match=refused):
         build_fallback(engine)
+
+
+def equal_steps(got: list[list[int]], want: list[list[int]]) -> int:
+    """Greedy steps equal to the reference: each prompt's tokens up to its first difference."""
+    return sum(next((i for i, (a, b) in enumerate(zip(g, w, strict=True)) if a != b), len(w))
+               for g, w in zip(got, want, strict=True))
+
+
+def parity_table() -> str:
+    """The parity test's shape per family, counted instead of asserted (docs/llm.md, "Model families"):
+    ``python tests/test_llm_families.py``."""
+    import tempfile
+
+    rows = [f"| family | greedy steps equal to HF `generate`, alone | in a crowd of {CROWD} |",
+            "|---|---|---|"]
+    for model_type in sorted(FAMILIES):
+        hf = build(model_type)
+        ps = prompts()
+        want = hf_greedy(hf, ps, STEPS)
+        with tempfile.TemporaryDirectory() as folder:
+            hf.save_pretrained(folder)
+            weights = LlamaWeights.from_hf(load_hf_llama(folder))
+        alone = [greedy(weights, [p])[0][0] for p in ps]
+        others = crowd(ps)
+        got, _ = greedy(weights, others + ps, max_num_batched_tokens=32, enable_prefix_caching=True)
+        total = len(ps) * STEPS
+        rows.append(f"| {model_type} | {equal_steps(alone, want)}/{total} | "
+                    f"{equal_steps(got[len(others):], want)}/{total} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(parity_table())
