@@ -98,8 +98,9 @@ def deployments(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, 
 def record(s: Served) -> Served:
     submit = s.engine.submit
 
-    def recording_submit(prompts: Any, params: Any = None, priority: int = 0, deadline: Any = None) -> Any:
-        reqs = submit(prompts, params, priority, deadline)
+    def recording_submit(prompts: Any, params: Any = None, priority: int = 0, deadline: Any = None,
+                         *rest: Any) -> Any:
+        reqs = submit(prompts, params, priority, deadline, *rest)
         s.submitted.append((priority, [r.seq_id for r in reqs]))
         return reqs
 
