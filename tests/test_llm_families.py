@@ -30,84 +30,11 @@ import torch
 from batchpilot.core.llm.config import LLMSchedulerConfig
 from batchpilot.core.llm.scheduler import LLMScheduler
 from batchpilot.models.llm.runner import LLMModelRunner
+from batchpilot.models.llm.seeded_families import GEMMA, SHAPE, WINDOW, build
 from batchpilot.models.llm.weights import FAMILIES, LlamaWeights, decoder_of, layer_windows, load_hf_llama
 from llm_greedy import engine_greedy, hf_greedy
 
-STEPS, PROMPTS, CROWD, WINDOW = 32, 8, 16, 16
-SHAPE = dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-             initializer_range=0.06, rms_norm_eps=1e-6)
-GEMMA = ("gemma2", "gemma3", "gemma3_text")
-# seeds whose greedy paths (PROMPTS x STEPS under HF) have a top-2 logit gap of 3e-4 or more at every step
-SEEDS = {"gemma3_text": 2, "gemma3": 8}
-
-
-def family_config(model_type: str, tied: bool = False, final_softcap: float | None = None) -> Any:
-    """A tiny config of ``model_type`` from its transformers config class (module docstring)."""
-    import transformers
-
-    extra: dict[str, Any] = {"tie_word_embeddings": tied}
-    if model_type in ("mistral", "phi3"):
-        extra["sliding_window"] = WINDOW
-    if model_type in ("qwen2", "qwen3"):
-        extra.update(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
-    if model_type == "phi3":  # its config names token ids of a 32k vocabulary
-        extra.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    if model_type == "gemma3":  # multimodal: its text decoder is a gemma3_text; a one-layer vision tower
-        vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                                 num_attention_heads=2, image_size=28, patch_size=14)
-        text = family_config("gemma3_text", tied, final_softcap).to_dict()
-        return transformers.Gemma3Config(text_config=text, vision_config=vision.to_dict(),
-                                         mm_tokens_per_image=4, boi_token_index=4093, eoi_token_index=4094,
-                                         image_token_index=4095, tie_word_embeddings=tied)
-    if model_type in ("qwen3", *GEMMA):
-        extra["head_dim"] = 64
-    if model_type in GEMMA:
-        extra.update(sliding_window=WINDOW, query_pre_attn_scalar=48, final_logit_softcapping=final_softcap,
-                     layer_types=["sliding_attention", "full_attention"])
-    if model_type == "gemma2":
-        extra["attn_logit_softcapping"] = 1.0
-    config_cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-                  "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
-                  "phi3": transformers.Phi3Config, "gemma2": transformers.Gemma2Config,
-                  "gemma3_text": transformers.Gemma3TextConfig}[model_type]
-    return config_cls(**SHAPE, **extra)
-
-
-def build(model_type: str, seed: int | None = None, tied: bool = False,
-          final_softcap: float | None = None) -> Any:
-    """A tiny seeded model of ``model_type``, in eval mode, its family's terms drawn (module docstring)."""
-    import transformers
-
-    seed = SEEDS.get(model_type, 1) if seed is None else seed
-    torch.manual_seed(seed)
-    config = family_config(model_type, tied, final_softcap)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    g = torch.Generator().manual_seed(seed + 1)
-
-    def draw(t: torch.Tensor, mean: float, std: float) -> None:
-        t.copy_(mean + std * torch.randn(t.shape, generator=g))
-
-    gemma = model_type in GEMMA
-    decoder, _ = decoder_of(model)
-    with torch.no_grad():
-        for layer in decoder.layers:
-            a = layer.self_attn
-            for proj in (getattr(a, "q_proj", None), getattr(a, "k_proj", None), getattr(a, "v_proj", None)):
-                if proj is not None and proj.bias is not None:
-                    draw(proj.bias, 0.0, 0.2)
-            for norm in (getattr(a, "q_norm", None), getattr(a, "k_norm", None)):
-                if norm is not None:
-                    draw(norm.weight, 0.0 if gemma else 1.0, 0.3)
-            if gemma:
-                draw(layer.input_layernorm.weight, 0.0, 0.3)
-                draw(layer.pre_feedforward_layernorm.weight, 0.0, 0.3)
-                draw(layer.post_attention_layernorm.weight, 1.0, 0.5)
-                draw(layer.post_feedforward_layernorm.weight, 1.0, 0.5)
-        if gemma:
-            draw(decoder.norm.weight, 0.0, 0.3)
-    model.generation_config.eos_token_id = None
-    return model
+STEPS, PROMPTS, CROWD = 32, 8, 16
 
 
 def prompts(n: int = PROMPTS, seed: int = 3) -> list[list[int]]:
@@ -275,36 +202,3 @@ def test_a_multimodal_gemma3_checkpoint_builds_an_engine_on_its_text_and_refuses
     refused = r"multimodal checkpoint \(gemma3\) has no static fallback; serve it with --llm-fallback off"
     with pytest.raises(ValueError, match=refused):
         build_fallback(engine)
-
-
-def equal_steps(got: list[list[int]], want: list[list[int]]) -> int:
-    """Greedy steps equal to the reference: each prompt's tokens up to its first difference."""
-    return sum(next((i for i, (a, b) in enumerate(zip(g, w, strict=True)) if a != b), len(w))
-               for g, w in zip(got, want, strict=True))
-
-
-def parity_table() -> str:
-    """The parity test's shape per family, counted instead of asserted (docs/llm.md, "Model families"):
-    ``python tests/test_llm_families.py``."""
-    import tempfile
-
-    rows = [f"| family | greedy steps equal to HF `generate`, alone | in a crowd of {CROWD} |",
-            "|---|---|---|"]
-    for model_type in sorted(FAMILIES):
-        hf = build(model_type)
-        ps = prompts()
-        want = hf_greedy(hf, ps, STEPS)
-        with tempfile.TemporaryDirectory() as folder:
-            hf.save_pretrained(folder)
-            weights = LlamaWeights.from_hf(load_hf_llama(folder))
-        alone = [greedy(weights, [p])[0][0] for p in ps]
-        others = crowd(ps)
-        got, _ = greedy(weights, others + ps, max_num_batched_tokens=32, enable_prefix_caching=True)
-        total = len(ps) * STEPS
-        rows.append(f"| {model_type} | {equal_steps(alone, want)}/{total} | "
-                    f"{equal_steps(got[len(others):], want)}/{total} |")
-    return "\n".join(rows)
-
-
-if __name__ == "__main__":
-    print(parity_table())
