@@ -101,6 +101,8 @@ def test_masks_keep_random_logits_inside_a_json_schema_a_regex_and_a_choice(tok:
                                                              seed))
         choice = StructuredOutput("choice", '["yes", "no", "maybe"]')
         assert generate(s, choice, seed) in ("yes", "no", "maybe")
+        grammar = StructuredOutput("grammar", 'root ::= "(" num ("+" num)* ")"\nnum ::= [1-9] [0-9]?')
+        assert re.fullmatch(r"\([1-9][0-9]?(\+[1-9][0-9]?)*\)", generate(s, grammar, seed))
 
 
 
