@@ -15,6 +15,7 @@ import torch
 from batchpilot.core.llm.config import LLMSchedulerConfig
 from batchpilot.core.llm.scheduler import LLMScheduler
 from batchpilot.core.llm.sequence import SamplingParams, Sequence
+from batchpilot.models.llm.dense import can_pack
 from batchpilot.models.llm.runner import LLMModelRunner, RowPlan
 from batchpilot.models.llm.sampler import Sampler, filter_logits
 from batchpilot.models.llm.tokenizer import (
@@ -62,13 +63,13 @@ def reference(hf: Any, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def run_greedy(hf: Any, prompts: list[list[int]], late: int = 0, row_plan: RowPlan | None = None,
-               **cfg: Any) -> tuple[list[list[int]], LLMScheduler]:
+               packed: bool = False, **cfg: Any) -> tuple[list[list[int]], LLMScheduler]:
     """Drive scheduler + runner to completion; the last ``late`` prompts arrive after 3 steps."""
     config = LLMSchedulerConfig(block_size=8, max_model_len=2048, **cfg)
     sched = LLMScheduler(config)
     # a small bound on a decode run's keys, so a handful of sequences runs in several padded runs
     runner = LLMModelRunner(LlamaWeights.from_hf(hf), config.num_kv_blocks, config.block_size,
-                            decode_run_tokens=64)
+                            decode_run_tokens=64, packed=packed)
     runner.row_plan = row_plan or RowPlan()
     sampler = Sampler()
     seqs = [Sequence(i, p, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True), arrival=i)
@@ -93,6 +94,13 @@ def run_greedy(hf: Any, prompts: list[list[int]], late: int = 0, row_plan: RowPl
 def test_mixed_batch_with_late_arrivals_matches_hf(hf: Any, prompts: list[list[int]],
                                                    reference: list[list[int]]) -> None:
     out, _ = run_greedy(hf, prompts, late=3, num_kv_blocks=256, max_num_batched_tokens=1024)
+    assert out == reference
+
+
+@pytest.mark.skipif(not can_pack(torch.device("cpu")), reason="no oneDNN packed linear here")
+def test_packed_matrices_match_hf(hf: Any, prompts: list[list[int]], reference: list[list[int]]) -> None:
+    # oneDNN's packed float32 kernels sum in another order than the BLAS: greedy tokens still HF's
+    out, _ = run_greedy(hf, prompts, late=3, packed=True, num_kv_blocks=256, max_num_batched_tokens=64)
     assert out == reference
 
 

@@ -2,15 +2,16 @@
 
 Every token of the step (prefill chunks and decodes alike) goes through the dense layers as one
 packed ``[T, D]`` matrix: no padding between chunks, two fused matmuls per block (qkv, gate_up) plus o
-and down; ``row_plan`` (the row plan section) may add up to three rows to ``T`` where the matmuls run
+and down (``dense.Dense``: through oneDNN's packed weights from the row count where that measured
+faster); ``row_plan`` (the row plan section) may add up to three rows to ``T`` where the matmuls run
 faster with them, rows never written to the cache, attended to or sampled.
 Only attention differs by chunk kind, and it reads keys/values through block tables:
 
 * decodes (1-token chunks): sorted by context length and split into runs of at most
   ``decode_run_tokens`` padded keys (``core.llm.scheduler.decode_groups``), one
   batched SDPA each (so short contexts are not padded to the longest). Keys are gathered block-wise
-  into ``[B, KV, L_max, hd]`` with a length mask; the query heads of a GQA group are folded into the query
-  axis (``[B, KV, G, hd]``) so the KV heads are never repeated.
+  into ``[B, KV, L_max, hd]`` with a length mask (none when every context is ``L_max``); the query heads of
+  a GQA group are folded into the query axis (``[B, KV, G, hd]``) so the KV heads are never repeated.
 * prefill chunks: one SDPA each. A chunk starting at position 0 attends over its own fresh keys with
   ``is_causal``; a later chunk (chunked prefill, prefix-cache hit) gathers its context from the cache
   and uses an offset causal mask.
@@ -22,8 +23,17 @@ SDPA cannot cap. The family's other terms (q/k/v bias, q/k norms, Gemma's norms,
 activation, final soft-cap) are data of the weights, applied in ``_layer`` and ``_logits``.
 
 Each layer writes the step's K/V into the cache (``index_copy_`` on slot numbers
-``block_table[pos // bs] * bs + pos % bs``) before attention reads it. Logits are computed only for
-chunks that sample (the last token of a finished prefill, every decode).
+``block_table[pos // bs] * bs + pos % bs``) before attention reads it. The cache has its own precision
+(``kv_dtype``, default the weights'): K/V are rounded to it when written, and attention over cached keys
+runs at it (the queries rounded to it, the output back to the weights' precision), so a float16 cache
+beside float32 weights is read once at half the bytes. Logits are computed only for chunks that sample
+(the last token of a finished prefill, every decode).
+
+The cost of a step on a CPU, beyond its matmuls, is the number of small ops: each costs microseconds of
+dispatch, and the first op after a matmul that streamed megabytes of weights runs with cold caches. So
+q and k are RoPE'd together (``_rope``: one roll), an RMSNorm is one ``torch.rms_norm``, a step of one
+decode run attends without a mask or an output copy where it can, and the step's layout is built in
+numpy, one tensor per kind.
 
 Swap space: ``num_swap_blocks`` host blocks of K and V (``[layers, blocks, block_size, kv_heads,
 head_dim]``, pinned memory beside a CUDA cache, plain ``torch.empty`` on CPU so swap space never used
@@ -50,6 +60,7 @@ from batchpilot.core.costmodel import CostModel, nonneg_lstsq
 from batchpilot.core.llm.config import DECODE_RUN_TOKENS, LLMSchedulerConfig, MemoryProfile
 from batchpilot.core.llm.scheduler import PreemptionCosts, ScheduledChunk, StepPlan, decode_groups
 from batchpilot.models.device import peak_memory_bytes
+from batchpilot.models.llm.dense import Dense
 from batchpilot.models.llm.weights import ACTIVATIONS, LayerWeights, LlamaWeights
 
 # -- The row plan ----------------------------------------------------------------------------------
@@ -110,11 +121,12 @@ class RowPlan:
         return cls(tuple(pad_to))
 
     @classmethod
-    def measure(cls, weights: Sequence[torch.Tensor], device: torch.device, dtype: torch.dtype,
+    def measure(cls, weights: Sequence[torch.Tensor | Dense], device: torch.device, dtype: torch.dtype,
                 max_rows: int = MAX_ROWS, lookahead: int = LOOKAHEAD, repeats: int = REPEATS) -> RowPlan:
-        """Time ``x @ w.T`` for every ``w`` of ``weights`` (the dense matrices, ``[out, in]``)
-        at each row count, round-robin over the counts ``repeats`` times (a drift in the machine's speed
-        then moves every count alike), and plan from the medians."""
+        """Time ``x @ w.T`` for every ``w`` of ``weights`` (the dense matrices, ``[out, in]``, or the
+        runner's ``Dense`` matrices as they multiply, packed or not) at each row count, round-robin over
+        the counts ``repeats`` times (a drift in the machine's speed then moves every count alike), and
+        plan from the medians."""
         counts = range(1, max_rows + lookahead + 1)
         gen = torch.Generator(device="cpu").manual_seed(0)
         width = max(int(w.shape[1]) for w in weights)
@@ -135,9 +147,12 @@ class RowPlan:
         return cls.from_times(medians, max_rows, lookahead)
 
 
-def _matmuls(xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]) -> None:
+def _matmuls(xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor | Dense]) -> None:
     for x, w in zip(xs, weights, strict=True):
-        x @ w.T
+        if isinstance(w, Dense):
+            w(x)
+        else:
+            x @ w.T
 
 
 def _sync(device: torch.device) -> None:
@@ -166,23 +181,38 @@ def keep_freed_memory() -> bool:
         return False
 
 
+def release_freed_memory() -> bool:
+    """Hand the heap's free pages back to the OS now (glibc ``malloc_trim``), which ``keep_freed_memory``
+    otherwise keeps: after a start-up probe, so its freed tensors are not counted as the engine's own.
+    False where glibc is not the allocator."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name:
+        return False
+    try:
+        return bool(ctypes.CDLL(name).malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # same op order as HF LlamaRMSNorm, for token-identical greedy output
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    # HF LlamaRMSNorm's float32 ``x * rsqrt(mean(x^2) + eps)``: torch.rms_norm gives it bit for bit in one
+    # kernel (for token-identical greedy output), then the cast back and the weight, in HF's order
+    return weight * torch.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 def _rms_norm_plus_one(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Gemma's RMSNorm (DecoderSpec.norm_plus_one): scaled by (1 + w) in float32, then cast, as HF does it
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * (1.0 + weight.float())).to(x.dtype)
+    return (torch.rms_norm(x.float(), (x.shape[-1],), eps=eps) * (1.0 + weight.float())).to(x.dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """HF's ``x * cos + rotate_half(x) * sin``, with ``rotate_half(x) = cat(-x2, x1)`` written as
+    ``roll(x, half) * signed_sin`` (the sin table's first half negated, ``_rope_table``): the same
+    products and sums, bit for bit, in four ops instead of seven."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 def _softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
@@ -190,18 +220,19 @@ def _softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-            softcap: float | None) -> torch.Tensor:
-    """``q`` over ``k``/``v`` where ``mask`` is True (None: causal over a fresh chunk's own keys). SDPA,
-    unless the layer soft-caps its scores, which SDPA cannot: then spelled out in HF eager's order (scale,
-    ``tanh(s / c) * c``, mask, softmax in float32)."""
+            softcap: float | None, causal: bool = True) -> torch.Tensor:
+    """``q`` over ``k``/``v`` where ``mask`` is True (None: causal over a fresh chunk's own keys, or, with
+    ``causal`` False, every key). SDPA, unless the layer soft-caps its scores, which SDPA cannot: then
+    spelled out in HF eager's order (scale, ``tanh(s / c) * c``, mask, softmax in float32)."""
     if softcap is None:
         if mask is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     scores = _softcap(torch.matmul(q, k.transpose(-1, -2)) * scale, softcap)
-    if mask is None:
+    if mask is None and causal:
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
-    scores = scores.masked_fill(~mask, float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
     return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
@@ -210,14 +241,17 @@ Window = int | None  # a layer's sliding window (LayerWeights.window); None: ful
 
 @dataclass
 class DecodeRun:
-    """Decodes in rows ``r0:r1`` (sorted by context), attended as one batch over ``length`` gathered keys
-    (``blocks`` of the cache, each run's tables padded to its longest)."""
+    """Decodes in rows ``r0:r1`` (sorted by context), attended as one batch over the first ``length`` keys
+    of their gathered ``blocks`` (each run's tables padded to its longest; ``length`` its longest
+    context)."""
 
     r0: int
     r1: int
     blocks: torch.Tensor
     length: int
-    masks: dict[Window, torch.Tensor]  # per layer window: the keys each decode sees, [n, 1, 1, length]
+    # per layer window: the keys each decode sees, [n, 1, 1, length]; None: every one (all contexts are
+    # ``length`` long, within the window)
+    masks: dict[Window, torch.Tensor | None]
 
 
 @dataclass
@@ -246,18 +280,38 @@ class StepLayout:
     prefill_runs: list[PrefillRun]
 
 
+@dataclass
+class LayerDense:
+    """A layer's four dense matrices as the runner multiplies by them (``dense.Dense``: plain or packed)."""
+
+    qkv: Dense  # with the layer's q/k/v bias, where its family has one
+    o: Dense
+    gate_up: Dense
+    down: Dense
+
+    def all(self) -> tuple[Dense, ...]:
+        return (self.qkv, self.o, self.gate_up, self.down)
+
+
 class LLMModelRunner:
-    """Owns the weights and the KV cache (``[layers, slots, kv_heads, head_dim]`` for K and for V)."""
+    """Owns the weights and the KV cache (``[layers, slots, kv_heads, head_dim]`` for K and for V).
+
+    ``dtype`` is the weights' and the activations'; ``kv_dtype`` the cache's (default: ``dtype``): keys
+    and values are rounded to it when written and attended in ``dtype``. ``packed``: the dense
+    matrices multiply through oneDNN's packed copies (``dense.py``; ``packing_pays`` says where that
+    pays)."""
 
     def __init__(self, weights: LlamaWeights, num_kv_blocks: int, block_size: int,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 decode_run_tokens: int = DECODE_RUN_TOKENS, num_swap_blocks: int = 0) -> None:
+                 decode_run_tokens: int = DECODE_RUN_TOKENS, num_swap_blocks: int = 0,
+                 kv_dtype: torch.dtype | None = None, packed: bool = False, pack_from_rows: int = 1) -> None:
         self.decode_run_tokens = decode_run_tokens
         self.threads: int | None = None  # CPU intra-op threads of the threads that run it (None: every core)
         self.row_plan = RowPlan()  # the row counts the dense layers run (RowPlan; none padded)
         self.rows_run = 0  # the token rows the last forward's dense layers ran, padding included
         self.max_gather_tokens = 0  # the most context tokens one gather holds (0: unbounded doubling)
-        self._buffers = [torch.empty(0, dtype=dtype, device=device) for _ in range(2)]
+        self.kv_dtype = kv_dtype or dtype
+        self._buffers = [torch.empty(0, dtype=self.kv_dtype, device=device) for _ in range(2)]
         self.device = torch.device(device)
         self.dtype = dtype
         self.block_size = block_size
@@ -275,15 +329,17 @@ class LLMModelRunner:
                     setattr(layer, name, getattr(layer, name).to(self.device, dtype))
         self.num_heads, self.num_kv_heads, self.head_dim = w.num_heads, w.num_kv_heads, w.head_dim
         self.group = self.num_heads // self.num_kv_heads
+        self.pack(packed, pack_from_rows)
+        self.precision: Any = None  # the builder's LLMPrecisionReport: how this precision was chosen
         shape = (len(w.layers), num_kv_blocks * block_size, self.num_kv_heads, self.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self.num_swap_blocks = num_swap_blocks
         self.preemption_costs: PreemptionCosts | None = None  # measured on this runner by its first engine
         host = (len(w.layers), num_swap_blocks, block_size, self.num_kv_heads, self.head_dim)
         pin = self.device.type == "cuda"
-        self.k_swap = torch.empty(host, dtype=dtype, pin_memory=pin)
-        self.v_swap = torch.empty(host, dtype=dtype, pin_memory=pin)
+        self.k_swap = torch.empty(host, dtype=self.kv_dtype, pin_memory=pin)
+        self.v_swap = torch.empty(host, dtype=self.kv_dtype, pin_memory=pin)
         # RoPE tables: [0] every layer's, [1] the sliding layers' where they have their own (Gemma 3)
         self.rope = [self._rope_table(w.inv_freq, w.attention_scaling)]
         if w.local_inv_freq is not None:
@@ -302,12 +358,30 @@ class LLMModelRunner:
         freqs = pos[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos() * scaling, emb.sin() * scaling
+        sin[:, : sin.shape[1] // 2] *= -1  # signed: rotate_half's negation folded in (``_rope``)
         return cos.to(self.device, self.dtype), sin.to(self.device, self.dtype)
+
+    def pack(self, packed: bool, from_rows: int = 1) -> None:
+        """Multiply by oneDNN's packed copies of the dense matrices (``dense.py``) for steps of ``from_rows``
+        token rows or more, or always by the plain ones."""
+        self.packed, self.pack_from_rows = packed, from_rows
+
+        def dense(w: torch.Tensor, bias: torch.Tensor | None = None) -> Dense:
+            return Dense(w, bias, packed, from_rows)
+
+        self.dense = [LayerDense(dense(layer.qkv, layer.qkv_bias), dense(layer.o), dense(layer.gate_up),
+                                 dense(layer.down)) for layer in self.w.layers]
+        self.head = dense(self.w.lm_head)
+
+    def share_dense(self, other: LLMModelRunner) -> None:
+        """Multiply by ``other``'s matrices (the same weights: an arm of its engine), packed as it packs."""
+        self.packed, self.pack_from_rows = other.packed, other.pack_from_rows
+        self.dense, self.head = other.dense, other.head
 
     def plan_rows(self) -> RowPlan:
         """Measure and keep the row counts the dense layers run fastest at (``RowPlan.measure`` on every
-        layer's matrices; about 2 s for the tiny Llama on one CPU core)."""
-        dense = [m for layer in self.w.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        layer's matrices, as they multiply; about 2 s for the tiny Llama on one CPU core)."""
+        dense = [d for layer in self.dense for d in layer.all()]
         self.row_plan = RowPlan.measure(dense, self.device, self.dtype)
         return self.row_plan
 
@@ -343,13 +417,7 @@ class LLMModelRunner:
 
     def release_buffers(self) -> None:
         """Drop the reused gather buffers (the memory profiler measures each step's gather from zero)."""
-        self._buffers = [torch.empty(0, dtype=self.dtype, device=self.device) for _ in range(2)]
-
-    def _slots(self, block_table: Sequence[int], start: int, stop: int) -> torch.Tensor:
-        bs = self.block_size
-        pos = torch.arange(start, stop)
-        table = torch.tensor(block_table, dtype=torch.long)
-        return table[pos // bs] * bs + pos % bs
+        self._buffers = [torch.empty(0, dtype=self.kv_dtype, device=self.device) for _ in range(2)]
 
     def _gather(self, blocks_view: torch.Tensor, index: torch.Tensor, slot: int) -> torch.Tensor:
         """``index_select`` of whole blocks into a reused buffer: a fresh multi-MB tensor per call costs
@@ -388,23 +456,27 @@ class LLMModelRunner:
         return self._logits(x, chunks, step)
 
     def _layout(self, chunks: Sequence[ScheduledChunk]) -> StepLayout:
-        dev = self.device
+        """The step's rows, cache slots, RoPE rows and attention runs, built in numpy (one tensor each,
+        not a few small tensors per sequence)."""
+        dev, bs = self.device, self.block_size
         # decodes sorted by context length, so each run pads its gathered keys to a similar length
         decodes = sorted((c for c in chunks if c.num_tokens == 1), key=lambda c: c.context_len)
         prefills = [c for c in chunks if c.num_tokens > 1]
-        ids: list[int] = []
-        positions: list[int] = []
-        slot_parts: list[torch.Tensor] = []
-        for c in decodes + prefills:  # rows: decodes first, then each prefill chunk contiguously
+        ids = [c.token_ids[0] for c in decodes]
+        positions = [c.start for c in decodes]
+        slots = [c.block_table[p // bs] * bs + p % bs for c, p in zip(decodes, positions, strict=True)]
+        pos_parts, slot_parts = [np.array(positions, dtype=np.int64)], [np.array(slots, dtype=np.int64)]
+        for c in prefills:  # rows: decodes first, then each prefill chunk contiguously
             ids.extend(c.token_ids)
-            positions.extend(range(c.start, c.context_len))
-            slot_parts.append(self._slots(c.block_table, c.start, c.context_len))
+            pos = np.arange(c.start, c.context_len, dtype=np.int64)
+            pos_parts.append(pos)
+            slot_parts.append(np.asarray(c.block_table, dtype=np.int64)[pos // bs] * bs + pos % bs)
         real = len(ids)  # the step's token rows; the dense layers run runner.rows(real) (RowPlan)
         pad = self.row_plan.rows(real) - real
         self.rows_run = real + pad
         ids.extend([0] * pad)
-        positions.extend([0] * pad)
-        pos_t = torch.tensor(positions, device=dev)
+        pos_parts.append(np.zeros(pad, dtype=np.int64))
+        pos_t = torch.from_numpy(np.concatenate(pos_parts)).to(dev)
         decode_runs = [self._decode_run(decodes[g0:g1], g0)
                        for g0, g1 in self._decode_groups([c.context_len for c in decodes])]
         prefill_runs, row = [], len(decodes)
@@ -412,24 +484,28 @@ class LLMModelRunner:
             prefill_runs.append(self._prefill_run(c, row))
             row += c.num_tokens
         rope = [(cos[pos_t][:, None, :], sin[pos_t][:, None, :]) for cos, sin in self.rope]
-        return StepLayout(decodes, prefills, torch.tensor(ids, device=dev), torch.cat(slot_parts).to(dev),
-                          real, rope, decode_runs, prefill_runs)
+        return StepLayout(decodes, prefills, torch.tensor(ids, device=dev),
+                          torch.from_numpy(np.concatenate(slot_parts)).to(dev), real, rope, decode_runs,
+                          prefill_runs)
 
     def _decode_run(self, group: Sequence[ScheduledChunk], r0: int) -> DecodeRun:
         bs = self.block_size
-        ctx = torch.tensor([c.context_len for c in group])
-        max_blocks = -(-int(ctx.max()) // bs)
-        tables = torch.zeros(len(group), max_blocks, dtype=torch.long)
+        ctx = np.array([c.context_len for c in group], dtype=np.int64)
+        longest = int(ctx.max())
+        max_blocks = -(-longest // bs)
+        tables = np.zeros((len(group), max_blocks), dtype=np.int64)
         for i, c in enumerate(group):
             nb = -(-c.context_len // bs)
-            tables[i, :nb] = torch.tensor(c.block_table[:nb])
-        keys = torch.arange(max_blocks * bs)[None, :]
+            tables[i, :nb] = c.block_table[:nb]
+        keys = np.arange(longest)[None, :]
         seen = keys < ctx[:, None]
-        full = seen.to(self.device)[:, None, None, :]
-        masks = {window: full if window is None or int(ctx.max()) <= window else
-                 (seen & (keys >= ctx[:, None] - window)).to(self.device)[:, None, None, :]
+        equal = bool(ctx.min() == longest)  # every key of the gather is seen: no mask
+        full = None if equal else torch.from_numpy(seen).to(self.device)[:, None, None, :]
+        masks = {window: full if window is None or longest <= window else
+                 torch.from_numpy(seen & (keys >= ctx[:, None] - window)).to(self.device)[:, None, None, :]
                  for window in self.windows}
-        return DecodeRun(r0, r0 + len(group), tables.view(-1).to(self.device), max_blocks * bs, masks)
+        return DecodeRun(r0, r0 + len(group), torch.from_numpy(tables.reshape(-1)).to(self.device), longest,
+                         masks)
 
     def _prefill_run(self, c: ScheduledChunk, r0: int) -> PrefillRun:
         start, stop = c.start, c.context_len
@@ -453,23 +529,21 @@ class LLMModelRunner:
         """One decoder layer over the step's rows; what a family adds is in ``layer`` (None: absent)."""
         eps, T = self.w.rms_norm_eps, x.shape[0]
         H, KV, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.norm(x, layer.input_norm, eps) @ layer.qkv.T
-        if layer.qkv_bias is not None:
-            qkv = qkv + layer.qkv_bias
-        q = qkv[:, : H * hd].view(T, H, hd)
-        k = qkv[:, H * hd : (H + KV) * hd].view(T, KV, hd)
+        dense = self.dense[li]
+        qkv = dense.qkv(self.norm(x, layer.input_norm, eps))
+        qk = qkv[:, : (H + KV) * hd].view(T, H + KV, hd)  # q and k side by side: RoPE'd together
         v = qkv[:, (H + KV) * hd :].view(T, KV, hd)
         if layer.q_norm is not None and layer.k_norm is not None:
-            q, k = self.norm(q, layer.q_norm, eps), self.norm(k, layer.k_norm, eps)
-        cos, sin = step.rope[int(layer.local_rope)]
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        self.k_cache[li].index_copy_(0, step.slots, k[: step.real])
-        self.v_cache[li].index_copy_(0, step.slots, v[: step.real])
-        attn = self._attention(li, layer, q, k, v, step).view(T, H * hd) @ layer.o.T
+            q, k = self.norm(qk[:, :H], layer.q_norm, eps), self.norm(qk[:, H:], layer.k_norm, eps)
+            qk = torch.cat((q, k), dim=1)
+        qk = _rope(qk, *step.rope[int(layer.local_rope)])
+        q, k = qk[:, :H], qk[:, H:]
+        self.k_cache[li].index_copy_(0, step.slots, k[: step.real].to(self.kv_dtype))
+        self.v_cache[li].index_copy_(0, step.slots, v[: step.real].to(self.kv_dtype))
+        attn = dense.o(self._attention(li, layer, q, k, v, step).view(T, H * hd))
         x = x + (attn if layer.attn_out_norm is None else self.norm(attn, layer.attn_out_norm, eps))
-        gate, up = (self.norm(x, layer.mlp_norm, eps) @ layer.gate_up.T).chunk(2, dim=-1)
-        mlp = (self.act(gate) * up) @ layer.down.T
+        gate, up = dense.gate_up(self.norm(x, layer.mlp_norm, eps)).chunk(2, dim=-1)
+        mlp = dense.down(self.act(gate) * up)
         return x + (mlp if layer.mlp_out_norm is None else self.norm(mlp, layer.mlp_out_norm, eps))
 
     def _attention(self, li: int, layer: LayerWeights, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -479,15 +553,12 @@ class LLMModelRunner:
         bs, H, KV, hd, G = self.block_size, self.num_heads, self.num_kv_heads, self.head_dim, self.group
         # gather whole blocks (bs * KV * hd contiguous values each), not single slots
         kb, vb = self.k_cache[li].view(-1, bs, KV, hd), self.v_cache[li].view(-1, bs, KV, hd)
+        if not step.prefill_runs and len(step.decode_runs) == 1 and step.real == q.shape[0]:
+            return self._decode_attention(step.decode_runs[0], layer, q, kb, vb)  # its rows are the step's
         out = torch.empty(q.shape[0], H, hd, dtype=q.dtype, device=q.device)
         out[step.real :] = 0  # padding rows: computed by the dense layers, read by nothing
         for d in step.decode_runs:
-            n = d.r1 - d.r0
-            kd = self._gather(kb, d.blocks, 0).view(n, d.length, KV, hd).transpose(1, 2)
-            vd = self._gather(vb, d.blocks, 1).view(n, d.length, KV, hd).transpose(1, 2)
-            qd = q[d.r0 : d.r1].view(n, KV, G, hd)  # fold the GQA group into the query axis
-            od = _attend(qd, kd, vd, d.masks[layer.window], self.scale, layer.softcap)
-            out[d.r0 : d.r1] = od.reshape(n, H, hd)
+            out[d.r0 : d.r1] = self._decode_attention(d, layer, q, kb, vb)
         for p in step.prefill_runs:
             if p.ctx_blocks is None:
                 kp, vp = k[p.r0 : p.r1], v[p.r0 : p.r1]
@@ -496,10 +567,23 @@ class LLMModelRunner:
                 vp = self._gather(vb, p.ctx_blocks, 1).view(-1, KV, hd)[: p.stop]
             kp = kp.repeat_interleave(G, dim=1).transpose(0, 1)[None]
             vp = vp.repeat_interleave(G, dim=1).transpose(0, 1)[None]
-            qc = q[p.r0 : p.r1].transpose(0, 1)[None]
+            qc = q[p.r0 : p.r1].transpose(0, 1)[None].to(kp.dtype)  # at the cache's precision (below)
             oc = _attend(qc, kp, vp, p.masks[layer.window], self.scale, layer.softcap)
             out[p.r0 : p.r1] = oc[0].transpose(0, 1)
         return out
+
+    def _decode_attention(self, d: DecodeRun, layer: LayerWeights, q: torch.Tensor, kb: torch.Tensor,
+                          vb: torch.Tensor) -> torch.Tensor:
+        """``[n, H, hd]``: one decode run over its gathered keys, the GQA group folded into the query axis."""
+        n, KV, G, hd = d.r1 - d.r0, self.num_kv_heads, self.group, self.head_dim
+        keys = d.blocks.numel() * self.block_size // n
+        kd = self._gather(kb, d.blocks, 0).view(n, keys, KV, hd)[:, : d.length].transpose(1, 2)
+        vd = self._gather(vb, d.blocks, 1).view(n, keys, KV, hd)[:, : d.length].transpose(1, 2)
+        # attended at the cache's precision: a KV cache below the weights' (float32 weights, float16 KV) is
+        # read once, at its size, and the queries are rounded to it, as llama.cpp does with its f16 cache
+        qd = q[d.r0 : d.r1].reshape(n, KV, G, hd).to(kd.dtype)
+        od = _attend(qd, kd, vd, d.masks[layer.window], self.scale, layer.softcap, causal=False)
+        return od.reshape(n, self.num_heads, hd).to(q.dtype)
 
     def _logits(self, x: torch.Tensor, chunks: Sequence[ScheduledChunk], step: StepLayout) -> torch.Tensor:
         """Logits of the rows that sample: a decode's row, a finished prefill's last row."""
@@ -510,7 +594,7 @@ class LLMModelRunner:
         rows = [last_row[c.seq_id] for c in chunks if c.sample]
         if not rows:
             return torch.empty(0, w.vocab_size)
-        logits = self.norm(x[torch.tensor(rows, device=self.device)], w.norm, w.rms_norm_eps) @ w.lm_head.T
+        logits = self.head(self.norm(x[torch.tensor(rows, device=self.device)], w.norm, w.rms_norm_eps))
         if w.final_softcap is not None:
             logits = _softcap(logits, w.final_softcap)
         return logits.float()
@@ -550,12 +634,14 @@ def _tensor_bytes(tensors: Sequence[torch.Tensor]) -> int:
 
 
 def weights_bytes(runner: LLMModelRunner) -> int:
-    """Bytes of the runner's model tensors (shared storages once), RoPE tables included."""
+    """Bytes of the runner's model tensors (shared storages once), RoPE tables and packed copies of the
+    dense matrices (``dense.Dense.nbytes``) included."""
     w = runner.w
     tensors = [w.embed, w.norm, w.lm_head, *(t for table in runner.rope for t in table)]
     for layer in w.layers:
         tensors += layer.tensors()
-    return _tensor_bytes(tensors)
+    packed = sum(d.nbytes for layer in runner.dense for d in layer.all()) + runner.head.nbytes
+    return _tensor_bytes(tensors) + packed
 
 
 def kv_bytes_per_token(runner: LLMModelRunner) -> int:
@@ -569,19 +655,24 @@ def model_memory(runner: LLMModelRunner) -> MemoryProfile:
     return MemoryProfile(weights_bytes(runner), kv_bytes_per_token(runner))
 
 
-def weights_memory(weights: Any, dtype: torch.dtype) -> MemoryProfile:
+def weights_memory(weights: Any, dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
+                   packed: bool = False) -> MemoryProfile:
     """``model_memory`` before any runner exists: the loaded weights (already in ``dtype``, as the loader
-    gives them and the runner keeps them) and the RoPE tables the runner will build, KV bytes from the
-    model's shape."""
+    gives them and the runner keeps them), their packed copies when ``packed``, and the RoPE tables the
+    runner will build; KV bytes from the model's shape and ``kv_dtype`` (default ``dtype``)."""
     w = weights
     tensors = [w.embed, w.norm, w.lm_head]
+    dense = [w.lm_head]
     for layer in w.layers:
         tensors += layer.tensors()
+        dense += [layer.qkv, layer.o, layer.gate_up, layer.down]
     size = torch.empty(0, dtype=dtype).element_size()
     tables = 1 if w.local_inv_freq is None else 2
     rope = 2 * tables * w.max_position_embeddings * w.head_dim * size
-    kv = 2 * len(w.layers) * w.num_kv_heads * w.head_dim * size
-    return MemoryProfile(_tensor_bytes(tensors) + rope, kv)
+    kv_size = torch.empty(0, dtype=kv_dtype or dtype).element_size()
+    kv = 2 * len(w.layers) * w.num_kv_heads * w.head_dim * kv_size
+    copies = sum(t.numel() * size for t in dense) if packed else 0
+    return MemoryProfile(_tensor_bytes(tensors) + rope + copies, kv)
 
 
 def read_tokens(plan: StepPlan) -> int:

@@ -232,6 +232,11 @@ class LlamaWeights:
     local_inv_freq: torch.Tensor | None = None  # the sliding layers' RoPE where it differs (Gemma 3)
     local_attention_scaling: float = 1.0
 
+    def dense_matrices(self) -> list[torch.Tensor]:
+        """Every dense matrix a step multiplies by: each layer's q/k/v, o, gate/up and down, then the head."""
+        layers = [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return [*layers, self.lm_head]
+
     @classmethod
     def from_hf(cls, model: Any) -> LlamaWeights:
         spec = family(model.config)
