@@ -46,6 +46,7 @@ MIN_PIPELINE_LEAD_S = 0.0005  # covers the thread hand-off even when collation i
 MIN_PIPELINE_SHARE = 0.02
 SECTIONS = ("encoder", "llm", "server", "model")
 PRECISIONS = ("auto", "float32", "bfloat16", "float16", "int8")
+LLM_PRECISIONS = ("auto", "float32", "bfloat16", "float16")  # the LLM engine's (models/llm/precision.py)
 BACKENDS = ("torch", "onnx")
 
 

@@ -18,6 +18,7 @@ written as one profile file); the LLM routes' serving path (``measure_llm_servin
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -32,7 +33,7 @@ import torch
 
 from batchpilot.bench.loadgen import build_plan
 from batchpilot.core.costmodel import LLM_FEATURES, CostModel, ProfilePoint
-from batchpilot.core.deployment import ServingOptions
+from batchpilot.core.deployment import LLM_PRECISIONS, ServingOptions
 from batchpilot.core.llm.scheduler import SWAP_META_KEYS, StepPlan
 from batchpilot.models.llm.runner import LLMModelRunner, measure_swap, step_plan
 from batchpilot.profile.serving import LONE_GAP_S, alternating_arrivals, lone_elsewhere, send_elsewhere
@@ -163,17 +164,19 @@ def run_llm(args: argparse.Namespace) -> int:
     from batchpilot.runtime.llm.build import BuildOptions, build_llm_engine, profile_engine_memory
 
     device = resolve_device(args.device)
-    dtype = "float32" if args.dtype in ("auto", "float32") else args.dtype
-    if dtype not in ("float32", "bfloat16", "float16"):
-        print(f"batchpilot profile --llm: --dtype {dtype} is not an LLM precision; use float32, bfloat16 or "
-              f"float16")
+    if args.dtype not in LLM_PRECISIONS:
+        print(f"batchpilot profile --llm: --dtype {args.dtype} is not an LLM precision; use "
+              f"{', '.join(LLM_PRECISIONS)}")
         return 2
     free = free_memory_bytes(device)
     t0 = time.perf_counter()
-    built_as = BuildOptions(device=str(device), dtype=dtype, threads=args.threads or 0, start=False)
+    built_as = BuildOptions(device=str(device), dtype=args.dtype, threads=args.threads or 0, start=False)
     engine = build_llm_engine(args.model, None, built_as, num_swap_blocks=16)  # host blocks: swaps get timed
     runner = engine.runner
-    print(f"{engine.model_name} on {device} ({dtype}, {torch.get_num_threads()} threads), loaded in "
+    dtype, kv_dtype = runner.precision.chosen, runner.precision.kv_dtype  # auto: what the probe chose
+    built_as = dataclasses.replace(built_as, dtype=dtype, kv_dtype=kv_dtype)
+    print(f"{engine.model_name} on {device} ({runner.precision.label}, {torch.get_num_threads()} threads), "
+          f"loaded in "
           f"{time.perf_counter() - t0:.1f} s; KV pool {runner.num_kv_blocks} blocks x {runner.block_size}")
     t1 = time.perf_counter()
     memory, mem_points = profile_engine_memory(engine)
@@ -186,7 +189,8 @@ def run_llm(args: argparse.Namespace) -> int:
     model = profile_llm_steps(runner, repeats=args.repeats)
     coef = ", ".join(f"{n}={c:.3g}" for n, c in zip(model.feature_names, model.latency_coef, strict=True))
     print(f"step model: {coef}  (seconds per feature unit)")
-    model.meta.update(device=str(device), dtype=dtype, model=engine.model_name, model_path=args.model,
+    model.meta.update(device=str(device), dtype=dtype, kv_dtype=kv_dtype, model=engine.model_name,
+                      model_path=args.model,
                       date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"))
     doc: dict[str, Any] = {
         "kind": "llm",
@@ -196,7 +200,7 @@ def run_llm(args: argparse.Namespace) -> int:
         "free_bytes": free,
         "model_max_len": int(runner.cos.shape[0]),  # the model's positions: max_model_len when not given
         "device": device.type,
-        "meta": {"model": engine.model_name, "device": str(device), "dtype": dtype,
+        "meta": {"model": engine.model_name, "device": str(device), "dtype": dtype, "kv_dtype": kv_dtype,
                  "threads": torch.get_num_threads(), "torch": torch.__version__,
                  "seconds": time.perf_counter() - t1},
     }

@@ -255,12 +255,18 @@ def mount_llm(settings: ServerConfig, spec: DeploymentSpec, rollout: RolloutSpec
 
 
 def llm_engine(settings: ServerConfig, spec: DeploymentSpec) -> LLMEngine:
-    """The started engine ``--llm-model`` and the deployment ask for."""
-    from batchpilot.runtime.llm.build import BuildOptions, build_llm_engine
+    """The started engine ``--llm-model`` and the deployment ask for, at ``--llm-dtype`` (``auto`` with an
+    ``--llm-profile``: the precision that profile measured, as the encoder takes its profile's)."""
+    from batchpilot.runtime.llm.build import BuildOptions, build_llm_engine, profiled_precision
 
+    dtype, kv_dtype = settings.llm_dtype, settings.llm_kv_dtype
+    if dtype == "auto" and settings.llm_profile:
+        dtype, kv_dtype = profiled_precision(settings.llm_profile, kv_dtype)
+        log.info("llm precision: %s (KV cache %s), as profiled in %s", dtype, kv_dtype or dtype,
+                 settings.llm_profile)
     return build_llm_engine(settings.llm_model, spec=spec, options=BuildOptions(
         tokenizer_threads=settings.serving.tokenizer_workers, threads=settings.num_threads or 0,
-        memory_profile=settings.llm_profile))
+        memory_profile=settings.llm_profile, dtype=dtype, kv_dtype=kv_dtype))
 
 
 def llm_failover(settings: ServerConfig, engine: LLMEngine) -> LLMFailover:

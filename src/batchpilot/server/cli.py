@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import fields
 from typing import Any
 
-from batchpilot.core.deployment import DeploymentSpec
+from batchpilot.core.deployment import LLM_PRECISIONS, DeploymentSpec
 from batchpilot.server.build import build_app
 from batchpilot.server.config import REQUEST_LIMITS, TASKS, ModelSpec, ServerConfig
 from batchpilot.server.llm.schemas import CAP, LLMLimits
@@ -112,6 +112,12 @@ def add_serving_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--llm", action="store_true", help="also mount the LLM completion routes")
     p.add_argument("--llm-model", default=None, help="--llm: local HF causal-LM folder")
+    p.add_argument("--llm-dtype", choices=LLM_PRECISIONS, default="auto",
+                   help="--llm: precision of the weights and activations (default auto: the fastest this "
+                        "machine runs that passes the guard against float32, measured at start-up; a "
+                        "--llm-profile's precision when given one)")
+    p.add_argument("--llm-kv-dtype", choices=LLM_PRECISIONS[1:], default=None,
+                   help="--llm: precision of the KV cache (default: the weights')")
     p.add_argument("--llm-profile", default=None, metavar="PATH",
                    help="--llm: the `batchpilot profile --llm` file the KV pool is planned from (its "
                         "measured memory); without it a memory budget is measured at start-up")
@@ -194,6 +200,7 @@ def server_config(args: argparse.Namespace, spec: DeploymentSpec) -> ServerConfi
         **{name: getattr(args, name) for name in REQUEST_LIMITS},
         drain_timeout_s=args.drain_timeout_s, warmup=not args.no_warmup, llm=args.llm,
         llm_model=args.llm_model, llm_profile=args.llm_profile, llm_limits=llm_limits_from_args(args),
+        llm_dtype=args.llm_dtype, llm_kv_dtype=args.llm_kv_dtype,
         llm_step_log=args.llm_step_log,
         batch_log=args.batch_log,
         llm_fallback=args.llm_fallback, llm_stall_timeout_s=args.llm_stall_timeout_s,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from batchpilot.core.deployment import ServingOptions
+from batchpilot.core.deployment import LLM_PRECISIONS, ServingOptions
 from batchpilot.server.llm.schemas import LLMLimits
 from batchpilot.settings import flag
 
@@ -94,6 +94,10 @@ class ServerConfig:
     llm: bool = False
     llm_model: str | None = None
     llm_profile: str | None = None  # the `profile --llm` file the KV pool is planned from (llm_memory.py)
+    # the LLM's weights and activations: auto (the fastest that passes the guard, models/llm/precision.py;
+    # a --llm-profile's precision when given one) | float32 | bfloat16 | float16
+    llm_dtype: str = "auto"
+    llm_kv_dtype: str | None = None  # the KV cache's (None: the weights')
     llm_limits: LLMLimits = LLMLimits()  # sizes of one LLM request (llm_limits.py; serve's --llm-max-* flags)
     batch_log: str | None = None  # append one JSON line per executed encoder batch here (fidelity checks)
     llm_step_log: str | None = None  # append one JSON line per LLM engine step here (fidelity checks)
@@ -120,6 +124,12 @@ class ServerConfig:
                 raise ValueError(f"server.{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.noop_delay_s < 0:
             raise ValueError(f"server.noop_delay_s must be >= 0, got {self.noop_delay_s}")
+        if self.llm_dtype not in LLM_PRECISIONS:
+            raise ValueError(f"server.llm_dtype = {self.llm_dtype!r}; choose one of "
+                             f"{', '.join(LLM_PRECISIONS)}")
+        if self.llm_kv_dtype is not None and self.llm_kv_dtype not in LLM_PRECISIONS[1:]:
+            raise ValueError(f"server.llm_kv_dtype = {self.llm_kv_dtype!r}; choose one of "
+                             f"{', '.join(LLM_PRECISIONS[1:])}")
         if self.llm_fallback not in ("static", "off"):
             raise ValueError(f"server.llm_fallback = {self.llm_fallback!r}; choose static or off")
         if self.llm_stall_timeout_s is not None and not self.llm_stall_timeout_s > 0:

@@ -27,6 +27,7 @@ from batchpilot.core.llm.config import (
 from batchpilot.models.seeded import LLMModelConfig  # a dataclass: importing it loads no torch
 
 if TYPE_CHECKING:  # the builders import the model side when they run: torch loads only then
+    from batchpilot.models.llm.precision import LLMPrecisionReport
     from batchpilot.runtime.llm.engine import LLMEngine
     from batchpilot.runtime.llm.failover import LLMFailover
     from batchpilot.runtime.llm.fallback import StaticFallback
@@ -60,28 +61,38 @@ def load_memory_profile(path: str | Path) -> MemoryProfile:
     return MemoryProfile.from_dict(data["memory"])
 
 
+def profiled_precision(path: str | Path, kv_dtype: str | None = None) -> tuple[str, str | None]:
+    """The precision a ``batchpilot profile --llm`` file was measured at (its ``meta``: ``dtype`` and
+    ``kv_dtype``; float32 for a profile older than the LLM precisions), ``kv_dtype`` when given."""
+    meta = json.loads(Path(path).read_text()).get("meta") or {}
+    return str(meta.get("dtype", "float32")), kv_dtype or meta.get("kv_dtype")
+
+
 def engine_memory(weights: Any, config: LLMSchedulerConfig, device: str, dtype: Any,
-                  profile: MemoryProfile | str | Path | None = None, overhead_bytes: float = 0.0
-                  ) -> MemoryProfile:
+                  profile: MemoryProfile | str | Path | None = None, overhead_bytes: float = 0.0,
+                  kv_dtype: Any = None, packed: bool = False) -> MemoryProfile:
     """The ``MemoryProfile`` the plan is made from (the rules in the comment above); ``overhead_bytes``: what
-    loading this model cost beyond its weights, measured by the builder (a profile brings its own)."""
+    loading this model cost beyond its weights, measured by the builder (a profile brings its own);
+    ``kv_dtype`` the cache's (None: ``dtype``), ``packed`` whether the runner packs its matrices."""
     import dataclasses
 
     from batchpilot.models.llm.runner import LLMModelRunner, measure_memory, weights_memory
 
-    exact = dataclasses.replace(weights_memory(weights, dtype), overhead_bytes=overhead_bytes)
+    exact = dataclasses.replace(weights_memory(weights, dtype, kv_dtype, packed),
+                                overhead_bytes=overhead_bytes)
     if profile is not None:
         mem = profile if isinstance(profile, MemoryProfile) else load_memory_profile(profile)
         if mem.kv_bytes_per_token != exact.kv_bytes_per_token:
                 raise ValueError(f"the memory profile has {mem.kv_bytes_per_token} KV bytes per token, this "
-                                 f"model in {dtype} has {exact.kv_bytes_per_token}: it was profiled for "
+                                 f"model with a {kv_dtype or dtype} KV cache has {exact.kv_bytes_per_token}: "
+                                 f"it was profiled for "
                                  f"another model or precision; profile this one with "
                                  f"`batchpilot profile --llm`")
         return mem
     if config.kv_cache_memory is None and config.memory_utilization is None:
         return exact
     probe = LLMModelRunner(weights, max(1, PROBE_TOKENS // config.block_size), config.block_size,
-                           device=device, dtype=dtype)
+                           device=device, dtype=dtype, kv_dtype=kv_dtype, packed=packed)
     mem, _ = measure_memory(probe)
     del probe
     log.info("llm memory: measured the activation peak at start-up: %.0f B + %.0f B per batched token "
@@ -92,10 +103,11 @@ def engine_memory(weights: Any, config: LLMSchedulerConfig, device: str, dtype: 
 
 def plan_engine_memory(weights: Any, spec: DeploymentSpec, model: LLMModelLimits, device: str, dtype: Any,
                        free_bytes: float | None, profile: MemoryProfile | str | Path | None = None,
-                       overhead_bytes: float = 0.0) -> tuple[LLMDeployment, MemoryProfile]:
+                       overhead_bytes: float = 0.0, kv_dtype: Any = None,
+                       packed: bool = False) -> tuple[LLMDeployment, MemoryProfile]:
     """The engine's deployment (``core.deployment.resolve_llm_deployment`` on this memory), logged;
     raises ``core.llm.config.KVPlanError`` with what to change."""
-    mem = engine_memory(weights, spec.llm, device, dtype, profile, overhead_bytes)
+    mem = engine_memory(weights, spec.llm, device, dtype, profile, overhead_bytes, kv_dtype, packed)
     dep = resolve_llm_deployment(spec, model, mem, free_bytes, swap_on_device=str(device).startswith("cpu"))
     for note in dep.notes:
         log.info("llm deployment: %s", note)
@@ -160,7 +172,11 @@ class BuildOptions:
     deployment's ``llm:`` section (its ``spec``), not these."""
 
     device: str = "cpu"  # "cpu", "cuda", "cuda:1"
-    dtype: str = "float32"  # float32 | bfloat16 | float16
+    # weights and activations: float32 | bfloat16 | float16 | auto (the fastest that passes the guard,
+    # measured at build: ``models/llm/precision.py``); a precision below float32 is checked by the guard
+    dtype: str = "float32"
+    kv_dtype: str | None = None  # the KV cache's: float32 | bfloat16 | float16 (None: ``dtype``'s)
+    packed: bool | None = None  # dense matrices packed for oneDNN (``models/llm/dense.py``); None: measured
     model_name: str | None = None  # what clients send (None: the model folder, else batchpilot-tiny-llama)
     start: bool = True  # start the engine thread (False: built, for measuring its runner)
     sampler_seed: int = 0
@@ -182,6 +198,8 @@ class BuildKeys(TypedDict, total=False):
 
     device: str
     dtype: str
+    kv_dtype: str | None
+    packed: bool | None
     model_name: str | None
     start: bool
     sampler_seed: int
@@ -255,18 +273,20 @@ def build_llm_engine(model_path: str | None = None, spec: DeploymentSpec | None 
     from batchpilot.runtime.llm.engine import LLMEngine
 
     o, spec = build_options(options, spec, dict(keys))
-    device, dtype, threads, model_cfg = o.device, getattr(torch, o.dtype), o.threads, o.model
+    device, threads, model_cfg = o.device, o.threads, o.model
 
     if device == "cpu" or threads:  # 1 is steadier than every core when other jobs share them; set
         # here for the start-up measurements (row plan, preemption costs) and again by each thread that
         # runs the model (the runner's ``threads``, ``models.device.bind_threads``)
         configure_threads(threads or None)
-    free_bytes = free_memory_bytes(device)  # before the model loads: the plan's budget is a share of it
-    held_before = used_memory_bytes(device)
     if device == "cpu":
         from batchpilot.models.llm.runner import keep_freed_memory
 
         keep_freed_memory()
+    precision = engine_precision(model_path, o)  # may load a float32 copy for the guard, freed again
+    dtype, kv_dtype = getattr(torch, precision.chosen), getattr(torch, precision.kv_dtype)
+    free_bytes = free_memory_bytes(device)  # before the model loads: the plan's budget is a share of it
+    held_before = used_memory_bytes(device)
     hf = load_hf_llama(model_path, model_cfg, dtype=dtype)
     weights = LlamaWeights.from_hf(hf)
     tokenizer = load_tokenizer(model_path, model_cfg.vocab_size)
@@ -278,14 +298,16 @@ def build_llm_engine(model_path: str | None = None, spec: DeploymentSpec | None 
     # on CPU the process's growth while loading, beyond the weights, is memory the plan must leave room for
     overhead = 0.0 if device.startswith("cuda") else max(
         0.0, used_memory_bytes(device) - held_before - weights_memory(weights, dtype).weights_bytes)
+    packed, from_rows = engine_packing(weights, o, precision, device, dtype)
     limits = LLMModelLimits(weights.max_position_embeddings, tuple(sorted(eos)))
     deployment, memory = plan_engine_memory(weights, spec, limits, device, dtype, free_bytes,
-                                            o.memory_profile, overhead)
+                                            o.memory_profile, overhead, kv_dtype, packed)
     config, plan = deployment.config, deployment.plan
     assert plan is not None  # planned from a memory profile
     runner = LLMModelRunner(weights, config.num_kv_blocks, config.block_size, device=device, dtype=dtype,
-                            num_swap_blocks=config.num_swap_blocks,
-                            decode_run_tokens=config.decode_run_tokens)
+                            num_swap_blocks=config.num_swap_blocks, kv_dtype=kv_dtype, packed=packed,
+                            pack_from_rows=from_rows, decode_run_tokens=config.decode_run_tokens)
+    runner.precision = precision
     runner.max_gather_tokens = largest_gather(config)  # what core.llm.config reserves
     runner.threads = threads or None
     if o.plan_rows:
@@ -300,6 +322,47 @@ def build_llm_engine(model_path: str | None = None, spec: DeploymentSpec | None 
     engine.memory_held_before = held_before
     check_built_overhead(engine, plan)
     return engine.start() if o.start else engine
+
+
+def engine_precision(model_path: str | None, o: BuildOptions) -> LLMPrecisionReport:
+    """The precision the engine serves at (``models/llm/precision.choose_llm_precision``), logged. Float32
+    asked for is taken as is; otherwise the model is loaded once in float32 for the guard (and, for
+    ``auto``, the timing), and every probe tensor is freed and handed back to the OS before the engine's
+    own model loads (the memory plan then measures that load alone)."""
+    import gc
+
+    import torch
+
+    from batchpilot.models.llm.precision import choose_llm_precision
+    from batchpilot.models.llm.runner import release_freed_memory
+    from batchpilot.models.llm.weights import LlamaWeights, load_hf_llama
+
+    def weights() -> Any:
+        return LlamaWeights.from_hf(load_hf_llama(model_path, o.model, dtype=torch.float32))
+
+    report = choose_llm_precision(weights, o.dtype, torch.device(o.device), o.kv_dtype)
+    gc.collect()
+    release_freed_memory()
+    log.info("llm precision: %s", report.describe())
+    return report
+
+
+def engine_packing(weights: Any, o: BuildOptions, precision: LLMPrecisionReport, device: str,
+                   dtype: Any) -> tuple[bool, int]:
+    """Whether the runner packs its dense matrices, and from how many token rows on: ``o.packed`` when
+    set (for every row count), else what the precision probe measured for the precision served, else
+    measured here (``models/llm/dense.packing_pays``)."""
+    if o.packed is not None:
+        return o.packed, 1
+    report = precision.packing_report
+    if report is None:
+        import torch
+
+        from batchpilot.models.llm.dense import packing_pays
+
+        report = packing_pays(weights.dense_matrices(), torch.device(device), dtype)
+        log.info("llm dense: %s", report.describe())
+    return report.packed, report.from_rows
 
 
 def build_options(options: BuildOptions | None, spec: DeploymentSpec | None,
@@ -375,16 +438,19 @@ def build_llm_arm(engine: LLMEngine, start: bool = True, sampler_seed: int = 0,
     memory = getattr(engine, "memory_profile", None) or model_memory(r)
     budget = config.kv_cache_memory is not None or config.memory_utilization is not None
     if memory.source == "none" and budget:
-        memory = engine_memory(r.w, config, str(r.device), r.dtype)  # a budget: measure the activation
+        memory = engine_memory(r.w, config, str(r.device), r.dtype, kv_dtype=r.kv_dtype,
+                               packed=r.packed)  # a budget: measure the activation
     # the weights are the primary's and so is the loading overhead: the arm adds its pool and activation
     memory = dataclasses.replace(memory, weights_bytes=0, overhead_bytes=0.0)
     plan = plan_kv(config, memory, free_memory_bytes(r.device), swap_on_device=r.device.type == "cpu")
     config = plan.resolve(config)
     runner = LLMModelRunner(r.w, config.num_kv_blocks, config.block_size, device=str(r.device), dtype=r.dtype,
-                            num_swap_blocks=config.num_swap_blocks,
+                            num_swap_blocks=config.num_swap_blocks, kv_dtype=r.kv_dtype,
                             decode_run_tokens=config.decode_run_tokens)
+    runner.share_dense(r)  # the primary's packed matrices, not a copy of them
     runner.max_gather_tokens = largest_gather(config)  # what core.llm.config reserves
     runner.threads = r.threads  # an arm runs as the primary does
+    runner.precision = r.precision
     runner.row_plan = r.row_plan  # the same weights and device: the primary's measured plan
     arm = LLMEngine(runner, engine.tokenizer, config, model_name=engine.model_name,
                     sampler=Sampler(sampler_seed), tokenizer_threads=1)  # the routes tokenise on engine's
