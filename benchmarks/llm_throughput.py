@@ -12,8 +12,9 @@ opposite direction every other round (the CPU's speed moves by tens of percent o
 Every config gets a short warm-up run (4 other prompts of 8-512 tokens, 4 tokens each) right before
 its timed run. A round's ratio is batchpilot's best-of-grid tok/s over each baseline's best-of-grid.
 
-* batchpilot: ``LLMEngine`` (engine thread, paged KV, chunked prefill, fcfs, the runner's row plan
-  measured as ``serve`` measures it: ``models/llm/runner.py``) through its async API.
+* batchpilot: ``LLMEngine`` (engine thread, paged KV, chunked prefill, fcfs, float32 like the
+  baselines, the runner's packed matrices and row plan measured as ``serve`` measures them:
+  ``models/llm/dense.py``, ``models/llm/runner.py``) through its async API.
   Limits: ``max_num_batched_tokens`` in the grid (``--grid-tokens``, default 128/256/512/1024),
   ``max_num_seqs`` 64, ``num_kv_blocks`` 2048 x ``block_size`` 16, ``max_model_len`` 2048, no prefix
   caching. Token times are taken as each streamed item reaches the client's event loop.
@@ -61,6 +62,7 @@ import torch
 
 from batchpilot.core.llm.config import LLMSchedulerConfig
 from batchpilot.core.llm.sequence import SamplingParams
+from batchpilot.models.llm.dense import packing_pays
 from batchpilot.models.llm.runner import LLMModelRunner, keep_freed_memory
 from batchpilot.models.llm.sampler import Sampler
 from batchpilot.models.llm.tokenizer import build_tokenizer
@@ -138,8 +140,12 @@ def run_batchpilot(hf: Any, reqs: Requests, warm: Requests, max_tokens: int,
                    args: argparse.Namespace) -> dict[str, Any]:
     config = LLMSchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_tokens,
                                 num_kv_blocks=args.kv_blocks, block_size=BLOCK_SIZE, max_model_len=2048)
-    runner = LLMModelRunner(LlamaWeights.from_hf(hf), config.num_kv_blocks, config.block_size)
-    runner.plan_rows()  # as build_llm_engine (serve) does: the row counts the matmuls run fastest at
+    weights = LlamaWeights.from_hf(hf)
+    runner = LLMModelRunner(weights, config.num_kv_blocks, config.block_size)
+    # as build_llm_engine (serve at float32) does: the row counts where packed matrices are faster, then
+    # the row counts the matmuls run fastest at
+    runner.pack(packing_pays(weights.dense_matrices(), runner.device, runner.dtype).rule)
+    runner.plan_rows()
     engine = LLMEngine(runner, build_tokenizer(hf.config.vocab_size), config, sampler=Sampler(0)).start()
 
     async def one(prompt: list[int], n: int, t0: float) -> list[float]:
