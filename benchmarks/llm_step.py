@@ -1,8 +1,8 @@
 """Where a decode step of the LLM runner spends its time, by part, at each precision.
 
 The default tiny Llama (6 x 512, GQA 8:4, vocab 4096, seeded random weights), one runner per precision
-(weights/KV cache: float32/float32, float32/float16, bfloat16/bfloat16), its dense matrices packed at the
-row counts where that measured faster (``models/llm/dense.packing_pays``, as ``serve`` does). Synthetic
+(weights/KV cache: float32/float32, float32/float16, bfloat16/bfloat16), its dense matrices packed where
+that measured faster (``models/llm/dense.packing_pays``, as ``serve`` does). Synthetic
 decode steps (``runner.step_plan``): 1, 8 and 64 sequences at a context of 200 tokens.
 
 Per step, the calling thread's CPU time (``time.thread_time``: what another process on the same cores
@@ -46,7 +46,7 @@ PARTS = ("dense", "attention", "norm", "layout", "logits")
 def build(weights: LlamaWeights, name: str) -> LLMModelRunner:
     dtype, kv = PRECISIONS[name]
     runner = LLMModelRunner(cast_weights(weights, dtype), 2048, 16, dtype=dtype, kv_dtype=kv)
-    runner.pack(packing_pays(runner.w.dense_matrices(), runner.device, dtype).rule)
+    runner.pack(packing_pays(runner.w.dense_matrices(), runner.device, dtype).packed)
     return runner
 
 
@@ -135,8 +135,7 @@ def main() -> None:
         med = {c: statistics.median(run[c] for run in runs) for c in cols}
         print(f"{name:10s} {batch:4d} " + " ".join(f"{med[c]:11.2f}" for c in cols))
     for name, runner in runners.items():
-        rule = runner.packing
-        print(f"{name}: dense matrices {'plain' if rule is None else rule.describe()}")
+        print(f"{name}: dense matrices {'packed' if runner.packed else 'plain'}")
 
 
 if __name__ == "__main__":

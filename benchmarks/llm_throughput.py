@@ -144,7 +144,7 @@ def run_batchpilot(hf: Any, reqs: Requests, warm: Requests, max_tokens: int,
     runner = LLMModelRunner(weights, config.num_kv_blocks, config.block_size)
     # as build_llm_engine (serve at float32) does: the row counts where packed matrices are faster, then
     # the row counts the matmuls run fastest at
-    runner.pack(packing_pays(weights.dense_matrices(), runner.device, runner.dtype).rule)
+    runner.pack(packing_pays(weights.dense_matrices(), runner.device, runner.dtype).packed)
     runner.plan_rows()
     engine = LLMEngine(runner, build_tokenizer(hf.config.vocab_size), config, sampler=Sampler(0)).start()
 

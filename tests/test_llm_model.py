@@ -15,7 +15,7 @@ import torch
 from batchpilot.core.llm.config import LLMSchedulerConfig
 from batchpilot.core.llm.scheduler import LLMScheduler
 from batchpilot.core.llm.sequence import SamplingParams, Sequence
-from batchpilot.models.llm.dense import PackRule, can_pack
+from batchpilot.models.llm.dense import can_pack
 from batchpilot.models.llm.runner import LLMModelRunner, RowPlan
 from batchpilot.models.llm.sampler import Sampler, filter_logits
 from batchpilot.models.llm.tokenizer import (
@@ -69,7 +69,7 @@ def run_greedy(hf: Any, prompts: list[list[int]], late: int = 0, row_plan: RowPl
     sched = LLMScheduler(config)
     # a small bound on a decode run's keys, so a handful of sequences runs in several padded runs
     runner = LLMModelRunner(LlamaWeights.from_hf(hf), config.num_kv_blocks, config.block_size,
-                            decode_run_tokens=64, packing=PackRule() if packed else None)
+                            decode_run_tokens=64, packed=packed)
     runner.row_plan = row_plan or RowPlan()
     sampler = Sampler()
     seqs = [Sequence(i, p, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True), arrival=i)

@@ -219,7 +219,7 @@ def choose_llm_precision(load: Callable[[], LlamaWeights], requested: str, devic
         runner = LLMModelRunner(cast_weights(weights, dtype), PROBE_BLOCKS, BLOCK_SIZE, device=device,
                                 dtype=dtype, kv_dtype=getattr(torch, kv))
         report.packing[label] = packing_pays(runner.w.dense_matrices(), runner.device, dtype)
-        runner.pack(report.packing[label].rule)
+        runner.pack(report.packing[label].packed)
         if reference is None:  # float32 weights and KV: the reference
             reference, forced = teacher_forced_logits(runner, prompts, PROBE_STEPS)
             agree, error = 1.0, 0.0

@@ -2,10 +2,10 @@
 
 Every token of the step (prefill chunks and decodes alike) goes through the dense layers as one
 packed ``[T, D]`` matrix: no padding between chunks, two fused matmuls per block (qkv, gate_up) plus o
-and down (``dense.Dense``: through oneDNN's packed weights at the row counts where that measured
-faster); ``row_plan`` (the row plan section) may add up to three rows to ``T`` where the matmuls run
-faster with them, rows never written to the cache, attended to or sampled.
-Only attention differs by chunk kind, and it reads keys/values through block tables:
+and down (``dense.Dense``: through oneDNN's packed weights where that measured faster); ``row_plan``
+(the row plan section) may add up to three rows to ``T`` where the matmuls run faster with them, rows
+never written to the cache, attended to or sampled. Only attention differs by chunk kind, and it reads
+keys/values through block tables:
 
 * decodes (1-token chunks): sorted by context length and split into runs of at most
   ``decode_run_tokens`` padded keys (``core.llm.scheduler.decode_groups``), one
@@ -60,7 +60,7 @@ from batchpilot.core.costmodel import CostModel, nonneg_lstsq
 from batchpilot.core.llm.config import DECODE_RUN_TOKENS, LLMSchedulerConfig, MemoryProfile
 from batchpilot.core.llm.scheduler import PreemptionCosts, ScheduledChunk, StepPlan, decode_groups
 from batchpilot.models.device import peak_memory_bytes
-from batchpilot.models.llm.dense import Dense, PackRule
+from batchpilot.models.llm.dense import Dense
 from batchpilot.models.llm.weights import ACTIVATIONS, LayerWeights, LlamaWeights
 
 # -- The row plan ----------------------------------------------------------------------------------
@@ -297,14 +297,14 @@ class LLMModelRunner:
     """Owns the weights and the KV cache (``[layers, slots, kv_heads, head_dim]`` for K and for V).
 
     ``dtype`` is the weights' and the activations'; ``kv_dtype`` the cache's (default: ``dtype``): keys
-    and values are rounded to it when written, and attention over them runs at it. ``packing``: the row
-    counts at which the dense matrices multiply through oneDNN's packed copies (``dense.PackRule``;
-    ``dense.packing_pays`` measures where that pays); None: never."""
+    and values are rounded to it when written, and attention over them runs at it. ``packed``: the dense
+    matrices multiply through oneDNN's packed copies (``dense.py``; ``dense.packing_pays`` measures
+    whether that pays)."""
 
     def __init__(self, weights: LlamaWeights, num_kv_blocks: int, block_size: int,
                  device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  decode_run_tokens: int = DECODE_RUN_TOKENS, num_swap_blocks: int = 0,
-                 kv_dtype: torch.dtype | None = None, packing: PackRule | None = None) -> None:
+                 kv_dtype: torch.dtype | None = None, packed: bool = False) -> None:
         self.decode_run_tokens = decode_run_tokens
         self.threads: int | None = None  # CPU intra-op threads of the threads that run it (None: every core)
         self.row_plan = RowPlan()  # the row counts the dense layers run (RowPlan; none padded)
@@ -329,7 +329,7 @@ class LLMModelRunner:
                     setattr(layer, name, getattr(layer, name).to(self.device, dtype))
         self.num_heads, self.num_kv_heads, self.head_dim = w.num_heads, w.num_kv_heads, w.head_dim
         self.group = self.num_heads // self.num_kv_heads
-        self.pack(packing)
+        self.pack(packed)
         self.precision: Any = None  # the builder's LLMPrecisionReport: how this precision was chosen
         shape = (len(w.layers), num_kv_blocks * block_size, self.num_kv_heads, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
@@ -361,13 +361,12 @@ class LLMModelRunner:
         sin[:, : sin.shape[1] // 2] *= -1  # signed: rotate_half's negation folded in (``_rope``)
         return cos.to(self.device, self.dtype), sin.to(self.device, self.dtype)
 
-    def pack(self, rule: PackRule | None) -> None:
-        """Multiply by oneDNN's packed copies of the dense matrices (``dense.py``) at the rule's row
-        counts, or (None) always by the plain ones."""
-        self.packing = rule
+    def pack(self, packed: bool) -> None:
+        """Multiply by oneDNN's packed copies of the dense matrices (``dense.py``), or by the plain ones."""
+        self.packed = packed
 
         def dense(w: torch.Tensor, bias: torch.Tensor | None = None) -> Dense:
-            return Dense(w, bias, rule)
+            return Dense(w, bias, packed)
 
         self.dense = [LayerDense(dense(layer.qkv, layer.qkv_bias), dense(layer.o), dense(layer.gate_up),
                                  dense(layer.down)) for layer in self.w.layers]
@@ -375,7 +374,7 @@ class LLMModelRunner:
 
     def share_dense(self, other: LLMModelRunner) -> None:
         """Multiply by ``other``'s matrices (the same weights: an arm of its engine), packed as it packs."""
-        self.packing, self.dense, self.head = other.packing, other.dense, other.head
+        self.packed, self.dense, self.head = other.packed, other.dense, other.head
 
     def plan_rows(self) -> RowPlan:
         """Measure and keep the row counts the dense layers run fastest at (``RowPlan.measure`` on every

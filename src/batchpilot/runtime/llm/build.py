@@ -27,7 +27,6 @@ from batchpilot.core.llm.config import (
 from batchpilot.models.seeded import LLMModelConfig  # a dataclass: importing it loads no torch
 
 if TYPE_CHECKING:  # the builders import the model side when they run: torch loads only then
-    from batchpilot.models.llm.dense import PackRule
     from batchpilot.models.llm.precision import LLMPrecisionReport
     from batchpilot.runtime.llm.engine import LLMEngine
     from batchpilot.runtime.llm.failover import LLMFailover
@@ -77,7 +76,6 @@ def engine_memory(weights: Any, config: LLMSchedulerConfig, device: str, dtype: 
     ``kv_dtype`` the cache's (None: ``dtype``), ``packed`` whether the runner packs its matrices."""
     import dataclasses
 
-    from batchpilot.models.llm.dense import PackRule
     from batchpilot.models.llm.runner import LLMModelRunner, measure_memory, weights_memory
 
     exact = dataclasses.replace(weights_memory(weights, dtype, kv_dtype, packed),
@@ -94,8 +92,7 @@ def engine_memory(weights: Any, config: LLMSchedulerConfig, device: str, dtype: 
     if config.kv_cache_memory is None and config.memory_utilization is None:
         return exact
     probe = LLMModelRunner(weights, max(1, PROBE_TOKENS // config.block_size), config.block_size,
-                           device=device, dtype=dtype, kv_dtype=kv_dtype,
-                           packing=PackRule() if packed else None)
+                           device=device, dtype=dtype, kv_dtype=kv_dtype, packed=packed)
     mem, _ = measure_memory(probe)
     del probe
     log.info("llm memory: measured the activation peak at start-up: %.0f B + %.0f B per batched token "
@@ -301,14 +298,14 @@ def build_llm_engine(model_path: str | None = None, spec: DeploymentSpec | None 
     # on CPU the process's growth while loading, beyond the weights, is memory the plan must leave room for
     overhead = 0.0 if device.startswith("cuda") else max(
         0.0, used_memory_bytes(device) - held_before - weights_memory(weights, dtype).weights_bytes)
-    packing = engine_packing(weights, o, precision, device, dtype)
+    packed = engine_packing(weights, o, precision, device, dtype)
     limits = LLMModelLimits(weights.max_position_embeddings, tuple(sorted(eos)))
     deployment, memory = plan_engine_memory(weights, spec, limits, device, dtype, free_bytes,
-                                            o.memory_profile, overhead, kv_dtype, packing is not None)
+                                            o.memory_profile, overhead, kv_dtype, packed)
     config, plan = deployment.config, deployment.plan
     assert plan is not None  # planned from a memory profile
     runner = LLMModelRunner(weights, config.num_kv_blocks, config.block_size, device=device, dtype=dtype,
-                            num_swap_blocks=config.num_swap_blocks, kv_dtype=kv_dtype, packing=packing,
+                            num_swap_blocks=config.num_swap_blocks, kv_dtype=kv_dtype, packed=packed,
                             decode_run_tokens=config.decode_run_tokens)
     runner.precision = precision
     runner.max_gather_tokens = largest_gather(config)  # what core.llm.config reserves
@@ -351,21 +348,20 @@ def engine_precision(model_path: str | None, o: BuildOptions) -> LLMPrecisionRep
 
 
 def engine_packing(weights: Any, o: BuildOptions, precision: LLMPrecisionReport, device: str,
-                   dtype: Any) -> PackRule | None:
-    """At which row counts the runner multiplies by packed matrices: ``o.packed`` when set (every row
-    count, or none), else what the precision probe measured for the precision served, else measured
-    here (``models/llm/dense.packing_pays``)."""
-    from batchpilot.models.llm.dense import PackRule, packing_pays
-
+                   dtype: Any) -> bool:
+    """Whether the runner multiplies by packed matrices: ``o.packed`` when set, else what the precision
+    probe measured for the precision served, else measured here (``models/llm/dense.packing_pays``)."""
     if o.packed is not None:
-        return PackRule() if o.packed else None
+        return o.packed
     report = precision.packing_report
     if report is None:
         import torch
 
+        from batchpilot.models.llm.dense import packing_pays
+
         report = packing_pays(weights.dense_matrices(), torch.device(device), dtype)
         log.info("llm dense: %s", report.describe())
-    return report.rule
+    return report.packed
 
 
 def build_options(options: BuildOptions | None, spec: DeploymentSpec | None,
@@ -442,7 +438,7 @@ def build_llm_arm(engine: LLMEngine, start: bool = True, sampler_seed: int = 0,
     budget = config.kv_cache_memory is not None or config.memory_utilization is not None
     if memory.source == "none" and budget:
         memory = engine_memory(r.w, config, str(r.device), r.dtype, kv_dtype=r.kv_dtype,
-                               packed=r.packing is not None)  # a budget: measure the activation
+                               packed=r.packed)  # a budget: measure the activation
     # the weights are the primary's and so is the loading overhead: the arm adds its pool and activation
     memory = dataclasses.replace(memory, weights_bytes=0, overhead_bytes=0.0)
     plan = plan_kv(config, memory, free_memory_bytes(r.device), swap_on_device=r.device.type == "cpu")
