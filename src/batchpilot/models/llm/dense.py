@@ -11,8 +11,8 @@ Packing is not always faster (float32 on one row runs better through MKL's ``sge
 ``packing_pays`` measures it on the model's own matrices at start-up, at several row counts, and the
 runner packs when it is faster over them (the geometric mean). One representation serves every row
 count: using the plain copy for some counts and the packed one for others keeps both in the caches'
-working set, and a float32 matrix x vector measured 5.2 ms alone and 8.1 ms taking turns with the packed
-copy (the tiny Llama, one core). For the same reason each representation is timed in a block of its own.
+working set, which slowed the plain matrix x vector by half on the tiny Llama. For the same reason each
+representation is timed in a block of its own.
 The packed copy sits beside the plain weight, which the static fallback (HF ``generate`` on the same
 tensors) reads: a packed model holds its dense weights twice, and the memory accounts count both
 (``Dense.nbytes``).
