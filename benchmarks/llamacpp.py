@@ -38,8 +38,10 @@ does not give the reference's tokens on every prompt is left out of that server'
 order swapped each round and each grid walked in the opposite direction every other round; each config
 gets a fresh server and a warm-up (4 short requests) before its timed runs. A system's best config is
 its highest median burst tok/s over the rounds; a round's ratio is batchpilot's best-of-grid over
-llama.cpp's that round. The open-loop runs alternate the two servers, ``--rounds`` times. The load
-average is printed with every run (2 shared cores: read the figures with it).
+llama.cpp's that round. With ``--keep-failing`` the precisions that fail the check are timed too and
+reported apart; the headline and the open loop stay on those that pass. The open-loop runs alternate
+the two servers, ``--rounds`` times. The load average is printed with every run (2 shared cores: read
+the figures with it).
 
 Stream chunks: llama-server sends no chunk for a token that ends inside a UTF-8 character (its text goes
 out with the next token's) and a last chunk with no text; batchpilot sends one chunk per token. TTFT is
@@ -368,9 +370,9 @@ def open_rounds(best: dict[str, Config], rate: float, files: dict[str, Path], ar
 
 # -- the report ---------------------------------------------------------------------------------------
 
-def report_burst(rows: Sequence[dict[str, Any]], rounds: int) -> dict[str, Any]:
+def report_burst(rows: Sequence[dict[str, Any]], rounds: int, title: str) -> dict[str, Any]:
     best = {s: best_config(rows, s) for s in SYSTEMS}
-    print("\nbest of grid (median burst tok/s over rounds):")
+    print(f"\n{title}: best of grid (median burst tok/s over rounds):")
     for s, (cfg, tok_s) in best.items():
         print(f"  {s:10s} {cfg.label():38s} {tok_s:.1f} tok/s")
     ratios, lone = [], []
@@ -465,9 +467,12 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bp-tokens", type=ints, default=[256, 1024], help="batchpilot max_num_batched_tokens")
     p.add_argument("--bp-seqs", type=ints, default=[64], help="batchpilot max_num_seqs")
     p.add_argument("--bp-threads", type=ints, default=[1, 2])
-    p.add_argument("--lc-slots", type=ints, default=[32, 64], help="llama.cpp -np")
+    p.add_argument("--lc-slots", type=ints, default=[16, 32, 64], help="llama.cpp -np")
     p.add_argument("--lc-ubatch", type=ints, default=[512], help="llama.cpp -ub")
     p.add_argument("--lc-threads", type=ints, default=[1, 2])
+    p.add_argument("--keep-failing", action="store_true",
+                   help="time the precisions that fail the greedy check too, reported apart (the headline "
+                        "and the open loop stay on those that pass)")
     p.add_argument("--json", default=None, help="write every run's figures here")
     return p.parse_args(argv)
 
@@ -489,11 +494,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not all(passing.values()):
         print(f"a server passes the greedy check at no precision: {passing}; nothing timed")
         return 1
-    grid = grids(args, passing)
-    rows = burst_rounds(grid, files, args, work)
-    summary = report_burst(rows, args.rounds)
-    best = {s: best_config(rows, s)[0] for s in SYSTEMS}
-    capacity = statistics.median(r["req_s"] for r in rows if r["config"] == best["llama.cpp"])
+    asked = {"batchpilot": args.bp_precisions, "llama.cpp": args.lc_precisions}
+    timed = asked if args.keep_failing else passing
+    rows = burst_rounds(grids(args, timed), files, args, work)
+    checked = [r for r in rows if r["config"].precision in passing[r["config"].system]]
+    summary = report_burst(checked, args.rounds, "precisions that pass the greedy check")
+    if args.keep_failing:
+        summary["all"] = report_burst(rows, args.rounds, "every precision, the check's failures included")
+    best = {s: best_config(checked, s)[0] for s in SYSTEMS}
+    capacity = statistics.median(r["req_s"] for r in checked if r["config"] == best["llama.cpp"])
     rate = args.load * capacity
     print(f"\nopen loop at {args.load:.0%} of llama.cpp's capacity ({capacity:.2f} req/s): {rate:.2f} req/s")
     summary["open"] = report_open(open_rounds(best, rate, files, args, work))
