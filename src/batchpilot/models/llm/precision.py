@@ -26,7 +26,8 @@ the cache written and read at the candidate's KV dtype). A candidate passes when
 **The timing**: the probe steps of ``TIMED_STEPS`` (a lone decode, 16 and 64 decodes, a 256-token
 prefill; block tables wrap around the probe pool) with each candidate's dense matrices packed where
 that pays (``dense.packing_pays``, measured per candidate), the median of ``repeats`` runs after a
-warm-up, candidates round-robin; a candidate's figure is the sum over the steps.
+warm-up; each repeat times the candidates in turn, each in a block of its own after one untimed step
+(the other candidate's weights have left the caches); a candidate's figure is the sum over the steps.
 """
 
 from __future__ import annotations
@@ -173,7 +174,8 @@ def _time_steps(runners: dict[str, LLMModelRunner], repeats: int) -> dict[str, f
             for plan in plans[d]:
                 r.forward(plan.chunks).argmax(-1).tolist()  # warm-up
         for _ in range(repeats):
-            for d, r in runners.items():
+            for d, r in runners.items():  # a block per candidate: its weights back in the caches first
+                r.forward(plans[d][0].chunks).argmax(-1).tolist()
                 for k, plan in enumerate(plans[d]):
                     t0 = time.perf_counter()
                     r.forward(plan.chunks).argmax(-1).tolist()
@@ -189,9 +191,9 @@ def choose_llm_precision(load: Callable[[], LlamaWeights], requested: str, devic
                          kv_dtype: str | None = None, guard: LLMGuard | None = None,
                          repeats: int = 3) -> LLMPrecisionReport:
     """What to serve the model ``load()`` gives (float32, called only when there is something to probe)
-    at; see the module docstring. ``kv_dtype``: the
-    KV cache's precision for every candidate (None: each candidate's own). Raises ``ValueError`` for an
-    unknown precision, or a named one that fails the guard."""
+    at; see the module docstring. ``kv_dtype``: the KV cache's precision for every candidate (None: each
+    candidate's own). Raises ``ValueError`` for an unknown precision, or a named one that fails the
+    guard."""
     guard = guard or LLMGuard()
     if requested not in LLM_PRECISIONS:
         raise ValueError(f"llm dtype = {requested!r}; choose one of {', '.join(LLM_PRECISIONS)}")
