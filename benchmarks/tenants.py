@@ -1,33 +1,33 @@
-"""A flooding tenant against three well-behaved ones: each well-behaved tenant's P99 under the fair order,
-under FIFO and alone, live over HTTP with the simulator's prediction beside it.
+"""Tenants on one encoder server, live over HTTP with the simulator's prediction beside every figure.
 
-    .venv/bin/python benchmarks/tenants.py [--profile p.json] [--cpus 1] [--duration-s 60] [--share 0.2]
-                                           [--flood 3] [--sla 1.0] [--noop-delay-ms MS]
+    .venv/bin/python benchmarks/tenants.py [--part flood|jain|all] [--profile p.json] [--cpus 1]
+                                           [--duration-s 60] [--share 0.2] [--flood 3] [--sla 1.0]
 
 * Capacity is the simulator's: the tuner's capacity search (``bench.fidelity.predicted_capacity``) of the
   default deployment on 1,000 conv-embed rows at the SLA, from the profile (``--profile``, else a fresh
-  ``batchpilot profile``; ``--noop-delay-ms`` serves the no-op model at a fixed time per batch instead,
-  with its exact cost model: the serving path alone).
-* Tenants ``a``, ``b``, ``c`` each send conv-embed rows (from rows 0, 4000, 8000) at ``share`` x capacity;
+  ``batchpilot profile``). A tenant's rate is a share of it *in work*: ``share x capacity`` requests/s
+  scaled by the mean length of the capacity's rows over the mean length of the tenant's own rows, so
+  each tenant at 20% asks 20% of the machine's tokens whatever rows it sends.
+* ``flood``: tenants ``a``, ``b``, ``c`` send conv-embed rows (from rows 0, 4000, 8000) at ``share`` each;
   ``flood`` sends rows from 12000 at ``flood`` x capacity; all for ``duration-s`` seconds
-  (``sim.tenants.tenant_mix``), each request with ``X-Client-Id: <tenant>``.
-* Two ``batchpilot serve`` processes on the same profile and cores, identical but for
-  ``encoder.queue_order`` (``fair`` / ``fcfs``), replay the mix one after the other; then each
-  well-behaved tenant's own rows alone, on the fair server.
-* The simulator predicts the same runs (``sim.tenants.compare_orders``, the profile's service model).
-
-Printed: per tenant, P50 / P99 live and the simulator's P99, for fair, fcfs and alone; each
-well-behaved tenant's fair P99 over its alone P99 (target <= 1.5); the total throughput and goodput of
-fair against fcfs (target >= 95%).
+  (``sim.tenants.tenant_mix``), each request with ``X-Client-Id: <tenant>``. Two ``batchpilot serve``
+  processes, identical but for ``encoder.queue_order`` (``fair`` / ``fcfs``), replay the mix; then the
+  fair server replays it without the flood (the same three tenants, alone together: what the flood
+  must not spoil). Printed per tenant: P50 / P99 live and the simulator's P99 for each run, each
+  well-behaved tenant's fair P99 over its P99 without the flood (target <= 1.5), and the total
+  throughput and goodput of fair against fcfs (target >= 95%).
+* ``jain``: tenants ``w1``, ``w2``, ``w4`` (weights 1, 2, 4 in a keys file, each request with its key)
+  each send at capacity for ``duration-s`` seconds, so all three are backlogged; the tokens each has
+  had answered in the middle half of the run, divided by its weight, and Jain's index of them (target
+  >= 0.95), live on a fair server and in the simulator (``sim.tenants.backlogged_service``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
-from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
@@ -41,56 +41,151 @@ from batchpilot.bench.loadgen import (  # noqa: E402
     replay,
     with_tenants,
 )
-from batchpilot.bench.records import Summary, by_tenant, summarize  # noqa: E402
+from batchpilot.bench.records import RequestRecord, Summary, by_tenant, summarize  # noqa: E402
 from batchpilot.bench.serverproc import pin_load_generator, serve  # noqa: E402
 from batchpilot.core.costmodel import CostModel  # noqa: E402
 from batchpilot.core.deployment import DeploymentSpec, ModelLimits, resolve_deployment  # noqa: E402
 from batchpilot.sim.service import ServiceModel  # noqa: E402
-from batchpilot.sim.tenants import TenantLoad, TenantReport, compare_orders, tenant_mix  # noqa: E402
+from batchpilot.sim.target import simulate_encoder  # noqa: E402
+from batchpilot.sim.tenants import (  # noqa: E402
+    TenantLoad,
+    TenantReport,
+    backlogged_service,
+    compare_orders,
+    jain,
+    tenant_mix,
+)
 from batchpilot.sim.traces import load_workload  # noqa: E402
 
 WELL_BEHAVED = ("a", "b", "c")
 STARTS = {"a": 0, "b": 4000, "c": 8000, "flood": 12000}
+WEIGHTS = {"w1": 1.0, "w2": 2.0, "w4": 4.0}
 
 
-def profile_and_serve_args(args: argparse.Namespace, out: Path) -> tuple[Path, list[str]]:
-    if args.noop_delay_ms is not None:
-        profile = out / "noop_profile.json"
-        CostModel(latency_coef=(args.noop_delay_ms / 1e3, 0.0, 0.0, 0.0),
-                  meta={"source": f"noop {args.noop_delay_ms:g} ms per batch"}).save(profile)
-        return profile, ["--noop", "--noop-delay-ms", str(args.noop_delay_ms), "--profile", str(profile)]
-    profile = Path(args.profile) if args.profile else run_profile(out, "none", "", args.cpus)
-    return profile, ["--profile", str(profile)]
+class Setup:
+    """The profile, the deployment it resolves to, and the simulator's capacity of it."""
+
+    def __init__(self, args: argparse.Namespace, out: Path) -> None:
+        self.profile = Path(args.profile) if args.profile else run_profile(out, "none", "", args.cpus)
+        self.cost = CostModel.load(self.profile)
+        self.service = ServiceModel.from_profile(self.profile)
+        spec = DeploymentSpec()
+        self.deployment = resolve_deployment(spec, self.cost, ModelLimits.from_meta(self.cost.meta))
+        self.rows = load_workload("conv-embed", count=1000)
+        self.capacity = float(predicted_capacity(self.rows, self.cost, spec, self.service, args.sla).rps)
+
+    def load(self, name: str, share: float, start: int, duration_s: float, weight: float = 1.0) -> TenantLoad:
+        """A tenant asking ``share`` of the machine's work (module docstring)."""
+        rate = share * self.capacity
+        own = load_workload("conv-embed", start=start, count=max(2, int(rate * duration_s) + 1))
+        return TenantLoad(name, rate * float(self.rows.input_tokens.mean() / own.input_tokens.mean()),
+                          weight, start=start)
 
 
-def predict(args: argparse.Namespace, profile: Path) -> tuple[float, Any, CostModel, ServiceModel | None]:
-    """The simulator's capacity (req/s) of the default deployment, the deployment, its inputs."""
-    cost = CostModel.load(profile)
-    service = ServiceModel.from_profile(profile) if args.noop_delay_ms is None else None
-    spec = DeploymentSpec()
-    deployment = resolve_deployment(spec, cost, ModelLimits.from_meta(cost.meta))
-    cap = predicted_capacity(load_workload("conv-embed", count=1000), cost, spec, service, args.sla)
-    return float(cap.rps), deployment, cost, service
-
-
-def live(url: str, plan: list[PlannedRequest], sla_s: float,
-         label: str) -> tuple[Summary, dict[str, Summary]]:
+def live(url: str, plan: list[PlannedRequest], sla_s: float, label: str) -> list[RequestRecord]:
     res = replay(plan, LoadGenConfig(url, progress=False), description=label)
-    wait_idle(url, 90.0)
-    return summarize(res.records, sla_s), by_tenant(res.records, sla_s)
+    wait_idle(url, 120.0)
+    return res.records
 
 
-def fmt(s: Summary | None, r: TenantReport | None) -> str:
-    live_part = f"{s.p50 * 1e3:6.0f} / {s.p99 * 1e3:6.0f}" if s is not None and s.num_ok else "-"
+def cell(s: Summary | None, r: TenantReport | None) -> str:
+    dash = "     - /      -"
+    live_part = f"{s.p50 * 1e3:6.0f} / {s.p99 * 1e3:6.0f}" if s is not None and s.num_ok else dash
     sim_part = f"{r.p99_s * 1e3:6.0f}" if r is not None and r.completed else "     -"
     return f"{live_part} ({sim_part})"
 
 
+def serve_flags(setup: Setup, order: str, out: Path, extra: list[str] | None = None) -> list[str]:
+    cfg = out / f"{order}.yaml"
+    cfg.write_text(f"encoder:\n  queue_order: {order}\n")
+    return ["--profile", str(setup.profile), "--config", str(cfg), "--log-level", "warning", *(extra or [])]
+
+
+def part_flood(args: argparse.Namespace, setup: Setup, out: Path) -> None:
+    loads = [setup.load(t, args.share, STARTS[t], args.duration_s) for t in WELL_BEHAVED]
+    loads.append(TenantLoad("flood", args.flood * setup.capacity, start=STARTS["flood"]))
+    wl, table = tenant_mix(loads, args.duration_s)
+    rates = ", ".join(f"{x.name} {x.rate:.2f}" for x in loads)
+    print(f"flood: capacity (simulated, P99 <= {args.sla:g} s) {setup.capacity:.2f} req/s; tenants a, b, c "
+          f"at {args.share:g} of it in work each, flood at {args.flood:g}x: {rates} req/s; "
+          f"{len(wl)} requests over {args.duration_s:g} s; profile {setup.profile}", flush=True)
+    predicted = compare_orders(wl, table, setup.deployment.scheduler, setup.cost, service=setup.service,
+                               sla_s=args.sla, alone=False, without=["flood"])
+    plan = with_tenants(build_plan(wl, tokenizer=load_tokenizer(None), seed=0), wl)
+    runs: dict[str, list[RequestRecord]] = {}
+    for order in ("fair", "fcfs"):
+        flags = serve_flags(setup, order, out)
+        with serve(flags, log_path=out / f"serve-{order}.log", cpus=args.cpus) as url:
+            runs[order] = live(url, plan, args.sla, order)
+            print(f"{order}: done", flush=True)
+            if order == "fair":
+                runs["without"] = live(url, [p for p in plan if p.tenant != "flood"], args.sla, "no flood")
+                print("without the flood: done", flush=True)
+    measured = {k: by_tenant(v, args.sla) for k, v in runs.items()}
+    print("\ntenant  | live P50 / P99 ms (simulated P99): fair | fcfs | without the flood "
+          "| fair P99 / without (simulated)")
+    for name in (*WELL_BEHAVED, "flood"):
+        cells = [cell(measured[o].get(name), predicted[o].get(name)) for o in ("fair", "fcfs", "without")]
+        fair, base = measured["fair"].get(name), measured["without"].get(name)
+        ratio = f"{fair.p99 / base.p99:.2f}" if fair and base and fair.num_ok and base.num_ok else "-"
+        sim_f, sim_b = predicted["fair"].get(name), predicted["without"].get(name)
+        sim_ratio = f" ({sim_f.p99_s / sim_b.p99_s:.2f})" if sim_f and sim_b and sim_b.completed else ""
+        print(f"{name:<7} | {' | '.join(cells)} | {ratio}{sim_ratio}")
+    totals = {k: summarize(runs[k], args.sla) for k in ("fair", "fcfs")}
+    for name, t in totals.items():
+        print(f"{name}: {t.num_ok} of {t.num_requests} answered; throughput {t.throughput_rps:.2f} req/s, "
+              f"goodput {t.goodput_rps:.2f} req/s; errors {t.errors}")
+    fair, fcfs = totals["fair"], totals["fcfs"]
+    sim = {o: sum(r.goodput_rps for r in predicted[o].values()) for o in ("fair", "fcfs")}
+    print(f"fair / fcfs: throughput {fair.throughput_rps / max(fcfs.throughput_rps, 1e-9):.1%}, "
+          f"goodput {fair.goodput_rps / max(fcfs.goodput_rps, 1e-9):.1%} (simulated "
+          f"{sim['fair'] / max(sim['fcfs'], 1e-9):.1%}; target >= 95%)")
+
+
+def answered_tokens(records: list[RequestRecord], lo: float, hi: float) -> dict[str, float]:
+    """Per tenant, the input tokens of its requests answered in ``[lo, hi)`` seconds of the run."""
+    out: dict[str, float] = {}
+    for r in records:
+        if r.ok and lo <= r.done_s < hi:
+            out[r.tenant] = out.get(r.tenant, 0.0) + r.input_tokens
+    return out
+
+
+def part_jain(args: argparse.Namespace, setup: Setup, out: Path) -> None:
+    starts = {"w1": 0, "w2": 4000, "w4": 8000}
+    loads = [setup.load(t, 1.0, starts[t], args.duration_s, w) for t, w in WEIGHTS.items()]
+    wl, table = tenant_mix(loads, args.duration_s)
+    keys = {t: f"sk-bench-{t}-0123456789" for t in WEIGHTS}
+    keys_file = out / "keys.yaml"
+    keys_file.write_text("tenants:\n" + "".join(f"  {t}: {{weight: {w:g}}}\n" for t, w in WEIGHTS.items())
+                         + "keys:\n" + "".join(f"  {k}: {t}\n" for t, k in keys.items()))
+    print(f"jain: tenants w1, w2, w4 (weights 1, 2, 4), each at the capacity ({setup.capacity:.2f} req/s in "
+          f"work); {len(wl)} requests over {args.duration_s:g} s", flush=True)
+    fair = dataclasses.replace(setup.deployment.scheduler, queue_order="fair")
+    sim = simulate_encoder(wl, fair, setup.cost, service=setup.service, tenants=table)
+    (lo, hi), sim_served = backlogged_service(sim, table)
+    plan = with_tenants(build_plan(wl, tokenizer=load_tokenizer(None), seed=0), wl, keys)
+    flags = serve_flags(setup, "fair", out, ["--api-keys", str(keys_file)])
+    with serve(flags, log_path=out / "serve-jain.log", cpus=args.cpus) as url:
+        records = live(url, plan, args.sla, "weights 1:2:4")
+    t0 = min(r.sent_s for r in records if r.sent_s == r.sent_s)
+    span = args.duration_s
+    answered = answered_tokens(records, t0 + span / 4, t0 + 3 * span / 4)
+    served = {t: answered.get(t, 0.0) / w for t, w in WEIGHTS.items()}
+    print("tenant | weight | tokens answered / weight, live (simulated, while all three were backlogged)")
+    for t, w in WEIGHTS.items():
+        print(f"{t:<6} | {w:6g} | {served[t]:10.0f} ({sim_served[t]:10.0f})")
+    print(f"Jain's index of the weighted service: live {jain(list(served.values())):.3f} over seconds "
+          f"{span / 4:g}-{3 * span / 4:g}; simulated {jain(list(sim_served.values())):.3f} over "
+          f"{lo:.1f}-{hi:.1f} s (target >= 0.95)")
+    errors = summarize(records, args.sla).errors
+    print(f"answered {sum(r.ok for r in records)} of {len(records)}; errors {errors}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--part", choices=("flood", "jain", "all"), default="all")
     ap.add_argument("--profile", default=None, help="profile JSON (default: run `batchpilot profile`)")
-    ap.add_argument("--noop-delay-ms", type=float, default=None,
-                    help="serve the no-op model at this fixed time per batch (no profile needed)")
     ap.add_argument("--cpus", default=None, help="pin the servers (and the profiler) to these cores")
     ap.add_argument("--duration-s", type=float, default=60.0, help="seconds of traffic per run")
     ap.add_argument("--share", type=float, default=0.2, help="each well-behaved tenant, x capacity")
@@ -100,52 +195,13 @@ def main() -> int:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    profile, serve_args = profile_and_serve_args(args, out)
-    cap, deployment, cost, service = predict(args, profile)
-    loads = [TenantLoad(t, args.share * cap, start=STARTS[t]) for t in WELL_BEHAVED]
-    loads.append(TenantLoad("flood", args.flood * cap, start=STARTS["flood"]))
-    wl, table = tenant_mix(loads, args.duration_s)
-    print(f"capacity (simulated, P99 <= {args.sla:g} s): {cap:.2f} req/s; tenants a, b, c at {args.share:g}x "
-          f"= {args.share * cap:.2f} req/s each, flood at {args.flood:g}x = {args.flood * cap:.2f} req/s; "
-          f"{len(wl)} requests over {args.duration_s:g} s; profile {profile}", flush=True)
-    predicted = compare_orders(wl, table, deployment.scheduler, cost, service=service, sla_s=args.sla)
+    setup = Setup(args, out)
     pin_load_generator(args.cpus)
-    plan = with_tenants(build_plan(wl, tokenizer=load_tokenizer(None), seed=0), wl)
-    measured: dict[str, dict[str, Summary]] = {"alone": {}}
-    totals: dict[str, Summary] = {}
-    with ExitStack() as stack:
-        urls = {}
-        for order in ("fair", "fcfs"):
-            cfg = out / f"{order}.yaml"
-            cfg.write_text(f"encoder:\n  queue_order: {order}\n")
-            flags = [*serve_args, "--config", str(cfg), "--log-level", "warning"]
-            log = out / f"serve-{order}.log"
-            urls[order] = stack.enter_context(serve(flags, log_path=log, cpus=args.cpus))
-        for order, url in urls.items():
-            totals[order], measured[order] = live(url, plan, args.sla, order)
-            print(f"{order}: done", flush=True)
-        for name in WELL_BEHAVED:
-            _, alone = live(urls["fair"], [p for p in plan if p.tenant == name], args.sla, f"{name} alone")
-            measured["alone"].update(alone)
-    report(measured, predicted, totals, args)
+    if args.part in ("flood", "all"):
+        part_flood(args, setup, out)
+    if args.part in ("jain", "all"):
+        part_jain(args, setup, out)
     return 0
-
-
-def report(measured: dict[str, dict[str, Summary]], predicted: dict[str, dict[str, TenantReport]],
-           totals: dict[str, Summary], args: argparse.Namespace) -> None:
-    print("\ntenant  | live P50 / P99 ms (simulated P99), fair | fcfs | alone | fair P99 / alone P99")
-    for name in (*WELL_BEHAVED, "flood"):
-        cells = [fmt(measured[o].get(name), predicted[o].get(name)) for o in ("fair", "fcfs", "alone")]
-        fair, alone = measured["fair"].get(name), measured["alone"].get(name)
-        ratio = f"{fair.p99 / alone.p99:.2f}" if fair and alone and fair.num_ok and alone.num_ok else "-"
-        print(f"{name:<7} | {' | '.join(cells)} | {ratio}")
-    for name in ("fair", "fcfs"):
-        t = totals[name]
-        print(f"{name}: {t.num_ok} of {t.num_requests} answered; throughput {t.throughput_rps:.2f} req/s, "
-              f"goodput {t.goodput_rps:.2f} req/s; errors {t.errors}")
-    fair, fcfs = totals["fair"], totals["fcfs"]
-    print(f"fair / fcfs: throughput {fair.throughput_rps / max(fcfs.throughput_rps, 1e-9):.1%}, "
-          f"goodput {fair.goodput_rps / max(fcfs.goodput_rps, 1e-9):.1%} (target >= 95%)")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import yaml
 from batchpilot.core.config import AdmissionConfig, PlannerConfig, PolicyConfig, SchedulerConfig
 from batchpilot.core.costmodel import CostModel
 from batchpilot.core.deployment import (
+    FAIR_BATCH_EFFICIENCY,
     MIN_PIPELINE_LEAD_S,
     DeploymentSpec,
     ModelLimits,
@@ -41,6 +42,22 @@ def test_defaults_queue_within_the_concurrency_limit_and_timeout_without_sheddin
     assert adm.latency_sla_s == 0.0 and adm.max_backlog_s == 0.0  # no SLA declared: no latency shedding
     assert dep.scheduler.pipeline_lead_s == MIN_PIPELINE_LEAD_S  # the default model has no prepare_s
     assert "no shedding" in dep.describe()
+
+
+def test_the_fair_quantum_is_derived_from_the_fixed_cost_per_batch() -> None:
+    c0 = CM.encoder_latency_coef[0]
+    fair = DeploymentSpec(encoder=SchedulerConfig(queue_order="fair"))
+    dep = resolve_deployment(fair, CM)
+    assert dep.scheduler.fair_quantum_s == pytest.approx(c0 / (1 - FAIR_BATCH_EFFICIENCY))
+    assert any("fair quantum" in n for n in dep.notes)
+    # derived under any order (a comparison of orders swaps only the order), said only under fair
+    plain = resolve_deployment(DeploymentSpec(), CM)
+    assert plain.scheduler.fair_quantum_s == dep.scheduler.fair_quantum_s
+    assert not any("fair quantum" in n for n in plain.notes)
+    set_ = DeploymentSpec(encoder=SchedulerConfig(queue_order="fair", fair_quantum_s=0.2))
+    assert resolve_deployment(set_, CM).scheduler.fair_quantum_s == 0.2  # the user's value stays
+    no_fixed = CostModel(latency_coef=(0.0, *CM.latency_coef[1:]), memory_coef=CM.memory_coef)
+    assert resolve_deployment(fair, no_fixed).scheduler.fair_quantum_s == 0.0  # no bound
 
 
 def test_the_model_and_the_profile_shape_the_deployment() -> None:

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from batchpilot.core.fair import FairQueue, make_queue
+from batchpilot.core.config import SchedulerConfig
+from batchpilot.core.fair import ACTIVE_S, FairQueue, make_queue
 from batchpilot.core.queue import RequestQueue
 from batchpilot.core.scheduler import BatchScheduler
 from batchpilot.core.tenants import TenantSpec, TenantTable
@@ -62,6 +63,57 @@ def test_a_tenant_back_from_idle_is_lifted_to_the_least_backlogged_counter() -> 
     assert q.lift() == 500.0  # nobody backlogged: the counter the last one left with
     q.push(make_request(1, 2.0, tenant="new"))
     assert q.counters["new"] == 500.0
+
+
+def test_a_returning_tenant_bursts_ahead_then_repays() -> None:
+    q = FairQueue(burst_tokens=300)
+    heavy = [make_request(100, 0.0, tenant="heavy") for _ in range(20)]
+    for r in heavy:
+        q.push(r)
+    q.take(heavy[:10])  # heavy: 1000 (it had a burst of its own when it came: 300, long used up)
+    light = [make_request(100, 1.0, tenant="light") for _ in range(5)]
+    for r in light:
+        q.push(r)
+    assert q.counters["light"] == 1000.0  # lifted as VTC lifts...
+    # ...and served ahead for its burst (300 tokens); then heavy catches up, then they take turns
+    assert [r.tenant for r in q.peek(9)] == ["light"] * 3 + ["heavy"] * 4 + ["light", "heavy"]
+    q.take(light)  # it took all five: 200 beyond its burst
+    assert q.counters["light"] == 1500.0
+    q.push(back := make_request(100, 2.0, tenant="light"))  # back at once: it owes, no new burst
+    assert "light" not in q.vtc.burst_until and q.counters["light"] == 1500.0
+    assert ids(q.peek(2)) == [heavy[10].id, heavy[11].id]
+    q.remove(back.id)
+    q.take(heavy[10:19])  # heavy catches up (1900): light's debt is repaid, its next return bursts again
+    q.push(make_request(100, 3.0, tenant="light"))
+    assert q.vtc.burst_until["light"] == 1900.0 + 300.0 and q.head().tenant == "light"
+
+
+def test_contended_means_another_tenant_is_active() -> None:
+    q = FairQueue()
+    q.push(make_request(10, 0.0, tenant="flood"))
+    assert not q.contended(0.1)  # alone
+    q.push(make_request(10, 1.0, tenant="light"))
+    q.take([r for r in q.peek(2) if r.tenant == "light"])
+    assert q.contended(1.1)  # light has no work waiting but sent a request a moment ago
+    assert not q.contended(1.0 + ACTIVE_S + 0.01)  # ... and then nothing for ACTIVE_S
+
+
+def test_a_contended_batch_is_trimmed_to_the_quantum() -> None:
+    cost = simple_cost_model(const=0.004, per_token=1e-4)  # 100 tokens: 14 ms
+    cfg = make_config(policy={"max_batch_size": 16}, planner={"padding": "none"}, queue_order="fair",
+                      fair_quantum_s=0.05, fair_burst_tokens=1000)
+    sched = BatchScheduler(cfg, cost)
+    for _ in range(32):
+        sched.submit(make_request(100, 0.0, tenant="flood"), 0.0)
+    alone = sched.schedule(0.0, 1).batches[0]
+    assert len(alone.requests) == 16  # a lone tenant's batch is never trimmed (and its burst is over)
+    sched.submit(make_request(100, 0.01, tenant="light"), 0.01)
+    batch = sched.schedule(0.2, 1).batches[0]
+    assert batch.requests[0].tenant == "light" and len(batch.requests) == 4  # 0.004 + 4 x 0.01
+    assert batch.predicted_s <= 0.05
+    big = make_request(500, 0.3, tenant="light")  # one input over the quantum still goes, alone
+    assert sched.submit(big, 0.3) is None
+    assert [r.id for r in sched.schedule(0.4, 1).batches[0].requests] == [big.id]
 
 
 def test_aggregates_and_expiry_cover_every_tenant() -> None:
@@ -125,7 +177,7 @@ def test_a_lone_tenant_is_served_exactly_as_its_own_order(sc: dict[str, Any], in
     for r in sc["arrivals"]:
         r.tenant = "default"
     plain = {**sc["cfg"], "queue_order": inner}
-    fair = {**sc["cfg"], "queue_order": "fair", "tenant_order": inner}
+    fair = {**sc["cfg"], "queue_order": "fair", "tenant_order": inner, "fair_quantum_s": 0.005}
     assert _batches(fair, sc["arrivals"], sc["slots"]) == _batches(plain, sc["arrivals"], sc["slots"])
 
 
@@ -146,7 +198,7 @@ def tenant_scenarios(draw: Any) -> dict[str, Any]:
 def test_no_tenant_with_waiting_work_starves(sc: dict[str, Any]) -> None:
     """Every admitted request is dispatched or dropped once (none is left behind), and with batches
     taken in queue order the counters of the backlogged tenants never drift apart by more than one
-    request's charge: whoever waits is next once it has the least counter."""
+    request's charge and a burst: whoever waits is next once it has the least counter."""
     sc["cfg"]["admission"].update(rate=0.0, max_queued_requests=0)
     sc["cfg"]["planner"]["grouping"] = "fifo"
     sched = BatchScheduler(make_config(**sc["cfg"]), simple_cost_model(const=0.002, per_token=1e-5),
@@ -171,7 +223,8 @@ def test_no_tenant_with_waiting_work_starves(sc: dict[str, Any]) -> None:
     assert sched.num_waiting == 0
     max_len = sc["cfg"]["planner"]["max_len"]
     lightest = min(spec.weight for spec in sc["table"].specs.values())
-    assert all(s <= max_len / lightest + 1e-9 for s in spreads), max(spreads)
+    burst = sc["cfg"].get("fair_burst_tokens", SchedulerConfig().fair_burst_tokens)
+    assert all(s <= (max_len + burst) / lightest + 1e-9 for s in spreads), max(spreads)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batchpilot.core.costmodel import LLM_FEATURES, CostModel
+from batchpilot.core.llm.admission import QUEUE_FULL, LLMAdmission
 from batchpilot.core.llm.config import LLMSchedulerConfig
 from batchpilot.core.llm.fair import TokenPrices
 from batchpilot.core.llm.scheduler import LLMScheduler, StepPlan
@@ -137,3 +138,48 @@ def test_the_simulator_runs_the_fair_order_per_tenant() -> None:
         first = np.asarray(run.record.first_token_s) - wl.arrival_s
         ttft[policy] = float(np.nanpercentile(first[light], 99))
     assert ttft["fair"] * 5 < ttft["fcfs"]
+
+
+def test_a_light_tenant_does_not_wait_for_a_floods_running_sequences_to_finish() -> None:
+    """Both slots held by a flood with long outputs: under fair the light tenant's sequence (in its
+    burst; the flood's own first burst of 20 tokens' worth is long used) is admitted at once, a flood
+    sequence recomputed for it; under FCFS it waits for a flood sequence to finish."""
+    def arrivals() -> list[Sequence]:
+        return [*(seq(i, "flood", 0.0, out=40) for i in range(6)), seq(100, "light", 5.0, out=4)]
+    at = {}
+    for policy in ("fcfs", "fair"):
+        s = scheduler(policy, fair_burst_tokens=20)
+        run = drive(s, arrivals())
+        at[policy] = next(step for step, sid in run if sid == 100)
+    assert at["fair"] == 5 and at["fcfs"] > 30
+
+
+def test_two_backlogged_tenants_do_not_take_turns_preempting_each_other() -> None:
+    """A preemption for fair order needs the waiting tenant in a burst and the running one not, or a
+    counter gap of more than a burst: two floods whose counters cross do not thrash."""
+    s = scheduler(max_num_seqs=4, num_kv_blocks=256, fair_burst_tokens=0)
+    arrivals = [seq(i, "ab"[i % 2], 0.0, prompt=16, out=20) for i in range(40)]
+    drive(s, arrivals)
+    assert s.num_preemptions == 0
+
+
+def test_the_sequence_bound_is_shared_by_weight() -> None:
+    """At the bound (max_num_seqs + max_waiting_seqs), a tenant below its weighted share is still
+    admitted, up to twice the bound in all; the flood is refused, saying its share."""
+    adm = LLMAdmission(LLMSchedulerConfig(max_num_seqs=2, max_waiting_seqs=6, policy="fair"),
+                       lambda t: 3.0 if t == "light" else 1.0)
+    for i in range(8):
+        assert adm.admit([seq(i, "flood", 0.0)]) is None
+    refused = adm.admit([seq(50, "flood", 0.0)])
+    assert refused is not None and refused.reason == QUEUE_FULL and "weighted share" in refused.message
+    # light's share of 8 beside the flood is 8 x 3/4 = 6
+    assert all(adm.admit([seq(60 + i, "light", 0.0)]) is None for i in range(6))
+    assert adm.ask(1, "light") is not None and adm.held == {"flood": 8, "light": 6}
+    adm.release(1, "light")
+    assert adm.room(1, "light") is None and adm.room(1, "flood") is not None
+    with pytest.raises(ValueError, match="with its tenant"):
+        adm.release(1, "nobody")
+    fcfs = LLMAdmission(LLMSchedulerConfig(max_num_seqs=2, max_waiting_seqs=6))
+    for i in range(8):
+        fcfs.admit([seq(i, "flood", 0.0)])
+    assert fcfs.room(1, "light") is not None  # fcfs keeps the plain bound

@@ -25,7 +25,7 @@ from batchpilot.core.bucket import TokenBucket
 from batchpilot.core.config import AdmissionConfig, PlannerConfig
 from batchpilot.core.costmodel import CostModel
 from batchpilot.core.request import Request
-from batchpilot.core.tenants import TenantLedger
+from batchpilot.core.tenants import TenantLedger, admits_over_limit
 
 OFFER_GAP_ALPHA = 1.0 / 16  # the moving average of the gaps between offered requests
 
@@ -260,7 +260,7 @@ class AdmissionController:
         if limit and state.num_requests >= limit:
             share = tenants.share(first.tenant, limit) if self.fair and tenants is not None else 0.0
             held = tenants.in_progress(first.tenant) if tenants is not None else 0
-            if not (held < share and state.num_requests < 2 * limit):
+            if not admits_over_limit(held, share, state.num_requests, limit):
                 why = (f"; tenant {first.tenant!r} holds {held}, its weighted share is {share:.1f}"
                        if share else "")
                 return Rejection(first, RejectReason.QUEUE_FULL,

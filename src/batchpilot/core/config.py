@@ -221,6 +221,14 @@ class SchedulerConfig:
     queue_order: QueueOrder = field(default="fcfs", metadata={"flag": {"choices": QUEUE_ORDERS}})
     # under queue_order "fair" (core/fair.py): the order of one tenant's own requests
     tenant_order: RequestOrder = "fcfs"
+    # under queue_order "fair", while more than one tenant is active (core/fair.py), a batch's predicted
+    # time is at most this: a batch cannot be preempted, so what a tenant's new request waits behind is
+    # bounded by it. 0: the deployment derives it from the cost model (core/deployment.py); a scheduler
+    # whose config was not resolved runs 0 as no bound
+    fair_quantum_s: float = 0.0
+    # under queue_order "fair": a tenant whose queue was empty is served ahead of the tenants already
+    # waiting for this many of its own input tokens (its burst, repaid later: core/fair.py)
+    fair_burst_tokens: int = 8192
     # executor slots (model instances / worker threads)
     num_slots: int = field(default=1, metadata={"flag": {}})
     # Pipelining: a busy slot takes its next batch ``pipeline_lead_s`` before its running batch is
@@ -234,6 +242,8 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         _choice("scheduler", "queue_order", self.queue_order, QUEUE_ORDERS)
         _choice("scheduler", "tenant_order", self.tenant_order, REQUEST_ORDERS)
+        _positive("scheduler", "fair_quantum_s", self.fair_quantum_s, allow_zero=True)
+        _positive("scheduler", "fair_burst_tokens", self.fair_burst_tokens, allow_zero=True)
         if self.num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {self.num_slots}")
         _positive("scheduler", "pipeline_lead_s", self.pipeline_lead_s, allow_zero=True)
@@ -261,7 +271,8 @@ class SchedulerConfig:
         return cls(**kwargs)
 
 
-_TOP_LEVEL = ("queue_order", "tenant_order", "num_slots", "pipeline", "pipeline_lead_s")
+_TOP_LEVEL = ("queue_order", "tenant_order", "fair_quantum_s", "fair_burst_tokens",
+              "num_slots", "pipeline", "pipeline_lead_s")
 T = TypeVar("T")
 
 

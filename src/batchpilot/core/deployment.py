@@ -23,6 +23,9 @@ Rules, in order (each change is written into ``notes``, which the server logs an
    does not say). On, a slot takes its next batch ``pipeline_lead_s`` before the running one is
    predicted to end; unless set, twice the profile's measured collation time
    (``cost_model.meta["prepare_s"]``), at least ``MIN_PIPELINE_LEAD_S``.
+6. The fair order's quantum (``queue_order: fair``, ``core/fair.py``): unless set, the shortest batch
+   that spends at most ``1 - FAIR_BATCH_EFFICIENCY`` of its predicted time on the cost model's fixed
+   cost per batch (``c0 / (1 - FAIR_BATCH_EFFICIENCY)``); where the model has no fixed cost, 0: no bound.
 
 Nothing here reads a clock, a file or the machine: the driver passes in what it measured.
 
@@ -44,6 +47,10 @@ MIN_PIPELINE_LEAD_S = 0.0005  # covers the thread hand-off even when collation i
 # Pipelining saves at most the collation per batch and costs the requests that arrive while a batch
 # formed early waits: "auto" keeps it only where collation is at least this share of a batch's run.
 MIN_PIPELINE_SHARE = 0.02
+# The fair order's quantum bounds a batch while tenants contend: the shorter, the less a tenant's new
+# request waits behind another's batch, and the larger the share of the machine spent on batches'
+# fixed cost. The default quantum keeps that share at 10%.
+FAIR_BATCH_EFFICIENCY = 0.9
 SECTIONS = ("encoder", "llm", "server", "model")
 PRECISIONS = ("auto", "float32", "bfloat16", "float16", "int8")
 LLM_PRECISIONS = ("auto", "float32", "bfloat16", "float16")  # the LLM engine's (models/llm/precision.py)
@@ -266,8 +273,16 @@ def resolve_deployment(spec: DeploymentSpec, cost_model: CostModel,
         if pipeline == "off":
             notes.append(f"pipelining off: collation is {share:.2%} of a batch in the profile "
                          f"(it pays from {MIN_PIPELINE_SHARE:.0%}); set pipeline: on to force it")
+    quantum = cfg.fair_quantum_s
+    if not quantum:  # derived whatever the order: a comparison of orders swaps only the order
+        c0 = cost_model.encoder_latency_coef[0]
+        quantum = c0 / (1.0 - FAIR_BATCH_EFFICIENCY) if c0 > 0 else 0.0
+        if cfg.queue_order == "fair":
+            notes.append(f"fair quantum {quantum * 1e3:.1f} ms: a batch spends at most "
+                         f"{1 - FAIR_BATCH_EFFICIENCY:.0%} of its time on the fixed cost per batch"
+                         if quantum else "fair quantum: none (the cost model has no fixed cost per batch)")
     resolved = dataclasses.replace(cfg, planner=planner, admission=adm, pipeline=pipeline,
-                                   pipeline_lead_s=lead)
+                                   pipeline_lead_s=lead, fair_quantum_s=quantum)
     return Deployment(resolved, spec, tuple(notes))
 
 

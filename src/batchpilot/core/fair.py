@@ -21,6 +21,13 @@ the least counter of the tenants backlogged now (or, with none, to the counter t
 with): service it did not ask for while idle is not owed to it later. Counters only grow, and so does
 the lift; a counter at or below the lift is forgotten, which changes nothing.
 
+**The quantum.** A batch cannot be preempted: a request of a light tenant that arrives while a flood's
+batch runs waits for it, however little service the tenant had. So while the queue is *contended* (more
+than one tenant active: with waiting work, or a request arrived within ``ACTIVE_S``), the scheduler
+trims a batch to ``SchedulerConfig.fair_quantum_s`` of predicted time (``BatchPlanner.trim``; its head
+always goes). What a tenant's new request waits behind is then one quantum, and its own batch (it is at
+the head of fair order) another. A tenant alone is never contended: its batches are untouched.
+
 Every aggregate the dispatch policy and admission read (count, tokens, work, oldest arrival, earliest
 deadline, longest input) is the base ``RequestQueue``'s, which holds every waiting request in arrival
 order. ``work_ahead_s`` is what admission prices a tenant's new request behind: only the part of the
@@ -30,6 +37,7 @@ other tenants' queues that fair order serves before it.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from batchpilot.core.config import QueueOrder, RequestOrder
@@ -37,6 +45,10 @@ from batchpilot.core.queue import Entry, RequestQueue
 from batchpilot.core.request import Request
 
 WeightOf = Callable[[str], float]
+# A tenant that sent a request this recently is active (``FairQueue.contended``): it is likely to send
+# the next one soon, and bounding the batch it would wait behind only helps if the bound is already in
+# force when it arrives.
+ACTIVE_S = 5.0
 
 
 def _unit_weight(_: str) -> float:
@@ -44,13 +56,14 @@ def _unit_weight(_: str) -> float:
 
 
 class VirtualCounters:
-    """The tenants' virtual token counters and the lift (module docstring), for any queue that says
-    when a tenant becomes backlogged (``activate``) and stops being so (``deactivate``): the encoder's
-    ``FairQueue`` and the LLM scheduler's waiting queue (``core/llm/scheduler.py``)."""
+    """The tenants' virtual token counters, the lift and the burst (module docstring), for any queue
+    that says when a tenant becomes backlogged (``activate``) and stops being so (``deactivate``): the
+    encoder's ``FairQueue`` and the LLM scheduler's waiting queue (``core/llm/scheduler.py``)."""
 
     def __init__(self) -> None:
         self.counters: dict[str, float] = {}
         self.backlogged: set[str] = set()  # tenants with waiting work
+        self.burst_until: dict[str, float] = {}  # backlogged tenants in a burst -> where it ends
         self._floor = 0.0  # the lift when no tenant is backlogged: the counter the last one left with
 
     def lift(self) -> float:
@@ -64,17 +77,25 @@ class VirtualCounters:
             return self.counters[tenant]
         return max(self.counters.get(tenant, 0.0), self.lift())
 
-    def activate(self, tenant: str) -> None:
-        """``tenant`` has waiting work (again): lifted to the least backlogged counter."""
+    def key(self, tenant: str, counter: float) -> tuple[int, float]:
+        """What orders the backlogged tenants, at ``counter``: those in a burst first, then by counter."""
+        return (0 if counter < self.burst_until.get(tenant, -math.inf) else 1, counter)
+
+    def activate(self, tenant: str, allowance: float = 0.0) -> None:
+        """``tenant`` has waiting work (again): lifted to the least backlogged counter, and in a burst
+        until its counter is ``allowance`` above that (less what it still owes from its last burst)."""
         if tenant in self.backlogged:
             return
         low = self.lift()
-        self.counters[tenant] = max(self.counters.get(tenant, low), low)
+        c = self.counters[tenant] = max(self.counters.get(tenant, low), low)
         self.backlogged.add(tenant)
+        if c < low + allowance:
+            self.burst_until[tenant] = low + allowance
 
     def deactivate(self, tenant: str) -> None:
         """``tenant`` has no waiting work left."""
         self.backlogged.discard(tenant)
+        self.burst_until.pop(tenant, None)
         if not self.backlogged:
             self._floor = max(self._floor, self.counters.get(tenant, 0.0))
         if len(self.counters) > 2 * len(self.backlogged) + 256:  # a counter at or below the lift: no
@@ -92,15 +113,17 @@ class FairQueue(RequestQueue):
     ``weight_of(tenant)`` is its weight, read when it is charged (a reloaded table applies at once)."""
 
     def __init__(self, tenant_order: RequestOrder = "fcfs", work_s: Sequence[float] | None = None,
-                 weight_of: WeightOf = _unit_weight) -> None:
+                 weight_of: WeightOf = _unit_weight, burst_tokens: float = 0.0) -> None:
         super().__init__("fcfs", 0, work_s)  # every waiting request, in arrival order: the aggregates
         if tenant_order not in ("fcfs", "priority", "edf"):
             raise ValueError(f"tenant_order {tenant_order!r}; choose one of fcfs, priority, edf")
         self.tenant_order: RequestOrder = tenant_order
         self.weight_of = weight_of
+        self.burst_tokens = burst_tokens  # a returning tenant's burst, in its own tokens
         self.vtc = VirtualCounters()
         self._queues: dict[str, RequestQueue] = {}  # tenants with waiting work -> their requests
         self._work_s = work_s
+        self._last_arrival: dict[str, float] = {}  # tenant -> its latest request's arrival
 
     # -- counters ----------------------------------------------------------------------------
     @property
@@ -129,10 +152,16 @@ class FairQueue(RequestQueue):
         tenant = req.tenant
         q = self._queues.get(tenant)
         if q is None:  # becomes backlogged: lifted to the least backlogged counter
-            self.vtc.activate(tenant)
+            self.vtc.activate(tenant, self.burst_tokens / self.weight_of(tenant))
             q = self._queues[tenant] = RequestQueue(self.tenant_order, 0, self._work_s)
         super().push(req)
         q.push(req)
+        last = self._last_arrival
+        if req.arrival > last.get(tenant, -math.inf):
+            last[tenant] = req.arrival
+        if len(last) > 2 * len(self._queues) + 256:  # forget those not active any more
+            since = req.arrival - ACTIVE_S
+            self._last_arrival = {t: a for t, a in last.items() if a >= since}
         return True
 
     def take(self, reqs: Iterable[Request]) -> None:
@@ -167,25 +196,36 @@ class FairQueue(RequestQueue):
             return []
         if len(queues) == 1:
             return next(iter(queues.values())).peek(k)
-        counters, weight_of = self.vtc.counters, self.weight_of
+        vtc, weight_of = self.vtc, self.weight_of
+        counters, key = vtc.counters, vtc.key
         runs: dict[str, list[Request]] = {}
-        heap: list[tuple[float, float, str, int]] = []
+        heap: list[tuple[int, float, float, str, int]] = []
         for tenant, q in queues.items():
             run = runs[tenant] = q.peek(k)
-            heap.append((counters[tenant], run[0].arrival, tenant, 0))
+            heap.append((*key(tenant, counters[tenant]), run[0].arrival, tenant, 0))
         heapq.heapify(heap)
         out: list[Request] = []
         while heap and len(out) < k:
-            c, _, tenant, i = heapq.heappop(heap)
+            _, c, _, tenant, i = heapq.heappop(heap)
             run = runs[tenant]
             r = run[i]
             out.append(r)
             if i + 1 < len(run):
-                heapq.heappush(heap, (c + r.length / weight_of(tenant), run[i + 1].arrival, tenant, i + 1))
+                c += r.length / weight_of(tenant)
+                heapq.heappush(heap, (*key(tenant, c), run[i + 1].arrival, tenant, i + 1))
         return out
 
     def __iter__(self) -> Iterator[Request]:
         return iter(self.peek(len(self)))
+
+    def contended(self, now: float) -> bool:
+        """More than one tenant is active: has waiting work, or sent a request in the last ``ACTIVE_S``
+        seconds (the quantum's condition, module docstring)."""
+        queues = self._queues
+        if len(queues) > 1:
+            return True
+        since = now - ACTIVE_S
+        return sum(1 for t, a in self._last_arrival.items() if a >= since or t in queues) > 1
 
     # -- what admission reads ----------------------------------------------------------------
     def work_ahead_s(self, tenant: str, tokens: int) -> float:
@@ -207,11 +247,12 @@ class FairQueue(RequestQueue):
 
 
 def make_queue(order: QueueOrder, tenant_order: RequestOrder = "fcfs", work_s: Sequence[float] | None = None,
-               weight_of: WeightOf | None = None) -> RequestQueue:
+               weight_of: WeightOf | None = None, burst_tokens: float = 0.0) -> RequestQueue:
     """The queue of a scheduler config's ``queue_order`` (``fair``: a ``FairQueue`` whose tenants' own
-    requests go in ``tenant_order``, weighted by ``weight_of``; default: all 1)."""
+    requests go in ``tenant_order``, weighted by ``weight_of``, default all 1, with the lift's credit of
+    ``burst_tokens``)."""
     if order == "fair":
-        return FairQueue(tenant_order, work_s, weight_of or _unit_weight)
+        return FairQueue(tenant_order, work_s, weight_of or _unit_weight, burst_tokens)
     if order == "fcfs" or order == "priority" or order == "edf":
         return RequestQueue(order, 0, work_s)
     raise ValueError(f"queue order {order!r}; choose one of fcfs, priority, edf, fair")

@@ -277,6 +277,23 @@ class BatchPlanner:
             chosen = self._sorted(candidates, cap, urgent, dp=False)
         return self._make(chosen)
 
+    def trim(self, plan: Plan, max_s: float) -> Plan:
+        """``plan`` cut to its longest prefix (in queue order; the head always stays) whose predicted
+        time is at most ``max_s``: the fair order's quantum (``core/fair.py``)."""
+        reqs = plan.requests
+        if plan.predicted_s <= max_s or len(reqs) < 2:
+            return plan
+        lat = self.cost_model.batch_latency
+        n = total = squares = longest = 0
+        for r in reqs:
+            x = r.length
+            total, squares, longest = total + x, squares + x * x, max(longest, x)
+            tokens, attn = self._work(n + 1, total, squares, longest)
+            if n and lat(n + 1, tokens, attn) > max_s:
+                break
+            n += 1
+        return self._make(reqs[:n])
+
     def _make(self, reqs: list[Request]) -> Plan:
         lengths = [r.length for r in reqs]
         if self._ragged:

@@ -160,7 +160,8 @@ class BatchScheduler:
         self.tenants = TenantLedger(tenants) if tenants is not None or self._fair else None
         # admission alone bounds the queue (a request is admitted whole): the queue itself is unbounded
         self._queue: RequestQueue = make_queue(config.queue_order, config.tenant_order, self.admission.work_s,
-                                               self.tenants.weight if self.tenants is not None else None)
+                                               self.tenants.weight if self.tenants is not None else None,
+                                               config.fair_burst_tokens)
         # The queue's id -> entry dict and deadline heap (never rebound): truth-testing them directly
         # saves Python-level calls on the hot path, which runs ~3 times per request in the simulator.
         self._live = self._queue._live
@@ -180,6 +181,9 @@ class BatchScheduler:
         self._padding = plan.padding
         self._drop_infeasible = config.policy.on_infeasible == "drop"
         self._max_alone_q = self.admission.alone_latency_q(self.admission.max_length)
+        # the fair order's quantum (core/fair.py): 0 until the deployment derives it means no bound
+        self._fair_queue = self._queue if isinstance(self._queue, FairQueue) else None
+        self._quantum_s = config.fair_quantum_s or math.inf
 
     # -- what drivers read for metrics -------------------------------------------------------
     @property
@@ -340,6 +344,9 @@ class BatchScheduler:
                 decision = Dispatch(policy.batch_cap, True, "due")
             cap = decision.max_size
             plan = planner.plan(q.peek(cap * self._lookahead), cap, decision.urgent)
+            if plan.predicted_s > self._quantum_s and self._fair_queue is not None \
+                    and self._fair_queue.contended(now):
+                plan = planner.trim(plan, self._quantum_s)
             q.take(plan.requests)
             shape = plan.shape
             batch_id = self._next_batch_id

@@ -222,10 +222,22 @@ class TenantLedger:
         """The tenant's weighted share of ``limit`` among the tenants with requests in progress (itself
         counted as one of them)."""
         w = self.weight(tenant)
-        busy = self._busy_weight + (0.0 if self.in_progress(tenant) else w)
-        return limit * w / busy if busy > 0 else float(limit)
+        return weighted_share(limit, w, self._busy_weight + (0.0 if self.in_progress(tenant) else w))
 
     def _forget_idle(self, now: float) -> None:
         for name in [n for n, s in self._states.items() if n not in self.table and n != DEFAULT_TENANT
                      and s.is_idle(now)]:
             del self._states[name]
+
+
+def weighted_share(limit: int, weight: float, busy_weight: float) -> float:
+    """A tenant of ``weight``'s share of a concurrency ``limit`` among busy tenants weighing
+    ``busy_weight`` in all (itself included)."""
+    return limit * weight / busy_weight if busy_weight > 0 else float(limit)
+
+
+def admits_over_limit(held: int, share: float, total: int, limit: int) -> bool:
+    """The fair order's rule at a concurrency limit that is reached: a tenant holding less than its
+    weighted share is still admitted, up to twice the limit in all, so a flood cannot lock the others
+    out (the encoder's ``max_concurrent_requests``, the LLM engine's sequence bound)."""
+    return held < share and total < 2 * limit

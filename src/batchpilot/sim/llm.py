@@ -540,7 +540,7 @@ class LLMTarget:
             raise ValueError(f"LLM target: the cost model has features {cost_model.feature_names}, an LLM "
                              f"step model needs {LLM_FEATURES}; profile the LLM (not the encoder)")
         self.scheduler = scheduler
-        self.admission = LLMAdmission(scheduler.config)
+        self.admission = LLMAdmission(scheduler.config, scheduler.fair.weight_of if scheduler.fair else None)
         self.workload = workload
         self.cost_model = cost_model
         self.pricer = StepPricer(cost_model)
@@ -571,7 +571,7 @@ class LLMTarget:
                                 structured=STRUCTURED if self.requests.is_structured(index) else None)
         prompt = [base + i for i in range(n_in)]
         deadline = request_deadline(self.scheduler.config, now)
-        tenant = self._tenants[index] if self._tenants is not None else DEFAULT_TENANT
+        tenant = self._tenant_of(index)
         seqs = [LLMSequence(index * k + j, prompt, params, arrival=now, priority=int(self._prio[index]),
                             deadline=deadline, group=index * k if k > 1 else None, tenant=tenant)
                 for j in range(k)]
@@ -581,8 +581,11 @@ class LLMTarget:
             return
         for seq in seqs:
             if self.scheduler.add(seq) is not None:  # unreachable: admission ran the same fit test
-                self.admission.release()
+                self.admission.release(1, tenant)
                 self._end(index, NEVER_FITS, now)
+
+    def _tenant_of(self, index: int) -> str:
+        return self._tenants[index] if self._tenants is not None else DEFAULT_TENANT
 
     def _end(self, index: int, reason: str, now: float) -> None:
         self.record.rejected[index] = reason
@@ -592,7 +595,7 @@ class LLMTarget:
         if free_slots == 0:
             return [], None
         for seq in self.scheduler.expire(now):  # before each step, as the engine thread
-            self.admission.release()
+            self.admission.release(1, seq.tenant)
             self._end(seq.seq_id // self.requests.samples, TIMEOUT, now)
         if not self.scheduler.has_unfinished():
             return [], None
@@ -626,7 +629,7 @@ class LLMTarget:
                 rec.first_token_s[i] = now
             rec.num_output[i] += 1
             if out.finish_reason is not None:
-                self.admission.release()
+                self.admission.release(1, self._tenant_of(i))
                 self._left[i] -= 1
                 if not self._left[i]:
                     rec.finish_s[i] = now

@@ -197,11 +197,24 @@ def backlogged_service(run: SimRun, table: TenantTable) -> tuple[tuple[float, fl
 
 def only(workload: Workload, tenant: str) -> Workload:
     """The rows of one tenant, at their own times (the first no longer at 0)."""
+    return _rows(workload, np.asarray(_tenants(workload) == tenant), f"{workload.name}:{tenant}")
+
+
+def except_(workload: Workload, tenants: Sequence[str]) -> Workload:
+    """The rows of every tenant but ``tenants``, at their own times."""
+    name = f"{workload.name}-{'-'.join(tenants)}"
+    return _rows(workload, ~np.isin(_tenants(workload), list(tenants)), name)
+
+
+def _tenants(workload: Workload) -> np.ndarray:
     if workload.tenant is None:
-        raise ValueError("only: the workload has no tenant column")
-    m = workload.tenant == tenant
-    return Workload(f"{workload.name}:{tenant}", workload.arrival_s[m], workload.input_tokens[m],
-                    workload.output_tokens[m], workload.priority[m], workload.tenant[m])
+        raise ValueError(f"{workload.name}: the workload has no tenant column")
+    return workload.tenant
+
+
+def _rows(workload: Workload, m: np.ndarray, name: str) -> Workload:
+    return Workload(name, workload.arrival_s[m], workload.input_tokens[m], workload.output_tokens[m],
+                    workload.priority[m], _tenants(workload)[m])
 
 
 ORDERS = ("fair", "fcfs")
@@ -209,16 +222,21 @@ ORDERS = ("fair", "fcfs")
 
 def compare_orders(workload: Workload, table: TenantTable, config: SchedulerConfig, cost_model: CostModel,
                    *, service: ServiceModel | None = None, sla_s: float = 1.0, warmup_s: float = 0.0,
-                   noise: bool = False, seed: int = 0, alone: bool = True
+                   noise: bool = False, seed: int = 0, alone: bool = True, without: Sequence[str] = ()
                    ) -> dict[str, dict[str, TenantReport]]:
-    """Each tenant's report under each queue order of ``ORDERS`` (``config`` otherwise as given) and,
-    with ``alone``, with its own rows only (under ``config``'s order): ``{order: {tenant: report}}``."""
+    """Each tenant's report under each queue order of ``ORDERS`` (``config`` otherwise as given); with
+    ``without``, the other tenants' rows alone (key ``"without"``, under ``config``'s order); with
+    ``alone``, each tenant with its own rows only: ``{order: {tenant: report}}``."""
     out: dict[str, dict[str, TenantReport]] = {}
     for order in ORDERS:
         cfg = dataclasses.replace(config, queue_order=order)
         run = simulate_encoder(workload, cfg, cost_model, noise=noise, seed=seed, service=service,
                                tenants=table)
         out[order] = {r.tenant: r for r in per_tenant(run, sla_s, warmup_s)}
+    if without and workload.tenant is not None:
+        run = simulate_encoder(except_(workload, without), config, cost_model, noise=noise, seed=seed,
+                               service=service, tenants=table)
+        out["without"] = {r.tenant: r for r in per_tenant(run, sla_s, warmup_s)}
     if alone and workload.tenant is not None:
         out["alone"] = {}
         for name in sorted(set(workload.tenant.tolist())):

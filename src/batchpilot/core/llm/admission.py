@@ -10,8 +10,11 @@ sequences of one request (one per prompt) together or none of them, and a refusa
 * ``queue_full``: admitting them would pass the bound; the server's 503 with ``Retry-After``.
 
 A refusal changes nothing but the refusal count; an admission counts the sequences until ``release``
-(once per sequence, when it is done: finished, aborted, expired or failed). ``room(n)`` is the bound
-alone; ``ask(n)`` is that check made for a request before it is tokenised, its refusal counted.
+(once per sequence, when it is done: finished, aborted, expired or failed). ``room(n, tenant)`` is the
+bound alone; ``ask(n, tenant)`` is that check made for a request before it is tokenised, its refusal
+counted. Under ``policy: fair`` the bound is shared by weight as the encoder's concurrency limit is
+(``core/tenants.admits_over_limit``): at the bound, a tenant holding fewer sequences than its weighted
+share is still admitted, up to twice the bound in all, so a flood cannot lock the others out.
 
 Deadlines: ``request_deadline(config, received, requested_s)`` is a request's deadline, ``received +
 min(request_timeout_s, requested_s)`` on the clock ``received`` is read from; each of its sequences
@@ -28,11 +31,13 @@ Whether a sequence can ever fit (``never_fits``) is the file's last section.
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from batchpilot.core.llm.config import LLMSchedulerConfig
 from batchpilot.core.llm.sequence import Sequence
+from batchpilot.core.request import DEFAULT_TENANT
+from batchpilot.core.tenants import admits_over_limit, weighted_share
 
 NEVER_FITS = "context_length_exceeded"
 QUEUE_FULL = "queue_full"
@@ -53,28 +58,44 @@ class LLMRefusal:
 class LLMAdmission:
     """The count of sequences an engine has admitted and not yet released, against its bound."""
 
-    def __init__(self, config: LLMSchedulerConfig) -> None:
+    def __init__(self, config: LLMSchedulerConfig, weight_of: Callable[[str], float] | None = None) -> None:
+        """``weight_of``: each tenant's weight under ``policy: fair`` (default: all 1)."""
         self.config = config
         self.capacity = config.max_num_seqs + config.max_waiting_seqs
         self.num_admitted = 0
         self.refused: collections.Counter[str] = collections.Counter()  # requests refused, by reason
+        self.fair = config.policy == "fair"
+        self.weight_of = weight_of or (lambda _: 1.0)
+        self.held: collections.Counter[str] = collections.Counter()  # tenant -> sequences admitted
 
-    def room(self, n: int = 1) -> LLMRefusal | None:
-        """``QUEUE_FULL`` if ``n`` more sequences would pass the bound now, else None. Changes nothing."""
+    def room(self, n: int = 1, tenant: str = DEFAULT_TENANT) -> LLMRefusal | None:
+        """``QUEUE_FULL`` if ``n`` more sequences of ``tenant`` would pass the bound now, else None.
+        Changes nothing."""
         if n < 1:
             raise ValueError(f"LLM admission: a request has at least one sequence, got {n}")
-        if self.num_admitted + n <= self.capacity:
+        total = self.num_admitted
+        if total + n <= self.capacity:
             return None
+        why = ""
+        if self.fair:
+            held = self.held[tenant]
+            weight = self.weight_of
+            busy = sum(weight(t) for t, k in self.held.items() if k and t != tenant) + weight(tenant)
+            share = weighted_share(self.capacity, weight(tenant), busy)
+            if admits_over_limit(held + n - 1, share, total + n - 1, self.capacity):
+                return None
+            why = f"; tenant {tenant!r} holds {held}, its weighted share is {share:.1f}"
         c = self.config
-        return LLMRefusal(QUEUE_FULL, f"{self.num_admitted} sequences admitted of at most {self.capacity} "
+        return LLMRefusal(QUEUE_FULL, f"{total} sequences admitted of at most {self.capacity} "
                                       f"(max_num_seqs {c.max_num_seqs} + max_waiting_seqs "
-                                      f"{c.max_waiting_seqs}); {n} more do not fit: retry later, or raise "
-                                      f"max_waiting_seqs", QUEUE_FULL_RETRY_AFTER_S)
+                                      f"{c.max_waiting_seqs}){why}; {n} more do not fit: retry later, or "
+                                      f"raise max_waiting_seqs", QUEUE_FULL_RETRY_AFTER_S)
 
-    def ask(self, n: int = 1) -> LLMRefusal | None:
-        """``room(n)`` asked for a request before its sequences exist (a server asks before it spends
-        time tokenising): a refusal is that request's answer, so it counts as one by ``admit`` would."""
-        refusal = self.room(n)
+    def ask(self, n: int = 1, tenant: str = DEFAULT_TENANT) -> LLMRefusal | None:
+        """``room(n, tenant)`` asked for a request before its sequences exist (a server asks before it
+        spends time tokenising): a refusal is that request's answer, so it counts as one by ``admit``
+        would."""
+        refusal = self.room(n, tenant)
         if refusal is not None:
             self.refused[refusal.reason] += 1
         return refusal
@@ -89,7 +110,7 @@ class LLMAdmission:
             reason = never_fits(self.config, seq)
             if reason is not None:
                 return LLMRefusal(NEVER_FITS, reason)
-        return self.room(len(group))
+        return self.room(len(group), group[0].tenant)
 
     def admit(self, seqs: Iterable[Sequence]) -> LLMRefusal | None:
         """Admit every sequence of one request, or none: None when admitted (each counts until
@@ -100,14 +121,21 @@ class LLMAdmission:
             self.refused[refusal.reason] += 1
             return refusal
         self.num_admitted += len(group)
+        self.held[group[0].tenant] += len(group)
         return None
 
-    def release(self, n: int = 1) -> None:
-        """``n`` admitted sequences are done (each released once)."""
-        if not 0 < n <= self.num_admitted:
-            raise ValueError(f"LLM admission: release({n}) with {self.num_admitted} sequences admitted; "
-                             f"release each admitted sequence exactly once, when it is done")
+    def release(self, n: int = 1, tenant: str = DEFAULT_TENANT) -> None:
+        """``n`` admitted sequences of ``tenant`` are done (each released once)."""
+        if not 0 < n <= min(self.num_admitted, self.held[tenant]):
+            raise ValueError(f"LLM admission: release({n}, {tenant!r}) with {self.held[tenant]} of its "
+                             f"sequences admitted ({self.num_admitted} in all); release each admitted "
+                             f"sequence exactly once, with its tenant, when it is done")
         self.num_admitted -= n
+        left = self.held[tenant] - n
+        if left:
+            self.held[tenant] = left
+        else:
+            del self.held[tenant]
 
 
 def request_deadline(config: LLMSchedulerConfig, received: float, requested_s: float | None = None) -> float:

@@ -76,6 +76,9 @@ class LLMSchedulerConfig:
         "help": "{key}: a completion not done by then ends with 504 (or an SSE error event) and its sequence "
                 "is freed (default: --request-timeout-s when given, else {default:g})"}})
     max_priority_wait_s: float = field(default=10.0, metadata={"flag": {}})
+    # policy fair: a tenant whose waiting queue was empty is served ahead for this many prompt tokens'
+    # worth of service (its burst, repaid later: core/llm/fair.py)
+    fair_burst_tokens: int = 8192
     kv_cache_memory: int | None = field(default=None, metadata={"flag": {
         "unit": "bytes", "metavar": "SIZE",
         "help": "{key}: bytes of KV cache (4GiB, 512MiB, 2e9); sizes the pool"}})
@@ -100,6 +103,8 @@ class LLMSchedulerConfig:
         for name in limits:
             if getattr(self, name) < 1:
                 raise ValueError(f"llm_scheduler.{name} must be >= 1, got {getattr(self, name)}")
+        if self.fair_burst_tokens < 0:
+            raise ValueError(f"llm_scheduler.fair_burst_tokens must be >= 0, got {self.fair_burst_tokens}")
         if self.max_waiting_seqs < 0:
             raise ValueError(f"llm_scheduler.max_waiting_seqs must be >= 0, got {self.max_waiting_seqs}")
         if not self.request_timeout_s > 0:

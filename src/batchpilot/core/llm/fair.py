@@ -12,8 +12,15 @@ divided by the tenant's weight, charged when the chunk is scheduled (so a tenant
 pays for them step by step, and the next admission of the same step already sees it). Without a cost
 model the prices are VTC's own: a prefill token 1, a generated token 2.
 
-Only admission is reordered: running sequences keep the FCFS key (preemption takes the latest
-arrival), and a tenant's own sequences are admitted in arrival order.
+A tenant whose waiting queue was empty is lifted as ``core/fair.py`` lifts it and has a *burst*: it is
+admitted ahead of the tenants not in one until it has had ``fair_burst_tokens`` prompt tokens' worth of
+service more than the least counter it was lifted to (``VirtualCounters.activate``), then it repays.
+
+Admission is reordered, and when the sequence fair order admits next finds no room (``max_num_seqs``
+running, or not the blocks its prompt needs), a running sequence is preempted for it (``victim``): the
+latest-arrived of the running tenant ordered last, when that tenant is not in a burst and the waiting one
+is, or its counter is more than a burst above the waiting one's (so two backlogged tenants whose
+counters cross do not take turns preempting each other). Within a tenant, sequences keep arrival order.
 """
 
 from __future__ import annotations
@@ -60,18 +67,23 @@ class FairWaiting:
     """The fair order's state in one ``LLMScheduler``: the tenants' counters (``VirtualCounters``), how
     many sequences each has waiting, and which waiting sequence goes next (``pick``)."""
 
-    def __init__(self, prices: TokenPrices | None = None, weight_of: Callable[[str], float] | None = None
-                 ) -> None:
+    def __init__(self, prices: TokenPrices | None = None, weight_of: Callable[[str], float] | None = None,
+                 burst_tokens: int = 0) -> None:
         self.prices = prices or TokenPrices()
         self.weight_of = weight_of or (lambda _: 1.0)
+        self.burst_tokens = burst_tokens
         self.vtc = VirtualCounters()
         self._waiting: Counter[str] = Counter()
+
+    def allowance(self, tenant: str) -> float:
+        """The tenant's burst in counter units: ``burst_tokens`` prompt tokens over its weight."""
+        return self.burst_tokens * self.prices.prefill_s_per_token / self.weight_of(tenant)
 
     def entered(self, seq: Sequence) -> None:
         """``seq`` joined the waiting queue (new, or preempted to recompute)."""
         self._waiting[seq.tenant] += 1
         if self._waiting[seq.tenant] == 1:
-            self.vtc.activate(seq.tenant)
+            self.vtc.activate(seq.tenant, self.allowance(seq.tenant))
 
     def left(self, seq: Sequence) -> None:
         """``seq`` left the waiting queue (admitted, aborted or expired)."""
@@ -97,6 +109,58 @@ class FairWaiting:
                 heads[seq.tenant] = i
                 if len(heads) == len(self._waiting):
                     break
-        counters = self.vtc.counters
-        best = min(heads, key=lambda t: (counters[t], waiting[heads[t]].arrival, t))
+        counters, key = self.vtc.counters, self.vtc.key
+        best = min(heads, key=lambda t: (*key(t, counters[t]), waiting[heads[t]].arrival, t))
         return heads[best]
+
+    def prefill_shares(self, running: Seq[Sequence], waiting: Seq[Sequence], budget: int) -> dict[int, int]:
+        """A step's prefill tokens in fair order: what the decodes (one token each) leave of ``budget``
+        goes to the running sequences with a prompt (or a recompute) to catch up on, and to the one
+        fair order admits next, by their tenants' order (module docstring), then arrival. Seq id ->
+        tokens; the admitted sequence takes its share from what is left after the running ones."""
+        left = budget - sum(1 for s in running if s.num_pending_tokens <= 1)
+        behind = [s for s in running if s.num_pending_tokens > 1]
+        if waiting:
+            behind.append(waiting[self.pick(waiting)])
+        behind = self.order(behind)
+        shares: dict[int, int] = {}
+        for s in behind:
+            n = max(0, min(s.num_pending_tokens, left))
+            shares[s.seq_id] = n
+            left -= n
+        return shares
+
+    def rank(self, tenant: str) -> tuple[int, float]:
+        """Where the tenant stands in fair order now: in a burst or not, then its counter (one that has
+        no sequence waiting keeps its own, unlifted: it is compared, not admitted)."""
+        vtc = self.vtc
+        return vtc.key(tenant, vtc.counters.get(tenant, vtc.lift()))
+
+    def order(self, waiting: Seq[Sequence]) -> list[Sequence]:
+        """The waiting sequences by their tenants' order, then arrival (each tenant's counter as it is
+        now: the order ``pick`` takes them in while no one is charged)."""
+        return sorted(waiting, key=lambda s: (*self.rank(s.tenant), s.arrival, s.seq_id))
+
+    def last(self, running: Seq[Sequence], start: int) -> Sequence:
+        """Of ``running[start:]`` (key order), the latest of the tenant ordered last: whom a step that
+        needs blocks preempts under fair order."""
+        return max(running[start:], key=lambda s: (*self.rank(s.tenant), s.arrival,
+                                                   s.seq_id))
+
+    def victim(self, waiting: Sequence, running: Seq[Sequence]) -> Sequence | None:
+        """The running sequence to preempt for ``waiting`` (the one fair order admits next) when it finds
+        no room, or None (module docstring)."""
+        mine = self.rank(waiting.tenant)
+        worst: tuple[tuple[int, float], Sequence] | None = None
+        for seq in running:  # key (arrival) order: the last of a tenant is its latest
+            if seq.tenant == waiting.tenant:
+                continue
+            k = self.rank(seq.tenant)
+            if worst is None or k >= worst[0]:
+                worst = (k, seq)
+        if worst is None:
+            return None
+        (flag, counter), seq = worst
+        if (flag, mine[0]) == (1, 0) or counter > mine[1] + self.allowance(waiting.tenant):
+            return seq
+        return None

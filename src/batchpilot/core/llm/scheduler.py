@@ -311,7 +311,7 @@ class LLMScheduler:
         ``policy: fair`` (``core/llm/fair.py``; defaults: VTC's token weights, every weight 1)."""
         self.config = config or LLMSchedulerConfig()
         c = self.config
-        self.fair = FairWaiting(prices, weight_of) if c.policy == "fair" else None
+        self.fair = FairWaiting(prices, weight_of, c.fair_burst_tokens) if c.policy == "fair" else None
         self.block_manager = BlockManager(c.num_kv_blocks, c.block_size, c.enable_prefix_caching)
         self.swap_space = SwapSpace(c.num_swap_blocks)
         self.preemption_costs = preemption_costs
@@ -416,8 +416,9 @@ class LLMScheduler:
         seq.finish_reason = reason
         del self.seqs[seq.seq_id]
 
-    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
-        """Take a running sequence's device blocks: swap it out or free them for recompute."""
+    def _preempt(self, seq: Sequence, plan: StepPlan, recompute: bool = False) -> None:
+        """Take a running sequence's device blocks: swap it out or free them for recompute (always, with
+        ``recompute``)."""
         bm, count = self.block_manager, self.preemption
         self.running.remove(seq)
         seq.num_preemptions += 1
@@ -426,8 +427,9 @@ class LLMScheduler:
         plan.preempted.append(seq.seq_id)
         blocks = bm.blocks_for(seq.num_computed_tokens)
         shared = any(bm.ref_count(b) > 1 for b in bm.block_table(seq.seq_id))
-        how = choose(self.config.preemption, self.preemption_costs, blocks, seq.num_computed_tokens,
-                     self.swap_space.num_free_blocks, shared)
+        how = "recompute" if recompute else choose(self.config.preemption, self.preemption_costs, blocks,
+                                                    seq.num_computed_tokens, self.swap_space.num_free_blocks,
+                                                    shared)
         if how == "swap":
             plan.swap_out += self.swap_space.swap_out(bm, seq.seq_id, blocks)
             plan.swapped_out.append(seq.seq_id)
@@ -460,6 +462,29 @@ class LLMScheduler:
         if first.status is not SeqStatus.RUNNING or first.num_computed_tokens < first.num_prompt_tokens:
             return True, None
         return False, (first.seq_id, first.num_prompt_tokens)
+
+    def _fair_room(self, plan: StepPlan) -> int:
+        """Under ``policy: fair``: for each waiting sequence in fair order while the step's budget lasts,
+        preempt running sequences while it finds no room and ``FairWaiting.victim`` names one
+        (``core/llm/fair.py``); returns how many were preempted."""
+        fair, c, bm = self.fair, self.config, self.block_manager
+        assert fair is not None
+        made = admitted = blocks = 0  # preempted; and the sequences and blocks room was made for
+        budget = c.max_num_batched_tokens - len(self.running)
+        for seq in fair.order(self.waiting):
+            if budget <= 0 or self._group_source(seq)[0]:
+                break
+            first = min(seq.num_tokens, budget)
+            need = blocks + bm.blocks_for(first)
+            while len(self.running) + admitted >= c.max_num_seqs or bm.num_free_blocks < need:
+                victim = fair.victim(seq, self.running)
+                if victim is None:
+                    return made
+                self._preempt(victim, plan, recompute=True)  # back to waiting, where fair order places it
+                made += 1
+                budget += 1
+            admitted, blocks, budget = admitted + 1, need, budget - first
+        return made
 
     def _swap_in(self, plan: StepPlan, budget: int, served: list[tuple[Sequence, int]]) -> int:
         """Swapped sequences back to the device in key order (head-of-line), each with a chunk in this
@@ -494,19 +519,31 @@ class LLMScheduler:
         self._step_id += 1
         budget = c.max_num_batched_tokens
         served: list[tuple[Sequence, int]] = []
+        fair = self.fair
+        made_room = self._fair_room(plan) if fair is not None and self.waiting else 0
+        shares = fair.prefill_shares(self.running, self.waiting, budget) if fair is not None else None
 
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_pending_tokens, budget)
+            if shares is not None and n > 1:
+                n = min(n, shares.get(seq.seq_id, 0))
+                if n == 0:  # its tenant's turn for prefill tokens comes after this step's budget
+                    i += 1
+                    continue
             target = seq.num_computed_tokens + n
             while not bm.can_allocate(seq.seq_id, target):
-                victim = self.running[-1]  # key order: everything after i is worse than seq
+                # key order: everything after i is worse than seq; under fair, the latest of the tenant
+                # ordered last among those not yet served (seq included)
+                victim = self.running[-1] if fair is None else fair.last(self.running, i)
                 self._preempt(victim, plan)
                 if victim is seq:
                     break
                 self._preempt_group_tail(victim, seq, plan)
             if seq.status is not SeqStatus.RUNNING:
+                if fair is not None:
+                    continue  # running[i] is now the next one
                 break  # seq preempted itself: it was the last running sequence not yet served
             bm.allocate(seq.seq_id, target)
             served.append((seq, n))
@@ -515,14 +552,17 @@ class LLMScheduler:
 
         if not plan.preempted:
             budget = self._swap_in(plan, budget, served)
-        fair = self.fair
         if fair is not None:  # what the running sequences get this step, before anyone is admitted
             for seq, n in served:
                 fair.charge(seq, n)
-        if not plan.preempted and not self.swapped:
+        # a step admits only when it preempted nothing and nothing waits swapped, or when it preempted
+        # only to make room for whom fair order admits next
+        if (not plan.preempted and not self.swapped) or (made_room and len(plan.preempted) == made_room):
             while self.waiting and budget > 0 and len(self.running) < c.max_num_seqs:
                 pick = fair.pick(self.waiting) if fair is not None else 0
                 seq = self.waiting[pick]
+                if made_room and seq.seq_id in plan.preempted:
+                    break  # preempted in this step to make room: not back in it
                 wait, source = self._group_source(seq)
                 if wait:
                     break  # its group's first sequence is still computing the prompt they share

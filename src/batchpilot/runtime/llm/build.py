@@ -231,6 +231,7 @@ class BuildKeys(TypedDict, total=False):
     max_waiting_seqs: int
     request_timeout_s: float
     max_priority_wait_s: float
+    fair_burst_tokens: int
     kv_cache_memory: int | None
     memory_utilization: float | None
     preemption: PreemptionMode

@@ -152,14 +152,14 @@ def refused(refusal: LLMRefusal) -> RequestRejected | EngineBusy:
     return EngineBusy(refusal.message, refusal.retry_after_s or 1.0)
 
 
-def ask_room(admission: LLMAdmission, lock: threading.Lock, alive: bool, n: int) -> None:
+def ask_room(admission: LLMAdmission, lock: threading.Lock, alive: bool, n: int, tenant: str) -> None:
     """The room check the engine and the static fallback both make: ``EngineStopped`` unless ``alive``,
-    else the core's answer to ``n`` more sequences (``LLMAdmission.ask``, under the engine's lock), a
-    refusal raised as the engine's error."""
+    else the core's answer to ``n`` more sequences of ``tenant`` (``LLMAdmission.ask``, under the
+    engine's lock), a refusal raised as the engine's error."""
     if not alive:
         raise EngineStopped
     with lock:
-        refusal = admission.ask(n)
+        refusal = admission.ask(n, tenant)
     if refusal is not None:
         raise refused(refusal)
 
@@ -323,7 +323,7 @@ class LLMRequest:
     when the request stops counting against the engine's queue bound."""
 
     def __init__(self, seq: Sequence, detok: IncrementalDetokenizer, loop: asyncio.AbstractEventLoop,
-                 abort: Callable[[int], None], on_done: Callable[[], None]) -> None:
+                 abort: Callable[[int], None], on_done: Callable[[str], None]) -> None:
         self.seq = seq
         self.detok = detok
         self.last_t: float | None = None  # engine side: when its last token left a step
@@ -373,12 +373,12 @@ class LLMRequest:
         self._ended = True
         if not self._released:
             self._released = True
-            self._on_done()
+            self._on_done(self.seq.tenant)
 
 
 def admit_requests(admission: LLMAdmission, seqs: list[Sequence], decode: Callable[[Items[int]], str],
                    stop: Items[str], loop: asyncio.AbstractEventLoop,
-                   abort: Callable[[int], None], on_done: Callable[[], None]) -> list[LLMRequest]:
+                   abort: Callable[[int], None], on_done: Callable[[str], None]) -> list[LLMRequest]:
     """The handles of one request's sequences, once the core admits them together (``admission.admit``);
     a refusal raises its error (``server.llm.routes.refused``). The engine and the static fallback both
     call it,
@@ -563,7 +563,7 @@ class Engine(Protocol):
     @property
     def num_pending(self) -> int: ...
 
-    def check_room(self, n: int = 1) -> None: ...
+    def check_room(self, n: int = 1, tenant: str = DEFAULT_TENANT) -> None: ...
 
     def submit(self, prompts: list[list[int]], params: SamplingParams | None = None, priority: int = 0,
                deadline: float | None = None, n: int = 1, tenant: Tenant = NO_TENANT
@@ -606,7 +606,8 @@ class LLMEngine:
         self._stopping = False
         self._closed = False  # the loop has ended: nothing may enter the inbox
         self.failure: BaseException | None = None  # what ended the loop, if it died
-        self.admission = LLMAdmission(config)  # sequences submitted and not yet done, under ``_lock``
+        # sequences submitted and not yet done, under ``_lock``; shared by weight under policy fair
+        self.admission = LLMAdmission(config, lambda t: self._weights.get(t, 1.0))
         self.max_admitted = self.admission.capacity
         self.observers: list[Callable[[TokenEvent], None]] = []
         self.step_observers: list[Callable[[StepRecord], None]] = []  # called on the engine thread
@@ -698,11 +699,11 @@ class LLMEngine:
         return self.admission.num_admitted
 
     # -- public API --------------------------------------------------------------------------
-    def check_room(self, n: int = 1) -> None:
-        """Raise ``EngineStopped`` or ``EngineBusy`` if ``n`` more sequences would be refused now: the
-        cheap check a server makes before it spends time tokenising them (counted as a refusal:
-        ``LLMAdmission.ask``)."""
-        ask_room(self.admission, self._lock, self.is_alive, n)
+    def check_room(self, n: int = 1, tenant: str = DEFAULT_TENANT) -> None:
+        """Raise ``EngineStopped`` or ``EngineBusy`` if ``n`` more sequences of ``tenant`` would be
+        refused now: the cheap check a server makes before it spends time tokenising them (counted as a
+        refusal: ``LLMAdmission.ask``)."""
+        ask_room(self.admission, self._lock, self.is_alive, n, tenant)
 
     def submit(self, prompts: list[list[int]], params: SamplingParams | None = None, priority: int = 0,
                deadline: float | None = None, n: int = 1, tenant: Tenant = NO_TENANT) -> list[LLMRequest]:
@@ -745,9 +746,9 @@ class LLMEngine:
         self._inbox.put(("abort", (seq_id, time.monotonic())))
         self._wake.set()
 
-    def _release(self) -> None:  # a request's ``on_done``, on the caller's side
+    def _release(self, tenant: str) -> None:  # a request's ``on_done``, on the caller's side
         with self._lock:
-            self.admission.release()
+            self.admission.release(1, tenant)
 
     def stats(self) -> EngineStats:
         return self._stats

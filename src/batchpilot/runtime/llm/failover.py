@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 
 from batchpilot.core.breaker import BreakerConfig, CircuitBreaker
 from batchpilot.core.llm.sequence import SamplingParams
+from batchpilot.core.request import DEFAULT_TENANT
 from batchpilot.core.stall import StallRule, StallWatch
 from batchpilot.runtime.llm.engine import (
     NO_TENANT,
@@ -245,8 +246,8 @@ class LLMFailover:
     def retry_after_s(self) -> float:
         return float(self.breaker.interval_s)
 
-    def check_room(self, n: int = 1) -> None:
-        self._target().check_room(n)
+    def check_room(self, n: int = 1, tenant: str = DEFAULT_TENANT) -> None:
+        self._target().check_room(n, tenant)
 
     def submit(self, prompts: list[list[int]], params: SamplingParams | None = None, priority: int = 0,
                deadline: float | None = None, n: int = 1, tenant: Tenant = NO_TENANT,

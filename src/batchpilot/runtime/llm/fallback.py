@@ -36,7 +36,7 @@ import torch
 from batchpilot.core.llm.admission import LLMAdmission, past_deadline
 from batchpilot.core.llm.config import LLMSchedulerConfig
 from batchpilot.core.llm.sequence import SamplingParams, Sequence
-from batchpilot.core.request import IdCounter
+from batchpilot.core.request import DEFAULT_TENANT, IdCounter
 from batchpilot.models.device import bind_threads
 from batchpilot.models.llm.sampler import Choice, Sampler
 from batchpilot.models.llm.tokenizer import make_decode
@@ -126,9 +126,9 @@ class StaticFallback:
         """Sequences admitted and not yet done (what the queue bound counts)."""
         return self.admission.num_admitted
 
-    def check_room(self, n: int = 1) -> None:
+    def check_room(self, n: int = 1, tenant: str = DEFAULT_TENANT) -> None:
         """As ``LLMEngine.check_room``: ``EngineStopped`` or ``EngineBusy`` (counted as a refusal)."""
-        ask_room(self.admission, self._lock, self.is_alive, n)
+        ask_room(self.admission, self._lock, self.is_alive, n, tenant)
 
     def stats(self) -> EngineStats:
         """A snapshot as ``LLMEngine.stats`` gives one, taken by its thread after each decoding step and
@@ -181,9 +181,9 @@ class StaticFallback:
         with self._lock:
             self._aborted[seq_id] = time.monotonic()
 
-    def _release(self) -> None:  # a request's ``on_done``, on the caller's side
+    def _release(self, tenant: str) -> None:  # a request's ``on_done``, on the caller's side
         with self._lock:
-            self.admission.release()
+            self.admission.release(1, tenant)
 
     # -- the fallback thread -----------------------------------------------------------------------
     def _snapshot(self, now: float) -> EngineStats:

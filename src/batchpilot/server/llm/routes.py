@@ -284,7 +284,7 @@ class LLMRoutes:
         samples, n = body.samples, body.n
         if samples > n and params.logprobs is None:  # best_of ranks by logprob: computed, not shown
             params = dataclasses.replace(params, logprobs=0)
-        target.check_room(len(prompts) * samples)  # before the tokenising it would waste
+        target.check_room(len(prompts) * samples, _tenant.get()[0])  # before the tokenising it would waste
         token_ids = await _all_or_none([self.engine.prompts.encode_async(p) for p in prompts])
         reqs.extend(self.submit(token_ids, params, priority, deadline, body.stream, samples))
         text = self.token_text if body.logprobs is not None else None
@@ -314,7 +314,7 @@ class LLMRoutes:
             raise APIError(400, "a forced tool call is already a structured output: drop response_format",
                            code="invalid_value", param="response_format")
         params = await self.params_of(body, route, constraint, param)
-        target.check_room(body.n)
+        target.check_room(body.n, _tenant.get()[0])
         prompt = await self.engine.prompts.encode_chat_async(messages)
         reqs.extend(self.submit([prompt], params, priority, deadline, body.stream, body.n))
         text = self.token_text if body.logprobs else None
