@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 from batchpilot.core.llm.admission import (
     NEVER_FITS,
     QUEUE_FULL,
+    QUOTA_CONCURRENCY,
+    QUOTA_TOKENS,
     LLMAdmission,
     past_deadline,
     request_deadline,
@@ -18,6 +20,7 @@ from batchpilot.core.llm.admission import (
 from batchpilot.core.llm.config import LLMSchedulerConfig
 from batchpilot.core.llm.scheduler import LLMScheduler
 from batchpilot.core.llm.sequence import FinishReason, SamplingParams, SeqStatus, Sequence
+from batchpilot.core.tenants import TenantSpec, TenantTable
 
 
 def config(**kw: object) -> LLMSchedulerConfig:
@@ -44,7 +47,8 @@ def test_a_request_is_admitted_with_all_its_prompts_or_refused_with_none() -> No
     assert adm.num_admitted == 2 and adm.refused == {QUEUE_FULL: 1}
     assert adm.admit([seq(4)]) is None and adm.num_admitted == 3
     assert adm.room(1) is not None and adm.admit([seq(5)]) is not None
-    adm.release(2)
+    adm.release(0)
+    adm.release(1)
     assert adm.room(2) is None and adm.admit([seq(6), seq(7)]) is None and adm.num_admitted == 3
 
 
@@ -76,7 +80,11 @@ def test_admission_refuses_misuse_saying_what_to_do() -> None:
     with pytest.raises(ValueError, match="at least one sequence"):
         adm.room(0)
     with pytest.raises(ValueError, match="release each admitted sequence exactly once"):
-        adm.release()
+        adm.release(7)  # never admitted
+    assert adm.admit([seq(1)]) is None
+    adm.release(1)
+    with pytest.raises(ValueError, match="release each admitted sequence exactly once"):
+        adm.release(1)  # twice
 
 
 def test_the_deadline_is_the_request_timeout_or_sooner_when_the_request_asks() -> None:
@@ -154,7 +162,7 @@ def test_no_sequence_is_lost_or_duplicated_and_refused_requests_leave_nothing_be
             assert q.deadline is not None and q.deadline <= now < q.deadline + 1
             assert q.seq_id not in ended
             ended[q.seq_id] = "expired"
-            adm.release()
+            adm.release(q.seq_id)
         assert adm.num_admitted == len(s.seqs) <= adm.capacity
         plan = s.schedule(now)
         assert not plan.is_empty or not s.has_unfinished(), "stalled"
@@ -162,12 +170,45 @@ def test_no_sequence_is_lost_or_duplicated_and_refused_requests_leave_nothing_be
             if out.finish_reason is not None:
                 assert out.seq_id not in ended and not past_deadline(by_id[out.seq_id], now)
                 ended[out.seq_id] = "finished"
-                adm.release()
+                adm.release(out.seq_id)
         step += 1
         assert step < 2000, "the workload did not finish"
     assert sorted(ended) == list(range(next_id))  # every sequence ended, each once
-    assert adm.num_admitted == 0 and not s.seqs
+    assert adm.num_admitted == 0 and not s.seqs and not adm.held
+    assert all(st.in_progress == 0 for _, st in adm.tenants)  # every request ended in its tenant's usage
     assert s.block_manager.num_free_blocks == blocks and s.swap_space.num_free_blocks == 8
     for group in refused_groups:  # untouched: never queued, never finished
         assert all(q.status is SeqStatus.WAITING and q.finish_reason is None and not q.num_computed_tokens
                    for q in group)
+
+
+def test_a_tenants_quotas_hold_for_its_llm_requests() -> None:
+    """The keys file's quotas on the LLM path: the token bucket is charged a request's prompts plus
+    max_tokens (all its sequences together); requests in progress are counted until their last sequence
+    is released; refusals carry the quota's reason and Retry-After, counted per tenant."""
+    adm = LLMAdmission(config(max_num_seqs=8, max_waiting_seqs=8))
+    adm.set_tenants(TenantTable({"t": TenantSpec(tokens_per_s=10.0, burst_tokens=30.0,
+                                                 max_concurrent_requests=1)}), 0.0)
+
+    def of(i: int, tenant: str = "t") -> Sequence:
+        q = seq(i, prompt_len=8, max_tokens=4)
+        q.tenant = tenant
+        return q
+    assert adm.admit([of(0)], now=0.0) is None  # 12 tokens of 30
+    busy = adm.admit([of(1)], now=0.0)
+    assert busy is not None and busy.reason == QUOTA_CONCURRENCY  # one request in progress
+    adm.release(0)
+    assert adm.admit([of(2)], now=0.0) is None  # 24 of 30
+    adm.release(2)
+    late = adm.admit([of(3)], now=0.0)  # 6 left for 12: 0.6 s to refill
+    assert late is not None and late.reason == QUOTA_TOKENS and late.retry_after_s == pytest.approx(0.6)
+    assert adm.admit([of(4), of(5)], now=10.0) is None  # refilled: 24 tokens for two prompts at once
+    adm.release(4)
+    assert adm.ask(1, "t", 10.0) is not None  # the request is in progress until its last sequence ends
+    adm.release(5)
+    never = adm.admit([of(6), of(7), of(8)], now=100.0)  # 36 tokens > the burst of 30: never
+    assert never is not None and never.reason == QUOTA_TOKENS and never.retry_after_s is None
+    assert adm.admit([of(9, "other")], now=0.0) is None  # no quota for a tenant the table leaves out
+    usage = dict(adm.tenants)
+    assert usage["t"].requests == 3 and usage["t"].tokens == 48
+    assert usage["t"].rejected == {QUOTA_CONCURRENCY: 2, QUOTA_TOKENS: 2}

@@ -40,7 +40,7 @@ from batchpilot.core.planner import BatchPlanner
 from batchpilot.core.policy import Dispatch, Policy, QueueState, Wait, make_policy
 from batchpilot.core.queue import RequestQueue
 from batchpilot.core.request import Request
-from batchpilot.core.tenants import TenantLedger, TenantState, TenantTable
+from batchpilot.core.tenants import TenantLedger, TenantTable, TenantUsage
 
 # -- Batches in flight -----------------------------------------------------------------------------
 # Batches dispatched and not yet done, and the work scale: what the scheduler's predicted backlog is
@@ -118,24 +118,6 @@ class SchedulerStats:
         return self.useful_tokens / self.computed_tokens if self.computed_tokens else 1.0
 
 
-
-
-@dataclass(frozen=True, slots=True)
-class TenantUsage:
-    """One tenant as a scheduler sees it (``BatchScheduler.tenant_usage``): its spec, what it has used,
-    its counter under the fair order (None under another order) and its quota state."""
-
-    tenant: str
-    weight: float
-    requests: int  # admitted
-    tokens: int  # input tokens admitted
-    in_progress: int
-    waiting: int  # inputs waiting (fair order only; else 0)
-    counter: float | None  # weighted tokens dispatched (the fair order's virtual token counter)
-    tokens_per_s: float  # the quota (0 = none)
-    bucket_tokens: float | None  # what its token bucket holds now (None: no token quota)
-    max_concurrent_requests: int
-    rejected: dict[str, int]
 
 
 class BatchScheduler:
@@ -299,7 +281,9 @@ class BatchScheduler:
             return []
         q = self._queue
         fair = q if isinstance(q, FairQueue) else None
-        return [_usage(name, st, now, fair) for name, st in self.tenants]
+        return [TenantUsage.of(name, st, now, fair.counter(name) if fair is not None else None,
+                               fair.num_waiting_of(name) if fair is not None else 0)
+                for name, st in self.tenants]
 
     def cancel(self, request_id: int, now: float) -> bool:
         req = self._queue.remove(request_id)
@@ -443,12 +427,3 @@ class BatchScheduler:
                 self._drop(r, out, RejectReason.INFEASIBLE_DEADLINE,
                            f"dropped: {(r.deadline - now) * 1e3:.1f} ms left but it alone is predicted to "
                            f"take {need * 1e3:.1f} ms")
-
-
-def _usage(name: str, st: TenantState, now: float, fair: FairQueue | None) -> TenantUsage:
-    spec = st.spec
-    return TenantUsage(name, spec.weight, st.requests, st.tokens, st.in_progress,
-                       fair.num_waiting_of(name) if fair is not None else 0,
-                       fair.counter(name) if fair is not None else None, spec.tokens_per_s,
-                       st.bucket.level(now) if st.bucket is not None else None,
-                       spec.max_concurrent_requests, dict(st.rejected))

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
@@ -109,6 +109,33 @@ class TenantState:
 
     def is_idle(self, now: float) -> bool:
         return self.in_progress == 0 and (self.bucket is None or self.bucket.level(now) >= self.bucket.burst)
+
+
+@dataclass(frozen=True, slots=True)
+class TenantUsage:
+    """One tenant as a scheduler or an LLM engine sees it (``BatchScheduler.tenant_usage``): its spec,
+    what it has used, its counter under the fair order (None under another order, or where the reader
+    cannot see it) and its quota state."""
+
+    tenant: str
+    weight: float
+    requests: int  # admitted
+    tokens: int  # input tokens admitted
+    in_progress: int
+    waiting: int  # inputs waiting (fair order only; else 0)
+    counter: float | None  # weighted tokens dispatched (the fair order's virtual token counter)
+    tokens_per_s: float  # the quota (0 = none)
+    bucket_tokens: float | None  # what its token bucket holds now (None: no token quota)
+    max_concurrent_requests: int
+    rejected: dict[str, int]
+
+    @classmethod
+    def of(cls, name: str, st: TenantState, now: float, counter: float | None = None,
+           waiting: int = 0) -> TenantUsage:
+        spec = st.spec
+        return cls(name, spec.weight, st.requests, st.tokens, st.in_progress, waiting, counter,
+                   spec.tokens_per_s, st.bucket.level(now) if st.bucket is not None else None,
+                   spec.max_concurrent_requests, dict(st.rejected))
 
 
 def _over_burst(tenant: str, tokens: int, spec: TenantSpec) -> QuotaRefusal:
@@ -241,3 +268,21 @@ def admits_over_limit(held: int, share: float, total: int, limit: int) -> bool:
     weighted share is still admitted, up to twice the limit in all, so a flood cannot lock the others
     out (the encoder's ``max_concurrent_requests``, the LLM engine's sequence bound)."""
     return held < share and total < 2 * limit
+
+
+def merged_usage(parts: Iterable[Iterable[tuple[str, TenantState]]]) -> list[tuple[str, TenantState]]:
+    """Several ledgers' tenants (an engine's and its fallback's), their counts summed per tenant (the
+    spec and token bucket: the first's), by name."""
+    out: dict[str, TenantState] = {}
+    for part in parts:
+        for name, st in part:
+            have = out.get(name)
+            if have is None:
+                out[name] = TenantState(st.spec, st.bucket, st.in_progress, st.requests, st.tokens,
+                                        Counter(st.rejected))
+            else:
+                have.in_progress += st.in_progress
+                have.requests += st.requests
+                have.tokens += st.tokens
+                have.rejected.update(st.rejected)
+    return sorted(out.items())

@@ -120,6 +120,10 @@ class MountedEngine:
     arms: tuple[ArmedModel[ServedEngine], ...] = ()
     on_shutdown: tuple[Callable[[], object], ...] = ()
     on_drain_timeout: tuple[Callable[[], Awaitable[None]], ...] = ()
+    # the server's tenants (the keys file's quotas, reloaded on SIGHUP; bounded metric labels), and the
+    # engine's per-tenant usage for GET /v1/tenants
+    use_tenancy: Callable[[Tenancy], None] | None = None
+    tenant_usage: Callable[[], list[dict[str, object]]] | None = None
 
 
 def make_service(settings: ServerConfig, model: ServedModel, executor: ModelExecutor | None = None,
@@ -176,13 +180,18 @@ def create_app(settings: ServerConfig, models: Sequence[ServedModel],
                                      *(hook for e in engines for hook in e.on_drain_timeout)]
     install_error_handlers(app)
     for engine in engines:
+        if engine.use_tenancy is not None:
+            engine.use_tenancy(tenancy)
         app.include_router(engine.router(registry))
     direct = model_routes(app, served)
     armed: list[AnyArmed] = [*served.arms.values(), *(a for e in engines for a in e.arms)]
     add_info_routes(app, served, engines, armed, registry)
     clock = served.primary.batcher.clock
+    llm_usage = [e for e in engines if e.tenant_usage is not None and e.model_name]
     app.include_router(tenants_router(tenancy, lambda: [(s.model_name, s.batcher.scheduler)
-                                                        for s in served.services], clock))
+                                                        for s in served.services], clock,
+                                      lambda: {"llm": {e.model_name: e.tenant_usage() for e in llm_usage
+                                                       if e.tenant_usage is not None}}))
     if armed:
         app.include_router(arms_router(armed))
     return RequestLifecycle(DirectRoutes(app, direct), settings, registry, tenancy)

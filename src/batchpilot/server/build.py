@@ -24,6 +24,7 @@ from batchpilot.core.config import SchedulerConfig
 from batchpilot.core.costmodel import BatchShape, CostModel
 from batchpilot.core.deployment import DeploymentSpec, ModelLimits, resolve_deployment
 from batchpilot.core.rollout import RolloutSpec
+from batchpilot.core.tenants import TenantTable
 from batchpilot.runtime.executor import (
     CheckpointExecutor,
     EncoderPath,
@@ -34,7 +35,7 @@ from batchpilot.runtime.executor import (
 from batchpilot.server.app import MountedEngine, ServedArm, ServedModel, create_app
 from batchpilot.server.config import ModelSpec, ServerConfig
 from batchpilot.server.middleware import RequestLifecycle
-from batchpilot.server.tenants import Tenancy
+from batchpilot.server.tenants import Tenancy, ledger_json
 
 if TYPE_CHECKING:
     from batchpilot.models.encoder import ThreadPlan
@@ -250,8 +251,18 @@ def mount_llm(settings: ServerConfig, spec: DeploymentSpec, rollout: RolloutSpec
         await asyncio.get_running_loop().run_in_executor(None, stop, 5.0)
 
     router = functools.partial(make_llm_router, engine, limits=settings.llm_limits, arms=arms)
+    engines = [engine, *candidates]
+
+    def use_tenancy(tenancy: Tenancy) -> None:
+        def apply(table: TenantTable) -> None:
+            for e in engines:
+                e.set_tenants(table, tenancy.label)
+        apply(tenancy.table)
+        tenancy.on_table.append(apply)
+
     return MountedEngine(router, engine.model_name, lambda: bool(engine.is_alive),
-                         (arms.armed,) if arms is not None else (), tuple(hooks), (stop_engine,))
+                         (arms.armed,) if arms is not None else (), tuple(hooks), (stop_engine,),
+                         use_tenancy, lambda: ledger_json(engine.tenant_usage()))
 
 
 def llm_engine(settings: ServerConfig, spec: DeploymentSpec) -> LLMEngine:

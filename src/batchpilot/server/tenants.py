@@ -32,6 +32,7 @@ import hashlib
 import logging
 import math
 import re
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +43,7 @@ from fastapi.responses import JSONResponse
 
 from batchpilot.core.request import DEFAULT_TENANT
 from batchpilot.core.scheduler import BatchScheduler
-from batchpilot.core.tenants import TenantSpec, TenantTable
+from batchpilot.core.tenants import TenantSpec, TenantState, TenantTable, TenantUsage
 from batchpilot.server.errors import APIError
 
 log = logging.getLogger("batchpilot.server")
@@ -203,15 +204,24 @@ def tenant_of(request: Request, user: str | None = None) -> str:
 
 def usage_json(scheduler: BatchScheduler, now: float) -> list[dict[str, object]]:
     """One JSON object per tenant the scheduler tracks (``BatchScheduler.tenant_usage``)."""
-    out = []
-    for u in scheduler.tenant_usage(now):
-        bucket = None if u.bucket_tokens is None else round(u.bucket_tokens, 1)
-        out.append({"tenant": u.tenant, "weight": u.weight, "requests": u.requests, "tokens": u.tokens,
-                    "in_progress": u.in_progress, "waiting": u.waiting, "counter": u.counter,
-                    "quota": {"tokens_per_s": u.tokens_per_s, "bucket_tokens": bucket,
-                              "max_concurrent_requests": u.max_concurrent_requests},
-                    "rejected": u.rejected})
-    return out
+    return [_usage_row(u) for u in scheduler.tenant_usage(now)]
+
+
+def ledger_json(states: Sequence[tuple[str, TenantState]], now: float | None = None
+                ) -> list[dict[str, object]]:
+    """One JSON object per tenant of an LLM engine's admission (``LLMEngine.tenant_usage``), in the
+    shape of ``usage_json``'s (no counter or waiting count: the engine thread owns those)."""
+    now = time.monotonic() if now is None else now  # the engine's clock
+    return [_usage_row(TenantUsage.of(name, st, now)) for name, st in states]
+
+
+def _usage_row(u: TenantUsage) -> dict[str, object]:
+    bucket = None if u.bucket_tokens is None else round(u.bucket_tokens, 1)
+    return {"tenant": u.tenant, "weight": u.weight, "requests": u.requests, "tokens": u.tokens,
+            "in_progress": u.in_progress, "waiting": u.waiting, "counter": u.counter,
+            "quota": {"tokens_per_s": u.tokens_per_s, "bucket_tokens": bucket,
+                      "max_concurrent_requests": u.max_concurrent_requests},
+            "rejected": u.rejected}
 
 
 def tenants_router(tenancy: Tenancy, schedulers: Callable[[], Sequence[tuple[str, BatchScheduler]]],

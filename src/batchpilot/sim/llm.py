@@ -54,6 +54,7 @@ from batchpilot.core.llm.scheduler import (
 from batchpilot.core.llm.sequence import SamplingParams, StructuredOutput
 from batchpilot.core.llm.sequence import Sequence as LLMSequence
 from batchpilot.core.request import DEFAULT_TENANT
+from batchpilot.core.tenants import TenantTable
 from batchpilot.sim.engine import Engine, EngineStats, Job
 from batchpilot.sim.service import binned_factors, check_finite_nonneg, step_factor
 from batchpilot.sim.traces import Workload
@@ -575,13 +576,13 @@ class LLMTarget:
         seqs = [LLMSequence(index * k + j, prompt, params, arrival=now, priority=int(self._prio[index]),
                             deadline=deadline, group=index * k if k > 1 else None, tenant=tenant)
                 for j in range(k)]
-        refusal = self.admission.admit(seqs)
+        refusal = self.admission.admit(seqs, now)
         if refusal is not None:
             self._end(index, refusal.reason, now)
             return
         for seq in seqs:
             if self.scheduler.add(seq) is not None:  # unreachable: admission ran the same fit test
-                self.admission.release(1, tenant)
+                self.admission.release(seq.seq_id)
                 self._end(index, NEVER_FITS, now)
 
     def _tenant_of(self, index: int) -> str:
@@ -595,7 +596,7 @@ class LLMTarget:
         if free_slots == 0:
             return [], None
         for seq in self.scheduler.expire(now):  # before each step, as the engine thread
-            self.admission.release(1, seq.tenant)
+            self.admission.release(seq.seq_id)
             self._end(seq.seq_id // self.requests.samples, TIMEOUT, now)
         if not self.scheduler.has_unfinished():
             return [], None
@@ -629,7 +630,7 @@ class LLMTarget:
                 rec.first_token_s[i] = now
             rec.num_output[i] += 1
             if out.finish_reason is not None:
-                self.admission.release(1, self._tenant_of(i))
+                self.admission.release(out.seq_id)
                 self._left[i] -= 1
                 if not self._left[i]:
                     rec.finish_s[i] = now
@@ -678,19 +679,24 @@ def simulate_llm(workload: Workload, config: LLMSchedulerConfig | None = None,
                  cost_model: CostModel | None = None, *, noise: bool = False, seed: int = 0,
                  service: LLMServiceModel | None = None,
                  preemption_costs: PreemptionCosts | None = None,
-                 requests: LLMRequests | None = None) -> LLMSimRun:
+                 requests: LLMRequests | None = None, tenants: TenantTable | None = None) -> LLMSimRun:
     """Replay ``workload`` (prompt = input_tokens, output = output_tokens) through a fresh LLMScheduler.
     ``service``: the serving path around the engine (the profile's ``service`` entry,
     ``sim.llm``): each step takes ``service.step_seconds`` of its predicted time, and
     ``first_token_delay_s`` is added to every token's time as the client sees it.
     ``preemption_costs``: what the scheduler weighs swap against recompute with and a step's copies cost
     (default: ``sim_preemption_costs(cost_model)``). ``requests``: samples per request and the share
-    under a grammar (``LLMRequests``)."""
+    under a grammar (``LLMRequests``). ``tenants``: the tenants' weights (policy fair) and quotas, as a
+    keys file gives them to the server."""
     config = config or LLMSchedulerConfig()
     cost_model = cost_model or default_llm_cost_model()
     costs = preemption_costs or sim_preemption_costs(cost_model, config.block_size)
-    scheduler = LLMScheduler(config, costs, TokenPrices.from_cost_model(cost_model))  # prices: policy fair
+    weight_of = (lambda t: tenants.spec(t).weight) if tenants is not None else None
+    scheduler = LLMScheduler(config, costs, TokenPrices.from_cost_model(cost_model),  # prices: policy fair
+                             weight_of)
     target = LLMTarget(scheduler, workload, cost_model, noise, seed, costs, service, requests)
+    if tenants is not None:
+        target.admission.set_tenants(tenants, 0.0)
     stats = Engine(target, num_slots=1).run(workload.arrival_s)  # type: ignore[arg-type]
     delay = service.first_token_delay_s if service is not None else 0.0
     if delay:

@@ -7,12 +7,17 @@ sequences of one request (one per prompt) together or none of them, and a refusa
 * ``context_length_exceeded``: one of them can never run to completion here (``core/llm/scheduler.py``:
   prompt + ``max_tokens`` past ``max_model_len``, more KV blocks than the pool, a prompt over the step
   budget with chunked prefill off); the server's 400, nothing to retry;
+* ``quota_tokens`` / ``quota_concurrency``: the tenant's quotas (``core/tenants.py``, the keys file's;
+  ``set_tenants``): its token bucket, charged a request's prompt tokens plus the tokens it may generate
+  (``max_tokens``) of every sequence, or its requests in progress; the server's 429 with ``Retry-After``;
 * ``queue_full``: admitting them would pass the bound; the server's 503 with ``Retry-After``.
 
-A refusal changes nothing but the refusal count; an admission counts the sequences until ``release``
-(once per sequence, when it is done: finished, aborted, expired or failed). ``room(n, tenant)`` is the
-bound alone; ``ask(n, tenant)`` is that check made for a request before it is tokenised, its refusal
-counted. Under ``policy: fair`` the bound is shared by weight as the encoder's concurrency limit is
+A refusal changes nothing but the refusal counts (``refused``, and the tenant's in ``tenants``); an
+admission counts the sequences until ``release(seq_id)`` (once per sequence, when it is done:
+finished, aborted, expired or failed) and the request in its tenant's usage until its last sequence is
+released. ``room(n, tenant, now)`` is the quotas and the bound; ``ask(n, tenant, now)`` is that check
+made for a request before it is tokenised (its tokens counted as one each), its refusal counted.
+Under ``policy: fair`` the bound is shared by weight as the encoder's concurrency limit is
 (``core/tenants.admits_over_limit``): at the bound, a tenant holding fewer sequences than its weighted
 share is still admitted, up to twice the bound in all, so a flood cannot lock the others out.
 
@@ -37,18 +42,20 @@ from dataclasses import dataclass
 from batchpilot.core.llm.config import LLMSchedulerConfig
 from batchpilot.core.llm.sequence import Sequence
 from batchpilot.core.request import DEFAULT_TENANT
-from batchpilot.core.tenants import admits_over_limit, weighted_share
+from batchpilot.core.tenants import TenantLedger, TenantTable, admits_over_limit, weighted_share
 
 NEVER_FITS = "context_length_exceeded"
 QUEUE_FULL = "queue_full"
+QUOTA_TOKENS = "quota_tokens"  # the reasons' values are the encoder's (core/admission.RejectReason)
+QUOTA_CONCURRENCY = "quota_concurrency"
 TIMEOUT = "timeout"  # what a sequence that expired is counted as (the server's 504 code)
 QUEUE_FULL_RETRY_AFTER_S = 1.0  # Retry-After of a full engine: about a step of decodes frees room
 
 
 @dataclass(frozen=True, slots=True)
 class LLMRefusal:
-    """Why a request was not admitted: ``reason`` (``NEVER_FITS`` or ``QUEUE_FULL``), a message with the
-    numbers and what to change, and for ``QUEUE_FULL`` when to retry."""
+    """Why a request was not admitted: ``reason`` (``NEVER_FITS``, a quota's, ``QUEUE_FULL``), a message
+    with the numbers and what to change, and when to retry (None: retrying cannot help)."""
 
     reason: str
     message: str
@@ -67,12 +74,26 @@ class LLMAdmission:
         self.fair = config.policy == "fair"
         self.weight_of = weight_of or (lambda _: 1.0)
         self.held: collections.Counter[str] = collections.Counter()  # tenant -> sequences admitted
+        self.tenants = TenantLedger()  # quotas (set_tenants) and usage, per tenant
+        self._request: dict[int, tuple[str, int]] = {}  # seq id -> (tenant, its request's first seq id)
+        self._left: dict[int, int] = {}  # a request's first seq id -> its sequences not yet released
 
-    def room(self, n: int = 1, tenant: str = DEFAULT_TENANT) -> LLMRefusal | None:
-        """``QUEUE_FULL`` if ``n`` more sequences of ``tenant`` would pass the bound now, else None.
-        Changes nothing."""
+    def set_tenants(self, table: TenantTable, now: float) -> None:
+        """The tenants' quotas (a keys file, reloaded or not), applied from now on."""
+        self.tenants.set_table(table, now)
+
+    def room(self, n: int = 1, tenant: str = DEFAULT_TENANT, now: float = 0.0,
+             tokens: int | None = None) -> LLMRefusal | None:
+        """A refusal if ``n`` more sequences of ``tenant``, ``tokens`` tokens in all (prompts plus
+        ``max_tokens``; default ``n``), are over its quotas or would pass the bound at ``now``, else
+        None. Changes nothing."""
         if n < 1:
             raise ValueError(f"LLM admission: a request has at least one sequence, got {n}")
+        quota = self.tenants.check(tenant, n if tokens is None else tokens, now)
+        if quota is not None:
+            if quota.quota == "tokens":
+                return LLMRefusal(QUOTA_TOKENS, quota.message, quota.retry_after_s)
+            return LLMRefusal(QUOTA_CONCURRENCY, quota.message, QUEUE_FULL_RETRY_AFTER_S)
         total = self.num_admitted
         if total + n <= self.capacity:
             return None
@@ -91,17 +112,17 @@ class LLMAdmission:
                                       f"{c.max_waiting_seqs}){why}; {n} more do not fit: retry later, or "
                                       f"raise max_waiting_seqs", QUEUE_FULL_RETRY_AFTER_S)
 
-    def ask(self, n: int = 1, tenant: str = DEFAULT_TENANT) -> LLMRefusal | None:
-        """``room(n, tenant)`` asked for a request before its sequences exist (a server asks before it
-        spends time tokenising): a refusal is that request's answer, so it counts as one by ``admit``
+    def ask(self, n: int = 1, tenant: str = DEFAULT_TENANT, now: float = 0.0) -> LLMRefusal | None:
+        """``room(n, tenant, now)`` asked for a request before its sequences exist (a server asks before
+        it spends time tokenising): a refusal is that request's answer, so it counts as one by ``admit``
         would."""
-        refusal = self.room(n, tenant)
+        refusal = self.room(n, tenant, now)
         if refusal is not None:
-            self.refused[refusal.reason] += 1
+            self._count_refusal(refusal, tenant, now)
         return refusal
 
-    def check(self, seqs: Iterable[Sequence]) -> LLMRefusal | None:
-        """Why this request would be refused now (None: it would be admitted). Changes nothing."""
+    def check(self, seqs: Iterable[Sequence], now: float = 0.0) -> LLMRefusal | None:
+        """Why this request would be refused at ``now`` (None: it would be admitted). Changes nothing."""
         group = list(seqs)
         if not group:
             raise ValueError("LLM admission: a request has at least one sequence (one per prompt); "
@@ -110,32 +131,54 @@ class LLMAdmission:
             reason = never_fits(self.config, seq)
             if reason is not None:
                 return LLMRefusal(NEVER_FITS, reason)
-        return self.room(len(group), group[0].tenant)
+        return self.room(len(group), group[0].tenant, now, _tokens(group))
 
-    def admit(self, seqs: Iterable[Sequence]) -> LLMRefusal | None:
-        """Admit every sequence of one request, or none: None when admitted (each counts until
+    def admit(self, seqs: Iterable[Sequence], now: float = 0.0) -> LLMRefusal | None:
+        """Admit every sequence of one request at ``now``, or none: None when admitted (each counts until
         ``release``), else the refusal (see the module docstring for the reasons, in the order checked)."""
         group = list(seqs)
-        refusal = self.check(group)
+        refusal = self.check(group, now)
+        tenant = group[0].tenant
         if refusal is not None:
-            self.refused[refusal.reason] += 1
+            self._count_refusal(refusal, tenant, now)
             return refusal
         self.num_admitted += len(group)
-        self.held[group[0].tenant] += len(group)
+        self.held[tenant] += len(group)
+        self.tenants.admit(tenant, _tokens(group), now)
+        first = group[0].seq_id
+        self._left[first] = len(group)
+        for seq in group:
+            self._request[seq.seq_id] = (tenant, first)
         return None
 
-    def release(self, n: int = 1, tenant: str = DEFAULT_TENANT) -> None:
-        """``n`` admitted sequences of ``tenant`` are done (each released once)."""
-        if not 0 < n <= min(self.num_admitted, self.held[tenant]):
-            raise ValueError(f"LLM admission: release({n}, {tenant!r}) with {self.held[tenant]} of its "
-                             f"sequences admitted ({self.num_admitted} in all); release each admitted "
-                             f"sequence exactly once, with its tenant, when it is done")
-        self.num_admitted -= n
-        left = self.held[tenant] - n
+    def release(self, seq_id: int) -> None:
+        """An admitted sequence is done (each released once); its request's last one ends the request in
+        its tenant's usage."""
+        entry = self._request.pop(seq_id, None)
+        if entry is None:
+            raise ValueError(f"LLM admission: release({seq_id}) of a sequence not admitted or already "
+                             f"released; release each admitted sequence exactly once, when it is done")
+        tenant, first = entry
+        self.num_admitted -= 1
+        left = self.held[tenant] - 1
         if left:
             self.held[tenant] = left
         else:
             del self.held[tenant]
+        if self._left[first] > 1:
+            self._left[first] -= 1
+        else:
+            del self._left[first]
+            self.tenants.leave(tenant)
+
+    def _count_refusal(self, refusal: LLMRefusal, tenant: str, now: float) -> None:
+        self.refused[refusal.reason] += 1
+        self.tenants.refused(tenant, refusal.reason, now)
+
+
+def _tokens(group: list[Sequence]) -> int:
+    """What a request's sequences may cost its tenant's token quota: prompts plus ``max_tokens``."""
+    return sum(seq.num_prompt_tokens + seq.params.max_tokens for seq in group)
 
 
 def request_deadline(config: LLMSchedulerConfig, received: float, requested_s: float | None = None) -> float:

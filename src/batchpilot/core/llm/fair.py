@@ -18,9 +18,13 @@ service more than the least counter it was lifted to (``VirtualCounters.activate
 
 Admission is reordered, and when the sequence fair order admits next finds no room (``max_num_seqs``
 running, or not the blocks its prompt needs), a running sequence is preempted for it (``victim``): the
-latest-arrived of the running tenant ordered last, when that tenant is not in a burst and the waiting one
-is, or its counter is more than a burst above the waiting one's (so two backlogged tenants whose
-counters cross do not take turns preempting each other). Within a tenant, sequences keep arrival order.
+latest-arrived of the running tenant ordered last, when the waiting one is in a burst and that tenant
+is not though it has sequences waiting too, or when its counter is more than a burst above the waiting
+one's (so two backlogged tenants whose counters cross do not take turns preempting each other); it is
+recomputed, back in the waiting queue where fair order places it. A step short of blocks for a running
+sequence preempts the latest of the tenant with the highest counter (``last``). The prefill tokens a
+step has after its decodes go in fair order (``prefill_shares``). Within a tenant, sequences keep
+arrival order.
 """
 
 from __future__ import annotations
@@ -142,15 +146,15 @@ class FairWaiting:
         return sorted(waiting, key=lambda s: (*self.rank(s.tenant), s.arrival, s.seq_id))
 
     def last(self, running: Seq[Sequence], start: int) -> Sequence:
-        """Of ``running[start:]`` (key order), the latest of the tenant ordered last: whom a step that
-        needs blocks preempts under fair order."""
-        return max(running[start:], key=lambda s: (*self.rank(s.tenant), s.arrival,
-                                                   s.seq_id))
+        """Of ``running[start:]`` (key order), the latest of the tenant with the highest counter: whom a
+        step that needs blocks preempts under fair order."""
+        return max(running[start:], key=lambda s: (self.rank(s.tenant)[1], s.arrival, s.seq_id))
 
     def victim(self, waiting: Sequence, running: Seq[Sequence]) -> Sequence | None:
         """The running sequence to preempt for ``waiting`` (the one fair order admits next) when it finds
         no room, or None (module docstring)."""
         mine = self.rank(waiting.tenant)
+        backlogged = self.vtc.backlogged
         worst: tuple[tuple[int, float], Sequence] | None = None
         for seq in running:  # key (arrival) order: the last of a tenant is its latest
             if seq.tenant == waiting.tenant:
@@ -161,6 +165,9 @@ class FairWaiting:
         if worst is None:
             return None
         (flag, counter), seq = worst
-        if (flag, mine[0]) == (1, 0) or counter > mine[1] + self.allowance(waiting.tenant):
+        # out of its burst with more waiting (a tenant whose every sequence runs has no burst to be out
+        # of), or more than a burst ahead
+        if (mine[0] == 0 and flag == 1 and seq.tenant in backlogged) \
+                or counter > mine[1] + self.allowance(waiting.tenant):
             return seq
         return None

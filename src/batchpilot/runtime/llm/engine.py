@@ -44,6 +44,8 @@ from batchpilot.core.deployment import LLMDeployment
 from batchpilot.core.llm.admission import (
     NEVER_FITS,
     QUEUE_FULL,
+    QUOTA_CONCURRENCY,
+    QUOTA_TOKENS,
     TIMEOUT,
     LLMAdmission,
     LLMRefusal,
@@ -53,6 +55,7 @@ from batchpilot.core.llm.config import KVPlan, LLMSchedulerConfig, MemoryProfile
 from batchpilot.core.llm.scheduler import LLMScheduler, PreemptionCosts, StepPlan
 from batchpilot.core.llm.sequence import SamplingParams, Sequence, StructuredOutput
 from batchpilot.core.request import DEFAULT_TENANT, IdCounter
+from batchpilot.core.tenants import TenantState, TenantTable
 from batchpilot.models.device import bind_threads
 from batchpilot.models.llm.grammar import GrammarRefused, grammars_for
 from batchpilot.models.llm.runner import engine_preemption_costs
@@ -96,6 +99,16 @@ class EngineBusy(RuntimeError):
 
     def __init__(self, message: str = "the LLM engine's queue is full", retry_after_s: float = 1.0) -> None:
         super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class OverQuota(RuntimeError):
+    """The request's tenant is over a quota (``code``: ``quota_tokens`` or ``quota_concurrency``): retry
+    after ``retry_after_s``, or never (None: more tokens than the tenant's burst)."""
+
+    def __init__(self, message: str, code: str, retry_after_s: float | None) -> None:
+        super().__init__(message)
+        self.code = code
         self.retry_after_s = retry_after_s
 
 
@@ -144,11 +157,14 @@ def is_out_of_memory(exc: BaseException | None) -> bool:
     return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
 
 
-def refused(refusal: LLMRefusal) -> RequestRejected | EngineBusy:
+def refused(refusal: LLMRefusal) -> RequestRejected | OverQuota | EngineBusy:
     """The core's refusal as the engine's error: never fits -> ``RequestRejected`` (400, its message
-    passed on), a full engine -> ``EngineBusy`` (503 + Retry-After)."""
+    passed on), over a tenant's quota -> ``OverQuota`` (429), a full engine -> ``EngineBusy`` (503 +
+    Retry-After)."""
     if refusal.reason == NEVER_FITS:
         return RequestRejected(refusal.message)
+    if refusal.reason in (QUOTA_TOKENS, QUOTA_CONCURRENCY):
+        return OverQuota(refusal.message, refusal.reason, refusal.retry_after_s)
     return EngineBusy(refusal.message, refusal.retry_after_s or 1.0)
 
 
@@ -159,7 +175,7 @@ def ask_room(admission: LLMAdmission, lock: threading.Lock, alive: bool, n: int,
     if not alive:
         raise EngineStopped
     with lock:
-        refusal = admission.ask(n, tenant)
+        refusal = admission.ask(n, tenant, time.monotonic())
     if refusal is not None:
         raise refused(refusal)
 
@@ -196,6 +212,7 @@ class TokenEvent:
     ttft_s: float | None  # set on the first token
     itl_s: float | None  # set on later tokens
     finished: bool
+    tenant: str = DEFAULT_TENANT
 
 
 def token_records(seq: Sequence, choice: Choice, finish_reason: str | None, text: str, now: float,
@@ -207,7 +224,7 @@ def token_records(seq: Sequence, choice: Choice, finish_reason: str | None, text
                               choice.logprob, choice.top)
     first = last_t is None
     event = TokenEvent(seq.seq_id, now, now - seq.arrival if first else None,
-                       None if first else now - (last_t or now), finish_reason is not None)
+                       None if first else now - (last_t or now), finish_reason is not None, seq.tenant)
     return output, event
 
 
@@ -323,7 +340,7 @@ class LLMRequest:
     when the request stops counting against the engine's queue bound."""
 
     def __init__(self, seq: Sequence, detok: IncrementalDetokenizer, loop: asyncio.AbstractEventLoop,
-                 abort: Callable[[int], None], on_done: Callable[[str], None]) -> None:
+                 abort: Callable[[int], None], on_done: Callable[[int], None]) -> None:
         self.seq = seq
         self.detok = detok
         self.last_t: float | None = None  # engine side: when its last token left a step
@@ -373,17 +390,17 @@ class LLMRequest:
         self._ended = True
         if not self._released:
             self._released = True
-            self._on_done(self.seq.tenant)
+            self._on_done(self.seq.seq_id)
 
 
 def admit_requests(admission: LLMAdmission, seqs: list[Sequence], decode: Callable[[Items[int]], str],
                    stop: Items[str], loop: asyncio.AbstractEventLoop,
-                   abort: Callable[[int], None], on_done: Callable[[str], None]) -> list[LLMRequest]:
+                   abort: Callable[[int], None], on_done: Callable[[int], None]) -> list[LLMRequest]:
     """The handles of one request's sequences, once the core admits them together (``admission.admit``);
     a refusal raises its error (``server.llm.routes.refused``). The engine and the static fallback both
     call it,
     under their own lock."""
-    refusal = admission.admit(seqs)
+    refusal = admission.admit(seqs, time.monotonic())
     if refusal is not None:
         raise refused(refusal)
     return [LLMRequest(seq, IncrementalDetokenizer(decode, stop), loop, abort, on_done) for seq in seqs]
@@ -406,7 +423,7 @@ def admit_requests(admission: LLMAdmission, seqs: list[Sequence], decode: Callab
 # engine rebuilt on another's counters (``LLMEngine.rebuilt``) counts on from them. The static
 # fallback counts in its admission's, which ``restarted`` hands on.
 
-REASONS = (NEVER_FITS, QUEUE_FULL, TIMEOUT)
+REASONS = (NEVER_FITS, QUOTA_TOKENS, QUOTA_CONCURRENCY, QUEUE_FULL, TIMEOUT)
 
 
 @dataclasses.dataclass
@@ -571,6 +588,10 @@ class Engine(Protocol):
 
     def stats(self) -> EngineStats: ...
 
+    def set_tenants(self, table: TenantTable, label: Callable[[str], str]) -> None: ...
+
+    def tenant_usage(self) -> list[tuple[str, TenantState]]: ...
+
     def shutdown(self, timeout: float = 10.0) -> None: ...
 
 
@@ -608,6 +629,7 @@ class LLMEngine:
         self.failure: BaseException | None = None  # what ended the loop, if it died
         # sequences submitted and not yet done, under ``_lock``; shared by weight under policy fair
         self.admission = LLMAdmission(config, lambda t: self._weights.get(t, 1.0))
+        self.tenant_label: Callable[[str], str] = str  # a tenant's metric label (``set_tenants``)
         self.max_admitted = self.admission.capacity
         self.observers: list[Callable[[TokenEvent], None]] = []
         self.step_observers: list[Callable[[StepRecord], None]] = []  # called on the engine thread
@@ -691,6 +713,7 @@ class LLMEngine:
         engine.hf_model = self.hf_model
         engine.memory_plan, engine.memory_profile = self.memory_plan, self.memory_profile
         engine.memory_held_before = self.memory_held_before
+        engine.admission.tenants, engine.tenant_label = self.admission.tenants, self.tenant_label
         return engine.start()
 
     @property
@@ -699,6 +722,18 @@ class LLMEngine:
         return self.admission.num_admitted
 
     # -- public API --------------------------------------------------------------------------
+    def set_tenants(self, table: TenantTable, label: Callable[[str], str]) -> None:
+        """The keys file's tenants (their quotas, ``LLMAdmission.set_tenants``), and each tenant's
+        bounded metric label."""
+        with self._lock:
+            self.admission.set_tenants(table, time.monotonic())
+            self.tenant_label = label
+
+    def tenant_usage(self) -> list[tuple[str, TenantState]]:
+        """Every tenant the admission tracks, by name (a snapshot)."""
+        with self._lock:
+            return [(name, dataclasses.replace(st)) for name, st in self.admission.tenants]
+
     def check_room(self, n: int = 1, tenant: str = DEFAULT_TENANT) -> None:
         """Raise ``EngineStopped`` or ``EngineBusy`` if ``n`` more sequences of ``tenant`` would be
         refused now: the cheap check a server makes before it spends time tokenising them (counted as a
@@ -746,9 +781,9 @@ class LLMEngine:
         self._inbox.put(("abort", (seq_id, time.monotonic())))
         self._wake.set()
 
-    def _release(self, tenant: str) -> None:  # a request's ``on_done``, on the caller's side
+    def _release(self, seq_id: int) -> None:  # a request's ``on_done``, on the caller's side
         with self._lock:
-            self.admission.release(1, tenant)
+            self.admission.release(seq_id)
 
     def stats(self) -> EngineStats:
         return self._stats

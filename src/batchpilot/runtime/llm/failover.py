@@ -36,12 +36,14 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from batchpilot.core.breaker import BreakerConfig, CircuitBreaker
 from batchpilot.core.llm.sequence import SamplingParams
 from batchpilot.core.request import DEFAULT_TENANT
 from batchpilot.core.stall import StallRule, StallWatch
+from batchpilot.core.tenants import TenantState, TenantTable, merged_usage
 from batchpilot.runtime.llm.engine import (
     NO_TENANT,
     Engine,
@@ -201,6 +203,7 @@ class LLMFailover:
                  start: bool = True, fallback_stall: StallRule | None = None) -> None:
         self.main = engine
         self.fallback = fallback
+        self.tenant_label: Callable[[str], str] = str  # a tenant's metric label (``set_tenants``)
         self.model_name, self.config, self.prompts = engine.model_name, engine.config, engine.prompts
         self.observers, self.step_observers = engine.observers, engine.step_observers  # kept on rebuilds
         self.max_admitted = engine.max_admitted
@@ -248,6 +251,18 @@ class LLMFailover:
 
     def check_room(self, n: int = 1, tenant: str = DEFAULT_TENANT) -> None:
         self._target().check_room(n, tenant)
+
+    def set_tenants(self, table: TenantTable, label: Callable[[str], str]) -> None:
+        """As ``LLMEngine.set_tenants``, on the engine and its fallback."""
+        self.tenant_label = label
+        for engine in (self.main, self.fallback):
+            if engine is not None:
+                engine.set_tenants(table, label)
+
+    def tenant_usage(self) -> list[tuple[str, TenantState]]:
+        """The engine's and its fallback's usage, summed per tenant."""
+        fallback = [self.fallback.tenant_usage()] if self.fallback is not None else []
+        return merged_usage([self.main.tenant_usage(), *fallback])
 
     def submit(self, prompts: list[list[int]], params: SamplingParams | None = None, priority: int = 0,
                deadline: float | None = None, n: int = 1, tenant: Tenant = NO_TENANT,

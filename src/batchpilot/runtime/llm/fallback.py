@@ -23,6 +23,7 @@ are counted per request in ``admission.refused``, as the engine counts them (``l
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -37,6 +38,7 @@ from batchpilot.core.llm.admission import LLMAdmission, past_deadline
 from batchpilot.core.llm.config import LLMSchedulerConfig
 from batchpilot.core.llm.sequence import SamplingParams, Sequence
 from batchpilot.core.request import DEFAULT_TENANT, IdCounter
+from batchpilot.core.tenants import TenantState, TenantTable
 from batchpilot.models.device import bind_threads
 from batchpilot.models.llm.sampler import Choice, Sampler
 from batchpilot.models.llm.tokenizer import make_decode
@@ -76,6 +78,7 @@ class StaticFallback:
         self.sampler = sampler or Sampler()
         self.sampler.bind(tokenizer, int(model.config.vocab_size), config.eos_token_ids)
         self.admission = LLMAdmission(config)  # the main engine's rules and bound, under ``_lock``
+        self.tenant_label: Callable[[str], str] = str  # a tenant's metric label (``set_tenants``)
         self._decode = make_decode(tokenizer)
         pad = getattr(tokenizer, "pad_token_id", None)
         self._pad = int(pad if pad is not None else (config.eos_token_ids or (0,))[0])
@@ -125,6 +128,17 @@ class StaticFallback:
     def num_pending(self) -> int:
         """Sequences admitted and not yet done (what the queue bound counts)."""
         return self.admission.num_admitted
+
+    def set_tenants(self, table: TenantTable, label: Callable[[str], str]) -> None:
+        """As ``LLMEngine.set_tenants``."""
+        with self._lock:
+            self.admission.set_tenants(table, time.monotonic())
+            self.tenant_label = label
+
+    def tenant_usage(self) -> list[tuple[str, TenantState]]:
+        """As ``LLMEngine.tenant_usage``."""
+        with self._lock:
+            return [(name, dataclasses.replace(st)) for name, st in self.admission.tenants]
 
     def check_room(self, n: int = 1, tenant: str = DEFAULT_TENANT) -> None:
         """As ``LLMEngine.check_room``: ``EngineStopped`` or ``EngineBusy`` (counted as a refusal)."""
@@ -181,9 +195,9 @@ class StaticFallback:
         with self._lock:
             self._aborted[seq_id] = time.monotonic()
 
-    def _release(self, tenant: str) -> None:  # a request's ``on_done``, on the caller's side
+    def _release(self, seq_id: int) -> None:  # a request's ``on_done``, on the caller's side
         with self._lock:
-            self.admission.release(1, tenant)
+            self.admission.release(seq_id)
 
     # -- the fallback thread -----------------------------------------------------------------------
     def _snapshot(self, now: float) -> EngineStats:

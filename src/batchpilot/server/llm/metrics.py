@@ -11,6 +11,13 @@ the engine and of its fallback together. Behind a failover
 ``engine="llm"``: ``batchpilot_engine_up``, ``batchpilot_engine_fallback_active``,
 ``batchpilot_engine_faults_total{kind}``, ``batchpilot_engine_recoveries_total``,
 ``batchpilot_engine_stall_timeout_seconds`` and ``batchpilot_fallback_requests_total``.
+
+Per tenant (label ``tenant``, bounded as the encoder's: the keys file's tenants, ``default``, ``other``;
+``Engine.set_tenants``): ``batchpilot_llm_tenant_requests_total`` and ``batchpilot_llm_tenant_tokens_total``
+(admitted; tokens as the token quota charges them: prompts plus ``max_tokens``),
+``batchpilot_llm_tenant_rejections_total{tenant,reason}`` (the refusals above and the quotas',
+``quota_tokens`` and ``quota_concurrency``: 429), read from the core's ledger at scrape time, and the
+histogram ``batchpilot_llm_tenant_time_to_first_token_seconds{tenant}``.
 """
 
 from __future__ import annotations
@@ -86,6 +93,7 @@ class _EngineCollector(Collector):
         for reason in REASONS:
             rejected.add_metric([reason], float(counts[reason]))
         yield rejected
+        yield from _tenants(self.engine)
         yield from _memory(self.engine, s)
 
 
@@ -99,6 +107,35 @@ def _refused(engine: ServedEngine) -> collections.Counter[str]:
         if counts is not None:
             total.update({reason: counts[reason] for reason in REASONS})
     return total
+
+
+def _tenants(engine: ServedEngine) -> Iterator[Metric]:
+    """The per-tenant counters of the engine's admission (``Engine.tenant_usage``), by bounded label."""
+    usage = getattr(engine, "tenant_usage", None)
+    if usage is None:  # a stand-in without tenants
+        return
+    label = getattr(engine, "tenant_label", str)
+    requests: collections.Counter[str] = collections.Counter()
+    tokens: collections.Counter[str] = collections.Counter()
+    rejected: collections.Counter[tuple[str, str]] = collections.Counter()
+    for name, st in usage():
+        key = label(name)
+        requests[key] += st.requests
+        tokens[key] += st.tokens
+        for reason, count in st.rejected.items():
+            rejected[key, reason] += count
+    families = (("requests", "LLM requests admitted, by tenant", requests),
+                ("tokens", "Tokens admitted (prompts plus max_tokens), by tenant", tokens))
+    for name, doc, counts in families:
+        family = CounterMetricFamily(f"batchpilot_llm_tenant_{name}", doc, labels=["tenant"])
+        for key, value in sorted(counts.items()):
+            family.add_metric([key], float(value))
+        yield family
+    family = CounterMetricFamily("batchpilot_llm_tenant_rejections", "LLM requests refused, by tenant and "
+                                 "reason", labels=["tenant", "reason"])
+    for (key, reason), value in sorted(rejected.items()):
+        family.add_metric([key, reason], float(value))
+    yield family
 
 
 def _memory(engine: ServedEngine, s: EngineStats) -> Iterator[Metric]:
@@ -185,10 +222,16 @@ class LLMMetrics:
                                 ["route", "finish_reason"], registry=registry)
         self.prompt_tokens = Counter("batchpilot_llm_prompt_tokens", "Prompt tokens of finished requests",
                                      registry=registry)
+        self.tenant_ttft = Histogram("batchpilot_llm_tenant_time_to_first_token_seconds",
+                                     "Arrival to first token, by tenant", ["tenant"], buckets=LATENCY_BUCKETS,
+                                     registry=registry)
+        self.engine = engine
         engine.observers.append(self.on_token)
 
     def on_token(self, event: TokenEvent) -> None:
         if event.ttft_s is not None:
             self.ttft.observe(event.ttft_s)
+            label = getattr(self.engine, "tenant_label", str)(event.tenant)
+            self.tenant_ttft.labels(tenant=label).observe(event.ttft_s)
         if event.itl_s is not None:
             self.itl.observe(event.itl_s)

@@ -44,6 +44,7 @@ from batchpilot.runtime.llm.engine import (
     GenerationFailed,
     GenerationOutput,
     GenerationStream,
+    OverQuota,
     RequestRejected,
     RequestTimedOut,
 )
@@ -99,6 +100,8 @@ def to_api_error(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, RequestRejected):
         return APIError(400, str(exc), code=exc.code, param=exc.param)
+    if isinstance(exc, OverQuota):
+        return APIError(429, str(exc), code=exc.code, retry_after_s=exc.retry_after_s)
     if isinstance(exc, EngineBusy):
         return fixed("queue_full", exc.retry_after_s)
     if isinstance(exc, EngineUnavailable):
