@@ -8,18 +8,25 @@
   ``batchpilot profile``). A tenant's rate is a share of it *in work*: ``share x capacity`` requests/s
   scaled by the mean length of the capacity's rows over the mean length of the tenant's own rows, so
   each tenant at 20% asks 20% of the machine's tokens whatever rows it sends.
+* The flooding tenants send documents of ``LONG`` tokens (Poisson arrivals) at their share in work: a
+  batch job embedding long documents. With conv-embed's short rows at 3x capacity the load is 200+
+  requests/s, more than one core's HTTP front end parses while the model holds that core: requests
+  then wait in the accept queue, before any scheduler sees them, for fair and FIFO alike (measured:
+  every tenant's P50 about 20 s, the server's own part 0.1-0.2 s).
 * ``flood``: tenants ``a``, ``b``, ``c`` send conv-embed rows (from rows 0, 4000, 8000) at ``share`` each;
-  ``flood`` sends rows from 12000 at ``flood`` x capacity; all for ``duration-s`` seconds
-  (``sim.tenants.tenant_mix``), each request with ``X-Client-Id: <tenant>``. Two ``batchpilot serve``
+  ``flood`` sends long documents at ``flood`` x capacity; all for ``duration-s`` seconds
+  (``sim.tenants.tenant_mix``), each request with ``X-Client-Id: <tenant>`` and ``encoding_format:
+  base64`` (the load generator's one core parses less). Two ``batchpilot serve``
   processes, identical but for ``encoder.queue_order`` (``fair`` / ``fcfs``), replay the mix; then the
   fair server replays it without the flood (the same three tenants, alone together: what the flood
   must not spoil). Printed per tenant: P50 / P99 live and the simulator's P99 for each run, each
   well-behaved tenant's fair P99 over its P99 without the flood (target <= 1.5), and the total
   throughput and goodput of fair against fcfs (target >= 95%).
 * ``jain``: tenants ``w1``, ``w2``, ``w4`` (weights 1, 2, 4 in a keys file, each request with its key)
-  each send at capacity for ``duration-s`` seconds, so all three are backlogged; the tokens each has
-  had answered in the middle half of the run, divided by its weight, and Jain's index of them (target
-  >= 0.95), live on a fair server and in the simulator (``sim.tenants.backlogged_service``).
+  each send long documents at the capacity for ``duration-s`` seconds, so all three are backlogged;
+  the tokens each has had answered in the middle half of the run, divided by its weight, and Jain's
+  index of them (target >= 0.95), live on a fair server and in the simulator
+  (``sim.tenants.backlogged_service``).
 """
 
 from __future__ import annotations
@@ -60,6 +67,7 @@ from batchpilot.sim.traces import load_workload  # noqa: E402
 WELL_BEHAVED = ("a", "b", "c")
 STARTS = {"a": 0, "b": 4000, "c": 8000, "flood": 12000}
 WEIGHTS = {"w1": 1.0, "w2": 2.0, "w4": 4.0}
+LONG = 512  # the flooding tenants' document length (tokens)
 
 
 class Setup:
@@ -75,15 +83,27 @@ class Setup:
         self.capacity = float(predicted_capacity(self.rows, self.cost, spec, self.service, args.sla).rps)
 
     def load(self, name: str, share: float, start: int, duration_s: float, weight: float = 1.0) -> TenantLoad:
-        """A tenant asking ``share`` of the machine's work (module docstring)."""
+        """A tenant asking ``share`` of the machine's work (module docstring) in conv-embed rows."""
         rate = share * self.capacity
         own = load_workload("conv-embed", start=start, count=max(2, int(rate * duration_s) + 1))
         return TenantLoad(name, rate * float(self.rows.input_tokens.mean() / own.input_tokens.mean()),
                           weight, start=start)
 
+    def flood(self, name: str, share: float, weight: float = 1.0) -> TenantLoad:
+        """A tenant asking ``share`` of the machine's work in documents of ``LONG`` tokens."""
+        rate = share * self.capacity * float(self.rows.input_tokens.mean()) / LONG
+        return TenantLoad(name, rate, weight, "poisson", lengths=f"constant:value={LONG}")
 
-def live(url: str, plan: list[PlannedRequest], sla_s: float, label: str) -> list[RequestRecord]:
-    res = replay(plan, LoadGenConfig(url, progress=False), description=label)
+
+def base64(plan: list[PlannedRequest]) -> list[PlannedRequest]:
+    return [dataclasses.replace(p, body={**p.body, "encoding_format": "base64"}) for p in plan]
+
+
+def live(url: str, plan: list[PlannedRequest], sla_s: float, label: str, key: str | None = None
+         ) -> list[RequestRecord]:
+    """Replay ``plan``; ``key``: the API key the load generator asks ``GET /v1/models`` with."""
+    headers = {"Authorization": f"Bearer {key}"} if key else None
+    res = replay(plan, LoadGenConfig(url, progress=False, headers=headers), description=label)
     wait_idle(url, 120.0)
     return res.records
 
@@ -103,7 +123,7 @@ def serve_flags(setup: Setup, order: str, out: Path, extra: list[str] | None = N
 
 def part_flood(args: argparse.Namespace, setup: Setup, out: Path) -> None:
     loads = [setup.load(t, args.share, STARTS[t], args.duration_s) for t in WELL_BEHAVED]
-    loads.append(TenantLoad("flood", args.flood * setup.capacity, start=STARTS["flood"]))
+    loads.append(setup.flood("flood", args.flood))
     wl, table = tenant_mix(loads, args.duration_s)
     rates = ", ".join(f"{x.name} {x.rate:.2f}" for x in loads)
     print(f"flood: capacity (simulated, P99 <= {args.sla:g} s) {setup.capacity:.2f} req/s; tenants a, b, c "
@@ -111,7 +131,7 @@ def part_flood(args: argparse.Namespace, setup: Setup, out: Path) -> None:
           f"{len(wl)} requests over {args.duration_s:g} s; profile {setup.profile}", flush=True)
     predicted = compare_orders(wl, table, setup.deployment.scheduler, setup.cost, service=setup.service,
                                sla_s=args.sla, alone=False, without=["flood"])
-    plan = with_tenants(build_plan(wl, tokenizer=load_tokenizer(None), seed=0), wl)
+    plan = base64(with_tenants(build_plan(wl, tokenizer=load_tokenizer(None), seed=0), wl))
     runs: dict[str, list[RequestRecord]] = {}
     for order in ("fair", "fcfs"):
         flags = serve_flags(setup, order, out)
@@ -152,22 +172,21 @@ def answered_tokens(records: list[RequestRecord], lo: float, hi: float) -> dict[
 
 
 def part_jain(args: argparse.Namespace, setup: Setup, out: Path) -> None:
-    starts = {"w1": 0, "w2": 4000, "w4": 8000}
-    loads = [setup.load(t, 1.0, starts[t], args.duration_s, w) for t, w in WEIGHTS.items()]
+    loads = [setup.flood(t, 1.0, w) for t, w in WEIGHTS.items()]
     wl, table = tenant_mix(loads, args.duration_s)
     keys = {t: f"sk-bench-{t}-0123456789" for t in WEIGHTS}
     keys_file = out / "keys.yaml"
     keys_file.write_text("tenants:\n" + "".join(f"  {t}: {{weight: {w:g}}}\n" for t, w in WEIGHTS.items())
                          + "keys:\n" + "".join(f"  {k}: {t}\n" for t, k in keys.items()))
-    print(f"jain: tenants w1, w2, w4 (weights 1, 2, 4), each at the capacity ({setup.capacity:.2f} req/s in "
-          f"work); {len(wl)} requests over {args.duration_s:g} s", flush=True)
+    print(f"jain: tenants w1, w2, w4 (weights 1, 2, 4), each at the capacity in work ({loads[0].rate:.2f} "
+          f"documents of {LONG} tokens a second); {len(wl)} requests over {args.duration_s:g} s", flush=True)
     fair = dataclasses.replace(setup.deployment.scheduler, queue_order="fair")
     sim = simulate_encoder(wl, fair, setup.cost, service=setup.service, tenants=table)
     (lo, hi), sim_served = backlogged_service(sim, table)
-    plan = with_tenants(build_plan(wl, tokenizer=load_tokenizer(None), seed=0), wl, keys)
+    plan = base64(with_tenants(build_plan(wl, tokenizer=load_tokenizer(None), seed=0), wl, keys))
     flags = serve_flags(setup, "fair", out, ["--api-keys", str(keys_file)])
     with serve(flags, log_path=out / "serve-jain.log", cpus=args.cpus) as url:
-        records = live(url, plan, args.sla, "weights 1:2:4")
+        records = live(url, plan, args.sla, "weights 1:2:4", keys["w1"])
     t0 = min(r.sent_s for r in records if r.sent_s == r.sent_s)
     span = args.duration_s
     answered = answered_tokens(records, t0 + span / 4, t0 + 3 * span / 4)

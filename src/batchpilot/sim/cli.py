@@ -30,7 +30,14 @@ from batchpilot.sim.router import ROUTERS
 from batchpilot.sim.service import ServiceModel
 from batchpilot.sim.synthetic import ARRIVALS, named_workload
 from batchpilot.sim.target import SimRun, draws_batch_times, simulate_encoder
-from batchpilot.sim.tenants import TenantLoad, compare_orders, tenant_mix, tenants_table
+from batchpilot.sim.tenants import (
+    TenantLoad,
+    compare_llm_policies,
+    compare_orders,
+    llm_tenants_table,
+    tenant_mix,
+    tenants_table,
+)
 from batchpilot.sim.traces import STANDARD_WORKLOADS, Workload
 from batchpilot.sim.tune import (
     TuneConfig,
@@ -280,6 +287,8 @@ def run_llm(args: argparse.Namespace, workload: Workload, spec: DeploymentSpec, 
         console.print("[yellow]no --profile: using the stated default_llm_cost_model() (tiny Llama on 2 CPU "
                       "cores)[/]")
         cost_model = default_llm_cost_model()
+    if args.tenant:
+        return run_llm_tenants(args, console, dep.config, cost_model, service)
     try:
         run = simulate_llm(workload, dep.config, cost_model, noise=args.noise, seed=args.seed,
                            service=service, requests=LLMRequests(args.samples, args.structured_share))
@@ -359,6 +368,21 @@ def run_tenants(args: argparse.Namespace, console: Any, config: SchedulerConfig,
     title = (f"{len(loads)} tenants, {len(workload)} requests over {args.duration_s:g} s "
              f"({workload.mean_rate:.2f} req/s offered)")
     console.print(tenants_table(results, table, title))
+    return 0
+
+
+def run_llm_tenants(args: argparse.Namespace, console: Any, config: Any, cost_model: CostModel,
+                    service: Any) -> int:
+    """``simulate --target llm --tenant ...``: each tenant's TTFT and TPOT under fair and FCFS."""
+    try:
+        loads = [TenantLoad.parse(spec, "conv-llm") for spec in args.tenant]
+        workload, table = tenant_mix(loads, args.duration_s, args.seed, args.trace)
+        results = compare_llm_policies(workload, table, config, cost_model, service=service)
+    except (ValueError, FileNotFoundError) as exc:
+        return _refuse(console, "simulate", exc)
+    title = (f"{len(loads)} tenants, {len(workload)} LLM requests over {args.duration_s:g} s "
+             f"({workload.mean_rate:.2f} req/s offered)")
+    console.print(llm_tenants_table(results, table, title))
     return 0
 
 

@@ -50,8 +50,9 @@ class TenantLoad:
         object.__setattr__(self, "lengths", self.lengths.replace("/", ","))
 
     @classmethod
-    def parse(cls, spec: str) -> TenantLoad:
-        """``"search:rate=4,weight=2,start=1000"`` (``lengths`` parameters separated by ``/``)."""
+    def parse(cls, spec: str, workload: str = "conv-embed") -> TenantLoad:
+        """``"search:rate=4,weight=2,start=1000"`` (``lengths`` parameters separated by ``/``); ``workload``
+        is the default (``simulate --target llm``: conv-llm)."""
         name, _, rest = spec.partition(":")
         fields: dict[str, str] = {}
         for part in filter(None, rest.split(",")):
@@ -63,7 +64,7 @@ class TenantLoad:
         if "rate" not in fields:
             raise ValueError(f"--tenant {spec!r}: give its rate (requests/s), e.g. {name or 'a'}:rate=5")
         return cls(name.strip(), float(fields["rate"]), float(fields.get("weight", 1.0)),
-                   fields.get("workload", "conv-embed"), int(fields.get("start", 0)),
+                   fields.get("workload", workload), int(fields.get("start", 0)),
                    fields.get("lengths", cls.lengths))
 
     def stream(self, duration_s: float, seed: int = 0, trace: str | None = None) -> Workload:
@@ -243,6 +244,85 @@ def compare_orders(workload: Workload, table: TenantTable, config: SchedulerConf
             run = simulate_encoder(only(workload, name), config, cost_model, noise=noise, seed=seed,
                                    service=service, tenants=table)
             out["alone"].update({r.tenant: r for r in per_tenant(run, sla_s, warmup_s)})
+    return out
+
+
+@dataclass(frozen=True)
+class LLMTenantReport:
+    """What one tenant got in an LLM run: TTFT and time per output token (of its finished requests)."""
+
+    tenant: str
+    requests: int
+    completed: int
+    failed: int  # refused or expired
+    ttft_p50_s: float
+    ttft_p99_s: float
+    tpot_p50_s: float
+    tpot_p99_s: float
+    output_tokens_s: float  # of its finished requests, per second of the run
+
+
+def per_tenant_llm(run: Any) -> list[LLMTenantReport]:
+    """An ``LLMSimRun``'s results split by its workload's tenant column."""
+    wl, rec = run.workload, run.record
+    tenants = wl.tenant if wl.tenant is not None else np.full(len(wl), "default")
+    first, finish = np.asarray(rec.first_token_s, dtype=float), np.asarray(rec.finish_s, dtype=float)
+    out_tokens = np.asarray(rec.num_output, dtype=float)
+    ok = np.array([r is None for r in rec.rejected]) & np.isfinite(finish)
+    span = max(float(np.nanmax(finish)) - float(wl.arrival_s[0]), 1e-9) if ok.any() else 1e-9
+    out = []
+    for name in sorted(set(tenants.tolist())):
+        mine = tenants == name
+        done = mine & ok
+        ttft = first[done] - wl.arrival_s[done]
+        many = done & (out_tokens > 1)
+        tpot = (finish[many] - first[many]) / (out_tokens[many] - 1)
+
+        def q(x: np.ndarray, p: float) -> float:
+            return float(np.percentile(x, p)) if x.size else math.nan
+        out.append(LLMTenantReport(name, int(mine.sum()), int(done.sum()), int(mine.sum() - done.sum()),
+                                   q(ttft, 50), q(ttft, 99), q(tpot, 50), q(tpot, 99),
+                                   float(out_tokens[done].sum()) / span))
+    return out
+
+
+LLM_POLICIES = ("fair", "fcfs")
+
+
+def compare_llm_policies(workload: Workload, table: TenantTable, config: Any, cost_model: CostModel, *,
+                         service: Any = None, without: Sequence[str] = ()
+                         ) -> dict[str, dict[str, LLMTenantReport]]:
+    """Each tenant's TTFT and TPOT under each LLM policy of ``LLM_POLICIES`` (``config``, an
+    ``LLMSchedulerConfig``, otherwise as given) and, with ``without``, the other tenants' rows alone
+    under ``config``'s policy: ``{policy or "without": {tenant: report}}``."""
+    from batchpilot.sim.llm import simulate_llm
+
+    runs = {policy: (workload, dataclasses.replace(config, policy=policy)) for policy in LLM_POLICIES}
+    if without and workload.tenant is not None:
+        runs["without"] = (except_(workload, without), config)
+    return {key: {r.tenant: r for r in per_tenant_llm(simulate_llm(wl, cfg, cost_model, service=service,
+                                                                   tenants=table))}
+            for key, (wl, cfg) in runs.items()}
+
+
+def llm_tenants_table(results: dict[str, dict[str, LLMTenantReport]], table: TenantTable, title: str) -> Any:
+    """A rich table: per tenant, its weight, then TTFT P50 / P99 and TPOT P99 per policy."""
+    from rich.table import Table
+
+    out = Table(title=title)
+    out.add_column("tenant")
+    out.add_column("weight", justify="right")
+    for policy in results:
+        out.add_column(f"{policy} TTFT P50 / P99 ms", justify="right")
+        out.add_column(f"{policy} TPOT P99 ms", justify="right")
+        out.add_column(f"{policy} failed", justify="right")
+    for name in next(iter(results.values())):
+        row = [name, f"{table.spec(name).weight:g}"]
+        for reports in results.values():
+            r = reports.get(name)
+            row += ([f"{r.ttft_p50_s * 1e3:.0f} / {r.ttft_p99_s * 1e3:.0f}", f"{r.tpot_p99_s * 1e3:.1f}",
+                     f"{r.failed}"] if r else ["-", "-", "-"])
+        out.add_row(*row)
     return out
 
 
