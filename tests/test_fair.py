@@ -98,19 +98,22 @@ def test_contended_means_another_tenant_is_active() -> None:
     assert not q.contended(1.0 + ACTIVE_S + 0.01)  # ... and then nothing for ACTIVE_S
 
 
-def test_a_contended_batch_is_trimmed_to_the_quantum() -> None:
+def test_a_contended_batch_is_trimmed_to_the_quantum_and_a_burst_goes_without_fill() -> None:
     cost = simple_cost_model(const=0.004, per_token=1e-4)  # 100 tokens: 14 ms
     cfg = make_config(policy={"max_batch_size": 16}, planner={"padding": "none"}, queue_order="fair",
                       fair_quantum_s=0.05, fair_burst_tokens=1000)
     sched = BatchScheduler(cfg, cost)
-    for _ in range(32):
+    for _ in range(48):
         sched.submit(make_request(100, 0.0, tenant="flood"), 0.0)
     alone = sched.schedule(0.0, 1).batches[0]
     assert len(alone.requests) == 16  # a lone tenant's batch is never trimmed (and its burst is over)
-    sched.submit(make_request(100, 0.01, tenant="light"), 0.01)
-    batch = sched.schedule(0.2, 1).batches[0]
-    assert batch.requests[0].tenant == "light" and len(batch.requests) == 4  # 0.004 + 4 x 0.01
-    assert batch.predicted_s <= 0.05
+    light = make_request(100, 0.01, tenant="light")
+    sched.submit(light, 0.01)
+    burst = sched.schedule(0.2, 1).batches[0]
+    assert [r.id for r in burst.requests] == [light.id]  # in its burst: no flood fill to wait behind
+    flood = sched.schedule(0.3, 1).batches[0]  # light sent a request a moment ago: contended
+    assert {r.tenant for r in flood.requests} == {"flood"} and len(flood.requests) == 4  # 0.004 + 4 x 0.01
+    assert flood.predicted_s <= 0.05
     big = make_request(500, 0.3, tenant="light")  # one input over the quantum still goes, alone
     assert sched.submit(big, 0.3) is None
     assert [r.id for r in sched.schedule(0.4, 1).batches[0].requests] == [big.id]

@@ -25,8 +25,10 @@ the lift; a counter at or below the lift is forgotten, which changes nothing.
 batch runs waits for it, however little service the tenant had. So while the queue is *contended* (more
 than one tenant active: with waiting work, or a request arrived within ``ACTIVE_S``), the scheduler
 trims a batch to ``SchedulerConfig.fair_quantum_s`` of predicted time (``BatchPlanner.trim``; its head
-always goes). What a tenant's new request waits behind is then one quantum, and its own batch (it is at
-the head of fair order) another. A tenant alone is never contended: its batches are untouched.
+always goes), and a batch led by a tenant in its burst keeps only the requests of tenants in theirs
+(``BatchScheduler._fair_cut``). What a tenant's new request waits behind is then one quantum, and its
+own batch (it is at the head of fair order) holds its own work, not a flood's fill. A tenant alone is
+never contended: its batches are untouched.
 
 Every aggregate the dispatch policy and admission read (count, tokens, work, oldest arrival, earliest
 deadline, longest input) is the base ``RequestQueue``'s, which holds every waiting request in arrival
@@ -217,6 +219,11 @@ class FairQueue(RequestQueue):
 
     def __iter__(self) -> Iterator[Request]:
         return iter(self.peek(len(self)))
+
+    def in_burst(self, tenant: str) -> bool:
+        """The tenant has waiting work and is in its burst (module docstring)."""
+        until = self.vtc.burst_until.get(tenant)
+        return until is not None and self.vtc.counters[tenant] < until
 
     def contended(self, now: float) -> bool:
         """More than one tenant is active: has waiting work, or sent a request in the last ``ACTIVE_S``

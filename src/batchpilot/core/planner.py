@@ -294,6 +294,10 @@ class BatchPlanner:
             n += 1
         return self._make(reqs[:n])
 
+    def remake(self, reqs: list[Request]) -> Plan:
+        """The plan of exactly ``reqs`` (a subset of a plan's, in its order)."""
+        return self._make(reqs)
+
     def _make(self, reqs: list[Request]) -> Plan:
         lengths = [r.length for r in reqs]
         if self._ragged:

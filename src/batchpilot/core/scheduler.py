@@ -36,7 +36,7 @@ from batchpilot.core.bucketing import Bucketer
 from batchpilot.core.config import SchedulerConfig
 from batchpilot.core.costmodel import CostModel
 from batchpilot.core.fair import FairQueue, make_queue
-from batchpilot.core.planner import BatchPlanner
+from batchpilot.core.planner import BatchPlanner, Plan
 from batchpilot.core.policy import Dispatch, Policy, QueueState, Wait, make_policy
 from batchpilot.core.queue import RequestQueue
 from batchpilot.core.request import Request
@@ -328,9 +328,9 @@ class BatchScheduler:
                 decision = Dispatch(policy.batch_cap, True, "due")
             cap = decision.max_size
             plan = planner.plan(q.peek(cap * self._lookahead), cap, decision.urgent)
-            if plan.predicted_s > self._quantum_s and self._fair_queue is not None \
-                    and self._fair_queue.contended(now):
-                plan = planner.trim(plan, self._quantum_s)
+            fq = self._fair_queue
+            if fq is not None and len(plan.requests) > 1 and fq.contended(now):
+                plan = self._fair_cut(plan, fq)
             q.take(plan.requests)
             shape = plan.shape
             batch_id = self._next_batch_id
@@ -355,6 +355,17 @@ class BatchScheduler:
                 wake = due if wake is None else min(wake, due)
         out.wake_at = wake
         return out
+
+    def _fair_cut(self, plan: Plan, fq: FairQueue) -> Plan:
+        """A contended batch under the fair order (``core/fair.py``): one led by a tenant in its burst
+        holds only tenants in theirs (what it waits behind is then its own burst, not a flood's fill);
+        any batch is cut to the quantum."""
+        planner = self.planner
+        if fq.in_burst(plan.requests[0].tenant):
+            mine = [r for r in plan.requests if fq.in_burst(r.tenant)]
+            if len(mine) < len(plan.requests):
+                plan = planner.remake(mine)
+        return planner.trim(plan, self._quantum_s) if plan.predicted_s > self._quantum_s else plan
 
     def on_batch_done(self, batch: Batch, now: float, latency_s: float, ran: bool = True) -> None:
         """Every dispatched batch must be reported exactly once, also one that never ran (``ran=False``:
