@@ -16,12 +16,13 @@
 * ``flood``: tenants ``a``, ``b``, ``c`` send conv-embed rows (from rows 0, 4000, 8000) at ``share`` each;
   ``flood`` sends long documents at ``flood`` x capacity; all for ``duration-s`` seconds
   (``sim.tenants.tenant_mix``), each request with ``X-Client-Id: <tenant>`` and ``encoding_format:
-  base64`` (the load generator's one core parses less). Two ``batchpilot serve``
-  processes, identical but for ``encoder.queue_order`` (``fair`` / ``fcfs``), replay the mix; then the
-  fair server replays it without the flood (the same three tenants, alone together: what the flood
-  must not spoil). Printed per tenant: P50 / P99 live and the simulator's P99 for each run, each
-  well-behaved tenant's fair P99 over its P99 without the flood (target <= 1.5), and the total
-  throughput and goodput of fair against fcfs (target >= 95%).
+  base64`` (the load generator's one core parses less). Two ``batchpilot serve`` processes, identical
+  but for ``encoder.queue_order`` (``fair`` / ``fcfs``), replay the mix, and the fair server replays it
+  without the flood (the same three tenants, alone together: what the flood must not spoil);
+  ``--replays`` times, interleaved. Printed per tenant: P50 / P99 live (median over the replays, the
+  P99's range) and the simulator's P99 for each run, each well-behaved tenant's fair P99 over its P99
+  without the flood (target <= 1.5), and the total throughput and goodput of fair against fcfs
+  (target >= 95%).
 * ``jain``: tenants ``w1``, ``w2``, ``w4`` (weights 1, 2, 4 in a keys file, each request with its key)
   each send long documents at the capacity for ``duration-s`` seconds, so all three are backlogged;
   the tokens each has had answered in the middle half of the run, divided by its weight, and Jain's
@@ -34,7 +35,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from contextlib import ExitStack
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
@@ -65,6 +69,7 @@ from batchpilot.sim.tenants import (  # noqa: E402
 from batchpilot.sim.traces import load_workload  # noqa: E402
 
 WELL_BEHAVED = ("a", "b", "c")
+RUNS = ("fair", "fcfs", "without")
 STARTS = {"a": 0, "b": 4000, "c": 8000, "flood": 12000}
 WEIGHTS = {"w1": 1.0, "w2": 2.0, "w4": 4.0}
 LONG = 512  # the flooding tenants' document length (tokens)
@@ -108,11 +113,14 @@ def live(url: str, plan: list[PlannedRequest], sla_s: float, label: str, key: st
     return res.records
 
 
-def cell(s: Summary | None, r: TenantReport | None) -> str:
-    dash = "     - /      -"
-    live_part = f"{s.p50 * 1e3:6.0f} / {s.p99 * 1e3:6.0f}" if s is not None and s.num_ok else dash
+def cell(reps: list[Summary | None], r: TenantReport | None) -> str:
+    ok = [s for s in reps if s is not None and s.num_ok]
     sim_part = f"{r.p99_s * 1e3:6.0f}" if r is not None and r.completed else "     -"
-    return f"{live_part} ({sim_part})"
+    if not ok:
+        return f"     - /      - [  -  ] ({sim_part})"
+    p50, p99 = (float(np.median([getattr(s, q) for s in ok])) * 1e3 for q in ("p50", "p99"))
+    lo, hi = (f(s.p99 for s in ok) * 1e3 for f in (min, max))
+    return f"{p50:6.0f} / {p99:6.0f} [{lo:.0f}-{hi:.0f}] ({sim_part})"
 
 
 def serve_flags(setup: Setup, order: str, out: Path, extra: list[str] | None = None) -> list[str]:
@@ -132,34 +140,44 @@ def part_flood(args: argparse.Namespace, setup: Setup, out: Path) -> None:
     predicted = compare_orders(wl, table, setup.deployment.scheduler, setup.cost, service=setup.service,
                                sla_s=args.sla, alone=False, without=["flood"])
     plan = base64(with_tenants(build_plan(wl, tokenizer=load_tokenizer(None), seed=0), wl))
-    runs: dict[str, list[RequestRecord]] = {}
-    for order in ("fair", "fcfs"):
-        flags = serve_flags(setup, order, out)
-        with serve(flags, log_path=out / f"serve-{order}.log", cpus=args.cpus) as url:
-            runs[order] = live(url, plan, args.sla, order)
-            print(f"{order}: done", flush=True)
-            if order == "fair":
-                runs["without"] = live(url, [p for p in plan if p.tenant != "flood"], args.sla, "no flood")
-                print("without the flood: done", flush=True)
-    measured = {k: by_tenant(v, args.sla) for k, v in runs.items()}
-    print("\ntenant  | live P50 / P99 ms (simulated P99): fair | fcfs | without the flood "
-          "| fair P99 / without (simulated)")
+    plans = {"fair": plan, "fcfs": plan, "without": [p for p in plan if p.tenant != "flood"]}
+    runs: dict[str, list[list[RequestRecord]]] = {k: [] for k in plans}
+    with ExitStack() as stack:  # both servers up; one replays at a time
+        urls = {order: stack.enter_context(serve(serve_flags(setup, order, out), cpus=args.cpus,
+                                                 log_path=out / f"serve-{order}.log"))
+                for order in ("fair", "fcfs")}
+        for j in range(args.replays):  # interleaved: each replay runs all three, the order rotating
+            keys = list(plans)
+            for key in keys[j % 3:] + keys[:j % 3]:
+                runs[key].append(live(urls["fcfs" if key == "fcfs" else "fair"], plans[key], args.sla, key))
+                print(f"replay {j + 1}: {key} done", flush=True)
+    measured = {k: [by_tenant(r, args.sla) for r in v] for k, v in runs.items()}
+    print(f"\ntenant  | live P50 / P99 ms, median of {args.replays} replays [P99 min-max] (simulated P99): "
+          "fair | fcfs | without the flood")
     for name in (*WELL_BEHAVED, "flood"):
-        cells = [cell(measured[o].get(name), predicted[o].get(name)) for o in ("fair", "fcfs", "without")]
-        fair, base = measured["fair"].get(name), measured["without"].get(name)
-        ratio = f"{fair.p99 / base.p99:.2f}" if fair and base and fair.num_ok and base.num_ok else "-"
-        sim_f, sim_b = predicted["fair"].get(name), predicted["without"].get(name)
-        sim_ratio = f" ({sim_f.p99_s / sim_b.p99_s:.2f})" if sim_f and sim_b and sim_b.completed else ""
-        print(f"{name:<7} | {' | '.join(cells)} | {ratio}{sim_ratio}")
-    totals = {k: summarize(runs[k], args.sla) for k in ("fair", "fcfs")}
-    for name, t in totals.items():
-        print(f"{name}: {t.num_ok} of {t.num_requests} answered; throughput {t.throughput_rps:.2f} req/s, "
-              f"goodput {t.goodput_rps:.2f} req/s; errors {t.errors}")
-    fair, fcfs = totals["fair"], totals["fcfs"]
+        cells = [cell([m.get(name) for m in measured[o]], predicted[o].get(name)) for o in RUNS]
+        print(f"{name:<7} | {' | '.join(cells)}")
+    print("\nwell-behaved tenant | fair P99 / without P99: of the medians, per replay (simulated); "
+          "target <= 1.5")
+    for name in WELL_BEHAVED:
+        fair, base = p99s(measured["fair"], name), p99s(measured["without"], name)
+        per = ", ".join(f"{f / b:.2f}" for f, b in zip(fair, base, strict=True))
+        sim_f, sim_b = predicted["fair"][name], predicted["without"][name]
+        ratio = np.median(fair) / np.median(base)
+        print(f"{name:<7} | {ratio:.2f} ({per}) ({sim_f.p99_s / sim_b.p99_s:.2f})")
     sim = {o: sum(r.goodput_rps for r in predicted[o].values()) for o in ("fair", "fcfs")}
-    print(f"fair / fcfs: throughput {fair.throughput_rps / max(fcfs.throughput_rps, 1e-9):.1%}, "
-          f"goodput {fair.goodput_rps / max(fcfs.goodput_rps, 1e-9):.1%} (simulated "
-          f"{sim['fair'] / max(sim['fcfs'], 1e-9):.1%}; target >= 95%)")
+    for j in range(args.replays):
+        fair, fcfs = summarize(runs["fair"][j], args.sla), summarize(runs["fcfs"][j], args.sla)
+        print(f"replay {j + 1}: fair {fair.num_ok} of {fair.num_requests} answered, goodput "
+              f"{fair.goodput_rps:.2f} req/s, errors {fair.errors}; fcfs {fcfs.num_ok} answered, goodput "
+              f"{fcfs.goodput_rps:.2f} req/s, errors {fcfs.errors}; fair / fcfs: throughput "
+              f"{fair.throughput_rps / max(fcfs.throughput_rps, 1e-9):.1%}, goodput "
+              f"{fair.goodput_rps / max(fcfs.goodput_rps, 1e-9):.1%} (simulated "
+              f"{sim['fair'] / max(sim['fcfs'], 1e-9):.1%}; target >= 95%)")
+
+
+def p99s(reps: list[dict[str, Summary]], name: str) -> list[float]:
+    return [m[name].p99 for m in reps if name in m and m[name].num_ok]
 
 
 def answered_tokens(records: list[RequestRecord], lo: float, hi: float) -> dict[str, float]:
@@ -210,6 +228,7 @@ def main() -> int:
     ap.add_argument("--share", type=float, default=0.2, help="each well-behaved tenant, x capacity")
     ap.add_argument("--flood", type=float, default=3.0, help="the flooding tenant, x capacity")
     ap.add_argument("--sla", type=float, default=1.0, help="the P99 target the capacity is searched at (s)")
+    ap.add_argument("--replays", type=int, default=3, help="flood: replays of each run, interleaved")
     ap.add_argument("--out", default="bench-tenants", help="folder for the profile and the server logs")
     args = ap.parse_args()
     out = Path(args.out)
