@@ -179,6 +179,18 @@ ROWS: list[tuple[str, list[tuple[str, str, list[dict[str, Any]]]]]] = [
          [q(f"sum by (instance, model, tenant, reason) "
             f"(rate(batchpilot_tenant_rejections_total{{{SEL}}}{W}))",
             "{{instance}} {{model}} {{tenant}} {{reason}}")]),
+        ("LLM: requests and tokens admitted per tenant", "reqps",
+         [q(f"sum by (instance, tenant) (rate(batchpilot_llm_tenant_requests_total{{{INST}}}{W}))",
+            "req/s {{instance}} {{tenant}}"),
+          q(f"sum by (instance, tenant) (rate(batchpilot_llm_tenant_tokens_total{{{INST}}}{W}))",
+            "tokens/s {{instance}} {{tenant}}")]),
+        ("LLM: TTFT P99 per tenant", "s",
+         [q(p99("batchpilot_llm_tenant_time_to_first_token_seconds", "instance, tenant", INST),
+            "{{instance}} {{tenant}}")]),
+        ("LLM: refused per tenant, by reason", "reqps",
+         [q(f"sum by (instance, tenant, reason) "
+            f"(rate(batchpilot_llm_tenant_rejections_total{{{INST}}}{W}))",
+            "{{instance}} {{tenant}} {{reason}}")]),
     ]),
     ("Canary and A/B arms (docs/rollout.md)", [
         ("Share of new requests per arm", "percentunit",

@@ -558,40 +558,47 @@ class LLMScheduler:
         # a step admits only when it preempted nothing and nothing waits swapped, or when it preempted
         # only to make room for whom fair order admits next
         if (not plan.preempted and not self.swapped) or (made_room and len(plan.preempted) == made_room):
-            while self.waiting and budget > 0 and len(self.running) < c.max_num_seqs:
-                pick = fair.pick(self.waiting) if fair is not None else 0
-                seq = self.waiting[pick]
-                if made_room and seq.seq_id in plan.preempted:
-                    break  # preempted in this step to make room: not back in it
-                wait, source = self._group_source(seq)
-                if wait:
-                    break  # its group's first sequence is still computing the prompt they share
-                tokens = seq.all_token_ids
-                cached = bm.num_cached_tokens(seq.seq_id, tokens, source)
-                n = min(seq.num_tokens - cached, budget)
-                if not c.enable_chunked_prefill and n < seq.num_tokens - cached and not seq.num_preemptions:
-                    # a prompt waits for a step with room for all of it; a preempted sequence's
-                    # recompute (prompt + tokens generated so far) may exceed the budget, which only
-                    # chunks can serve: without them it would wait forever
-                    break
-                if not bm.can_allocate(seq.seq_id, cached + n, tokens, source):
-                    break
-                hit = bm.allocate(seq.seq_id, cached + n, tokens, source)
-                seq.num_computed_tokens = hit
-                if seq.num_preemptions == 0:
-                    seq.num_cached_tokens = hit
-                self.waiting.pop(pick)
-                if fair is not None:
-                    fair.left(seq)
-                    fair.charge(seq, n)
-                seq.status = SeqStatus.RUNNING
-                self._insert(self.running, seq)
-                served.append((seq, n))
-                budget -= n
+            self._admit(plan, budget, served, made_room > 0)
 
         for seq, n in served:
             plan.chunks.append(ScheduledChunk.next_of(seq, n, bm.block_table(seq.seq_id)))
         return plan
+
+    def _admit(self, plan: StepPlan, budget: int, served: list[tuple[Sequence, int]],
+               made_room: bool) -> None:
+        """Waiting sequences into the running batch, in key order (or fair order), each with its first
+        chunk, while the budget, the sequence cap and the blocks allow; no overtaking."""
+        c, bm, fair = self.config, self.block_manager, self.fair
+        while self.waiting and budget > 0 and len(self.running) < c.max_num_seqs:
+            pick = fair.pick(self.waiting) if fair is not None else 0
+            seq = self.waiting[pick]
+            if made_room and seq.seq_id in plan.preempted:
+                break  # preempted in this step to make room: not back in it
+            wait, source = self._group_source(seq)
+            if wait:
+                break  # its group's first sequence is still computing the prompt they share
+            tokens = seq.all_token_ids
+            cached = bm.num_cached_tokens(seq.seq_id, tokens, source)
+            n = min(seq.num_tokens - cached, budget)
+            if not c.enable_chunked_prefill and n < seq.num_tokens - cached and not seq.num_preemptions:
+                # a prompt waits for a step with room for all of it; a preempted sequence's
+                # recompute (prompt + tokens generated so far) may exceed the budget, which only
+                # chunks can serve: without them it would wait forever
+                break
+            if not bm.can_allocate(seq.seq_id, cached + n, tokens, source):
+                break
+            hit = bm.allocate(seq.seq_id, cached + n, tokens, source)
+            seq.num_computed_tokens = hit
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = hit
+            self.waiting.pop(pick)
+            if fair is not None:
+                fair.left(seq)
+                fair.charge(seq, n)
+            seq.status = SeqStatus.RUNNING
+            self._insert(self.running, seq)
+            served.append((seq, n))
+            budget -= n
 
     def update(
         self, plan: StepPlan, sampled: Mapping[int, int], stopped: Collection[int] = ()
