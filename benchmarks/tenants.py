@@ -11,8 +11,8 @@
 * The flooding tenants send documents of ``LONG`` tokens (Poisson arrivals) at their share in work: a
   batch job embedding long documents. With conv-embed's short rows at 3x capacity the load is 200+
   requests/s, more than one core's HTTP front end parses while the model holds that core: requests
-  then wait in the accept queue, before any scheduler sees them, for fair and FIFO alike (measured:
-  every tenant's P50 about 20 s, the server's own part 0.1-0.2 s).
+  then wait in the accept queue, before any scheduler sees them, for fair and FIFO alike
+  (``--flood-length 0`` sends that flood; the script prints the server's own part beside it).
 * ``flood``: tenants ``a``, ``b``, ``c`` send conv-embed rows (from rows 0, 4000, 8000) at ``share`` each;
   ``flood`` sends long documents at ``flood`` x capacity; all for ``duration-s`` seconds
   (``sim.tenants.tenant_mix``), each request with ``X-Client-Id: <tenant>`` and ``encoding_format:
@@ -94,10 +94,13 @@ class Setup:
         return TenantLoad(name, rate * float(self.rows.input_tokens.mean() / own.input_tokens.mean()),
                           weight, start=start)
 
-    def flood(self, name: str, share: float, weight: float = 1.0) -> TenantLoad:
-        """A tenant asking ``share`` of the machine's work in documents of ``LONG`` tokens."""
-        rate = share * self.capacity * float(self.rows.input_tokens.mean()) / LONG
-        return TenantLoad(name, rate, weight, "poisson", lengths=f"constant:value={LONG}")
+    def flood(self, name: str, share: float, weight: float = 1.0, length: int = LONG) -> TenantLoad:
+        """A tenant asking ``share`` of the machine's work in documents of ``length`` tokens (0: in
+        conv-embed rows from row 12000, at ``share`` x the capacity's requests)."""
+        if length == 0:
+            return TenantLoad(name, share * self.capacity, weight, start=STARTS["flood"])
+        rate = share * self.capacity * float(self.rows.input_tokens.mean()) / length
+        return TenantLoad(name, rate, weight, "poisson", lengths=f"constant:value={length}")
 
 
 def base64(plan: list[PlannedRequest]) -> list[PlannedRequest]:
@@ -131,7 +134,7 @@ def serve_flags(setup: Setup, order: str, out: Path, extra: list[str] | None = N
 
 def part_flood(args: argparse.Namespace, setup: Setup, out: Path) -> None:
     loads = [setup.load(t, args.share, STARTS[t], args.duration_s) for t in WELL_BEHAVED]
-    loads.append(setup.flood("flood", args.flood))
+    loads.append(setup.flood("flood", args.flood, length=args.flood_length))
     wl, table = tenant_mix(loads, args.duration_s)
     rates = ", ".join(f"{x.name} {x.rate:.2f}" for x in loads)
     print(f"flood: capacity (simulated, P99 <= {args.sla:g} s) {setup.capacity:.2f} req/s; tenants a, b, c "
@@ -157,6 +160,11 @@ def part_flood(args: argparse.Namespace, setup: Setup, out: Path) -> None:
     for name in (*WELL_BEHAVED, "flood"):
         cells = [cell([m.get(name) for m in measured[o]], predicted[o].get(name)) for o in RUNS]
         print(f"{name:<7} | {' | '.join(cells)}")
+    print("\nthe server's own part of each answered request (Server-Timing app: handler to answer), P50 / "
+          "P99 ms, first replay: a latency far above it was spent before the handler, in the front end")
+    for name in (*WELL_BEHAVED, "flood"):
+        cells = [server_part([r for r in runs[k][0] if r.tenant == name and r.ok]) for k in RUNS]
+        print(f"{name:<7} | {' | '.join(cells)}")
     print("\nwell-behaved tenant | fair P99 / without P99: of the medians, per replay (simulated); "
           "target <= 1.5")
     for name in WELL_BEHAVED:
@@ -174,6 +182,12 @@ def part_flood(args: argparse.Namespace, setup: Setup, out: Path) -> None:
               f"{fair.throughput_rps / max(fcfs.throughput_rps, 1e-9):.1%}, goodput "
               f"{fair.goodput_rps / max(fcfs.goodput_rps, 1e-9):.1%} (simulated "
               f"{sim['fair'] / max(sim['fcfs'], 1e-9):.1%}; target >= 95%)")
+
+
+def server_part(records: list[RequestRecord]) -> str:
+    app = np.array([r.server_app_s for r in records], dtype=float)
+    app = app[np.isfinite(app)]
+    return f"{np.percentile(app, 50) * 1e3:6.0f} / {np.percentile(app, 99) * 1e3:6.0f}" if app.size else "-"
 
 
 def p99s(reps: list[dict[str, Summary]], name: str) -> list[float]:
@@ -229,6 +243,8 @@ def main() -> int:
     ap.add_argument("--flood", type=float, default=3.0, help="the flooding tenant, x capacity")
     ap.add_argument("--sla", type=float, default=1.0, help="the P99 target the capacity is searched at (s)")
     ap.add_argument("--replays", type=int, default=3, help="flood: replays of each run, interleaved")
+    ap.add_argument("--flood-length", type=int, default=LONG,
+                    help="flood: its documents' tokens (0: conv-embed's own short rows)")
     ap.add_argument("--out", default="bench-tenants", help="folder for the profile and the server logs")
     args = ap.parse_args()
     out = Path(args.out)

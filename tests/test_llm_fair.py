@@ -156,11 +156,14 @@ def test_a_light_tenant_does_not_wait_for_a_floods_running_sequences_to_finish()
 
 def test_two_backlogged_tenants_do_not_take_turns_preempting_each_other() -> None:
     """A preemption for fair order needs the waiting tenant in a burst and the running one not, or a
-    counter gap of more than a burst: two floods whose counters cross do not thrash."""
-    s = scheduler(max_num_seqs=4, num_kv_blocks=256, fair_burst_tokens=0)
-    arrivals = [seq(i, "ab"[i % 2], 0.0, prompt=16, out=20) for i in range(40)]
-    drive(s, arrivals)
-    assert s.num_preemptions == 0
+    counter gap of more than a burst: two floods whose counters keep crossing (prompts of 64 and 16
+    tokens) take turns preempting each other without that margin, and not with it."""
+    def floods(burst: int) -> int:
+        s = scheduler(max_num_seqs=4, num_kv_blocks=256, fair_burst_tokens=burst)
+        drive(s, [seq(i, "ab"[i % 2], 0.0, prompt=16 if i % 2 else 64, out=20) for i in range(40)])
+        return s.num_preemptions
+    assert floods(0) > 50  # no margin: they thrash
+    assert floods(1024) == 0
 
 
 def test_the_sequence_bound_is_shared_by_weight() -> None:

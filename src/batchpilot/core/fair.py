@@ -256,8 +256,8 @@ class FairQueue(RequestQueue):
 def make_queue(order: QueueOrder, tenant_order: RequestOrder = "fcfs", work_s: Sequence[float] | None = None,
                weight_of: WeightOf | None = None, burst_tokens: float = 0.0) -> RequestQueue:
     """The queue of a scheduler config's ``queue_order`` (``fair``: a ``FairQueue`` whose tenants' own
-    requests go in ``tenant_order``, weighted by ``weight_of``, default all 1, with the lift's credit of
-    ``burst_tokens``)."""
+    requests go in ``tenant_order``, weighted by ``weight_of``, default all 1, and a returning tenant's
+    burst of ``burst_tokens``)."""
     if order == "fair":
         return FairQueue(tenant_order, work_s, weight_of or _unit_weight, burst_tokens)
     if order == "fcfs" or order == "priority" or order == "edf":

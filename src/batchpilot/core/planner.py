@@ -277,10 +277,15 @@ class BatchPlanner:
             chosen = self._sorted(candidates, cap, urgent, dp=False)
         return self._make(chosen)
 
-    def trim(self, plan: Plan, max_s: float) -> Plan:
-        """``plan`` cut to its longest prefix (in queue order; the head always stays) whose predicted
-        time is at most ``max_s``: the fair order's quantum (``core/fair.py``)."""
+    def trim(self, plan: Plan, max_s: float, keep: Callable[[Request], bool] | None = None) -> Plan:
+        """``plan`` with only the requests ``keep`` takes (all without it; the head always stays), cut to
+        its longest prefix (in queue order) whose predicted time is at most ``max_s``: the fair order's
+        quantum and burst (``core/fair.py``)."""
         reqs = plan.requests
+        if keep is not None:
+            kept = [r for i, r in enumerate(reqs) if i == 0 or keep(r)]
+            if len(kept) < len(reqs):
+                reqs, plan = kept, self._make(kept)
         if plan.predicted_s <= max_s or len(reqs) < 2:
             return plan
         lat = self.cost_model.batch_latency
@@ -293,10 +298,6 @@ class BatchPlanner:
                 break
             n += 1
         return self._make(reqs[:n])
-
-    def remake(self, reqs: list[Request]) -> Plan:
-        """The plan of exactly ``reqs`` (a subset of a plan's, in its order)."""
-        return self._make(reqs)
 
     def _make(self, reqs: list[Request]) -> Plan:
         lengths = [r.length for r in reqs]

@@ -360,12 +360,9 @@ class BatchScheduler:
         """A contended batch under the fair order (``core/fair.py``): one led by a tenant in its burst
         holds only tenants in theirs (what it waits behind is then its own burst, not a flood's fill);
         any batch is cut to the quantum."""
-        planner = self.planner
-        if fq.in_burst(plan.requests[0].tenant):
-            mine = [r for r in plan.requests if fq.in_burst(r.tenant)]
-            if len(mine) < len(plan.requests):
-                plan = planner.remake(mine)
-        return planner.trim(plan, self._quantum_s) if plan.predicted_s > self._quantum_s else plan
+        burst = fq.in_burst
+        return self.planner.trim(plan, self._quantum_s,
+                                 (lambda r: burst(r.tenant)) if burst(plan.requests[0].tenant) else None)
 
     def on_batch_done(self, batch: Batch, now: float, latency_s: float, ran: bool = True) -> None:
         """Every dispatched batch must be reported exactly once, also one that never ran (``ran=False``:

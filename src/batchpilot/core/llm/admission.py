@@ -36,13 +36,14 @@ Whether a sequence can ever fit (``never_fits``) is the file's last section.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from batchpilot.core.llm.config import LLMSchedulerConfig
 from batchpilot.core.llm.sequence import Sequence
 from batchpilot.core.request import DEFAULT_TENANT
-from batchpilot.core.tenants import TenantLedger, TenantTable, admits_over_limit, weighted_share
+from batchpilot.core.tenants import TenantLedger, TenantState, TenantTable, admits_over_limit, weighted_share
 
 NEVER_FITS = "context_length_exceeded"
 QUEUE_FULL = "queue_full"
@@ -81,6 +82,10 @@ class LLMAdmission:
     def set_tenants(self, table: TenantTable, now: float) -> None:
         """The tenants' quotas (a keys file, reloaded or not), applied from now on."""
         self.tenants.set_table(table, now)
+
+    def usage(self) -> list[tuple[str, TenantState]]:
+        """Every tenant the admission tracks, by name: copies, to read on another thread."""
+        return [(name, dataclasses.replace(st)) for name, st in self.tenants]
 
     def room(self, n: int = 1, tenant: str = DEFAULT_TENANT, now: float = 0.0,
              tokens: int | None = None) -> LLMRefusal | None:

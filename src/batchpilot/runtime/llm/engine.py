@@ -732,7 +732,7 @@ class LLMEngine:
     def tenant_usage(self) -> list[tuple[str, TenantState]]:
         """Every tenant the admission tracks, by name (a snapshot)."""
         with self._lock:
-            return [(name, dataclasses.replace(st)) for name, st in self.admission.tenants]
+            return self.admission.usage()
 
     def check_room(self, n: int = 1, tenant: str = DEFAULT_TENANT) -> None:
         """Raise ``EngineStopped`` or ``EngineBusy`` if ``n`` more sequences of ``tenant`` would be

@@ -23,7 +23,6 @@ are counted per request in ``admission.refused``, as the engine counts them (``l
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import queue
 import threading
@@ -138,7 +137,7 @@ class StaticFallback:
     def tenant_usage(self) -> list[tuple[str, TenantState]]:
         """As ``LLMEngine.tenant_usage``."""
         with self._lock:
-            return [(name, dataclasses.replace(st)) for name, st in self.admission.tenants]
+            return self.admission.usage()
 
     def check_room(self, n: int = 1, tenant: str = DEFAULT_TENANT) -> None:
         """As ``LLMEngine.check_room``: ``EngineStopped`` or ``EngineBusy`` (counted as a refusal)."""
