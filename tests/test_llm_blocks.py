@@ -121,6 +121,7 @@ def test_random_ops_keep_invariants_and_end_with_everything_free(ops: list[tuple
         assert refs == [bm.ref_count(b) for b in range(bm.num_blocks)]
         assert set(bm._free) == {b for b in range(bm.num_blocks) if refs[b] == 0}
         assert all(bm._key_of[b] == k for k, b in bm._cache.items())
+        assert bm.stats().num_cached_free == sum(1 for b in bm._free if bm._key_of[b] is not None)
     for seq in range(5):
         bm.free(seq)
     assert bm.num_free_blocks == bm.num_blocks

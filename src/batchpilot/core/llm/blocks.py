@@ -68,6 +68,7 @@ class BlockManager:
         self._tables: dict[int, list[int]] = {}
         self._num_slots_used: dict[int, int] = {}
         self._num_hashed: dict[int, int] = {}  # per sequence: leading blocks already keyed
+        self._num_cached_free = 0  # free blocks still holding a key (kept as they move: stats() per step)
         self.num_cache_hit_tokens = 0
         self.num_failed_allocations = 0
 
@@ -161,6 +162,7 @@ class BlockManager:
             for b in hits:
                 if self._ref[b] == 0:
                     del self._free[b]
+                    self._num_cached_free -= self._key_of[b] is not None
                 self._ref[b] += 1
                 table.append(b)
             hit_tokens = len(hits) * self.block_size
@@ -174,6 +176,7 @@ class BlockManager:
             if key is not None:  # evict: this block's cached contents are about to be overwritten
                 del self._cache[key]
                 self._key_of[b] = None
+                self._num_cached_free -= 1
             self._ref[b] = 1
             table.append(b)
         self._num_slots_used[seq_id] = max(self._num_slots_used[seq_id], num_tokens)
@@ -194,6 +197,7 @@ class BlockManager:
             self._ref[b] -= 1
             if self._ref[b] == 0:
                 self._free[b] = None
+                self._num_cached_free += self._key_of[b] is not None
 
     def on_computed(self, seq_id: int, token_ids: Sequence[int], num_computed: int) -> None:
         """Key the sequence's blocks that are now full of computed KV, so later prompts can share them.
@@ -238,7 +242,7 @@ class BlockManager:
             num_used=self.num_used_blocks,
             usage=self.num_used_blocks / self.num_blocks,
             fragmentation=(1.0 - used / allocated) if allocated else 0.0,
-            num_cached_free=sum(1 for b in self._free if self._key_of[b] is not None),
+            num_cached_free=self._num_cached_free,
             num_cache_hit_tokens=self.num_cache_hit_tokens,
             num_failed_allocations=self.num_failed_allocations,
         )

@@ -67,16 +67,20 @@ from batchpilot.models.llm.weights import ACTIVATIONS, LayerWeights, LlamaWeight
 # The row counts a step's dense layers run fastest at, measured on the runner's own weights.
 #
 # Every token of a step goes through the dense layers as one ``[T, D]`` matrix (``model_runner``). A
-# matrix multiply's time is not monotone in its row count: the BLAS kernels work in tiles of rows,
-# and on an AMD EPYC in float32 a decode step of the tiny Llama took 13.87 ms with 3 sequences and
-# 11.87 ms with 4, 16.07 ms with 7 and 15.33 ms with 8 (context 256, exact rows).
-# No step model linear in the sequences prices both 3 and 4.
+# matrix multiply's time need not be monotone in its row count: the BLAS kernels work in tiles of rows.
+# On an AMD EPYC in float32, with oneDNN's weights laid out for one row, a decode step of the tiny
+# Llama took 13.87 ms with 3 sequences and 11.87 ms with 4 (context 256, exact rows); laid out for any
+# row count (``dense.py``), the same matrices ran 1 to 5 rows within the noise of one another, and the
+# plan pads nothing there. Which holds is the machine's and the layout's, so it is measured.
 #
 # ``RowPlan.measure`` times the matmuls every token row pays (qkv, o, gate_up, down of every layer: all
 # of them, so the weights stream from memory as in a step, where one layer's alone would stay in the
 # caches and misjudge one row, a matrix x vector, against four) for each row count up to ``MAX_ROWS +
 # LOOKAHEAD``, and ``rows(t)`` is the count the runner pads a step of ``t`` rows to: the cheapest count
-# in ``[t, t + LOOKAHEAD]`` when it is at least ``MARGIN`` faster than ``t`` itself, else ``t``. The
+# in ``[t, t + LOOKAHEAD]`` when it is at least ``MARGIN`` faster than ``t`` itself, else ``t``: a
+# count's time is the fastest of ``REPEATS`` runs (other work on shared cores only ever adds to it),
+# and the margin is wide because padding rows also cost every op of the step beyond the matmuls and a
+# flat curve must not be padded on noise. The
 # padding rows are computed and discarded (``model_runner``: never written to the KV cache, never
 # attended to, never sampled). Above ``MAX_ROWS`` (mostly steps with a prefill chunk, where a few rows
 # are a small share) rows are not padded. ``RowPlan()`` pads nothing: a runner built without a plan
@@ -84,8 +88,8 @@ from batchpilot.models.llm.weights import ACTIVATIONS, LayerWeights, LlamaWeight
 
 MAX_ROWS = 32  # padded up to here (decodes and short chunks: where a tile's rows are a large share)
 LOOKAHEAD = 3  # at most this many padding rows
-MARGIN = 0.03  # pad only when the padded count is at least this much faster
-REPEATS = 3  # timed runs per row count (median); one untimed run first
+MARGIN = 0.10  # pad only when the padded count is at least this much faster
+REPEATS = 5  # timed runs per row count (the fastest counts); one untimed run first
 
 
 @dataclass(frozen=True)
@@ -126,7 +130,7 @@ class RowPlan:
         """Time ``x @ w.T`` for every ``w`` of ``weights`` (the dense matrices, ``[out, in]``, or the
         runner's ``Dense`` matrices as they multiply, packed or not) at each row count, round-robin over
         the counts ``repeats`` times (a drift in the machine's speed then moves every count alike), and
-        plan from the medians."""
+        plan from each count's fastest run."""
         counts = range(1, max_rows + lookahead + 1)
         gen = torch.Generator(device="cpu").manual_seed(0)
         width = max(int(w.shape[1]) for w in weights)
@@ -143,8 +147,7 @@ class RowPlan:
                     _matmuls(xs, weights)
                     _sync(device)
                     times.append(time.perf_counter() - t0)
-        medians = [0.0] + [sorted(t)[len(t) // 2] for t in runs]
-        return cls.from_times(medians, max_rows, lookahead)
+        return cls.from_times([0.0] + [min(t) for t in runs], max_rows, lookahead)
 
 
 def _matmuls(xs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor | Dense]) -> None:
@@ -199,7 +202,10 @@ def release_freed_memory() -> bool:
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # HF LlamaRMSNorm's float32 ``x * rsqrt(mean(x^2) + eps)``: torch.rms_norm gives it bit for bit in one
-    # kernel (for token-identical greedy output), then the cast back and the weight, in HF's order
+    # call (for token-identical greedy output), then the cast back and the weight, in HF's order (float32
+    # rows: the weight in the same call, which is the same product; no casts to pay for)
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return torch.rms_norm(x, (x.shape[-1],), weight, eps)
     return weight * torch.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
@@ -481,16 +487,23 @@ class LLMModelRunner:
         for c in prefills:
             prefill_runs.append(self._prefill_run(c, row))
             row += c.num_tokens
-        rope = [(cos[pos_t][:, None, :], sin[pos_t][:, None, :]) for cos, sin in self.rope]
+        rope = [(cos.index_select(0, pos_t)[:, None, :], sin.index_select(0, pos_t)[:, None, :])
+                for cos, sin in self.rope]
         return StepLayout(decodes, prefills, torch.tensor(ids, device=dev),
                           torch.from_numpy(np.concatenate(slot_parts)).to(dev), real, rope, decode_runs,
                           prefill_runs)
 
     def _decode_run(self, group: Sequence[ScheduledChunk], r0: int) -> DecodeRun:
         bs = self.block_size
-        ctx = np.array([c.context_len for c in group], dtype=np.int64)
-        longest = int(ctx.max())
+        lengths = [c.context_len for c in group]
+        longest = lengths[-1]  # the group is sorted by context
         max_blocks = -(-longest // bs)
+        if lengths[0] == longest and all(w is None or longest <= w for w in self.windows):
+            # every decode sees every key of the gather (a lone decode, a group of one length): no masks
+            blocks = [b for c in group for b in c.block_table[:max_blocks]]
+            return DecodeRun(r0, r0 + len(group), torch.tensor(blocks, device=self.device), longest,
+                             dict.fromkeys(self.windows))
+        ctx = np.array(lengths, dtype=np.int64)
         tables = np.zeros((len(group), max_blocks), dtype=np.int64)
         for i, c in enumerate(group):
             nb = -(-c.context_len // bs)
@@ -536,8 +549,10 @@ class LLMModelRunner:
             qk = torch.cat((q, k), dim=1)
         qk = _rope(qk, *step.rope[int(layer.local_rope)])
         q, k = qk[:, :H], qk[:, H:]
-        self.k_cache[li].index_copy_(0, step.slots, k[: step.real].to(self.kv_dtype))
-        self.v_cache[li].index_copy_(0, step.slots, v[: step.real].to(self.kv_dtype))
+        if step.real < T:  # the row plan's padding rows are never written
+            k, v = k[: step.real], v[: step.real]
+        self.k_cache[li].index_copy_(0, step.slots, k if k.dtype == self.kv_dtype else k.to(self.kv_dtype))
+        self.v_cache[li].index_copy_(0, step.slots, v if v.dtype == self.kv_dtype else v.to(self.kv_dtype))
         attn = dense.o(self._attention(li, layer, q, k, v, step).view(T, H * hd))
         x = x + (attn if layer.attn_out_norm is None else self.norm(attn, layer.attn_out_norm, eps))
         gate, up = dense.gate_up(self.norm(x, layer.mlp_norm, eps)).chunk(2, dim=-1)
@@ -592,7 +607,9 @@ class LLMModelRunner:
         rows = [last_row[c.seq_id] for c in chunks if c.sample]
         if not rows:
             return torch.empty(0, w.vocab_size)
-        logits = self.head(self.norm(x[torch.tensor(rows, device=self.device)], w.norm, w.rms_norm_eps))
+        if rows != list(range(x.shape[0])):  # not every row, in order (a lone decode's is): pick them
+            x = x[torch.tensor(rows, device=self.device)]
+        logits = self.head(self.norm(x, w.norm, w.rms_norm_eps))
         if w.final_softcap is not None:
             logits = _softcap(logits, w.final_softcap)
         return logits.float()

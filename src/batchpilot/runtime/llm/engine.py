@@ -296,10 +296,12 @@ class EngineCounters:
     swap_seconds: float = 0.0
     step_features: dict[str, float] = dataclasses.field(default_factory=dict)
     recent: collections.deque[tuple[float, int]] = dataclasses.field(default_factory=collections.deque)
+    recent_tokens: int = 0  # the sum over ``recent`` (a snapshot per step must not add the window up)
 
     def add_tokens(self, now: float, n: int) -> None:
         self.num_generated_tokens += n
         self.recent.append((now, n))
+        self.recent_tokens += n
 
     def add_step(self, num_seqs: int, features: dict[str, float], wall_s: float) -> None:
         self.num_steps += 1
@@ -324,8 +326,8 @@ class EngineCounters:
 
     def tokens_per_s(self, now: float) -> float:
         while self.recent and self.recent[0][0] < now - self.window_s:
-            self.recent.popleft()
-        return sum(n for _, n in self.recent) / self.window_s
+            self.recent_tokens -= self.recent.popleft()[1]
+        return self.recent_tokens / self.window_s
 
 
 
