@@ -14,6 +14,12 @@ others. Then ``dense alone``: the same matmuls back to back, without the ops bet
 difference is what the ops after a matmul pay for the caches it emptied, and the other way round).
 The median of ``--steps`` steps after a warm-up, ``--rounds`` rounds with the precisions interleaved.
 
+Then the dense matrices alone by layout (``dense.py``), per weight precision, at 1, 2, 4, 16 and 64
+rows: ``plain`` (``x @ w.T`` on the stored ``[out, in]`` weight), ``packed`` (oneDNN's copy laid out
+for any row count: what the runner multiplies by when packing pays) and ``packed for one row`` (the
+same reorder given a batch-size hint of one). Milliseconds for all 25 matrices (the LM head's
+included), the median of ``--steps`` passes, the layouts interleaved over ``--rounds`` rounds.
+
     .venv/bin/python benchmarks/llm_step.py [--rounds 3] [--steps 40]
 """
 
@@ -111,6 +117,44 @@ def dense_alone(runner: LLMModelRunner, batch: int, steps: int) -> float:
     return (time.thread_time() - t0) / steps * 1e3
 
 
+LAYOUT_ROWS = (1, 2, 4, 16, 64)
+
+
+def _plain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x @ w.T
+
+
+def _packed(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+
+def layouts(weights: LlamaWeights, rounds: int, steps: int) -> None:
+    """The layouts table of the module docstring."""
+    for name, dtype in (("f32", torch.float32), ("bf16", torch.bfloat16)):
+        mats = [w.to(dtype) for w in weights.dense_matrices()]
+        held = {"plain": mats, "packed": [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in mats],
+                "packed for one row": [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in mats]}
+        times: dict[tuple[str, int], list[float]] = collections.defaultdict(list)
+        with torch.inference_mode():
+            for r in range(rounds):
+                for kind in (list(held) if r % 2 == 0 else list(reversed(held))):
+                    fn, ws = (_plain if kind == "plain" else _packed), held[kind]
+                    for rows in LAYOUT_ROWS:
+                        xs = [torch.randn(rows, int(w.shape[1])).to(dtype) for w in mats]
+                        for x, w in zip(xs, ws, strict=True):  # warm-up, and this copy into the caches
+                            fn(x, w)
+                        for _ in range(steps):
+                            t0 = time.thread_time()
+                            for x, w in zip(xs, ws, strict=True):
+                                fn(x, w)
+                            times[(kind, rows)].append((time.thread_time() - t0) * 1e3)
+        print(f"\nms of CPU for the {len(mats)} dense matrices, {name} weights, by layout (median)")
+        print(f"{'layout':20s} " + " ".join(f"{f'{r} rows':>9s}" for r in LAYOUT_ROWS))
+        for kind in held:
+            cells = (f"{statistics.median(times[(kind, r)]):9.2f}" for r in LAYOUT_ROWS)
+            print(f"{kind:20s} " + " ".join(cells))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -136,6 +180,7 @@ def main() -> None:
         print(f"{name:10s} {batch:4d} " + " ".join(f"{med[c]:11.2f}" for c in cols))
     for name, runner in runners.items():
         print(f"{name}: dense matrices {'packed' if runner.packed else 'plain'}")
+    layouts(weights, args.rounds, args.steps)
 
 
 if __name__ == "__main__":
