@@ -8,10 +8,10 @@ tiles where the CPU has them; the bias added in the same kernel). This is what i
 pass does to a frozen ``nn.Linear``; here it is done by hand on the runner's fused matrices.
 
 The reorder takes a batch-size hint, and the layout it picks for a hint of one row is a poor one: on an
-AMD EPYC (AVX512, one thread) the tiny Llama's 25 float32 matrices took 3.45 ms at one row packed for
-one row and 2.43 ms packed with no hint, and the no-hint layout was also faster at 2 to 256 rows
-(5.82 vs 2.64 ms at two); in bfloat16 the two were within noise. So the weights are packed with no
-hint, for every row count a step can have.
+AMD EPYC (AVX512-BF16, one thread) the tiny Llama's 25 float32 matrices took 3.37 ms at one row packed
+for one row and 2.53 ms packed with no hint, 4.94 and 2.64 ms at two rows, and the no-hint layout was
+faster up to 64 rows; in bfloat16 the two were within noise (``benchmarks/llm_step.py``, its layouts
+table). So the weights are packed with no hint, for every row count a step can have.
 
 Packing is not always faster (float32 on one row runs better through MKL's ``sgemv``), so
 ``packing_pays`` measures it on the model's own matrices at start-up, at several row counts, and the
