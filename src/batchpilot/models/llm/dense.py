@@ -13,7 +13,7 @@ for one row and 2.53 ms packed with no hint, 4.94 and 2.64 ms at two rows, and t
 faster up to 64 rows; in bfloat16 the two were within noise (``benchmarks/llm_step.py``, its layouts
 table). So the weights are packed with no hint, for every row count a step can have.
 
-Packing is not always faster (float32 on one row runs better through MKL's ``sgemv``), so
+Packing need not be faster (a BLAS whose matrix x vector is good can beat it on few rows), so
 ``packing_pays`` measures it on the model's own matrices at start-up, at several row counts, and the
 runner packs when it is faster over them (the geometric mean). One representation serves every row
 count: using the plain copy for some counts and the packed one for others keeps both in the caches'
