@@ -16,11 +16,12 @@ alone with special tokens shown (``TokenText``).
 from __future__ import annotations
 
 import functools
-import json
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NotRequired, TypedDict
+
+import orjson
 
 from batchpilot.runtime.llm.engine import GenerationOutput, GenerationStream
 from batchpilot.server.llm.tools import ToolPlan, ToolStream
@@ -41,7 +42,9 @@ class Usage(TypedDict):
 
 
 def sse(obj: dict[str, object] | str) -> bytes:
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode()
+    """One server-sent event: ``data: <json>`` (or the literal ``[DONE]``). orjson: a stream encodes one
+    chunk per token, on the event loop."""
+    return b"data: " + (obj.encode() if isinstance(obj, str) else orjson.dumps(obj)) + b"\n\n"
 
 
 @dataclass
