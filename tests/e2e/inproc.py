@@ -212,5 +212,7 @@ def small_llm_engine() -> Any:
 def llm_routes(engine: Any, model_name: str | None = None) -> MountedEngine:
     """The LLM routes over ``engine``, mounted beside the models (``model_name`` listed by /v1/models)."""
     from batchpilot.server.llm.routes import make_llm_router
+    from batchpilot.server.tenants import engine_usage_json
 
-    return MountedEngine(lambda registry: make_llm_router(engine, registry), model_name)
+    return MountedEngine(lambda registry: make_llm_router(engine, registry), model_name,
+                         tenant_usage=lambda: engine_usage_json(engine))

@@ -227,6 +227,11 @@ def test_the_fair_order_serves_a_light_tenant_ahead_of_a_flood_over_http() -> No
     try:
         with live_server(NoopExecutor(), engines=[llm_routes(engine, "m")]) as srv:
             asyncio.run(run(srv.url))
+            view = {row["tenant"]: row for row in httpx.get(srv.url + "/v1/tenants").json()["llm"]["m"]}
     finally:
         engine.shutdown()
     assert done.index("light") <= 2, done  # the running flood request, maybe one more, then light
+    # GET /v1/tenants shows the fair order's counters: the flood was charged six requests, light one
+    assert view["flood"]["requests"] == 6 and view["light"]["requests"] == 1
+    assert view["flood"]["counter"] > view["light"]["counter"] > 0, view
+    assert view["flood"]["waiting"] == view["light"]["waiting"] == 0

@@ -35,7 +35,7 @@ from batchpilot.runtime.executor import (
 from batchpilot.server.app import MountedEngine, ServedArm, ServedModel, create_app
 from batchpilot.server.config import ModelSpec, ServerConfig
 from batchpilot.server.middleware import RequestLifecycle
-from batchpilot.server.tenants import Tenancy, ledger_json
+from batchpilot.server.tenants import Tenancy, engine_usage_json
 
 if TYPE_CHECKING:
     from batchpilot.models.encoder import ThreadPlan
@@ -262,7 +262,7 @@ def mount_llm(settings: ServerConfig, spec: DeploymentSpec, rollout: RolloutSpec
 
     return MountedEngine(router, engine.model_name, lambda: bool(engine.is_alive),
                          (arms.armed,) if arms is not None else (), tuple(hooks), (stop_engine,),
-                         use_tenancy, lambda: ledger_json(engine.tenant_usage()))
+                         use_tenancy, lambda: engine_usage_json(engine))
 
 
 def llm_engine(settings: ServerConfig, spec: DeploymentSpec) -> LLMEngine:

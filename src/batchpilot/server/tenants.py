@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 from fastapi import APIRouter, Request
@@ -45,6 +46,9 @@ from batchpilot.core.request import DEFAULT_TENANT
 from batchpilot.core.scheduler import BatchScheduler
 from batchpilot.core.tenants import TenantSpec, TenantState, TenantTable, TenantUsage
 from batchpilot.server.errors import APIError
+
+if TYPE_CHECKING:
+    from batchpilot.runtime.llm.engine import Engine
 
 log = logging.getLogger("batchpilot.server")
 
@@ -207,12 +211,20 @@ def usage_json(scheduler: BatchScheduler, now: float) -> list[dict[str, object]]
     return [_usage_row(u) for u in scheduler.tenant_usage(now)]
 
 
-def ledger_json(states: Sequence[tuple[str, TenantState]], now: float | None = None
-                ) -> list[dict[str, object]]:
+def ledger_json(states: Sequence[tuple[str, TenantState]], now: float | None = None,
+                fair: Mapping[str, tuple[float, int]] | None = None) -> list[dict[str, object]]:
     """One JSON object per tenant of an LLM engine's admission (``LLMEngine.tenant_usage``), in the
-    shape of ``usage_json``'s (no counter or waiting count: the engine thread owns those)."""
+    shape of ``usage_json``'s; the counter and waiting count from ``fair`` (the engine's last snapshot,
+    ``EngineStats.tenant_counters``: empty but under ``policy: fair``)."""
     now = time.monotonic() if now is None else now  # the engine's clock
-    return [_usage_row(TenantUsage.of(name, st, now)) for name, st in states]
+    fair = fair or {}
+    return [_usage_row(TenantUsage.of(name, st, now, *fair.get(name, (None, 0)))) for name, st in states]
+
+
+def engine_usage_json(engine: Engine) -> list[dict[str, object]]:
+    """``ledger_json`` of an LLM engine: its admission's tenants and its
+    fair order's counters, as ``GET /v1/tenants`` shows them under ``"llm"``."""
+    return ledger_json(engine.tenant_usage(), fair=engine.stats().tenant_counters)
 
 
 def _usage_row(u: TenantUsage) -> dict[str, object]:

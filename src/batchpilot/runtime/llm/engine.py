@@ -280,6 +280,8 @@ class EngineStats:
     num_blocks_swapped_out: int = 0  # KV blocks copied device -> host
     num_blocks_swapped_in: int = 0  # KV blocks copied host -> device
     swap_seconds: float = 0.0  # wall time of the block copies (part of step_seconds, not of forward_seconds)
+    # under ``policy: fair``: each tenant's counter and waiting sequences (``FairWaiting.usage``)
+    tenant_counters: dict[str, tuple[float, int]] = dataclasses.field(default_factory=dict)
 
 
 @dataclass
@@ -322,7 +324,8 @@ class EngineCounters:
             num_swapped_out=p.num_swapped_out, num_swapped_in=p.num_swapped_in,
             num_recompute_preemptions=p.num_recompute_preemptions,
             num_recomputed_tokens=p.num_recomputed_tokens, num_blocks_swapped_out=p.num_blocks_swapped_out,
-            num_blocks_swapped_in=p.num_blocks_swapped_in, swap_seconds=self.swap_seconds)
+            num_blocks_swapped_in=p.num_blocks_swapped_in, swap_seconds=self.swap_seconds,
+            tenant_counters={} if s.fair is None else s.fair.usage())
 
     def tokens_per_s(self, now: float) -> float:
         while self.recent and self.recent[0][0] < now - self.window_s:
