@@ -213,6 +213,8 @@ def test_no_tenant_with_waiting_work_starves(sc: dict[str, Any]) -> None:
 
     def take(reqs: Any) -> None:
         original_take(reqs)
+        vtc = q.vtc  # the view /v1/tenants reads is each tenant's counter, the lift taken once
+        assert vtc.all_counters() == {t: vtc.counter(t) for t in vtc.counters}
         backlogged = q.backlogged
         if len(backlogged) > 1:
             counters = [q.counters[t] for t in backlogged]

@@ -79,6 +79,11 @@ class VirtualCounters:
             return self.counters[tenant]
         return max(self.counters.get(tenant, 0.0), self.lift())
 
+    def all_counters(self) -> dict[str, float]:
+        """``counter`` of every tenant with a counter, the lift computed once (for views of the order)."""
+        low, backlogged = self.lift(), self.backlogged
+        return {t: c if t in backlogged else max(c, low) for t, c in self.counters.items()}
+
     def key(self, tenant: str, counter: float) -> tuple[int, float]:
         """What orders the backlogged tenants, at ``counter``: those in a burst first, then by counter."""
         return (0 if counter < self.burst_until.get(tenant, -math.inf) else 1, counter)

@@ -101,8 +101,8 @@ class FairWaiting:
     def usage(self) -> dict[str, tuple[float, int]]:
         """Each tenant the order has seen: its counter (for one not backlogged, what it would be lifted
         to) and its sequences waiting; what ``GET /v1/tenants`` shows of an LLM engine's fair order."""
-        vtc, waiting = self.vtc, self._waiting
-        return {t: (vtc.counter(t), waiting.get(t, 0)) for t in vtc.counters}
+        waiting = self._waiting
+        return {t: (c, waiting.get(t, 0)) for t, c in self.vtc.all_counters().items()}
 
     def charge(self, seq: Sequence, n: int) -> None:
         """``seq`` has a chunk of ``n`` tokens in this step (before its computed count advances)."""

@@ -67,11 +67,11 @@ from batchpilot.models.llm.weights import ACTIVATIONS, LayerWeights, LlamaWeight
 # The row counts a step's dense layers run fastest at, measured on the runner's own weights.
 #
 # Every token of a step goes through the dense layers as one ``[T, D]`` matrix (``model_runner``). A
-# matrix multiply's time need not be monotone in its row count: the BLAS kernels work in tiles of rows.
-# On an AMD EPYC in float32, with oneDNN's weights laid out for one row, a decode step of the tiny
-# Llama took 13.87 ms with 3 sequences and 11.87 ms with 4 (context 256, exact rows); laid out for any
-# row count (``dense.py``), the same matrices ran 1 to 5 rows within the noise of one another, and the
-# plan pads nothing there. Which holds is the machine's and the layout's, so it is measured.
+# matrix multiply's time need not be monotone in its row count: the BLAS kernels work in tiles of rows,
+# and a kernel for a few rows can cost more than the next tile. Whether it does is the machine's and the
+# layout's: with oneDNN's any-row layout (``dense.py``) on an AMD EPYC the tiny Llama's matrices ran
+# 1, 2 and 4 rows in 2.53, 2.64 and 2.72 ms (``benchmarks/llm_step.py``'s layouts table), flat within
+# noise, and the plan pads nothing there. So it is measured.
 #
 # ``RowPlan.measure`` times the matmuls every token row pays (qkv, o, gate_up, down of every layer: all
 # of them, so the weights stream from memory as in a step, where one layer's alone would stay in the
